@@ -1,0 +1,70 @@
+#include "kernels/topk.h"
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <functional>
+#include <vector>
+
+namespace sparseps::kernels {
+namespace {
+
+inline uint32_t AbsKey(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  return bits & 0x7fffffffu;
+}
+
+// 11 bits of the 31-bit magnitude key: 8 exponent bits and 3 mantissa bits, i.e. buckets of an
+// eighth of an octave. Gradients spread over many octaves, so the k-th bucket is small.
+constexpr int kTopShift = 20;
+constexpr size_t kTopBuckets = size_t{1} << (31 - kTopShift);
+
+}  // namespace
+
+size_t TopKAbs(const float* x, size_t n, size_t k, uint32_t* idx_out) {
+  if (k == 0 || n == 0) return 0;
+  if (k >= n) {
+    for (size_t i = 0; i < n; ++i) idx_out[i] = static_cast<uint32_t>(i);
+    return n;
+  }
+  std::vector<uint32_t> hist(kTopBuckets, 0);
+  for (size_t i = 0; i < n; ++i) ++hist[AbsKey(x[i]) >> kTopShift];
+
+  // Walk buckets from the largest magnitude down to the one holding the k-th largest entry.
+  size_t above = 0;
+  size_t bucket = kTopBuckets - 1;
+  while (above + hist[bucket] < k) {
+    above += hist[bucket];
+    --bucket;
+  }
+  const size_t need_in_bucket = k - above;  // 1 <= need_in_bucket <= hist[bucket]
+
+  // Exact select among the bucket's keys: the threshold key is the need-th largest.
+  std::vector<uint32_t> keys;
+  keys.reserve(hist[bucket]);
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t key = AbsKey(x[i]);
+    if ((key >> kTopShift) == bucket) keys.push_back(key);
+  }
+  std::nth_element(keys.begin(), keys.begin() + static_cast<ptrdiff_t>(need_in_bucket - 1),
+                   keys.end(), std::greater<uint32_t>());
+  const uint32_t threshold = keys[need_in_bucket - 1];
+  size_t greater_in_bucket = 0;
+  for (uint32_t key : keys) greater_in_bucket += key > threshold;
+  size_t equal_to_take = need_in_bucket - greater_in_bucket;
+
+  size_t out = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t key = AbsKey(x[i]);
+    if (key > threshold) {
+      idx_out[out++] = static_cast<uint32_t>(i);
+    } else if (key == threshold && equal_to_take > 0) {
+      idx_out[out++] = static_cast<uint32_t>(i);
+      --equal_to_take;
+    }
+  }
+  return out;
+}
+
+}  // namespace sparseps::kernels
