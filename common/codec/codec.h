@@ -1,0 +1,48 @@
+// Wire encodings of gradient pushes and pull replies (one encoding per file pair in this folder).
+//
+// An encoder turns values of one key range into payload frames of a Message; a decoder validates
+// a received Message's frames against the key range's length and exposes them as a
+// DecodedPayload that views the frames (no copy). Decoders check every count, bound and value
+// before returning, so callers may apply the payload without further checks.
+//
+// Thread-safety: codecs are stateless and shared; a DecodedPayload is valid while its Message is.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include "common/message.h"
+#include "common/status.h"
+#include "proto/messages.pb.h"
+
+namespace sparseps {
+
+// A validated payload for a key range of length `range_len`: dense values (size range_len) or
+// sparse (index, value) pairs with indices relative to the range start, strictly increasing and
+// below range_len. All values are finite.
+struct DecodedPayload {
+  proto::Encoding encoding = proto::ENCODING_UNSPECIFIED;
+  std::span<const float> dense;       // DENSE
+  std::span<const uint32_t> indices;  // sparse encodings
+  std::span<const float> values;      // sparse encodings, same length as indices
+
+  bool is_dense() const { return encoding == proto::DENSE; }
+  size_t nnz() const { return is_dense() ? dense.size() : indices.size(); }
+};
+
+class Codec {
+ public:
+  virtual ~Codec() = default;
+  virtual proto::Encoding encoding() const = 0;
+  // Validates msg's payload frames for a key range of `range_len` elements and views them.
+  // Errors: ProtocolError naming the first violated rule (frame count or type, sizes, index
+  // order or bound, non-finite value). On error *out is unspecified and nothing was applied.
+  virtual Status Decode(const Message& msg, uint64_t range_len, DecodedPayload* out) const = 0;
+};
+
+// The codec for an encoding, or nullptr when the encoding is unknown.
+const Codec* FindCodec(proto::Encoding encoding);
+
+}  // namespace sparseps

@@ -1,0 +1,53 @@
+// Job configuration: YAML files mapped strictly onto proto::JobConfig (proto/config.proto).
+//
+// Precedence, lowest first: the schema's defaults, the YAML file, the environment that launchers
+// set (SPARSEPS_SCHEDULER=host:port, SPARSEPS_HOST, and the rank from RANK / SLURM_PROCID /
+// OMPI_COMM_WORLD_RANK when node.rank is -1), then `--set key=value` overrides.
+//
+// Every error is InvalidArgument and names where the bad value came from: "file:line:col: key"
+// for the file, "--set key" for an override, the variable's name for the environment.
+//
+// Thread-safety: pure functions.
+#pragma once
+
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "proto/config.pb.h"
+
+namespace sparseps {
+
+// Where each key that was set came from ("configs/x.yaml:12:3", "--set train.lr", "env RANK").
+using ConfigSources = std::map<std::string, std::string>;
+
+// Reads `getenv`-style variables; returns nullptr when unset. Tests pass their own.
+using EnvLookup = std::function<const char*(const char*)>;
+
+// Loads `path` (empty: defaults only), applies the environment and the `overrides`
+// ("a.b=c" each, the value parsed as YAML, so lists work: model.hidden=[256,128]), and
+// validates the result. Errors: InvalidArgument naming file, line and key; IoError when the
+// file cannot be read.
+Result<proto::JobConfig> LoadConfig(const std::string& path,
+                                    const std::vector<std::string>& overrides,
+                                    const EnvLookup& env = nullptr,
+                                    ConfigSources* sources = nullptr);
+
+// Merges one YAML document (already parsed from `text`) into config. `origin` names the text in
+// errors (a file name). Exposed for tests.
+Status MergeYamlText(const std::string& text, const std::string& origin, proto::JobConfig* config,
+                     ConfigSources* sources);
+
+// Applies one "a.b=c" override.
+Status ApplyOverride(const std::string& assignment, proto::JobConfig* config,
+                     ConfigSources* sources);
+
+// Cross-key checks that one key's range cannot express (e.g. heartbeat timeout > interval).
+Status ValidateConfig(const proto::JobConfig& config, const ConfigSources& sources);
+
+// Every key with its resolved value ("train.lr = 0.1"), defaults included, in schema order.
+std::vector<std::string> DescribeConfig(const proto::JobConfig& config);
+
+}  // namespace sparseps

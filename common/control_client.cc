@@ -1,0 +1,180 @@
+#include "common/control_client.h"
+
+#include <spdlog/spdlog.h>
+#include <unistd.h>
+
+namespace sparseps {
+
+std::string MakeRoutingId(proto::Role role, const std::string& tag) {
+  static std::atomic<uint64_t> counter{0};
+  return RoleName(role) + "-" + std::to_string(getpid()) + "-" + tag + "-" +
+         std::to_string(counter.fetch_add(1));
+}
+
+ControlClient::ControlClient(zmq::context_t& context, const proto::JobConfig& config,
+                             proto::Role role)
+    : context_(context),
+      config_(config),
+      role_(role),
+      socket_(ConnectDealer(context, config.cluster().scheduler_host(),
+                            config.cluster().scheduler_port() == 0
+                                ? 1  // placeholder; Register() refuses port 0 with a clear error
+                                : config.cluster().scheduler_port(),
+                            MakeRoutingId(role, "ctl"))) {}
+
+ControlClient::~ControlClient() { StopHeartbeats(); }
+
+std::string ControlClient::scheduler_endpoint() const {
+  return Endpoint(config_.cluster().scheduler_host(), config_.cluster().scheduler_port());
+}
+
+Status ControlClient::Send(Message& msg) {
+  msg.header.set_sender_role(role_);
+  msg.header.set_sender_rank(has_membership_ ? membership_.your_rank() : -1);
+  msg.header.set_epoch(membership_.epoch());
+  return SendMessage(socket_, msg);
+}
+
+Status ControlClient::Register(const std::string& host, uint32_t port, uint64_t num_params) {
+  if (config_.cluster().scheduler_port() == 0) {
+    return Status::InvalidArgument(
+        "cluster.scheduler_port is 0: set it in the config, with --set cluster.scheduler_port=N, "
+        "or with env SPARSEPS_SCHEDULER=host:port (the local launcher does this for you)");
+  }
+  Message msg;
+  msg.header.set_command(proto::REGISTER);
+  auto* reg = msg.header.mutable_register_();
+  reg->set_role(role_);
+  reg->set_host(host);
+  reg->set_port(port);
+  reg->set_requested_rank(config_.node().rank());
+  reg->set_num_params(num_params);
+  char hostname[256] = {0};
+  gethostname(hostname, sizeof(hostname) - 1);
+  reg->set_hostname(hostname);
+  reg->set_pid(getpid());
+  SPARSEPS_RETURN_IF_ERROR(Send(msg));
+  registered_ = true;
+  spdlog::info("registering with the scheduler at {}", scheduler_endpoint());
+  return Status::OK();
+}
+
+Status ControlClient::Poll() {
+  while (true) {
+    if (StopRequested()) return Status::Aborted("stopped by a signal");
+    if (!fatal_.empty()) return Status::Aborted("the scheduler ended the job: " + fatal_);
+    auto ready = PollIn({&socket_}, 0);
+    if (!ready[0]) return Status::OK();
+    auto msg = RecvMessage(socket_, false, nullptr, nullptr);
+    if (!msg.ok()) {
+      spdlog::warn("ignoring a malformed message from the scheduler: {}", msg.status().message());
+      continue;
+    }
+    const auto& h = msg->header;
+    switch (h.command()) {
+      case proto::MEMBERSHIP:
+        membership_ = h.membership();
+        has_membership_ = true;
+        spdlog::info("membership epoch {}: rank {}, {} nodes, {} key ranges over {} parameters",
+                     membership_.epoch(), membership_.your_rank(), membership_.nodes_size(),
+                     membership_.ranges_size(), membership_.num_params());
+        break;
+      case proto::BARRIER_RELEASE: {
+        auto& released = barrier_released_[h.barrier().name()];
+        released = std::max(released, h.barrier().generation() + 1);
+        break;
+      }
+      case proto::SHUTDOWN:
+        shutdown_ = true;
+        break;
+      case proto::FATAL:
+        fatal_ = h.error().empty() ? "no reason given" : h.error();
+        return Status::Aborted("the scheduler ended the job: " + fatal_);
+      case proto::ERROR:
+        fatal_ = "scheduler rejected our request: " + h.error();
+        return Status::Aborted(fatal_);
+      default:
+        spdlog::warn("ignoring unexpected {} from the scheduler", CommandName(h.command()));
+    }
+  }
+}
+
+Status ControlClient::WaitFor(const std::function<bool()>& done, double timeout_s,
+                              const std::string& what) {
+  const auto start = Clock::now();
+  while (true) {
+    SPARSEPS_RETURN_IF_ERROR(Poll());
+    if (done()) return Status::OK();
+    if (shutdown_)
+      return Status::Aborted("the scheduler shut the job down while waiting for " + what);
+    const double left = timeout_s - SecondsSince(start);
+    if (left <= 0) {
+      return Status::DeadlineExceeded("timed out after " + std::to_string(timeout_s) +
+                                      " s waiting for " + what);
+    }
+    PollIn({&socket_}, std::min<int64_t>(100, static_cast<int64_t>(left * 1000) + 1));
+  }
+}
+
+Status ControlClient::WaitForMembership() {
+  return WaitFor([this] { return has_membership_; }, config_.cluster().register_timeout_s() + 10.0,
+                 "the membership from the scheduler at " + scheduler_endpoint() +
+                     " (is it running, and are all nodes started?)");
+}
+
+Status ControlClient::Barrier(const std::string& name, proto::Role group) {
+  const uint64_t generation = barrier_generation_[name]++;
+  Message msg;
+  msg.header.set_command(proto::BARRIER);
+  msg.header.mutable_barrier()->set_name(name);
+  msg.header.mutable_barrier()->set_generation(generation);
+  msg.header.mutable_barrier()->set_group(group);
+  SPARSEPS_RETURN_IF_ERROR(Send(msg));
+  return WaitFor([&] { return barrier_released_[name] > generation; },
+                 config_.cluster().barrier_timeout_s() + 10.0,
+                 "barrier '" + name + "' generation " + std::to_string(generation));
+}
+
+void ControlClient::StartHeartbeats() {
+  if (heartbeat_thread_.joinable()) return;
+  heartbeat_stop_ = false;
+  // The thread gets its identity by value: membership_ belongs to the calling thread.
+  heartbeat_thread_ = std::thread([this, rank = membership_.your_rank(),
+                                   epoch = membership_.epoch()] { HeartbeatLoop(rank, epoch); });
+}
+
+void ControlClient::StopHeartbeats() {
+  {
+    std::lock_guard<std::mutex> lock(heartbeat_mu_);
+    heartbeat_stop_ = true;
+  }
+  heartbeat_cv_.notify_all();
+  if (heartbeat_thread_.joinable()) heartbeat_thread_.join();
+}
+
+void ControlClient::HeartbeatLoop(int rank, uint64_t epoch) {
+  zmq::socket_t hb = ConnectDealer(context_, config_.cluster().scheduler_host(),
+                                   config_.cluster().scheduler_port(), MakeRoutingId(role_, "hb"));
+  hb.set(zmq::sockopt::linger, 0);
+  const auto interval = std::chrono::duration<double>(config_.cluster().heartbeat_interval_s());
+  std::unique_lock<std::mutex> lock(heartbeat_mu_);
+  while (!heartbeat_stop_) {
+    Message msg;
+    msg.header.set_command(proto::HEARTBEAT);
+    msg.header.set_sender_role(role_);
+    msg.header.set_sender_rank(rank);
+    msg.header.set_epoch(epoch);
+    Status s = SendMessage(hb, msg);
+    if (!s.ok()) spdlog::warn("heartbeat not sent: {}", s.message());
+    heartbeat_cv_.wait_for(lock, interval, [this] { return heartbeat_stop_; });
+  }
+}
+
+Status ControlClient::SendDone(const proto::WorkerStats& stats) {
+  Message msg;
+  msg.header.set_command(proto::DONE);
+  *msg.header.mutable_done()->mutable_stats() = stats;
+  return Send(msg);
+}
+
+}  // namespace sparseps

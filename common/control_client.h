@@ -1,0 +1,95 @@
+// The node side of the control plane: registration, membership, barriers, heartbeats, DONE, and
+// the scheduler's SHUTDOWN / FATAL.
+//
+// Thread-safety: one thread uses a ControlClient; the heartbeat thread it starts owns its own
+// socket and touches nothing else.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <zmq.hpp>
+
+#include "common/message.h"
+#include "common/status.h"
+#include "common/van.h"
+#include "proto/config.pb.h"
+
+namespace sparseps {
+
+class ControlClient {
+ public:
+  // Connects to the scheduler named in config.cluster (nothing is sent yet).
+  // Errors at construction surface at Register (scheduler_port 0 is InvalidArgument).
+  ControlClient(zmq::context_t& context, const proto::JobConfig& config, proto::Role role);
+  ~ControlClient();
+  ControlClient(const ControlClient&) = delete;
+  ControlClient& operator=(const ControlClient&) = delete;
+
+  // Sends REGISTER (host/port: this node's data endpoint; num_params: workers' model size).
+  // Returns immediately; the membership arrives through Poll() / WaitFor().
+  Status Register(const std::string& host, uint32_t port, uint64_t num_params);
+
+  // Handles every message waiting from the scheduler: MEMBERSHIP, BARRIER_RELEASE, SHUTDOWN,
+  // FATAL. Returns Aborted once FATAL arrived (the scheduler's reason in the message), or when a
+  // stop signal arrived; OK otherwise (check shutdown_requested()).
+  Status Poll();
+
+  // Polls the scheduler socket until done() is true. Errors: DeadlineExceeded after timeout_s
+  // ("timed out after N s waiting for <what>"), Aborted on FATAL or a stop signal, Aborted on
+  // SHUTDOWN if done() is still false.
+  Status WaitFor(const std::function<bool()>& done, double timeout_s, const std::string& what);
+
+  // Waits for the membership; the deadline is the registration timeout plus a margin.
+  Status WaitForMembership();
+
+  // Enters barrier `name` for `group` (WORKER or ROLE_UNSPECIFIED for all nodes) and waits for
+  // the release. Generations count per name, so the same name can be used again.
+  Status Barrier(const std::string& name, proto::Role group);
+
+  // Starts the heartbeat thread (own socket), one HEARTBEAT per cluster.heartbeat_interval_s.
+  // REQUIRES: has_membership().
+  void StartHeartbeats();
+  void StopHeartbeats();
+
+  // Sends DONE with this worker's statistics.
+  Status SendDone(const proto::WorkerStats& stats);
+
+  bool has_membership() const { return has_membership_; }
+  const proto::Membership& membership() const { return membership_; }
+  int rank() const { return membership_.your_rank(); }
+  bool shutdown_requested() const { return shutdown_; }
+  zmq::socket_t& socket() { return socket_; }
+  std::string scheduler_endpoint() const;
+
+ private:
+  Status Send(Message& msg);
+  void HeartbeatLoop(int rank, uint64_t epoch);
+
+  zmq::context_t& context_;
+  const proto::JobConfig config_;
+  const proto::Role role_;
+  zmq::socket_t socket_;
+  bool registered_ = false;
+  bool has_membership_ = false;
+  bool shutdown_ = false;
+  std::string fatal_;
+  proto::Membership membership_;
+  std::map<std::string, uint64_t> barrier_generation_;
+  std::map<std::string, uint64_t> barrier_released_;  // name -> highest released generation + 1
+
+  std::thread heartbeat_thread_;
+  std::mutex heartbeat_mu_;
+  std::condition_variable heartbeat_cv_;
+  bool heartbeat_stop_ = false;
+};
+
+// A routing id unique to this process and purpose ("worker-<pid>-<tag>").
+std::string MakeRoutingId(proto::Role role, const std::string& tag);
+
+}  // namespace sparseps

@@ -1,0 +1,96 @@
+#include "common/daemon.h"
+
+#include <spdlog/sinks/stdout_sinks.h>
+#include <spdlog/spdlog.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <cstdio>
+
+#include "common/config.h"
+#include "common/van.h"
+
+namespace sparseps {
+
+void SetLogName(const std::string& name) {
+  auto logger =
+      std::make_shared<spdlog::logger>(name, std::make_shared<spdlog::sinks::stdout_sink_mt>());
+  logger->set_pattern("[%Y-%m-%d %H:%M:%S.%e] [%n] [%l] %v");
+  logger->set_level(spdlog::default_logger()->level());
+  logger->flush_on(spdlog::level::info);
+  spdlog::set_default_logger(logger);
+}
+
+int ExitCodeFor(const Status& status) {
+  if (status.ok()) return 0;
+  return status.code() == StatusCode::kInvalidArgument ? 2 : 1;
+}
+
+int DaemonMain(int argc, char** argv, const std::string& name, const std::string& description,
+               const std::function<Status(const proto::JobConfig&)>& body) {
+  CLI::App app{description, name};
+  std::string config_path;
+  std::vector<std::string> overrides;
+  app.add_option("-c,--config", config_path, "YAML job config (schema: proto/config.proto)")
+      ->check(CLI::ExistingFile);
+  std::vector<std::string> gets;
+  app.add_option("--set", overrides, "Override one config key, e.g. --set train.lr=0.05")
+      ->take_all();
+  app.add_option("--get", gets,
+                 "Print the resolved value of a config key (e.g. cluster.num_workers), one line "
+                 "per key, and exit without starting; for scripts");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int rc = app.exit(e);
+    return rc == 0 ? 0 : 2;
+  }
+
+  SetLogName(name);
+  ConfigSources sources;
+  auto config = LoadConfig(config_path, overrides, nullptr, &sources);
+  if (!config.ok()) {
+    spdlog::error("bad configuration: {}", config.status().message());
+    return 2;
+  }
+  if (!gets.empty()) {
+    const auto lines = DescribeConfig(*config);
+    for (const auto& key : gets) {
+      bool found = false;
+      for (const auto& line : lines) {
+        if (line.rfind(key + " = ", 0) == 0) {
+          std::string value = line.substr(key.size() + 3);
+          if (value.size() >= 2 && value.front() == '"') value = value.substr(1, value.size() - 2);
+          std::printf("%s\n", value.c_str());
+          found = true;
+        }
+      }
+      if (!found) {
+        spdlog::error("--get {}: unknown key", key);
+        return 2;
+      }
+    }
+    return 0;
+  }
+  spdlog::default_logger()->set_level(spdlog::level::from_str(config->run().log_level()));
+  spdlog::info("{} starting (pid {}), config {}", name, getpid(),
+               config_path.empty() ? "(defaults)" : config_path);
+  for (const auto& line : DescribeConfig(*config)) spdlog::info("  {}", line);
+
+  InstallStopHandlers();
+  Status s;
+  try {
+    s = body(*config);
+  } catch (const std::exception& e) {
+    s = Status::Internal(std::string("uncaught exception: ") + e.what());
+  }
+  if (!s.ok()) {
+    spdlog::error("{} failed: {}", name, s.ToString());
+  } else {
+    spdlog::info("{} finished", name);
+  }
+  spdlog::default_logger()->flush();
+  return ExitCodeFor(s);
+}
+
+}  // namespace sparseps

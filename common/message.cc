@@ -1,0 +1,144 @@
+#include "common/message.h"
+
+#include <iterator>
+
+namespace sparseps {
+
+size_t ElemSize(proto::ElemType type) {
+  switch (type) {
+    case proto::U8:
+      return 1;
+    case proto::F16:
+      return 2;
+    case proto::U32:
+    case proto::F32:
+      return 4;
+    default:
+      return 0;
+  }
+}
+
+size_t Message::WireBytes() const {
+  size_t total = header.ByteSizeLong();
+  for (const auto& f : frames) total += f.size();
+  return total;
+}
+
+std::string CommandName(proto::Command command) {
+  const std::string& name = proto::Command_Name(command);
+  return name.empty() ? "command#" + std::to_string(static_cast<int>(command)) : name;
+}
+
+std::string RoleName(proto::Role role) {
+  switch (role) {
+    case proto::SCHEDULER:
+      return "scheduler";
+    case proto::SERVER:
+      return "server";
+    case proto::WORKER:
+      return "worker";
+    default:
+      return "node";
+  }
+}
+
+Status ValidateFrames(const Message& msg) {
+  const auto& h = msg.header;
+  if (static_cast<size_t>(h.frames_size()) != msg.frames.size()) {
+    return Status::ProtocolError("header declares " + std::to_string(h.frames_size()) +
+                                 " payload frames, message has " +
+                                 std::to_string(msg.frames.size()));
+  }
+  for (int i = 0; i < h.frames_size(); ++i) {
+    const size_t elem = ElemSize(h.frames(i).type());
+    if (elem == 0) {
+      return Status::ProtocolError("payload frame " + std::to_string(i) +
+                                   " has an unknown element type " +
+                                   std::to_string(static_cast<int>(h.frames(i).type())));
+    }
+    const size_t actual = msg.frames[static_cast<size_t>(i)].size();
+    if (h.frames(i).bytes() != actual) {
+      return Status::ProtocolError("payload frame " + std::to_string(i) + " declares " +
+                                   std::to_string(h.frames(i).bytes()) + " bytes, carries " +
+                                   std::to_string(actual));
+    }
+    if (actual % elem != 0) {
+      return Status::ProtocolError("payload frame " + std::to_string(i) + " has " +
+                                   std::to_string(actual) + " bytes, not a multiple of " +
+                                   std::to_string(elem));
+    }
+  }
+  return Status::OK();
+}
+
+Status SendMessage(zmq::socket_t& socket, Message& msg, const std::string* routing_id,
+                   uint64_t* bytes) {
+  std::string header = msg.header.SerializeAsString();
+  uint64_t total = header.size();
+  try {
+    if (routing_id != nullptr) {
+      if (!socket.send(zmq::buffer(*routing_id), zmq::send_flags::sndmore)) {
+        return Status::IoError("send would block (routing id)");
+      }
+    }
+    const bool more = !msg.frames.empty();
+    if (!socket.send(zmq::buffer(header),
+                     more ? zmq::send_flags::sndmore : zmq::send_flags::none)) {
+      return Status::IoError("send would block (header)");
+    }
+    for (size_t i = 0; i < msg.frames.size(); ++i) {
+      total += msg.frames[i].size();
+      const bool last = i + 1 == msg.frames.size();
+      if (!socket.send(msg.frames[i], last ? zmq::send_flags::none : zmq::send_flags::sndmore)) {
+        return Status::IoError("send would block (payload)");
+      }
+    }
+  } catch (const zmq::error_t& e) {
+    return Status::IoError(std::string("send ") + CommandName(msg.header.command()) +
+                           " failed: " + e.what());
+  }
+  msg.frames.clear();
+  if (bytes != nullptr) *bytes += total;
+  return Status::OK();
+}
+
+Result<Message> RecvMessage(zmq::socket_t& socket, bool router, std::string* routing_id,
+                            uint64_t* bytes) {
+  std::vector<zmq::message_t> parts;
+  try {
+    auto got = zmq::recv_multipart(socket, std::back_inserter(parts), zmq::recv_flags::dontwait);
+    if (!got) return Status::IoError("no message ready");
+  } catch (const zmq::error_t& e) {
+    return Status::IoError(std::string("receive failed: ") + e.what());
+  }
+  size_t first = 0;
+  if (router) {
+    if (parts.empty()) return Status::ProtocolError("empty message");
+    if (routing_id != nullptr) *routing_id = parts[0].to_string();
+    first = 1;
+  }
+  if (bytes != nullptr) {
+    for (size_t i = first; i < parts.size(); ++i) *bytes += parts[i].size();
+  }
+  if (parts.size() <= first) return Status::ProtocolError("message has no header frame");
+  if (parts.size() - first - 1 > kMaxPayloadFrames) {
+    return Status::ProtocolError("message has " + std::to_string(parts.size() - first - 1) +
+                                 " payload frames; at most " + std::to_string(kMaxPayloadFrames) +
+                                 " are allowed");
+  }
+  const zmq::message_t& head = parts[first];
+  if (head.size() > kMaxHeaderBytes) {
+    return Status::ProtocolError("header frame of " + std::to_string(head.size()) +
+                                 " bytes exceeds the limit of " + std::to_string(kMaxHeaderBytes));
+  }
+  Message msg;
+  if (!msg.header.ParseFromArray(head.data(), static_cast<int>(head.size()))) {
+    return Status::ProtocolError("header frame (" + std::to_string(head.size()) +
+                                 " bytes) is not a valid Header");
+  }
+  for (size_t i = first + 1; i < parts.size(); ++i) msg.frames.push_back(std::move(parts[i]));
+  SPARSEPS_RETURN_IF_ERROR(ValidateFrames(msg));
+  return msg;
+}
+
+}  // namespace sparseps

@@ -1,0 +1,37 @@
+// Metrics files of a run: CSV tables (one row per iteration or evaluation) and JSON summaries.
+//
+// Thread-safety: one writer per file, used by one thread.
+#pragma once
+
+#include <google/protobuf/message.h>
+
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace sparseps {
+
+class CsvWriter {
+ public:
+  // Creates (truncates) `path` and writes the header row. An empty path makes a writer that
+  // discards rows (runs without a run directory). Errors: IoError naming the path.
+  Status Open(const std::string& path, const std::vector<std::string>& columns);
+  // Appends one row; numbers are written with enough digits to round-trip.
+  void Row(const std::vector<double>& values);
+  bool is_open() const { return out_.is_open(); }
+
+ private:
+  std::ofstream out_;
+  size_t columns_ = 0;
+};
+
+// Writes `message` as pretty-printed JSON (field names as in the .proto) to `path` atomically
+// (write to a temporary file, then rename). Errors: IoError.
+Status WriteJson(const std::string& path, const google::protobuf::Message& message);
+
+// Creates `dir` and its parents if missing. Errors: IoError.
+Status EnsureDirectory(const std::string& dir);
+
+}  // namespace sparseps

@@ -1,0 +1,73 @@
+#include "common/van.h"
+
+#include <atomic>
+#include <csignal>
+
+namespace sparseps {
+namespace {
+std::atomic<bool> g_stop{false};
+extern "C" void OnStopSignal(int) { g_stop.store(true); }
+}  // namespace
+
+std::string Endpoint(const std::string& host, uint32_t port) {
+  return "tcp://" + host + ":" + std::to_string(port);
+}
+
+Result<BoundRouter> BindRouter(zmq::context_t& context, const std::string& host, uint32_t port) {
+  BoundRouter out{zmq::socket_t(context, zmq::socket_type::router), 0};
+  const std::string ep = port == 0 ? "tcp://" + host + ":*" : Endpoint(host, port);
+  try {
+    out.socket.set(zmq::sockopt::router_mandatory, 1);
+    out.socket.set(zmq::sockopt::sndhwm, 0);
+    out.socket.set(zmq::sockopt::rcvhwm, 0);
+    out.socket.set(zmq::sockopt::linger, 2000);
+    out.socket.bind(ep);
+    const std::string bound = out.socket.get(zmq::sockopt::last_endpoint);
+    out.port = static_cast<uint32_t>(std::stoul(bound.substr(bound.rfind(':') + 1)));
+  } catch (const std::exception& e) {
+    return Status::IoError("cannot bind " + ep + ": " + e.what());
+  }
+  return out;
+}
+
+zmq::socket_t ConnectDealer(zmq::context_t& context, const std::string& host, uint32_t port,
+                            const std::string& routing_id) {
+  zmq::socket_t s(context, zmq::socket_type::dealer);
+  s.set(zmq::sockopt::routing_id, routing_id);
+  s.set(zmq::sockopt::sndhwm, 0);
+  s.set(zmq::sockopt::rcvhwm, 0);
+  s.set(zmq::sockopt::linger, 2000);
+  s.connect(Endpoint(host, port));
+  return s;
+}
+
+std::vector<bool> PollIn(const std::vector<zmq::socket_t*>& sockets, int64_t timeout_ms) {
+  std::vector<zmq::pollitem_t> items;
+  items.reserve(sockets.size());
+  for (auto* s : sockets) items.push_back({s->handle(), 0, ZMQ_POLLIN, 0});
+  std::vector<bool> ready(sockets.size(), false);
+  try {
+    zmq::poll(items, std::chrono::milliseconds(timeout_ms < 0 ? 0 : timeout_ms));
+  } catch (const zmq::error_t& e) {
+    if (e.num() == EINTR) return ready;
+    throw;
+  }
+  for (size_t i = 0; i < items.size(); ++i) ready[i] = (items[i].revents & ZMQ_POLLIN) != 0;
+  return ready;
+}
+
+void InstallStopHandlers() {
+  struct sigaction sa {};
+  sa.sa_handler = OnStopSignal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+}
+
+bool StopRequested() { return g_stop.load(); }
+
+double SecondsSince(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+}  // namespace sparseps

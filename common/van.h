@@ -1,0 +1,55 @@
+// The ZeroMQ transport ("van"): socket construction, polling with deadlines, and the shutdown
+// flag that signals set. The key-value layer (server/, worker/) only sees Messages and sockets
+// made here, so another transport could replace this file without touching it.
+//
+// Thread-safety: ZeroMQ sockets belong to one thread; the context is thread-safe.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+#include <zmq.hpp>
+
+#include "common/message.h"
+#include "common/status.h"
+
+namespace sparseps {
+
+using Clock = std::chrono::steady_clock;
+
+// A message to send on a ROUTER socket: the peer's routing id and the message.
+struct Outgoing {
+  std::string to;
+  Message msg;
+};
+
+// "tcp://host:port".
+std::string Endpoint(const std::string& host, uint32_t port);
+
+// A ROUTER socket bound to tcp://host:port; port 0 binds a free port. The socket refuses to send
+// to unknown peers (ROUTER_MANDATORY) instead of dropping silently, and queues without limit
+// (BSP bounds what is in flight). Errors: IoError naming the endpoint.
+struct BoundRouter {
+  zmq::socket_t socket;
+  uint32_t port = 0;
+};
+Result<BoundRouter> BindRouter(zmq::context_t& context, const std::string& host, uint32_t port);
+
+// A DEALER socket connected to tcp://host:port with the given routing id (unique per process).
+zmq::socket_t ConnectDealer(zmq::context_t& context, const std::string& host, uint32_t port,
+                            const std::string& routing_id);
+
+// Polls `sockets` for input for at most timeout_ms. Returns a readable flag per socket. A signal
+// interrupting the poll returns all false (callers then check StopRequested()).
+std::vector<bool> PollIn(const std::vector<zmq::socket_t*>& sockets, int64_t timeout_ms);
+
+// Installs SIGINT/SIGTERM handlers that set the stop flag (once per process).
+void InstallStopHandlers();
+// True once SIGINT or SIGTERM arrived; every daemon loop checks it and ends with Aborted.
+bool StopRequested();
+
+// Seconds since `start`.
+double SecondsSince(Clock::time_point start);
+
+}  // namespace sparseps
