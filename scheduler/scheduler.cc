@@ -1,0 +1,488 @@
+#include "scheduler/scheduler.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <fstream>
+#include <sstream>
+
+#include "common/key_range.h"
+#include "common/metrics.h"
+
+namespace sparseps {
+namespace {
+
+std::string FormatSeconds(double s) {
+  std::ostringstream os;
+  os.precision(3);
+  os << s << " s";
+  return os.str();
+}
+
+}  // namespace
+
+Scheduler::Scheduler(const proto::JobConfig& config, Clock::time_point start)
+    : config_(config),
+      start_(start),
+      expected_servers_(config.cluster().num_servers()),
+      expected_workers_(config.cluster().num_workers()),
+      worker_stats_(config.cluster().num_workers()) {}
+
+std::string Scheduler::Describe(const Node& n) const {
+  std::string s = RoleName(n.role);
+  if (n.rank >= 0) s += " " + std::to_string(n.rank);
+  s += " (" + (n.hostname.empty() ? n.host : n.hostname) + ", pid " + std::to_string(n.pid) + ")";
+  return s;
+}
+
+int Scheduler::FindNode(proto::Role role, int rank) const {
+  for (size_t i = 0; i < nodes_.size(); ++i) {
+    if (nodes_[i].role == role && nodes_[i].rank == rank) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+int Scheduler::FindNodeByRoutingId(const std::string& routing_id) const {
+  for (size_t i = 0; i < nodes_.size(); ++i) {
+    if (nodes_[i].routing_id == routing_id) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+void Scheduler::ReplyError(const std::string& to, const std::string& error,
+                           std::vector<Outgoing>* out) {
+  Outgoing o{to, {}};
+  o.msg.header.set_command(proto::ERROR);
+  o.msg.header.set_sender_role(proto::SCHEDULER);
+  o.msg.header.set_error(error);
+  out->push_back(std::move(o));
+}
+
+void Scheduler::Broadcast(proto::Command command, const std::string& error,
+                          std::vector<Outgoing>* out) {
+  for (const auto& n : nodes_) {
+    Outgoing o{n.routing_id, {}};
+    o.msg.header.set_command(command);
+    o.msg.header.set_sender_role(proto::SCHEDULER);
+    o.msg.header.set_epoch(membership_.epoch());
+    o.msg.header.set_error(error);
+    out->push_back(std::move(o));
+  }
+}
+
+void Scheduler::Abort(const std::string& reason, std::vector<Outgoing>* out) {
+  if (finished_) return;
+  spdlog::error("ending the job: {}", reason);
+  finished_ = Status::Aborted(reason);
+  finished_at_ = Clock::now();
+  Broadcast(proto::FATAL, reason, out);
+}
+
+void Scheduler::Handle(const std::string& from, const Result<Message>& msg, Clock::time_point now,
+                       std::vector<Outgoing>* out) {
+  if (!msg.ok()) {
+    ++rejected_;
+    spdlog::warn("rejected a malformed message from {}: {}", from, msg.status().message());
+    ReplyError(from, msg.status().message(), out);
+    return;
+  }
+  if (finished_) return;
+  const proto::Header& h = msg->header;
+  if (membership_sent_) {
+    const int idx = FindNode(h.sender_role(), h.sender_rank());
+    if (idx >= 0) nodes_[static_cast<size_t>(idx)].last_seen = now;
+  }
+  switch (h.command()) {
+    case proto::REGISTER:
+      HandleRegister(from, h, now, out);
+      break;
+    case proto::HEARTBEAT:
+      break;  // last_seen updated above
+    case proto::BARRIER:
+      HandleBarrier(from, h, now, out);
+      break;
+    case proto::DONE:
+      HandleDone(from, h, out);
+      break;
+    default:
+      ++rejected_;
+      ReplyError(from, "the scheduler does not handle " + CommandName(h.command()), out);
+  }
+}
+
+void Scheduler::HandleRegister(const std::string& from, const proto::Header& h,
+                               Clock::time_point now, std::vector<Outgoing>* out) {
+  if (!h.has_register_()) {
+    ++rejected_;
+    ReplyError(from, "REGISTER without a register body", out);
+    return;
+  }
+  const proto::Register& r = h.register_();
+  if (FindNodeByRoutingId(from) >= 0) return;  // a repeated registration changes nothing
+  if (membership_sent_) {
+    ++rejected_;
+    ReplyError(from, "registration is closed: the job already has all its nodes", out);
+    return;
+  }
+  if (r.role() != proto::SERVER && r.role() != proto::WORKER) {
+    ++rejected_;
+    ReplyError(from, "only servers and workers register", out);
+    return;
+  }
+  const size_t expected = r.role() == proto::SERVER ? expected_servers_ : expected_workers_;
+  const size_t have = static_cast<size_t>(std::count_if(
+      nodes_.begin(), nodes_.end(), [&](const Node& n) { return n.role == r.role(); }));
+  if (have >= expected) {
+    ++rejected_;
+    ReplyError(from,
+               "too many " + RoleName(r.role()) + "s: the job expects " + std::to_string(expected) +
+                   " (cluster.num_" + RoleName(r.role()) + "s)",
+               out);
+    return;
+  }
+  if (r.requested_rank() >= 0) {
+    if (static_cast<size_t>(r.requested_rank()) >= expected) {
+      ++rejected_;
+      ReplyError(from,
+                 "requested " + RoleName(r.role()) + " rank " + std::to_string(r.requested_rank()) +
+                     " is out of range [0, " + std::to_string(expected) + ")",
+                 out);
+      return;
+    }
+    for (const auto& n : nodes_) {
+      if (n.role == r.role() && n.requested_rank == r.requested_rank()) {
+        ++rejected_;
+        ReplyError(from,
+                   RoleName(r.role()) + " rank " + std::to_string(r.requested_rank()) +
+                       " is already taken by " + Describe(n),
+                   out);
+        return;
+      }
+    }
+  }
+  if (r.role() == proto::WORKER && r.num_params() == 0) {
+    ++rejected_;
+    ReplyError(from, "a worker must report its model size (num_params > 0)", out);
+    return;
+  }
+  Node n;
+  n.role = r.role();
+  n.requested_rank = r.requested_rank();
+  n.routing_id = from;
+  n.host = r.host();
+  n.port = r.port();
+  n.hostname = r.hostname();
+  n.pid = r.pid();
+  n.num_params = r.num_params();
+  n.last_seen = now;
+  spdlog::info("registered {} at {}:{} ({} of {})", Describe(n), n.host, n.port, have + 1,
+               expected);
+  nodes_.push_back(std::move(n));
+  if (nodes_.size() == expected_servers_ + expected_workers_) BuildMembership(now, out);
+}
+
+void Scheduler::BuildMembership(Clock::time_point now, std::vector<Outgoing>* out) {
+  // Requested ranks first, then the free ranks in order of registration.
+  for (proto::Role role : {proto::SERVER, proto::WORKER}) {
+    std::set<int> taken;
+    for (auto& n : nodes_) {
+      if (n.role == role && n.requested_rank >= 0) {
+        n.rank = n.requested_rank;
+        taken.insert(n.rank);
+      }
+    }
+    int next = 0;
+    for (auto& n : nodes_) {
+      if (n.role != role || n.rank >= 0) continue;
+      while (taken.count(next)) ++next;
+      n.rank = next++;
+    }
+  }
+  uint64_t num_params = 0;
+  const Node* first_worker = nullptr;
+  for (const auto& n : nodes_) {
+    if (n.role != proto::WORKER) continue;
+    if (first_worker == nullptr) {
+      first_worker = &n;
+      num_params = n.num_params;
+    } else if (n.num_params != num_params) {
+      Abort("workers disagree on the model size: " + Describe(*first_worker) + " has " +
+                std::to_string(num_params) + " parameters, " + Describe(n) + " has " +
+                std::to_string(n.num_params) + "; do they run the same config?",
+            out);
+      return;
+    }
+  }
+  membership_.set_epoch(1);
+  membership_.set_num_params(num_params);
+  std::vector<const Node*> sorted;
+  for (const auto& n : nodes_) sorted.push_back(&n);
+  std::sort(sorted.begin(), sorted.end(), [](const Node* a, const Node* b) {
+    return std::make_pair(a->role, a->rank) < std::make_pair(b->role, b->rank);
+  });
+  for (const Node* n : sorted) {
+    auto* info = membership_.add_nodes();
+    info->set_role(n->role);
+    info->set_rank(n->rank);
+    info->set_host(n->host);
+    info->set_port(n->port);
+    info->set_hostname(n->hostname);
+    info->set_pid(n->pid);
+  }
+  const auto ranges = SplitKeyRanges(num_params, expected_servers_);
+  for (size_t s = 0; s < ranges.size(); ++s) {
+    auto* r = membership_.add_ranges();
+    r->set_begin(ranges[s].begin);
+    r->set_end(ranges[s].end);
+    r->set_server_rank(static_cast<int>(s));
+  }
+  for (auto& n : nodes_) {
+    n.last_seen = now;
+    Outgoing o{n.routing_id, {}};
+    o.msg.header.set_command(proto::MEMBERSHIP);
+    o.msg.header.set_sender_role(proto::SCHEDULER);
+    o.msg.header.set_epoch(membership_.epoch());
+    *o.msg.header.mutable_membership() = membership_;
+    o.msg.header.mutable_membership()->set_your_rank(n.rank);
+    out->push_back(std::move(o));
+  }
+  membership_sent_ = true;
+  spdlog::info("membership epoch {}: {} servers, {} workers, {} parameters in {} key ranges",
+               membership_.epoch(), expected_servers_, expected_workers_, num_params,
+               ranges.size());
+}
+
+std::vector<size_t> Scheduler::BarrierMembers(proto::Role group) const {
+  std::vector<size_t> members;
+  for (size_t i = 0; i < nodes_.size(); ++i) {
+    if (group == proto::ROLE_UNSPECIFIED || nodes_[i].role == group) members.push_back(i);
+  }
+  return members;
+}
+
+void Scheduler::HandleBarrier(const std::string& from, const proto::Header& h,
+                              Clock::time_point now, std::vector<Outgoing>* out) {
+  const int idx = FindNodeByRoutingId(from);
+  if (!membership_sent_ || idx < 0 || !h.has_barrier()) {
+    ++rejected_;
+    ReplyError(from, "BARRIER before registration or without a barrier body", out);
+    return;
+  }
+  const Node& node = nodes_[static_cast<size_t>(idx)];
+  const proto::Barrier& b = h.barrier();
+  if (b.group() != proto::ROLE_UNSPECIFIED && b.group() != node.role) {
+    ++rejected_;
+    ReplyError(from,
+               Describe(node) + " is not a member of the " + RoleName(b.group()) + " barrier '" +
+                   b.name() + "'",
+               out);
+    return;
+  }
+  auto key = std::make_pair(b.name(), b.generation());
+  auto [it, fresh] = barriers_.try_emplace(key);
+  if (fresh) {
+    it->second.first_arrival = now;
+    it->second.group = b.group();
+  } else if (it->second.group != b.group()) {
+    ++rejected_;
+    ReplyError(from, "barrier '" + b.name() + "' entered with two different groups", out);
+    return;
+  }
+  it->second.arrived.insert(static_cast<size_t>(idx));
+  const auto members = BarrierMembers(b.group());
+  if (it->second.arrived.size() < members.size()) return;
+  for (size_t m : members) {
+    Outgoing o{nodes_[m].routing_id, {}};
+    o.msg.header.set_command(proto::BARRIER_RELEASE);
+    o.msg.header.set_sender_role(proto::SCHEDULER);
+    o.msg.header.set_epoch(membership_.epoch());
+    *o.msg.header.mutable_barrier() = b;
+    out->push_back(std::move(o));
+  }
+  spdlog::debug("barrier '{}' generation {} released ({} members)", b.name(), b.generation(),
+                members.size());
+  barriers_.erase(it);
+}
+
+void Scheduler::HandleDone(const std::string& from, const proto::Header& h,
+                           std::vector<Outgoing>* out) {
+  const int idx = FindNodeByRoutingId(from);
+  if (!membership_sent_ || idx < 0 || nodes_[static_cast<size_t>(idx)].role != proto::WORKER) {
+    ++rejected_;
+    ReplyError(from, "DONE from a node that is not a registered worker", out);
+    return;
+  }
+  Node& n = nodes_[static_cast<size_t>(idx)];
+  n.done = true;
+  worker_stats_[static_cast<size_t>(n.rank)] = h.done().stats();
+  const size_t done = static_cast<size_t>(
+      std::count_if(nodes_.begin(), nodes_.end(), [](const Node& x) { return x.done; }));
+  spdlog::info("{} is done ({} of {} workers)", Describe(n), done, expected_workers_);
+  if (done == expected_workers_) {
+    finished_ = Status::OK();
+    finished_at_ = Clock::now();
+    Broadcast(proto::SHUTDOWN, "", out);
+  }
+}
+
+void Scheduler::Tick(Clock::time_point now, std::vector<Outgoing>* out) {
+  if (finished_) return;
+  const auto& c = config_.cluster();
+  const double since_start = std::chrono::duration<double>(now - start_).count();
+  if (!membership_sent_) {
+    if (since_start <= c.register_timeout_s()) return;
+    std::string missing;
+    for (proto::Role role : {proto::SERVER, proto::WORKER}) {
+      const size_t expected = role == proto::SERVER ? expected_servers_ : expected_workers_;
+      std::set<int> have_ranks;
+      size_t have = 0;
+      for (const auto& n : nodes_) {
+        if (n.role != role) continue;
+        ++have;
+        if (n.requested_rank >= 0) have_ranks.insert(n.requested_rank);
+      }
+      if (have == expected) continue;
+      if (!missing.empty()) missing += "; ";
+      missing += std::to_string(expected - have) + " of " + std::to_string(expected) + " " +
+                 RoleName(role) + "s missing";
+      if (!have_ranks.empty()) {
+        missing += " (ranks";
+        for (size_t r = 0; r < expected; ++r) {
+          if (!have_ranks.count(static_cast<int>(r))) missing += " " + std::to_string(r);
+        }
+        missing += " not seen)";
+      }
+    }
+    Abort("registration timed out after " + FormatSeconds(c.register_timeout_s()) + ": " + missing,
+          out);
+    return;
+  }
+  for (const auto& [key, state] : barriers_) {
+    const double waited = std::chrono::duration<double>(now - state.first_arrival).count();
+    if (waited <= c.barrier_timeout_s()) continue;
+    std::string missing;
+    for (size_t m : BarrierMembers(state.group)) {
+      if (state.arrived.count(m)) continue;
+      missing += (missing.empty() ? "" : ", ") + Describe(nodes_[m]);
+    }
+    Abort("barrier '" + key.first + "' generation " + std::to_string(key.second) +
+              " timed out after " + FormatSeconds(c.barrier_timeout_s()) + ": missing " + missing,
+          out);
+    return;
+  }
+  for (const auto& n : nodes_) {
+    if (n.done) continue;
+    const double silent = std::chrono::duration<double>(now - n.last_seen).count();
+    if (silent > c.heartbeat_timeout_s()) {
+      Abort(Describe(n) + " sent no heartbeat for " + FormatSeconds(silent) +
+                " (cluster.heartbeat_timeout_s = " + FormatSeconds(c.heartbeat_timeout_s()) +
+                "); declaring it dead",
+            out);
+      return;
+    }
+  }
+}
+
+proto::RunSummary Scheduler::Summary(Clock::time_point now) const {
+  proto::RunSummary s;
+  s.set_job_name(config_.run().name());
+  s.set_status(!finished_ ? "running" : finished_->ok() ? "ok" : finished_->message());
+  s.set_num_workers(static_cast<uint32_t>(expected_workers_));
+  s.set_num_servers(static_cast<uint32_t>(expected_servers_));
+  std::string enc = proto::Encoding_Name(config_.compression().encoding());
+  std::transform(enc.begin(), enc.end(), enc.begin(),
+                 [](unsigned char c) { return std::tolower(c); });
+  s.set_encoding(enc);
+  s.set_density(config_.compression().encoding() == proto::DENSE ? 1.0
+                                                                 : config_.compression().density());
+  s.set_num_params(membership_.num_params());
+  const auto end = finished_ ? finished_at_ : now;
+  s.set_wall_clock_s(std::chrono::duration<double>(end - start_).count());
+  double sent = 0, received = 0;
+  size_t reporting = 0;
+  for (const auto& w : worker_stats_) {
+    *s.add_workers() = w;
+    if (w.steps() == 0) continue;
+    sent += static_cast<double>(w.bytes_sent()) / static_cast<double>(w.steps());
+    received += static_cast<double>(w.bytes_received()) / static_cast<double>(w.steps());
+    ++reporting;
+  }
+  if (reporting > 0) {
+    s.set_bytes_sent_per_worker_per_step(sent / static_cast<double>(reporting));
+    s.set_bytes_received_per_worker_per_step(received / static_cast<double>(reporting));
+  }
+  if (!worker_stats_.empty()) {
+    const auto& w0 = worker_stats_[0];
+    s.set_final_test_accuracy(w0.final_test_accuracy());
+    s.set_train_s(w0.wall_s());
+    s.set_steps(w0.steps());
+    s.set_samples_per_s(w0.samples_per_s());
+  }
+  return s;
+}
+
+Status RunScheduler(const proto::JobConfig& config) {
+  zmq::context_t context(1);
+  auto bound =
+      BindRouter(context, config.cluster().scheduler_host(), config.cluster().scheduler_port());
+  if (!bound.ok()) return bound.status();
+  zmq::socket_t& socket = bound->socket;
+  spdlog::info("scheduler listening on {} for {} servers and {} workers",
+               Endpoint(config.cluster().scheduler_host(), bound->port),
+               config.cluster().num_servers(), config.cluster().num_workers());
+  const std::string& dir = config.run().dir();
+  if (!dir.empty()) {
+    SPARSEPS_RETURN_IF_ERROR(EnsureDirectory(dir));
+    const std::string tmp = dir + "/scheduler.port.tmp";
+    {
+      std::ofstream f(tmp, std::ios::trunc);
+      f << bound->port << "\n";
+      if (!f) return Status::IoError("cannot write " + tmp);
+    }
+    if (std::rename(tmp.c_str(), (dir + "/scheduler.port").c_str()) != 0) {
+      return Status::IoError("cannot write " + dir + "/scheduler.port");
+    }
+  }
+
+  Scheduler scheduler(config, Clock::now());
+  std::vector<Outgoing> out;
+  auto flush = [&] {
+    for (auto& o : out) {
+      Status s = SendMessage(socket, o.msg, &o.to);
+      if (!s.ok()) spdlog::warn("could not send to {}: {}", o.to, s.message());
+    }
+    out.clear();
+  };
+  while (!scheduler.finished()) {
+    auto ready = PollIn({&socket}, 50);
+    while (ready[0]) {
+      std::string from;
+      auto msg = RecvMessage(socket, true, &from, nullptr);
+      if (!msg.ok() && msg.status().code() == StatusCode::kIoError) break;
+      scheduler.Handle(from, msg, Clock::now(), &out);
+      ready = PollIn({&socket}, 0);
+    }
+    if (StopRequested()) {
+      // Tell every node, so that no one waits on a scheduler that is gone.
+      scheduler.Abort("the scheduler was stopped by a signal", &out);
+      break;
+    }
+    scheduler.Tick(Clock::now(), &out);
+    flush();
+  }
+  flush();
+  Status result = scheduler.final_status();
+  if (!dir.empty()) {
+    Status w = WriteJson(dir + "/summary.json", scheduler.Summary(Clock::now()));
+    if (!w.ok())
+      spdlog::warn("{}", w.message());
+    else
+      spdlog::info("wrote {}/summary.json", dir);
+  }
+  if (scheduler.rejected_messages() > 0) {
+    spdlog::warn("rejected {} malformed or unexpected messages", scheduler.rejected_messages());
+  }
+  return result;
+}
+
+}  // namespace sparseps

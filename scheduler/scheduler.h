@@ -1,0 +1,100 @@
+// The scheduler: membership, barriers, liveness and the end of the job.
+//
+// Thread-safety: a Scheduler is used by one thread.
+#pragma once
+
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "common/van.h"
+#include "proto/config.pb.h"
+#include "proto/summary.pb.h"
+
+namespace sparseps {
+
+class Scheduler {
+ public:
+  // `start` is when registration opened; its deadline is cluster.register_timeout_s after it.
+  Scheduler(const proto::JobConfig& config, Clock::time_point start);
+
+  // Handles one message from the node with routing id `from` (ROUTER identity). Replies and
+  // broadcasts are appended to *out. Malformed or unexpected messages are counted, answered with
+  // ERROR where it makes sense, and never change state.
+  void Handle(const std::string& from, const Result<Message>& msg, Clock::time_point now,
+              std::vector<Outgoing>* out);
+
+  // Checks the deadlines (registration, barriers, heartbeats) at time `now`; a missed deadline
+  // ends the job with FATAL to every registered node, naming the missing ones.
+  void Tick(Clock::time_point now, std::vector<Outgoing>* out);
+
+  // True once the job ended: every worker reported DONE (status OK), or a deadline or error
+  // ended it (status says why).
+  bool finished() const { return finished_.has_value(); }
+  const Status& final_status() const { return *finished_; }
+
+  // Ends the job now: FATAL with `reason` to every registered node; final_status() is Aborted.
+  void Abort(const std::string& reason, std::vector<Outgoing>* out);
+
+  // The run's summary (valid once workers reported; partial otherwise).
+  proto::RunSummary Summary(Clock::time_point now) const;
+
+  bool has_membership() const { return membership_sent_; }
+  uint64_t rejected_messages() const { return rejected_; }
+
+ private:
+  struct Node {
+    proto::Role role = proto::ROLE_UNSPECIFIED;
+    int rank = -1;  // assigned rank; -1 until the membership is built
+    int requested_rank = -1;
+    std::string routing_id;  // the node's control socket
+    std::string host;
+    uint32_t port = 0;
+    std::string hostname;
+    int pid = 0;
+    uint64_t num_params = 0;
+    Clock::time_point last_seen;
+    bool done = false;
+  };
+  struct BarrierState {
+    Clock::time_point first_arrival;
+    proto::Role group = proto::ROLE_UNSPECIFIED;
+    std::set<size_t> arrived;  // indices into nodes_
+  };
+
+  void HandleRegister(const std::string& from, const proto::Header& h, Clock::time_point now,
+                      std::vector<Outgoing>* out);
+  void HandleBarrier(const std::string& from, const proto::Header& h, Clock::time_point now,
+                     std::vector<Outgoing>* out);
+  void HandleDone(const std::string& from, const proto::Header& h, std::vector<Outgoing>* out);
+  void BuildMembership(Clock::time_point now, std::vector<Outgoing>* out);
+  void Broadcast(proto::Command command, const std::string& error, std::vector<Outgoing>* out);
+  void ReplyError(const std::string& to, const std::string& error, std::vector<Outgoing>* out);
+  int FindNode(proto::Role role, int rank) const;
+  int FindNodeByRoutingId(const std::string& routing_id) const;
+  std::string Describe(const Node& n) const;
+  std::vector<size_t> BarrierMembers(proto::Role group) const;
+
+  const proto::JobConfig config_;
+  const Clock::time_point start_;
+  const size_t expected_servers_;
+  const size_t expected_workers_;
+  std::vector<Node> nodes_;
+  bool membership_sent_ = false;
+  proto::Membership membership_;
+  std::map<std::pair<std::string, uint64_t>, BarrierState> barriers_;
+  std::vector<proto::WorkerStats> worker_stats_;
+  std::optional<Status> finished_;
+  Clock::time_point finished_at_;
+  uint64_t rejected_ = 0;
+};
+
+// The scheduler daemon: binds cluster.scheduler_host:scheduler_port (0: a free port, written to
+// <run.dir>/scheduler.port for the launcher), runs the Scheduler until the job ends, writes
+// <run.dir>/summary.json, and returns the job's status.
+Status RunScheduler(const proto::JobConfig& config);
+
+}  // namespace sparseps
