@@ -1,0 +1,93 @@
+#include "server/server_daemon.h"
+
+#include <spdlog/spdlog.h>
+
+#include <memory>
+
+#include "common/control_client.h"
+#include "common/daemon.h"
+#include "server/shard_server.h"
+
+namespace sparseps {
+
+Status RunServer(const proto::JobConfig& config) {
+  zmq::context_t context(1);
+  auto bound = BindRouter(context, config.node().host(), config.node().port());
+  if (!bound.ok()) return bound.status();
+  zmq::socket_t& data = bound->socket;
+  spdlog::info("server data socket on {}", Endpoint(config.node().host(), bound->port));
+
+  ControlClient control(context, config, proto::SERVER);
+  SPARSEPS_RETURN_IF_ERROR(control.Register(config.node().host(), bound->port, 0));
+  const auto start = Clock::now();
+  const double membership_deadline_s = config.cluster().register_timeout_s() + 10.0;
+
+  std::unique_ptr<ShardServer> shard;
+  uint64_t bytes_in = 0, bytes_out = 0, early_rejects = 0;
+  std::vector<Outgoing> out;
+  while (true) {
+    SPARSEPS_RETURN_IF_ERROR(control.Poll());
+    if (control.shutdown_requested()) break;
+    if (shard == nullptr && control.has_membership()) {
+      const auto& m = control.membership();
+      ShardOptions opts;
+      opts.server_rank = control.rank();
+      opts.num_workers = static_cast<int>(config.cluster().num_workers());
+      opts.lr = config.train().lr();
+      for (const auto& r : m.ranges()) {
+        if (r.server_rank() == control.rank()) opts.range = {r.begin(), r.end()};
+      }
+      SetLogName("server-" + std::to_string(control.rank()));
+      spdlog::info("serving key range [{}, {}) ({} parameters) for {} workers", opts.range.begin,
+                   opts.range.end, opts.range.size(), opts.num_workers);
+      shard = std::make_unique<ShardServer>(opts);
+      control.StartHeartbeats();
+    }
+    if (shard == nullptr && SecondsSince(start) > membership_deadline_s) {
+      return Status::DeadlineExceeded("no membership from the scheduler at " +
+                                      control.scheduler_endpoint() + " after " +
+                                      std::to_string(membership_deadline_s) + " s");
+    }
+    auto ready = PollIn({&data, &control.socket()}, 100);
+    if (!ready[0]) continue;
+    // Drain what is queued on the data socket before polling again.
+    for (int budget = 0; budget < 1024; ++budget) {
+      if (budget > 0 && !PollIn({&data}, 0)[0]) break;
+      std::string peer;
+      auto msg = RecvMessage(data, true, &peer, &bytes_in);
+      if (!msg.ok() && msg.status().code() == StatusCode::kIoError) break;
+      if (shard != nullptr) {
+        shard->Handle(peer, msg, &out);
+      } else {
+        Outgoing o{peer, {}};
+        const bool ping = msg.ok() && msg->header.command() == proto::PING;
+        o.msg.header.set_command(ping ? proto::PONG : proto::ERROR);
+        o.msg.header.set_sender_role(proto::SERVER);
+        if (!ping) {
+          ++early_rejects;
+          o.msg.header.set_error(msg.ok() ? "server not ready: waiting for the membership"
+                                          : msg.status().message());
+        }
+        out.push_back(std::move(o));
+      }
+      for (auto& o : out) {
+        Status s = SendMessage(data, o.msg, &o.to, &bytes_out);
+        if (!s.ok()) spdlog::warn("could not reply to {}: {}", o.to, s.message());
+      }
+      out.clear();
+    }
+  }
+  control.StopHeartbeats();
+  if (shard != nullptr) {
+    const auto& c = shard->counters();
+    spdlog::info(
+        "served {} iterations: {} pushes, {} pulls ({} sparse, {} dense replies), {} rejected "
+        "messages ({} duplicate, {} stale pushes), {:.1f} MB in, {:.1f} MB out",
+        shard->version(), c.pushes, c.pulls, c.sparse_pull_replies, c.dense_pull_replies,
+        c.rejected + early_rejects, c.duplicate_pushes, c.stale_pushes, bytes_in / 1e6,
+        bytes_out / 1e6);
+  }
+  return Status::OK();
+}
+
+}  // namespace sparseps

@@ -1,0 +1,15 @@
+// The server daemon loop.
+#pragma once
+
+#include "common/status.h"
+#include "proto/config.pb.h"
+
+namespace sparseps {
+
+// Binds the data socket on node.host:node.port (0: a free port), registers with the scheduler,
+// and serves its key range (ShardServer) until the scheduler's SHUTDOWN (OK) or FATAL (Aborted).
+// Malformed messages are answered with ERROR and counted; the loop keeps serving. Before the
+// membership arrives, PING is answered and data requests get ERROR "not ready".
+Status RunServer(const proto::JobConfig& config);
+
+}  // namespace sparseps

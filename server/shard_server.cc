@@ -1,0 +1,252 @@
+#include "server/shard_server.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+
+#include "common/codec/codec.h"
+#include "common/codec/dense.h"
+#include "common/codec/topk.h"
+#include "kernels/error_feedback.h"
+
+namespace sparseps {
+
+ShardServer::ShardServer(const ShardOptions& options)
+    : options_(options),
+      params_(options.range.size(), 0.0f),
+      accum_(options.range.size(), 0.0f),
+      touched_mask_(options.range.size(), 0),
+      pushed_(static_cast<size_t>(options.num_workers), 0) {}
+
+Outgoing ShardServer::Reply(const std::string& peer, const proto::Header& request,
+                            proto::Command command) const {
+  Outgoing o{peer, {}};
+  auto& h = o.msg.header;
+  h.set_command(command);
+  h.set_sender_role(proto::SERVER);
+  h.set_sender_rank(options_.server_rank);
+  h.set_iteration(request.iteration());
+  h.set_request_id(request.request_id());
+  h.set_key_begin(options_.range.begin);
+  h.set_key_end(options_.range.end);
+  h.set_version(version_);
+  return o;
+}
+
+void ShardServer::Reject(const std::string& peer, const proto::Header* h, const std::string& why,
+                         std::vector<Outgoing>* out) {
+  ++counters_.rejected;
+  spdlog::warn("server {}: rejected a message from {}: {}", options_.server_rank, peer, why);
+  proto::Header empty;
+  Outgoing o = Reply(peer, h != nullptr ? *h : empty, proto::ERROR);
+  o.msg.header.set_error(why);
+  out->push_back(std::move(o));
+}
+
+void ShardServer::Handle(const std::string& peer, const Result<Message>& msg,
+                         std::vector<Outgoing>* out) {
+  if (!msg.ok()) {
+    Reject(peer, nullptr, msg.status().message(), out);
+    return;
+  }
+  const proto::Header& h = msg->header;
+  switch (h.command()) {
+    case proto::PING: {
+      out->push_back(Reply(peer, h, proto::PONG));
+      return;
+    }
+    case proto::INIT:
+    case proto::PUSH:
+    case proto::PULL:
+      break;
+    default:
+      Reject(peer, &h, "a server does not handle " + CommandName(h.command()), out);
+      return;
+  }
+  if (h.key_begin() != options_.range.begin || h.key_end() != options_.range.end) {
+    Reject(peer, &h,
+           "key range [" + std::to_string(h.key_begin()) + ", " + std::to_string(h.key_end()) +
+               ") is not this server's range [" + std::to_string(options_.range.begin) + ", " +
+               std::to_string(options_.range.end) + ")",
+           out);
+    return;
+  }
+  if (h.command() == proto::INIT) {
+    HandleInit(peer, *msg, out);
+  } else if (h.command() == proto::PUSH) {
+    HandlePush(peer, *msg, out);
+  } else {
+    HandlePull(peer, *msg, out);
+  }
+}
+
+void ShardServer::HandleInit(const std::string& peer, const Message& msg,
+                             std::vector<Outgoing>* out) {
+  const proto::Header& h = msg.header;
+  if (initialized()) {
+    Reject(peer, &h,
+           "INIT after the shard was initialised (version " + std::to_string(version_) + ")", out);
+    return;
+  }
+  DecodedPayload p;
+  Status s = DenseCodec().Decode(msg, options_.range.size(), &p);
+  if (!s.ok()) {
+    Reject(peer, &h, "INIT: " + s.message(), out);
+    return;
+  }
+  std::copy(p.dense.begin(), p.dense.end(), params_.begin());
+  version_ = 0;
+  last_changed_all_ = true;
+  out->push_back(Reply(peer, h, proto::INIT_ACK));
+  AnswerReadyPulls(out);
+}
+
+void ShardServer::HandlePush(const std::string& peer, const Message& msg,
+                             std::vector<Outgoing>* out) {
+  const proto::Header& h = msg.header;
+  if (!initialized()) {
+    Reject(peer, &h, "PUSH before the shard was initialised", out);
+    return;
+  }
+  if (h.sender_role() != proto::WORKER || h.sender_rank() < 0 ||
+      h.sender_rank() >= options_.num_workers) {
+    Reject(peer, &h, "PUSH from an unknown worker rank " + std::to_string(h.sender_rank()), out);
+    return;
+  }
+  if (h.iteration() < version_) {
+    ++counters_.stale_pushes;
+    Reject(peer, &h,
+           "stale PUSH for iteration " + std::to_string(h.iteration()) +
+               "; the server is at iteration " + std::to_string(version_),
+           out);
+    return;
+  }
+  if (h.iteration() > version_) {
+    Reject(peer, &h,
+           "PUSH for future iteration " + std::to_string(h.iteration()) +
+               "; the server is at iteration " + std::to_string(version_),
+           out);
+    return;
+  }
+  const size_t rank = static_cast<size_t>(h.sender_rank());
+  if (pushed_[rank]) {
+    ++counters_.duplicate_pushes;
+    Reject(peer, &h,
+           "duplicate PUSH from worker " + std::to_string(rank) + " for iteration " +
+               std::to_string(h.iteration()),
+           out);
+    return;
+  }
+  const Codec* codec = FindCodec(h.encoding());
+  if (codec == nullptr) {
+    Reject(peer, &h, "PUSH with unknown encoding " + std::to_string(h.encoding()), out);
+    return;
+  }
+  DecodedPayload p;
+  Status s = codec->Decode(msg, options_.range.size(), &p);
+  if (!s.ok()) {
+    Reject(peer, &h, "PUSH: " + s.message(), out);
+    return;
+  }
+  // Validated: accumulate. Sparse stays sparse: scatter-add at the pushed keys only.
+  if (p.is_dense()) {
+    kernels::Axpy(1.0f, p.dense.data(), accum_.data(), accum_.size());
+    dense_this_iteration_ = true;
+  } else {
+    const uint32_t* idx = p.indices.data();
+    for (size_t j = 0; j < p.indices.size(); ++j) {
+      if (!touched_mask_[idx[j]]) {
+        touched_mask_[idx[j]] = 1;
+        touched_.push_back(idx[j]);
+      }
+    }
+    kernels::ScatterAdd(accum_.data(), idx, p.values.data(), p.indices.size());
+  }
+  pushed_[rank] = 1;
+  ++counters_.pushes;
+  out->push_back(Reply(peer, h, proto::PUSH_ACK));
+  if (std::all_of(pushed_.begin(), pushed_.end(), [](uint8_t b) { return b != 0; })) {
+    Apply();
+    AnswerReadyPulls(out);
+  }
+}
+
+void ShardServer::Apply() {
+  const float scale = static_cast<float>(-options_.lr / options_.num_workers);
+  if (dense_this_iteration_) {
+    kernels::Axpy(scale, accum_.data(), params_.data(), params_.size());
+    std::fill(accum_.begin(), accum_.end(), 0.0f);
+    for (uint32_t i : touched_) touched_mask_[i] = 0;
+    last_changed_.clear();
+    last_changed_all_ = true;
+  } else {
+    std::sort(touched_.begin(), touched_.end());
+    for (uint32_t i : touched_) {
+      params_[i] += scale * accum_[i];
+      accum_[i] = 0.0f;
+      touched_mask_[i] = 0;
+    }
+    last_changed_.assign(touched_.begin(), touched_.end());
+    last_changed_all_ = false;
+  }
+  touched_.clear();
+  dense_this_iteration_ = false;
+  std::fill(pushed_.begin(), pushed_.end(), 0);
+  ++version_;
+}
+
+void ShardServer::HandlePull(const std::string& peer, const Message& msg,
+                             std::vector<Outgoing>* out) {
+  const proto::Header& h = msg.header;
+  // BSP: a worker pulls iteration t only after pushing t, so nothing beyond version + 1 can be
+  // legitimately waited for; refusing it keeps hostile pulls from piling up.
+  if (h.iteration() < -1 || h.iteration() + 1 > version_ + 1) {
+    Reject(peer, &h,
+           "PULL for iteration " + std::to_string(h.iteration()) + "; the server is at iteration " +
+               std::to_string(version_),
+           out);
+    return;
+  }
+  ++counters_.pulls;
+  pending_pulls_.push_back({peer, h.iteration() + 1, h.have_version(), h.request_id()});
+  AnswerReadyPulls(out);
+}
+
+Outgoing ShardServer::MakePullReply(const PendingPull& pull) const {
+  proto::Header request;
+  request.set_iteration(pull.wanted_version - 1);
+  request.set_request_id(pull.request_id);
+  Outgoing o = Reply(pull.peer, request, proto::PULL_REPLY);
+  // Sparse when the puller holds the previous version and k (index, value) pairs (8 B each) are
+  // smaller than the dense shard (4 B per key).
+  const bool sparse = !last_changed_all_ && pull.have_version == version_ - 1 &&
+                      2 * last_changed_.size() < params_.size();
+  if (sparse) {
+    std::vector<float> values(last_changed_.size());
+    for (size_t j = 0; j < last_changed_.size(); ++j) values[j] = params_[last_changed_[j]];
+    EncodeTopK(std::vector<uint32_t>(last_changed_), std::move(values), &o.msg);
+  } else {
+    EncodeDense(std::vector<float>(params_), &o.msg);
+  }
+  return o;
+}
+
+void ShardServer::AnswerReadyPulls(std::vector<Outgoing>* out) {
+  if (!initialized()) return;
+  auto it = pending_pulls_.begin();
+  while (it != pending_pulls_.end()) {
+    if (version_ >= it->wanted_version) {
+      out->push_back(MakePullReply(*it));
+      if (out->back().msg.header.encoding() == proto::TOPK) {
+        ++counters_.sparse_pull_replies;
+      } else {
+        ++counters_.dense_pull_replies;
+      }
+      it = pending_pulls_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+}  // namespace sparseps

@@ -1,0 +1,95 @@
+// One server's key range under BSP: aggregation of pushes, SGD update, pull replies.
+//
+// Protocol per iteration t (version = number of applied iterations):
+//   PUSH(t) from each of the W workers, once each; t must equal the version. A stale (t <
+//   version), future (t > version) or duplicate push is rejected with ERROR and not counted.
+//   When all W pushed, the server applies  w -= lr * (sum of pushes) / W  on the touched keys and
+//   the version becomes t + 1.
+//   PULL(t) is answered once version >= t + 1 (PULL with t = -1: once initialised): TOPK with the
+//   changed keys' new values if the puller holds version t (have_version) and that is smaller than
+//   the dense shard, DENSE otherwise.
+//   INIT (dense values) sets the initial parameters once, before any push.
+// Every received payload is validated (codec) before any state changes.
+//
+// Thread-safety: used by one thread.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/key_range.h"
+#include "common/van.h"
+
+namespace sparseps {
+
+struct ShardOptions {
+  KeyRange range;  // the keys this shard owns
+  int server_rank = 0;
+  int num_workers = 1;  // pushes per iteration (BSP)
+  double lr = 0.1;      // learning rate of the update
+};
+
+struct ShardCounters {
+  uint64_t rejected = 0;          // malformed or invalid messages (any reason)
+  uint64_t duplicate_pushes = 0;  // included in rejected
+  uint64_t stale_pushes = 0;      // included in rejected
+  uint64_t pushes = 0;
+  uint64_t pulls = 0;
+  uint64_t sparse_pull_replies = 0;
+  uint64_t dense_pull_replies = 0;
+};
+
+class ShardServer {
+ public:
+  explicit ShardServer(const ShardOptions& options);
+
+  // Handles one data-plane message (or a receive error) from `peer`; appends replies, possibly to
+  // other peers whose pulls became ready. Never fails: bad input is answered with ERROR.
+  void Handle(const std::string& peer, const Result<Message>& msg, std::vector<Outgoing>* out);
+
+  const std::vector<float>& params() const { return params_; }
+  int64_t version() const { return version_; }
+  bool initialized() const { return version_ >= 0; }
+  const ShardCounters& counters() const { return counters_; }
+  const ShardOptions& options() const { return options_; }
+
+ private:
+  struct PendingPull {
+    std::string peer;
+    int64_t wanted_version;  // reply once version_ >= this
+    int64_t have_version;
+    uint64_t request_id;
+  };
+
+  void HandleInit(const std::string& peer, const Message& msg, std::vector<Outgoing>* out);
+  void HandlePush(const std::string& peer, const Message& msg, std::vector<Outgoing>* out);
+  void HandlePull(const std::string& peer, const Message& msg, std::vector<Outgoing>* out);
+  void Apply();
+  void AnswerReadyPulls(std::vector<Outgoing>* out);
+  Outgoing MakePullReply(const PendingPull& pull) const;
+  void Reject(const std::string& peer, const proto::Header* h, const std::string& why,
+              std::vector<Outgoing>* out);
+  Outgoing Reply(const std::string& peer, const proto::Header& request,
+                 proto::Command command) const;
+
+  const ShardOptions options_;
+  std::vector<float> params_;
+  int64_t version_ = -1;  // -1 until INIT
+
+  // Aggregation buffer of iteration version_: values at touched keys, the touched list and mask.
+  std::vector<float> accum_;
+  std::vector<uint8_t> touched_mask_;
+  std::vector<uint32_t> touched_;
+  bool dense_this_iteration_ = false;  // a dense push touches every key
+  std::vector<uint8_t> pushed_;        // per worker rank, for this iteration
+
+  // What the last applied iteration changed (sorted keys), for sparse pull replies.
+  std::vector<uint32_t> last_changed_;
+  bool last_changed_all_ = true;
+
+  std::vector<PendingPull> pending_pulls_;
+  ShardCounters counters_;
+};
+
+}  // namespace sparseps
