@@ -1,0 +1,53 @@
+// A multi-layer perceptron: fully connected layers with ReLU, softmax cross-entropy loss.
+//
+// Parameters live in one flat fp32 vector (the PS key space): for each layer, its weights
+// [inputs x outputs] row-major, then its biases [outputs]. Forward and backward run through
+// OpenBLAS sgemm (kernels/dense.h).
+//
+// Thread-safety: an Mlp holds scratch buffers; use one per thread.
+#pragma once
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "worker/idx_reader.h"
+
+namespace sparseps {
+
+class Mlp {
+ public:
+  // inputs -> hidden[0] -> ... -> classes. Empty hidden is softmax regression.
+  Mlp(size_t inputs, std::vector<size_t> hidden, size_t classes);
+
+  size_t num_params() const { return num_params_; }
+  size_t num_layers() const { return sizes_.size() - 1; }
+
+  // He-uniform weights U(-sqrt(6/fan_in), sqrt(6/fan_in)) from a fixed generator seeded with
+  // `seed` (identical on every machine), zero biases. params has num_params() elements.
+  void InitParams(uint64_t seed, float* params) const;
+
+  // Mean cross-entropy loss of the batch (x: batch x inputs, y: batch labels) and its gradient
+  // with respect to params, written to grad (num_params() elements, overwritten). Adds the
+  // number of correct arg-max predictions to *correct when not null.
+  double ForwardBackward(const float* params, const float* x, const uint8_t* y, size_t batch,
+                         float* grad, size_t* correct);
+
+  // Mean loss and accuracy (fraction) over the whole dataset, in chunks of `chunk` samples.
+  std::pair<double, double> Evaluate(const float* params, const Dataset& data, size_t chunk = 1000);
+
+ private:
+  // Fills acts_[l] (outputs of layer l, ReLU applied except on the last layer) for a batch.
+  void Forward(const float* params, const float* x, size_t batch);
+  void Reserve(size_t batch);
+
+  std::vector<size_t> sizes_;     // layer widths including input and output
+  std::vector<size_t> w_offset_;  // per layer: offset of its weights in the flat vector
+  std::vector<size_t> b_offset_;  // per layer: offset of its biases
+  size_t num_params_ = 0;
+  size_t reserved_batch_ = 0;
+  std::vector<std::vector<float>> acts_;  // per layer output, batch x sizes_[l+1]
+  std::vector<float> delta_, delta_prev_;
+};
+
+}  // namespace sparseps

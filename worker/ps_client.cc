@@ -1,0 +1,172 @@
+#include "worker/ps_client.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "common/codec/codec.h"
+#include "common/codec/dense.h"
+
+namespace sparseps {
+
+PsClient::PsClient(zmq::context_t& context, const proto::Membership& membership, int worker_rank,
+                   ControlClient* control, double request_timeout_s)
+    : control_(control), worker_rank_(worker_rank), request_timeout_s_(request_timeout_s) {
+  std::vector<proto::RangeInfo> infos(membership.ranges().begin(), membership.ranges().end());
+  std::sort(infos.begin(), infos.end(),
+            [](const auto& a, const auto& b) { return a.begin() < b.begin(); });
+  for (const auto& r : infos) {
+    const proto::NodeInfo* server = nullptr;
+    for (const auto& n : membership.nodes()) {
+      if (n.role() == proto::SERVER && n.rank() == r.server_rank()) server = &n;
+    }
+    Peer p;
+    p.range = {r.begin(), r.end()};
+    p.server_rank = r.server_rank();
+    const std::string host = server ? server->host() : "?";
+    const uint32_t port = server ? server->port() : 0;
+    p.name = "server " + std::to_string(r.server_rank()) + " at " + Endpoint(host, port);
+    p.socket = ConnectDealer(context, host, port, MakeRoutingId(proto::WORKER, "ps"));
+    ranges_.push_back(p.range);
+    peers_.push_back(std::move(p));
+  }
+}
+
+Message PsClient::Request(const Peer& peer, proto::Command command, int64_t iteration) {
+  Message m;
+  m.header.set_command(command);
+  m.header.set_iteration(iteration);
+  m.header.set_key_begin(peer.range.begin);
+  m.header.set_key_end(peer.range.end);
+  return m;
+}
+
+Status PsClient::Send(Peer& peer, Message& msg) {
+  auto& h = msg.header;
+  h.set_sender_role(proto::WORKER);
+  h.set_sender_rank(worker_rank_);
+  h.set_epoch(control_->membership().epoch());
+  h.set_request_id(next_request_id_++);
+  Status s = SendMessage(peer.socket, msg, nullptr, &bytes_sent_);
+  if (!s.ok()) return Status::IoError("sending to " + peer.name + ": " + s.message());
+  return Status::OK();
+}
+
+Status PsClient::Init(const float* params) {
+  for (auto& p : peers_) {
+    Message m = Request(p, proto::INIT, -1);
+    EncodeDense(std::vector<float>(params + p.range.begin, params + p.range.end), &m);
+    SPARSEPS_RETURN_IF_ERROR(Send(p, m));
+    p.expected.push_back(proto::INIT_ACK);
+  }
+  return AwaitAll(-1, nullptr);
+}
+
+Status PsClient::PullInitial(float* params) {
+  for (auto& p : peers_) {
+    Message m = Request(p, proto::PULL, -1);
+    m.header.set_have_version(-1);
+    SPARSEPS_RETURN_IF_ERROR(Send(p, m));
+    p.expected.push_back(proto::PULL_REPLY);
+  }
+  return AwaitAll(-1, params);
+}
+
+Status PsClient::PushPull(int64_t iteration, std::vector<Message>& pushes, float* params) {
+  if (pushes.size() != peers_.size()) {
+    return Status::Internal("PushPull needs one push per key range: got " +
+                            std::to_string(pushes.size()) + " for " +
+                            std::to_string(peers_.size()));
+  }
+  for (size_t r = 0; r < peers_.size(); ++r) {
+    Peer& p = peers_[r];
+    Message& push = pushes[r];
+    push.header.set_command(proto::PUSH);
+    push.header.set_iteration(iteration);
+    SPARSEPS_RETURN_IF_ERROR(Send(p, push));
+    // The pull goes out at once: the server answers it when the iteration is applied.
+    Message pull = Request(p, proto::PULL, iteration);
+    pull.header.set_have_version(p.version);
+    SPARSEPS_RETURN_IF_ERROR(Send(p, pull));
+    p.expected.push_back(proto::PUSH_ACK);
+    p.expected.push_back(proto::PULL_REPLY);
+  }
+  return AwaitAll(iteration, params);
+}
+
+Status PsClient::ApplyPullReply(Peer& peer, const Message& msg, float* params) {
+  const Codec* codec = FindCodec(msg.header.encoding());
+  if (codec == nullptr)
+    return Status::ProtocolError(peer.name + " replied with an unknown encoding");
+  DecodedPayload p;
+  Status s = codec->Decode(msg, peer.range.size(), &p);
+  if (!s.ok())
+    return Status::ProtocolError("bad PULL_REPLY from " + peer.name + ": " + s.message());
+  if (!p.is_dense() && msg.header.version() != peer.version + 1) {
+    return Status::ProtocolError(peer.name + " sent a sparse delta for version " +
+                                 std::to_string(msg.header.version()) + " but we hold " +
+                                 std::to_string(peer.version));
+  }
+  float* base = params + peer.range.begin;
+  if (p.is_dense()) {
+    std::copy(p.dense.begin(), p.dense.end(), base);
+  } else {
+    for (size_t j = 0; j < p.indices.size(); ++j) base[p.indices[j]] = p.values[j];
+  }
+  peer.version = msg.header.version();
+  return Status::OK();
+}
+
+Status PsClient::AwaitAll(int64_t iteration, float* params) {
+  const auto start = Clock::now();
+  std::vector<zmq::socket_t*> sockets;
+  for (auto& p : peers_) sockets.push_back(&p.socket);
+  sockets.push_back(&control_->socket());
+  while (true) {
+    const Peer* waiting = nullptr;
+    for (const auto& p : peers_) {
+      if (!p.expected.empty()) {
+        waiting = &p;
+        break;
+      }
+    }
+    if (waiting == nullptr) return Status::OK();
+    const double left = request_timeout_s_ - SecondsSince(start);
+    if (left <= 0) {
+      return Status::DeadlineExceeded("timed out after " + std::to_string(request_timeout_s_) +
+                                      " s waiting for " + CommandName(waiting->expected.front()) +
+                                      " (iteration " + std::to_string(iteration) + ") from " +
+                                      waiting->name);
+    }
+    auto ready = PollIn(sockets, std::min<int64_t>(200, static_cast<int64_t>(left * 1000) + 1));
+    if (ready.back() || StopRequested()) SPARSEPS_RETURN_IF_ERROR(control_->Poll());
+    for (size_t i = 0; i < peers_.size(); ++i) {
+      if (!ready[i]) continue;
+      Peer& p = peers_[i];
+      while (true) {
+        auto msg = RecvMessage(p.socket, false, nullptr, &bytes_received_);
+        if (!msg.ok() && msg.status().code() == StatusCode::kIoError) break;
+        if (!msg.ok()) {
+          return Status::ProtocolError("malformed reply from " + p.name + ": " +
+                                       msg.status().message());
+        }
+        const auto& h = msg->header;
+        if (h.command() == proto::ERROR) {
+          return Status::ProtocolError(p.name + " rejected our request (iteration " +
+                                       std::to_string(h.iteration()) + "): " + h.error());
+        }
+        if (p.expected.empty() || h.command() != p.expected.front()) {
+          return Status::ProtocolError(
+              "unexpected " + CommandName(h.command()) + " from " + p.name + " (expected " +
+              (p.expected.empty() ? std::string("nothing") : CommandName(p.expected.front())) +
+              ")");
+        }
+        p.expected.pop_front();
+        if (h.command() == proto::PULL_REPLY) {
+          SPARSEPS_RETURN_IF_ERROR(ApplyPullReply(p, *msg, params));
+        }
+      }
+    }
+  }
+}
+
+}  // namespace sparseps

@@ -1,0 +1,73 @@
+// The worker's key-value client of the parameter servers (ps-lite's KVWorker, BSP flavour).
+//
+// One DEALER socket per server. Every wait has a deadline (cluster.request_timeout_s) and an
+// error names the server; a FATAL from the scheduler ends any wait at once.
+//
+// Thread-safety: used by one thread.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <string>
+#include <vector>
+#include <zmq.hpp>
+
+#include "common/control_client.h"
+#include "common/key_range.h"
+#include "common/message.h"
+
+namespace sparseps {
+
+class PsClient {
+ public:
+  // Connects to every server in the membership. `control` is polled during waits.
+  PsClient(zmq::context_t& context, const proto::Membership& membership, int worker_rank,
+           ControlClient* control, double request_timeout_s);
+
+  // The key ranges, sorted (one per server).
+  const std::vector<KeyRange>& ranges() const { return ranges_; }
+
+  // Sends the initial parameters (num_params floats) to their servers and waits for the acks.
+  // Done by one worker (rank 0) before the others pull.
+  Status Init(const float* params);
+
+  // Pulls every range densely once the servers are initialised (version 0) into params.
+  Status PullInitial(float* params);
+
+  // Pushes pushes[r] (one Message per range, as a Compressor makes them) for `iteration`, then
+  // pulls the result of that iteration into params: the changed entries, or the dense range.
+  // Errors: ProtocolError when a server rejects a push or replies wrongly (the server's reason
+  // included), DeadlineExceeded naming the server, Aborted on FATAL.
+  Status PushPull(int64_t iteration, std::vector<Message>& pushes, float* params);
+
+  uint64_t bytes_sent() const { return bytes_sent_; }
+  uint64_t bytes_received() const { return bytes_received_; }
+  // Parameter version (applied iterations) held for range r.
+  int64_t version(size_t r) const { return peers_[r].version; }
+
+ private:
+  struct Peer {
+    KeyRange range;
+    int server_rank = 0;
+    std::string name;  // "server 1 at tcp://host:port"
+    zmq::socket_t socket;
+    int64_t version = -1;
+    std::deque<proto::Command> expected;  // replies still to come, in order
+  };
+
+  Status Send(Peer& peer, Message& msg);
+  Message Request(const Peer& peer, proto::Command command, int64_t iteration);
+  Status AwaitAll(int64_t iteration, float* params);
+  Status ApplyPullReply(Peer& peer, const Message& msg, float* params);
+
+  ControlClient* control_;
+  const int worker_rank_;
+  const double request_timeout_s_;
+  std::vector<KeyRange> ranges_;
+  std::vector<Peer> peers_;
+  uint64_t next_request_id_ = 1;
+  uint64_t bytes_sent_ = 0;
+  uint64_t bytes_received_ = 0;
+};
+
+}  // namespace sparseps
