@@ -1,0 +1,157 @@
+#!/usr/bin/env bash
+# Runs a whole local cluster for one config: 1 scheduler, S servers, W workers (S and W from the
+# config), each a process of its own with its log in the run directory. Streams worker 0's
+# progress lines, stops every process it started on exit or Ctrl-C, fails fast (showing the
+# failing process's log) if one dies, and prints the run directory at the end.
+#
+#   deploy/launch.sh [--config F] [--set key=value ...] [--run-dir D] [--build-dir B] [--quiet]
+#
+# Exit code: 0 when the job finished, 2 for a bad config, 1 when a process failed.
+set -uo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+config="$here/configs/quickstart.yaml"
+build_dir="${SPARSEPS_BUILD_DIR:-$here/build}"
+run_dir=""
+quiet=0
+sets=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --config) config="$2"; shift 2 ;;
+    --config=*) config="${1#*=}"; shift ;;
+    --set) sets+=(--set "$2"); shift 2 ;;
+    --set=*) sets+=(--set "${1#*=}"); shift ;;
+    --run-dir) run_dir="$2"; shift 2 ;;
+    --build-dir) build_dir="$2"; shift 2 ;;
+    --quiet) quiet=1; shift ;;
+    -h|--help) sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "launch.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+  esac
+done
+
+scheduler_bin="$build_dir/scheduler/sparseps-scheduler"
+server_bin="$build_dir/server/sparseps-server"
+worker_bin="$build_dir/worker/sparseps-worker"
+for b in "$scheduler_bin" "$server_bin" "$worker_bin"; do
+  [[ -x "$b" ]] || { echo "launch.sh: $b not found; build first (deploy/quickstart.sh does)" >&2; exit 1; }
+done
+[[ -f "$config" ]] || { echo "launch.sh: config $config not found" >&2; exit 2; }
+
+# Read the resolved settings through the daemons' own strict loader (bad configs fail here).
+if ! resolved="$("$worker_bin" --config "$config" "${sets[@]}" \
+      --get cluster.num_servers --get cluster.num_workers --get run.name 2>&1)"; then
+  echo "$resolved" >&2
+  exit 2
+fi
+{ read -r num_servers; read -r num_workers; read -r job_name; } <<<"$resolved"
+
+if [[ -z "$run_dir" ]]; then
+  run_dir="$here/runs/${job_name}-$(date +%Y%m%d-%H%M%S)-$$"
+fi
+mkdir -p "$run_dir"
+run_dir="$(cd "$run_dir" && pwd)"
+cp "$config" "$run_dir/config.yaml"
+printf '%s\n' "${sets[@]}" | paste -sd' ' > "$run_dir/overrides.txt"
+
+# One BLAS thread per process: the processes share the machine's cores.
+export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"
+
+pids=()
+names=()
+tail_pid=""
+stop_all() {
+  local sig="${1:-TERM}"
+  for p in "${pids[@]}"; do kill -"$sig" "$p" 2>/dev/null; done
+}
+cleanup() {
+  stop_all TERM
+  # Give the processes up to 5 s to exit, then kill what is left.
+  for _ in $(seq 50); do
+    local alive=0
+    for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
+    [[ $alive -eq 0 ]] && break
+    sleep 0.1
+  done
+  stop_all KILL
+  # Ending tail closes the pipe, so the filter behind it ends too.
+  [[ -n "$tail_pid" ]] && kill "$tail_pid" 2>/dev/null
+  for p in "${pids[@]}" $tail_pid; do wait "$p" 2>/dev/null; done
+}
+on_signal() {
+  echo "launch.sh: interrupted; stopping every process" >&2
+  cleanup
+  exit 130
+}
+trap on_signal INT TERM
+trap cleanup EXIT
+
+start() {  # start NAME COMMAND...
+  local name="$1"; shift
+  "$@" >"$run_dir/$name.log" 2>&1 &
+  pids+=("$!")
+  names+=("$name")
+}
+
+common=(--config "$config" --set "run.dir=$run_dir" --set cluster.scheduler_port=0 "${sets[@]}")
+start scheduler "$scheduler_bin" "${common[@]}"
+# The scheduler binds a free port and writes it to the run directory.
+for _ in $(seq 300); do
+  [[ -s "$run_dir/scheduler.port" ]] && break
+  kill -0 "${pids[0]}" 2>/dev/null || break
+  sleep 0.1
+done
+if [[ ! -s "$run_dir/scheduler.port" ]]; then
+  echo "launch.sh: the scheduler did not start; its log ($run_dir/scheduler.log):" >&2
+  tail -n 30 "$run_dir/scheduler.log" >&2
+  exit 1
+fi
+port="$(cat "$run_dir/scheduler.port")"
+for ((s = 0; s < num_servers; s++)); do
+  start "server-$s" "$server_bin" "${common[@]}" --set "cluster.scheduler_port=$port" \
+    --set "node.rank=$s"
+done
+for ((w = 0; w < num_workers; w++)); do
+  start "worker-$w" "$worker_bin" "${common[@]}" --set "cluster.scheduler_port=$port" \
+    --set "node.rank=$w"
+done
+echo "sparseps: ${job_name}: 1 scheduler (port $port), $num_servers servers, $num_workers workers; logs in $run_dir"
+
+if [[ $quiet -eq 0 ]]; then
+  tail -n +1 -F "$run_dir/worker-0.log" 2>/dev/null > >(
+    grep --line-buffered -E "progress|eval epoch|training done|\[error\]" |
+      sed -u -E 's/^\[[^]]*\] \[[^]]*\] \[[a-z]*\] //') &
+  tail_pid=$!
+fi
+
+failed=""
+# Poll rather than `wait -n`: bash 5.2's `wait -n PID...` can miss children that exit together.
+declare -A exited=()
+while [[ ${#exited[@]} -lt ${#pids[@]} && -z "$failed" ]]; do
+  for i in "${!pids[@]}"; do
+    p="${pids[$i]}"
+    [[ -n "${exited[$p]:-}" ]] && continue
+    kill -0 "$p" 2>/dev/null && continue
+    wait "$p"
+    rc=$?
+    exited[$p]=$rc
+    if [[ $rc -ne 0 ]]; then
+      failed="${names[$i]}"
+      echo "launch.sh: ${names[$i]} exited with code $rc; its log ($run_dir/${names[$i]}.log):" >&2
+      tail -n 30 "$run_dir/${names[$i]}.log" >&2
+      break
+    fi
+  done
+  [[ -z "$failed" && ${#exited[@]} -lt ${#pids[@]} ]] && sleep 0.2
+done
+sleep 0.3  # let the progress stream print its last lines
+if [[ -n "$failed" ]]; then
+  echo "launch.sh: stopping the other processes" >&2
+  exit 1
+fi
+acc="$(grep -o '"final_test_accuracy": *[0-9.eE+-]*' "$run_dir/summary.json" 2>/dev/null | grep -o '[0-9.eE+-]*$')"
+wall="$(grep -o '"wall_clock_s": *[0-9.eE+-]*' "$run_dir/summary.json" 2>/dev/null | grep -o '[0-9.eE+-]*$')"
+if [[ -n "$acc" ]]; then
+  printf 'sparseps: %s finished in %.1f s: final test accuracy %.2f%%\n' "$job_name" "$wall" \
+    "$(awk -v a="$acc" 'BEGIN { print 100 * a }')"
+fi
+echo "sparseps: run directory $run_dir"
