@@ -13,6 +13,7 @@ namespace {
 
 Message NewPush(const KeyRange& r) {
   Message m;
+  m.header.set_command(proto::PUSH);
   m.header.set_key_begin(r.begin);
   m.header.set_key_end(r.end);
   return m;

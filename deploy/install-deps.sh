@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Installs everything sparseps needs to build, test and run its quickstart on Debian 12, with
+# apt-get. Idempotent: when every package is already installed it does nothing (no root needed).
+#
+#   deploy/install-deps.sh            # build + test + run dependencies
+#
+# Runs apt-get through sudo when not root.
+set -euo pipefail
+
+packages=(
+  build-essential cmake ninja-build pkg-config git
+  libzmq3-dev cppzmq-dev
+  libprotobuf-dev protobuf-compiler
+  libyaml-cpp-dev libcli11-dev libspdlog-dev libfmt-dev
+  libopenblas-dev zlib1g-dev
+  googletest libgtest-dev libgmock-dev libbenchmark-dev
+  dataset-fashion-mnist
+  clang-format iproute2 procps python3
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+if [[ ${#missing[@]} -eq 0 ]]; then
+  echo "install-deps: all ${#packages[@]} packages already installed"
+  exit 0
+fi
+
+sudo=()
+if [[ $(id -u) -ne 0 ]]; then
+  command -v sudo >/dev/null || { echo "install-deps: need root or sudo to install: ${missing[*]}" >&2; exit 1; }
+  sudo=(sudo)
+fi
+echo "install-deps: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+"${sudo[@]}" apt-get update -q
+"${sudo[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}"

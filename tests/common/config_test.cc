@@ -1,0 +1,138 @@
+// Config loading: strict validation with messages naming file, line and key.
+#include "common/config.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <string>
+
+namespace sparseps {
+namespace {
+
+using ::testing::HasSubstr;
+
+class ConfigTest : public ::testing::Test {
+ protected:
+  std::string Write(const std::string& text) {
+    path_ = ::testing::TempDir() + "sparseps_config_test_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name() + ".yaml";
+    std::ofstream(path_) << text;
+    return path_;
+  }
+  void TearDown() override {
+    if (!path_.empty()) std::remove(path_.c_str());
+  }
+  static const char* NoEnv(const char*) { return nullptr; }
+  std::string path_;
+};
+
+TEST_F(ConfigTest, LoadsQuickstart) {
+  auto c = LoadConfig(std::string(SPARSEPS_SOURCE_DIR) + "/configs/quickstart.yaml", {}, NoEnv);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->cluster().num_servers(), 2u);
+  EXPECT_EQ(c->cluster().num_workers(), 2u);
+  EXPECT_EQ(c->compression().encoding(), proto::TOPK);
+  EXPECT_DOUBLE_EQ(c->compression().density(), 0.01);
+  ASSERT_EQ(c->model().hidden_size(), 2);
+  EXPECT_EQ(c->model().hidden(0), 256u);
+}
+
+TEST_F(ConfigTest, UnknownKeyNamesFileLineAndKey) {
+  auto path = Write("cluster:\n  num_workers: 2\n  num_wrokers: 3\n");
+  auto c = LoadConfig(path, {}, NoEnv);
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(c.status().message(), HasSubstr(path + ":3:"));
+  EXPECT_THAT(c.status().message(), HasSubstr("unknown key 'cluster.num_wrokers'"));
+}
+
+TEST_F(ConfigTest, UnknownSectionIsRejected) {
+  auto path = Write("clutser:\n  num_workers: 2\n");
+  auto c = LoadConfig(path, {}, NoEnv);
+  ASSERT_FALSE(c.ok());
+  EXPECT_THAT(c.status().message(), HasSubstr(path + ":1:"));
+  EXPECT_THAT(c.status().message(), HasSubstr("'clutser'"));
+}
+
+TEST_F(ConfigTest, WrongTypeNamesFileLineAndKey) {
+  auto path = Write("run:\n  name: x\ntrain:\n  batch_size: sixty-four\n");
+  auto c = LoadConfig(path, {}, NoEnv);
+  ASSERT_FALSE(c.ok());
+  EXPECT_THAT(c.status().message(), HasSubstr(path + ":4:"));
+  EXPECT_THAT(c.status().message(), HasSubstr("train.batch_size"));
+}
+
+TEST_F(ConfigTest, ListWhereScalarExpected) {
+  auto path = Write("train:\n  lr: [1, 2]\n");
+  auto c = LoadConfig(path, {}, NoEnv);
+  ASSERT_FALSE(c.ok());
+  EXPECT_THAT(c.status().message(), HasSubstr(path + ":2:"));
+  EXPECT_THAT(c.status().message(), HasSubstr("train.lr"));
+}
+
+TEST_F(ConfigTest, OutOfRangeNamesKey) {
+  auto path = Write("compression:\n  density: 1.5\n");
+  auto c = LoadConfig(path, {}, NoEnv);
+  ASSERT_FALSE(c.ok());
+  EXPECT_THAT(c.status().message(), HasSubstr(path + ":2:"));
+  EXPECT_THAT(c.status().message(), HasSubstr("compression.density"));
+}
+
+TEST_F(ConfigTest, UnknownEncodingIsRejected) {
+  auto path = Write("compression:\n  encoding: topq\n");
+  auto c = LoadConfig(path, {}, NoEnv);
+  ASSERT_FALSE(c.ok());
+  EXPECT_THAT(c.status().message(), HasSubstr("compression.encoding"));
+}
+
+TEST_F(ConfigTest, MalformedYamlNamesLine) {
+  auto path = Write("cluster:\n  num_workers: [2\n");
+  auto c = LoadConfig(path, {}, NoEnv);
+  ASSERT_FALSE(c.ok());
+  EXPECT_THAT(c.status().message(), HasSubstr(path));
+}
+
+TEST_F(ConfigTest, MissingFile) {
+  auto c = LoadConfig("/nonexistent/sparseps.yaml", {}, NoEnv);
+  ASSERT_FALSE(c.ok());
+  EXPECT_THAT(c.status().message(), HasSubstr("/nonexistent/sparseps.yaml"));
+}
+
+TEST_F(ConfigTest, OverridesApplyAndAreChecked) {
+  auto path = Write("cluster:\n  num_workers: 2\n");
+  auto c = LoadConfig(path, {"cluster.num_workers=5", "train.lr=0.5"}, NoEnv);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->cluster().num_workers(), 5u);
+  EXPECT_DOUBLE_EQ(c->train().lr(), 0.5);
+
+  auto bad = LoadConfig(path, {"train.lrr=0.5"}, NoEnv);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(bad.status().message(), HasSubstr("--set train.lrr"));
+  auto bad_type = LoadConfig(path, {"train.epochs=many"}, NoEnv);
+  ASSERT_FALSE(bad_type.ok());
+  EXPECT_THAT(bad_type.status().message(), HasSubstr("train.epochs"));
+  auto no_value = LoadConfig(path, {"train.epochs"}, NoEnv);
+  EXPECT_FALSE(no_value.ok());
+}
+
+TEST_F(ConfigTest, SchedulerAddressFromEnvironment) {
+  auto path = Write("cluster:\n  num_workers: 2\n");
+  std::map<std::string, std::string> env = {{"SPARSEPS_SCHEDULER", "10.0.0.7:9100"}};
+  auto lookup = [&env](const char* name) -> const char* {
+    auto it = env.find(name);
+    return it == env.end() ? nullptr : it->second.c_str();
+  };
+  auto c = LoadConfig(path, {}, lookup);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->cluster().scheduler_host(), "10.0.0.7");
+  EXPECT_EQ(c->cluster().scheduler_port(), 9100u);
+
+  env["SPARSEPS_SCHEDULER"] = "10.0.0.7:notaport";
+  EXPECT_FALSE(LoadConfig(path, {}, lookup).ok());
+}
+
+}  // namespace
+}  // namespace sparseps

@@ -1,0 +1,138 @@
+// The transport: header frame + payload frames, every size validated before use.
+#include "common/message.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+#include <zmq.hpp>
+
+#include "common/van.h"
+
+namespace sparseps {
+namespace {
+
+class MessageTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    router_ = zmq::socket_t(ctx_, zmq::socket_type::router);
+    router_.bind("inproc://message_test");
+    dealer_ = zmq::socket_t(ctx_, zmq::socket_type::dealer);
+    dealer_.set(zmq::sockopt::routing_id, "peer-1");
+    dealer_.connect("inproc://message_test");
+  }
+  // Receives the next message at the router (waits up to 5 s).
+  Result<Message> Receive(std::string* from, uint64_t* bytes = nullptr) {
+    auto ready = PollIn({&router_}, 5000);
+    if (!ready[0]) return Status::DeadlineExceeded("nothing arrived");
+    return RecvMessage(router_, true, from, bytes);
+  }
+  void SendRaw(const std::vector<std::string>& parts) {
+    for (size_t i = 0; i < parts.size(); ++i) {
+      dealer_.send(zmq::buffer(parts[i]),
+                   i + 1 < parts.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
+    }
+  }
+  zmq::context_t ctx_;
+  zmq::socket_t router_;
+  zmq::socket_t dealer_;
+};
+
+TEST_F(MessageTest, RoundTripCountsBytes) {
+  Message m;
+  m.header.set_command(proto::PUSH);
+  m.header.set_iteration(7);
+  AddFrame(&m, proto::U32, std::vector<uint32_t>{1, 2, 3});
+  AddFrame(&m, proto::F32, std::vector<float>{0.5f, -1.0f, 2.0f});
+  uint64_t sent = 0;
+  ASSERT_TRUE(SendMessage(dealer_, m, nullptr, &sent).ok());
+  std::string from;
+  uint64_t received = 0;
+  auto r = Receive(&from, &received);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(from, "peer-1");
+  EXPECT_EQ(sent, received);
+  EXPECT_EQ(r->header.iteration(), 7);
+  auto idx = r->FrameAs<uint32_t>(0, proto::U32);
+  auto val = r->FrameAs<float>(1, proto::F32);
+  ASSERT_TRUE(idx.ok() && val.ok());
+  EXPECT_EQ((std::vector<uint32_t>(idx->begin(), idx->end())), (std::vector<uint32_t>{1, 2, 3}));
+  EXPECT_EQ((*val)[1], -1.0f);
+  // Asking for the wrong type or a missing frame is an error, not a reinterpretation.
+  EXPECT_FALSE(r->FrameAs<float>(0, proto::F32).ok());
+  EXPECT_FALSE(r->FrameAs<float>(2, proto::F32).ok());
+}
+
+TEST_F(MessageTest, RejectsGarbageHeader) {
+  SendRaw({std::string("\xff\xff\xff\xff\x0f garbage", 13)});
+  std::string from;
+  auto r = Receive(&from);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kProtocolError);
+  EXPECT_EQ(from, "peer-1");
+}
+
+TEST_F(MessageTest, RejectsHeaderLyingAboutFrameSize) {
+  proto::Header h;
+  h.set_command(proto::PUSH);
+  auto* f = h.add_frames();
+  f->set_type(proto::F32);
+  f->set_bytes(1 << 20);  // claims 1 MiB, carries 8 bytes
+  SendRaw({h.SerializeAsString(), std::string(8, '\0')});
+  std::string from;
+  auto r = Receive(&from);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("declares"), std::string::npos) << r.status().message();
+}
+
+TEST_F(MessageTest, RejectsFrameCountMismatch) {
+  proto::Header h;
+  h.set_command(proto::PUSH);
+  auto* f = h.add_frames();
+  f->set_type(proto::F32);
+  f->set_bytes(4);
+  SendRaw({h.SerializeAsString()});  // declares one payload frame, sends none
+  std::string from;
+  EXPECT_FALSE(Receive(&from).ok());
+}
+
+TEST_F(MessageTest, RejectsSizeNotMultipleOfElement) {
+  proto::Header h;
+  h.set_command(proto::PUSH);
+  auto* f = h.add_frames();
+  f->set_type(proto::F32);
+  f->set_bytes(6);
+  SendRaw({h.SerializeAsString(), std::string(6, '\0')});
+  std::string from;
+  EXPECT_FALSE(Receive(&from).ok());
+}
+
+TEST_F(MessageTest, RejectsTooManyFrames) {
+  std::vector<std::string> parts;
+  proto::Header h;
+  for (size_t i = 0; i < kMaxPayloadFrames + 1; ++i) {
+    auto* f = h.add_frames();
+    f->set_type(proto::U8);
+    f->set_bytes(1);
+  }
+  parts.push_back(h.SerializeAsString());
+  for (size_t i = 0; i < kMaxPayloadFrames + 1; ++i) parts.push_back("x");
+  SendRaw(parts);
+  std::string from;
+  EXPECT_FALSE(Receive(&from).ok());
+}
+
+TEST_F(MessageTest, ValidMessageAfterGarbageStillArrives) {
+  SendRaw({"not a header at all \x01\x02"});
+  Message m;
+  m.header.set_command(proto::PING);
+  ASSERT_TRUE(SendMessage(dealer_, m).ok());
+  std::string from;
+  (void)Receive(&from);
+  auto r = Receive(&from);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->header.command(), proto::PING);
+}
+
+}  // namespace
+}  // namespace sparseps

@@ -1,0 +1,73 @@
+// deploy/launch.sh, the local cluster launcher: a tiny job end to end, a bad config (exit 2 with
+// the file, line and key), and a failing process (exit 1, its log shown, the others stopped).
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "tests/support/process.h"
+
+namespace sparseps {
+namespace {
+
+using testing::ChildProcess;
+using ::testing::HasSubstr;
+using testing::TempDir;
+
+std::vector<std::string> Launch(const std::string& run_dir, std::vector<std::string> args) {
+  std::vector<std::string> a = {
+      "/bin/bash",   std::string(SPARSEPS_SOURCE_DIR) + "/deploy/launch.sh",
+      "--build-dir", SPARSEPS_BINARY_DIR,
+      "--run-dir",   run_dir};
+  a.insert(a.end(), args.begin(), args.end());
+  return a;
+}
+
+TEST(Launcher, RunsAJobAndWritesTheRunDirectory) {
+  if (!std::filesystem::exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")) {
+    GTEST_SKIP() << "Fashion-MNIST not installed";
+  }
+  TempDir dir("launch");
+  const std::string run = dir.path() + "/run";
+  ChildProcess p(Launch(run, {"--set", "model.hidden=[32]", "--set", "data.max_train_samples=2048",
+                              "--set", "data.max_test_samples=500", "--set", "train.max_steps=20",
+                              "--set", "cluster.num_workers=3"}),
+                 dir.path() + "/launch.log");
+  ASSERT_EQ(p.Wait(120), 0) << p.Log();
+  const std::string log = p.Log();
+  EXPECT_THAT(log, HasSubstr("3 workers"));
+  EXPECT_THAT(log, HasSubstr("final test accuracy"));
+  EXPECT_THAT(log, HasSubstr("run directory " + run));
+  for (const char* f :
+       {"summary.json", "config.yaml", "scheduler.log", "server-0.log", "server-1.log",
+        "worker-2.log", "metrics-worker-2.csv", "eval-worker-0.csv"}) {
+    EXPECT_TRUE(std::filesystem::exists(run + "/" + f)) << f;
+  }
+  EXPECT_THAT(testing::ReadFile(run + "/summary.json"), HasSubstr("\"status\": \"ok\""));
+}
+
+TEST(Launcher, BadConfigExitsTwoNamingFileLineAndKey) {
+  TempDir dir("launch-bad");
+  const std::string config = dir.path() + "/bad.yaml";
+  std::ofstream(config) << "cluster:\n  num_servers: 1\ntrain:\n  epohcs: 3\n";
+  ChildProcess p(Launch(dir.path() + "/run", {"--config", config}), dir.path() + "/launch.log");
+  EXPECT_EQ(p.Wait(30), 2) << p.Log();
+  EXPECT_THAT(p.Log(), HasSubstr(config + ":4:"));
+  EXPECT_THAT(p.Log(), HasSubstr("train.epohcs"));
+}
+
+TEST(Launcher, FailingProcessStopsTheJobAndShowsItsLog) {
+  TempDir dir("launch-fail");
+  ChildProcess p(Launch(dir.path() + "/run", {"--set", "data.dir=/nonexistent/fashion", "--set",
+                                              "cluster.register_timeout_s=60"}),
+                 dir.path() + "/launch.log");
+  EXPECT_EQ(p.Wait(60), 1) << p.Log();
+  EXPECT_THAT(p.Log(), HasSubstr("exited with code"));
+  EXPECT_THAT(p.Log(), HasSubstr("/nonexistent/fashion"));
+}
+
+}  // namespace
+}  // namespace sparseps

@@ -1,0 +1,176 @@
+// End to end on loopback: the real scheduler, 2 servers and 2 workers as separate processes
+// train a small MLP on Fashion-MNIST for a few dozen steps. Every process must exit 0 within the
+// hard timeout, the loss must decrease, and the run directory must hold the metrics and summary.
+#include <gmock/gmock.h>
+#include <google/protobuf/util/json_util.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "proto/summary.pb.h"
+#include "tests/support/process.h"
+
+namespace sparseps {
+namespace {
+
+using testing::ChildProcess;
+using testing::TempDir;
+
+constexpr double kHardTimeoutS = 120;
+const char* kData = "/usr/share/datasets/fashion-mnist";
+
+struct Cluster {
+  std::unique_ptr<ChildProcess> scheduler;
+  std::vector<std::unique_ptr<ChildProcess>> nodes;  // servers then workers
+};
+
+// Starts 1 scheduler, `servers` servers and `workers` workers on `config` with `extra` overrides.
+Cluster Start(const TempDir& dir, const std::string& config, int servers, int workers,
+              const std::vector<std::string>& extra) {
+  Cluster c;
+  std::vector<std::string> common = {"--config", config,
+                                     "--set",    "run.dir=" + dir.path(),
+                                     "--set",    "cluster.num_servers=" + std::to_string(servers),
+                                     "--set",    "cluster.num_workers=" + std::to_string(workers)};
+  for (const auto& e : extra) {
+    common.push_back("--set");
+    common.push_back(e);
+  }
+  auto args = [&](const std::string& bin, std::vector<std::string> more) {
+    std::vector<std::string> a = {testing::BinaryPath(bin)};
+    a.insert(a.end(), common.begin(), common.end());
+    a.insert(a.end(), more.begin(), more.end());
+    return a;
+  };
+  c.scheduler = std::make_unique<ChildProcess>(
+      args("scheduler/sparseps-scheduler", {"--set", "cluster.scheduler_port=0"}),
+      dir.path() + "/scheduler.log");
+  const std::string port = testing::WaitForFile(dir.path() + "/scheduler.port", 30);
+  if (port.empty()) {
+    ADD_FAILURE() << "the scheduler did not write its port:\n" << c.scheduler->Log();
+    return c;
+  }
+  const std::string port_set = "cluster.scheduler_port=" + port;
+  const std::vector<std::string> env = {"OPENBLAS_NUM_THREADS=1"};
+  for (int s = 0; s < servers; ++s) {
+    c.nodes.push_back(std::make_unique<ChildProcess>(
+        args("server/sparseps-server",
+             {"--set", port_set, "--set", "node.rank=" + std::to_string(s)}),
+        dir.path() + "/server-" + std::to_string(s) + ".log", env));
+  }
+  for (int w = 0; w < workers; ++w) {
+    c.nodes.push_back(std::make_unique<ChildProcess>(
+        args("worker/sparseps-worker",
+             {"--set", port_set, "--set", "node.rank=" + std::to_string(w)}),
+        dir.path() + "/worker-" + std::to_string(w) + ".log", env));
+  }
+  return c;
+}
+
+// Column `name` of a CSV file as doubles.
+std::vector<double> CsvColumn(const std::string& path, const std::string& name) {
+  std::ifstream in(path);
+  std::string line;
+  std::getline(in, line);
+  std::vector<std::string> header;
+  std::stringstream hs(line);
+  for (std::string cell; std::getline(hs, cell, ',');) header.push_back(cell);
+  const auto col = std::find(header.begin(), header.end(), name) - header.begin();
+  std::vector<double> values;
+  while (std::getline(in, line)) {
+    std::stringstream ls(line);
+    std::string cell;
+    for (long i = 0; i <= col && std::getline(ls, cell, ','); ++i) {
+    }
+    values.push_back(std::stod(cell));
+  }
+  return values;
+}
+
+class LocalClusterTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(LocalClusterTest, TrainsAndEveryProcessExitsZero) {
+  if (!std::filesystem::exists(std::string(kData) + "/train-images-idx3-ubyte.gz")) {
+    GTEST_SKIP() << "Fashion-MNIST not installed (deploy/install-deps.sh installs it)";
+  }
+  TempDir dir("cluster");
+  const std::string config = std::string(SPARSEPS_SOURCE_DIR) + "/configs/quickstart.yaml";
+  Cluster c =
+      Start(dir, config, 2, 2,
+            {"compression.encoding=" + GetParam(), "model.hidden=[64]",
+             "data.max_train_samples=4096", "data.max_test_samples=1000", "train.max_steps=40",
+             "train.batch_size=32", "cluster.register_timeout_s=60", "run.progress_interval_s=0"});
+  ASSERT_NE(c.scheduler, nullptr);
+  for (auto& n : c.nodes) {
+    EXPECT_EQ(n->Wait(kHardTimeoutS), 0) << n->log_path() << ":\n" << n->Log();
+  }
+  EXPECT_EQ(c.scheduler->Wait(30), 0) << c.scheduler->Log();
+
+  for (int w = 0; w < 2; ++w) {
+    const auto loss =
+        CsvColumn(dir.path() + "/metrics-worker-" + std::to_string(w) + ".csv", "loss");
+    ASSERT_EQ(loss.size(), 40u) << "one metrics row per step";
+    double first = 0, last = 0;
+    for (size_t i = 0; i < 5; ++i) {
+      first += loss[i];
+      last += loss[loss.size() - 1 - i];
+    }
+    EXPECT_LT(last, 0.8 * first) << "worker " << w << ": mean loss of the first 5 steps "
+                                 << first / 5 << ", of the last 5 " << last / 5;
+    const auto sent =
+        CsvColumn(dir.path() + "/metrics-worker-" + std::to_string(w) + ".csv", "bytes_sent");
+    for (double b : sent) ASSERT_GT(b, 0);
+  }
+
+  proto::RunSummary summary;
+  const std::string json = testing::ReadFile(dir.path() + "/summary.json");
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(json, &summary).ok()) << json;
+  EXPECT_EQ(summary.status(), "ok");
+  EXPECT_EQ(summary.steps(), 40u);
+  EXPECT_EQ(summary.workers_size(), 2);
+  EXPECT_GT(summary.final_test_accuracy(), 0.5);  // 40 steps of a 64-unit MLP: well above 10%
+  EXPECT_GT(summary.bytes_sent_per_worker_per_step(), 0);
+  if (GetParam() == "topk") {
+    // Top-k at 1%: far fewer bytes than the dense model (4 bytes per parameter).
+    EXPECT_LT(summary.bytes_sent_per_worker_per_step(), 0.1 * 4 * summary.num_params());
+  } else {
+    EXPECT_GE(summary.bytes_sent_per_worker_per_step(), 4 * summary.num_params());
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Encodings, LocalClusterTest, ::testing::Values("topk", "dense"));
+
+// A worker that dies mid-job: the scheduler detects it by heartbeat and ends the job with an
+// error that names it; nothing hangs.
+TEST(LocalClusterFailure, DeadWorkerEndsTheJobWithAClearError) {
+  if (!std::filesystem::exists(std::string(kData) + "/train-images-idx3-ubyte.gz")) {
+    GTEST_SKIP() << "Fashion-MNIST not installed";
+  }
+  TempDir dir("dead-worker");
+  const std::string config = std::string(SPARSEPS_SOURCE_DIR) + "/configs/quickstart.yaml";
+  Cluster c =
+      Start(dir, config, 1, 2,
+            {"model.hidden=[32]", "data.max_train_samples=2048", "data.max_test_samples=500",
+             "train.epochs=1000", "cluster.heartbeat_interval_s=0.2",
+             "cluster.heartbeat_timeout_s=2", "cluster.request_timeout_s=30"});
+  ASSERT_NE(c.scheduler, nullptr);
+  ChildProcess& victim = *c.nodes.back();  // worker 1
+  ASSERT_FALSE(testing::WaitForFile(dir.path() + "/metrics-worker-1.csv", 60).empty())
+      << victim.Log();
+  victim.Signal(SIGKILL);
+  EXPECT_NE(c.scheduler->Wait(60), 0);
+  EXPECT_THAT(c.scheduler->Log(), ::testing::HasSubstr("worker 1"));
+  EXPECT_THAT(c.scheduler->Log(), ::testing::HasSubstr("declaring it dead"));
+  for (size_t i = 0; i + 1 < c.nodes.size(); ++i) {
+    const int rc = c.nodes[i]->Wait(60);
+    EXPECT_NE(rc, -1) << "still running 60 s after the job ended: " << c.nodes[i]->Log();
+    EXPECT_NE(rc, 0) << c.nodes[i]->log_path();
+  }
+}
+
+}  // namespace
+}  // namespace sparseps

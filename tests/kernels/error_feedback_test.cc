@@ -1,0 +1,67 @@
+// Error-feedback kernels: DGC momentum correction, gather-and-zero, scatter-add.
+#include "kernels/error_feedback.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <vector>
+
+namespace sparseps::kernels {
+namespace {
+
+TEST(MomentumCorrection, MatchesDefinition) {
+  std::vector<float> u = {1, 2, 0, -4};
+  std::vector<float> v = {0, 1, 1, 0};
+  std::vector<float> g = {1, 1, 1, 1};
+  MomentumCorrection(u.data(), v.data(), g.data(), 0.5f, u.size());
+  EXPECT_EQ(u, (std::vector<float>{1.5f, 2.0f, 1.0f, -1.0f}));
+  EXPECT_EQ(v, (std::vector<float>{1.5f, 3.0f, 2.0f, -1.0f}));
+}
+
+TEST(MomentumCorrection, ZeroMomentumIsPlainAccumulation) {
+  std::vector<float> u(5, 7.0f), v = {1, 2, 3, 4, 5}, g = {1, 1, 1, 1, 1};
+  MomentumCorrection(u.data(), v.data(), g.data(), 0.0f, v.size());
+  EXPECT_EQ(v, (std::vector<float>{2, 3, 4, 5, 6}));
+  EXPECT_EQ(u, g);
+}
+
+TEST(GatherAndZero, KeepsWhatWasNotSent) {
+  std::vector<float> v = {1, 2, 3, 4, 5}, u = {9, 9, 9, 9, 9};
+  std::vector<uint32_t> idx = {1, 4};
+  std::vector<float> out(2);
+  GatherAndZero(v.data(), u.data(), idx.data(), idx.size(), out.data());
+  EXPECT_EQ(out, (std::vector<float>{2, 5}));
+  EXPECT_EQ(v, (std::vector<float>{1, 0, 3, 4, 0}));
+  EXPECT_EQ(u, (std::vector<float>{9, 0, 9, 9, 0}));
+  GatherAndZero(v.data(), nullptr, idx.data(), 0, out.data());  // k = 0 is a no-op
+  EXPECT_EQ(v, (std::vector<float>{1, 0, 3, 4, 0}));
+}
+
+TEST(ScatterAdd, DuplicatesAccumulate) {
+  std::vector<float> dst(4, 1.0f);
+  std::vector<uint32_t> idx = {0, 3, 0};
+  std::vector<float> vals = {2, 5, 10};
+  ScatterAdd(dst.data(), idx.data(), vals.data(), idx.size());
+  EXPECT_EQ(dst, (std::vector<float>{13, 1, 1, 6}));
+}
+
+TEST(Axpy, LongVector) {
+  std::vector<float> x(1001), y(1001, 1.0f);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(i);
+  Axpy(-2.0f, x.data(), y.data(), x.size());
+  for (size_t i = 0; i < y.size(); ++i) ASSERT_EQ(y[i], 1.0f - 2.0f * static_cast<float>(i));
+}
+
+TEST(AllFinite, DetectsNanAndInf) {
+  std::vector<float> x(100, 1.0f);
+  EXPECT_TRUE(AllFinite(x.data(), x.size()));
+  x[63] = NAN;
+  EXPECT_FALSE(AllFinite(x.data(), x.size()));
+  x[63] = 1.0f;
+  x[99] = -INFINITY;
+  EXPECT_FALSE(AllFinite(x.data(), x.size()));
+  EXPECT_TRUE(AllFinite(x.data(), 0));
+}
+
+}  // namespace
+}  // namespace sparseps::kernels

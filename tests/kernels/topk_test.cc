@@ -1,0 +1,74 @@
+// Exact top-k by magnitude against a sort-based reference.
+#include "kernels/topk.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <vector>
+
+namespace sparseps::kernels {
+namespace {
+
+// Reference: order by (|x| descending, index ascending), take k, sort the indices.
+std::vector<uint32_t> Reference(const std::vector<float>& x, size_t k) {
+  std::vector<uint32_t> order(x.size());
+  std::iota(order.begin(), order.end(), 0u);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](uint32_t a, uint32_t b) { return std::fabs(x[a]) > std::fabs(x[b]); });
+  order.resize(std::min(k, x.size()));
+  std::sort(order.begin(), order.end());
+  return order;
+}
+
+std::vector<uint32_t> Select(const std::vector<float>& x, size_t k) {
+  std::vector<uint32_t> idx(std::min(k, x.size()) + 1, 0xdeadbeef);
+  size_t got = TopKAbs(x.data(), x.size(), k, idx.data());
+  EXPECT_EQ(got, std::min(k, x.size()));
+  EXPECT_EQ(idx[got], 0xdeadbeefu) << "wrote past min(k, n)";
+  idx.resize(got);
+  return idx;
+}
+
+TEST(TopKAbs, MatchesReferenceOnRandomData) {
+  std::mt19937 rng(1);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (size_t n : {1u, 2u, 10u, 1000u, 65537u}) {
+    std::vector<float> x(n);
+    for (auto& v : x) v = normal(rng) * std::exp(normal(rng) * 3.0f);
+    for (size_t k : {size_t{0}, size_t{1}, n / 100, n / 10, n - 1, n, n + 5}) {
+      ASSERT_EQ(Select(x, k), Reference(x, k)) << "n=" << n << " k=" << k;
+    }
+  }
+}
+
+TEST(TopKAbs, TiesBreakTowardsLowerIndices) {
+  std::vector<float> x = {1.0f, -3.0f, 3.0f, 2.0f, -3.0f, 3.0f, 0.0f};
+  EXPECT_EQ(Select(x, 2), (std::vector<uint32_t>{1, 2}));
+  EXPECT_EQ(Select(x, 3), (std::vector<uint32_t>{1, 2, 4}));
+  std::vector<float> same(100, 0.5f);
+  EXPECT_EQ(Select(same, 5), (std::vector<uint32_t>{0, 1, 2, 3, 4}));
+}
+
+TEST(TopKAbs, ManyValuesInOneBucket) {
+  // Values that share their top bits stress the second (candidate) pass.
+  std::vector<float> x(50000);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = 1.0f + static_cast<float>(i % 977) * 1e-6f;
+  for (size_t k : {1u, 7u, 500u, 49999u}) ASSERT_EQ(Select(x, k), Reference(x, k)) << "k=" << k;
+}
+
+TEST(TopKAbs, ZerosAndSignedZeros) {
+  std::vector<float> x = {0.0f, -0.0f, 0.0f, 1e-38f, -0.0f};
+  EXPECT_EQ(Select(x, 1), (std::vector<uint32_t>{3}));
+  EXPECT_EQ(Select(x, 3), Reference(x, 3));
+}
+
+TEST(TopKAbs, InfinityIsLargest) {
+  std::vector<float> x = {1.0f, -INFINITY, 5.0f};
+  EXPECT_EQ(Select(x, 1), (std::vector<uint32_t>{1}));
+}
+
+}  // namespace
+}  // namespace sparseps::kernels

@@ -1,0 +1,234 @@
+// BSP aggregation on one shard: exact sums over several iterations, duplicate and stale pushes
+// rejected without being counted, pull replies sparse when they can be.
+#include "server/shard_server.h"
+
+#include <gtest/gtest.h>
+
+#include <map>
+#include <random>
+#include <set>
+#include <vector>
+
+#include "common/codec/codec.h"
+#include "common/codec/dense.h"
+#include "common/codec/topk.h"
+#include "common/key_range.h"
+
+namespace sparseps {
+namespace {
+
+proto::Header BaseHeader(proto::Command c, const KeyRange& r, int64_t iteration, int rank) {
+  proto::Header h;
+  h.set_command(c);
+  h.set_sender_role(proto::WORKER);
+  h.set_sender_rank(rank);
+  h.set_iteration(iteration);
+  h.set_key_begin(r.begin);
+  h.set_key_end(r.end);
+  return h;
+}
+
+Message Init(const KeyRange& r, std::vector<float> values) {
+  Message m;
+  m.header = BaseHeader(proto::INIT, r, -1, 0);
+  EncodeDense(std::move(values), &m);
+  return m;
+}
+
+Message Push(const KeyRange& r, int64_t iteration, int rank, std::vector<uint32_t> idx,
+             std::vector<float> val) {
+  Message m;
+  m.header = BaseHeader(proto::PUSH, r, iteration, rank);
+  EncodeTopK(std::move(idx), std::move(val), &m);
+  return m;
+}
+
+Message DensePush(const KeyRange& r, int64_t iteration, int rank, std::vector<float> val) {
+  Message m;
+  m.header = BaseHeader(proto::PUSH, r, iteration, rank);
+  EncodeDense(std::move(val), &m);
+  return m;
+}
+
+Message Pull(const KeyRange& r, int64_t iteration, int rank, int64_t have_version) {
+  Message m;
+  m.header = BaseHeader(proto::PULL, r, iteration, rank);
+  m.header.set_have_version(have_version);
+  return m;
+}
+
+std::vector<Outgoing> Send(ShardServer& s, Message m, const std::string& peer = "w") {
+  std::vector<Outgoing> out;
+  s.Handle(peer, Result<Message>(std::move(m)), &out);
+  return out;
+}
+
+proto::Command Only(const std::vector<Outgoing>& out) {
+  EXPECT_EQ(out.size(), 1u);
+  return out.empty() ? proto::COMMAND_UNSPECIFIED : out[0].msg.header.command();
+}
+
+// W workers push known sparse integer vectors to every shard for several iterations; each shard
+// must hold exactly init - lr/W * (sum of every push) (lr = W makes the scale exactly -1).
+TEST(ShardServer, ExactAggregationOverIterations) {
+  constexpr int kWorkers = 3;
+  constexpr size_t kKeys = 1000;
+  constexpr int kIterations = 6;
+  const auto ranges = SplitKeyRanges(kKeys, 2);
+  std::vector<float> expected(kKeys);
+  for (size_t i = 0; i < kKeys; ++i) expected[i] = static_cast<float>(i % 17);
+
+  std::vector<std::unique_ptr<ShardServer>> shards;
+  for (size_t s = 0; s < ranges.size(); ++s) {
+    ShardOptions o{ranges[s], static_cast<int>(s), kWorkers, /*lr=*/kWorkers};
+    shards.push_back(std::make_unique<ShardServer>(o));
+    std::vector<float> init(expected.begin() + static_cast<long>(ranges[s].begin),
+                            expected.begin() + static_cast<long>(ranges[s].end));
+    ASSERT_EQ(Only(Send(*shards[s], Init(ranges[s], init))), proto::INIT_ACK);
+  }
+
+  std::mt19937 rng(7);
+  for (int t = 0; t < kIterations; ++t) {
+    for (int w = 0; w < kWorkers; ++w) {
+      // A random sparse vector of integers over the whole model, split by key range.
+      std::set<uint32_t> keys;
+      while (keys.size() < 40) keys.insert(static_cast<uint32_t>(rng() % kKeys));
+      for (size_t s = 0; s < ranges.size(); ++s) {
+        std::vector<uint32_t> idx;
+        std::vector<float> val;
+        for (uint32_t k : keys) {
+          if (!ranges[s].Contains(k)) continue;
+          const float v = static_cast<float>(static_cast<int>(rng() % 21) - 10);
+          idx.push_back(static_cast<uint32_t>(k - ranges[s].begin));
+          val.push_back(v);
+          expected[k] -= v;
+        }
+        auto out = Send(*shards[s], Push(ranges[s], t, w, idx, val));
+        ASSERT_FALSE(out.empty());
+        ASSERT_EQ(out[0].msg.header.command(), proto::PUSH_ACK);
+      }
+    }
+    for (auto& shard : shards) EXPECT_EQ(shard->version(), t + 1);
+  }
+  for (size_t s = 0; s < ranges.size(); ++s) {
+    const auto& p = shards[s]->params();
+    for (size_t i = 0; i < p.size(); ++i) {
+      ASSERT_EQ(p[i], expected[ranges[s].begin + i]) << "shard " << s << " key " << i;
+    }
+    EXPECT_EQ(shards[s]->counters().pushes, static_cast<uint64_t>(kWorkers * kIterations));
+    EXPECT_EQ(shards[s]->counters().rejected, 0u);
+  }
+}
+
+TEST(ShardServer, DenseAndSparsePushesMix) {
+  KeyRange r{0, 4};
+  ShardServer s({r, 0, 2, 2.0});
+  ASSERT_EQ(Only(Send(s, Init(r, {10, 10, 10, 10}))), proto::INIT_ACK);
+  ASSERT_EQ(Only(Send(s, DensePush(r, 0, 0, {1, 2, 3, 4}))), proto::PUSH_ACK);
+  auto out = Send(s, Push(r, 0, 1, {2}, {5}));
+  ASSERT_EQ(out[0].msg.header.command(), proto::PUSH_ACK);
+  EXPECT_EQ(s.params(), (std::vector<float>{9, 8, 2, 6}));
+  EXPECT_EQ(s.version(), 1);
+}
+
+TEST(ShardServer, DuplicateAndStalePushesAreRejectedNotCounted) {
+  KeyRange r{0, 3};
+  ShardServer s({r, 0, 2, 2.0});
+  ASSERT_EQ(Only(Send(s, Init(r, {0, 0, 0}))), proto::INIT_ACK);
+  ASSERT_EQ(Only(Send(s, Push(r, 0, 0, {0}, {1}))), proto::PUSH_ACK);
+  // The same worker again for the same iteration: rejected, not added.
+  auto dup = Send(s, Push(r, 0, 0, {0}, {100}));
+  ASSERT_EQ(Only(dup), proto::ERROR);
+  EXPECT_NE(dup[0].msg.header.error().find("duplicate"), std::string::npos);
+  ASSERT_EQ(Only(Send(s, Push(r, 0, 1, {1}, {2}))), proto::PUSH_ACK);
+  EXPECT_EQ(s.version(), 1);
+  EXPECT_EQ(s.params(), (std::vector<float>{-1, -2, 0}));
+  // A push for the finished iteration is stale.
+  auto stale = Send(s, Push(r, 0, 1, {2}, {100}));
+  ASSERT_EQ(Only(stale), proto::ERROR);
+  EXPECT_NE(stale[0].msg.header.error().find("stale"), std::string::npos);
+  // A push from the future and from an unknown rank.
+  EXPECT_EQ(Only(Send(s, Push(r, 5, 0, {2}, {100}))), proto::ERROR);
+  EXPECT_EQ(Only(Send(s, Push(r, 1, 7, {2}, {100}))), proto::ERROR);
+  EXPECT_EQ(s.params(), (std::vector<float>{-1, -2, 0}));
+  EXPECT_EQ(s.counters().duplicate_pushes, 1u);
+  EXPECT_EQ(s.counters().stale_pushes, 1u);
+  EXPECT_EQ(s.counters().rejected, 4u);
+  EXPECT_EQ(s.counters().pushes, 2u);
+}
+
+TEST(ShardServer, InvalidPushesAreRejectedAndLoseNothing) {
+  KeyRange r{100, 104};
+  ShardServer s({r, 0, 1, 1.0});
+  // Before INIT nothing is accepted.
+  EXPECT_EQ(Only(Send(s, Push(r, 0, 0, {0}, {1}))), proto::ERROR);
+  ASSERT_EQ(Only(Send(s, Init(r, {1, 1, 1, 1}))), proto::INIT_ACK);
+  EXPECT_EQ(Only(Send(s, Init(r, {2, 2, 2, 2}))), proto::ERROR);    // INIT only once
+  EXPECT_EQ(Only(Send(s, Push(r, 0, 0, {4}, {1}))), proto::ERROR);  // index out of range
+  EXPECT_EQ(Only(Send(s, Push(KeyRange{0, 4}, 0, 0, {0}, {1}))), proto::ERROR);  // other range
+  EXPECT_EQ(Only(Send(s, DensePush(r, 0, 0, {1, 2, 3}))), proto::ERROR);         // wrong length
+  std::vector<Outgoing> out;
+  s.Handle("w", Result<Message>(Status::ProtocolError("garbage")), &out);
+  ASSERT_EQ(Only(out), proto::ERROR);
+  EXPECT_EQ(out[0].msg.header.error(), "garbage");
+  EXPECT_EQ(s.params(), (std::vector<float>{1, 1, 1, 1}));
+  EXPECT_EQ(s.version(), 0);
+  // The shard still works after all that.
+  ASSERT_EQ(Only(Send(s, Push(r, 0, 0, {3}, {1}))), proto::PUSH_ACK);
+  EXPECT_EQ(s.params(), (std::vector<float>{1, 1, 1, 0}));
+}
+
+TEST(ShardServer, PullWaitsForTheIterationAndIsSparseWhenPossible) {
+  KeyRange r{0, 100};
+  ShardServer s({r, 0, 2, 2.0});
+  std::vector<float> init(100, 5.0f);
+  ASSERT_EQ(Only(Send(s, Init(r, init))), proto::INIT_ACK);
+  // Initial pull: dense, version 0.
+  auto first = Send(s, Pull(r, -1, 0, -1));
+  ASSERT_EQ(Only(first), proto::PULL_REPLY);
+  EXPECT_EQ(first[0].msg.header.encoding(), proto::DENSE);
+  EXPECT_EQ(first[0].msg.header.version(), 0);
+
+  // Worker 0 pushes and pulls iteration 0: the pull waits for worker 1.
+  ASSERT_EQ(Only(Send(s, Push(r, 0, 0, {3, 50}, {1, 2}), "w0")), proto::PUSH_ACK);
+  EXPECT_TRUE(Send(s, Pull(r, 0, 0, 0), "w0").empty());
+  auto out = Send(s, Push(r, 0, 1, {50, 99}, {4, 6}), "w1");
+  ASSERT_EQ(out.size(), 2u);  // PUSH_ACK to w1 and the deferred PULL_REPLY to w0
+  EXPECT_EQ(out[0].msg.header.command(), proto::PUSH_ACK);
+  const Message& reply = out[1].msg;
+  EXPECT_EQ(out[1].to, "w0");
+  ASSERT_EQ(reply.header.command(), proto::PULL_REPLY);
+  EXPECT_EQ(reply.header.version(), 1);
+  ASSERT_EQ(reply.header.encoding(), proto::TOPK);
+  DecodedPayload p;
+  ASSERT_TRUE(FindCodec(proto::TOPK)->Decode(reply, 100, &p).ok());
+  ASSERT_EQ(p.nnz(), 3u);
+  EXPECT_EQ(p.indices[0], 3u);
+  EXPECT_EQ(p.values[0], 4.0f);
+  EXPECT_EQ(p.indices[1], 50u);
+  EXPECT_EQ(p.values[1], -1.0f);
+  EXPECT_EQ(p.indices[2], 99u);
+  EXPECT_EQ(p.values[2], -1.0f);
+
+  // A puller that does not hold the previous version gets the dense shard.
+  auto dense = Send(s, Pull(r, 0, 1, -1), "w1");
+  ASSERT_EQ(Only(dense), proto::PULL_REPLY);
+  EXPECT_EQ(dense[0].msg.header.encoding(), proto::DENSE);
+  // A pull for an iteration too far ahead is refused, not queued.
+  EXPECT_EQ(Only(Send(s, Pull(r, 5, 1, 1), "w1")), proto::ERROR);
+  EXPECT_EQ(s.counters().sparse_pull_replies, 1u);
+}
+
+TEST(ShardServer, AnswersPingAndRejectsOtherCommands) {
+  KeyRange r{0, 2};
+  ShardServer s({r, 0, 1, 1.0});
+  Message ping;
+  ping.header.set_command(proto::PING);
+  EXPECT_EQ(Only(Send(s, std::move(ping))), proto::PONG);
+  Message reg;
+  reg.header.set_command(proto::REGISTER);
+  EXPECT_EQ(Only(Send(s, std::move(reg))), proto::ERROR);
+}
+
+}  // namespace
+}  // namespace sparseps

@@ -1,0 +1,124 @@
+#include "tests/support/process.h"
+
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <csignal>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+extern char** environ;
+
+namespace sparseps::testing {
+
+ChildProcess::ChildProcess(std::vector<std::string> argv, const std::string& log_path,
+                           const std::vector<std::string>& env)
+    : log_path_(log_path) {
+  std::vector<char*> args;
+  for (auto& a : argv) args.push_back(a.data());
+  args.push_back(nullptr);
+  std::vector<std::string> env_strings;
+  for (char** e = environ; *e != nullptr; ++e) env_strings.emplace_back(*e);
+  for (const auto& e : env) env_strings.push_back(e);
+  std::vector<char*> envp;
+  for (auto& e : env_strings) envp.push_back(e.data());
+  envp.push_back(nullptr);
+
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, log_path.c_str(),
+                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
+  posix_spawn_file_actions_addclose(&actions, STDIN_FILENO);
+  int rc = posix_spawn(&pid_, args[0], &actions, nullptr, args.data(), envp.data());
+  posix_spawn_file_actions_destroy(&actions);
+  if (rc != 0) {
+    pid_ = -1;
+    ADD_FAILURE() << "could not start " << argv[0] << ": " << std::strerror(rc);
+  }
+}
+
+ChildProcess::~ChildProcess() {
+  if (Running()) {
+    ::kill(pid_, SIGKILL);
+    int st = 0;
+    ::waitpid(pid_, &st, 0);
+  }
+}
+
+bool ChildProcess::Running() {
+  if (pid_ <= 0 || status_ >= 0) return false;
+  int st = 0;
+  pid_t r = ::waitpid(pid_, &st, WNOHANG);
+  if (r == 0) return true;
+  if (r == pid_) status_ = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+  if (r < 0) status_ = 255;
+  return false;
+}
+
+int ChildProcess::Wait(double timeout_s) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+  while (Running()) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      ::kill(pid_, SIGKILL);
+      int st = 0;
+      ::waitpid(pid_, &st, 0);
+      status_ = 255;
+      return -1;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return status_;
+}
+
+void ChildProcess::Signal(int sig) {
+  if (Running()) ::kill(pid_, sig);
+}
+
+std::string ChildProcess::Log() const { return ReadFile(log_path_); }
+
+TempDir::TempDir(const std::string& prefix) {
+  std::string tmpl = ::testing::TempDir() + prefix + "-XXXXXX";
+  char* made = ::mkdtemp(tmpl.data());
+  if (made == nullptr) {
+    ADD_FAILURE() << "mkdtemp " << tmpl << ": " << std::strerror(errno);
+  }
+  path_ = tmpl;
+}
+
+TempDir::~TempDir() {
+  std::error_code ec;
+  if (std::getenv("SPARSEPS_KEEP_TEST_DIRS") == nullptr) std::filesystem::remove_all(path_, ec);
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+std::string WaitForFile(const std::string& path, double timeout_s) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+  while (std::chrono::steady_clock::now() < deadline) {
+    std::string s = ReadFile(path);
+    if (!s.empty()) return s;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return "";
+}
+
+std::string BinaryPath(const std::string& relative) {
+  return std::string(SPARSEPS_BINARY_DIR) + "/" + relative;
+}
+
+}  // namespace sparseps::testing

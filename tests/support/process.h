@@ -1,0 +1,59 @@
+// Test support: child processes (the real daemons) started, waited for with a deadline, and
+// always stopped by pid when a test ends, plus temporary run directories.
+#pragma once
+
+#include <sys/types.h>
+
+#include <string>
+#include <vector>
+
+namespace sparseps::testing {
+
+// A child process with stdout and stderr in a log file. The destructor kills it (SIGKILL) and
+// reaps it if it is still running, so a failing test leaves nothing behind.
+class ChildProcess {
+ public:
+  // Starts argv[0] (a path) with the arguments and extra environment entries ("K=V").
+  // The test fails (ADD_FAILURE) when the program cannot be started.
+  ChildProcess(std::vector<std::string> argv, const std::string& log_path,
+               const std::vector<std::string>& env = {});
+  ~ChildProcess();
+  ChildProcess(const ChildProcess&) = delete;
+  ChildProcess& operator=(const ChildProcess&) = delete;
+
+  // Waits up to timeout_s seconds for the process to exit. Returns its exit code, 128 + signal if
+  // a signal ended it, or -1 after killing it when the deadline passed.
+  int Wait(double timeout_s);
+  // True while the process has not exited.
+  bool Running();
+  void Signal(int sig);
+  pid_t pid() const { return pid_; }
+  const std::string& log_path() const { return log_path_; }
+  // The log file's content (for failure messages).
+  std::string Log() const;
+
+ private:
+  pid_t pid_ = -1;
+  int status_ = -1;  // exit code once reaped
+  std::string log_path_;
+};
+
+// A fresh directory under the test temp dir, removed with its content by the destructor.
+class TempDir {
+ public:
+  explicit TempDir(const std::string& prefix);
+  ~TempDir();
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+// Reads a whole file; empty when missing.
+std::string ReadFile(const std::string& path);
+// Waits up to timeout_s for path to exist with non-empty content and returns it (empty on timeout).
+std::string WaitForFile(const std::string& path, double timeout_s);
+// Path of a built daemon, e.g. BinaryPath("server/sparseps-server").
+std::string BinaryPath(const std::string& relative);
+
+}  // namespace sparseps::testing

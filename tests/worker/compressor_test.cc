@@ -1,0 +1,142 @@
+// Top-k with error feedback: nothing is lost between what the server applied and the residual.
+#include "worker/compressor.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "common/codec/codec.h"
+#include "common/codec/dense.h"
+#include "common/key_range.h"
+#include "server/shard_server.h"
+
+namespace sparseps {
+namespace {
+
+// Integer gradients for `steps` iterations flow through TopKCompressor (momentum 0) into two
+// real shards (lr = 1, one worker: params -= pushed). At every step,
+//   (init - params) + residual == sum of gradients so far, exactly.
+TEST(TopKCompressor, AppliedUpdatePlusResidualEqualsGradientSum) {
+  constexpr size_t kParams = 997;
+  constexpr int kSteps = 60;
+  const auto ranges = SplitKeyRanges(kParams, 2);
+  TopKCompressor compressor(kParams, /*density=*/0.02, /*momentum=*/0.0f);
+  ASSERT_EQ(compressor.k(), 20u);
+
+  std::vector<std::unique_ptr<ShardServer>> shards;
+  for (size_t s = 0; s < ranges.size(); ++s) {
+    shards.push_back(
+        std::make_unique<ShardServer>(ShardOptions{ranges[s], static_cast<int>(s), 1, 1.0}));
+    Message init;
+    init.header.set_command(proto::INIT);
+    init.header.set_key_begin(ranges[s].begin);
+    init.header.set_key_end(ranges[s].end);
+    EncodeDense(std::vector<float>(ranges[s].size(), 0.0f), &init);
+    std::vector<Outgoing> out;
+    shards[s]->Handle("w", Result<Message>(std::move(init)), &out);
+    ASSERT_EQ(out.at(0).msg.header.command(), proto::INIT_ACK);
+  }
+
+  std::mt19937 rng(11);
+  std::vector<float> grad(kParams), grad_sum(kParams, 0.0f);
+  for (int t = 0; t < kSteps; ++t) {
+    for (size_t i = 0; i < kParams; ++i) {
+      grad[i] = static_cast<float>(static_cast<int>(rng() % 41) - 20);
+      grad_sum[i] += grad[i];
+    }
+    std::vector<Message> pushes;
+    compressor.Compress(grad.data(), ranges, &pushes);
+    ASSERT_EQ(pushes.size(), ranges.size());
+    EXPECT_EQ(compressor.last_selected(), 20u);
+    size_t sent = 0;
+    for (size_t s = 0; s < ranges.size(); ++s) {
+      pushes[s].header.set_sender_role(proto::WORKER);
+      pushes[s].header.set_sender_rank(0);
+      pushes[s].header.set_iteration(t);
+      sent += pushes[s].header.frames(0).bytes() / sizeof(uint32_t);
+      std::vector<Outgoing> out;
+      shards[s]->Handle("w", Result<Message>(std::move(pushes[s])), &out);
+      ASSERT_EQ(out.at(0).msg.header.command(), proto::PUSH_ACK) << out[0].msg.header.error();
+    }
+    EXPECT_EQ(sent, 20u);
+    const auto& residual = compressor.residual();
+    for (size_t s = 0; s < ranges.size(); ++s) {
+      const auto& p = shards[s]->params();
+      for (size_t i = 0; i < p.size(); ++i) {
+        const size_t key = ranges[s].begin + i;
+        ASSERT_EQ(-p[i] + residual[key], grad_sum[key]) << "step " << t << " key " << key;
+      }
+    }
+  }
+}
+
+// The selected entries are the largest |residual| ones: after a step, nothing left in the
+// residual is larger in magnitude than the smallest value that was sent.
+TEST(TopKCompressor, SendsTheLargestAccumulatedValues) {
+  constexpr size_t kParams = 500;
+  TopKCompressor compressor(kParams, 0.01, 0.0f);
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal;
+  std::vector<float> grad(kParams);
+  const std::vector<KeyRange> ranges = {{0, kParams}};
+  for (int t = 0; t < 20; ++t) {
+    for (auto& g : grad) g = normal(rng);
+    std::vector<Message> pushes;
+    compressor.Compress(grad.data(), ranges, &pushes);
+    DecodedPayload p;
+    ASSERT_TRUE(FindCodec(proto::TOPK)->Decode(pushes[0], kParams, &p).ok());
+    float smallest_sent = INFINITY;
+    for (float v : p.values) smallest_sent = std::min(smallest_sent, std::fabs(v));
+    for (float r : compressor.residual()) ASSERT_LE(std::fabs(r), smallest_sent);
+  }
+}
+
+// With momentum, DGC momentum correction: pushed + residual == sum of the velocities u_t, and
+// momentum factor masking zeroes u where a value was sent.
+TEST(TopKCompressor, MomentumCorrectionAndMasking) {
+  constexpr size_t kParams = 300;
+  constexpr float kMomentum = 0.5f;
+  TopKCompressor compressor(kParams, 0.05, kMomentum);
+  const std::vector<KeyRange> ranges = {{0, kParams}};
+  std::mt19937 rng(9);
+  std::vector<double> pushed(kParams, 0.0), velocity_sum(kParams, 0.0);
+  std::vector<float> grad(kParams);
+  for (int t = 0; t < 30; ++t) {
+    const std::vector<float> u_before = compressor.velocity();
+    for (size_t i = 0; i < kParams; ++i) {
+      grad[i] = static_cast<float>(static_cast<int>(rng() % 9) - 4);
+      velocity_sum[i] += kMomentum * u_before[i] + grad[i];
+    }
+    std::vector<Message> pushes;
+    compressor.Compress(grad.data(), ranges, &pushes);
+    DecodedPayload p;
+    ASSERT_TRUE(FindCodec(proto::TOPK)->Decode(pushes[0], kParams, &p).ok());
+    for (size_t j = 0; j < p.nnz(); ++j) {
+      pushed[p.indices[j]] += p.values[j];
+      EXPECT_EQ(compressor.velocity()[p.indices[j]], 0.0f) << "momentum factor masking";
+    }
+  }
+  for (size_t i = 0; i < kParams; ++i) {
+    EXPECT_NEAR(pushed[i] + compressor.residual()[i], velocity_sum[i], 1e-3) << "key " << i;
+  }
+}
+
+TEST(DenseCompressor, PushesEverythingWithMomentum) {
+  DenseCompressor c(4, 0.5f);
+  const std::vector<KeyRange> ranges = {{0, 2}, {2, 4}};
+  std::vector<float> g = {1, 2, 3, 4};
+  std::vector<Message> out;
+  c.Compress(g.data(), ranges, &out);
+  c.Compress(g.data(), ranges, &out);
+  ASSERT_EQ(out.size(), 4u);
+  DecodedPayload p;
+  ASSERT_TRUE(FindCodec(proto::DENSE)->Decode(out[3], 2, &p).ok());
+  EXPECT_EQ(p.dense[0], 4.5f);  // u = 0.5 * 3 + 3
+  EXPECT_EQ(p.dense[1], 6.0f);  // u = 0.5 * 4 + 4
+  EXPECT_EQ(out[3].header.key_begin(), 2u);
+}
+
+}  // namespace
+}  // namespace sparseps
