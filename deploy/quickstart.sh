@@ -9,6 +9,7 @@
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$here/deploy/install-deps.sh"
+echo "quickstart: building into $here/build (log: ${TMPDIR:-/tmp}/sparseps-build.log)"
 "$here/deploy/build.sh" "$here/build" >"${TMPDIR:-/tmp}/sparseps-build.log" 2>&1 || {
   tail -n 40 "${TMPDIR:-/tmp}/sparseps-build.log" >&2
   echo "quickstart: build failed (full log: ${TMPDIR:-/tmp}/sparseps-build.log)" >&2
