@@ -10,6 +10,11 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$here/deploy/install-deps.sh"
 jobs="$(nproc)"
 
+if git -C "$here" rev-parse --git-dir >/dev/null 2>&1; then
+  echo "== format (clang-format --dry-run, .clang-format) =="
+  (cd "$here" && git ls-files -z '*.h' '*.cc' '*.cu' '*.cuh' | xargs -0 -r clang-format --dry-run -Werror)
+fi
+
 echo "== build (build/) =="
 "$here/deploy/build.sh" "$here/build" -DSPARSEPS_BUILD_TESTS=ON
 echo "== ctest (build/) =="
