@@ -118,7 +118,7 @@ echo "sparseps: ${job_name}: 1 scheduler (port $port), $num_servers servers, $nu
 
 if [[ $quiet -eq 0 ]]; then
   tail -n +1 -F "$run_dir/worker-0.log" 2>/dev/null > >(
-    grep --line-buffered -E "progress|eval epoch|training done|\[error\]" |
+    grep --line-buffered -E "\] progress epoch|\] eval epoch|\] training done|\[error\]" |
       sed -u -E 's/^\[[^]]*\] \[[^]]*\] \[[a-z]*\] //') &
   tail_pid=$!
 fi
