@@ -170,6 +170,19 @@ void ControlClient::HeartbeatLoop(int rank, uint64_t epoch) {
   }
 }
 
+void ControlClient::ReportFailure(const Status& error) {
+  if (error.ok() || !registered_ || !fatal_.empty() || shutdown_) return;
+  Message msg;
+  msg.header.set_command(proto::FATAL);
+  msg.header.set_error(error.message());
+  Status s = Send(msg);
+  if (!s.ok()) {
+    spdlog::warn("could not report the failure to the scheduler: {}", s.message());
+    return;
+  }
+  socket_.set(zmq::sockopt::linger, 1000);  // let the report leave before the socket closes
+}
+
 Status ControlClient::SendDone(const proto::WorkerStats& stats) {
   Message msg;
   msg.header.set_command(proto::DONE);

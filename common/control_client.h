@@ -60,6 +60,12 @@ class ControlClient {
   // Sends DONE with this worker's statistics.
   Status SendDone(const proto::WorkerStats& stats);
 
+  // Tells the scheduler that this node failed with `error` (FATAL node -> scheduler), so the job
+  // ends at once naming this node and the cause instead of waiting for the heartbeat timeout.
+  // Best effort: does nothing if the failure came from the scheduler itself or if this node never
+  // registered; never blocks longer than about 1 s.
+  void ReportFailure(const Status& error);
+
   bool has_membership() const { return has_membership_; }
   const proto::Membership& membership() const { return membership_; }
   int rank() const { return membership_.your_rank(); }

@@ -104,6 +104,9 @@ void Scheduler::Handle(const std::string& from, const Result<Message>& msg, Cloc
     case proto::DONE:
       HandleDone(from, h, out);
       break;
+    case proto::FATAL:
+      HandleNodeFailure(from, h, out);
+      break;
     default:
       ++rejected_;
       ReplyError(from, "the scheduler does not handle " + CommandName(h.command()), out);
@@ -323,6 +326,19 @@ void Scheduler::HandleDone(const std::string& from, const proto::Header& h,
     finished_at_ = Clock::now();
     Broadcast(proto::SHUTDOWN, "", out);
   }
+}
+
+void Scheduler::HandleNodeFailure(const std::string& from, const proto::Header& h,
+                                  std::vector<Outgoing>* out) {
+  const int idx = FindNodeByRoutingId(from);
+  if (idx < 0) {
+    ++rejected_;
+    ReplyError(from, "FATAL from a node that is not registered", out);
+    return;
+  }
+  Abort(Describe(nodes_[static_cast<size_t>(idx)]) +
+            " failed: " + (h.error().empty() ? std::string("no reason given") : h.error()),
+        out);
 }
 
 void Scheduler::Tick(Clock::time_point now, std::vector<Outgoing>* out) {

@@ -70,6 +70,8 @@ class Scheduler {
   void HandleBarrier(const std::string& from, const proto::Header& h, Clock::time_point now,
                      std::vector<Outgoing>* out);
   void HandleDone(const std::string& from, const proto::Header& h, std::vector<Outgoing>* out);
+  void HandleNodeFailure(const std::string& from, const proto::Header& h,
+                         std::vector<Outgoing>* out);
   void BuildMembership(Clock::time_point now, std::vector<Outgoing>* out);
   void Broadcast(proto::Command command, const std::string& error, std::vector<Outgoing>* out);
   void ReplyError(const std::string& to, const std::string& error, std::vector<Outgoing>* out);

@@ -2,29 +2,38 @@
 
 #include <spdlog/spdlog.h>
 
+#include <deque>
 #include <memory>
+#include <utility>
 
 #include "common/control_client.h"
 #include "common/daemon.h"
 #include "server/shard_server.h"
 
 namespace sparseps {
+namespace {
 
-Status RunServer(const proto::JobConfig& config) {
-  zmq::context_t context(1);
-  auto bound = BindRouter(context, config.node().host(), config.node().port());
-  if (!bound.ok()) return bound.status();
-  zmq::socket_t& data = bound->socket;
-  spdlog::info("server data socket on {}", Endpoint(config.node().host(), bound->port));
+// Requests that arrive before this server has the membership (a worker can get it first) are
+// held, at most this many, and handled once the membership is in; beyond it they are rejected.
+constexpr size_t kMaxEarlyRequests = 4096;
 
-  ControlClient control(context, config, proto::SERVER);
-  SPARSEPS_RETURN_IF_ERROR(control.Register(config.node().host(), bound->port, 0));
+Status Serve(const proto::JobConfig& config, zmq::socket_t& data, uint32_t port,
+             ControlClient& control) {
+  SPARSEPS_RETURN_IF_ERROR(control.Register(config.node().host(), port, 0));
   const auto start = Clock::now();
   const double membership_deadline_s = config.cluster().register_timeout_s() + 10.0;
 
   std::unique_ptr<ShardServer> shard;
   uint64_t bytes_in = 0, bytes_out = 0, early_rejects = 0;
+  std::deque<std::pair<std::string, Message>> early;  // (peer, request) held until the membership
   std::vector<Outgoing> out;
+  auto flush = [&] {
+    for (auto& o : out) {
+      Status s = SendMessage(data, o.msg, &o.to, &bytes_out);
+      if (!s.ok()) spdlog::warn("could not reply to {}: {}", o.to, s.message());
+    }
+    out.clear();
+  };
   while (true) {
     SPARSEPS_RETURN_IF_ERROR(control.Poll());
     if (control.shutdown_requested()) break;
@@ -42,6 +51,12 @@ Status RunServer(const proto::JobConfig& config) {
                    opts.range.end, opts.range.size(), opts.num_workers);
       shard = std::make_unique<ShardServer>(opts);
       control.StartHeartbeats();
+      if (!early.empty()) spdlog::info("handling {} requests that came first", early.size());
+      for (auto& [peer, msg] : early) {
+        shard->Handle(peer, Result<Message>(std::move(msg)), &out);
+        flush();
+      }
+      early.clear();
     }
     if (shard == nullptr && SecondsSince(start) > membership_deadline_s) {
       return Status::DeadlineExceeded("no membership from the scheduler at " +
@@ -58,6 +73,9 @@ Status RunServer(const proto::JobConfig& config) {
       if (!msg.ok() && msg.status().code() == StatusCode::kIoError) break;
       if (shard != nullptr) {
         shard->Handle(peer, msg, &out);
+      } else if (msg.ok() && msg->header.command() != proto::PING &&
+                 early.size() < kMaxEarlyRequests) {
+        early.emplace_back(std::move(peer), std::move(*msg));
       } else {
         Outgoing o{peer, {}};
         const bool ping = msg.ok() && msg->header.command() == proto::PING;
@@ -65,16 +83,14 @@ Status RunServer(const proto::JobConfig& config) {
         o.msg.header.set_sender_role(proto::SERVER);
         if (!ping) {
           ++early_rejects;
-          o.msg.header.set_error(msg.ok() ? "server not ready: waiting for the membership"
+          o.msg.header.set_error(msg.ok() ? "server not ready: waiting for the membership, and " +
+                                                std::to_string(kMaxEarlyRequests) +
+                                                " requests are already waiting"
                                           : msg.status().message());
         }
         out.push_back(std::move(o));
       }
-      for (auto& o : out) {
-        Status s = SendMessage(data, o.msg, &o.to, &bytes_out);
-        if (!s.ok()) spdlog::warn("could not reply to {}: {}", o.to, s.message());
-      }
-      out.clear();
+      flush();
     }
   }
   control.StopHeartbeats();
@@ -88,6 +104,19 @@ Status RunServer(const proto::JobConfig& config) {
         bytes_out / 1e6);
   }
   return Status::OK();
+}
+
+}  // namespace
+
+Status RunServer(const proto::JobConfig& config) {
+  zmq::context_t context(1);
+  auto bound = BindRouter(context, config.node().host(), config.node().port());
+  if (!bound.ok()) return bound.status();
+  spdlog::info("server data socket on {}", Endpoint(config.node().host(), bound->port));
+  ControlClient control(context, config, proto::SERVER);
+  Status result = Serve(config, bound->socket, bound->port, control);
+  control.ReportFailure(result);
+  return result;
 }
 
 }  // namespace sparseps

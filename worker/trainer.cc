@@ -67,150 +67,158 @@ Status RunWorker(const proto::JobConfig& config) {
 
   zmq::context_t context(1);
   ControlClient control(context, config, proto::WORKER);
-  SPARSEPS_RETURN_IF_ERROR(control.Register(config.node().host(), 0, n));
-  SPARSEPS_RETURN_IF_ERROR(control.WaitForMembership());
-  const int rank = control.rank();
-  SetLogName("worker-" + std::to_string(rank));
-  control.StartHeartbeats();
+  // Everything after registration reports its failure to the scheduler, which ends the job at
+  // once naming this worker and the cause.
+  Status result = [&]() -> Status {
+    SPARSEPS_RETURN_IF_ERROR(control.Register(config.node().host(), 0, n));
+    SPARSEPS_RETURN_IF_ERROR(control.WaitForMembership());
+    const int rank = control.rank();
+    SetLogName("worker-" + std::to_string(rank));
+    control.StartHeartbeats();
 
-  PsClient ps(context, control.membership(), rank, &control, config.cluster().request_timeout_s());
-  std::vector<float> params(n, 0.0f);
-  const auto init_start = Clock::now();
-  if (rank == 0) {
-    model.InitParams(tc.seed(), params.data());
-    SPARSEPS_RETURN_IF_ERROR(ps.Init(params.data()));
-  }
-  SPARSEPS_RETURN_IF_ERROR(control.Barrier("init", proto::WORKER));
-  SPARSEPS_RETURN_IF_ERROR(ps.PullInitial(params.data()));
-  spdlog::info(
-      "model: MLP {} parameters; {} training samples on this worker, {} steps per epoch; "
-      "initialised in {:.2f} s",
-      n, train->num_samples / num_workers, steps_per_epoch, SecondsSince(init_start));
+    PsClient ps(context, control.membership(), rank, &control,
+                config.cluster().request_timeout_s());
+    std::vector<float> params(n, 0.0f);
+    const auto init_start = Clock::now();
+    if (rank == 0) {
+      model.InitParams(tc.seed(), params.data());
+      SPARSEPS_RETURN_IF_ERROR(ps.Init(params.data()));
+    }
+    SPARSEPS_RETURN_IF_ERROR(control.Barrier("init", proto::WORKER));
+    SPARSEPS_RETURN_IF_ERROR(ps.PullInitial(params.data()));
+    spdlog::info(
+        "model: MLP {} parameters; {} training samples on this worker, {} steps per epoch; "
+        "initialised in {:.2f} s",
+        n, train->num_samples / num_workers, steps_per_epoch, SecondsSince(init_start));
 
-  const std::string& dir = config.run().dir();
-  CsvWriter metrics, evals;
-  SPARSEPS_RETURN_IF_ERROR(
-      metrics.Open(dir.empty() ? "" : dir + "/metrics-worker-" + std::to_string(rank) + ".csv",
-                   {"step", "epoch", "loss", "bytes_sent", "bytes_received", "selected",
-                    "compute_ms", "encode_ms", "comm_ms", "wall_s"}));
-  if (rank == 0) {
-    SPARSEPS_RETURN_IF_ERROR(evals.Open(dir.empty() ? "" : dir + "/eval-worker-0.csv",
-                                        {"epoch", "step", "wall_s", "test_loss", "test_accuracy"}));
-  }
+    const std::string& dir = config.run().dir();
+    CsvWriter metrics, evals;
+    SPARSEPS_RETURN_IF_ERROR(
+        metrics.Open(dir.empty() ? "" : dir + "/metrics-worker-" + std::to_string(rank) + ".csv",
+                     {"step", "epoch", "loss", "bytes_sent", "bytes_received", "selected",
+                      "compute_ms", "encode_ms", "comm_ms", "wall_s"}));
+    if (rank == 0) {
+      SPARSEPS_RETURN_IF_ERROR(
+          evals.Open(dir.empty() ? "" : dir + "/eval-worker-0.csv",
+                     {"epoch", "step", "wall_s", "test_loss", "test_accuracy"}));
+    }
 
-  std::vector<uint32_t> shard = ShardIndices(train->num_samples, tc.seed(), rank, num_workers);
-  auto compressor = MakeCompressor(config, n);
-  const size_t batch = tc.batch_size();
-  const size_t features = train->num_features;
-  std::vector<float> xb(batch * features), grad(n);
-  std::vector<uint8_t> yb(batch);
-  std::vector<Message> pushes;
+    std::vector<uint32_t> shard = ShardIndices(train->num_samples, tc.seed(), rank, num_workers);
+    auto compressor = MakeCompressor(config, n);
+    const size_t batch = tc.batch_size();
+    const size_t features = train->num_features;
+    std::vector<float> xb(batch * features), grad(n);
+    std::vector<uint8_t> yb(batch);
+    std::vector<Message> pushes;
 
-  uint64_t total_steps = tc.epochs() * steps_per_epoch;
-  if (tc.max_steps() > 0) total_steps = std::min<uint64_t>(total_steps, tc.max_steps());
-  const uint32_t epochs =
-      static_cast<uint32_t>((total_steps + steps_per_epoch - 1) / steps_per_epoch);
-  const float wd = static_cast<float>(tc.weight_decay());
+    uint64_t total_steps = tc.epochs() * steps_per_epoch;
+    if (tc.max_steps() > 0) total_steps = std::min<uint64_t>(total_steps, tc.max_steps());
+    const uint32_t epochs =
+        static_cast<uint32_t>((total_steps + steps_per_epoch - 1) / steps_per_epoch);
+    const float wd = static_cast<float>(tc.weight_decay());
 
-  const auto train_start = Clock::now();
-  auto last_progress = train_start;
-  uint64_t progress_steps = 0;
-  double progress_loss = 0.0, epoch_loss = 0.0, last_loss = 0.0;
-  double test_accuracy = -1.0;
-  uint64_t step = 0;
-  uint32_t epochs_done = 0;
-  auto evaluate = [&](uint32_t epoch) {
-    auto [loss, acc] = model.Evaluate(params.data(), *test);
-    test_accuracy = acc;
-    evals.Row({static_cast<double>(epoch), static_cast<double>(step), SecondsSince(train_start),
-               loss, acc});
-    spdlog::info("eval epoch {} step {}: test loss {:.4f}, test accuracy {:.2f}%", epoch, step,
-                 loss, 100.0 * acc);
-  };
+    const auto train_start = Clock::now();
+    auto last_progress = train_start;
+    uint64_t progress_steps = 0;
+    double progress_loss = 0.0, epoch_loss = 0.0, last_loss = 0.0;
+    double test_accuracy = -1.0;
+    uint64_t step = 0;
+    uint32_t epochs_done = 0;
+    auto evaluate = [&](uint32_t epoch) {
+      auto [loss, acc] = model.Evaluate(params.data(), *test);
+      test_accuracy = acc;
+      evals.Row({static_cast<double>(epoch), static_cast<double>(step), SecondsSince(train_start),
+                 loss, acc});
+      spdlog::info("eval epoch {} step {}: test loss {:.4f}, test accuracy {:.2f}%", epoch, step,
+                   loss, 100.0 * acc);
+    };
 
-  for (uint32_t epoch = 0; epoch < epochs && step < total_steps; ++epoch) {
-    Shuffle(&shard,
-            tc.seed() ^ (0x9e3779b97f4a7c15ULL * (epoch + 1)) ^ static_cast<uint64_t>(rank));
-    epoch_loss = 0.0;
-    uint64_t epoch_steps = 0;
-    for (uint64_t s = 0; s < steps_per_epoch && step < total_steps; ++s, ++step) {
-      const auto t0 = Clock::now();
-      for (size_t b = 0; b < batch; ++b) {
-        const uint32_t idx = shard[s * batch + b];
-        std::copy_n(train->images.data() + size_t{idx} * features, features,
-                    xb.data() + b * features);
-        yb[b] = train->labels[idx];
+    for (uint32_t epoch = 0; epoch < epochs && step < total_steps; ++epoch) {
+      Shuffle(&shard,
+              tc.seed() ^ (0x9e3779b97f4a7c15ULL * (epoch + 1)) ^ static_cast<uint64_t>(rank));
+      epoch_loss = 0.0;
+      uint64_t epoch_steps = 0;
+      for (uint64_t s = 0; s < steps_per_epoch && step < total_steps; ++s, ++step) {
+        const auto t0 = Clock::now();
+        for (size_t b = 0; b < batch; ++b) {
+          const uint32_t idx = shard[s * batch + b];
+          std::copy_n(train->images.data() + size_t{idx} * features, features,
+                      xb.data() + b * features);
+          yb[b] = train->labels[idx];
+        }
+        const double loss =
+            model.ForwardBackward(params.data(), xb.data(), yb.data(), batch, grad.data(), nullptr);
+        if (!std::isfinite(loss) || !kernels::AllFinite(grad.data(), n)) {
+          return Status::FailedPrecondition("the loss or gradient became NaN/Inf at step " +
+                                            std::to_string(step) + " (try a smaller train.lr)");
+        }
+        if (wd > 0) kernels::Axpy(wd, params.data(), grad.data(), n);
+        const auto t1 = Clock::now();
+        pushes.clear();
+        compressor->Compress(grad.data(), ps.ranges(), &pushes);
+        const auto t2 = Clock::now();
+        const uint64_t sent0 = ps.bytes_sent(), recv0 = ps.bytes_received();
+        SPARSEPS_RETURN_IF_ERROR(ps.PushPull(static_cast<int64_t>(step), pushes, params.data()));
+        const auto t3 = Clock::now();
+        metrics.Row({static_cast<double>(step), static_cast<double>(epoch), loss,
+                     static_cast<double>(ps.bytes_sent() - sent0),
+                     static_cast<double>(ps.bytes_received() - recv0),
+                     static_cast<double>(compressor->last_selected()), Ms(t0, t1), Ms(t1, t2),
+                     Ms(t2, t3), SecondsSince(train_start)});
+        epoch_loss += loss;
+        ++epoch_steps;
+        progress_loss += loss;
+        ++progress_steps;
+        last_loss = loss;
+        const double since = std::chrono::duration<double>(t3 - last_progress).count();
+        if (rank == 0 && since >= config.run().progress_interval_s()) {
+          spdlog::info(
+              "progress epoch {}/{} step {}/{} loss {:.4f} test_acc {} samples/s {:.0f} "
+              "sent {:.2f} MB recv {:.2f} MB",
+              epoch + 1, epochs, step + 1, total_steps, progress_loss / progress_steps,
+              test_accuracy < 0 ? std::string("n/a") : fmt::format("{:.2f}%", 100 * test_accuracy),
+              static_cast<double>(progress_steps * batch * num_workers) / since,
+              ps.bytes_sent() / 1e6, ps.bytes_received() / 1e6);
+          last_progress = t3;
+          progress_steps = 0;
+          progress_loss = 0.0;
+        }
       }
-      const double loss =
-          model.ForwardBackward(params.data(), xb.data(), yb.data(), batch, grad.data(), nullptr);
-      if (!std::isfinite(loss) || !kernels::AllFinite(grad.data(), n)) {
-        return Status::FailedPrecondition("the loss or gradient became NaN/Inf at step " +
-                                          std::to_string(step) + " (try a smaller train.lr)");
-      }
-      if (wd > 0) kernels::Axpy(wd, params.data(), grad.data(), n);
-      const auto t1 = Clock::now();
-      pushes.clear();
-      compressor->Compress(grad.data(), ps.ranges(), &pushes);
-      const auto t2 = Clock::now();
-      const uint64_t sent0 = ps.bytes_sent(), recv0 = ps.bytes_received();
-      SPARSEPS_RETURN_IF_ERROR(ps.PushPull(static_cast<int64_t>(step), pushes, params.data()));
-      const auto t3 = Clock::now();
-      metrics.Row({static_cast<double>(step), static_cast<double>(epoch), loss,
-                   static_cast<double>(ps.bytes_sent() - sent0),
-                   static_cast<double>(ps.bytes_received() - recv0),
-                   static_cast<double>(compressor->last_selected()), Ms(t0, t1), Ms(t1, t2),
-                   Ms(t2, t3), SecondsSince(train_start)});
-      epoch_loss += loss;
-      ++epoch_steps;
-      progress_loss += loss;
-      ++progress_steps;
-      last_loss = loss;
-      const double since = std::chrono::duration<double>(t3 - last_progress).count();
-      if (rank == 0 && since >= config.run().progress_interval_s()) {
-        spdlog::info(
-            "progress epoch {}/{} step {}/{} loss {:.4f} test_acc {} samples/s {:.0f} "
-            "sent {:.2f} MB recv {:.2f} MB",
-            epoch + 1, epochs, step + 1, total_steps, progress_loss / progress_steps,
-            test_accuracy < 0 ? std::string("n/a") : fmt::format("{:.2f}%", 100 * test_accuracy),
-            static_cast<double>(progress_steps * batch * num_workers) / since,
-            ps.bytes_sent() / 1e6, ps.bytes_received() / 1e6);
-        last_progress = t3;
-        progress_steps = 0;
-        progress_loss = 0.0;
+      if (epoch_steps > 0) last_loss = epoch_loss / static_cast<double>(epoch_steps);
+      epochs_done = epoch + 1;
+      const uint32_t every = tc.eval_every_epochs();
+      if (rank == 0 && every > 0 && epochs_done % every == 0 && step < total_steps) {
+        evaluate(epochs_done);
       }
     }
-    if (epoch_steps > 0) last_loss = epoch_loss / static_cast<double>(epoch_steps);
-    epochs_done = epoch + 1;
-    const uint32_t every = tc.eval_every_epochs();
-    if (rank == 0 && every > 0 && epochs_done % every == 0 && step < total_steps) {
-      evaluate(epochs_done);
-    }
-  }
-  const double train_s = SecondsSince(train_start);
-  if (rank == 0) evaluate(epochs_done);
+    const double train_s = SecondsSince(train_start);
+    if (rank == 0) evaluate(epochs_done);
 
-  proto::WorkerStats stats;
-  stats.set_steps(step);
-  stats.set_epochs(epochs_done);
-  stats.set_bytes_sent(ps.bytes_sent());
-  stats.set_bytes_received(ps.bytes_received());
-  stats.set_final_test_accuracy(test_accuracy);
-  stats.set_final_train_loss(last_loss);
-  stats.set_wall_s(train_s);
-  stats.set_samples_per_s(static_cast<double>(step * batch * num_workers) /
-                          std::max(train_s, 1e-9));
-  spdlog::info(
-      "training done: {} steps in {:.1f} s, {:.0f} samples/s (cluster), sent {:.0f} B/step, "
-      "received {:.0f} B/step{}",
-      step, train_s, stats.samples_per_s(),
-      step ? static_cast<double>(ps.bytes_sent()) / static_cast<double>(step) : 0.0,
-      step ? static_cast<double>(ps.bytes_received()) / static_cast<double>(step) : 0.0,
-      rank == 0 ? fmt::format(", final test accuracy {:.2f}%", 100 * test_accuracy) : "");
-  SPARSEPS_RETURN_IF_ERROR(control.SendDone(stats));
-  Status s = control.WaitFor([&] { return control.shutdown_requested(); },
-                             config.cluster().request_timeout_s(), "SHUTDOWN from the scheduler");
-  control.StopHeartbeats();
-  return s;
+    proto::WorkerStats stats;
+    stats.set_steps(step);
+    stats.set_epochs(epochs_done);
+    stats.set_bytes_sent(ps.bytes_sent());
+    stats.set_bytes_received(ps.bytes_received());
+    stats.set_final_test_accuracy(test_accuracy);
+    stats.set_final_train_loss(last_loss);
+    stats.set_wall_s(train_s);
+    stats.set_samples_per_s(static_cast<double>(step * batch * num_workers) /
+                            std::max(train_s, 1e-9));
+    spdlog::info(
+        "training done: {} steps in {:.1f} s, {:.0f} samples/s (cluster), sent {:.0f} B/step, "
+        "received {:.0f} B/step{}",
+        step, train_s, stats.samples_per_s(),
+        step ? static_cast<double>(ps.bytes_sent()) / static_cast<double>(step) : 0.0,
+        step ? static_cast<double>(ps.bytes_received()) / static_cast<double>(step) : 0.0,
+        rank == 0 ? fmt::format(", final test accuracy {:.2f}%", 100 * test_accuracy) : "");
+    SPARSEPS_RETURN_IF_ERROR(control.SendDone(stats));
+    Status s = control.WaitFor([&] { return control.shutdown_requested(); },
+                               config.cluster().request_timeout_s(), "SHUTDOWN from the scheduler");
+    control.StopHeartbeats();
+    return s;
+  }();
+  control.ReportFailure(result);
+  return result;
 }
 
 }  // namespace sparseps

@@ -172,5 +172,33 @@ TEST(LocalClusterFailure, DeadWorkerEndsTheJobWithAClearError) {
   }
 }
 
+// A worker that fails on its own (here: the loss diverges) tells the scheduler, which ends the
+// job at once naming the worker and the cause, long before the heartbeat timeout.
+TEST(LocalClusterFailure, FailingWorkerEndsTheJobAtOnceNamingTheCause) {
+  if (!std::filesystem::exists(std::string(kData) + "/train-images-idx3-ubyte.gz")) {
+    GTEST_SKIP() << "Fashion-MNIST not installed";
+  }
+  TempDir dir("failing-worker");
+  const std::string config = std::string(SPARSEPS_SOURCE_DIR) + "/configs/quickstart.yaml";
+  Cluster c = Start(dir, config, 1, 2,
+                    {"model.hidden=[32]", "data.max_train_samples=2048",
+                     "data.max_test_samples=500", "train.lr=1000", "train.epochs=1000",
+                     "cluster.heartbeat_timeout_s=600", "cluster.request_timeout_s=600"});
+  ASSERT_NE(c.scheduler, nullptr);
+  const auto start = std::chrono::steady_clock::now();
+  const int rc = c.scheduler->Wait(120);
+  const double waited =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_NE(rc, -1) << "the scheduler is still running: " << c.scheduler->Log();
+  EXPECT_NE(rc, 0);
+  EXPECT_LT(waited, 100.0) << "ended by a timeout, not by the report";
+  EXPECT_THAT(c.scheduler->Log(), ::testing::ContainsRegex("worker [01] .* failed: .*NaN"));
+  for (auto& n : c.nodes) {
+    const int node_rc = n->Wait(60);
+    EXPECT_NE(node_rc, -1) << "still running 60 s after the job ended: " << n->Log();
+    EXPECT_NE(node_rc, 0) << n->log_path();
+  }
+}
+
 }  // namespace
 }  // namespace sparseps
