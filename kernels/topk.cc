@@ -2,9 +2,12 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <vector>
+
+#include "kernels/select.h"
 
 namespace sparseps::kernels {
 namespace {
@@ -22,7 +25,7 @@ constexpr size_t kTopBuckets = size_t{1} << (31 - kTopShift);
 
 }  // namespace
 
-size_t TopKAbs(const float* x, size_t n, size_t k, uint32_t* idx_out) {
+size_t TopKAbsRadix(const float* x, size_t n, size_t k, uint32_t* idx_out) {
   if (k == 0 || n == 0) return 0;
   if (k >= n) {
     for (size_t i = 0; i < n; ++i) idx_out[i] = static_cast<uint32_t>(i);
@@ -65,6 +68,28 @@ size_t TopKAbs(const float* x, size_t n, size_t k, uint32_t* idx_out) {
     }
   }
   return out;
+}
+
+size_t TopKAbs(const float* x, size_t n, size_t k, uint32_t* idx_out) {
+  if (k == 0 || n == 0) return 0;
+  // Small vectors or high densities: the radix select is as fast and needs no sample.
+  if (n < (size_t{1} << 16) || k > n / 16) return TopKAbsRadix(x, n, k, idx_out);
+  // A lower bound on the k-th largest magnitude from a sample: the sample rank that expects
+  // 1.25 k + 4 sigma entries above it. One streaming pass then collects the candidates at or
+  // above it (a few more than k), and an exact select among them finishes.
+  const size_t sample = std::min(n, std::max<size_t>(size_t{1} << 14, 64 * n / k));
+  const double expected = static_cast<double>(k) * static_cast<double>(sample) / static_cast<double>(n);
+  const size_t rank = static_cast<size_t>(std::ceil(1.25 * expected + 4.0 * std::sqrt(expected) + 4.0));
+  std::vector<uint32_t> candidates;
+  if (rank < sample) {
+    const float bound = SampledMagnitude(x, n, sample, rank);
+    candidates.reserve(2 * k + 64);
+    SelectAtLeast(x, n, bound, &candidates);
+  }
+  if (candidates.size() < k) return TopKAbsRadix(x, n, k, idx_out);  // the sample misled: rare
+  KeepTopK(x, k, &candidates);
+  std::copy(candidates.begin(), candidates.end(), idx_out);
+  return candidates.size();
 }
 
 }  // namespace sparseps::kernels

@@ -70,5 +70,33 @@ TEST(TopKAbs, InfinityIsLargest) {
   EXPECT_EQ(Select(x, 1), (std::vector<uint32_t>{1}));
 }
 
+// Large vectors take the sampled path; adversarial layouts (clustered large values, sorted
+// input, all equal, only zeros) must give the same set as the reference and the radix select.
+TEST(TopKAbs, SampledPathMatchesReferenceOnAdversarialLayouts) {
+  const size_t n = 1 << 18;
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<std::vector<float>> inputs;
+  std::vector<float> x(n);
+  for (auto& v : x) v = normal(rng);
+  inputs.push_back(x);
+  for (size_t i = 1000; i < 1300; ++i) x[i] = 100.0f + static_cast<float>(i);  // one cluster
+  inputs.push_back(x);
+  std::vector<float> sorted(n);
+  for (size_t i = 0; i < n; ++i) sorted[i] = static_cast<float>(i) * 1e-3f;
+  inputs.push_back(sorted);
+  inputs.push_back(std::vector<float>(n, -2.5f));
+  inputs.push_back(std::vector<float>(n, 0.0f));
+  for (size_t in = 0; in < inputs.size(); ++in) {
+    for (size_t k : {size_t{1}, size_t{262}, size_t{2621}, n / 16}) {
+      const auto want = Reference(inputs[in], k);
+      ASSERT_EQ(Select(inputs[in], k), want) << "input " << in << " k=" << k;
+      std::vector<uint32_t> radix(k);
+      radix.resize(TopKAbsRadix(inputs[in].data(), n, k, radix.data()));
+      ASSERT_EQ(radix, want) << "input " << in << " k=" << k;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace sparseps::kernels

@@ -1,0 +1,52 @@
+// Count sketch of a slice of the flat parameter vector (Charikar et al. 2002; as used by Sketched
+// SGD, Ivkin et al. NeurIPS 2019, and FetchSGD, Rothchild et al. ICML 2020).
+//
+// A table of rows x columns floats. Row j hashes the global key i to a column
+//   h_j(i) = ((a_j i + b_j) mod p) mod columns, p = 2^61 - 1 (2-wise independent),
+// and to a sign s_j(i) = +1 or -1 from the low bit of a cubic polynomial mod p (4-wise
+// independent). The coefficients come from a seed, so every worker and server that uses the same
+// seed builds identical hashes. Insert: S[j][h_j(i)] += s_j(i) v_i. The sketch is linear, so the
+// sum of the tables is the table of the sum. Estimate: median over rows of s_j(i) S[j][h_j(i)].
+//
+// Thread-safety: a CountSketchHash is immutable after construction and may be shared; tables are
+// plain float arrays owned by callers.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace sparseps::kernels {
+
+class CountSketchHash {
+ public:
+  // REQUIRES: 1 <= rows <= 32, columns >= 1.
+  CountSketchHash(uint32_t rows, uint32_t columns, uint64_t seed);
+
+  uint32_t rows() const { return rows_; }
+  uint32_t columns() const { return columns_; }
+  size_t table_size() const { return size_t{rows_} * columns_; }
+
+  // Column of key i in row j.
+  uint32_t Bucket(uint32_t j, uint64_t i) const;
+  // Sign (+1 or -1) of key i in row j.
+  float Sign(uint32_t j, uint64_t i) const;
+
+  // table[rows x columns] += sketch of the dense slice v[0, n) whose first element is global key
+  // `key_begin`. Zero entries are skipped (a cheap test per 16 elements).
+  void InsertDense(const float* v, size_t n, uint64_t key_begin, float* table) const;
+  // table += sketch of the sparse vector with values vals[j] at global keys key_begin + idx[j].
+  void InsertSparse(const uint32_t* idx, const float* vals, size_t k, uint64_t key_begin,
+                    float* table) const;
+  // out[t] = median over rows of s_j(i) table[j][h_j(i)] for i = key_begin + t, t in [0, n).
+  // With an even number of rows the mean of the two middle values.
+  void Estimate(const float* table, uint64_t key_begin, size_t n, float* out) const;
+
+ private:
+  uint32_t rows_;
+  uint32_t columns_;
+  std::vector<uint64_t> bucket_a_, bucket_b_;  // per row
+  std::vector<uint64_t> sign_c_;               // per row, 4 coefficients (c0..c3)
+};
+
+}  // namespace sparseps::kernels

@@ -1,0 +1,161 @@
+#include "kernels/select.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+namespace sparseps::kernels {
+namespace {
+
+inline uint32_t AbsKey(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  return bits & 0x7fffffffu;
+}
+
+}  // namespace
+
+float StreamingSum(const float* x, size_t n) {
+  float acc[16] = {};
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    for (size_t j = 0; j < 16; ++j) acc[j] += x[i + j];
+  }
+  float s = 0.0f;
+  for (; i < n; ++i) s += x[i];
+  for (float a : acc) s += a;
+  return s;
+}
+
+size_t SelectAtLeast(const float* x, size_t n, float threshold, std::vector<uint32_t>* out) {
+  const size_t before = out->size();
+  const uint32_t t = AbsKey(threshold);
+  size_t i = 0;
+#if defined(__SSE2__)
+  // Blocks of 16: one any-above test (keys < 2^31 compare correctly as signed integers), and a
+  // scalar scan only of the rare blocks that hold a selected entry.
+  const __m128i mask = _mm_set1_epi32(0x7fffffff);
+  const __m128i below = _mm_set1_epi32(static_cast<int32_t>(t) - 1);
+  for (; i + 16 <= n; i += 16) {
+    const __m128i a = _mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i)), mask);
+    const __m128i b =
+        _mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i + 4)), mask);
+    const __m128i c =
+        _mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i + 8)), mask);
+    const __m128i d =
+        _mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i + 12)), mask);
+    const __m128i any = _mm_or_si128(_mm_or_si128(_mm_cmpgt_epi32(a, below), _mm_cmpgt_epi32(b, below)),
+                                     _mm_or_si128(_mm_cmpgt_epi32(c, below), _mm_cmpgt_epi32(d, below)));
+    if (_mm_movemask_epi8(any) == 0) [[likely]] {
+      continue;
+    }
+    for (size_t j = i; j < i + 16; ++j) {
+      if (AbsKey(x[j]) >= t) out->push_back(static_cast<uint32_t>(j));
+    }
+  }
+#endif
+  for (; i < n; ++i) {
+    if (AbsKey(x[i]) >= t) out->push_back(static_cast<uint32_t>(i));
+  }
+  return out->size() - before;
+}
+
+float SampledMagnitude(const float* x, size_t n, size_t sample_size, size_t rank) {
+  sample_size = std::min(sample_size, n);
+  std::vector<uint32_t> keys(sample_size);
+  // Stride with a deterministic jitter inside each stride so that periodic structure in x (layer
+  // boundaries, padding) does not line up with the sample.
+  const double stride = static_cast<double>(n) / static_cast<double>(sample_size);
+  uint64_t state = 0x9e3779b97f4a7c15ULL;
+  for (size_t j = 0; j < sample_size; ++j) {
+    state = state * 6364136223846793005ULL + 1442695040888963407ULL;
+    const double jitter = static_cast<double>(state >> 40) / static_cast<double>(1ULL << 24);
+    size_t i = static_cast<size_t>((static_cast<double>(j) + jitter) * stride);
+    if (i >= n) i = n - 1;
+    keys[j] = AbsKey(x[i]);
+  }
+  rank = std::clamp<size_t>(rank, 1, sample_size);
+  std::nth_element(keys.begin(), keys.begin() + static_cast<ptrdiff_t>(rank - 1), keys.end(),
+                   std::greater<uint32_t>());
+  float v;
+  std::memcpy(&v, &keys[rank - 1], sizeof(v));
+  return v;
+}
+
+void KeepTopK(const float* x, size_t k, std::vector<uint32_t>* idx) {
+  if (idx->size() <= k) return;
+  if (k == 0) {
+    idx->clear();
+    return;
+  }
+  std::vector<uint32_t> keys(idx->size());
+  for (size_t j = 0; j < idx->size(); ++j) keys[j] = AbsKey(x[(*idx)[j]]);
+  std::nth_element(keys.begin(), keys.begin() + static_cast<ptrdiff_t>(k - 1), keys.end(),
+                   std::greater<uint32_t>());
+  const uint32_t threshold = keys[k - 1];
+  size_t greater = 0;
+  for (uint32_t key : keys) greater += key > threshold;
+  size_t equal_to_take = k - greater;
+  size_t out = 0;
+  for (uint32_t i : *idx) {
+    const uint32_t key = AbsKey(x[i]);
+    if (key > threshold || (key == threshold && equal_to_take > 0 && equal_to_take--)) {
+      (*idx)[out++] = i;
+    }
+  }
+  idx->resize(out);
+}
+
+size_t SampledThresholdSelect(const float* x, size_t n, size_t k, double sample_ratio,
+                              std::vector<uint32_t>* out) {
+  out->clear();
+  if (k == 0 || n == 0) return 0;
+  if (k >= n) {
+    for (size_t i = 0; i < n; ++i) out->push_back(static_cast<uint32_t>(i));
+    return n;
+  }
+  const size_t sample = std::clamp<size_t>(
+      static_cast<size_t>(std::ceil(sample_ratio * static_cast<double>(n))), 1, n);
+  const size_t rank = std::clamp<size_t>(
+      static_cast<size_t>(std::llround(static_cast<double>(k) * static_cast<double>(sample) /
+                                       static_cast<double>(n))),
+      1, sample);
+  float threshold = SampledMagnitude(x, n, sample, rank);
+  const size_t lo = static_cast<size_t>(0.8 * static_cast<double>(k));
+  const size_t hi = static_cast<size_t>(std::ceil(1.3 * static_cast<double>(k)));
+  for (int adjust = 0;; ++adjust) {
+    out->clear();
+    SelectAtLeast(x, n, threshold, out);
+    if (out->size() > hi) {
+      KeepTopK(x, k, out);
+      break;
+    }
+    if (out->size() >= lo || adjust == 10 || threshold == 0.0f) break;
+    threshold *= 0.7f;
+  }
+  return out->size();
+}
+
+ScaledThreshold::ScaledThreshold(size_t k)
+    : k_(k), threshold_(1.0f / (2.0f * std::sqrt(static_cast<float>(std::max<size_t>(k, 1))))) {}
+
+size_t ScaledThreshold::Select(const float* x, size_t n, std::vector<uint32_t>* out) {
+  out->clear();
+  const size_t count = SelectAtLeast(x, n, threshold_, out);
+  const double ratio = static_cast<double>(count) / static_cast<double>(std::max<size_t>(k_, 1));
+  if (ratio > 1.1) {
+    threshold_ *= 1.005f;
+  } else if (ratio <= 0.909) {
+    threshold_ *= 0.995f;
+  } else {
+    threshold_ *= 1.00125f;
+  }
+  return count;
+}
+
+}  // namespace sparseps::kernels

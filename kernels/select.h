@@ -1,0 +1,58 @@
+// Selection of large-magnitude entries of a flat fp32 vector: the streaming pass every selection
+// mode shares, DGC's sampled threshold and ExDyna's online threshold scaling. Exact top-k is in
+// kernels/topk.h and uses the same pass.
+//
+// Magnitudes compare through the IEEE-754 bit pattern of |x| (monotone for non-NaN values), so
+// NaN counts as larger than +Inf; callers reject non-finite input before selecting.
+// Thread-safety: the functions are reentrant; a ScaledThreshold is used by one thread.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace sparseps::kernels {
+
+// One streaming read of x[0, n): the sum with 16 independent accumulators (the baseline the
+// selection benchmarks compare against).
+float StreamingSum(const float* x, size_t n);
+
+// Appends to *out the indices i of x[0, n) with |x[i]| >= threshold, in increasing order, and
+// returns how many it appended. One streaming pass (SSE2 where available). REQUIRES: n < 2^32.
+size_t SelectAtLeast(const float* x, size_t n, float threshold, std::vector<uint32_t>* out);
+
+// The magnitude of the `rank`-th largest (1-based) of `sample_size` entries of x taken with a
+// fixed stride (deterministic). REQUIRES: 1 <= rank <= min(sample_size, n).
+float SampledMagnitude(const float* x, size_t n, size_t sample_size, size_t rank);
+
+// Keeps the k largest-magnitude entries of the sorted index list *idx (indices into x) and drops
+// the rest, preserving the increasing order; ties at the k-th magnitude go to lower indices.
+void KeepTopK(const float* x, size_t k, std::vector<uint32_t>* idx);
+
+// DGC's sampled threshold (Lin et al., ICLR 2018, §3.4 and the authors' code): the threshold is
+// the (k * sample_ratio)-th largest magnitude of a strided sample of sample_ratio * n entries;
+// a count outside [0.8k, 1.3k] is refined: too many -> exact top-k among the selected (no second
+// pass); too few -> threshold * 0.7 and another pass, at most 10 times. Writes the selected
+// indices (increasing) to *out and returns how many; that is about k, not exactly k.
+size_t SampledThresholdSelect(const float* x, size_t n, size_t k, double sample_ratio,
+                              std::vector<uint32_t>* out);
+
+// ExDyna's online threshold scaling (Yoon & Oh, CCGrid 2024, §IV and kljp/exdyna): select
+// |x| >= thr in one pass, then scale thr toward the target count k by the last count's ratio
+// r = count / k: r > 1.1 -> thr *= 1.005; r <= 0.909 -> thr *= 0.995; otherwise thr *= 1.00125
+// (the authors' code). The initial threshold is 1 / (2 sqrt(k)).
+class ScaledThreshold {
+ public:
+  explicit ScaledThreshold(size_t k);
+  // Selects into *out (cleared first) and updates the threshold; returns the count.
+  size_t Select(const float* x, size_t n, std::vector<uint32_t>* out);
+  void set_k(size_t k) { k_ = k; }
+  float threshold() const { return threshold_; }
+  void set_threshold(float t) { threshold_ = t; }
+
+ private:
+  size_t k_;
+  float threshold_;
+};
+
+}  // namespace sparseps::kernels

@@ -1,0 +1,102 @@
+// Count sketch: linearity (exact in integers), heavy-hitter recovery, hash properties.
+#include "kernels/count_sketch.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <set>
+#include <vector>
+
+#include "kernels/topk.h"
+
+namespace sparseps::kernels {
+namespace {
+
+TEST(CountSketch, SameSeedSameHashesOtherSeedOthers) {
+  CountSketchHash a(5, 1000, 42), b(5, 1000, 42), c(5, 1000, 43);
+  int differ = 0;
+  for (uint64_t i = 0; i < 1000; ++i) {
+    for (uint32_t j = 0; j < 5; ++j) {
+      ASSERT_EQ(a.Bucket(j, i), b.Bucket(j, i));
+      ASSERT_EQ(a.Sign(j, i), b.Sign(j, i));
+      ASSERT_LT(a.Bucket(j, i), 1000u);
+      differ += a.Bucket(j, i) != c.Bucket(j, i);
+    }
+  }
+  EXPECT_GT(differ, 4000);
+}
+
+// sketch(x + y) == sketch(x) + sketch(y) exactly when values are small integers in float.
+TEST(CountSketch, LinearityIsExactInIntegers) {
+  const size_t n = 5000;
+  CountSketchHash h(5, 97, 7);
+  std::mt19937 rng(1);
+  std::vector<float> x(n), y(n), sum(n);
+  for (size_t i = 0; i < n; ++i) {
+    x[i] = static_cast<float>(static_cast<int>(rng() % 21) - 10);
+    y[i] = static_cast<float>(static_cast<int>(rng() % 21) - 10);
+    sum[i] = x[i] + y[i];
+  }
+  std::vector<float> sx(h.table_size()), sy(h.table_size()), ss(h.table_size());
+  h.InsertDense(x.data(), n, 1000, sx.data());
+  h.InsertDense(y.data(), n, 1000, sy.data());
+  h.InsertDense(sum.data(), n, 1000, ss.data());
+  for (size_t c = 0; c < ss.size(); ++c) ASSERT_EQ(ss[c], sx[c] + sy[c]) << c;
+  // The sparse insert of the nonzeros gives the same table.
+  std::vector<uint32_t> idx;
+  std::vector<float> vals;
+  for (size_t i = 0; i < n; ++i) {
+    if (x[i] != 0) {
+      idx.push_back(static_cast<uint32_t>(i));
+      vals.push_back(x[i]);
+    }
+  }
+  std::vector<float> sparse(h.table_size());
+  h.InsertSparse(idx.data(), vals.data(), idx.size(), 1000, sparse.data());
+  EXPECT_EQ(sparse, sx);
+}
+
+// Planted heavy hitters: 50 entries of magnitude 100..149 among 200000 of N(0, 1) noise, 5 rows
+// x 10000 columns (200 columns per heavy hitter, so that a noise key meets heavy hitters in 3 of 5
+// rows with probability ~1e-6): the top 50 of the median estimates are exactly the planted ones,
+// and each estimate is within 3 ||noise||_2 / sqrt(columns) of the true value (the count-sketch
+// error bound, here 13.4).
+TEST(CountSketch, RecoversPlantedHeavyHitters) {
+  const size_t n = 200000, heavy = 50;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal;
+  std::vector<float> x(n);
+  for (auto& v : x) v = normal(rng);
+  std::set<uint32_t> planted;
+  while (planted.size() < heavy) planted.insert(static_cast<uint32_t>(rng() % n));
+  int m = 0;
+  for (uint32_t i : planted) {
+    x[i] = (m % 2 ? -1.0f : 1.0f) * (100.0f + static_cast<float>(m));
+    ++m;
+  }
+  CountSketchHash h(5, 10000, 42);
+  std::vector<float> table(h.table_size());
+  h.InsertDense(x.data(), n, 0, table.data());
+  std::vector<float> est(n);
+  h.Estimate(table.data(), 0, n, est.data());
+  std::vector<uint32_t> top(heavy);
+  TopKAbs(est.data(), n, heavy, top.data());
+  EXPECT_EQ(std::set<uint32_t>(top.begin(), top.end()), planted);
+  for (uint32_t i : planted) EXPECT_NEAR(est[i], x[i], 13.4) << i;
+}
+
+TEST(CountSketch, SingleEntryIsEstimatedExactly) {
+  CountSketchHash h(4, 64, 1);  // even rows: mean of the two middle values
+  std::vector<float> table(h.table_size());
+  const uint32_t idx = 17;
+  const float val = -3.5f;
+  h.InsertSparse(&idx, &val, 1, 100, table.data());
+  std::vector<float> est(40);
+  h.Estimate(table.data(), 100, 40, est.data());
+  EXPECT_EQ(est[17], -3.5f);
+}
+
+}  // namespace
+}  // namespace sparseps::kernels
