@@ -9,7 +9,12 @@
 #include <random>
 #include <vector>
 
+#include <cstring>
+
+#include "kernels/count_sketch.h"
 #include "kernels/error_feedback.h"
+#include "kernels/golomb.h"
+#include "kernels/select.h"
 #include "kernels/topk.h"
 
 namespace {
@@ -64,5 +69,168 @@ void BM_MomentumCorrection(benchmark::State& state) {
   state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * n * 5 * sizeof(float)));
 }
 BENCHMARK(BM_MomentumCorrection)->Arg(235146)->Arg(1 << 22)->Arg(25 << 20);
+
+// ---- Issue 3's figures: 16M floats at density 0.1%, single thread (args: n, k). ----
+constexpr int64_t k16M = 16 << 20;
+constexpr int64_t kK = k16M / 1000;
+
+// The baseline: one streaming read of the vector (a sum with 16 accumulators).
+void BM_StreamingRead(benchmark::State& state) {
+  const size_t n = static_cast<size_t>(state.range(0));
+  auto x = Gradient(n);
+  for (auto _ : state) benchmark::DoNotOptimize(sparseps::kernels::StreamingSum(x.data(), n));
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * n * sizeof(float)));
+}
+BENCHMARK(BM_StreamingRead)->Arg(k16M);
+
+void BM_TopKAbsSparse(benchmark::State& state) {
+  const size_t n = static_cast<size_t>(state.range(0)), k = static_cast<size_t>(state.range(1));
+  auto x = Gradient(n);
+  std::vector<uint32_t> idx(k);
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(sparseps::kernels::TopKAbs(x.data(), n, k, idx.data()));
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * n * sizeof(float)));
+}
+BENCHMARK(BM_TopKAbsSparse)->Args({k16M, kK});
+
+void BM_TopKAbsRadixSparse(benchmark::State& state) {
+  const size_t n = static_cast<size_t>(state.range(0)), k = static_cast<size_t>(state.range(1));
+  auto x = Gradient(n);
+  std::vector<uint32_t> idx(k);
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(sparseps::kernels::TopKAbsRadix(x.data(), n, k, idx.data()));
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * n * sizeof(float)));
+}
+BENCHMARK(BM_TopKAbsRadixSparse)->Args({k16M, kK});
+
+void BM_NthElementSparse(benchmark::State& state) {
+  const size_t n = static_cast<size_t>(state.range(0)), k = static_cast<size_t>(state.range(1));
+  auto x = Gradient(n);
+  std::vector<uint32_t> order(n);
+  for (auto _ : state) {
+    std::iota(order.begin(), order.end(), 0u);
+    std::nth_element(order.begin(), order.begin() + static_cast<long>(k) - 1, order.end(),
+                     [&](uint32_t a, uint32_t b) { return std::fabs(x[a]) > std::fabs(x[b]); });
+    std::sort(order.begin(), order.begin() + static_cast<long>(k));
+    benchmark::DoNotOptimize(order.data());
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * n * sizeof(float)));
+}
+BENCHMARK(BM_NthElementSparse)->Args({k16M, kK})->Unit(benchmark::kMillisecond);
+
+void BM_SampledThreshold(benchmark::State& state) {
+  const size_t n = static_cast<size_t>(state.range(0)), k = static_cast<size_t>(state.range(1));
+  auto x = Gradient(n);
+  std::vector<uint32_t> idx;
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(sparseps::kernels::SampledThresholdSelect(x.data(), n, k, 0.01, &idx));
+  }
+  state.counters["selected"] = static_cast<double>(idx.size());
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * n * sizeof(float)));
+}
+BENCHMARK(BM_SampledThreshold)->Args({k16M, kK});
+
+// ExDyna's selection pass with the threshold already scaled to the target (its steady state).
+void BM_ScaledThreshold(benchmark::State& state) {
+  const size_t n = static_cast<size_t>(state.range(0)), k = static_cast<size_t>(state.range(1));
+  auto x = Gradient(n);
+  std::vector<uint32_t> idx(k);
+  sparseps::kernels::TopKAbs(x.data(), n, k, idx.data());
+  sparseps::kernels::ScaledThreshold sel(k);
+  sel.set_threshold(std::fabs(x[idx[0]]));
+  float smallest = INFINITY;
+  for (uint32_t i : idx) smallest = std::min(smallest, std::fabs(x[i]));
+  for (auto _ : state) {
+    sel.set_threshold(smallest);
+    benchmark::DoNotOptimize(sel.Select(x.data(), n, &idx));
+  }
+  state.counters["selected"] = static_cast<double>(idx.size());
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * n * sizeof(float)));
+}
+BENCHMARK(BM_ScaledThreshold)->Args({k16M, kK});
+
+std::vector<uint32_t> Positions(size_t n, size_t k) {
+  auto x = Gradient(n);
+  std::vector<uint32_t> idx(k);
+  sparseps::kernels::TopKAbs(x.data(), n, k, idx.data());
+  return idx;
+}
+
+// Golomb encode + decode of the k positions; bytes = the positions as uint32 (4 B each).
+void BM_GolombEncodeDecode(benchmark::State& state) {
+  const size_t n = static_cast<size_t>(state.range(0)), k = static_cast<size_t>(state.range(1));
+  const auto idx = Positions(n, k);
+  const uint32_t b = sparseps::kernels::GolombParameter(static_cast<double>(k) / n);
+  std::vector<uint8_t> code;
+  std::vector<uint32_t> out(k);
+  for (auto _ : state) {
+    code.clear();
+    sparseps::kernels::GolombEncode(idx.data(), k, b, &code);
+    benchmark::DoNotOptimize(
+        sparseps::kernels::GolombDecode(code.data(), code.size(), b, k, n, out.data()));
+  }
+  state.counters["bits_per_position"] = 8.0 * static_cast<double>(code.size()) / k;
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * k * sizeof(uint32_t)));
+}
+BENCHMARK(BM_GolombEncodeDecode)->Args({k16M, kK});
+
+// memcpy of arg bytes (the Golomb and aggregation baselines).
+void BM_Memcpy(benchmark::State& state) {
+  const size_t bytes = static_cast<size_t>(state.range(0));
+  std::vector<char> a(bytes, 1), b(bytes);
+  for (auto _ : state) {
+    std::memcpy(b.data(), a.data(), bytes);
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * bytes));
+}
+BENCHMARK(BM_Memcpy)->Arg(kK * 4)->Arg(kK * 8)->Arg(k16M * 4);
+
+// Server aggregation of one push of k (index, value) pairs into a 16M shard (scatter-add at
+// sorted indices); bytes = the pairs (8 B each).
+void BM_ScatterAddPairs(benchmark::State& state) {
+  const size_t n = static_cast<size_t>(state.range(0)), k = static_cast<size_t>(state.range(1));
+  const auto idx = Positions(n, k);
+  std::vector<float> vals(k, 1.0f), shard(n, 0.0f);
+  for (auto _ : state) {
+    sparseps::kernels::ScatterAdd(shard.data(), idx.data(), vals.data(), k);
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * k * 8));
+}
+BENCHMARK(BM_ScatterAddPairs)->Args({k16M, kK});
+
+// Count-sketch insert, 5 rows: a 16M vector with 0.1% non-zeros (what a worker sketches after
+// truncation; zeros are skipped), and the sparse form of the same k entries.
+void BM_SketchInsertDense(benchmark::State& state) {
+  const size_t n = static_cast<size_t>(state.range(0)), k = static_cast<size_t>(state.range(1));
+  const auto idx = Positions(n, k);
+  std::vector<float> v(n, 0.0f);
+  for (uint32_t i : idx) v[i] = 1.0f;
+  sparseps::kernels::CountSketchHash h(5, static_cast<uint32_t>(10 * k), 42);
+  std::vector<float> table(h.table_size());
+  for (auto _ : state) {
+    h.InsertDense(v.data(), n, 0, table.data());
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * n * sizeof(float)));
+}
+BENCHMARK(BM_SketchInsertDense)->Args({k16M, kK});
+
+// Insert cost per element when every entry is non-zero (5 rows, hashes computed per element).
+void BM_SketchInsertAllNonZero(benchmark::State& state) {
+  const size_t n = static_cast<size_t>(state.range(0));
+  auto v = Gradient(n);
+  sparseps::kernels::CountSketchHash h(5, 16384, 42);
+  std::vector<float> table(h.table_size());
+  for (auto _ : state) {
+    h.InsertDense(v.data(), n, 0, table.data());
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * n * sizeof(float)));
+}
+BENCHMARK(BM_SketchInsertAllNonZero)->Arg(1 << 20);
 
 }  // namespace

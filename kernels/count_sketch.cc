@@ -43,12 +43,13 @@ CountSketchHash::CountSketchHash(uint32_t rows, uint32_t columns, uint64_t seed)
 }
 
 uint32_t CountSketchHash::Bucket(uint32_t j, uint64_t i) const {
-  return static_cast<uint32_t>(AddMod(MulMod(bucket_a_[j], i % kPrime), bucket_b_[j]) % columns_);
+  const uint64_t x = i < kPrime ? i : i % kPrime;
+  return static_cast<uint32_t>(AddMod(MulMod(bucket_a_[j], x), bucket_b_[j]) % columns_);
 }
 
 float CountSketchHash::Sign(uint32_t j, uint64_t i) const {
   const uint64_t* c = &sign_c_[4 * size_t{j}];
-  const uint64_t x = i % kPrime;
+  const uint64_t x = i < kPrime ? i : i % kPrime;
   uint64_t h = c[3];
   h = AddMod(MulMod(h, x), c[2]);
   h = AddMod(MulMod(h, x), c[1]);

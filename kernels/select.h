@@ -13,21 +13,27 @@
 
 namespace sparseps::kernels {
 
-// One streaming read of x[0, n): the sum with 16 independent accumulators (the baseline the
-// selection benchmarks compare against).
+// One streaming read of x[0, n): the sum with 16 independent accumulators, SSE2 where available
+// (the baseline the selection benchmarks compare against).
 float StreamingSum(const float* x, size_t n);
 
 // Appends to *out the indices i of x[0, n) with |x[i]| >= threshold, in increasing order, and
-// returns how many it appended. One streaming pass (SSE2 where available). REQUIRES: n < 2^32.
-size_t SelectAtLeast(const float* x, size_t n, float threshold, std::vector<uint32_t>* out);
+// returns how many it appended; when `values` is not null, appends x[i] of each to it too (so that
+// callers need not gather them again). One streaming pass (SSE2 where available).
+// REQUIRES: n < 2^32.
+size_t SelectAtLeast(const float* x, size_t n, float threshold, std::vector<uint32_t>* out,
+                     std::vector<float>* values = nullptr);
 
-// The magnitude of the `rank`-th largest (1-based) of `sample_size` entries of x taken with a
-// fixed stride (deterministic). REQUIRES: 1 <= rank <= min(sample_size, n).
+// The magnitude of the `rank`-th largest (1-based) of `sample_size` entries of x taken as runs of
+// 16 consecutive entries at a fixed stride (deterministic). REQUIRES: 1 <= rank <= min(sample_size, n).
 float SampledMagnitude(const float* x, size_t n, size_t sample_size, size_t rank);
 
 // Keeps the k largest-magnitude entries of the sorted index list *idx (indices into x) and drops
 // the rest, preserving the increasing order; ties at the k-th magnitude go to lower indices.
-void KeepTopK(const float* x, size_t k, std::vector<uint32_t>* idx);
+// `values`, when not null, holds x[idx[j]] (read instead of x, avoiding a gather); it is not
+// shortened.
+void KeepTopK(const float* x, size_t k, std::vector<uint32_t>* idx,
+              const std::vector<float>* values = nullptr);
 
 // DGC's sampled threshold (Lin et al., ICLR 2018, §3.4 and the authors' code): the threshold is
 // the (k * sample_ratio)-th largest magnitude of a strided sample of sample_ratio * n entries;

@@ -81,13 +81,15 @@ size_t TopKAbs(const float* x, size_t n, size_t k, uint32_t* idx_out) {
   const double expected = static_cast<double>(k) * static_cast<double>(sample) / static_cast<double>(n);
   const size_t rank = static_cast<size_t>(std::ceil(1.25 * expected + 4.0 * std::sqrt(expected) + 4.0));
   std::vector<uint32_t> candidates;
+  std::vector<float> values;
   if (rank < sample) {
     const float bound = SampledMagnitude(x, n, sample, rank);
     candidates.reserve(2 * k + 64);
-    SelectAtLeast(x, n, bound, &candidates);
+    values.reserve(2 * k + 64);
+    SelectAtLeast(x, n, bound, &candidates, &values);
   }
   if (candidates.size() < k) return TopKAbsRadix(x, n, k, idx_out);  // the sample misled: rare
-  KeepTopK(x, k, &candidates);
+  KeepTopK(x, k, &candidates, &values);
   std::copy(candidates.begin(), candidates.end(), idx_out);
   return candidates.size();
 }
