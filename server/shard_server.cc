@@ -6,8 +6,11 @@
 
 #include "common/codec/codec.h"
 #include "common/codec/dense.h"
+#include "common/codec/sketch.h"
 #include "common/codec/topk.h"
+#include "kernels/count_sketch.h"
 #include "kernels/error_feedback.h"
+#include "kernels/topk.h"
 
 namespace sparseps {
 
@@ -16,7 +19,18 @@ ShardServer::ShardServer(const ShardOptions& options)
       params_(options.range.size(), 0.0f),
       accum_(options.range.size(), 0.0f),
       touched_mask_(options.range.size(), 0),
-      pushed_(static_cast<size_t>(options.num_workers), 0) {}
+      pushed_(static_cast<size_t>(options.num_workers), 0) {
+  const auto& c = options_.compression;
+  if (c.encoding() == proto::SKETCH) {
+    groups_ = FusionGroups(options_.range.size(), c.sketch().fusion_group_size());
+    for (const auto& g : groups_) {
+      group_columns_.push_back(SketchColumns(c, g.size()));
+      sketch_columns_ += group_columns_.back();
+    }
+    sketch_accum_.assign(size_t{c.sketch().rows()} * sketch_columns_, 0.0f);
+  }
+  if (c.server_topk()) server_residual_.assign(options_.range.size(), 0.0f);
+}
 
 Outgoing ShardServer::Reply(const std::string& peer, const proto::Header& request,
                             proto::Command command) const {
@@ -148,8 +162,23 @@ void ShardServer::HandlePush(const std::string& peer, const Message& msg,
     Reject(peer, &h, "PUSH: " + s.message(), out);
     return;
   }
+  if (p.is_sketch() && (options_.compression.encoding() != proto::SKETCH ||
+                        p.sketch_rows != options_.compression.sketch().rows() ||
+                        p.sketch_columns != sketch_columns_)) {
+    Reject(peer, &h,
+           "PUSH: sketch layout " + std::to_string(p.sketch_rows) + " x " +
+               std::to_string(p.sketch_columns) + " does not match this server's " +
+               std::to_string(options_.compression.sketch().rows()) + " x " +
+               std::to_string(sketch_columns_) +
+               " (compression.sketch must be the same everywhere)",
+           out);
+    return;
+  }
   // Validated: accumulate. Sparse stays sparse: scatter-add at the pushed keys only.
-  if (p.is_dense()) {
+  if (p.is_sketch()) {
+    kernels::Axpy(1.0f, p.sketch.data(), sketch_accum_.data(), sketch_accum_.size());
+    sketch_this_iteration_ = true;
+  } else if (p.is_dense()) {
     kernels::Axpy(1.0f, p.dense.data(), accum_.data(), accum_.size());
     dense_this_iteration_ = true;
   } else {
@@ -171,9 +200,69 @@ void ShardServer::HandlePush(const std::string& peer, const Message& msg,
   }
 }
 
+void ShardServer::ApplySketch(float scale) {
+  // Heavy hitters per fusion group: the top k of the median estimates of the summed tables
+  // (linearity: the sum of the workers' sketches is the sketch of the summed residuals).
+  const auto& c = options_.compression;
+  const uint32_t rows = c.sketch().rows();
+  const float* table = sketch_accum_.data();
+  last_changed_.clear();
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    const KeyRange& grp = groups_[g];
+    const kernels::CountSketchHash hash(rows, group_columns_[g], c.sketch().seed());
+    estimates_.resize(grp.size());
+    hash.Estimate(table, options_.range.begin + grp.begin, grp.size(), estimates_.data());
+    table += hash.table_size();
+    selected_.resize(SketchK(c, grp.size()));
+    selected_.resize(
+        kernels::TopKAbs(estimates_.data(), grp.size(), selected_.size(), selected_.data()));
+    for (uint32_t j : selected_) {
+      if (estimates_[j] == 0.0f) continue;
+      const size_t i = grp.begin + j;
+      params_[i] += scale * estimates_[j];
+      last_changed_.push_back(static_cast<uint32_t>(i));
+    }
+  }
+  std::fill(sketch_accum_.begin(), sketch_accum_.end(), 0.0f);
+  sketch_this_iteration_ = false;
+}
+
+void ShardServer::ApplyResparsified(float scale) {
+  // r += aggregate; apply the top k of r; r keeps the rest (nothing is lost).
+  if (dense_this_iteration_) {
+    kernels::Axpy(1.0f, accum_.data(), server_residual_.data(), accum_.size());
+    std::fill(accum_.begin(), accum_.end(), 0.0f);
+  } else {
+    for (uint32_t i : touched_) {
+      server_residual_[i] += accum_[i];
+      accum_[i] = 0.0f;
+    }
+  }
+  for (uint32_t i : touched_) touched_mask_[i] = 0;
+  const size_t n = server_residual_.size();
+  const size_t k = std::min(
+      n, std::max<size_t>(1, static_cast<size_t>(std::llround(options_.compression.density() *
+                                                              static_cast<double>(n)))));
+  selected_.resize(k);
+  selected_.resize(kernels::TopKAbs(server_residual_.data(), n, k, selected_.data()));
+  last_changed_.clear();
+  for (uint32_t i : selected_) {
+    if (server_residual_[i] == 0.0f) continue;
+    params_[i] += scale * server_residual_[i];
+    server_residual_[i] = 0.0f;
+    last_changed_.push_back(i);
+  }
+}
+
 void ShardServer::Apply() {
   const float scale = static_cast<float>(-options_.lr / options_.num_workers);
-  if (dense_this_iteration_) {
+  if (sketch_this_iteration_) {
+    ApplySketch(scale);
+    last_changed_all_ = false;
+  } else if (options_.compression.server_topk()) {
+    ApplyResparsified(scale);
+    last_changed_all_ = false;
+  } else if (dense_this_iteration_) {
     kernels::Axpy(scale, accum_.data(), params_.data(), params_.size());
     std::fill(accum_.begin(), accum_.end(), 0.0f);
     for (uint32_t i : touched_) touched_mask_[i] = 0;

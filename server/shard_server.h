@@ -4,7 +4,12 @@
 //   PUSH(t) from each of the W workers, once each; t must equal the version. A stale (t <
 //   version), future (t > version) or duplicate push is rejected with ERROR and not counted.
 //   When all W pushed, the server applies  w -= lr * (sum of pushes) / W  on the touched keys and
-//   the version becomes t + 1.
+//   the version becomes t + 1. Encodings: DENSE, TOPK and SBC (sparse pairs, scatter-added), and
+//   SKETCH (count-sketch tables, summed; at apply time each fusion group's k heavy hitters, the top
+//   k of the median estimates, are the update).
+//   With compression.server_topk, sparse aggregates go through a server residual r: r += sum;
+//   only the top density * (range size) entries of r are applied and zeroed in r, so pull replies
+//   stay at that many entries; applied + r = everything pushed.
 //   PULL(t) is answered once version >= t + 1 (PULL with t = -1: once initialised): TOPK with the
 //   changed keys' new values if the puller holds version t (have_version) and that is smaller than
 //   the dense shard, DENSE otherwise.
@@ -20,6 +25,7 @@
 
 #include "common/key_range.h"
 #include "common/van.h"
+#include "proto/config.pb.h"
 
 namespace sparseps {
 
@@ -28,6 +34,9 @@ struct ShardOptions {
   int server_rank = 0;
   int num_workers = 1;  // pushes per iteration (BSP)
   double lr = 0.1;      // learning rate of the update
+  // density, server_topk (re-sparsification) and the sketch layout (rows, columns_per_k,
+  // fusion_group_size, seed) are read from here.
+  proto::CompressionConfig compression;
 };
 
 struct ShardCounters {
@@ -52,6 +61,9 @@ class ShardServer {
   int64_t version() const { return version_; }
   bool initialized() const { return version_ >= 0; }
   const ShardCounters& counters() const { return counters_; }
+  // The server residual of re-sparsification (empty unless compression.server_topk).
+  const std::vector<float>& server_residual() const { return server_residual_; }
+
   const ShardOptions& options() const { return options_; }
 
  private:
@@ -66,6 +78,8 @@ class ShardServer {
   void HandlePush(const std::string& peer, const Message& msg, std::vector<Outgoing>* out);
   void HandlePull(const std::string& peer, const Message& msg, std::vector<Outgoing>* out);
   void Apply();
+  void ApplySketch(float scale);
+  void ApplyResparsified(float scale);
   void AnswerReadyPulls(std::vector<Outgoing>* out);
   Outgoing MakePullReply(const PendingPull& pull) const;
   void Reject(const std::string& peer, const proto::Header* h, const std::string& why,
@@ -87,6 +101,18 @@ class ShardServer {
   // What the last applied iteration changed (sorted keys), for sparse pull replies.
   std::vector<uint32_t> last_changed_;
   bool last_changed_all_ = true;
+
+  // SKETCH: the summed tables of this iteration (rows x total columns) and the groups' layout.
+  std::vector<float> sketch_accum_;
+  bool sketch_this_iteration_ = false;
+  std::vector<KeyRange> groups_;
+  std::vector<uint32_t> group_columns_;
+  uint64_t sketch_columns_ = 0;
+  std::vector<float> estimates_;
+
+  // Re-sparsification state (compression.server_topk).
+  std::vector<float> server_residual_;
+  std::vector<uint32_t> selected_;
 
   std::vector<PendingPull> pending_pulls_;
   ShardCounters counters_;

@@ -1,15 +1,23 @@
 // Gradient compressors with residuals: turn a worker's gradient into one push per key range and
-// keep what was not sent for later iterations (error feedback).
+// keep what was not sent for later iterations (error feedback). One class per encoding: dense,
+// topk (DGC), sbc, sketch; selection modes and the warm-up schedule are shared.
 //
 // Thread-safety: a Compressor holds per-worker state; one thread uses it.
 #pragma once
 
+#include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
+#include "common/codec/sketch.h"
+#include "common/codec/topk.h"
 #include "common/key_range.h"
 #include "common/message.h"
+#include "common/status.h"
+#include "kernels/count_sketch.h"
+#include "kernels/select.h"
 #include "proto/config.pb.h"
 
 namespace sparseps {
@@ -17,10 +25,25 @@ namespace sparseps {
 class Compressor {
  public:
   virtual ~Compressor() = default;
-  // Compresses `grad` (num_params floats) and appends one Message per range in `ranges` (a sorted
-  // cover of the key space), each with encoding, key range and payload frames set.
-  virtual void Compress(const float* grad, const std::vector<KeyRange>& ranges,
-                        std::vector<Message>* out) = 0;
+
+  // One local iteration with gradient `grad` (num_params floats). Returns true when this
+  // iteration ends with a push (Compress, then pull). The default pushes every iteration and
+  // leaves params alone; SBC trains `params` locally for local_iterations steps first.
+  virtual bool LocalStep(const float* grad, float* params) { return true; }
+
+  // Compresses `grad` (num_params floats; ignored by encodings that push what LocalStep
+  // accumulated) and appends one Message per range in `ranges` (a sorted cover of the key space),
+  // each with encoding, key range and payload frames set. Errors: InvalidArgument when the input
+  // holds NaN or Inf (nothing is changed then).
+  virtual Status Compress(const float* grad, const std::vector<KeyRange>& ranges,
+                          std::vector<Message>* out) = 0;
+
+  // The keys (relative to key_begin) whose parameters the last pull changed.
+  virtual void OnChanged(uint64_t key_begin, std::span<const uint32_t> keys) {}
+
+  // Sets the epoch (0-based) for the density warm-up schedule.
+  virtual void SetEpoch(uint32_t epoch) {}
+
   // Elements selected in the last Compress call (all of them for dense).
   virtual size_t last_selected() const = 0;
 };
@@ -29,8 +52,8 @@ class Compressor {
 class DenseCompressor final : public Compressor {
  public:
   DenseCompressor(size_t num_params, float momentum);
-  void Compress(const float* grad, const std::vector<KeyRange>& ranges,
-                std::vector<Message>* out) override;
+  Status Compress(const float* grad, const std::vector<KeyRange>& ranges,
+                  std::vector<Message>* out) override;
   size_t last_selected() const override { return velocity_.size(); }
 
  private:
@@ -38,17 +61,34 @@ class DenseCompressor final : public Compressor {
   std::vector<float> velocity_;
 };
 
+// Picks about k entries of a vector by magnitude: exact top-k, DGC's sampled threshold or
+// ExDyna's scaled threshold (kernels/select.h). Output indices are strictly increasing.
+class Selector {
+ public:
+  Selector(proto::Selection mode, double sample_ratio, size_t k);
+  void Select(const float* x, size_t n, size_t k, std::vector<uint32_t>* out);
+
+ private:
+  proto::Selection mode_;
+  double sample_ratio_;
+  kernels::ScaledThreshold scaled_;
+};
+
+// k for a density and an epoch under DGC's warm-up (density^((e + 1) / (W + 1)) for e < W):
+// max(1, round(density * n)), at most n.
+size_t WarmupK(double density, uint32_t warmup_epochs, uint32_t epoch, size_t n);
+
 // `topk` with DGC momentum correction and momentum factor masking (Lin et al., ICLR 2018, §3):
-//   u = m*u + g;  v = v + u;  I = top-k(|v|) over the whole flat vector (k = density * N);
+//   u = m*u + g;  v = v + u;  I = select(|v|, k) over the whole flat vector (k = density * N);
 //   push v[I] split by key range;  v[I] = 0;  u[I] = 0.
-// Invariant: the sum of all u's added to v equals everything pushed so far plus v (the
-// residual), exactly when the values are integers in float.
+// With fp16 values the rounding error stays in v. Invariant: the sum of all u's added to v equals
+// everything pushed so far plus v (the residual), exactly when the values are integers in float.
 class TopKCompressor final : public Compressor {
  public:
-  // k = max(1, round(density * num_params)).
-  TopKCompressor(size_t num_params, double density, float momentum);
-  void Compress(const float* grad, const std::vector<KeyRange>& ranges,
-                std::vector<Message>* out) override;
+  TopKCompressor(size_t num_params, const proto::CompressionConfig& c, float momentum);
+  Status Compress(const float* grad, const std::vector<KeyRange>& ranges,
+                  std::vector<Message>* out) override;
+  void SetEpoch(uint32_t epoch) override;
   size_t last_selected() const override { return last_selected_; }
 
   size_t k() const { return k_; }
@@ -56,12 +96,68 @@ class TopKCompressor final : public Compressor {
   const std::vector<float>& velocity() const { return velocity_; }
 
  private:
+  proto::CompressionConfig config_;
   size_t k_;
   float momentum_;
+  Selector selector_;
+  TopKFormat format_;
   std::vector<float> velocity_;  // u
   std::vector<float> residual_;  // v
   std::vector<uint32_t> selected_;
   std::vector<float> values_;
+  size_t last_selected_ = 0;
+};
+
+// `sbc`: Sparse Binary Compression (Sattler et al., arXiv 1805.08768, Algorithm 1). For
+// local_iterations steps the worker trains its own copy (u = m*u + g; params -= lr*u) and
+// accumulates a += u. Then A = a + R; P+ = the k largest entries, P- = the k most negative;
+// the side with the larger mean magnitude mu is sent as positions with the one value +-mu;
+// R = A - sent (the residual keeps both the sparsification and the binarisation error).
+// The server applies -lr/W times the aggregate, which is the averaged weight delta.
+class SbcCompressor final : public Compressor {
+ public:
+  SbcCompressor(size_t num_params, const proto::CompressionConfig& c, float momentum, float lr);
+  bool LocalStep(const float* grad, float* params) override;
+  Status Compress(const float* grad, const std::vector<KeyRange>& ranges,
+                  std::vector<Message>* out) override;
+  void SetEpoch(uint32_t epoch) override;
+  size_t last_selected() const override { return last_selected_; }
+
+  const std::vector<float>& residual() const { return residual_; }
+  // The signed value sent in the last Compress.
+  float last_value() const { return last_value_; }
+
+ private:
+  proto::CompressionConfig config_;
+  size_t k_;
+  float momentum_, lr_;
+  uint32_t local_steps_ = 0;
+  Selector pos_selector_, neg_selector_;
+  std::vector<float> velocity_, accumulated_, residual_, side_;
+  std::vector<uint32_t> pos_, neg_;
+  size_t last_selected_ = 0;
+  float last_value_ = 0.0f;
+};
+
+// `sketch`: Sketched SGD (Ivkin et al., NeurIPS 2019, Algorithm 1) with Sketch-Fusion groups:
+// u = m*u + g; v += u; each key range is cut into fusion groups and v's slice of each group is
+// count-sketched (rows x columns, columns = columns_per_k * density * group size). The servers sum
+// the tables, recover the heavy hitters of each group and apply them; the keys a pull reports as
+// changed get u = v = 0 here (momentum stopping and error reset).
+class SketchCompressor final : public Compressor {
+ public:
+  SketchCompressor(size_t num_params, const proto::CompressionConfig& c, float momentum);
+  Status Compress(const float* grad, const std::vector<KeyRange>& ranges,
+                  std::vector<Message>* out) override;
+  void OnChanged(uint64_t key_begin, std::span<const uint32_t> keys) override;
+  size_t last_selected() const override { return last_selected_; }
+
+  const std::vector<float>& residual() const { return residual_; }
+
+ private:
+  proto::CompressionConfig config_;
+  float momentum_;
+  std::vector<float> velocity_, residual_;
   size_t last_selected_ = 0;
 };
 

@@ -106,11 +106,22 @@ Status PsClient::ApplyPullReply(Peer& peer, const Message& msg, float* params) {
                                  std::to_string(msg.header.version()) + " but we hold " +
                                  std::to_string(peer.version));
   }
+  if (p.is_sketch()) {
+    return Status::ProtocolError(peer.name + " replied with a sketch; pulls are dense or topk");
+  }
   float* base = params + peer.range.begin;
   if (p.is_dense()) {
+    if (on_changed_) {
+      changed_.clear();
+      for (size_t i = 0; i < p.dense.size(); ++i) {
+        if (base[i] != p.dense[i]) changed_.push_back(static_cast<uint32_t>(i));
+      }
+      on_changed_(peer.range.begin, changed_);
+    }
     std::copy(p.dense.begin(), p.dense.end(), base);
   } else {
     for (size_t j = 0; j < p.indices.size(); ++j) base[p.indices[j]] = p.values[j];
+    if (on_changed_) on_changed_(peer.range.begin, p.indices);
   }
   peer.version = msg.header.version();
   return Status::OK();

@@ -8,6 +8,8 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
+#include <span>
 #include <string>
 #include <vector>
 #include <zmq.hpp>
@@ -40,6 +42,12 @@ class PsClient {
   // included), DeadlineExceeded naming the server, Aborted on FATAL.
   Status PushPull(int64_t iteration, std::vector<Message>& pushes, float* params);
 
+  // Called for every pull reply with the range's first key and the keys (relative to it) whose
+  // value changed: the reply's keys when sparse, the keys whose value differs when dense. The
+  // sketch compressor zeroes its residual there.
+  using ChangedCallback = std::function<void(uint64_t key_begin, std::span<const uint32_t> keys)>;
+  void set_changed_callback(ChangedCallback cb) { on_changed_ = std::move(cb); }
+
   uint64_t bytes_sent() const { return bytes_sent_; }
   uint64_t bytes_received() const { return bytes_received_; }
   // Parameter version (applied iterations) held for range r.
@@ -60,6 +68,8 @@ class PsClient {
   Status AwaitAll(int64_t iteration, float* params);
   Status ApplyPullReply(Peer& peer, const Message& msg, float* params);
 
+  ChangedCallback on_changed_;
+  std::vector<uint32_t> changed_;
   ControlClient* control_;
   const int worker_rank_;
   const double request_timeout_s_;

@@ -105,6 +105,15 @@ Status RunWorker(const proto::JobConfig& config) {
 
     std::vector<uint32_t> shard = ShardIndices(train->num_samples, tc.seed(), rank, num_workers);
     auto compressor = MakeCompressor(config, n);
+    ps.set_changed_callback([&](uint64_t begin, std::span<const uint32_t> keys) {
+      compressor->OnChanged(begin, keys);
+    });
+    // SBC trains a local copy between pushes; the pulled parameters replace it after each push.
+    const bool local_copy = config.compression().encoding() == proto::SBC;
+    std::vector<float> local;
+    if (local_copy) local = params;
+    float* model_params = local_copy ? local.data() : params.data();
+    int64_t push_round = 0;
     const size_t batch = tc.batch_size();
     const size_t features = train->num_features;
     std::vector<float> xb(batch * features), grad(n);
@@ -136,6 +145,7 @@ Status RunWorker(const proto::JobConfig& config) {
     for (uint32_t epoch = 0; epoch < epochs && step < total_steps; ++epoch) {
       Shuffle(&shard,
               tc.seed() ^ (0x9e3779b97f4a7c15ULL * (epoch + 1)) ^ static_cast<uint64_t>(rank));
+      compressor->SetEpoch(epoch);
       epoch_loss = 0.0;
       uint64_t epoch_steps = 0;
       for (uint64_t s = 0; s < steps_per_epoch && step < total_steps; ++s, ++step) {
@@ -147,18 +157,22 @@ Status RunWorker(const proto::JobConfig& config) {
           yb[b] = train->labels[idx];
         }
         const double loss =
-            model.ForwardBackward(params.data(), xb.data(), yb.data(), batch, grad.data(), nullptr);
+            model.ForwardBackward(model_params, xb.data(), yb.data(), batch, grad.data(), nullptr);
         if (!std::isfinite(loss) || !kernels::AllFinite(grad.data(), n)) {
           return Status::FailedPrecondition("the loss or gradient became NaN/Inf at step " +
                                             std::to_string(step) + " (try a smaller train.lr)");
         }
-        if (wd > 0) kernels::Axpy(wd, params.data(), grad.data(), n);
+        if (wd > 0) kernels::Axpy(wd, model_params, grad.data(), n);
         const auto t1 = Clock::now();
-        pushes.clear();
-        compressor->Compress(grad.data(), ps.ranges(), &pushes);
-        const auto t2 = Clock::now();
         const uint64_t sent0 = ps.bytes_sent(), recv0 = ps.bytes_received();
-        SPARSEPS_RETURN_IF_ERROR(ps.PushPull(static_cast<int64_t>(step), pushes, params.data()));
+        auto t2 = t1;
+        if (compressor->LocalStep(grad.data(), model_params)) {
+          pushes.clear();
+          SPARSEPS_RETURN_IF_ERROR(compressor->Compress(grad.data(), ps.ranges(), &pushes));
+          t2 = Clock::now();
+          SPARSEPS_RETURN_IF_ERROR(ps.PushPull(push_round++, pushes, params.data()));
+          if (local_copy) std::copy(params.begin(), params.end(), local.begin());
+        }
         const auto t3 = Clock::now();
         metrics.Row({static_cast<double>(step), static_cast<double>(epoch), loss,
                      static_cast<double>(ps.bytes_sent() - sent0),

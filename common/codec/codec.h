@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "common/message.h"
 #include "common/status.h"
@@ -19,16 +20,24 @@
 
 namespace sparseps {
 
-// A validated payload for a key range of length `range_len`: dense values (size range_len) or
+// A validated payload for a key range of length `range_len`: dense values (size range_len),
 // sparse (index, value) pairs with indices relative to the range start, strictly increasing and
-// below range_len. All values are finite.
+// below range_len (TOPK, SBC), or count-sketch tables (SKETCH). All values are finite.
+// Compact formats (varint indices, fp16 values, Golomb positions) are expanded into the owned
+// vectors, which the spans then view; otherwise the spans view the message's frames.
 struct DecodedPayload {
   proto::Encoding encoding = proto::ENCODING_UNSPECIFIED;
   std::span<const float> dense;       // DENSE
-  std::span<const uint32_t> indices;  // sparse encodings
-  std::span<const float> values;      // sparse encodings, same length as indices
+  std::span<const uint32_t> indices;  // TOPK, SBC
+  std::span<const float> values;      // TOPK, SBC: same length as indices
+  std::span<const float> sketch;      // SKETCH: the tables, sketch_rows x sketch_columns
+  uint32_t sketch_rows = 0;
+  uint64_t sketch_columns = 0;
+  std::vector<uint32_t> owned_indices;
+  std::vector<float> owned_values;
 
   bool is_dense() const { return encoding == proto::DENSE; }
+  bool is_sketch() const { return encoding == proto::SKETCH; }
   size_t nnz() const { return is_dense() ? dense.size() : indices.size(); }
 };
 

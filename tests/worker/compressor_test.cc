@@ -15,6 +15,13 @@
 namespace sparseps {
 namespace {
 
+proto::CompressionConfig TopK(double density) {
+  proto::CompressionConfig c;
+  c.set_encoding(proto::TOPK);
+  c.set_density(density);
+  return c;
+}
+
 // Integer gradients for `steps` iterations flow through TopKCompressor (momentum 0) into two
 // real shards (lr = 1, one worker: params -= pushed). At every step,
 //   (init - params) + residual == sum of gradients so far, exactly.
@@ -22,13 +29,13 @@ TEST(TopKCompressor, AppliedUpdatePlusResidualEqualsGradientSum) {
   constexpr size_t kParams = 997;
   constexpr int kSteps = 60;
   const auto ranges = SplitKeyRanges(kParams, 2);
-  TopKCompressor compressor(kParams, /*density=*/0.02, /*momentum=*/0.0f);
+  TopKCompressor compressor(kParams, TopK(0.02), /*momentum=*/0.0f);
   ASSERT_EQ(compressor.k(), 20u);
 
   std::vector<std::unique_ptr<ShardServer>> shards;
   for (size_t s = 0; s < ranges.size(); ++s) {
     shards.push_back(
-        std::make_unique<ShardServer>(ShardOptions{ranges[s], static_cast<int>(s), 1, 1.0}));
+        std::make_unique<ShardServer>(ShardOptions{ranges[s], static_cast<int>(s), 1, 1.0, {}}));
     Message init;
     init.header.set_command(proto::INIT);
     init.header.set_key_begin(ranges[s].begin);
@@ -47,7 +54,7 @@ TEST(TopKCompressor, AppliedUpdatePlusResidualEqualsGradientSum) {
       grad_sum[i] += grad[i];
     }
     std::vector<Message> pushes;
-    compressor.Compress(grad.data(), ranges, &pushes);
+    ASSERT_TRUE(compressor.Compress(grad.data(), ranges, &pushes).ok());
     ASSERT_EQ(pushes.size(), ranges.size());
     EXPECT_EQ(compressor.last_selected(), 20u);
     size_t sent = 0;
@@ -76,7 +83,7 @@ TEST(TopKCompressor, AppliedUpdatePlusResidualEqualsGradientSum) {
 // residual is larger in magnitude than the smallest value that was sent.
 TEST(TopKCompressor, SendsTheLargestAccumulatedValues) {
   constexpr size_t kParams = 500;
-  TopKCompressor compressor(kParams, 0.01, 0.0f);
+  TopKCompressor compressor(kParams, TopK(0.01), 0.0f);
   std::mt19937 rng(5);
   std::normal_distribution<float> normal;
   std::vector<float> grad(kParams);
@@ -84,7 +91,7 @@ TEST(TopKCompressor, SendsTheLargestAccumulatedValues) {
   for (int t = 0; t < 20; ++t) {
     for (auto& g : grad) g = normal(rng);
     std::vector<Message> pushes;
-    compressor.Compress(grad.data(), ranges, &pushes);
+    ASSERT_TRUE(compressor.Compress(grad.data(), ranges, &pushes).ok());
     DecodedPayload p;
     ASSERT_TRUE(FindCodec(proto::TOPK)->Decode(pushes[0], kParams, &p).ok());
     float smallest_sent = INFINITY;
@@ -98,7 +105,7 @@ TEST(TopKCompressor, SendsTheLargestAccumulatedValues) {
 TEST(TopKCompressor, MomentumCorrectionAndMasking) {
   constexpr size_t kParams = 300;
   constexpr float kMomentum = 0.5f;
-  TopKCompressor compressor(kParams, 0.05, kMomentum);
+  TopKCompressor compressor(kParams, TopK(0.05), kMomentum);
   const std::vector<KeyRange> ranges = {{0, kParams}};
   std::mt19937 rng(9);
   std::vector<double> pushed(kParams, 0.0), velocity_sum(kParams, 0.0);
@@ -110,7 +117,7 @@ TEST(TopKCompressor, MomentumCorrectionAndMasking) {
       velocity_sum[i] += kMomentum * u_before[i] + grad[i];
     }
     std::vector<Message> pushes;
-    compressor.Compress(grad.data(), ranges, &pushes);
+    ASSERT_TRUE(compressor.Compress(grad.data(), ranges, &pushes).ok());
     DecodedPayload p;
     ASSERT_TRUE(FindCodec(proto::TOPK)->Decode(pushes[0], kParams, &p).ok());
     for (size_t j = 0; j < p.nnz(); ++j) {
@@ -128,8 +135,8 @@ TEST(DenseCompressor, PushesEverythingWithMomentum) {
   const std::vector<KeyRange> ranges = {{0, 2}, {2, 4}};
   std::vector<float> g = {1, 2, 3, 4};
   std::vector<Message> out;
-  c.Compress(g.data(), ranges, &out);
-  c.Compress(g.data(), ranges, &out);
+  ASSERT_TRUE(c.Compress(g.data(), ranges, &out).ok());
+  ASSERT_TRUE(c.Compress(g.data(), ranges, &out).ok());
   ASSERT_EQ(out.size(), 4u);
   DecodedPayload p;
   ASSERT_TRUE(FindCodec(proto::DENSE)->Decode(out[3], 2, &p).ok());

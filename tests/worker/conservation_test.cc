@@ -1,0 +1,264 @@
+// The conservation invariant for every encoding, through real shards: with integer gradients,
+// momentum 0 and lr = W (so params = init - sum of applied aggregates), at every step
+//   (init - params) + sum over workers of the residuals (+ the server residual) == sum of all
+//   gradients pushed so far, exactly.
+// (SBC's shared value is a mean, so there the check allows float rounding.) Also: NaN/Inf input
+// gives a clear error and changes nothing; k = n; the warm-up schedule.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/codec/codec.h"
+#include "common/codec/dense.h"
+#include "common/key_range.h"
+#include "server/shard_server.h"
+#include "worker/compressor.h"
+
+namespace sparseps {
+namespace {
+
+struct Case {
+  std::string name;
+  proto::CompressionConfig config;
+  int workers = 2;
+};
+
+proto::CompressionConfig Config(proto::Encoding e, double density) {
+  proto::CompressionConfig c;
+  c.set_encoding(e);
+  c.set_density(density);
+  return c;
+}
+
+std::vector<Case> Cases() {
+  std::vector<Case> cases;
+  for (int w : {1, 3}) {
+    const std::string ws = "_w" + std::to_string(w);
+    cases.push_back({"topk_exact" + ws, Config(proto::TOPK, 0.02), w});
+    auto sampled = Config(proto::TOPK, 0.02);
+    sampled.set_selection(proto::SAMPLED_THRESHOLD);
+    sampled.set_sample_ratio(0.2);
+    cases.push_back({"topk_sampled" + ws, sampled, w});
+    auto scaled = Config(proto::TOPK, 0.02);
+    scaled.set_selection(proto::SCALED_THRESHOLD);
+    cases.push_back({"topk_scaled" + ws, scaled, w});
+    auto compact = Config(proto::TOPK, 0.02);
+    compact.set_fp16_values(true);
+    compact.set_varint_indices(true);
+    cases.push_back({"topk_fp16_varint" + ws, compact, w});
+    auto warm = Config(proto::TOPK, 0.02);
+    warm.set_warmup_epochs(2);
+    cases.push_back({"topk_warmup" + ws, warm, w});
+    cases.push_back({"sbc" + ws, Config(proto::SBC, 0.02), w});
+    auto sbc_delay = Config(proto::SBC, 0.02);
+    sbc_delay.set_local_iterations(3);
+    cases.push_back({"sbc_delay3" + ws, sbc_delay, w});
+    auto server_topk = Config(proto::TOPK, 0.02);
+    server_topk.set_server_topk(true);
+    cases.push_back({"topk_server_topk" + ws, server_topk, w});
+    auto sbc_server = Config(proto::SBC, 0.02);
+    sbc_server.set_server_topk(true);
+    cases.push_back({"sbc_server_topk" + ws, sbc_server, w});
+    cases.push_back({"topk_k_equals_n" + ws, Config(proto::TOPK, 1.0), w});
+  }
+  return cases;
+}
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
+class Conservation : public ::testing::TestWithParam<Case> {};
+
+// One worker-side + server-side run: every step each worker's compressor pushes to both shards,
+// then pulls; the pull's changed keys go back to the compressor.
+TEST_P(Conservation, AppliedPlusResidualsEqualsPushed) {
+  const Case& c = GetParam();
+  constexpr size_t kParams = 1001;
+  constexpr int kSteps = 30;
+  const auto ranges = SplitKeyRanges(kParams, 2);
+  const int W = c.workers;
+  std::vector<std::unique_ptr<ShardServer>> shards;
+  for (size_t s = 0; s < ranges.size(); ++s) {
+    shards.push_back(std::make_unique<ShardServer>(
+        ShardOptions{ranges[s], static_cast<int>(s), W, /*lr=*/static_cast<double>(W), c.config}));
+    Message init;
+    init.header.set_command(proto::INIT);
+    init.header.set_key_begin(ranges[s].begin);
+    init.header.set_key_end(ranges[s].end);
+    EncodeDense(std::vector<float>(ranges[s].size(), 0.0f), &init);
+    std::vector<Outgoing> out;
+    shards[s]->Handle("w", Result<Message>(std::move(init)), &out);
+    ASSERT_EQ(out.at(0).msg.header.command(), proto::INIT_ACK);
+  }
+  proto::JobConfig job;
+  *job.mutable_compression() = c.config;
+  job.mutable_train()->set_momentum(0.0);
+  job.mutable_train()->set_lr(1.0);  // SBC's local steps: params_local -= 1 * g (not checked)
+  std::vector<std::unique_ptr<Compressor>> workers;
+  for (int w = 0; w < W; ++w) workers.push_back(MakeCompressor(job, kParams));
+
+  std::mt19937 rng(11);
+  std::vector<double> grad_sum(kParams, 0.0);
+  std::vector<float> grad(kParams), local(kParams);
+  int64_t round = 0;
+  for (int t = 0; t < kSteps; ++t) {
+    bool push = false;
+    std::vector<std::vector<Message>> pushes(static_cast<size_t>(W));
+    for (int w = 0; w < W; ++w) {
+      workers[w]->SetEpoch(static_cast<uint32_t>(t / 10));
+      for (size_t i = 0; i < kParams; ++i) {
+        // Integers of a spread of magnitudes, ties included.
+        grad[i] = static_cast<float>(static_cast<int>(rng() % 41) - 20);
+        grad_sum[i] += grad[i];
+      }
+      push = workers[w]->LocalStep(grad.data(), local.data());
+      if (push) {
+        ASSERT_TRUE(workers[w]->Compress(grad.data(), ranges, &pushes[w]).ok());
+      }
+    }
+    if (!push) continue;
+    for (int w = 0; w < W; ++w) {
+      for (size_t s = 0; s < ranges.size(); ++s) {
+        Message& m = pushes[w][s];
+        m.header.set_sender_role(proto::WORKER);
+        m.header.set_sender_rank(w);
+        m.header.set_iteration(round);
+        std::vector<Outgoing> out;
+        shards[s]->Handle("w" + std::to_string(w), Result<Message>(std::move(m)), &out);
+        ASSERT_EQ(out.at(0).msg.header.command(), proto::PUSH_ACK) << out[0].msg.header.error();
+      }
+    }
+    // Pull: every worker learns the changed keys.
+    for (size_t s = 0; s < ranges.size(); ++s) {
+      Message pull;
+      pull.header.set_command(proto::PULL);
+      pull.header.set_key_begin(ranges[s].begin);
+      pull.header.set_key_end(ranges[s].end);
+      pull.header.set_iteration(round);
+      pull.header.set_have_version(round);
+      std::vector<Outgoing> out;
+      shards[s]->Handle("p", Result<Message>(std::move(pull)), &out);
+      ASSERT_EQ(out.size(), 1u);
+      DecodedPayload p;
+      const Message& reply = out[0].msg;
+      ASSERT_TRUE(FindCodec(reply.header.encoding())->Decode(reply, ranges[s].size(), &p).ok());
+      if (!p.is_dense()) {
+        for (auto& w : workers) w->OnChanged(ranges[s].begin, p.indices);
+      }
+    }
+    ++round;
+    // The invariant, per key.
+    for (size_t s = 0; s < ranges.size(); ++s) {
+      const auto& params = shards[s]->params();
+      const auto& server_res = shards[s]->server_residual();
+      for (size_t i = 0; i < params.size(); ++i) {
+        const size_t key = ranges[s].begin + i;
+        double held = 0.0;
+        for (auto& w : workers) {
+          if (auto* tk = dynamic_cast<TopKCompressor*>(w.get())) held += tk->residual()[key];
+          if (auto* sb = dynamic_cast<SbcCompressor*>(w.get())) held += sb->residual()[key];
+        }
+        if (!server_res.empty()) held += server_res[i];
+        // What LocalStep accumulated since the last push (SBC delay) is pushed next round; the
+        // check runs right after a push, so nothing is pending. Exact for integer values; SBC
+        // sends a mean, which float arithmetic rounds: 64 ulps of the magnitudes involved.
+        const double tol =
+            c.config.encoding() == proto::SBC
+                ? 64 * 1.2e-7 *
+                      (1.0 + std::fabs(params[i]) + std::fabs(held) + std::fabs(grad_sum[key]))
+                : 0.0;
+        ASSERT_NEAR(-static_cast<double>(params[i]) + held, grad_sum[key], tol)
+            << c.name << " step " << t << " key " << key;
+      }
+    }
+  }
+  EXPECT_GT(round, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Encodings, Conservation, ::testing::ValuesIn(Cases()),
+                         [](const auto& info) { return info.param.name; });
+
+// Count sketch: when the sketch is wide enough that the pushed keys never collide (sparse
+// integer gradients, many columns), the recovered heavy hitters are exact and the same invariant
+// holds; the zeroed residual at the changed keys is the error reset of Sketched SGD.
+TEST(SketchConservation, ExactWhenTheSketchSeparatesTheKeys) {
+  constexpr size_t kParams = 400;
+  const std::vector<KeyRange> ranges = {{0, kParams}};
+  auto cfg = Config(proto::SKETCH, 0.01);         // k = 4 heavy hitters per step
+  cfg.mutable_sketch()->set_columns_per_k(4000);  // 16000 columns for 400 keys
+  ShardServer shard({ranges[0], 0, 1, 1.0, cfg});
+  Message init;
+  init.header.set_command(proto::INIT);
+  init.header.set_key_begin(0);
+  init.header.set_key_end(kParams);
+  EncodeDense(std::vector<float>(kParams, 0.0f), &init);
+  std::vector<Outgoing> out;
+  shard.Handle("w", Result<Message>(std::move(init)), &out);
+  SketchCompressor comp(kParams, cfg, 0.0f);
+  std::vector<double> grad_sum(kParams, 0.0);
+  std::mt19937 rng(3);
+  for (int t = 0; t < 20; ++t) {
+    std::vector<float> grad(kParams, 0.0f);
+    for (int j = 0; j < 3; ++j) grad[rng() % kParams] += static_cast<float>(1 + rng() % 50);
+    for (size_t i = 0; i < kParams; ++i) grad_sum[i] += grad[i];
+    std::vector<Message> pushes;
+    ASSERT_TRUE(comp.Compress(grad.data(), ranges, &pushes).ok());
+    pushes[0].header.set_sender_role(proto::WORKER);
+    pushes[0].header.set_sender_rank(0);
+    pushes[0].header.set_iteration(t);
+    out.clear();
+    shard.Handle("w", Result<Message>(std::move(pushes[0])), &out);
+    ASSERT_EQ(out.at(0).msg.header.command(), proto::PUSH_ACK) << out[0].msg.header.error();
+    Message pull;
+    pull.header.set_command(proto::PULL);
+    pull.header.set_key_begin(0);
+    pull.header.set_key_end(kParams);
+    pull.header.set_iteration(t);
+    pull.header.set_have_version(t);
+    out.clear();
+    shard.Handle("w", Result<Message>(std::move(pull)), &out);
+    DecodedPayload p;
+    ASSERT_TRUE(FindCodec(out[0].msg.header.encoding())->Decode(out[0].msg, kParams, &p).ok());
+    ASSERT_FALSE(p.is_dense());
+    comp.OnChanged(0, p.indices);
+    for (size_t i = 0; i < kParams; ++i) {
+      ASSERT_EQ(-shard.params()[i] + comp.residual()[i], static_cast<float>(grad_sum[i]))
+          << "step " << t << " key " << i;
+    }
+  }
+}
+
+TEST(Compressors, NanOrInfInTheGradientIsAClearErrorAndChangesNothing) {
+  constexpr size_t kParams = 100;
+  const std::vector<KeyRange> ranges = {{0, kParams}};
+  for (auto e : {proto::DENSE, proto::TOPK, proto::SBC, proto::SKETCH}) {
+    proto::JobConfig job;
+    *job.mutable_compression() = Config(e, 0.1);
+    auto comp = MakeCompressor(job, kParams);
+    std::vector<float> grad(kParams, 1.0f), local(kParams, 0.0f);
+    grad[17] = e == proto::SBC ? INFINITY : NAN;
+    std::vector<Message> out;
+    ASSERT_TRUE(comp->LocalStep(grad.data(), local.data()));
+    Status s = comp->Compress(grad.data(), ranges, &out);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << proto::Encoding_Name(e);
+    EXPECT_NE(s.message().find("NaN or Inf"), std::string::npos) << s.message();
+    EXPECT_TRUE(out.empty());
+  }
+}
+
+TEST(WarmupK, FollowsDgcSchedule) {
+  // density 0.001 over 4 warm-up epochs: 0.001^(1/5), ^(2/5), ^(3/5), ^(4/5), then 0.001.
+  const size_t n = 1000000;
+  EXPECT_EQ(WarmupK(0.001, 4, 0, n), static_cast<size_t>(std::llround(std::pow(0.001, 0.2) * n)));
+  EXPECT_EQ(WarmupK(0.001, 4, 3, n), static_cast<size_t>(std::llround(std::pow(0.001, 0.8) * n)));
+  EXPECT_EQ(WarmupK(0.001, 4, 4, n), 1000u);
+  EXPECT_EQ(WarmupK(0.001, 0, 0, n), 1000u);
+  EXPECT_EQ(WarmupK(1e-9, 0, 0, n), 1u);  // at least one entry
+  EXPECT_EQ(WarmupK(1.0, 0, 0, n), n);
+}
+
+}  // namespace
+}  // namespace sparseps
