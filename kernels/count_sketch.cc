@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 namespace sparseps::kernels {
 namespace {
@@ -30,10 +31,54 @@ uint64_t NextRandom(uint64_t* state) {
   return z ^ (z >> 31);
 }
 
+inline uint64_t SubMod(uint64_t a, uint64_t b) { return a >= b ? a - b : a + kPrime - b; }
+
+// Walks row j's hashes over consecutive keys i0, i0 + 1, ... with additions only: the bucket's
+// a*i + b mod p grows by a per key, and the sign's cubic polynomial by forward differences (3
+// additions mod p). x mod columns is a Barrett reduction with a precomputed 2^64 / columns.
+class RowWalker {
+ public:
+  RowWalker(uint64_t a, uint64_t b, const uint64_t* c, uint32_t columns, uint64_t i0)
+      : a_(a), columns_(columns), inv_(~uint64_t{0} / columns) {
+    const uint64_t x = i0 % kPrime;
+    lin_ = AddMod(MulMod(a, x), b);
+    auto poly = [&](uint64_t v) {
+      uint64_t h = c[3];
+      h = AddMod(MulMod(h, v), c[2]);
+      h = AddMod(MulMod(h, v), c[1]);
+      return AddMod(MulMod(h, v), c[0]);
+    };
+    const uint64_t p0 = poly(x), p1 = poly(AddMod(x, 1)), p2 = poly(AddMod(x, 2)),
+                   p3 = poly(AddMod(x, 3));
+    d0_ = p0;
+    d1_ = SubMod(p1, p0);
+    const uint64_t e1 = SubMod(p2, p1), e2 = SubMod(p3, p2);
+    d2_ = SubMod(e1, d1_);
+    d3_ = SubMod(SubMod(e2, e1), d2_);
+  }
+  uint32_t bucket() const {
+    uint64_t q = static_cast<uint64_t>((static_cast<unsigned __int128>(lin_) * inv_) >> 64);
+    uint64_t r = lin_ - q * columns_;
+    while (r >= columns_) r -= columns_;
+    return static_cast<uint32_t>(r);
+  }
+  float sign() const { return (d0_ & 1) ? 1.0f : -1.0f; }
+  void Next() {
+    lin_ = AddMod(lin_, a_);
+    d0_ = AddMod(d0_, d1_);
+    d1_ = AddMod(d1_, d2_);
+    d2_ = AddMod(d2_, d3_);
+  }
+
+ private:
+  uint64_t a_, columns_, inv_, lin_;
+  uint64_t d0_, d1_, d2_, d3_;
+};
+
 }  // namespace
 
 CountSketchHash::CountSketchHash(uint32_t rows, uint32_t columns, uint64_t seed)
-    : rows_(rows), columns_(columns) {
+    : rows_(rows), columns_(columns), column_inv_(~uint64_t{0} / columns) {
   uint64_t state = seed;
   for (uint32_t j = 0; j < rows; ++j) {
     bucket_a_.push_back(1 + NextRandom(&state) % (kPrime - 1));
@@ -44,7 +89,12 @@ CountSketchHash::CountSketchHash(uint32_t rows, uint32_t columns, uint64_t seed)
 
 uint32_t CountSketchHash::Bucket(uint32_t j, uint64_t i) const {
   const uint64_t x = i < kPrime ? i : i % kPrime;
-  return static_cast<uint32_t>(AddMod(MulMod(bucket_a_[j], x), bucket_b_[j]) % columns_);
+  const uint64_t lin = AddMod(MulMod(bucket_a_[j], x), bucket_b_[j]);
+  // lin mod columns by Barrett reduction (2^64 / columns precomputed).
+  const uint64_t q = static_cast<uint64_t>((static_cast<unsigned __int128>(lin) * column_inv_) >> 64);
+  uint64_t r = lin - q * columns_;
+  while (r >= columns_) r -= columns_;
+  return static_cast<uint32_t>(r);
 }
 
 float CountSketchHash::Sign(uint32_t j, uint64_t i) const {
@@ -70,47 +120,78 @@ void CountSketchHash::InsertSparse(const uint32_t* idx, const float* vals, size_
 
 void CountSketchHash::InsertDense(const float* v, size_t n, uint64_t key_begin,
                                   float* table) const {
-  size_t t = 0;
-  auto insert_one = [&](size_t at) {
-    const uint64_t i = key_begin + at;
+  // Blocks of 1024 keys: all-zero blocks are skipped, sparse ones hash each non-zero key
+  // directly, dense ones walk each row's hashes with additions only (RowWalker).
+  constexpr size_t kBlock = 1024;
+  for (size_t start = 0; start < n; start += kBlock) {
+    const size_t len = std::min(kBlock, n - start);
+    const float* x = v + start;
+    // Runs of 16 keys that hold a non-zero (an OR over the bit patterns without the sign bit);
+    // a short last block counts as one run covering it.
+    uint16_t busy[kBlock / 16];
+    size_t busy_runs = 0;
+    if (len < kBlock) {
+      busy[busy_runs++] = 0;
+    } else {
+      for (size_t t = 0; t < kBlock; t += 16) {
+        uint32_t any = 0;
+        for (size_t u = 0; u < 16; ++u) {
+          uint32_t bits;
+          std::memcpy(&bits, x + t + u, sizeof(bits));
+          any |= bits << 1;
+        }
+        if (any != 0) busy[busy_runs++] = static_cast<uint16_t>(t);
+      }
+    }
+    if (busy_runs == 0) continue;
+    if (busy_runs * 4 < kBlock / 16) {
+      for (size_t r = 0; r < busy_runs; ++r) {
+        const size_t end = std::min(len, size_t{busy[r]} + (len < kBlock ? len : 16));
+        for (size_t t = busy[r]; t < end; ++t) {
+          if (x[t] == 0.0f) continue;
+          const uint64_t i = key_begin + start + t;
+          for (uint32_t j = 0; j < rows_; ++j) {
+            table[size_t{j} * columns_ + Bucket(j, i)] += Sign(j, i) * x[t];
+          }
+        }
+      }
+      continue;
+    }
     for (uint32_t j = 0; j < rows_; ++j) {
-      table[size_t{j} * columns_ + Bucket(j, i)] += Sign(j, i) * v[at];
+      RowWalker w(bucket_a_[j], bucket_b_[j], &sign_c_[4 * size_t{j}], columns_,
+                  key_begin + start);
+      float* row = table + size_t{j} * columns_;
+      for (size_t t = 0; t < len; ++t, w.Next()) row[w.bucket()] += w.sign() * x[t];
     }
-  };
-  for (; t + 16 <= n; t += 16) {
-    // A 16-element block of zeros (or negative zeros) costs one OR over its bit patterns.
-    uint32_t any = 0;
-    for (size_t u = 0; u < 16; ++u) {
-      uint32_t bits;
-      std::memcpy(&bits, v + t + u, sizeof(bits));
-      any |= bits << 1;
-    }
-    if (any == 0) continue;
-    for (size_t u = t; u < t + 16; ++u) {
-      if (v[u] != 0.0f) insert_one(u);
-    }
-  }
-  for (; t < n; ++t) {
-    if (v[t] != 0.0f) insert_one(t);
   }
 }
 
 void CountSketchHash::Estimate(const float* table, uint64_t key_begin, size_t n,
                                float* out) const {
+  // Row by row over blocks of keys (hashes by RowWalker), then the median per key.
+  constexpr size_t kBlock = 1024;
+  std::vector<float> signed_vals(size_t{rows_} * kBlock);
   float vals[32];
-  for (size_t t = 0; t < n; ++t) {
-    const uint64_t i = key_begin + t;
+  for (size_t start = 0; start < n; start += kBlock) {
+    const size_t len = std::min(kBlock, n - start);
     for (uint32_t j = 0; j < rows_; ++j) {
-      vals[j] = Sign(j, i) * table[size_t{j} * columns_ + Bucket(j, i)];
+      RowWalker w(bucket_a_[j], bucket_b_[j], &sign_c_[4 * size_t{j}], columns_,
+                  key_begin + start);
+      const float* row = table + size_t{j} * columns_;
+      float* dst = signed_vals.data() + size_t{j} * kBlock;
+      for (size_t t = 0; t < len; ++t, w.Next()) dst[t] = w.sign() * row[w.bucket()];
     }
-    const uint32_t mid = rows_ / 2;
-    std::nth_element(vals, vals + mid, vals + rows_);
-    if (rows_ % 2 == 1) {
-      out[t] = vals[mid];
-    } else {
-      const float upper = vals[mid];
-      const float lower = *std::max_element(vals, vals + mid);
-      out[t] = 0.5f * (lower + upper);
+    for (size_t t = 0; t < len; ++t) {
+      for (uint32_t j = 0; j < rows_; ++j) vals[j] = signed_vals[size_t{j} * kBlock + t];
+      const uint32_t mid = rows_ / 2;
+      std::nth_element(vals, vals + mid, vals + rows_);
+      if (rows_ % 2 == 1) {
+        out[start + t] = vals[mid];
+      } else {
+        const float upper = vals[mid];
+        const float lower = *std::max_element(vals, vals + mid);
+        out[start + t] = 0.5f * (lower + upper);
+      }
     }
   }
 }

@@ -33,7 +33,7 @@ class CountSketchHash {
   float Sign(uint32_t j, uint64_t i) const;
 
   // table[rows x columns] += sketch of the dense slice v[0, n) whose first element is global key
-  // `key_begin`. Zero entries are skipped (a cheap test per 16 elements).
+  // `key_begin`. Zero entries are skipped; dense stretches walk the hashes with additions only.
   void InsertDense(const float* v, size_t n, uint64_t key_begin, float* table) const;
   // table += sketch of the sparse vector with values vals[j] at global keys key_begin + idx[j].
   void InsertSparse(const uint32_t* idx, const float* vals, size_t k, uint64_t key_begin,
@@ -45,6 +45,7 @@ class CountSketchHash {
  private:
   uint32_t rows_;
   uint32_t columns_;
+  uint64_t column_inv_;  // 2^64 / columns, for Barrett reduction
   std::vector<uint64_t> bucket_a_, bucket_b_;  // per row
   std::vector<uint64_t> sign_c_;               // per row, 4 coefficients (c0..c3)
 };

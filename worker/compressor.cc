@@ -190,7 +190,10 @@ Status SbcCompressor::Compress(const float* grad, const std::vector<KeyRange>& r
   const bool positive = mu_pos >= mu_neg;
   const std::vector<uint32_t>& chosen = positive ? pos_ : neg_;
   const float value = static_cast<float>(positive ? mu_pos : -mu_neg);
-  for (uint32_t i : chosen) residual_[i] -= value;  // R = A - sent
+  for (uint32_t i : chosen) {
+    residual_[i] -= value;  // R = A - sent
+    velocity_[i] = 0.0f;    // momentum factor masking (DGC): stale momentum stops there
+  }
   last_selected_ = chosen.size();
   last_value_ = value;
   for (const auto& r : ranges) {
@@ -217,6 +220,16 @@ Status SketchCompressor::Compress(const float* grad, const std::vector<KeyRange>
   SPARSEPS_RETURN_IF_ERROR(CheckFinite(grad, n, "the gradient"));
   kernels::MomentumCorrection(velocity_.data(), residual_.data(), grad, momentum_, n);
   const uint32_t rows = config_.sketch().rows();
+  const double p1 = config_.sketch().truncate_factor();
+  const bool truncate = p1 > 0;
+  if (truncate) {
+    const size_t k = std::min(n, static_cast<size_t>(std::ceil(
+                                     p1 * static_cast<double>(WarmupK(config_.density(), 0, 0, n)))));
+    truncated_.resize(k);
+    truncated_.resize(kernels::TopKAbs(residual_.data(), n, k, truncated_.data()));
+    truncated_values_.resize(truncated_.size());
+    for (size_t j = 0; j < truncated_.size(); ++j) truncated_values_[j] = residual_[truncated_[j]];
+  }
   size_t cells = 0;
   for (const auto& r : ranges) {
     const auto groups = FusionGroups(r.size(), config_.sketch().fusion_group_size());
@@ -227,7 +240,18 @@ Status SketchCompressor::Compress(const float* grad, const std::vector<KeyRange>
     for (const auto& g : groups) {
       const kernels::CountSketchHash hash(rows, SketchColumns(config_, g.size()),
                                           config_.sketch().seed());
-      hash.InsertDense(residual_.data() + r.begin + g.begin, g.size(), r.begin + g.begin, table);
+      const uint64_t begin = r.begin + g.begin, end = r.begin + g.end;
+      if (truncate) {
+        // The truncated entries inside this group (truncated_ is sorted).
+        const auto lo = std::lower_bound(truncated_.begin(), truncated_.end(), begin);
+        const auto hi = std::lower_bound(lo, truncated_.end(), end);
+        const size_t first = static_cast<size_t>(lo - truncated_.begin());
+        std::vector<uint32_t> idx(lo, hi);
+        for (auto& i : idx) i -= static_cast<uint32_t>(begin);
+        hash.InsertSparse(idx.data(), truncated_values_.data() + first, idx.size(), begin, table);
+      } else {
+        hash.InsertDense(residual_.data() + begin, g.size(), begin, table);
+      }
       table += hash.table_size();
     }
     cells += tables.size();

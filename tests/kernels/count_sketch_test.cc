@@ -98,5 +98,20 @@ TEST(CountSketch, SingleEntryIsEstimatedExactly) {
   EXPECT_EQ(est[17], -3.5f);
 }
 
+// Estimate walks the hashes incrementally; it must agree with Bucket() and Sign() everywhere,
+// including keys far from 0 and across its internal blocks.
+TEST(CountSketch, EstimateAgreesWithTheDirectHashes) {
+  CountSketchHash h(1, 997, 9);
+  std::vector<float> table(997);
+  for (size_t c = 0; c < table.size(); ++c) table[c] = static_cast<float>(c + 1);
+  for (uint64_t begin : {uint64_t{0}, uint64_t{123456789}, (uint64_t{1} << 40) + 5}) {
+    std::vector<float> est(3000);
+    h.Estimate(table.data(), begin, est.size(), est.data());
+    for (size_t t = 0; t < est.size(); ++t) {
+      ASSERT_EQ(est[t], h.Sign(0, begin + t) * table[h.Bucket(0, begin + t)]) << begin << "+" << t;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace sparseps::kernels
