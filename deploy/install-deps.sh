@@ -15,7 +15,7 @@ packages=(
   libopenblas-dev zlib1g-dev
   googletest libgtest-dev libgmock-dev libbenchmark-dev
   dataset-fashion-mnist
-  clang-format iproute2 procps python3
+  clang-format clang libclang-rt-14-dev iproute2 procps python3
 )
 
 missing=()

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Installs what the tests need, builds with tests and runs them with ctest, then runs the suite
-# again under AddressSanitizer + UndefinedBehaviorSanitizer in a second build directory.
+# again under AddressSanitizer + UndefinedBehaviorSanitizer in a second build directory, then
+# builds the decoders' libFuzzer targets with clang in a third and runs each for a bounded time.
 #
 #   deploy/test.sh                 # both builds (what CI runs)
 #   SPARSEPS_TEST_SANITIZE=0 deploy/test.sh   # skip the sanitizer build
+#   SPARSEPS_TEST_FUZZ=0 deploy/test.sh       # skip the libFuzzer targets (SPARSEPS_FUZZ_SECONDS=20 each)
 #   deploy/test.sh -R Codec        # extra arguments go to ctest
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -28,5 +30,27 @@ if [[ "${SPARSEPS_TEST_SANITIZE:-1}" != 0 ]]; then
   export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1:${ASAN_OPTIONS:-}"
   export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:${UBSAN_OPTIONS:-}"
   (cd "$here/build-asan" && ctest --output-on-failure --timeout 600 -j "$jobs" "$@")
+fi
+if [[ "${SPARSEPS_TEST_FUZZ:-1}" != 0 ]]; then
+  # One libFuzzer target per decoder, built with clang (+ ASan/UBSan), each run for a bounded time.
+  fuzz_s="${SPARSEPS_FUZZ_SECONDS:-20}"
+  echo "== build (build-fuzz/, clang, libFuzzer) =="
+  CC=clang CXX=clang++ cmake -S "$here" -B "$here/build-fuzz" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DSPARSEPS_BUILD_FUZZ=ON -DSPARSEPS_BUILD_TESTS=OFF -DSPARSEPS_BUILD_BENCH=OFF \
+    -DSPARSEPS_SANITIZE=address,undefined >/dev/null
+  targets=(dense topk sbc sketch golomb varint)
+  cmake --build "$here/build-fuzz" -j "$jobs" --target "${targets[@]/#/fuzz_}"
+  echo "== fuzz (${fuzz_s} s per decoder) =="
+  for t in "${targets[@]}"; do
+    corpus="$here/build-fuzz/corpus/$t"
+    mkdir -p "$corpus"
+    if ! "$here/build-fuzz/tests/fuzz/fuzz_$t" -max_total_time="$fuzz_s" -print_final_stats=1 \
+        "$corpus" >"$here/build-fuzz/fuzz_$t.log" 2>&1; then
+      tail -n 40 "$here/build-fuzz/fuzz_$t.log"
+      echo "test.sh: fuzz_$t found a crash (input saved by libFuzzer in the working directory)" >&2
+      exit 1
+    fi
+    echo "fuzz_$t: $(grep -o 'Done [0-9]* runs' "$here/build-fuzz/fuzz_$t.log"), no crash"
+  done
 fi
 echo "test.sh: all tests passed"

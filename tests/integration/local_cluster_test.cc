@@ -134,15 +134,19 @@ TEST_P(LocalClusterTest, TrainsAndEveryProcessExitsZero) {
   EXPECT_EQ(summary.workers_size(), 2);
   EXPECT_GT(summary.final_test_accuracy(), 0.5);  // 40 steps of a 64-unit MLP: well above 10%
   EXPECT_GT(summary.bytes_sent_per_worker_per_step(), 0);
-  if (GetParam() == "topk") {
-    // Top-k at 1%: far fewer bytes than the dense model (4 bytes per parameter).
+  if (GetParam() == "topk" || GetParam() == "sbc") {
+    // Top-k / SBC at 1%: far fewer bytes than the dense model (4 bytes per parameter).
     EXPECT_LT(summary.bytes_sent_per_worker_per_step(), 0.1 * 4 * summary.num_params());
+  } else if (GetParam() == "sketch") {
+    // 5 rows x 10k columns of 4 B = 200 B per k = 0.01 N: half the dense model, plus headers.
+    EXPECT_LT(summary.bytes_sent_per_worker_per_step(), 0.55 * 4 * summary.num_params());
   } else {
     EXPECT_GE(summary.bytes_sent_per_worker_per_step(), 4 * summary.num_params());
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Encodings, LocalClusterTest, ::testing::Values("topk", "dense"));
+INSTANTIATE_TEST_SUITE_P(Encodings, LocalClusterTest,
+                         ::testing::Values("topk", "dense", "sbc", "sketch"));
 
 // A worker that dies mid-job: the scheduler detects it by heartbeat and ends the job with an
 // error that names it; nothing hangs.

@@ -1,0 +1,191 @@
+// Round trips and property tests of the topk options (fp16 values, varint indices), sbc and
+// sketch codecs on random inputs and edge cases (k = 0, k = n, ties), and rejection of
+// inconsistent or hostile payloads; IEEE half conversion.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "common/codec/codec.h"
+#include "common/codec/sbc.h"
+#include "common/codec/sketch.h"
+#include "common/codec/topk.h"
+#include "common/message.h"
+#include "kernels/golomb.h"
+#include "kernels/pack.h"
+
+namespace sparseps {
+namespace {
+
+Message CopyOf(const Message& m) {
+  Message c;
+  c.header = m.header;
+  for (const auto& f : m.frames) c.frames.emplace_back(f.data(), f.size());
+  return c;
+}
+
+std::vector<uint32_t> RandomPositions(uint32_t n, size_t k, std::mt19937* rng) {
+  std::vector<uint32_t> all(n);
+  for (uint32_t i = 0; i < n; ++i) all[i] = i;
+  std::shuffle(all.begin(), all.end(), *rng);
+  all.resize(std::min<size_t>(k, n));
+  std::sort(all.begin(), all.end());
+  return all;
+}
+
+TEST(Half, EveryHalfRoundTripsAndFloatsRoundToNearest) {
+  for (uint32_t h = 0; h < 65536; ++h) {
+    if (((h >> 10) & 31) == 31) continue;  // Inf / NaN
+    ASSERT_EQ(kernels::FloatToHalf(kernels::HalfToFloat(static_cast<uint16_t>(h))), h) << h;
+  }
+  std::mt19937 rng(1);
+  std::uniform_real_distribution<float> u(-70000.0f, 70000.0f);
+  for (int t = 0; t < 100000; ++t) {
+    const float f = u(rng) * std::pow(2.0f, -static_cast<float>(rng() % 30));
+    const uint16_t h = kernels::FloatToHalf(f);
+    const float r = kernels::HalfToFloat(h);
+    if (std::fabs(f) >= 65504.0f) {
+      ASSERT_EQ(std::fabs(r), 65504.0f);  // saturates, never Inf
+      continue;
+    }
+    // No other half is nearer (neighbours by bit pattern, same sign).
+    const float up = kernels::HalfToFloat(static_cast<uint16_t>(h + 1));
+    ASSERT_LE(std::fabs(f - r), std::fabs(f - up)) << f;
+    if ((h & 0x7fff) != 0) {
+      const float dn = kernels::HalfToFloat(static_cast<uint16_t>(h - 1));
+      ASSERT_LE(std::fabs(f - r), std::fabs(f - dn)) << f;
+    }
+  }
+}
+
+class TopKFormats : public ::testing::TestWithParam<TopKFormat> {};
+
+TEST_P(TopKFormats, RoundTripsRandomAndEdgeCases) {
+  const TopKFormat fmt = GetParam();
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal;
+  for (uint32_t n : {1u, 7u, 1000u, 70000u}) {
+    for (size_t k : {size_t{0}, size_t{1}, size_t{n / 10}, size_t{n}}) {
+      auto idx = RandomPositions(n, k, &rng);
+      std::vector<float> vals(idx.size());
+      for (auto& v : vals) v = fmt.fp16_values ? kernels::RoundToHalf(normal(rng)) : normal(rng);
+      if (!vals.empty()) vals[0] = vals.back();  // a tie
+      Message m;
+      EncodeTopK(std::vector<uint32_t>(idx), std::vector<float>(vals), &m, fmt);
+      DecodedPayload p;
+      Status s = FindCodec(proto::TOPK)->Decode(CopyOf(m), n, &p);
+      ASSERT_TRUE(s.ok()) << s.message();
+      ASSERT_EQ(std::vector<uint32_t>(p.indices.begin(), p.indices.end()), idx);
+      ASSERT_EQ(std::vector<float>(p.values.begin(), p.values.end()), vals);
+    }
+  }
+}
+
+TEST_P(TopKFormats, RejectsPositionsBeyondTheRangeAndCountMismatch) {
+  const TopKFormat fmt = GetParam();
+  Message m;
+  EncodeTopK({1, 5, 9}, {1.0f, 2.0f, 3.0f}, &m, fmt);
+  DecodedPayload p;
+  EXPECT_FALSE(FindCodec(proto::TOPK)->Decode(CopyOf(m), 9, &p).ok());  // index 9 in 9 keys
+  EXPECT_FALSE(FindCodec(proto::TOPK)->Decode(CopyOf(m), 2, &p).ok());  // 3 entries > 2 keys
+  EXPECT_TRUE(FindCodec(proto::TOPK)->Decode(CopyOf(m), 10, &p).ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(Formats, TopKFormats,
+                         ::testing::Values(TopKFormat{false, false}, TopKFormat{true, false},
+                                           TopKFormat{false, true}, TopKFormat{true, true}));
+
+TEST(TopKCodec, CompactFormatsAreSmaller) {
+  std::mt19937 rng(2);
+  auto idx = RandomPositions(100000, 1000, &rng);
+  Message plain, compact;
+  EncodeTopK(std::vector<uint32_t>(idx), std::vector<float>(idx.size(), 1.0f), &plain);
+  EncodeTopK(std::vector<uint32_t>(idx), std::vector<float>(idx.size(), 1.0f), &compact,
+             {true, true});
+  // 8 B per entry plain; fp16 (2 B) + gaps of ~100 (1-2 B) compact.
+  EXPECT_EQ(plain.frames[0].size() + plain.frames[1].size(), 8000u);
+  EXPECT_LT(compact.frames[0].size() + compact.frames[1].size(), 4000u);
+}
+
+TEST(SbcCodec, RoundTripsRandomPositionsAndEdgeCases) {
+  std::mt19937 rng(4);
+  for (uint32_t n : {1u, 100u, 100000u}) {
+    for (size_t k : {size_t{0}, size_t{1}, size_t{n / 100}, size_t{n}}) {
+      auto idx = RandomPositions(n, k, &rng);
+      const double p = std::clamp(static_cast<double>(idx.size()) / n, 1e-9, 0.5);
+      Message m;
+      EncodeSbc(idx, -0.75f, kernels::GolombParameter(p), &m);
+      DecodedPayload d;
+      Status s = FindCodec(proto::SBC)->Decode(CopyOf(m), n, &d);
+      ASSERT_TRUE(s.ok()) << s.message();
+      ASSERT_EQ(std::vector<uint32_t>(d.indices.begin(), d.indices.end()), idx);
+      for (float v : d.values) ASSERT_EQ(v, -0.75f);
+    }
+  }
+}
+
+TEST(SbcCodec, RejectsInconsistentHeaders) {
+  Message m;
+  EncodeSbc({3, 50, 99}, 2.0f, 4, &m);
+  DecodedPayload d;
+  const Codec* c = FindCodec(proto::SBC);
+  EXPECT_TRUE(c->Decode(CopyOf(m), 100, &d).ok());
+  EXPECT_FALSE(c->Decode(CopyOf(m), 99, &d).ok());  // position 99 outside 99 keys
+  Message more = CopyOf(m);
+  more.header.set_count(4);  // claims more positions than coded
+  EXPECT_FALSE(c->Decode(more, 100, &d).ok());
+  Message huge = CopyOf(m);
+  huge.header.set_count(uint64_t{1} << 40);  // would allocate; refused first
+  EXPECT_FALSE(c->Decode(huge, uint64_t{1} << 41, &d).ok());
+  Message nan = CopyOf(m);
+  nan.header.set_value(std::numeric_limits<float>::quiet_NaN());
+  Status s = c->Decode(nan, 100, &d);
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("NaN"), std::string::npos);
+  Message badb = CopyOf(m);
+  badb.header.set_golomb_b(31);
+  EXPECT_FALSE(c->Decode(badb, 100, &d).ok());
+}
+
+TEST(SketchCodec, RoundTripAndLayoutChecks) {
+  std::vector<float> t(5 * 40);
+  for (size_t i = 0; i < t.size(); ++i) t[i] = static_cast<float>(i) - 50.0f;
+  Message m;
+  EncodeSketch(std::vector<float>(t), 5, 40, &m);
+  DecodedPayload d;
+  const Codec* c = FindCodec(proto::SKETCH);
+  ASSERT_TRUE(c->Decode(CopyOf(m), 1000, &d).ok());
+  ASSERT_TRUE(d.is_sketch());
+  EXPECT_EQ(d.sketch_rows, 5u);
+  EXPECT_EQ(d.sketch_columns, 40u);
+  EXPECT_EQ(std::vector<float>(d.sketch.begin(), d.sketch.end()), t);
+  Message wrong = CopyOf(m);
+  wrong.header.set_sketch_columns(41);
+  EXPECT_FALSE(c->Decode(wrong, 1000, &d).ok());
+  wrong.header.set_sketch_rows(0);
+  EXPECT_FALSE(c->Decode(wrong, 1000, &d).ok());
+  t[7] = INFINITY;
+  Message inf;
+  EncodeSketch(std::move(t), 5, 40, &inf);
+  EXPECT_FALSE(c->Decode(CopyOf(inf), 1000, &d).ok());
+}
+
+TEST(SketchLayout, FusionGroupsCoverTheRange) {
+  const auto groups = FusionGroups(1000, 300);
+  ASSERT_EQ(groups.size(), 4u);
+  EXPECT_EQ(groups[0].begin, 0u);
+  EXPECT_EQ(groups[3].end, 1000u);
+  for (size_t g = 1; g < groups.size(); ++g) EXPECT_EQ(groups[g].begin, groups[g - 1].end);
+  EXPECT_EQ(FusionGroups(1000, 0).size(), 1u);
+  proto::CompressionConfig c;
+  c.set_density(0.01);
+  c.mutable_sketch()->set_columns_per_k(10);
+  EXPECT_EQ(SketchColumns(c, 100000), 10000u);
+  EXPECT_EQ(SketchColumns(c, 10), 16u);  // at least 16
+  EXPECT_EQ(SketchK(c, 100000), 1000u);
+}
+
+}  // namespace
+}  // namespace sparseps
