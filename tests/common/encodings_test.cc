@@ -95,7 +95,11 @@ TEST_P(TopKFormats, RejectsPositionsBeyondTheRangeAndCountMismatch) {
 
 INSTANTIATE_TEST_SUITE_P(Formats, TopKFormats,
                          ::testing::Values(TopKFormat{false, false}, TopKFormat{true, false},
-                                           TopKFormat{false, true}, TopKFormat{true, true}));
+                                           TopKFormat{false, true}, TopKFormat{true, true}),
+                         [](const auto& info) {
+                           return std::string(info.param.fp16_values ? "f16" : "f32") +
+                                  (info.param.varint_indices ? "_varint" : "_u32");
+                         });
 
 TEST(TopKCodec, CompactFormatsAreSmaller) {
   std::mt19937 rng(2);
