@@ -75,7 +75,8 @@ TEST_P(TopKFormats, RoundTripsRandomAndEdgeCases) {
       Message m;
       EncodeTopK(std::vector<uint32_t>(idx), std::vector<float>(vals), &m, fmt);
       DecodedPayload p;
-      Status s = FindCodec(proto::TOPK)->Decode(CopyOf(m), n, &p);
+      const Message wire = CopyOf(m);  // the payload views the message's frames
+      Status s = FindCodec(proto::TOPK)->Decode(wire, n, &p);
       ASSERT_TRUE(s.ok()) << s.message();
       ASSERT_EQ(std::vector<uint32_t>(p.indices.begin(), p.indices.end()), idx);
       ASSERT_EQ(std::vector<float>(p.values.begin(), p.values.end()), vals);
@@ -160,7 +161,8 @@ TEST(SketchCodec, RoundTripAndLayoutChecks) {
   EncodeSketch(std::vector<float>(t), 5, 40, &m);
   DecodedPayload d;
   const Codec* c = FindCodec(proto::SKETCH);
-  ASSERT_TRUE(c->Decode(CopyOf(m), 1000, &d).ok());
+  const Message wire = CopyOf(m);  // the payload views the message's frames
+  ASSERT_TRUE(c->Decode(wire, 1000, &d).ok());
   ASSERT_TRUE(d.is_sketch());
   EXPECT_EQ(d.sketch_rows, 5u);
   EXPECT_EQ(d.sketch_columns, 40u);
