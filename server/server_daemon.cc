@@ -44,6 +44,7 @@ Status Serve(const proto::JobConfig& config, zmq::socket_t& data, uint32_t port,
       opts.num_workers = static_cast<int>(config.cluster().num_workers());
       opts.lr = config.train().lr();
       opts.compression = config.compression();
+      opts.momentum = config.train().momentum();
       for (const auto& r : m.ranges()) {
         if (r.server_rank() == control.rank()) opts.range = {r.begin(), r.end()};
       }

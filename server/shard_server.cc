@@ -28,6 +28,10 @@ ShardServer::ShardServer(const ShardOptions& options)
       sketch_columns_ += group_columns_.back();
     }
     sketch_accum_.assign(size_t{c.sketch().rows()} * sketch_columns_, 0.0f);
+    if (c.sketch().server_momentum()) {
+      sketch_momentum_.assign(sketch_accum_.size(), 0.0f);
+      sketch_error_.assign(sketch_accum_.size(), 0.0f);
+    }
   }
   if (c.server_topk()) server_residual_.assign(options_.range.size(), 0.0f);
 }
@@ -203,16 +207,25 @@ void ShardServer::HandlePush(const std::string& peer, const Message& msg,
 void ShardServer::ApplySketch(float scale) {
   // Heavy hitters per fusion group: the top k of the median estimates of the summed tables
   // (linearity: the sum of the workers' sketches is the sketch of the summed residuals).
+  // FetchSGD: S_u = m S_u + sum; S_e += S_u; estimate from S_e; zero S_u and S_e where the
+  // applied keys hash.
   const auto& c = options_.compression;
   const uint32_t rows = c.sketch().rows();
-  const float* table = sketch_accum_.data();
+  const bool fetch = c.sketch().server_momentum();
+  if (fetch) {
+    const float m = static_cast<float>(options_.momentum);
+    for (size_t x = 0; x < sketch_accum_.size(); ++x) {
+      sketch_momentum_[x] = m * sketch_momentum_[x] + sketch_accum_[x];
+      sketch_error_[x] += sketch_momentum_[x];
+    }
+  }
+  float* table = fetch ? sketch_error_.data() : sketch_accum_.data();
   last_changed_.clear();
   for (size_t g = 0; g < groups_.size(); ++g) {
     const KeyRange& grp = groups_[g];
     const kernels::CountSketchHash hash(rows, group_columns_[g], c.sketch().seed());
     estimates_.resize(grp.size());
     hash.Estimate(table, options_.range.begin + grp.begin, grp.size(), estimates_.data());
-    table += hash.table_size();
     selected_.resize(SketchK(c, grp.size()));
     selected_.resize(
         kernels::TopKAbs(estimates_.data(), grp.size(), selected_.size(), selected_.data()));
@@ -222,7 +235,20 @@ void ShardServer::ApplySketch(float scale) {
       params_[i] += scale * estimates_[j];
       last_changed_.push_back(static_cast<uint32_t>(i));
     }
+    if (fetch) {
+      const size_t offset = static_cast<size_t>(table - sketch_error_.data());
+      for (uint32_t j : selected_) {
+        const uint64_t key = options_.range.begin + grp.begin + j;
+        for (uint32_t r = 0; r < rows; ++r) {
+          const size_t cell = offset + size_t{r} * hash.columns() + hash.Bucket(r, key);
+          sketch_error_[cell] = 0.0f;
+          sketch_momentum_[cell] = 0.0f;
+        }
+      }
+    }
+    table += hash.table_size();
   }
+  std::sort(last_changed_.begin(), last_changed_.end());
   std::fill(sketch_accum_.begin(), sketch_accum_.end(), 0.0f);
   sketch_this_iteration_ = false;
 }

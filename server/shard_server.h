@@ -37,6 +37,7 @@ struct ShardOptions {
   // density, server_topk (re-sparsification) and the sketch layout (rows, columns_per_k,
   // fusion_group_size, seed) are read from here.
   proto::CompressionConfig compression;
+  double momentum = 0.0;  // FetchSGD's server-side momentum (compression.sketch.server_momentum)
 };
 
 struct ShardCounters {
@@ -104,6 +105,7 @@ class ShardServer {
 
   // SKETCH: the summed tables of this iteration (rows x total columns) and the groups' layout.
   std::vector<float> sketch_accum_;
+  std::vector<float> sketch_momentum_, sketch_error_;  // FetchSGD's S_u and S_e
   bool sketch_this_iteration_ = false;
   std::vector<KeyRange> groups_;
   std::vector<uint32_t> group_columns_;

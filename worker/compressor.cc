@@ -218,13 +218,20 @@ Status SketchCompressor::Compress(const float* grad, const std::vector<KeyRange>
                                   std::vector<Message>* out) {
   const size_t n = residual_.size();
   SPARSEPS_RETURN_IF_ERROR(CheckFinite(grad, n, "the gradient"));
-  kernels::MomentumCorrection(velocity_.data(), residual_.data(), grad, momentum_, n);
+  // FetchSGD: the raw gradient is sketched whole; momentum and error live on the servers.
+  const bool fetch = config_.sketch().server_momentum();
+  if (fetch) {
+    std::copy(grad, grad + n, residual_.begin());
+  } else {
+    kernels::MomentumCorrection(velocity_.data(), residual_.data(), grad, momentum_, n);
+  }
   const uint32_t rows = config_.sketch().rows();
   const double p1 = config_.sketch().truncate_factor();
-  const bool truncate = p1 > 0;
+  const bool truncate = p1 > 0 && !fetch;
   if (truncate) {
-    const size_t k = std::min(n, static_cast<size_t>(std::ceil(
-                                     p1 * static_cast<double>(WarmupK(config_.density(), 0, 0, n)))));
+    const size_t k =
+        std::min(n, static_cast<size_t>(
+                        std::ceil(p1 * static_cast<double>(WarmupK(config_.density(), 0, 0, n)))));
     truncated_.resize(k);
     truncated_.resize(kernels::TopKAbs(residual_.data(), n, k, truncated_.data()));
     truncated_values_.resize(truncated_.size());
@@ -264,6 +271,7 @@ Status SketchCompressor::Compress(const float* grad, const std::vector<KeyRange>
 }
 
 void SketchCompressor::OnChanged(uint64_t key_begin, std::span<const uint32_t> keys) {
+  if (config_.sketch().server_momentum()) return;  // FetchSGD: no worker state
   for (uint32_t i : keys) {
     residual_[key_begin + i] = 0.0f;
     velocity_[key_begin + i] = 0.0f;

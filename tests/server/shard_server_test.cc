@@ -80,7 +80,7 @@ TEST(ShardServer, ExactAggregationOverIterations) {
 
   std::vector<std::unique_ptr<ShardServer>> shards;
   for (size_t s = 0; s < ranges.size(); ++s) {
-    ShardOptions o{ranges[s], static_cast<int>(s), kWorkers, /*lr=*/kWorkers, {}};
+    ShardOptions o{ranges[s], static_cast<int>(s), kWorkers, /*lr=*/kWorkers, {}, 0.0};
     shards.push_back(std::make_unique<ShardServer>(o));
     std::vector<float> init(expected.begin() + static_cast<long>(ranges[s].begin),
                             expected.begin() + static_cast<long>(ranges[s].end));
@@ -122,7 +122,7 @@ TEST(ShardServer, ExactAggregationOverIterations) {
 
 TEST(ShardServer, DenseAndSparsePushesMix) {
   KeyRange r{0, 4};
-  ShardServer s({r, 0, 2, 2.0, {}});
+  ShardServer s({r, 0, 2, 2.0, {}, 0.0});
   ASSERT_EQ(Only(Send(s, Init(r, {10, 10, 10, 10}))), proto::INIT_ACK);
   ASSERT_EQ(Only(Send(s, DensePush(r, 0, 0, {1, 2, 3, 4}))), proto::PUSH_ACK);
   auto out = Send(s, Push(r, 0, 1, {2}, {5}));
@@ -133,7 +133,7 @@ TEST(ShardServer, DenseAndSparsePushesMix) {
 
 TEST(ShardServer, DuplicateAndStalePushesAreRejectedNotCounted) {
   KeyRange r{0, 3};
-  ShardServer s({r, 0, 2, 2.0, {}});
+  ShardServer s({r, 0, 2, 2.0, {}, 0.0});
   ASSERT_EQ(Only(Send(s, Init(r, {0, 0, 0}))), proto::INIT_ACK);
   ASSERT_EQ(Only(Send(s, Push(r, 0, 0, {0}, {1}))), proto::PUSH_ACK);
   // The same worker again for the same iteration: rejected, not added.
@@ -159,7 +159,7 @@ TEST(ShardServer, DuplicateAndStalePushesAreRejectedNotCounted) {
 
 TEST(ShardServer, InvalidPushesAreRejectedAndLoseNothing) {
   KeyRange r{100, 104};
-  ShardServer s({r, 0, 1, 1.0, {}});
+  ShardServer s({r, 0, 1, 1.0, {}, 0.0});
   // Before INIT nothing is accepted.
   EXPECT_EQ(Only(Send(s, Push(r, 0, 0, {0}, {1}))), proto::ERROR);
   ASSERT_EQ(Only(Send(s, Init(r, {1, 1, 1, 1}))), proto::INIT_ACK);
@@ -180,7 +180,7 @@ TEST(ShardServer, InvalidPushesAreRejectedAndLoseNothing) {
 
 TEST(ShardServer, PullWaitsForTheIterationAndIsSparseWhenPossible) {
   KeyRange r{0, 100};
-  ShardServer s({r, 0, 2, 2.0, {}});
+  ShardServer s({r, 0, 2, 2.0, {}, 0.0});
   std::vector<float> init(100, 5.0f);
   ASSERT_EQ(Only(Send(s, Init(r, init))), proto::INIT_ACK);
   // Initial pull: dense, version 0.
@@ -221,7 +221,7 @@ TEST(ShardServer, PullWaitsForTheIterationAndIsSparseWhenPossible) {
 
 TEST(ShardServer, AnswersPingAndRejectsOtherCommands) {
   KeyRange r{0, 2};
-  ShardServer s({r, 0, 1, 1.0, {}});
+  ShardServer s({r, 0, 1, 1.0, {}, 0.0});
   Message ping;
   ping.header.set_command(proto::PING);
   EXPECT_EQ(Only(Send(s, std::move(ping))), proto::PONG);

@@ -34,8 +34,8 @@ TEST(TopKCompressor, AppliedUpdatePlusResidualEqualsGradientSum) {
 
   std::vector<std::unique_ptr<ShardServer>> shards;
   for (size_t s = 0; s < ranges.size(); ++s) {
-    shards.push_back(
-        std::make_unique<ShardServer>(ShardOptions{ranges[s], static_cast<int>(s), 1, 1.0, {}}));
+    shards.push_back(std::make_unique<ShardServer>(
+        ShardOptions{ranges[s], static_cast<int>(s), 1, 1.0, {}, 0.0}));
     Message init;
     init.header.set_command(proto::INIT);
     init.header.set_key_begin(ranges[s].begin);

@@ -82,8 +82,8 @@ TEST_P(Conservation, AppliedPlusResidualsEqualsPushed) {
   const int W = c.workers;
   std::vector<std::unique_ptr<ShardServer>> shards;
   for (size_t s = 0; s < ranges.size(); ++s) {
-    shards.push_back(std::make_unique<ShardServer>(
-        ShardOptions{ranges[s], static_cast<int>(s), W, /*lr=*/static_cast<double>(W), c.config}));
+    shards.push_back(std::make_unique<ShardServer>(ShardOptions{
+        ranges[s], static_cast<int>(s), W, /*lr=*/static_cast<double>(W), c.config, 0.0}));
     Message init;
     init.header.set_command(proto::INIT);
     init.header.set_key_begin(ranges[s].begin);
@@ -189,7 +189,7 @@ TEST(SketchConservation, ExactWhenTheSketchSeparatesTheKeys) {
   const std::vector<KeyRange> ranges = {{0, kParams}};
   auto cfg = Config(proto::SKETCH, 0.01);         // k = 4 heavy hitters per step
   cfg.mutable_sketch()->set_columns_per_k(4000);  // 16000 columns for 400 keys
-  ShardServer shard({ranges[0], 0, 1, 1.0, cfg});
+  ShardServer shard({ranges[0], 0, 1, 1.0, cfg, 0.0});
   Message init;
   init.header.set_command(proto::INIT);
   init.header.set_key_begin(0);
@@ -229,6 +229,45 @@ TEST(SketchConservation, ExactWhenTheSketchSeparatesTheKeys) {
           << "step " << t << " key " << i;
     }
   }
+}
+
+// FetchSGD: momentum 0, one worker, a sparse gradient on a sketch wide enough to separate the
+// keys: the server applies exactly the gradient's entries (k of them per step, the rest waits in
+// the server's error sketch S_e and is applied in later steps), and after enough steps with no
+// new gradient everything pushed has been applied.
+TEST(FetchSgd, ServerErrorSketchAppliesEverythingPushed) {
+  constexpr size_t kParams = 400;
+  const std::vector<KeyRange> ranges = {{0, kParams}};
+  auto cfg = Config(proto::SKETCH, 0.01);  // k = 4 per step
+  cfg.mutable_sketch()->set_columns_per_k(4000);
+  cfg.mutable_sketch()->set_server_momentum(true);
+  ShardServer shard({ranges[0], 0, 1, 1.0, cfg, /*momentum=*/0.0});
+  Message init;
+  init.header.set_command(proto::INIT);
+  init.header.set_key_begin(0);
+  init.header.set_key_end(kParams);
+  EncodeDense(std::vector<float>(kParams, 0.0f), &init);
+  std::vector<Outgoing> out;
+  shard.Handle("w", Result<Message>(std::move(init)), &out);
+  SketchCompressor comp(kParams, cfg, 0.0f);
+  std::vector<float> grad_sum(kParams, 0.0f);
+  std::mt19937 rng(5);
+  for (int t = 0; t < 30; ++t) {
+    std::vector<float> grad(kParams, 0.0f);
+    if (t < 10) {
+      for (int j = 0; j < 6; ++j) grad[rng() % kParams] += static_cast<float>(1 + rng() % 50);
+    }
+    for (size_t i = 0; i < kParams; ++i) grad_sum[i] += grad[i];
+    std::vector<Message> pushes;
+    ASSERT_TRUE(comp.Compress(grad.data(), ranges, &pushes).ok());
+    pushes[0].header.set_sender_role(proto::WORKER);
+    pushes[0].header.set_sender_rank(0);
+    pushes[0].header.set_iteration(t);
+    out.clear();
+    shard.Handle("w", Result<Message>(std::move(pushes[0])), &out);
+    ASSERT_EQ(out.at(0).msg.header.command(), proto::PUSH_ACK) << out[0].msg.header.error();
+  }
+  for (size_t i = 0; i < kParams; ++i) ASSERT_EQ(-shard.params()[i], grad_sum[i]) << i;
 }
 
 TEST(Compressors, NanOrInfInTheGradientIsAClearErrorAndChangesNothing) {
