@@ -9,10 +9,14 @@ namespace sparseps::kernels {
 namespace {
 
 // Bit writer: LSB-first into a 64-bit accumulator that holds fewer than 32 pending bits between
-// writes, so one write of up to 32 bits never overflows it.
+// writes, so one write of up to 32 bits never overflows it. Words go to a buffer sized for the
+// worst case up front (no per-word reallocation check).
 class BitWriter {
  public:
-  explicit BitWriter(std::vector<uint8_t>* out) : out_(out) {}
+  BitWriter(std::vector<uint8_t>* out, size_t max_bits) : out_(out), start_(out->size()) {
+    out_->resize(start_ + (max_bits + 7) / 8 + 8);
+    dst_ = out_->data() + start_;
+  }
   void Put(uint64_t code, unsigned len) {  // REQUIRES: len <= 32, code < 2^len
     acc_ |= code << pending_;
     pending_ += len;
@@ -20,21 +24,25 @@ class BitWriter {
       const uint32_t word = static_cast<uint32_t>(acc_);
       uint8_t bytes[4] = {static_cast<uint8_t>(word), static_cast<uint8_t>(word >> 8),
                           static_cast<uint8_t>(word >> 16), static_cast<uint8_t>(word >> 24)};
-      out_->insert(out_->end(), bytes, bytes + 4);
+      std::memcpy(dst_, bytes, 4);
+      dst_ += 4;
       acc_ >>= 32;
       pending_ -= 32;
     }
   }
   void Finish() {
     while (pending_ > 0) {
-      out_->push_back(static_cast<uint8_t>(acc_));
+      *dst_++ = static_cast<uint8_t>(acc_);
       acc_ >>= 8;
       pending_ = pending_ > 8 ? pending_ - 8 : 0;
     }
+    out_->resize(static_cast<size_t>(dst_ - out_->data()));
   }
 
  private:
   std::vector<uint8_t>* out_;
+  size_t start_;
+  uint8_t* dst_;
   uint64_t acc_ = 0;
   unsigned pending_ = 0;
 };
@@ -54,9 +62,10 @@ double GolombExpectedBits(double p, uint32_t b) {
 }
 
 uint64_t GolombEncode(const uint32_t* idx, size_t k, uint32_t b, std::vector<uint8_t>* out) {
-  // Worst case per position: a 30-bit low part plus a unary run; reserve for the typical case.
-  out->reserve(out->size() + k * (b + 3) / 8 + 8);
-  BitWriter w(out);
+  // Exact upper bound: each position costs b + 1 bits plus its quotient, and the quotients sum
+  // to at most (last index >> b) + k.
+  const uint64_t last = k > 0 ? idx[k - 1] : 0;
+  BitWriter w(out, k * (b + 2) + (last >> b) + 64);
   uint64_t bits = 0;
   const uint64_t low_mask = (uint64_t{1} << b) - 1;
   int64_t prev = -1;
@@ -84,13 +93,19 @@ const char* GolombDecode(const uint8_t* data, size_t bytes, uint32_t b, size_t k
   uint64_t buf = 0;    // pending bits, LSB first
   unsigned avail = 0;  // how many bits of buf are valid
   auto refill = [&] {
-    if (avail <= 32 && pos + 4 <= bytes) {
-      uint32_t word = static_cast<uint32_t>(data[pos]) | static_cast<uint32_t>(data[pos + 1]) << 8 |
-                      static_cast<uint32_t>(data[pos + 2]) << 16 |
-                      static_cast<uint32_t>(data[pos + 3]) << 24;
-      buf |= static_cast<uint64_t>(word) << avail;
-      avail += 32;
-      pos += 4;
+    if (pos + 8 <= bytes) {
+      // Whole bytes that fit: load 8 and keep (64 - avail) / 8 of them.
+      uint64_t word;
+      std::memcpy(&word, data + pos, 8);
+      if constexpr (std::endian::native == std::endian::big) word = __builtin_bswap64(word);
+      const unsigned take = (64 - avail) / 8;
+      if (take > 0) {
+        const uint64_t kept = take == 8 ? word : word & ((uint64_t{1} << (8 * take)) - 1);
+        buf |= avail == 0 ? kept : kept << avail;
+        avail += 8 * take;
+        pos += take;
+      }
+      return;
     }
     while (avail <= 56 && pos < bytes) {
       buf |= static_cast<uint64_t>(data[pos++]) << avail;
