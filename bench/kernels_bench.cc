@@ -5,11 +5,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <vector>
-
-#include <cstring>
 
 #include "kernels/count_sketch.h"
 #include "kernels/error_feedback.h"

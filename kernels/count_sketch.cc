@@ -91,7 +91,8 @@ uint32_t CountSketchHash::Bucket(uint32_t j, uint64_t i) const {
   const uint64_t x = i < kPrime ? i : i % kPrime;
   const uint64_t lin = AddMod(MulMod(bucket_a_[j], x), bucket_b_[j]);
   // lin mod columns by Barrett reduction (2^64 / columns precomputed).
-  const uint64_t q = static_cast<uint64_t>((static_cast<unsigned __int128>(lin) * column_inv_) >> 64);
+  const uint64_t q =
+      static_cast<uint64_t>((static_cast<unsigned __int128>(lin) * column_inv_) >> 64);
   uint64_t r = lin - q * columns_;
   while (r >= columns_) r -= columns_;
   return static_cast<uint32_t>(r);
@@ -158,16 +159,14 @@ void CountSketchHash::InsertDense(const float* v, size_t n, uint64_t key_begin,
       continue;
     }
     for (uint32_t j = 0; j < rows_; ++j) {
-      RowWalker w(bucket_a_[j], bucket_b_[j], &sign_c_[4 * size_t{j}], columns_,
-                  key_begin + start);
+      RowWalker w(bucket_a_[j], bucket_b_[j], &sign_c_[4 * size_t{j}], columns_, key_begin + start);
       float* row = table + size_t{j} * columns_;
       for (size_t t = 0; t < len; ++t, w.Next()) row[w.bucket()] += w.sign() * x[t];
     }
   }
 }
 
-void CountSketchHash::Estimate(const float* table, uint64_t key_begin, size_t n,
-                               float* out) const {
+void CountSketchHash::Estimate(const float* table, uint64_t key_begin, size_t n, float* out) const {
   // Row by row over blocks of keys (hashes by RowWalker), then the median per key.
   constexpr size_t kBlock = 1024;
   std::vector<float> signed_vals(size_t{rows_} * kBlock);
@@ -175,8 +174,7 @@ void CountSketchHash::Estimate(const float* table, uint64_t key_begin, size_t n,
   for (size_t start = 0; start < n; start += kBlock) {
     const size_t len = std::min(kBlock, n - start);
     for (uint32_t j = 0; j < rows_; ++j) {
-      RowWalker w(bucket_a_[j], bucket_b_[j], &sign_c_[4 * size_t{j}], columns_,
-                  key_begin + start);
+      RowWalker w(bucket_a_[j], bucket_b_[j], &sign_c_[4 * size_t{j}], columns_, key_begin + start);
       const float* row = table + size_t{j} * columns_;
       float* dst = signed_vals.data() + size_t{j} * kBlock;
       for (size_t t = 0; t < len; ++t, w.Next()) dst[t] = w.sign() * row[w.bucket()];

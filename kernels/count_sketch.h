@@ -45,7 +45,7 @@ class CountSketchHash {
  private:
   uint32_t rows_;
   uint32_t columns_;
-  uint64_t column_inv_;  // 2^64 / columns, for Barrett reduction
+  uint64_t column_inv_;                        // 2^64 / columns, for Barrett reduction
   std::vector<uint64_t> bucket_a_, bucket_b_;  // per row
   std::vector<uint64_t> sign_c_;               // per row, 4 coefficients (c0..c3)
 };

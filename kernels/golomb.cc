@@ -75,7 +75,8 @@ uint64_t GolombEncode(const uint32_t* idx, size_t k, uint32_t b, std::vector<uin
     uint64_t q = gap >> b;
     bits += q + 1 + b;
     if (q + 1 + b <= 32) [[likely]] {
-      w.Put(((uint64_t{1} << q) - 1) | ((gap & low_mask) << (q + 1)), static_cast<unsigned>(q + 1 + b));
+      w.Put(((uint64_t{1} << q) - 1) | ((gap & low_mask) << (q + 1)),
+            static_cast<unsigned>(q + 1 + b));
       continue;
     }
     for (; q >= 32; q -= 32) w.Put(0xffffffffULL, 32);

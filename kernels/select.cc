@@ -57,8 +57,9 @@ size_t SelectAtLeast(const float* x, size_t n, float threshold, std::vector<uint
         _mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i + 8)), mask);
     const __m128i d =
         _mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i + 12)), mask);
-    const __m128i any = _mm_or_si128(_mm_or_si128(_mm_cmpgt_epi32(a, below), _mm_cmpgt_epi32(b, below)),
-                                     _mm_or_si128(_mm_cmpgt_epi32(c, below), _mm_cmpgt_epi32(d, below)));
+    const __m128i any =
+        _mm_or_si128(_mm_or_si128(_mm_cmpgt_epi32(a, below), _mm_cmpgt_epi32(b, below)),
+                     _mm_or_si128(_mm_cmpgt_epi32(c, below), _mm_cmpgt_epi32(d, below)));
     if (_mm_movemask_epi8(any) == 0) [[likely]] {
       continue;
     }

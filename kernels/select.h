@@ -25,7 +25,8 @@ size_t SelectAtLeast(const float* x, size_t n, float threshold, std::vector<uint
                      std::vector<float>* values = nullptr);
 
 // The magnitude of the `rank`-th largest (1-based) of `sample_size` entries of x taken as runs of
-// 16 consecutive entries at a fixed stride (deterministic). REQUIRES: 1 <= rank <= min(sample_size, n).
+// 16 consecutive entries at a fixed stride (deterministic). REQUIRES: 1 <= rank <= min(sample_size,
+// n).
 float SampledMagnitude(const float* x, size_t n, size_t sample_size, size_t rank);
 
 // Keeps the k largest-magnitude entries of the sorted index list *idx (indices into x) and drops

@@ -78,8 +78,10 @@ size_t TopKAbs(const float* x, size_t n, size_t k, uint32_t* idx_out) {
   // 1.25 k + 4 sigma entries above it. One streaming pass then collects the candidates at or
   // above it (a few more than k), and an exact select among them finishes.
   const size_t sample = std::min(n, std::max<size_t>(size_t{1} << 14, 64 * n / k));
-  const double expected = static_cast<double>(k) * static_cast<double>(sample) / static_cast<double>(n);
-  const size_t rank = static_cast<size_t>(std::ceil(1.25 * expected + 4.0 * std::sqrt(expected) + 4.0));
+  const double expected =
+      static_cast<double>(k) * static_cast<double>(sample) / static_cast<double>(n);
+  const size_t rank =
+      static_cast<size_t>(std::ceil(1.25 * expected + 4.0 * std::sqrt(expected) + 4.0));
   std::vector<uint32_t> candidates;
   std::vector<float> values;
   if (rank < sample) {

@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <cmath>
 
 #include "common/codec/codec.h"
 #include "common/codec/dense.h"
@@ -76,6 +77,7 @@ void ShardServer::Handle(const std::string& peer, const Result<Message>& msg,
     case proto::INIT:
     case proto::PUSH:
     case proto::PULL:
+    case proto::PULL_CANDIDATES:
       break;
     default:
       Reject(peer, &h, "a server does not handle " + CommandName(h.command()), out);
@@ -93,6 +95,8 @@ void ShardServer::Handle(const std::string& peer, const Result<Message>& msg,
     HandleInit(peer, *msg, out);
   } else if (h.command() == proto::PUSH) {
     HandlePush(peer, *msg, out);
+  } else if (h.command() == proto::PULL_CANDIDATES) {
+    HandlePullCandidates(peer, *msg, out);
   } else {
     HandlePull(peer, *msg, out);
   }
@@ -155,6 +159,15 @@ void ShardServer::HandlePush(const std::string& peer, const Message& msg,
            out);
     return;
   }
+  const int want_phase = second_round() ? phase_ : 0;
+  if (static_cast<int>(h.phase()) != want_phase) {
+    Reject(peer, &h,
+           "PUSH for phase " + std::to_string(h.phase()) + " of iteration " +
+               std::to_string(h.iteration()) + "; the server is in phase " +
+               std::to_string(want_phase),
+           out);
+    return;
+  }
   const Codec* codec = FindCodec(h.encoding());
   if (codec == nullptr) {
     Reject(peer, &h, "PUSH with unknown encoding " + std::to_string(h.encoding()), out);
@@ -178,6 +191,16 @@ void ShardServer::HandlePush(const std::string& peer, const Message& msg,
            out);
     return;
   }
+  if (want_phase == 1 &&
+      (p.encoding != proto::TOPK ||
+       !std::equal(p.indices.begin(), p.indices.end(), candidates_.begin(), candidates_.end()))) {
+    Reject(peer, &h, "PUSH phase 1 must carry exact values at exactly the candidate keys", out);
+    return;
+  }
+  if (want_phase == 0 && second_round() && !p.is_sketch()) {
+    Reject(peer, &h, "PUSH phase 0 of the sketch second round must be a sketch", out);
+    return;
+  }
   // Validated: accumulate. Sparse stays sparse: scatter-add at the pushed keys only.
   if (p.is_sketch()) {
     kernels::Axpy(1.0f, p.sketch.data(), sketch_accum_.data(), sketch_accum_.size());
@@ -199,9 +222,110 @@ void ShardServer::HandlePush(const std::string& peer, const Message& msg,
   ++counters_.pushes;
   out->push_back(Reply(peer, h, proto::PUSH_ACK));
   if (std::all_of(pushed_.begin(), pushed_.end(), [](uint8_t b) { return b != 0; })) {
+    if (second_round() && phase_ == 0) {
+      PickCandidates();
+      std::fill(pushed_.begin(), pushed_.end(), 0);
+      phase_ = 1;
+      AnswerCandidateRequests(out);
+      return;
+    }
     Apply();
     AnswerReadyPulls(out);
   }
+}
+
+bool ShardServer::second_round() const {
+  const auto& c = options_.compression;
+  return c.encoding() == proto::SKETCH && c.sketch().second_round() &&
+         !c.sketch().server_momentum();
+}
+
+void ShardServer::PickCandidates() {
+  const auto& c = options_.compression;
+  const uint32_t rows = c.sketch().rows();
+  const float* table = sketch_accum_.data();
+  candidates_.clear();
+  candidate_estimates_.clear();
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    const KeyRange& grp = groups_[g];
+    const kernels::CountSketchHash hash(rows, group_columns_[g], c.sketch().seed());
+    estimates_.resize(grp.size());
+    hash.Estimate(table, options_.range.begin + grp.begin, grp.size(), estimates_.data());
+    table += hash.table_size();
+    const size_t want = std::min<size_t>(
+        grp.size(), static_cast<size_t>(std::ceil(c.sketch().candidates_factor() *
+                                                  static_cast<double>(SketchK(c, grp.size())))));
+    selected_.resize(want);
+    selected_.resize(kernels::TopKAbs(estimates_.data(), grp.size(), want, selected_.data()));
+    for (uint32_t j : selected_) {
+      candidates_.push_back(static_cast<uint32_t>(grp.begin + j));
+      candidate_estimates_.push_back(estimates_[j]);
+    }
+  }
+  std::fill(sketch_accum_.begin(), sketch_accum_.end(), 0.0f);
+  sketch_this_iteration_ = false;
+}
+
+void ShardServer::ApplyExactCandidates(float scale) {
+  // The k largest exact sums per group among the candidates are applied; the rest of the sums
+  // is dropped here because every worker still holds its share in its residual.
+  const auto& c = options_.compression;
+  last_changed_.clear();
+  auto it = candidates_.begin();
+  std::vector<float> sums;
+  for (const KeyRange& grp : groups_) {
+    auto end = std::lower_bound(it, candidates_.end(), static_cast<uint32_t>(grp.end));
+    sums.clear();
+    for (auto x = it; x != end; ++x) sums.push_back(accum_[*x]);
+    selected_.resize(std::min(sums.size(), SketchK(c, grp.size())));
+    selected_.resize(
+        kernels::TopKAbs(sums.data(), sums.size(), selected_.size(), selected_.data()));
+    for (uint32_t j : selected_) {
+      const uint32_t i = *(it + j);
+      if (accum_[i] == 0.0f) continue;
+      params_[i] += scale * accum_[i];
+      last_changed_.push_back(i);
+    }
+    it = end;
+  }
+  for (uint32_t i : touched_) {
+    accum_[i] = 0.0f;
+    touched_mask_[i] = 0;
+  }
+  touched_.clear();
+  phase_ = 0;
+}
+
+void ShardServer::HandlePullCandidates(const std::string& peer, const Message& msg,
+                                       std::vector<Outgoing>* out) {
+  const proto::Header& h = msg.header;
+  if (!second_round()) {
+    Reject(peer, &h, "PULL_CANDIDATES without compression.sketch.second_round", out);
+    return;
+  }
+  if (!initialized() || h.iteration() != version_) {
+    Reject(peer, &h,
+           "PULL_CANDIDATES for iteration " + std::to_string(h.iteration()) +
+               "; the server is at iteration " + std::to_string(version_),
+           out);
+    return;
+  }
+  candidate_requests_.push_back({peer, h.iteration(), -1, h.request_id()});
+  AnswerCandidateRequests(out);
+}
+
+void ShardServer::AnswerCandidateRequests(std::vector<Outgoing>* out) {
+  if (phase_ != 1) return;
+  for (const auto& r : candidate_requests_) {
+    proto::Header request;
+    request.set_iteration(r.wanted_version);
+    request.set_request_id(r.request_id);
+    Outgoing o = Reply(r.peer, request, proto::CANDIDATES);
+    EncodeTopK(std::vector<uint32_t>(candidates_), std::vector<float>(candidate_estimates_),
+               &o.msg);
+    out->push_back(std::move(o));
+  }
+  candidate_requests_.clear();
 }
 
 void ShardServer::ApplySketch(float scale) {
@@ -282,7 +406,10 @@ void ShardServer::ApplyResparsified(float scale) {
 
 void ShardServer::Apply() {
   const float scale = static_cast<float>(-options_.lr / options_.num_workers);
-  if (sketch_this_iteration_) {
+  if (second_round()) {
+    ApplyExactCandidates(scale);
+    last_changed_all_ = false;
+  } else if (sketch_this_iteration_) {
     ApplySketch(scale);
     last_changed_all_ = false;
   } else if (options_.compression.server_topk()) {

@@ -7,6 +7,11 @@
 //   the version becomes t + 1. Encodings: DENSE, TOPK and SBC (sparse pairs, scatter-added), and
 //   SKETCH (count-sketch tables, summed; at apply time each fusion group's k heavy hitters, the top
 //   k of the median estimates, are the update).
+//   Sketch second round (compression.sketch.second_round): once all W sketches of t are in, the
+//   server picks candidates (top candidates_factor * k estimates per group) instead of applying;
+//   PULL_CANDIDATES(t) is answered with them (CANDIDATES); each worker then pushes its exact values
+//   at exactly those keys (PUSH phase 1, TOPK); once all W are in, the k largest exact sums per
+//   group are applied and the version becomes t + 1.
 //   With compression.server_topk, sparse aggregates go through a server residual r: r += sum;
 //   only the top density * (range size) entries of r are applied and zeroed in r, so pull replies
 //   stay at that many entries; applied + r = everything pushed.
@@ -78,6 +83,12 @@ class ShardServer {
   void HandleInit(const std::string& peer, const Message& msg, std::vector<Outgoing>* out);
   void HandlePush(const std::string& peer, const Message& msg, std::vector<Outgoing>* out);
   void HandlePull(const std::string& peer, const Message& msg, std::vector<Outgoing>* out);
+  void HandlePullCandidates(const std::string& peer, const Message& msg,
+                            std::vector<Outgoing>* out);
+  void PickCandidates();
+  void ApplyExactCandidates(float scale);
+  void AnswerCandidateRequests(std::vector<Outgoing>* out);
+  bool second_round() const;
   void Apply();
   void ApplySketch(float scale);
   void ApplyResparsified(float scale);
@@ -111,6 +122,11 @@ class ShardServer {
   std::vector<uint32_t> group_columns_;
   uint64_t sketch_columns_ = 0;
   std::vector<float> estimates_;
+  // Second round: 0 = collecting sketches, 1 = candidates picked, collecting exact values.
+  int phase_ = 0;
+  std::vector<uint32_t> candidates_;        // sorted, relative to the range
+  std::vector<float> candidate_estimates_;  // same order
+  std::vector<PendingPull> candidate_requests_;
 
   // Re-sparsification state (compression.server_topk).
   std::vector<float> server_residual_;

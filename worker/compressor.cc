@@ -270,6 +270,19 @@ Status SketchCompressor::Compress(const float* grad, const std::vector<KeyRange>
   return Status::OK();
 }
 
+Status SketchCompressor::ExactValues(const KeyRange& r, std::span<const uint32_t> candidates,
+                                     Message* push) {
+  std::vector<float> vals(candidates.size());
+  for (size_t j = 0; j < candidates.size(); ++j) {
+    if (candidates[j] >= r.size()) return Status::ProtocolError("candidate outside the key range");
+    vals[j] = residual_[r.begin + candidates[j]];
+  }
+  push->header.set_key_begin(r.begin);
+  push->header.set_key_end(r.end);
+  EncodeTopK(std::vector<uint32_t>(candidates.begin(), candidates.end()), std::move(vals), push);
+  return Status::OK();
+}
+
 void SketchCompressor::OnChanged(uint64_t key_begin, std::span<const uint32_t> keys) {
   if (config_.sketch().server_momentum()) return;  // FetchSGD: no worker state
   for (uint32_t i : keys) {

@@ -38,6 +38,13 @@ class Compressor {
   virtual Status Compress(const float* grad, const std::vector<KeyRange>& ranges,
                           std::vector<Message>* out) = 0;
 
+  // Sketch second round: fills `push` (its key range already set) with this worker's exact
+  // residual values at `candidates` (keys relative to r.begin) as TOPK. Default: Unimplemented.
+  virtual Status ExactValues(const KeyRange& r, std::span<const uint32_t> candidates,
+                             Message* push) {
+    return Status::Internal("this encoding has no second round");
+  }
+
   // The keys (relative to key_begin) whose parameters the last pull changed.
   virtual void OnChanged(uint64_t key_begin, std::span<const uint32_t> keys) {}
 
@@ -153,6 +160,8 @@ class SketchCompressor final : public Compressor {
   Status Compress(const float* grad, const std::vector<KeyRange>& ranges,
                   std::vector<Message>* out) override;
   void OnChanged(uint64_t key_begin, std::span<const uint32_t> keys) override;
+  Status ExactValues(const KeyRange& r, std::span<const uint32_t> candidates,
+                     Message* push) override;
   size_t last_selected() const override { return last_selected_; }
 
   const std::vector<float>& residual() const { return residual_; }

@@ -93,6 +93,38 @@ Status PsClient::PushPull(int64_t iteration, std::vector<Message>& pushes, float
   return AwaitAll(iteration, params);
 }
 
+Status PsClient::SketchTwoRounds(int64_t iteration, std::vector<Message>& sketches,
+                                 const ExactPush& exact, float* params) {
+  if (sketches.size() != peers_.size()) {
+    return Status::Internal("SketchTwoRounds needs one sketch per key range");
+  }
+  for (size_t r = 0; r < peers_.size(); ++r) {
+    Peer& p = peers_[r];
+    sketches[r].header.set_command(proto::PUSH);
+    sketches[r].header.set_iteration(iteration);
+    sketches[r].header.set_phase(0);
+    SPARSEPS_RETURN_IF_ERROR(Send(p, sketches[r]));
+    Message ask = Request(p, proto::PULL_CANDIDATES, iteration);
+    SPARSEPS_RETURN_IF_ERROR(Send(p, ask));
+    p.expected.push_back(proto::PUSH_ACK);
+    p.expected.push_back(proto::CANDIDATES);
+  }
+  SPARSEPS_RETURN_IF_ERROR(AwaitAll(iteration, params));
+  for (size_t r = 0; r < peers_.size(); ++r) {
+    Peer& p = peers_[r];
+    Message push = Request(p, proto::PUSH, iteration);
+    SPARSEPS_RETURN_IF_ERROR(exact(r, p.candidates, &push));
+    push.header.set_phase(1);
+    SPARSEPS_RETURN_IF_ERROR(Send(p, push));
+    Message pull = Request(p, proto::PULL, iteration);
+    pull.header.set_have_version(p.version);
+    SPARSEPS_RETURN_IF_ERROR(Send(p, pull));
+    p.expected.push_back(proto::PUSH_ACK);
+    p.expected.push_back(proto::PULL_REPLY);
+  }
+  return AwaitAll(iteration, params);
+}
+
 Status PsClient::ApplyPullReply(Peer& peer, const Message& msg, float* params) {
   const Codec* codec = FindCodec(msg.header.encoding());
   if (codec == nullptr)
@@ -174,6 +206,13 @@ Status PsClient::AwaitAll(int64_t iteration, float* params) {
         p.expected.pop_front();
         if (h.command() == proto::PULL_REPLY) {
           SPARSEPS_RETURN_IF_ERROR(ApplyPullReply(p, *msg, params));
+        } else if (h.command() == proto::CANDIDATES) {
+          DecodedPayload c;
+          Status s = FindCodec(proto::TOPK)->Decode(*msg, p.range.size(), &c);
+          if (!s.ok() || h.encoding() != proto::TOPK) {
+            return Status::ProtocolError("bad CANDIDATES from " + p.name + ": " + s.message());
+          }
+          p.candidates.assign(c.indices.begin(), c.indices.end());
         }
       }
     }

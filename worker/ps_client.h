@@ -48,6 +48,14 @@ class PsClient {
   using ChangedCallback = std::function<void(uint64_t key_begin, std::span<const uint32_t> keys)>;
   void set_changed_callback(ChangedCallback cb) { on_changed_ = std::move(cb); }
 
+  // The sketch encoding's second round (compression.sketch.second_round) for `iteration`: pushes
+  // the sketches (one per range), asks every server for its candidate keys, lets `exact` fill the
+  // phase-1 push of range r with the worker's exact values at those keys, pushes them and pulls.
+  using ExactPush =
+      std::function<Status(size_t range, std::span<const uint32_t> candidates, Message* push)>;
+  Status SketchTwoRounds(int64_t iteration, std::vector<Message>& sketches, const ExactPush& exact,
+                         float* params);
+
   uint64_t bytes_sent() const { return bytes_sent_; }
   uint64_t bytes_received() const { return bytes_received_; }
   // Parameter version (applied iterations) held for range r.
@@ -61,6 +69,7 @@ class PsClient {
     zmq::socket_t socket;
     int64_t version = -1;
     std::deque<proto::Command> expected;  // replies still to come, in order
+    std::vector<uint32_t> candidates;     // the last CANDIDATES reply (relative keys)
   };
 
   Status Send(Peer& peer, Message& msg);

@@ -114,6 +114,9 @@ Status RunWorker(const proto::JobConfig& config) {
     if (local_copy) local = params;
     float* model_params = local_copy ? local.data() : params.data();
     int64_t push_round = 0;
+    const auto& sk = config.compression().sketch();
+    const bool two_rounds = config.compression().encoding() == proto::SKETCH && sk.second_round() &&
+                            !sk.server_momentum();
     const size_t batch = tc.batch_size();
     const size_t features = train->num_features;
     std::vector<float> xb(batch * features), grad(n);
@@ -170,7 +173,16 @@ Status RunWorker(const proto::JobConfig& config) {
           pushes.clear();
           SPARSEPS_RETURN_IF_ERROR(compressor->Compress(grad.data(), ps.ranges(), &pushes));
           t2 = Clock::now();
-          SPARSEPS_RETURN_IF_ERROR(ps.PushPull(push_round++, pushes, params.data()));
+          if (two_rounds) {
+            SPARSEPS_RETURN_IF_ERROR(ps.SketchTwoRounds(
+                push_round++, pushes,
+                [&](size_t r, std::span<const uint32_t> candidates, Message* push) {
+                  return compressor->ExactValues(ps.ranges()[r], candidates, push);
+                },
+                params.data()));
+          } else {
+            SPARSEPS_RETURN_IF_ERROR(ps.PushPull(push_round++, pushes, params.data()));
+          }
           if (local_copy) std::copy(params.begin(), params.end(), local.begin());
         }
         const auto t3 = Clock::now();
