@@ -389,6 +389,34 @@ TEST(Compressors, NanOrInfInTheGradientIsAClearErrorAndChangesNothing) {
   }
 }
 
+// An all-zero gradient: every encoding compresses it without error into valid pushes that
+// change nothing (SBC sends no position; the sketch tables are zero).
+TEST(Compressors, AllZeroGradientGivesValidPushesThatAddNothing) {
+  constexpr size_t kParams = 1000;
+  const auto ranges = SplitKeyRanges(kParams, 2);
+  for (auto e : {proto::DENSE, proto::TOPK, proto::SBC, proto::SKETCH}) {
+    proto::JobConfig job;
+    *job.mutable_compression() = Config(e, 0.01);
+    auto comp = MakeCompressor(job, kParams);
+    std::vector<float> grad(kParams, 0.0f), local(kParams, 0.0f);
+    ASSERT_TRUE(comp->LocalStep(grad.data(), local.data()));
+    std::vector<Message> out;
+    ASSERT_TRUE(comp->Compress(grad.data(), ranges, &out).ok()) << proto::Encoding_Name(e);
+    ASSERT_EQ(out.size(), ranges.size());
+    for (size_t s = 0; s < ranges.size(); ++s) {
+      DecodedPayload p;
+      ASSERT_TRUE(FindCodec(out[s].header.encoding())->Decode(out[s], ranges[s].size(), &p).ok())
+          << proto::Encoding_Name(e);
+      for (float v : p.values) EXPECT_EQ(v, 0.0f);
+      for (float v : p.dense) EXPECT_EQ(v, 0.0f);
+      for (float v : p.sketch) EXPECT_EQ(v, 0.0f);
+      if (e == proto::SBC) {
+        EXPECT_EQ(p.indices.size(), 0u);
+      }
+    }
+  }
+}
+
 TEST(WarmupK, FollowsDgcSchedule) {
   // density 0.001 over 4 warm-up epochs: 0.001^(1/5), ^(2/5), ^(3/5), ^(4/5), then 0.001.
   const size_t n = 1000000;
