@@ -15,7 +15,7 @@ packages=(
   libopenblas-dev zlib1g-dev
   googletest libgtest-dev libgmock-dev libbenchmark-dev
   dataset-fashion-mnist
-  clang-format clang libclang-rt-14-dev iproute2 procps python3
+  clang-format clang libclang-rt-14-dev iproute2 iperf3 procps python3
 )
 
 missing=()
@@ -37,4 +37,4 @@ fi
 echo "install-deps: installing ${missing[*]}"
 export DEBIAN_FRONTEND=noninteractive
 "${sudo[@]}" apt-get update -q
-"${sudo[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}"
+"${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}"

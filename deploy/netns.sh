@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# Emulated commodity Ethernet on one Linux machine: N hosts as network namespaces on one bridge
+# (the "switch", in a namespace of its own so the machine's own network is never touched), each
+# host linked by a veth pair whose both directions are shaped with `tc tbf` to RATE (host egress
+# on the host side, host ingress on the switch side), with optional one-way DELAY (netem).
+# Addresses: SUBNET.1 ... SUBNET.N (/24), inside the namespaces only. Needs root (ip netns).
+#
+#   deploy/netns.sh up --hosts 4 --rate 1gbit [--delay 0.1ms] [--prefix sps] [--subnet 10.77.0]
+#   deploy/netns.sh exec [--prefix P] 2 CMD ...   # run CMD on host 2 (1-based)
+#   deploy/netns.sh addr 2             # host 2's address
+#   deploy/netns.sh down [--prefix sps]   # deletes every namespace of the prefix (idempotent)
+#   deploy/netns.sh check              # exit 0 when ip netns works here, else 1 with the reason
+set -euo pipefail
+
+cmd="${1:-}"
+[[ $# -gt 0 ]] && shift
+hosts=2
+rate=1gbit
+delay=""
+prefix="${SPARSEPS_NETNS_PREFIX:-sps}"
+subnet="${SPARSEPS_NETNS_SUBNET:-10.77.0}"
+args=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --hosts) hosts="$2"; shift 2 ;;
+    --rate) rate="$2"; shift 2 ;;
+    --delay) delay="$2"; shift 2 ;;
+    --prefix) prefix="$2"; shift 2 ;;
+    --subnet) subnet="$2"; shift 2 ;;
+    -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) args=("$@"); break ;;  # HOST and CMD: taken verbatim (options come first)
+  esac
+done
+sw="${prefix}-sw"
+
+die() { echo "netns.sh: $*" >&2; exit 1; }
+
+# Bytes per second of a tc rate such as 1gbit, 100mbit, 500kbit.
+rate_bytes() {
+  local r="${1,,}" n unit
+  n="${r%%[a-z]*}"
+  unit="${r#"$n"}"
+  case "$unit" in
+    gbit) echo $((n * 125000000)) ;;
+    mbit) echo $((n * 125000)) ;;
+    kbit) echo $((n * 125)) ;;
+    bit) echo $((n / 8)) ;;
+    *) die "rate '$1': use Nkbit, Nmbit or Ngbit" ;;
+  esac
+}
+
+# shape NS DEV: tbf at $rate (bucket of 1 ms of traffic, at least 64 KiB), behind netem if a delay
+# is asked for.
+shape() {
+  local ns="$1" dev="$2" bytes burst
+  bytes="$(rate_bytes "$rate")"
+  burst=$((bytes / 1000))
+  ((burst < 65536)) && burst=65536
+  if [[ -n "$delay" ]]; then
+    ip -n "$ns" link set "$dev" txqueuelen 10000
+    ip netns exec "$ns" tc qdisc add dev "$dev" root handle 1: netem delay "$delay" limit 100000
+    ip netns exec "$ns" tc qdisc add dev "$dev" parent 1: handle 2: tbf rate "$rate" burst "$burst" latency 50ms
+  else
+    ip netns exec "$ns" tc qdisc add dev "$dev" root tbf rate "$rate" burst "$burst" latency 50ms
+  fi
+}
+
+case "$cmd" in
+  check)
+    [[ $(id -u) -eq 0 ]] || die "needs root (network namespaces)"
+    command -v tc >/dev/null || die "tc (iproute2) not installed"
+    probe="${prefix}-probe-$$"
+    ip netns add "$probe" 2>/dev/null || die "ip netns add failed (no CAP_SYS_ADMIN here?)"
+    ip netns del "$probe"
+    ;;
+  up)
+    [[ "$hosts" =~ ^[0-9]+$ ]] && ((hosts >= 1 && hosts <= 250)) || die "--hosts must be 1..250"
+    rate_bytes "$rate" >/dev/null
+    if ip netns list | grep -q "^${sw}\b"; then die "prefix '$prefix' is up already (netns.sh down --prefix $prefix)"; fi
+    trap 'echo "netns.sh: up failed; tearing down" >&2; "$0" down --prefix "$prefix"' ERR
+    ip netns add "$sw"
+    ip -n "$sw" link add br0 type bridge
+    ip -n "$sw" link set br0 up
+    ip -n "$sw" link set lo up
+    for ((i = 1; i <= hosts; i++)); do
+      h="${prefix}-h$i"
+      ip netns add "$h"
+      ip -n "$h" link set lo up
+      ip link add "${prefix}h${i}a" netns "$h" type veth peer name "p$i" netns "$sw"
+      ip -n "$h" link set "${prefix}h${i}a" name eth0
+      ip -n "$h" addr add "$subnet.$i/24" dev eth0
+      ip -n "$h" link set eth0 up
+      ip -n "$sw" link set "p$i" master br0
+      ip -n "$sw" link set "p$i" up
+      shape "$h" eth0      # host egress
+      shape "$sw" "p$i"    # host ingress
+    done
+    trap - ERR
+    echo "netns.sh: $hosts hosts ${prefix}-h1..${prefix}-h$hosts at $subnet.1..$subnet.$hosts, $rate${delay:+, delay $delay} each way"
+    ;;
+  exec)
+    [[ ${#args[@]} -ge 2 ]] || die "usage: netns.sh exec HOST CMD ..."
+    exec ip netns exec "${prefix}-h${args[0]}" "${args[@]:1}"
+    ;;
+  addr)
+    [[ ${#args[@]} -eq 1 ]] || die "usage: netns.sh addr HOST"
+    echo "$subnet.${args[0]}"
+    ;;
+  down)
+    for ns in $(ip netns list | awk '{print $1}' | grep -E "^${prefix}-(sw|h[0-9]+)$" || true); do
+      # Processes still inside would keep nothing alive (namespaces go with their last user),
+      # but say so: the caller tracks and stops its own processes.
+      ip netns pids "$ns" 2>/dev/null | grep -q . && echo "netns.sh: processes still in $ns" >&2
+      ip netns del "$ns"
+    done
+    ;;
+  *) die "unknown command '${cmd}' (up, exec, addr, down, check; see --help)" ;;
+esac
