@@ -161,8 +161,9 @@ Status RunWorker(const proto::JobConfig& config) {
         }
         const double loss =
             model.ForwardBackward(model_params, xb.data(), yb.data(), batch, grad.data(), nullptr);
-        if (!std::isfinite(loss) || !kernels::AllFinite(grad.data(), n)) {
-          return Status::FailedPrecondition("the loss or gradient became NaN/Inf at step " +
+        // A NaN/Inf gradient is caught by the compressor (one pass over it, not two).
+        if (!std::isfinite(loss)) {
+          return Status::FailedPrecondition("the loss became NaN/Inf at step " +
                                             std::to_string(step) + " (try a smaller train.lr)");
         }
         if (wd > 0) kernels::Axpy(wd, model_params, grad.data(), n);
@@ -171,7 +172,10 @@ Status RunWorker(const proto::JobConfig& config) {
         auto t2 = t1;
         if (compressor->LocalStep(grad.data(), model_params)) {
           pushes.clear();
-          SPARSEPS_RETURN_IF_ERROR(compressor->Compress(grad.data(), ps.ranges(), &pushes));
+          if (Status c = compressor->Compress(grad.data(), ps.ranges(), &pushes); !c.ok()) {
+            return Status::FailedPrecondition(c.message() + " at step " + std::to_string(step) +
+                                              " (try a smaller train.lr)");
+          }
           t2 = Clock::now();
           if (two_rounds) {
             SPARSEPS_RETURN_IF_ERROR(ps.SketchTwoRounds(
