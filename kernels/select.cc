@@ -10,15 +10,7 @@
 #endif
 
 namespace sparseps::kernels {
-namespace {
-
-inline uint32_t AbsKey(float v) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof(bits));
-  return bits & 0x7fffffffu;
-}
-
-}  // namespace
+namespace {}  // namespace
 
 float StreamingSum(const float* x, size_t n) {
   size_t i = 0;

@@ -9,9 +9,17 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace sparseps::kernels {
+
+// The bit pattern of |v| as an unsigned key: monotone in the magnitude for non-NaN values.
+inline uint32_t AbsKey(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  return bits & 0x7fffffffu;
+}
 
 // One streaming read of x[0, n): the sum with 16 independent accumulators, SSE2 where available
 // (the baseline the selection benchmarks compare against).

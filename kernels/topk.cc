@@ -12,12 +12,6 @@
 namespace sparseps::kernels {
 namespace {
 
-inline uint32_t AbsKey(float v) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof(bits));
-  return bits & 0x7fffffffu;
-}
-
 // 11 bits of the 31-bit magnitude key: 8 exponent bits and 3 mantissa bits, i.e. buckets of an
 // eighth of an octave. Gradients spread over many octaves, so the k-th bucket is small.
 constexpr int kTopShift = 20;

@@ -78,19 +78,21 @@ Status PsClient::PushPull(int64_t iteration, std::vector<Message>& pushes, float
                             std::to_string(peers_.size()));
   }
   for (size_t r = 0; r < peers_.size(); ++r) {
-    Peer& p = peers_[r];
-    Message& push = pushes[r];
-    push.header.set_command(proto::PUSH);
-    push.header.set_iteration(iteration);
-    SPARSEPS_RETURN_IF_ERROR(Send(p, push));
-    // The pull goes out at once: the server answers it when the iteration is applied.
-    Message pull = Request(p, proto::PULL, iteration);
-    pull.header.set_have_version(p.version);
-    SPARSEPS_RETURN_IF_ERROR(Send(p, pull));
-    p.expected.push_back(proto::PUSH_ACK);
-    p.expected.push_back(proto::PULL_REPLY);
+    SPARSEPS_RETURN_IF_ERROR(SendPushAndPull(peers_[r], pushes[r], iteration));
   }
   return AwaitAll(iteration, params);
+}
+
+Status PsClient::SendPushAndPull(Peer& p, Message& push, int64_t iteration) {
+  push.header.set_command(proto::PUSH);
+  push.header.set_iteration(iteration);
+  SPARSEPS_RETURN_IF_ERROR(Send(p, push));
+  Message pull = Request(p, proto::PULL, iteration);
+  pull.header.set_have_version(p.version);
+  SPARSEPS_RETURN_IF_ERROR(Send(p, pull));
+  p.expected.push_back(proto::PUSH_ACK);
+  p.expected.push_back(proto::PULL_REPLY);
+  return Status::OK();
 }
 
 Status PsClient::SketchTwoRounds(int64_t iteration, std::vector<Message>& sketches,
@@ -115,12 +117,7 @@ Status PsClient::SketchTwoRounds(int64_t iteration, std::vector<Message>& sketch
     Message push = Request(p, proto::PUSH, iteration);
     SPARSEPS_RETURN_IF_ERROR(exact(r, p.candidates, &push));
     push.header.set_phase(1);
-    SPARSEPS_RETURN_IF_ERROR(Send(p, push));
-    Message pull = Request(p, proto::PULL, iteration);
-    pull.header.set_have_version(p.version);
-    SPARSEPS_RETURN_IF_ERROR(Send(p, pull));
-    p.expected.push_back(proto::PUSH_ACK);
-    p.expected.push_back(proto::PULL_REPLY);
+    SPARSEPS_RETURN_IF_ERROR(SendPushAndPull(p, push, iteration));
   }
   return AwaitAll(iteration, params);
 }

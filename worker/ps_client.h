@@ -75,6 +75,9 @@ class PsClient {
   Status Send(Peer& peer, Message& msg);
   Message Request(const Peer& peer, proto::Command command, int64_t iteration);
   Status AwaitAll(int64_t iteration, float* params);
+  // Sends `push` (command and iteration set here) and, at once, the PULL of that iteration (the
+  // server answers it when the iteration is applied); expects PUSH_ACK then PULL_REPLY.
+  Status SendPushAndPull(Peer& peer, Message& push, int64_t iteration);
   Status ApplyPullReply(Peer& peer, const Message& msg, float* params);
 
   ChangedCallback on_changed_;

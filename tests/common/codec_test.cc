@@ -10,17 +10,12 @@
 #include "common/codec/dense.h"
 #include "common/codec/topk.h"
 #include "common/message.h"
+#include "tests/support/messages.h"
 
 namespace sparseps {
 namespace {
 
-// Copies a message frame by frame, as if it had crossed the wire.
-Message CopyOf(const Message& m) {
-  Message c;
-  c.header = m.header;
-  for (const auto& f : m.frames) c.frames.emplace_back(f.data(), f.size());
-  return c;
-}
+using testing::CopyOf;
 
 TEST(DenseCodec, RoundTrip) {
   std::vector<float> v = {1.5f, -2.0f, 0.0f, 3.25f, 1e-30f};

@@ -15,16 +15,12 @@
 #include "common/message.h"
 #include "kernels/golomb.h"
 #include "kernels/pack.h"
+#include "tests/support/messages.h"
 
 namespace sparseps {
 namespace {
 
-Message CopyOf(const Message& m) {
-  Message c;
-  c.header = m.header;
-  for (const auto& f : m.frames) c.frames.emplace_back(f.data(), f.size());
-  return c;
-}
+using testing::CopyOf;
 
 std::vector<uint32_t> RandomPositions(uint32_t n, size_t k, std::mt19937* rng) {
   std::vector<uint32_t> all(n);

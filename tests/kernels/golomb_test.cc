@@ -62,7 +62,7 @@ TEST(Golomb, EdgeCases) {
 // The code size per kept position is within 3% of the binary entropy bound H(p)/p.
 TEST(Golomb, BitsPerPositionWithinThreePercentOfEntropy) {
   for (double p : {0.01, 0.001, 0.0001}) {
-    const size_t n = static_cast<size_t>(400 / p);  // about 400 positions... and more:
+    const size_t n = static_cast<size_t>(400 / p);  // 10 n keys: about 4,000 kept positions
     const auto idx = RandomPositions(n * 10, p, 2);
     const double pe = static_cast<double>(idx.size()) / static_cast<double>(n * 10);
     std::vector<uint8_t> code;

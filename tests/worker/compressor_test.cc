@@ -11,6 +11,7 @@
 #include "common/codec/dense.h"
 #include "common/key_range.h"
 #include "server/shard_server.h"
+#include "tests/support/shard_harness.h"
 
 namespace sparseps {
 namespace {
@@ -36,14 +37,12 @@ TEST(TopKCompressor, AppliedUpdatePlusResidualEqualsGradientSum) {
   for (size_t s = 0; s < ranges.size(); ++s) {
     shards.push_back(std::make_unique<ShardServer>(
         ShardOptions{ranges[s], static_cast<int>(s), 1, 1.0, {}, 0.0}));
-    Message init;
-    init.header.set_command(proto::INIT);
-    init.header.set_key_begin(ranges[s].begin);
-    init.header.set_key_end(ranges[s].end);
-    EncodeDense(std::vector<float>(ranges[s].size(), 0.0f), &init);
-    std::vector<Outgoing> out;
-    shards[s]->Handle("w", Result<Message>(std::move(init)), &out);
-    ASSERT_EQ(out.at(0).msg.header.command(), proto::INIT_ACK);
+    ASSERT_EQ(
+        testing::Deliver(
+            *shards[s], testing::InitMessage(ranges[s], std::vector<float>(ranges[s].size(), 0.0f)))
+            .at(0)
+            .msg.header.command(),
+        proto::INIT_ACK);
   }
 
   std::mt19937 rng(11);
@@ -59,9 +58,7 @@ TEST(TopKCompressor, AppliedUpdatePlusResidualEqualsGradientSum) {
     EXPECT_EQ(compressor.last_selected(), 20u);
     size_t sent = 0;
     for (size_t s = 0; s < ranges.size(); ++s) {
-      pushes[s].header.set_sender_role(proto::WORKER);
-      pushes[s].header.set_sender_rank(0);
-      pushes[s].header.set_iteration(t);
+      testing::FromWorker(&pushes[s], 0, t);
       sent += pushes[s].header.frames(0).bytes() / sizeof(uint32_t);
       std::vector<Outgoing> out;
       shards[s]->Handle("w", Result<Message>(std::move(pushes[s])), &out);

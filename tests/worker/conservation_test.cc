@@ -16,6 +16,7 @@
 #include "common/codec/dense.h"
 #include "common/key_range.h"
 #include "server/shard_server.h"
+#include "tests/support/shard_harness.h"
 #include "worker/compressor.h"
 
 namespace sparseps {
@@ -84,14 +85,12 @@ TEST_P(Conservation, AppliedPlusResidualsEqualsPushed) {
   for (size_t s = 0; s < ranges.size(); ++s) {
     shards.push_back(std::make_unique<ShardServer>(ShardOptions{
         ranges[s], static_cast<int>(s), W, /*lr=*/static_cast<double>(W), c.config, 0.0}));
-    Message init;
-    init.header.set_command(proto::INIT);
-    init.header.set_key_begin(ranges[s].begin);
-    init.header.set_key_end(ranges[s].end);
-    EncodeDense(std::vector<float>(ranges[s].size(), 0.0f), &init);
-    std::vector<Outgoing> out;
-    shards[s]->Handle("w", Result<Message>(std::move(init)), &out);
-    ASSERT_EQ(out.at(0).msg.header.command(), proto::INIT_ACK);
+    ASSERT_EQ(
+        testing::Deliver(
+            *shards[s], testing::InitMessage(ranges[s], std::vector<float>(ranges[s].size(), 0.0f)))
+            .at(0)
+            .msg.header.command(),
+        proto::INIT_ACK);
   }
   proto::JobConfig job;
   *job.mutable_compression() = c.config;
@@ -123,9 +122,7 @@ TEST_P(Conservation, AppliedPlusResidualsEqualsPushed) {
     for (int w = 0; w < W; ++w) {
       for (size_t s = 0; s < ranges.size(); ++s) {
         Message& m = pushes[w][s];
-        m.header.set_sender_role(proto::WORKER);
-        m.header.set_sender_rank(w);
-        m.header.set_iteration(round);
+        testing::FromWorker(&m, w, round);
         std::vector<Outgoing> out;
         shards[s]->Handle("w" + std::to_string(w), Result<Message>(std::move(m)), &out);
         ASSERT_EQ(out.at(0).msg.header.command(), proto::PUSH_ACK) << out[0].msg.header.error();
@@ -133,12 +130,7 @@ TEST_P(Conservation, AppliedPlusResidualsEqualsPushed) {
     }
     // Pull: every worker learns the changed keys.
     for (size_t s = 0; s < ranges.size(); ++s) {
-      Message pull;
-      pull.header.set_command(proto::PULL);
-      pull.header.set_key_begin(ranges[s].begin);
-      pull.header.set_key_end(ranges[s].end);
-      pull.header.set_iteration(round);
-      pull.header.set_have_version(round);
+      Message pull = testing::PullMessage(ranges[s], round);
       std::vector<Outgoing> out;
       shards[s]->Handle("p", Result<Message>(std::move(pull)), &out);
       ASSERT_EQ(out.size(), 1u);
@@ -190,13 +182,12 @@ TEST(SketchConservation, ExactWhenTheSketchSeparatesTheKeys) {
   auto cfg = Config(proto::SKETCH, 0.01);         // k = 4 heavy hitters per step
   cfg.mutable_sketch()->set_columns_per_k(4000);  // 16000 columns for 400 keys
   ShardServer shard({ranges[0], 0, 1, 1.0, cfg, 0.0});
-  Message init;
-  init.header.set_command(proto::INIT);
-  init.header.set_key_begin(0);
-  init.header.set_key_end(kParams);
-  EncodeDense(std::vector<float>(kParams, 0.0f), &init);
+  ASSERT_EQ(
+      testing::Deliver(shard, testing::InitMessage({0, kParams}, std::vector<float>(kParams, 0.0f)))
+          .at(0)
+          .msg.header.command(),
+      proto::INIT_ACK);
   std::vector<Outgoing> out;
-  shard.Handle("w", Result<Message>(std::move(init)), &out);
   SketchCompressor comp(kParams, cfg, 0.0f);
   std::vector<double> grad_sum(kParams, 0.0);
   std::mt19937 rng(3);
@@ -206,18 +197,11 @@ TEST(SketchConservation, ExactWhenTheSketchSeparatesTheKeys) {
     for (size_t i = 0; i < kParams; ++i) grad_sum[i] += grad[i];
     std::vector<Message> pushes;
     ASSERT_TRUE(comp.Compress(grad.data(), ranges, &pushes).ok());
-    pushes[0].header.set_sender_role(proto::WORKER);
-    pushes[0].header.set_sender_rank(0);
-    pushes[0].header.set_iteration(t);
+    testing::FromWorker(&pushes[0], 0, t);
     out.clear();
     shard.Handle("w", Result<Message>(std::move(pushes[0])), &out);
     ASSERT_EQ(out.at(0).msg.header.command(), proto::PUSH_ACK) << out[0].msg.header.error();
-    Message pull;
-    pull.header.set_command(proto::PULL);
-    pull.header.set_key_begin(0);
-    pull.header.set_key_end(kParams);
-    pull.header.set_iteration(t);
-    pull.header.set_have_version(t);
+    Message pull = testing::PullMessage({0, kParams}, t);
     out.clear();
     shard.Handle("w", Result<Message>(std::move(pull)), &out);
     DecodedPayload p;
@@ -247,22 +231,16 @@ TEST(SketchSecondRound, ConservationIsExactDespiteCollisions) {
   for (size_t s = 0; s < ranges.size(); ++s) {
     shards.push_back(std::make_unique<ShardServer>(
         ShardOptions{ranges[s], static_cast<int>(s), W, static_cast<double>(W), cfg, 0.0}));
-    Message init;
-    init.header.set_command(proto::INIT);
-    init.header.set_key_begin(ranges[s].begin);
-    init.header.set_key_end(ranges[s].end);
-    EncodeDense(std::vector<float>(ranges[s].size(), 0.0f), &init);
-    std::vector<Outgoing> out;
-    shards[s]->Handle("w", Result<Message>(std::move(init)), &out);
+    ASSERT_EQ(
+        testing::Deliver(
+            *shards[s], testing::InitMessage(ranges[s], std::vector<float>(ranges[s].size(), 0.0f)))
+            .at(0)
+            .msg.header.command(),
+        proto::INIT_ACK);
   }
   std::vector<std::unique_ptr<SketchCompressor>> workers;
   for (int w = 0; w < W; ++w)
     workers.push_back(std::make_unique<SketchCompressor>(kParams, cfg, 0.0f));
-  auto header = [](Message& m, int w, int64_t t) {
-    m.header.set_sender_role(proto::WORKER);
-    m.header.set_sender_rank(w);
-    m.header.set_iteration(t);
-  };
   std::mt19937 rng(8);
   std::vector<double> grad_sum(kParams, 0.0);
   std::vector<float> grad(kParams);
@@ -281,11 +259,11 @@ TEST(SketchSecondRound, ConservationIsExactDespiteCollisions) {
       ask.header.set_command(proto::PULL_CANDIDATES);
       ask.header.set_key_begin(ranges[s].begin);
       ask.header.set_key_end(ranges[s].end);
-      header(ask, 0, t);
+      testing::FromWorker(&ask, 0, t);
       shards[s]->Handle("w0", Result<Message>(std::move(ask)), &out);
       EXPECT_TRUE(out.empty()) << "candidates before every sketch is in";
       for (int w = 0; w < W; ++w) {
-        header(sketches[w][s], w, t);
+        testing::FromWorker(&sketches[w][s], w, t);
         shards[s]->Handle("w", Result<Message>(std::move(sketches[w][s])), &out);
       }
       ASSERT_EQ(out.size(), static_cast<size_t>(W) + 1);
@@ -299,19 +277,14 @@ TEST(SketchSecondRound, ConservationIsExactDespiteCollisions) {
       for (int w = 0; w < W; ++w) {
         Message push;
         push.header.set_command(proto::PUSH);
-        header(push, w, t);
+        testing::FromWorker(&push, w, t);
         push.header.set_phase(1);
         ASSERT_TRUE(workers[w]->ExactValues(ranges[s], candidates, &push).ok());
         out.clear();
         shards[s]->Handle("w", Result<Message>(std::move(push)), &out);
         ASSERT_EQ(out.at(0).msg.header.command(), proto::PUSH_ACK) << out[0].msg.header.error();
       }
-      Message pull;
-      pull.header.set_command(proto::PULL);
-      pull.header.set_key_begin(ranges[s].begin);
-      pull.header.set_key_end(ranges[s].end);
-      pull.header.set_iteration(t);
-      pull.header.set_have_version(t);
+      Message pull = testing::PullMessage(ranges[s], t);
       out.clear();
       shards[s]->Handle("w", Result<Message>(std::move(pull)), &out);
       DecodedPayload d;
@@ -343,13 +316,12 @@ TEST(FetchSgd, ServerErrorSketchAppliesEverythingPushed) {
   cfg.mutable_sketch()->set_columns_per_k(4000);
   cfg.mutable_sketch()->set_server_momentum(true);
   ShardServer shard({ranges[0], 0, 1, 1.0, cfg, /*momentum=*/0.0});
-  Message init;
-  init.header.set_command(proto::INIT);
-  init.header.set_key_begin(0);
-  init.header.set_key_end(kParams);
-  EncodeDense(std::vector<float>(kParams, 0.0f), &init);
+  ASSERT_EQ(
+      testing::Deliver(shard, testing::InitMessage({0, kParams}, std::vector<float>(kParams, 0.0f)))
+          .at(0)
+          .msg.header.command(),
+      proto::INIT_ACK);
   std::vector<Outgoing> out;
-  shard.Handle("w", Result<Message>(std::move(init)), &out);
   SketchCompressor comp(kParams, cfg, 0.0f);
   std::vector<float> grad_sum(kParams, 0.0f);
   std::mt19937 rng(5);
@@ -361,9 +333,7 @@ TEST(FetchSgd, ServerErrorSketchAppliesEverythingPushed) {
     for (size_t i = 0; i < kParams; ++i) grad_sum[i] += grad[i];
     std::vector<Message> pushes;
     ASSERT_TRUE(comp.Compress(grad.data(), ranges, &pushes).ok());
-    pushes[0].header.set_sender_role(proto::WORKER);
-    pushes[0].header.set_sender_rank(0);
-    pushes[0].header.set_iteration(t);
+    testing::FromWorker(&pushes[0], 0, t);
     out.clear();
     shard.Handle("w", Result<Message>(std::move(pushes[0])), &out);
     ASSERT_EQ(out.at(0).msg.header.command(), proto::PUSH_ACK) << out[0].msg.header.error();
