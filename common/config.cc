@@ -155,7 +155,7 @@ Status SetScalar(pb::Message* msg, const pb::FieldDescriptor* f, const std::stri
       std::transform(upper.begin(), upper.end(), upper.begin(),
                      [](unsigned char c) { return std::toupper(c); });
       const pb::EnumValueDescriptor* ev = f->enum_type()->FindValueByName(upper);
-      if (ev == nullptr || ev->number() == 0) {
+      if (ev == nullptr || ev->name().find("UNSPECIFIED") != std::string::npos) {
         return Bad(where, key,
                    "unknown value '" + text + "'; one of: " + EnumChoices(f->enum_type()));
       }
@@ -372,6 +372,22 @@ Status ValidateConfig(const proto::JobConfig& config, const ConfigSources& sourc
   }
   if (config.node().host().empty()) {
     return Status::InvalidArgument(SourceOf(sources, "node.host") + ": key 'node.host' is empty");
+  }
+  if (config.aggregation() == proto::ALLREDUCE) {
+    const auto& col = config.collective();
+    if (c.num_workers() % col.teams() != 0) {
+      return Status::InvalidArgument(
+          SourceOf(sources, "collective.teams") + ": key 'collective.teams' (" +
+          std::to_string(col.teams()) + ") must divide 'cluster.num_workers' (" +
+          std::to_string(c.num_workers()) + ")");
+    }
+    const auto enc = config.compression().encoding();
+    if (enc == proto::SBC || enc == proto::SKETCH) {
+      return Status::InvalidArgument(
+          SourceOf(sources, "compression.encoding") +
+          ": key 'compression.encoding': sbc and sketch are parameter-server encodings; with "
+          "'aggregation: allreduce' the collective (collective.algorithm) decides what is sent");
+    }
   }
   static const char* kLevels[] = {"trace", "debug", "info", "warn", "error", "critical", "off"};
   if (std::find(std::begin(kLevels), std::end(kLevels), config.run().log_level()) ==

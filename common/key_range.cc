@@ -6,6 +6,7 @@ namespace sparseps {
 
 std::vector<KeyRange> SplitKeyRanges(uint64_t num_keys, size_t parts) {
   std::vector<KeyRange> ranges(parts);
+  if (parts == 0) return ranges;
   const uint64_t base = num_keys / parts;
   const uint64_t extra = num_keys % parts;  // the first `extra` ranges get one more key
   uint64_t begin = 0;

@@ -19,7 +19,7 @@ struct KeyRange {
 
 // Cuts [0, num_keys) into `parts` contiguous ranges in key order whose sizes differ by at most
 // one element, so every key has exactly one owner (unlike ps-lite's split, which can leave the
-// tail unowned). Ranges are empty when parts > num_keys. REQUIRES: parts >= 1.
+// tail unowned). Ranges are empty when parts > num_keys; parts = 0 gives no ranges.
 std::vector<KeyRange> SplitKeyRanges(uint64_t num_keys, size_t parts);
 
 // Index of the range that holds `key` in a sorted, contiguous cover such as SplitKeyRanges

@@ -16,6 +16,7 @@ packages=(
   googletest libgtest-dev libgmock-dev libbenchmark-dev
   dataset-fashion-mnist
   clang-format clang libclang-rt-14-dev iproute2 iperf3 procps python3
+  libgloo-dev python3-yaml python3-matplotlib
 )
 
 missing=()

@@ -39,11 +39,14 @@ done
 
 # Read the resolved settings through the daemons' own strict loader (bad configs fail here).
 if ! resolved="$("$worker_bin" --config "$config" "${sets[@]}" \
-      --get cluster.num_servers --get cluster.num_workers --get run.name 2>&1)"; then
+      --get cluster.num_servers --get cluster.num_workers --get run.name \
+      --get aggregation 2>&1)"; then
   echo "$resolved" >&2
   exit 2
 fi
-{ read -r num_servers; read -r num_workers; read -r job_name; } <<<"$resolved"
+{ read -r num_servers; read -r num_workers; read -r job_name; read -r aggregation; } <<<"$resolved"
+# With allreduce the workers aggregate among themselves: no servers.
+[[ "$aggregation" == "allreduce" ]] && num_servers=0
 
 if [[ -z "$run_dir" ]]; then
   run_dir="$here/runs/${job_name}-$(date +%Y%m%d-%H%M%S)-$$"

@@ -24,7 +24,9 @@ std::string FormatSeconds(double s) {
 Scheduler::Scheduler(const proto::JobConfig& config, Clock::time_point start)
     : config_(config),
       start_(start),
-      expected_servers_(config.cluster().num_servers()),
+      // With allreduce the workers aggregate among themselves: no servers join.
+      expected_servers_(config.aggregation() == proto::ALLREDUCE ? 0
+                                                                 : config.cluster().num_servers()),
       expected_workers_(config.cluster().num_workers()),
       worker_stats_(config.cluster().num_workers()) {}
 

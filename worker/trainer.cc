@@ -9,6 +9,7 @@
 #include "common/daemon.h"
 #include "common/metrics.h"
 #include "kernels/error_feedback.h"
+#include "worker/collectives/collective.h"
 #include "worker/compressor.h"
 #include "worker/idx_reader.h"
 #include "worker/mlp.h"
@@ -67,10 +68,20 @@ Status RunWorker(const proto::JobConfig& config) {
 
   zmq::context_t context(1);
   ControlClient control(context, config, proto::WORKER);
+  // Allreduce mode: the workers' own data port, bound before registering so the scheduler can
+  // hand it to the peers.
+  const bool allreduce = config.aggregation() == proto::ALLREDUCE;
+  std::unique_ptr<PeerGroup> group;
+  if (allreduce) {
+    auto bound = PeerGroup::Bind(context, config.node().host(), config.collective().port(),
+                                 config.cluster().request_timeout_s());
+    if (!bound.ok()) return bound.status();
+    group = std::move(*bound);
+  }
   // Everything after registration reports its failure to the scheduler, which ends the job at
   // once naming this worker and the cause.
   Status result = [&]() -> Status {
-    SPARSEPS_RETURN_IF_ERROR(control.Register(config.node().host(), 0, n));
+    SPARSEPS_RETURN_IF_ERROR(control.Register(config.node().host(), group ? group->port() : 0, n));
     SPARSEPS_RETURN_IF_ERROR(control.WaitForMembership());
     const int rank = control.rank();
     SetLogName("worker-" + std::to_string(rank));
@@ -78,14 +89,47 @@ Status RunWorker(const proto::JobConfig& config) {
 
     PsClient ps(context, control.membership(), rank, &control,
                 config.cluster().request_timeout_s());
+    std::unique_ptr<Collective> collective;
     std::vector<float> params(n, 0.0f);
     const auto init_start = Clock::now();
-    if (rank == 0) {
+    if (allreduce) {
+      // Every worker starts from the same seeded weights; the collective keeps them equal.
+      std::vector<PeerGroup::PeerAddress> peers(static_cast<size_t>(num_workers));
+      for (const auto& node : control.membership().nodes()) {
+        if (node.role() == proto::WORKER && node.rank() >= 0 && node.rank() < num_workers) {
+          peers[static_cast<size_t>(node.rank())] = {node.host(), node.port()};
+        }
+      }
+      group->Connect(rank, peers);
+      group->SetPollHook([&] { return control.Poll(); }, &control.socket());
+      auto made = MakeCollective(config, group.get(), n);
+      if (!made.ok()) return made.status();
+      collective = std::move(*made);
       model.InitParams(tc.seed(), params.data());
-      SPARSEPS_RETURN_IF_ERROR(ps.Init(params.data()));
+      SPARSEPS_RETURN_IF_ERROR(control.Barrier("init", proto::WORKER));
+    } else {
+      if (rank == 0) {
+        model.InitParams(tc.seed(), params.data());
+        SPARSEPS_RETURN_IF_ERROR(ps.Init(params.data()));
+      }
+      SPARSEPS_RETURN_IF_ERROR(control.Barrier("init", proto::WORKER));
+      SPARSEPS_RETURN_IF_ERROR(ps.PullInitial(params.data()));
     }
-    SPARSEPS_RETURN_IF_ERROR(control.Barrier("init", proto::WORKER));
-    SPARSEPS_RETURN_IF_ERROR(ps.PullInitial(params.data()));
+    auto bytes_sent = [&] { return collective ? collective->bytes_sent() : ps.bytes_sent(); };
+    auto bytes_received = [&] {
+      return collective ? collective->bytes_received() : ps.bytes_received();
+    };
+    // Allreduce mode: DGC momentum correction on the worker (u = m u + g; acc += u); the
+    // collective takes acc and leaves the residual in it; params -= lr / W * update; u is zeroed
+    // where the update applied (momentum factor masking) by the sparse collectives.
+    std::vector<float> velocity, acc;
+    CollectiveUpdate update;
+    if (allreduce) {
+      velocity.assign(n, 0.0f);
+      acc.assign(n, 0.0f);
+    }
+    const float momentum = static_cast<float>(tc.momentum());
+    const float step_scale = static_cast<float>(tc.lr()) / static_cast<float>(num_workers);
     spdlog::info(
         "model: MLP {} parameters; {} training samples on this worker, {} steps per epoch; "
         "initialised in {:.2f} s",
@@ -96,7 +140,7 @@ Status RunWorker(const proto::JobConfig& config) {
     SPARSEPS_RETURN_IF_ERROR(
         metrics.Open(dir.empty() ? "" : dir + "/metrics-worker-" + std::to_string(rank) + ".csv",
                      {"step", "epoch", "loss", "bytes_sent", "bytes_received", "selected",
-                      "compute_ms", "encode_ms", "comm_ms", "wall_s"}));
+                      "compute_ms", "encode_ms", "comm_ms", "wall_s", "applied"}));
     if (rank == 0) {
       SPARSEPS_RETURN_IF_ERROR(
           evals.Open(dir.empty() ? "" : dir + "/eval-worker-0.csv",
@@ -149,6 +193,10 @@ Status RunWorker(const proto::JobConfig& config) {
       Shuffle(&shard,
               tc.seed() ^ (0x9e3779b97f4a7c15ULL * (epoch + 1)) ^ static_cast<uint64_t>(rank));
       compressor->SetEpoch(epoch);
+      if (collective) {
+        collective->set_k(WarmupK(config.compression().density(),
+                                  config.compression().warmup_epochs(), epoch, n));
+      }
       epoch_loss = 0.0;
       uint64_t epoch_steps = 0;
       for (uint64_t s = 0; s < steps_per_epoch && step < total_steps; ++s, ++step) {
@@ -168,9 +216,25 @@ Status RunWorker(const proto::JobConfig& config) {
         }
         if (wd > 0) kernels::Axpy(wd, model_params, grad.data(), n);
         const auto t1 = Clock::now();
-        const uint64_t sent0 = ps.bytes_sent(), recv0 = ps.bytes_received();
+        const uint64_t sent0 = bytes_sent(), recv0 = bytes_received();
         auto t2 = t1;
-        if (compressor->LocalStep(grad.data(), model_params)) {
+        if (collective) {
+          if (!kernels::AllFinite(grad.data(), n)) {
+            return Status::FailedPrecondition("the gradient holds NaN or Inf at step " +
+                                              std::to_string(step) + " (try a smaller train.lr)");
+          }
+          kernels::MomentumCorrection(velocity.data(), acc.data(), grad.data(), momentum, n);
+          t2 = Clock::now();
+          SPARSEPS_RETURN_IF_ERROR(collective->Allreduce(&acc, &update));
+          if (update.dense) {
+            kernels::Axpy(-step_scale, update.sum.data(), params.data(), n);
+          } else {
+            for (size_t e = 0; e < update.indices.size(); ++e) {
+              params[update.indices[e]] -= step_scale * update.values[e];
+              velocity[update.indices[e]] = 0.0f;
+            }
+          }
+        } else if (compressor->LocalStep(grad.data(), model_params)) {
           pushes.clear();
           if (Status c = compressor->Compress(grad.data(), ps.ranges(), &pushes); !c.ok()) {
             return Status::FailedPrecondition(c.message() + " at step " + std::to_string(step) +
@@ -190,11 +254,16 @@ Status RunWorker(const proto::JobConfig& config) {
           if (local_copy) std::copy(params.begin(), params.end(), local.begin());
         }
         const auto t3 = Clock::now();
-        metrics.Row({static_cast<double>(step), static_cast<double>(epoch), loss,
-                     static_cast<double>(ps.bytes_sent() - sent0),
-                     static_cast<double>(ps.bytes_received() - recv0),
-                     static_cast<double>(compressor->last_selected()), Ms(t0, t1), Ms(t1, t2),
-                     Ms(t2, t3), SecondsSince(train_start)});
+        metrics.Row(
+            {static_cast<double>(step), static_cast<double>(epoch), loss,
+             static_cast<double>(bytes_sent() - sent0),
+             static_cast<double>(bytes_received() - recv0),
+             static_cast<double>(collective ? collective->last_selected()
+                                            : compressor->last_selected()),
+             Ms(t0, t1), Ms(t1, t2), Ms(t2, t3), SecondsSince(train_start),
+             // Entries applied this step (allreduce: the update's size; -1 in PS mode,
+             // where the servers apply).
+             collective ? static_cast<double>(update.dense ? n : update.indices.size()) : -1.0});
         epoch_loss += loss;
         ++epoch_steps;
         progress_loss += loss;
@@ -207,8 +276,8 @@ Status RunWorker(const proto::JobConfig& config) {
               "sent {:.2f} MB recv {:.2f} MB",
               epoch + 1, epochs, step + 1, total_steps, progress_loss / progress_steps,
               test_accuracy < 0 ? std::string("n/a") : fmt::format("{:.2f}%", 100 * test_accuracy),
-              static_cast<double>(progress_steps * batch * num_workers) / since,
-              ps.bytes_sent() / 1e6, ps.bytes_received() / 1e6);
+              static_cast<double>(progress_steps * batch * num_workers) / since, bytes_sent() / 1e6,
+              bytes_received() / 1e6);
           last_progress = t3;
           progress_steps = 0;
           progress_loss = 0.0;
@@ -227,8 +296,8 @@ Status RunWorker(const proto::JobConfig& config) {
     proto::WorkerStats stats;
     stats.set_steps(step);
     stats.set_epochs(epochs_done);
-    stats.set_bytes_sent(ps.bytes_sent());
-    stats.set_bytes_received(ps.bytes_received());
+    stats.set_bytes_sent(bytes_sent());
+    stats.set_bytes_received(bytes_received());
     stats.set_final_test_accuracy(test_accuracy);
     stats.set_final_train_loss(last_loss);
     stats.set_wall_s(train_s);
@@ -238,8 +307,8 @@ Status RunWorker(const proto::JobConfig& config) {
         "training done: {} steps in {:.1f} s, {:.0f} samples/s (cluster), sent {:.0f} B/step, "
         "received {:.0f} B/step{}",
         step, train_s, stats.samples_per_s(),
-        step ? static_cast<double>(ps.bytes_sent()) / static_cast<double>(step) : 0.0,
-        step ? static_cast<double>(ps.bytes_received()) / static_cast<double>(step) : 0.0,
+        step ? static_cast<double>(bytes_sent()) / static_cast<double>(step) : 0.0,
+        step ? static_cast<double>(bytes_received()) / static_cast<double>(step) : 0.0,
         rank == 0 ? fmt::format(", final test accuracy {:.2f}%", 100 * test_accuracy) : "");
     SPARSEPS_RETURN_IF_ERROR(control.SendDone(stats));
     Status s = control.WaitFor([&] { return control.shutdown_requested(); },

@@ -1,0 +1,416 @@
+// The allreduce-mode collectives, run by 2 to 5 worker processes on loopback.
+//
+// Every worker feeds integer-valued gradients (so float sums are exact) and accumulates them into
+// its x as the trainer does; after each call the test checks, across all processes:
+//  - the update is bitwise identical on every worker;
+//  - conservation: sum over workers of x (the residuals) + all updates so far == all gradients
+//    so far, exactly;
+//  - dense collectives: the residual is zero, so the update is the exact sum;
+//  - the budget: gtopk applies at most k entries, spardl at most B k_b, topk_allgather P k,
+//    and ExDyna's global count stays within 20% of k once its threshold has settled.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+
+#include "worker/collectives/collective.h"
+#include "worker/collectives/exdyna.h"
+
+namespace sparseps {
+namespace {
+
+// Gradient of worker w at iteration t: integers in [-100, 100], ten times larger on every 37th
+// key so that the workers' selections overlap.
+float Grad(int w, int t, size_t i) {
+  uint64_t h =
+      (static_cast<uint64_t>(w) * 1000003u + static_cast<uint64_t>(t)) * 0x9e3779b97f4a7c15ULL +
+      i * 0xbf58476d1ce4e5b9ULL;
+  h ^= h >> 31;
+  h *= 0x94d049bb133111ebULL;
+  h ^= h >> 29;
+  const float v = static_cast<float>(static_cast<int>(h % 201) - 100);
+  return i % 37 == 0 ? 10.0f * v : v;
+}
+
+struct RunSetup {
+  proto::CollectiveAlgorithm algorithm = proto::RING;
+  int workers = 2;
+  size_t n = 5003;
+  double density = 0.02;
+  int iterations = 12;
+  uint32_t teams = 1;
+  uint64_t segment_bytes = 1024;  // several segments per chunk even at this size
+};
+
+// One child: runs the collective and writes, per iteration, the update (dense, n floats), the
+// residual (n floats) and the update's entry count to `path`. Exits 0 on success.
+[[noreturn]] void Child(const RunSetup& s, int rank, int up_fd, int down_fd,
+                        const std::string& path) {
+  auto fail = [&](const std::string& why) {
+    std::fprintf(stderr, "worker %d: %s\n", rank, why.c_str());
+    std::fflush(stderr);
+    _exit(1);
+  };
+  {
+    // The ZeroMQ objects must be destroyed before _exit: that flushes the last queued sends.
+    zmq::context_t context(1);
+    auto group = PeerGroup::Bind(context, "127.0.0.1", 0, 30.0);
+    if (!group.ok()) fail(group.status().ToString());
+    const uint32_t msg[2] = {static_cast<uint32_t>(rank), (*group)->port()};
+    if (write(up_fd, msg, sizeof msg) != static_cast<ssize_t>(sizeof msg)) fail("write port");
+    std::vector<uint32_t> ports(static_cast<size_t>(s.workers));
+    size_t got = 0;
+    while (got < ports.size() * 4) {
+      const ssize_t r =
+          read(down_fd, reinterpret_cast<char*>(ports.data()) + got, ports.size() * 4 - got);
+      if (r <= 0) fail("read ports");
+      got += static_cast<size_t>(r);
+    }
+    std::vector<PeerGroup::PeerAddress> peers;
+    for (uint32_t p : ports) peers.push_back({"127.0.0.1", p});
+    (*group)->Connect(rank, peers);
+
+    proto::JobConfig config;
+    config.set_aggregation(proto::ALLREDUCE);
+    config.mutable_node()->set_host("127.0.0.1");
+    config.mutable_compression()->set_density(s.density);
+    config.mutable_collective()->set_algorithm(s.algorithm);
+    config.mutable_collective()->set_teams(s.teams);
+    config.mutable_collective()->set_segment_bytes(s.segment_bytes);
+    auto collective = MakeCollective(config, group->get(), s.n);
+    if (!collective.ok()) fail(collective.status().ToString());
+
+    std::ofstream out(path, std::ios::binary);
+    std::vector<float> x(s.n, 0.0f), dense(s.n);
+    CollectiveUpdate update;
+    for (int t = 0; t < s.iterations; ++t) {
+      for (size_t i = 0; i < s.n; ++i) x[i] += Grad(rank, t, i);
+      Status st = (*collective)->Allreduce(&x, &update);
+      if (!st.ok()) fail("iteration " + std::to_string(t) + ": " + st.ToString());
+      uint64_t count = s.n;
+      if (update.dense) {
+        dense = update.sum;
+      } else {
+        std::fill(dense.begin(), dense.end(), 0.0f);
+        for (size_t e = 0; e < update.indices.size(); ++e) {
+          if (e > 0 && update.indices[e] <= update.indices[e - 1]) fail("keys not increasing");
+          dense[update.indices[e]] = update.values[e];
+        }
+        count = update.indices.size();
+      }
+      out.write(reinterpret_cast<const char*>(dense.data()), static_cast<std::streamsize>(s.n * 4));
+      out.write(reinterpret_cast<const char*>(x.data()), static_cast<std::streamsize>(s.n * 4));
+      out.write(reinterpret_cast<const char*>(&count), sizeof count);
+    }
+    out.close();
+    if (!out) fail("write " + path);
+    collective->reset();
+  }
+  _exit(0);
+}
+
+struct Result {
+  // [worker][iteration]
+  std::vector<std::vector<std::vector<float>>> updates, residuals;
+  std::vector<std::vector<uint64_t>> counts;
+};
+
+// Forks s.workers children, hands them each other's ports, waits (60 s deadline, then kills them
+// by pid) and reads what they wrote. Fails the test when a child fails.
+bool RunWorkers(const RunSetup& s, Result* result) {
+  char dir_template[] = "/tmp/sparseps-collectives-XXXXXX";
+  const char* dir = mkdtemp(dir_template);
+  if (dir == nullptr) {
+    ADD_FAILURE() << "mkdtemp failed";
+    return false;
+  }
+  struct Cleanup {
+    std::string dir;
+    ~Cleanup() { std::filesystem::remove_all(dir); }
+  } cleanup{dir};
+  int up[2];
+  if (pipe(up) != 0) return false;
+  std::vector<std::array<int, 2>> down(static_cast<size_t>(s.workers));
+  std::vector<pid_t> pids;
+  for (int w = 0; w < s.workers; ++w) {
+    if (pipe(down[static_cast<size_t>(w)].data()) != 0) return false;
+  }
+  for (int w = 0; w < s.workers; ++w) {
+    const pid_t pid = fork();
+    if (pid == 0) {
+      close(up[0]);
+      Child(s, w, up[1], down[static_cast<size_t>(w)][0],
+            std::string(dir) + "/w" + std::to_string(w) + ".bin");
+    }
+    pids.push_back(pid);
+  }
+  close(up[1]);
+  struct Killer {
+    std::vector<pid_t>* pids;
+    ~Killer() {
+      for (pid_t p : *pids) {
+        if (p > 0 && kill(p, 0) == 0) {
+          kill(p, SIGKILL);
+          waitpid(p, nullptr, 0);
+        }
+      }
+    }
+  } killer{&pids};
+  std::vector<uint32_t> ports(static_cast<size_t>(s.workers), 0);
+  for (int i = 0; i < s.workers; ++i) {
+    pollfd pfd{up[0], POLLIN, 0};
+    if (poll(&pfd, 1, 20000) <= 0) {
+      ADD_FAILURE() << "a worker did not report its port";
+      return false;
+    }
+    uint32_t msg[2];
+    if (read(up[0], msg, sizeof msg) != static_cast<ssize_t>(sizeof msg) ||
+        msg[0] >= ports.size()) {
+      ADD_FAILURE() << "bad port report";
+      return false;
+    }
+    ports[msg[0]] = msg[1];
+  }
+  close(up[0]);
+  for (auto& d : down) {
+    if (write(d[1], ports.data(), ports.size() * 4) != static_cast<ssize_t>(ports.size() * 4)) {
+      return false;
+    }
+    close(d[0]);
+    close(d[1]);
+  }
+  bool ok = true;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  for (size_t w = 0; w < pids.size(); ++w) {
+    int status = 0;
+    while (waitpid(pids[w], &status, WNOHANG) == 0) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        ADD_FAILURE() << "worker " << w << " did not finish within 60 s";
+        return false;
+      }
+      usleep(10000);
+    }
+    pids[w] = -1;
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+      ADD_FAILURE() << "worker " << w << " failed (status " << status << "); see its stderr";
+      ok = false;
+    }
+  }
+  if (!ok) return false;
+  result->updates.assign(static_cast<size_t>(s.workers), {});
+  result->residuals.assign(static_cast<size_t>(s.workers), {});
+  result->counts.assign(static_cast<size_t>(s.workers), {});
+  for (int w = 0; w < s.workers; ++w) {
+    std::ifstream in(std::string(dir) + "/w" + std::to_string(w) + ".bin", std::ios::binary);
+    for (int t = 0; t < s.iterations; ++t) {
+      std::vector<float> u(s.n), r(s.n);
+      uint64_t count = 0;
+      in.read(reinterpret_cast<char*>(u.data()), static_cast<std::streamsize>(s.n * 4));
+      in.read(reinterpret_cast<char*>(r.data()), static_cast<std::streamsize>(s.n * 4));
+      in.read(reinterpret_cast<char*>(&count), sizeof count);
+      if (!in) {
+        ADD_FAILURE() << "short output of worker " << w;
+        return false;
+      }
+      result->updates[static_cast<size_t>(w)].push_back(std::move(u));
+      result->residuals[static_cast<size_t>(w)].push_back(std::move(r));
+      result->counts[static_cast<size_t>(w)].push_back(count);
+    }
+  }
+  return true;
+}
+
+// Identical updates and exact conservation at every iteration; returns false at the first breach.
+void CheckInvariants(const RunSetup& s, const Result& r) {
+  std::vector<double> pushed(s.n, 0.0), applied(s.n, 0.0);
+  for (int t = 0; t < s.iterations; ++t) {
+    const auto& u0 = r.updates[0][static_cast<size_t>(t)];
+    for (int w = 1; w < s.workers; ++w) {
+      ASSERT_EQ(
+          0, std::memcmp(u0.data(),
+                         r.updates[static_cast<size_t>(w)][static_cast<size_t>(t)].data(), s.n * 4))
+          << "worker " << w << " applied a different update at iteration " << t;
+    }
+    for (size_t i = 0; i < s.n; ++i) {
+      for (int w = 0; w < s.workers; ++w) pushed[i] += Grad(w, t, i);
+      applied[i] += u0[i];
+      double held = 0.0;
+      for (int w = 0; w < s.workers; ++w) {
+        held += r.residuals[static_cast<size_t>(w)][static_cast<size_t>(t)][i];
+      }
+      ASSERT_EQ(applied[i] + held, pushed[i])
+          << "conservation broken at iteration " << t << ", key " << i << ": applied " << applied[i]
+          << " + residuals " << held << " != pushed " << pushed[i];
+    }
+  }
+}
+
+class CollectiveTest
+    : public ::testing::TestWithParam<std::tuple<proto::CollectiveAlgorithm, int>> {};
+
+TEST_P(CollectiveTest, UpdatesAreIdenticalAndNothingIsLost) {
+  RunSetup s;
+  s.algorithm = std::get<0>(GetParam());
+  s.workers = std::get<1>(GetParam());
+  Result r;
+  ASSERT_TRUE(RunWorkers(s, &r));
+  CheckInvariants(s, r);
+  const size_t k = static_cast<size_t>(std::llround(s.density * static_cast<double>(s.n)));
+  for (int t = 0; t < s.iterations; ++t) {
+    const uint64_t count = r.counts[0][static_cast<size_t>(t)];
+    switch (s.algorithm) {
+      case proto::RING:
+      case proto::GLOO:
+        for (int w = 0; w < s.workers; ++w) {
+          for (float v : r.residuals[static_cast<size_t>(w)][static_cast<size_t>(t)]) {
+            ASSERT_EQ(v, 0.0f);
+          }
+        }
+        break;
+      case proto::GTOPK:
+        EXPECT_LE(count, k);
+        EXPECT_GT(count, 0u);
+        break;
+      case proto::SPARDL: {
+        const size_t kb = (k + static_cast<size_t>(s.workers) - 1) / static_cast<size_t>(s.workers);
+        EXPECT_LE(count, kb * static_cast<size_t>(s.workers));
+        EXPECT_GT(count, 0u);
+        break;
+      }
+      case proto::TOPK_ALLGATHER:
+        EXPECT_LE(count, k * static_cast<size_t>(s.workers));
+        EXPECT_GE(count, k);
+        break;
+      default:
+        break;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(ProcessesOnLoopback, CollectiveTest,
+                         ::testing::Combine(::testing::Values(proto::RING, proto::GLOO,
+                                                              proto::TOPK_ALLGATHER, proto::GTOPK,
+                                                              proto::SPARDL, proto::EXDYNA),
+                                            ::testing::Values(2, 3, 4, 5)),
+                         [](const auto& info) {
+                           std::string name =
+                               proto::CollectiveAlgorithm_Name(std::get<0>(info.param));
+                           return name + "_" + std::to_string(std::get<1>(info.param)) + "workers";
+                         });
+
+TEST(SparDLTeams, TwoTeamsOfTwoAndThreeTeamsOfTwoConserveExactly) {
+  for (auto [workers, teams] : {std::pair{4, 2u}, std::pair{6, 3u}, std::pair{3, 3u}}) {
+    SCOPED_TRACE(std::to_string(workers) + " workers, " + std::to_string(teams) + " teams");
+    RunSetup s;
+    s.algorithm = proto::SPARDL;
+    s.workers = workers;
+    s.teams = teams;
+    Result r;
+    ASSERT_TRUE(RunWorkers(s, &r));
+    CheckInvariants(s, r);
+  }
+}
+
+TEST(ExDynaDensity, GlobalCountStaysWithinTwentyPercentOfTheTarget) {
+  for (int workers : {2, 3, 4, 5}) {
+    SCOPED_TRACE(std::to_string(workers) + " workers");
+    RunSetup s;
+    s.algorithm = proto::EXDYNA;
+    s.workers = workers;
+    s.n = 8192;
+    s.density = 0.05;
+    s.iterations = 160;
+    Result r;
+    ASSERT_TRUE(RunWorkers(s, &r));
+    CheckInvariants(s, r);
+    const double k = s.density * static_cast<double>(s.n);
+    double sum = 0;
+    for (int t = s.iterations / 2; t < s.iterations; ++t) {
+      sum += static_cast<double>(r.counts[0][static_cast<size_t>(t)]);
+    }
+    const double mean = sum / (s.iterations - s.iterations / 2);
+    EXPECT_NEAR(mean / k, 1.0, 0.2) << "mean global count " << mean << " for k = " << k;
+  }
+}
+
+// In-process checks of the transport: a silent peer ends a wait with its name, a malformed
+// message is rejected and counted, never a crash.
+TEST(PeerGroup, DeadlineNamesTheSilentPeer) {
+  zmq::context_t context(1);
+  auto a = PeerGroup::Bind(context, "127.0.0.1", 0, 0.3);
+  auto b = PeerGroup::Bind(context, "127.0.0.1", 0, 0.3);
+  ASSERT_TRUE(a.ok() && b.ok());
+  std::vector<PeerGroup::PeerAddress> peers{{"127.0.0.1", (*a)->port()},
+                                            {"127.0.0.1", (*b)->port()}};
+  (*a)->Connect(0, peers);
+  (*b)->Connect(1, peers);
+  auto m = (*a)->Recv(1, 7);
+  ASSERT_FALSE(m.ok());
+  EXPECT_EQ(m.status().code(), StatusCode::kDeadlineExceeded);
+  EXPECT_NE(m.status().message().find("worker 1 at 127.0.0.1:" + std::to_string((*b)->port())),
+            std::string::npos)
+      << m.status().message();
+  // A message sent early waits in the queue for its tag.
+  Message early;
+  AddFrameCopy(&early, proto::F32, std::vector<float>{1.0f, 2.0f}.data(), 2);
+  ASSERT_TRUE((*b)->Send(0, 9, early).ok());
+  Message first;
+  AddFrameCopy(&first, proto::F32, std::vector<float>{3.0f}.data(), 1);
+  ASSERT_TRUE((*b)->Send(0, 8, first).ok());
+  auto got8 = (*a)->Recv(1, 8);
+  ASSERT_TRUE(got8.ok()) << got8.status().ToString();
+  EXPECT_EQ((*got8->FrameAs<float>(0, proto::F32))[0], 3.0f);
+  auto got9 = (*a)->Recv(1, 9);
+  ASSERT_TRUE(got9.ok());
+  EXPECT_EQ(got9->FrameAs<float>(0, proto::F32)->size(), 2u);
+}
+
+TEST(PeerGroup, MalformedMessagesAreRejectedAndCounted) {
+  zmq::context_t context(1);
+  auto a = PeerGroup::Bind(context, "127.0.0.1", 0, 2.0);
+  ASSERT_TRUE(a.ok());
+  (*a)->Connect(0, {{"127.0.0.1", (*a)->port()}, {"127.0.0.1", 1}});
+  // A stranger with an unknown routing id, then garbage from a known id.
+  auto stranger = ConnectDealer(context, "127.0.0.1", (*a)->port(), "intruder");
+  zmq::message_t junk("not a header", 12);
+  stranger.send(junk, zmq::send_flags::none);
+  auto m = (*a)->Recv(1, 1);
+  ASSERT_FALSE(m.ok());
+  EXPECT_EQ(m.status().code(), StatusCode::kProtocolError) << m.status().ToString();
+  EXPECT_EQ((*a)->rejected(), 1u);
+  auto liar = ConnectDealer(context, "127.0.0.1", (*a)->port(), "w1");
+  Message bad;
+  bad.header.set_command(proto::COLLECTIVE);
+  bad.header.set_sender_rank(1);
+  bad.header.set_request_id(1);
+  auto* f = bad.header.add_frames();
+  f->set_type(proto::F32);
+  f->set_bytes(400);  // declares more than it sends
+  bad.frames.emplace_back(8);
+  ASSERT_TRUE(SendMessage(liar, bad).ok());
+  m = (*a)->Recv(1, 1);
+  ASSERT_FALSE(m.ok());
+  EXPECT_EQ(m.status().code(), StatusCode::kProtocolError);
+  EXPECT_EQ((*a)->rejected(), 2u);
+  // And a well-formed sparse message whose keys leave the block is refused by the parser.
+  Message out;
+  SparseVector v;
+  v.indices = {5, 3};
+  v.values = {1.0f, 2.0f};
+  AddSparseBlocks(&out, std::span<const SparseVector>(&v, 1));
+  std::vector<SparseVector> parsed;
+  const std::pair<uint64_t, uint64_t> bounds{0, 10};
+  Status s = ParseSparseBlocks(out, std::span(&bounds, 1), "test", &parsed);
+  EXPECT_EQ(s.code(), StatusCode::kProtocolError);
+}
+
+}  // namespace
+}  // namespace sparseps

@@ -1,0 +1,162 @@
+#include "worker/collectives/collective.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "kernels/topk.h"
+#include "worker/collectives/exdyna.h"
+#include "worker/collectives/gloo.h"
+#include "worker/collectives/gtopk.h"
+#include "worker/collectives/ring.h"
+#include "worker/collectives/spardl.h"
+#include "worker/collectives/topk_allgather.h"
+
+namespace sparseps {
+
+void TopKOfRange(const float* x, size_t begin, size_t end, size_t k, SparseVector* out) {
+  out->indices.clear();
+  out->values.clear();
+  const size_t n = end - begin;
+  if (n == 0 || k == 0) return;
+  std::vector<uint32_t> pos(std::min(k, n));
+  pos.resize(kernels::TopKAbs(x + begin, n, k, pos.data()));
+  out->indices.reserve(pos.size());
+  out->values.reserve(pos.size());
+  for (uint32_t p : pos) {
+    const float v = x[begin + p];
+    if (v == 0.0f) continue;
+    out->indices.push_back(static_cast<uint32_t>(begin + p));
+    out->values.push_back(v);
+  }
+}
+
+void AddSparseBlocks(Message* msg, std::span<const SparseVector> blocks, bool keys_only) {
+  std::vector<uint32_t> counts, keys;
+  std::vector<float> values;
+  size_t total = 0;
+  for (const auto& b : blocks) total += b.size();
+  counts.reserve(blocks.size());
+  keys.reserve(total);
+  values.reserve(total);
+  for (const auto& b : blocks) {
+    counts.push_back(static_cast<uint32_t>(b.size()));
+    keys.insert(keys.end(), b.indices.begin(), b.indices.end());
+    if (!keys_only) values.insert(values.end(), b.values.begin(), b.values.end());
+  }
+  AddFrame(msg, proto::U32, std::move(counts));
+  AddFrame(msg, proto::U32, std::move(keys));
+  AddFrame(msg, proto::F32, std::move(values));
+}
+
+Status ParseSparseBlocks(const Message& msg, std::span<const std::pair<uint64_t, uint64_t>> bounds,
+                         const std::string& from, std::vector<SparseVector>* out, bool keys_only) {
+  auto counts = msg.FrameAs<uint32_t>(0, proto::U32);
+  auto keys = msg.FrameAs<uint32_t>(1, proto::U32);
+  auto values = msg.FrameAs<float>(2, proto::F32);
+  auto bad = [&](const std::string& why) {
+    return Status::ProtocolError("malformed sparse blocks from " + from + ": " + why);
+  };
+  if (!counts.ok()) return bad(counts.status().message());
+  if (!keys.ok()) return bad(keys.status().message());
+  if (!values.ok()) return bad(values.status().message());
+  if (counts->size() != bounds.size()) {
+    return bad(std::to_string(counts->size()) + " blocks, expected " +
+               std::to_string(bounds.size()));
+  }
+  if (keys->size() != values->size() && !(keys_only && values->empty())) {
+    return bad(std::to_string(keys->size()) + " keys but " + std::to_string(values->size()) +
+               " values");
+  }
+  uint64_t total = 0;
+  for (uint32_t c : *counts) total += c;
+  if (total != keys->size()) {
+    return bad("block sizes add up to " + std::to_string(total) + ", the message has " +
+               std::to_string(keys->size()) + " keys");
+  }
+  out->assign(bounds.size(), {});
+  size_t at = 0;
+  for (size_t j = 0; j < bounds.size(); ++j) {
+    auto& b = (*out)[j];
+    const size_t c = (*counts)[j];
+    if (c > bounds[j].second - bounds[j].first)
+      return bad("block " + std::to_string(j) + " too big");
+    b.indices.assign(keys->begin() + at, keys->begin() + at + c);
+    if (!keys_only) b.values.assign(values->begin() + at, values->begin() + at + c);
+    for (size_t i = 0; i < c; ++i) {
+      const uint32_t key = b.indices[i];
+      if (key < bounds[j].first || key >= bounds[j].second || (i > 0 && key <= b.indices[i - 1])) {
+        return bad("block " + std::to_string(j) + " key " + std::to_string(key) +
+                   " out of order or outside [" + std::to_string(bounds[j].first) + ", " +
+                   std::to_string(bounds[j].second) + ")");
+      }
+      if (!keys_only && !std::isfinite(b.values[i])) return bad("value NaN or Inf");
+    }
+    at += c;
+  }
+  return Status::OK();
+}
+
+Status AllGatherSparse(PeerGroup* group, uint64_t tag, std::span<const int> members, size_t me,
+                       std::span<const std::pair<uint64_t, uint64_t>> bounds, SparseVector mine,
+                       std::vector<SparseVector>* all, bool keys_only) {
+  const size_t g = members.size();
+  // held[j] is the block of member (me + j) mod g.
+  std::vector<SparseVector> held;
+  held.reserve(g);
+  held.push_back(std::move(mine));
+  for (size_t dist = 1, round = 0; dist < g; dist *= 2, ++round) {
+    const size_t count = std::min(dist, g - dist);
+    Message out;
+    AddSparseBlocks(&out, std::span<const SparseVector>(held.data(), count), keys_only);
+    const int to = members[(me + g - dist) % g];
+    const int from = members[(me + dist) % g];
+    SPARSEPS_RETURN_IF_ERROR(group->Send(to, tag + round, out));
+    auto in = group->Recv(from, tag + round);
+    if (!in.ok()) return in.status();
+    std::vector<std::pair<uint64_t, uint64_t>> b(count);
+    for (size_t j = 0; j < count; ++j) b[j] = bounds[(me + dist + j) % g];
+    std::vector<SparseVector> got;
+    SPARSEPS_RETURN_IF_ERROR(ParseSparseBlocks(*in, b, group->PeerName(from), &got, keys_only));
+    for (auto& v : got) held.push_back(std::move(v));
+  }
+  all->assign(g, {});
+  for (size_t j = 0; j < g; ++j) (*all)[(me + j) % g] = std::move(held[j]);
+  return Status::OK();
+}
+
+Result<std::unique_ptr<Collective>> MakeCollective(const proto::JobConfig& config, PeerGroup* group,
+                                                   size_t num_params) {
+  const auto& c = config.compression();
+  const size_t k = std::clamp<size_t>(
+      static_cast<size_t>(std::llround(c.density() * static_cast<double>(num_params))), 1,
+      num_params);
+  const auto& col = config.collective();
+  switch (col.algorithm()) {
+    case proto::RING:
+      return std::unique_ptr<Collective>(
+          new RingCollective(group, num_params, col.segment_bytes()));
+    case proto::GLOO:
+      return MakeGlooCollective(group, num_params, config.node().host());
+    case proto::TOPK_ALLGATHER:
+      return std::unique_ptr<Collective>(
+          new TopKAllGather(group, num_params, k, c.selection(), c.sample_ratio()));
+    case proto::GTOPK:
+      return std::unique_ptr<Collective>(
+          new GTopK(group, num_params, k, c.selection(), c.sample_ratio()));
+    case proto::SPARDL:
+      if (group->size() % static_cast<int>(col.teams()) != 0) {
+        return Status::InvalidArgument("collective.teams (" + std::to_string(col.teams()) +
+                                       ") must divide the number of workers (" +
+                                       std::to_string(group->size()) + ")");
+      }
+      return std::unique_ptr<Collective>(
+          new SparDL(group, num_params, k, static_cast<int>(col.teams())));
+    case proto::EXDYNA:
+      return std::unique_ptr<Collective>(new ExDyna(group, num_params, k, col.segment_bytes()));
+    default:
+      return Status::InvalidArgument("unknown collective.algorithm " +
+                                     std::to_string(static_cast<int>(col.algorithm())));
+  }
+}
+
+}  // namespace sparseps

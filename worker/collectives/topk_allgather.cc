@@ -1,0 +1,65 @@
+#include "worker/collectives/topk_allgather.h"
+
+#include <algorithm>
+
+namespace sparseps {
+
+void SumSparse(std::span<const SparseVector> blocks, std::vector<float>* scratch,
+               std::vector<uint8_t>* touched, SparseVector* out) {
+  out->indices.clear();
+  out->values.clear();
+  for (const auto& b : blocks) {
+    for (size_t i = 0; i < b.size(); ++i) {
+      const uint32_t key = b.indices[i];
+      if (!(*touched)[key]) {
+        (*touched)[key] = 1;
+        out->indices.push_back(key);
+      }
+      (*scratch)[key] += b.values[i];
+    }
+  }
+  std::sort(out->indices.begin(), out->indices.end());
+  out->values.resize(out->indices.size());
+  for (size_t i = 0; i < out->indices.size(); ++i) {
+    const uint32_t key = out->indices[i];
+    out->values[i] = (*scratch)[key];
+    (*scratch)[key] = 0.0f;
+    (*touched)[key] = 0;
+  }
+}
+
+TopKAllGather::TopKAllGather(PeerGroup* group, size_t num_params, size_t k,
+                             proto::Selection selection, double sample_ratio)
+    : Collective(group, num_params, k),
+      selector_(selection, sample_ratio, k),
+      scratch_(num_params, 0.0f),
+      touched_(num_params, 0) {}
+
+Status TopKAllGather::Allreduce(std::vector<float>* x, CollectiveUpdate* update) {
+  const uint64_t tag = NextCall();
+  selector_.Select(x->data(), n_, k_, &selected_);
+  SparseVector mine;
+  mine.indices.reserve(selected_.size());
+  mine.values.reserve(selected_.size());
+  for (uint32_t i : selected_) {
+    mine.indices.push_back(i);
+    mine.values.push_back((*x)[i]);
+    (*x)[i] = 0.0f;
+  }
+  last_selected_ = mine.size();
+  const int p = group_->size();
+  std::vector<int> members(static_cast<size_t>(p));
+  for (int i = 0; i < p; ++i) members[static_cast<size_t>(i)] = i;
+  std::vector<std::pair<uint64_t, uint64_t>> bounds(static_cast<size_t>(p), {0, n_});
+  std::vector<SparseVector> all;
+  SPARSEPS_RETURN_IF_ERROR(AllGatherSparse(
+      group_, tag, members, static_cast<size_t>(group_->rank()), bounds, std::move(mine), &all));
+  SparseVector sum;
+  SumSparse(all, &scratch_, &touched_, &sum);
+  update->dense = false;
+  update->indices = std::move(sum.indices);
+  update->values = std::move(sum.values);
+  return Status::OK();
+}
+
+}  // namespace sparseps

@@ -1,0 +1,32 @@
+// `topk_allgather` (TopK-AllGather, the transport of DGC's reference code; ALGORITHMS.md section
+// 6): each worker selects about k entries of its contribution (exact top-k, DGC's sampled
+// threshold or ExDyna's scaled threshold), keeps the rest as its residual, and all-gathers its
+// (index, value) pairs (Bruck, ceil(log2 P) rounds); every worker adds the P sets up in rank order.
+// Sends about 8k (P-1) bytes per worker; the update holds up to P k entries (gradient build-up).
+#pragma once
+
+#include "worker/collectives/collective.h"
+#include "worker/compressor.h"
+
+namespace sparseps {
+
+class TopKAllGather final : public Collective {
+ public:
+  TopKAllGather(PeerGroup* group, size_t num_params, size_t k, proto::Selection selection,
+                double sample_ratio);
+  Status Allreduce(std::vector<float>* x, CollectiveUpdate* update) override;
+
+ private:
+  Selector selector_;
+  std::vector<uint32_t> selected_;
+  std::vector<float> scratch_;
+  std::vector<uint8_t> touched_;
+};
+
+// Adds `blocks` (in order) into a sparse sum: keys in increasing order, values added in block
+// order, so every worker that adds the same blocks gets the same bits. scratch (n zeros) and
+// touched (n zeros) are work space, left zeroed.
+void SumSparse(std::span<const SparseVector> blocks, std::vector<float>* scratch,
+               std::vector<uint8_t>* touched, SparseVector* out);
+
+}  // namespace sparseps
