@@ -5,6 +5,11 @@
 # failing process's log) if one dies, and prints the run directory at the end.
 #
 #   deploy/launch.sh [--config F] [--set key=value ...] [--run-dir D] [--build-dir B] [--quiet]
+#                    [--netns PREFIX]
+#
+# --netns PREFIX places each process on an emulated host made by `deploy/netns.sh up --prefix
+# PREFIX` (needs S + W hosts): server s on host 1+s, worker w on host S+1+w, the scheduler on
+# host 1; every process binds and advertises its host's address.
 #
 # Exit code: 0 when the job finished, 2 for a bad config, 1 when a process failed.
 set -uo pipefail
@@ -14,6 +19,7 @@ config="$here/configs/quickstart.yaml"
 build_dir="${SPARSEPS_BUILD_DIR:-$here/build}"
 run_dir=""
 quiet=0
+netns=""
 sets=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -24,7 +30,8 @@ while [[ $# -gt 0 ]]; do
     --run-dir) run_dir="$2"; shift 2 ;;
     --build-dir) build_dir="$2"; shift 2 ;;
     --quiet) quiet=1; shift ;;
-    -h|--help) sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --netns) netns="$2"; shift 2 ;;
+    -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "launch.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -88,6 +95,22 @@ on_signal() {
 trap on_signal INT TERM
 trap cleanup EXIT
 
+# Host placement: on_host N prints the command prefix that runs on emulated host N ('' without
+# --netns); host_addr N its address.
+netns_sh="$here/deploy/netns.sh"
+on_host() { [[ -z "$netns" ]] || echo "ip netns exec ${netns}-h$1"; }
+# host_set N KEY: "--set KEY=<host N's address>" with --netns, nothing without (the config's).
+host_set() { [[ -z "$netns" ]] || echo "--set $2=$("$netns_sh" addr --prefix "$netns" "$1")"; }
+if [[ -n "$netns" ]]; then
+  need=$((num_servers + num_workers))
+  for ((h = 1; h <= need; h++)); do
+    ip netns list | grep -q "^${netns}-h$h\b" || {
+      echo "launch.sh: --netns $netns needs $need hosts; ${netns}-h$h is missing (deploy/netns.sh up --prefix $netns --hosts $need)" >&2
+      exit 2
+    }
+  done
+fi
+
 start() {  # start NAME COMMAND...
   local name="$1"; shift
   "$@" >"$run_dir/$name.log" 2>&1 &
@@ -95,8 +118,11 @@ start() {  # start NAME COMMAND...
   names+=("$name")
 }
 
-common=(--config "$config" --set "run.dir=$run_dir" --set cluster.scheduler_port=0 "${sets[@]}")
-start scheduler "$scheduler_bin" "${common[@]}"
+# shellcheck disable=SC2046
+common=(--config "$config" --set "run.dir=$run_dir" --set cluster.scheduler_port=0
+  $(host_set 1 cluster.scheduler_host) "${sets[@]}")
+# shellcheck disable=SC2046
+start scheduler $(on_host 1) "$scheduler_bin" "${common[@]}" $(host_set 1 node.host)
 # The scheduler binds a free port and writes it to the run directory.
 for _ in $(seq 300); do
   [[ -s "$run_dir/scheduler.port" ]] && break
@@ -110,12 +136,15 @@ if [[ ! -s "$run_dir/scheduler.port" ]]; then
 fi
 port="$(cat "$run_dir/scheduler.port")"
 for ((s = 0; s < num_servers; s++)); do
-  start "server-$s" "$server_bin" "${common[@]}" --set "cluster.scheduler_port=$port" \
-    --set "node.rank=$s"
+  # shellcheck disable=SC2046
+  start "server-$s" $(on_host $((1 + s))) "$server_bin" "${common[@]}" \
+    --set "cluster.scheduler_port=$port" --set "node.rank=$s" $(host_set $((1 + s)) node.host)
 done
 for ((w = 0; w < num_workers; w++)); do
-  start "worker-$w" "$worker_bin" "${common[@]}" --set "cluster.scheduler_port=$port" \
-    --set "node.rank=$w"
+  h=$((num_servers + 1 + w))
+  # shellcheck disable=SC2046
+  start "worker-$w" $(on_host $h) "$worker_bin" "${common[@]}" \
+    --set "cluster.scheduler_port=$port" --set "node.rank=$w" $(host_set $h node.host)
 done
 echo "sparseps: ${job_name}: 1 scheduler (port $port), $num_servers servers, $num_workers workers; logs in $run_dir"
 

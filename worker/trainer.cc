@@ -144,7 +144,7 @@ Status RunWorker(const proto::JobConfig& config) {
     if (rank == 0) {
       SPARSEPS_RETURN_IF_ERROR(
           evals.Open(dir.empty() ? "" : dir + "/eval-worker-0.csv",
-                     {"epoch", "step", "wall_s", "test_loss", "test_accuracy"}));
+                     {"epoch", "step", "wall_s", "test_loss", "test_accuracy", "train_s"}));
     }
 
     std::vector<uint32_t> shard = ShardIndices(train->num_samples, tc.seed(), rank, num_workers);
@@ -180,11 +180,15 @@ Status RunWorker(const proto::JobConfig& config) {
     double test_accuracy = -1.0;
     uint64_t step = 0;
     uint32_t epochs_done = 0;
+    double eval_s = 0.0;  // time spent evaluating, left out of train_s
     auto evaluate = [&](uint32_t epoch) {
+      const auto e0 = Clock::now();
       auto [loss, acc] = model.Evaluate(params.data(), *test);
       test_accuracy = acc;
-      evals.Row({static_cast<double>(epoch), static_cast<double>(step), SecondsSince(train_start),
-                 loss, acc});
+      const double wall = SecondsSince(train_start);
+      evals.Row({static_cast<double>(epoch), static_cast<double>(step), wall, loss, acc,
+                 wall - eval_s - SecondsSince(e0)});
+      eval_s += SecondsSince(e0);
       spdlog::info("eval epoch {} step {}: test loss {:.4f}, test accuracy {:.2f}%", epoch, step,
                    loss, 100.0 * acc);
     };
@@ -266,6 +270,12 @@ Status RunWorker(const proto::JobConfig& config) {
              collective ? static_cast<double>(update.dense ? n : update.indices.size()) : -1.0});
         epoch_loss += loss;
         ++epoch_steps;
+        if (rank == 0 && tc.eval_every_steps() > 0 && (step + 1) % tc.eval_every_steps() == 0 &&
+            step + 1 < total_steps) {
+          ++step;  // the row names the number of steps done
+          evaluate(epoch);
+          --step;
+        }
         progress_loss += loss;
         ++progress_steps;
         last_loss = loss;
