@@ -376,10 +376,10 @@ Status ValidateConfig(const proto::JobConfig& config, const ConfigSources& sourc
   if (config.aggregation() == proto::ALLREDUCE) {
     const auto& col = config.collective();
     if (c.num_workers() % col.teams() != 0) {
-      return Status::InvalidArgument(
-          SourceOf(sources, "collective.teams") + ": key 'collective.teams' (" +
-          std::to_string(col.teams()) + ") must divide 'cluster.num_workers' (" +
-          std::to_string(c.num_workers()) + ")");
+      return Status::InvalidArgument(SourceOf(sources, "collective.teams") +
+                                     ": key 'collective.teams' (" + std::to_string(col.teams()) +
+                                     ") must divide 'cluster.num_workers' (" +
+                                     std::to_string(c.num_workers()) + ")");
     }
     const auto enc = config.compression().encoding();
     if (enc == proto::SBC || enc == proto::SKETCH) {

@@ -71,3 +71,59 @@ TEST(Launcher, FailingProcessStopsTheJobAndShowsItsLog) {
 
 }  // namespace
 }  // namespace sparseps
+
+namespace sparseps {
+namespace {
+
+// Allreduce mode end to end through the launcher: no servers start, the workers train.
+TEST(Launcher, AllreduceModeRunsWithoutServers) {
+  if (!std::filesystem::exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")) {
+    GTEST_SKIP() << "Fashion-MNIST not installed";
+  }
+  TempDir dir("launch-allreduce");
+  const std::string run = dir.path() + "/run";
+  ChildProcess p(Launch(run, {"--set", "model.hidden=[32]", "--set", "data.max_train_samples=2048",
+                              "--set", "data.max_test_samples=500", "--set", "train.max_steps=20",
+                              "--set", "cluster.num_workers=3", "--set", "aggregation=allreduce",
+                              "--set", "collective.algorithm=spardl"}),
+                 dir.path() + "/launch.log");
+  ASSERT_EQ(p.Wait(120), 0) << p.Log();
+  EXPECT_THAT(p.Log(), HasSubstr("0 servers, 3 workers"));
+  EXPECT_FALSE(std::filesystem::exists(run + "/server-0.log"));
+  EXPECT_THAT(testing::ReadFile(run + "/summary.json"), HasSubstr("\"status\": \"ok\""));
+}
+
+// The comparison driver on loopback (--no-netns) with two tiny settings: every output is written
+// and the table has a row per setting.
+TEST(Compare, WritesTheTableCsvAndPlots) {
+  if (!std::filesystem::exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")) {
+    GTEST_SKIP() << "Fashion-MNIST not installed";
+  }
+  TempDir dir("compare");
+  const std::string job = dir.path() + "/job.yaml", cfg = dir.path() + "/compare.yaml";
+  std::ofstream(job) << "model: {hidden: [32]}\n"
+                        "data: {max_train_samples: 4096, max_test_samples: 500}\n"
+                        "train: {max_steps: 30, eval_every_steps: 10, lr: 0.05}\n";
+  std::ofstream(cfg)
+      << "name: tiny\njob: job.yaml\nworkers: 2\nservers: 1\n"
+         "target_accuracy: 0.3\nsettings:\n"
+         "  - {name: ps_topk, set: [aggregation=ps]}\n"
+         "  - {name: gloo, set: [aggregation=allreduce, collective.algorithm=gloo]}\n";
+  const std::string out = dir.path() + "/out";
+  ChildProcess p({std::string(SPARSEPS_SOURCE_DIR) + "/bench/sparseps-compare", "--config", cfg,
+                  "--out", out, "--no-netns", "--build-dir", SPARSEPS_BINARY_DIR},
+                 dir.path() + "/compare.log");
+  ASSERT_EQ(p.Wait(180), 0) << p.Log();
+  const std::string md = testing::ReadFile(out + "/results.md");
+  EXPECT_THAT(md, HasSubstr("| ps_topk |"));
+  EXPECT_THAT(md, HasSubstr("| gloo |"));
+  EXPECT_THAT(md, HasSubstr("machine: "));
+  EXPECT_THAT(md, HasSubstr("density 0.01"));
+  EXPECT_THAT(testing::ReadFile(out + "/results.csv"), HasSubstr("step_ms_median"));
+  for (const char* f : {"step_time.png", "bytes.png", "accuracy.png"}) {
+    EXPECT_GT(std::filesystem::file_size(out + "/" + f), 1000u) << f;
+  }
+}
+
+}  // namespace
+}  // namespace sparseps
