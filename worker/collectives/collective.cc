@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "kernels/error_feedback.h"
 #include "kernels/topk.h"
 #include "worker/collectives/exdyna.h"
 #include "worker/collectives/gloo.h"
@@ -28,6 +29,20 @@ void TopKOfRange(const float* x, size_t begin, size_t end, size_t k, SparseVecto
     out->indices.push_back(static_cast<uint32_t>(begin + p));
     out->values.push_back(v);
   }
+}
+
+SparseVector TakeEntries(std::vector<float>* x, std::vector<uint32_t> keys) {
+  SparseVector out;
+  out.values.resize(keys.size());
+  kernels::GatherAndZero(x->data(), nullptr, keys.data(), keys.size(), out.values.data());
+  out.indices = std::move(keys);
+  return out;
+}
+
+std::vector<int> AllWorkers(int p) {
+  std::vector<int> members(static_cast<size_t>(p));
+  for (int i = 0; i < p; ++i) members[static_cast<size_t>(i)] = i;
+  return members;
 }
 
 void AddSparseBlocks(Message* msg, std::span<const SparseVector> blocks, bool keys_only) {

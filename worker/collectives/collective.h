@@ -88,6 +88,13 @@ struct SparseVector {
 // as absolute keys in increasing order.
 void TopKOfRange(const float* x, size_t begin, size_t end, size_t k, SparseVector* out);
 
+// Moves x's entries at `keys` (strictly increasing) into a sparse vector and zeroes them in x
+// (kernels::GatherAndZero): what a worker sends leaves its residual.
+SparseVector TakeEntries(std::vector<float>* x, std::vector<uint32_t> keys);
+
+// Worker ranks 0 .. p-1: the members of a collective over the whole group.
+std::vector<int> AllWorkers(int p);
+
 // Appends `blocks` to msg as three frames: [U32 entries per block][U32 keys][F32 values]; with
 // keys_only the values frame is empty.
 void AddSparseBlocks(Message* msg, std::span<const SparseVector> blocks, bool keys_only = false);

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "kernels/error_feedback.h"
 #include "kernels/select.h"
 #include "worker/collectives/ring.h"
 
@@ -55,8 +56,7 @@ void ExDyna::Rebalance() {
 Status ExDyna::Allreduce(std::vector<float>* x, CollectiveUpdate* update) {
   const uint64_t tag = NextCall();
   const int p = group_->size(), r = group_->rank();
-  std::vector<int> members(static_cast<size_t>(p));
-  for (int i = 0; i < p; ++i) members[static_cast<size_t>(i)] = i;
+  const std::vector<int> members = AllWorkers(p);
   const float* xd = x->data();
 
   if (t_ == 0) {
@@ -125,10 +125,8 @@ Status ExDyna::Allreduce(std::vector<float>* x, CollectiveUpdate* update) {
   }
   prev_total_ = update->indices.size();
   update->values.resize(update->indices.size());
-  for (size_t i = 0; i < update->indices.size(); ++i) {
-    update->values[i] = (*x)[update->indices[i]];
-    (*x)[update->indices[i]] = 0.0f;
-  }
+  kernels::GatherAndZero(x->data(), nullptr, update->indices.data(), update->indices.size(),
+                         update->values.data());
   SPARSEPS_RETURN_IF_ERROR(RingAllreduce(group_, tag + (1u << 16), update->values.data(),
                                          update->values.size(), segment_elems_));
   ++t_;

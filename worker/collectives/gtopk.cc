@@ -41,12 +41,7 @@ Status GTopK::Allreduce(std::vector<float>* x, CollectiveUpdate* update) {
   const uint64_t tag = NextCall();
   const int p = group_->size(), r = group_->rank();
   selector_.Select(x->data(), n_, k_, &selected_);
-  SparseVector local;
-  for (uint32_t i : selected_) {
-    local.indices.push_back(i);
-    local.values.push_back((*x)[i]);
-    (*x)[i] = 0.0f;
-  }
+  const SparseVector local = TakeEntries(x, selected_);
   last_selected_ = local.size();
   const std::pair<uint64_t, uint64_t> whole{0, n_};
   std::vector<uint32_t> dropped_keys;

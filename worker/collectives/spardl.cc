@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "common/key_range.h"
+#include "kernels/error_feedback.h"
 #include "worker/collectives/topk_allgather.h"
 
 namespace sparseps {
@@ -62,7 +63,7 @@ Status SparDL::Allreduce(std::vector<float>* x, CollectiveUpdate* update) {
     std::vector<SparseVector> got;
     SPARSEPS_RETURN_IF_ERROR(ParseSparseBlocks(*in, in_bounds, group_->PeerName(from), &got));
     for (const auto& blk : got) {
-      for (size_t e = 0; e < blk.size(); ++e) work_[blk.indices[e]] += blk.values[e];
+      kernels::ScatterAdd(work_.data(), blk.indices.data(), blk.values.data(), blk.size());
     }
   }
   SparseVector owned = take_top(q);

@@ -38,18 +38,10 @@ TopKAllGather::TopKAllGather(PeerGroup* group, size_t num_params, size_t k,
 Status TopKAllGather::Allreduce(std::vector<float>* x, CollectiveUpdate* update) {
   const uint64_t tag = NextCall();
   selector_.Select(x->data(), n_, k_, &selected_);
-  SparseVector mine;
-  mine.indices.reserve(selected_.size());
-  mine.values.reserve(selected_.size());
-  for (uint32_t i : selected_) {
-    mine.indices.push_back(i);
-    mine.values.push_back((*x)[i]);
-    (*x)[i] = 0.0f;
-  }
+  SparseVector mine = TakeEntries(x, selected_);
   last_selected_ = mine.size();
   const int p = group_->size();
-  std::vector<int> members(static_cast<size_t>(p));
-  for (int i = 0; i < p; ++i) members[static_cast<size_t>(i)] = i;
+  const std::vector<int> members = AllWorkers(p);
   std::vector<std::pair<uint64_t, uint64_t>> bounds(static_cast<size_t>(p), {0, n_});
   std::vector<SparseVector> all;
   SPARSEPS_RETURN_IF_ERROR(AllGatherSparse(
