@@ -30,6 +30,10 @@ void Axpy(float a, const float* x, float* y, size_t n) {
   for (size_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
+void Scale(float a, float* x, size_t n) {
+  for (size_t i = 0; i < n; ++i) x[i] *= a;
+}
+
 bool AllFinite(const float* x, size_t n) {
   // Accumulate x*0: finite values give 0, NaN or Inf give NaN. Branch-free and vectorisable.
   float acc = 0.0f;

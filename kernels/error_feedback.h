@@ -23,6 +23,9 @@ void ScatterAdd(float* dst, const uint32_t* idx, const float* vals, size_t k);
 // y += a * x over n elements.
 void Axpy(float a, const float* x, float* y, size_t n);
 
+// x *= a over n elements.
+void Scale(float a, float* x, size_t n);
+
 // Returns true when every one of the n values is finite (no NaN, no Inf).
 bool AllFinite(const float* x, size_t n);
 

@@ -2,6 +2,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 
@@ -10,6 +11,7 @@
 #include "common/metrics.h"
 #include "kernels/error_feedback.h"
 #include "worker/collectives/collective.h"
+#include "worker/collectives/ring.h"
 #include "worker/compressor.h"
 #include "worker/idx_reader.h"
 #include "worker/mlp.h"
@@ -29,6 +31,23 @@ void Shuffle(std::vector<uint32_t>* v, uint64_t seed) {
 
 double Ms(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+// collective.measure_quality: the share of the squared L2 mass of the exact global top-K of
+// `sum` (the dense sum of the workers' contributions, K = entries applied) that the update's keys
+// hold. 1 for a dense update or an empty sum.
+double TopKMassShare(const std::vector<float>& sum, const CollectiveUpdate& update) {
+  if (update.dense || update.indices.empty()) return 1.0;
+  double applied = 0.0;
+  for (uint32_t key : update.indices) applied += double{sum[key]} * sum[key];
+  std::vector<float> sq(sum.size());
+  for (size_t i = 0; i < sum.size(); ++i) sq[i] = sum[i] * sum[i];
+  const size_t k = std::min(update.indices.size(), sq.size());
+  std::nth_element(sq.begin(), sq.begin() + static_cast<std::ptrdiff_t>(k - 1), sq.end(),
+                   std::greater<float>());
+  double best = 0.0;
+  for (size_t i = 0; i < k; ++i) best += sq[i];
+  return best > 0.0 ? applied / best : 1.0;
 }
 
 }  // namespace
@@ -122,8 +141,11 @@ Status RunWorker(const proto::JobConfig& config) {
     // Allreduce mode: DGC momentum correction on the worker (u = m u + g; acc += u); the
     // collective takes acc and leaves the residual in it; params -= lr / W * update; u is zeroed
     // where the update applied (momentum factor masking) by the sparse collectives.
-    std::vector<float> velocity, acc;
+    std::vector<float> velocity, acc, probe;
     CollectiveUpdate update;
+    const bool measure_quality = allreduce && config.collective().measure_quality();
+    const bool aggregated_momentum = config.collective().momentum() == proto::AGGREGATED;
+    uint64_t probe_tag = uint64_t{1} << 63;  // tags of the diagnostic ring, apart from the others
     if (allreduce) {
       velocity.assign(n, 0.0f);
       acc.assign(n, 0.0f);
@@ -140,7 +162,7 @@ Status RunWorker(const proto::JobConfig& config) {
     SPARSEPS_RETURN_IF_ERROR(
         metrics.Open(dir.empty() ? "" : dir + "/metrics-worker-" + std::to_string(rank) + ".csv",
                      {"step", "epoch", "loss", "bytes_sent", "bytes_received", "selected",
-                      "compute_ms", "encode_ms", "comm_ms", "wall_s", "applied"}));
+                      "compute_ms", "encode_ms", "comm_ms", "wall_s", "applied", "topk_mass"}));
     if (rank == 0) {
       SPARSEPS_RETURN_IF_ERROR(
           evals.Open(dir.empty() ? "" : dir + "/eval-worker-0.csv",
@@ -222,15 +244,37 @@ Status RunWorker(const proto::JobConfig& config) {
         const auto t1 = Clock::now();
         const uint64_t sent0 = bytes_sent(), recv0 = bytes_received();
         auto t2 = t1;
+        double topk_mass = -1.0;  // collective.measure_quality only
         if (collective) {
           if (!kernels::AllFinite(grad.data(), n)) {
             return Status::FailedPrecondition("the gradient holds NaN or Inf at step " +
                                               std::to_string(step) + " (try a smaller train.lr)");
           }
-          kernels::MomentumCorrection(velocity.data(), acc.data(), grad.data(), momentum, n);
+          if (aggregated_momentum) {
+            kernels::Axpy(1.0f, grad.data(), acc.data(), n);
+          } else {
+            kernels::MomentumCorrection(velocity.data(), acc.data(), grad.data(), momentum, n);
+          }
+          if (measure_quality) {
+            probe = acc;
+            SPARSEPS_RETURN_IF_ERROR(RingAllreduce(group.get(), probe_tag, probe.data(), n,
+                                                   config.collective().segment_bytes() / 4));
+            probe_tag += uint64_t{1} << 32;
+          }
           t2 = Clock::now();
           SPARSEPS_RETURN_IF_ERROR(collective->Allreduce(&acc, &update));
-          if (update.dense) {
+          if (measure_quality) topk_mass = TopKMassShare(probe, update);
+          if (aggregated_momentum) {
+            // v = m v + update; params -= lr / W v (dense: v decays everywhere).
+            kernels::Scale(momentum, velocity.data(), n);
+            if (update.dense) {
+              kernels::Axpy(1.0f, update.sum.data(), velocity.data(), n);
+            } else {
+              kernels::ScatterAdd(velocity.data(), update.indices.data(), update.values.data(),
+                                  update.indices.size());
+            }
+            kernels::Axpy(-step_scale, velocity.data(), params.data(), n);
+          } else if (update.dense) {
             kernels::Axpy(-step_scale, update.sum.data(), params.data(), n);
           } else {
             for (size_t e = 0; e < update.indices.size(); ++e) {
@@ -267,7 +311,8 @@ Status RunWorker(const proto::JobConfig& config) {
              Ms(t0, t1), Ms(t1, t2), Ms(t2, t3), SecondsSince(train_start),
              // Entries applied this step (allreduce: the update's size; -1 in PS mode,
              // where the servers apply).
-             collective ? static_cast<double>(update.dense ? n : update.indices.size()) : -1.0});
+             collective ? static_cast<double>(update.dense ? n : update.indices.size()) : -1.0,
+             topk_mass});
         epoch_loss += loss;
         ++epoch_steps;
         if (rank == 0 && tc.eval_every_steps() > 0 && (step + 1) % tc.eval_every_steps() == 0 &&

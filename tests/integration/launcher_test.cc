@@ -5,6 +5,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -82,15 +83,38 @@ TEST(Launcher, AllreduceModeRunsWithoutServers) {
   }
   TempDir dir("launch-allreduce");
   const std::string run = dir.path() + "/run";
-  ChildProcess p(Launch(run, {"--set", "model.hidden=[32]", "--set", "data.max_train_samples=2048",
-                              "--set", "data.max_test_samples=500", "--set", "train.max_steps=20",
-                              "--set", "cluster.num_workers=3", "--set", "aggregation=allreduce",
-                              "--set", "collective.algorithm=spardl"}),
-                 dir.path() + "/launch.log");
+  ChildProcess p(
+      Launch(run, {"--set", "model.hidden=[32]", "--set", "data.max_train_samples=2048", "--set",
+                   "data.max_test_samples=500", "--set", "train.max_steps=20", "--set",
+                   "cluster.num_workers=3", "--set", "aggregation=allreduce", "--set",
+                   "collective.algorithm=spardl", "--set", "collective.measure_quality=true",
+                   "--set", "collective.momentum=aggregated"}),
+      dir.path() + "/launch.log");
   ASSERT_EQ(p.Wait(120), 0) << p.Log();
   EXPECT_THAT(p.Log(), HasSubstr("0 servers, 3 workers"));
   EXPECT_FALSE(std::filesystem::exists(run + "/server-0.log"));
   EXPECT_THAT(testing::ReadFile(run + "/summary.json"), HasSubstr("\"status\": \"ok\""));
+  // measure_quality: every step has a top-K mass share in (0, 1]; momentum after aggregation
+  // still trains (the loss of the last 5 steps under the first step's).
+  std::istringstream csv(testing::ReadFile(run + "/metrics-worker-0.csv"));
+  std::string line;
+  std::getline(csv, line);
+  ASSERT_THAT(line, ::testing::EndsWith(",applied,topk_mass"));
+  std::vector<double> loss, mass;
+  while (std::getline(csv, line)) {
+    std::vector<double> cells;
+    std::istringstream row(line);
+    for (std::string cell; std::getline(row, cell, ',');) cells.push_back(std::stod(cell));
+    ASSERT_GE(cells.size(), 12u) << line;
+    loss.push_back(cells[2]);
+    mass.push_back(cells.back());
+  }
+  ASSERT_EQ(loss.size(), 20u);
+  for (double m : mass) {
+    EXPECT_GT(m, 0.0);
+    EXPECT_LE(m, 1.0 + 1e-6);
+  }
+  EXPECT_LT((loss[15] + loss[16] + loss[17] + loss[18] + loss[19]) / 5, loss[0]);
 }
 
 // The comparison driver on loopback (--no-netns) with two tiny settings: every output is written

@@ -63,5 +63,11 @@ TEST(AllFinite, DetectsNanAndInf) {
   EXPECT_TRUE(AllFinite(x.data(), 0));
 }
 
+TEST(Scale, MultipliesEveryElement) {
+  std::vector<float> x = {1.0f, -2.0f, 0.5f, 0.0f, 3.0f};
+  Scale(0.5f, x.data(), x.size());
+  EXPECT_EQ(x, (std::vector<float>{0.5f, -1.0f, 0.25f, 0.0f, 1.5f}));
+}
+
 }  // namespace
 }  // namespace sparseps::kernels
