@@ -2,6 +2,9 @@
 # Installs what the tests need, builds with tests and runs them with ctest, then runs the suite
 # again under AddressSanitizer + UndefinedBehaviorSanitizer in a second build directory, then
 # builds the decoders' libFuzzer targets with clang in a third and runs each for a bounded time.
+# The first build compiles the CUDA code when nvcc is there (/usr/local/cuda); the sanitizer and
+# fuzz builds are configured with -DSPARSEPS_CUDA=OFF, so CI also builds and tests the project as
+# a machine without nvcc gets it.
 #
 #   deploy/test.sh                 # both builds (what CI runs)
 #   SPARSEPS_TEST_SANITIZE=0 deploy/test.sh   # skip the sanitizer build
@@ -25,7 +28,7 @@ echo "== ctest (build/) =="
 if [[ "${SPARSEPS_TEST_SANITIZE:-1}" != 0 ]]; then
   echo "== build (build-asan/, -fsanitize=address,undefined) =="
   "$here/deploy/build.sh" "$here/build-asan" -DSPARSEPS_BUILD_TESTS=ON -DSPARSEPS_BUILD_BENCH=OFF \
-    -DCMAKE_BUILD_TYPE=Debug -DSPARSEPS_SANITIZE=address,undefined
+    -DCMAKE_BUILD_TYPE=Debug -DSPARSEPS_SANITIZE=address,undefined -DSPARSEPS_CUDA=OFF
   echo "== ctest (build-asan/) =="
   export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1:${ASAN_OPTIONS:-}"
   export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:${UBSAN_OPTIONS:-}"
@@ -37,7 +40,7 @@ if [[ "${SPARSEPS_TEST_FUZZ:-1}" != 0 ]]; then
   echo "== build (build-fuzz/, clang, libFuzzer) =="
   CC=clang CXX=clang++ cmake -S "$here" -B "$here/build-fuzz" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     -DSPARSEPS_BUILD_FUZZ=ON -DSPARSEPS_BUILD_TESTS=OFF -DSPARSEPS_BUILD_BENCH=OFF \
-    -DSPARSEPS_SANITIZE=address,undefined >/dev/null
+    -DSPARSEPS_SANITIZE=address,undefined -DSPARSEPS_CUDA=OFF >/dev/null
   targets=(dense topk sbc sketch golomb varint)
   cmake --build "$here/build-fuzz" -j "$jobs" --target "${targets[@]/#/fuzz_}"
   echo "== fuzz (${fuzz_s} s per decoder) =="

@@ -9,6 +9,7 @@
 #include "common/control_client.h"
 #include "common/daemon.h"
 #include "common/metrics.h"
+#include "kernels/device.h"
 #include "kernels/error_feedback.h"
 #include "worker/collectives/collective.h"
 #include "worker/collectives/ring.h"
@@ -52,6 +53,21 @@ double TopKMassShare(const std::vector<float>& sum, const CollectiveUpdate& upda
 
 }  // namespace
 
+Result<proto::Device> ResolveDevice(proto::Device requested, std::string* detail) {
+  detail->clear();
+  if (requested == proto::CPU) return proto::CPU;
+  std::string why;
+  const bool gpu = kernels::CudaDeviceAvailable(&why);
+  // The GPU training path (cuBLAS model, device-resident compression) is not built yet.
+  if (gpu) why = "found " + why + ", but the GPU training path is not implemented yet";
+  if (requested == proto::AUTO) {
+    *detail = "train.device: auto chose cpu: " + why;
+    return proto::CPU;
+  }
+  return Status::FailedPrecondition("train.device: cuda, but " + why +
+                                    " (use train.device: cpu or auto)");
+}
+
 std::vector<uint32_t> ShardIndices(size_t num_samples, uint64_t seed, int rank, int num_workers) {
   std::vector<uint32_t> perm(num_samples);
   for (size_t i = 0; i < num_samples; ++i) perm[i] = static_cast<uint32_t>(i);
@@ -71,6 +87,10 @@ uint64_t StepsPerEpoch(size_t num_samples, int num_workers, size_t batch_size) {
 Status RunWorker(const proto::JobConfig& config) {
   const auto& tc = config.train();
   const int num_workers = static_cast<int>(config.cluster().num_workers());
+  std::string device_detail;
+  auto device = ResolveDevice(tc.device(), &device_detail);
+  if (!device.ok()) return device.status();
+  if (!device_detail.empty()) spdlog::info("{}", device_detail);
   auto train = LoadIdxSplit(config.data().dir(), "train", config.data().max_train_samples());
   if (!train.ok()) return train.status();
   auto test = LoadIdxSplit(config.data().dir(), "t10k", config.data().max_test_samples());

@@ -1,0 +1,111 @@
+// CUDA twins of the CPU kernels in kernels/*.h (issue 5): the same results on device memory, so a
+// GPU worker keeps its gradient, residual and velocity on the device and copies only the selected
+// entries to the host. Built only when CMake finds nvcc (SPARSEPS_HAVE_CUDA); kernels/cuda/device.h
+// says at run time whether a device is there.
+//
+// Conventions: every pointer argument is device memory unless its name starts with host_; every
+// function enqueues its work on `stream` and returns the CUDA error of the launch (asynchronous
+// errors surface at the next synchronising call). Functions that return a count synchronise the
+// stream once. Sizes are elements; n < 2^32.
+// Thread-safety: the free functions are reentrant; a GpuTopK / GpuThresholdSelect belongs to one
+// host thread (it owns scratch buffers).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace sparseps::kernels::gpu {
+
+// DGC momentum correction (Lin et al., ICLR 2018, section 3.2): u = m u + g; v += u over n
+// elements. Twin of kernels::MomentumCorrection (bitwise equal: one fused multiply-add per step
+// is avoided so the rounding matches the CPU's two operations).
+cudaError_t MomentumCorrection(float* u, float* v, const float* g, float m, size_t n,
+                               cudaStream_t stream);
+
+// out[j] = v[idx[j]], then v[idx[j]] = 0 and u[idx[j]] = 0 when u is not null, for j < k.
+// Twin of kernels::GatherAndZero. Indices must be distinct and in bounds.
+cudaError_t GatherAndZero(float* v, float* u, const uint32_t* idx, size_t k, float* out,
+                          cudaStream_t stream);
+
+// dst[idx[j]] += vals[j] for j < k (atomic: duplicates accumulate, in no fixed order). Twin of
+// kernels::ScatterAdd; equal to it within float rounding when indices repeat, bitwise otherwise.
+cudaError_t ScatterAdd(float* dst, const uint32_t* idx, const float* vals, size_t k,
+                       cudaStream_t stream);
+
+// y += a x over n elements. Twin of kernels::Axpy.
+cudaError_t Axpy(float a, const float* x, float* y, size_t n, cudaStream_t stream);
+
+// *host_sum = the sum of x[0, n) (float accumulation per thread, double across blocks): one
+// streaming read, the baseline the selection benchmarks compare against. Synchronises.
+cudaError_t StreamingSum(const float* x, size_t n, double* host_sum, cudaStream_t stream);
+
+// Exact top-k by magnitude (twin of kernels::TopKAbs: the same index set, ties at the k-th
+// magnitude broken towards lower indices, indices written in increasing order).
+//
+// Method: keys are the bit patterns of |x| (monotone in the magnitude). A strided sample (runs of
+// 32 consecutive entries) gives a key that about 1.25 k entries reach; one pass over x collects
+// those (key, index) pairs with warp-aggregated atomics; a three-level radix select (11 + 10 + 10
+// bits) over the candidates finds the k-th key T and how many ties at T to take; the entries
+// above T and the lowest-index ties are sorted by index (CUB radix sort over k entries). If the
+// sample misleads (fewer than k or more than the buffer's 4 k candidates), the radix select runs
+// over x itself (four passes). Cost on the fast path: one read of x plus O(k) work.
+class GpuTopK {
+ public:
+  GpuTopK() = default;
+  ~GpuTopK();
+  GpuTopK(const GpuTopK&) = delete;
+  GpuTopK& operator=(const GpuTopK&) = delete;
+
+  // Writes the indices of the min(k, n) largest |x[i]| to idx_out (increasing) and sets
+  // *host_count to min(k, n). Synchronises the stream (twice on the fast path).
+  cudaError_t Select(const float* x, size_t n, size_t k, uint32_t* idx_out, size_t* host_count,
+                     cudaStream_t stream);
+
+  // How the last Select ran: true when the sampled candidates sufficed.
+  bool last_used_sample() const { return last_used_sample_; }
+
+ private:
+  cudaError_t Reserve(size_t candidates, size_t sample);
+  // Sorts the ties (when more than needed), appends the lowest-index ones and sorts the output.
+  cudaError_t Finish(size_t n, size_t k, uint32_t* idx_out, cudaStream_t stream);
+
+  uint32_t* cand_key_ = nullptr;  // candidate keys and indices (capacity cap_)
+  uint32_t* cand_idx_ = nullptr;
+  uint32_t* tie_idx_ = nullptr;   // ties at T (capacity tie_cap_)
+  uint32_t* sort_tmp_ = nullptr;  // sorted copy for CUB (capacity max(k, tie_cap_))
+  uint32_t* sample_ = nullptr;    // sampled keys
+  uint32_t* hist_ = nullptr;      // 2048 bins
+  uint32_t* counters_ = nullptr;  // device: [candidates, out, ties]
+  void* state_ = nullptr;         // device: the radix select's state
+  void* cub_tmp_ = nullptr;
+  size_t cap_ = 0, tie_cap_ = 0, sort_cap_ = 0, sample_cap_ = 0, cub_tmp_bytes_ = 0;
+  bool last_used_sample_ = false;
+};
+
+// Threshold selection (twin of kernels::SelectAtLeast): writes the indices i with |x[i]| >=
+// threshold in increasing order to idx_out and, when vals_out is not null, x[i] to vals_out; sets
+// *host_count. At most `capacity` entries are written; *host_count is the full count, so a count
+// above capacity tells the caller to retry with more room. One pass over x (warp-aggregated
+// atomics), then a CUB sort of the selected pairs by index. Synchronises once.
+class GpuThresholdSelect {
+ public:
+  GpuThresholdSelect() = default;
+  ~GpuThresholdSelect();
+  GpuThresholdSelect(const GpuThresholdSelect&) = delete;
+  GpuThresholdSelect& operator=(const GpuThresholdSelect&) = delete;
+
+  cudaError_t Select(const float* x, size_t n, float threshold, uint32_t* idx_out, float* vals_out,
+                     size_t capacity, size_t* host_count, cudaStream_t stream);
+
+ private:
+  cudaError_t Reserve(size_t capacity);
+  uint32_t* idx_tmp_ = nullptr;
+  float* val_tmp_ = nullptr;
+  uint32_t* counter_ = nullptr;
+  void* cub_tmp_ = nullptr;
+  size_t cap_ = 0, cub_tmp_bytes_ = 0;
+};
+
+}  // namespace sparseps::kernels::gpu

@@ -1,0 +1,218 @@
+// Every CUDA kernel against its CPU twin on the same inputs (kernels/cuda/gpu_kernels.h). Skipped
+// (GTEST_SKIP) where no CUDA device answers; built only where nvcc was found.
+#include "kernels/cuda/gpu_kernels.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/device.h"
+#include "kernels/error_feedback.h"
+#include "kernels/select.h"
+#include "kernels/topk.h"
+
+namespace sparseps::kernels {
+namespace {
+
+// Why no GPU test can run here ("" when a CUDA device answers).
+std::string NoGpu() {
+  std::string why;
+  return CudaDeviceAvailable(&why) ? std::string() : why;
+}
+
+#define SKIP_WITHOUT_GPU()                             \
+  if (const std::string why = NoGpu(); !why.empty()) { \
+    GTEST_SKIP() << why;                               \
+  }
+
+#define CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << cudaGetErrorString(expr)
+
+// A device copy of a host vector, freed at scope exit.
+template <typename T>
+class DeviceVector {
+ public:
+  explicit DeviceVector(size_t n) : n_(n) {
+    EXPECT_EQ(cudaMalloc(reinterpret_cast<void**>(&p_), std::max<size_t>(n, 1) * sizeof(T)),
+              cudaSuccess);
+  }
+  explicit DeviceVector(const std::vector<T>& host) : DeviceVector(host.size()) {
+    EXPECT_EQ(cudaMemcpy(p_, host.data(), n_ * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  ~DeviceVector() { cudaFree(p_); }
+  DeviceVector(const DeviceVector&) = delete;
+  DeviceVector& operator=(const DeviceVector&) = delete;
+  T* get() { return p_; }
+  std::vector<T> ToHost(size_t n) const {
+    std::vector<T> h(n);
+    EXPECT_EQ(cudaMemcpy(h.data(), p_, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+    return h;
+  }
+  std::vector<T> ToHost() const { return ToHost(n_); }
+
+ private:
+  T* p_ = nullptr;
+  size_t n_;
+};
+
+std::vector<float> Gradient(size_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng) * 1e-3f;
+  return v;
+}
+
+TEST(GpuKernels, MomentumCorrectionBitwiseEqualsCpu) {
+  SKIP_WITHOUT_GPU();
+  const size_t n = 100003;
+  std::vector<float> u = Gradient(n, 1), v = Gradient(n, 2), g = Gradient(n, 3);
+  DeviceVector<float> du(u), dv(v), dg(g);
+  CUDA_OK(gpu::MomentumCorrection(du.get(), dv.get(), dg.get(), 0.9f, n, nullptr));
+  MomentumCorrection(u.data(), v.data(), g.data(), 0.9f, n);
+  EXPECT_EQ(du.ToHost(), u);
+  EXPECT_EQ(dv.ToHost(), v);
+}
+
+TEST(GpuKernels, AxpyBitwiseEqualsCpu) {
+  SKIP_WITHOUT_GPU();
+  const size_t n = 77777;
+  std::vector<float> x = Gradient(n, 4), y = Gradient(n, 5);
+  DeviceVector<float> dx(x), dy(y);
+  CUDA_OK(gpu::Axpy(-0.0125f, dx.get(), dy.get(), n, nullptr));
+  Axpy(-0.0125f, x.data(), y.data(), n);
+  EXPECT_EQ(dy.ToHost(), y);
+}
+
+TEST(GpuKernels, GatherAndZeroEqualsCpu) {
+  SKIP_WITHOUT_GPU();
+  const size_t n = 50000;
+  std::vector<float> v = Gradient(n, 6), u = Gradient(n, 7);
+  std::vector<uint32_t> idx;
+  for (uint32_t i = 3; i < n; i += 97) idx.push_back(i);
+  DeviceVector<float> dv(v), du(u), dout(idx.size());
+  DeviceVector<uint32_t> didx(idx);
+  CUDA_OK(gpu::GatherAndZero(dv.get(), du.get(), didx.get(), idx.size(), dout.get(), nullptr));
+  std::vector<float> out(idx.size());
+  GatherAndZero(v.data(), u.data(), idx.data(), idx.size(), out.data());
+  EXPECT_EQ(dout.ToHost(), out);
+  EXPECT_EQ(dv.ToHost(), v);
+  EXPECT_EQ(du.ToHost(), u);
+}
+
+TEST(GpuKernels, ScatterAddEqualsCpu) {
+  SKIP_WITHOUT_GPU();
+  const size_t n = 4096;
+  std::vector<float> dst = Gradient(n, 8);
+  // Distinct indices: bitwise equal. Then every index 8 times: equal within rounding.
+  std::vector<uint32_t> idx;
+  for (uint32_t i = 0; i < n; i += 3) idx.push_back(i);
+  std::vector<float> vals = Gradient(idx.size(), 9);
+  DeviceVector<float> ddst(dst), dvals(vals);
+  DeviceVector<uint32_t> didx(idx);
+  CUDA_OK(gpu::ScatterAdd(ddst.get(), didx.get(), dvals.get(), idx.size(), nullptr));
+  ScatterAdd(dst.data(), idx.data(), vals.data(), idx.size());
+  EXPECT_EQ(ddst.ToHost(), dst);
+
+  std::vector<uint32_t> dup;
+  for (int r = 0; r < 8; ++r) {
+    for (uint32_t i = 0; i < n; ++i) dup.push_back(i);
+  }
+  std::vector<float> dvals2 = Gradient(dup.size(), 10);
+  DeviceVector<uint32_t> ddup(dup);
+  DeviceVector<float> dv2(dvals2);
+  CUDA_OK(gpu::ScatterAdd(ddst.get(), ddup.get(), dv2.get(), dup.size(), nullptr));
+  ScatterAdd(dst.data(), dup.data(), dvals2.data(), dup.size());
+  const std::vector<float> got = ddst.ToHost();
+  for (size_t i = 0; i < n; ++i) ASSERT_NEAR(got[i], dst[i], 1e-8f) << i;
+}
+
+TEST(GpuKernels, StreamingSumMatchesDoubleSum) {
+  SKIP_WITHOUT_GPU();
+  const size_t n = (1 << 20) + 3;
+  std::vector<float> x = Gradient(n, 11);
+  for (auto& v : x) v = std::fabs(v);  // positive, so the relative error bound is meaningful
+  DeviceVector<float> dx(x);
+  double got = 0;
+  CUDA_OK(gpu::StreamingSum(dx.get(), n, &got, nullptr));
+  const double want = std::accumulate(x.begin(), x.end(), 0.0);
+  EXPECT_NEAR(got, want, 1e-5 * want);
+}
+
+// The GPU top-k against kernels::TopKAbs: the same indices in the same (increasing) order.
+// Returns whether the GPU took the sampled path.
+bool ExpectSameTopK(const std::vector<float>& x, size_t k) {
+  DeviceVector<float> dx(x);
+  DeviceVector<uint32_t> dout(std::max<size_t>(k, 1));
+  gpu::GpuTopK topk;
+  size_t count = 0;
+  EXPECT_EQ(topk.Select(dx.get(), x.size(), k, dout.get(), &count, nullptr), cudaSuccess);
+  std::vector<uint32_t> want(std::min(k, x.size()));
+  EXPECT_EQ(TopKAbs(x.data(), x.size(), k, want.data()), want.size());
+  EXPECT_EQ(count, want.size());
+  EXPECT_EQ(dout.ToHost(want.size()), want) << "n " << x.size() << " k " << k;
+  return topk.last_used_sample();
+}
+
+TEST(GpuTopK, SameSetAsCpuOnTheSampledPath) {
+  SKIP_WITHOUT_GPU();
+  for (size_t n : {size_t{1} << 18, size_t{1000003}, size_t{1} << 22}) {
+    for (size_t k : {size_t{100}, n / 1000, n / 100}) {
+      const bool sampled = ExpectSameTopK(Gradient(n, n + k), k);
+      // Density 0.1% and 1% of a large vector is the case the sample is for.
+      if (k != 100) {
+        EXPECT_TRUE(sampled) << "n " << n << " k " << k;
+      }
+    }
+  }
+}
+
+TEST(GpuTopK, SameSetAsCpuOnTheRadixPath) {
+  SKIP_WITHOUT_GPU();
+  EXPECT_FALSE(ExpectSameTopK(Gradient(1000, 1), 10));          // small n
+  EXPECT_FALSE(ExpectSameTopK(Gradient(1 << 18, 2), 1 << 15));  // k > n / 16
+  EXPECT_FALSE(ExpectSameTopK(Gradient(5000, 3), 5000));        // k = n
+  EXPECT_FALSE(ExpectSameTopK(Gradient(5000, 3), 0));
+}
+
+TEST(GpuTopK, TiesGoToLowerIndicesAsOnTheCpu) {
+  SKIP_WITHOUT_GPU();
+  // Mostly zeros (a ReLU layer's gradient) and a few equal magnitudes of both signs.
+  const size_t n = 1 << 20;
+  std::vector<float> x(n, 0.0f);
+  for (size_t i = 5; i < n; i += 1001) x[i] = (i % 2 ? 0.5f : -0.5f);
+  for (size_t i = 17; i < n; i += 50021) x[i] = 2.0f;
+  EXPECT_TRUE(ExpectSameTopK(x, 500));    // k inside the ties at 0.5: candidates suffice
+  EXPECT_FALSE(ExpectSameTopK(x, 5000));  // k past them: ties at zero, the sample misleads
+  // All equal: the first k indices.
+  ExpectSameTopK(std::vector<float>(1 << 17, 1.0f), 1000);
+}
+
+TEST(GpuThresholdSelect, SameAsSelectAtLeast) {
+  SKIP_WITHOUT_GPU();
+  const size_t n = 3000017;
+  const std::vector<float> x = Gradient(n, 12);
+  const float threshold = 3e-3f;
+  std::vector<uint32_t> want;
+  std::vector<float> want_vals;
+  SelectAtLeast(x.data(), n, threshold, &want, &want_vals);
+  ASSERT_GT(want.size(), 1000u);
+  DeviceVector<float> dx(x), dvals(want.size() + 100);
+  DeviceVector<uint32_t> didx(want.size() + 100);
+  gpu::GpuThresholdSelect sel;
+  size_t count = 0;
+  CUDA_OK(sel.Select(dx.get(), n, threshold, didx.get(), dvals.get(), want.size() + 100, &count,
+                     nullptr));
+  ASSERT_EQ(count, want.size());
+  EXPECT_EQ(didx.ToHost(count), want);
+  EXPECT_EQ(dvals.ToHost(count), want_vals);
+  // Too little room: the full count is reported so the caller can retry.
+  CUDA_OK(sel.Select(dx.get(), n, threshold, didx.get(), nullptr, 10, &count, nullptr));
+  EXPECT_EQ(count, want.size());
+}
+
+}  // namespace
+}  // namespace sparseps::kernels
