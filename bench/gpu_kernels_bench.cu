@@ -1,0 +1,158 @@
+// Google Benchmark of the CUDA kernels (issue 5), timed with CUDA events (manual time):
+//   build/bench/sparseps_gpu_bench [--benchmark_filter=...]
+// Vector size SPARSEPS_GPU_BENCH_N (default 100M floats, normal values), density 0.1%. Each
+// benchmark reports bytes_per_second for one read of the vector (4n bytes per iteration), so the
+// ratios against BM_OneRead and the fraction of the GPU's memory bandwidth read off directly.
+// Baseline for the exact top-k: a full CUB radix sort of (|x| key, index) pairs, descending, as
+// a sort-based top-k does (this CUDA's CUB has no DeviceTopK; no PyTorch here).
+// Without a CUDA device every benchmark is skipped with the reason.
+#include <benchmark/benchmark.h>
+
+#include <cstdlib>
+#include <cub/device/device_radix_sort.cuh>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/cuda/gpu_kernels.h"
+#include "kernels/device.h"
+
+namespace sparseps::kernels::gpu {
+namespace {
+
+size_t BenchN() {
+  const char* e = std::getenv("SPARSEPS_GPU_BENCH_N");
+  return e != nullptr ? static_cast<size_t>(std::strtoull(e, nullptr, 10)) : size_t{100000000};
+}
+
+// The input, made once: normal values (a gradient-like distribution), on the device.
+struct Input {
+  size_t n = 0;
+  float* x = nullptr;
+  float threshold = 0;  // selects about 0.1%
+  static Input& Get() {
+    static Input in = [] {
+      Input i;
+      i.n = BenchN();
+      std::vector<float> h(i.n);
+      std::mt19937_64 rng(1);
+      std::normal_distribution<float> d(0.0f, 1.0f);
+      for (auto& v : h) v = d(rng);
+      if (cudaMalloc(reinterpret_cast<void**>(&i.x), i.n * sizeof(float)) == cudaSuccess) {
+        cudaMemcpy(i.x, h.data(), i.n * sizeof(float), cudaMemcpyHostToDevice);
+      }
+      i.threshold = 3.29f;  // P(|z| >= 3.29) = 0.1% for a standard normal
+      return i;
+    }();
+    return in;
+  }
+};
+
+bool Ready(benchmark::State& state) {
+  std::string why;
+  if (!CudaDeviceAvailable(&why)) {
+    state.SkipWithError(why.c_str());
+    return false;
+  }
+  state.SetLabel(why);
+  return true;
+}
+
+// Times `body` per iteration with CUDA events; body synchronises (the selections do).
+template <typename Body>
+void Timed(benchmark::State& state, size_t n, Body body) {
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  body();  // warm-up: allocations of the scratch buffers
+  for (auto _ : state) {
+    cudaEventRecord(a);
+    body();
+    cudaEventRecord(b);
+    cudaEventSynchronize(b);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, a, b);
+    state.SetIterationTime(ms / 1e3);
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * static_cast<int64_t>(n) * 4);
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+}
+
+void BM_OneRead(benchmark::State& state) {
+  if (!Ready(state)) return;
+  Input& in = Input::Get();
+  double sum = 0;
+  Timed(state, in.n, [&] { StreamingSum(in.x, in.n, &sum, nullptr); });
+  benchmark::DoNotOptimize(sum);
+}
+
+void BM_TopK(benchmark::State& state) {
+  if (!Ready(state)) return;
+  Input& in = Input::Get();
+  const size_t k = in.n / 1000;
+  uint32_t* out = nullptr;
+  cudaMalloc(reinterpret_cast<void**>(&out), k * sizeof(uint32_t));
+  GpuTopK topk;
+  size_t count = 0;
+  Timed(state, in.n, [&] { topk.Select(in.x, in.n, k, out, &count, nullptr); });
+  state.counters["sampled_path"] = topk.last_used_sample() ? 1 : 0;
+  cudaFree(out);
+}
+
+void BM_ThresholdSelect(benchmark::State& state) {
+  if (!Ready(state)) return;
+  Input& in = Input::Get();
+  const size_t cap = in.n / 500;
+  uint32_t* idx = nullptr;
+  float* vals = nullptr;
+  cudaMalloc(reinterpret_cast<void**>(&idx), cap * sizeof(uint32_t));
+  cudaMalloc(reinterpret_cast<void**>(&vals), cap * sizeof(float));
+  GpuThresholdSelect sel;
+  size_t count = 0;
+  Timed(state, in.n,
+        [&] { sel.Select(in.x, in.n, in.threshold, idx, vals, cap, &count, nullptr); });
+  state.counters["selected"] = static_cast<double>(count);
+  cudaFree(idx);
+  cudaFree(vals);
+}
+
+__global__ void KeysAndIndices(const float* x, size_t n, uint32_t* keys, uint32_t* idx) {
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n;
+       i += size_t{gridDim.x} * blockDim.x) {
+    keys[i] = __float_as_uint(x[i]) & 0x7fffffffu;
+    idx[i] = static_cast<uint32_t>(i);
+  }
+}
+
+// Baseline: top-k by a full descending radix sort of (key, index) pairs.
+void BM_CubSortTopK(benchmark::State& state) {
+  if (!Ready(state)) return;
+  Input& in = Input::Get();
+  uint32_t *keys = nullptr, *idx = nullptr, *keys2 = nullptr, *idx2 = nullptr;
+  for (uint32_t** p : {&keys, &idx, &keys2, &idx2}) {
+    cudaMalloc(reinterpret_cast<void**>(p), in.n * sizeof(uint32_t));
+  }
+  cub::DoubleBuffer<uint32_t> k(keys, keys2), v(idx, idx2);
+  size_t bytes = 0;
+  cub::DeviceRadixSort::SortPairsDescending(nullptr, bytes, k, v, static_cast<int>(in.n));
+  void* tmp = nullptr;
+  cudaMalloc(&tmp, bytes);
+  Timed(state, in.n, [&] {
+    KeysAndIndices<<<4096, 256>>>(in.x, in.n, k.Current(), v.Current());
+    cub::DeviceRadixSort::SortPairsDescending(tmp, bytes, k, v, static_cast<int>(in.n));
+    cudaDeviceSynchronize();
+  });
+  for (void* p : {static_cast<void*>(keys), static_cast<void*>(idx), static_cast<void*>(keys2),
+                  static_cast<void*>(idx2), tmp}) {
+    cudaFree(p);
+  }
+}
+
+BENCHMARK(BM_OneRead)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_TopK)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_ThresholdSelect)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_CubSortTopK)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+}  // namespace
+}  // namespace sparseps::kernels::gpu
