@@ -294,20 +294,14 @@ cudaError_t Grow(T** p, size_t* cap, size_t want) {
   } while (0)
 
 // Sorts keys[0, k) ascending (using tmp of the same size), leaving the result in keys.
-cudaError_t SortIndices(uint32_t* keys, uint32_t* tmp, size_t k, int end_bit, void** cub_tmp,
-                        size_t* cub_bytes, cudaStream_t stream) {
+cudaError_t SortIndices(uint32_t* keys, uint32_t* tmp, size_t k, int end_bit,
+                        unsigned char** cub_tmp, size_t* cub_bytes, cudaStream_t stream) {
   if (k <= 1) return cudaSuccess;
   cub::DoubleBuffer<uint32_t> buf(keys, tmp);
   size_t need = 0;
   SPARSEPS_CUDA_TRY(
       cub::DeviceRadixSort::SortKeys(nullptr, need, buf, static_cast<int>(k), 0, end_bit, stream));
-  if (need > *cub_bytes) {
-    if (*cub_tmp != nullptr) cudaFree(*cub_tmp);
-    *cub_tmp = nullptr;
-    *cub_bytes = 0;
-    SPARSEPS_CUDA_TRY(cudaMalloc(cub_tmp, need));
-    *cub_bytes = need;
-  }
+  SPARSEPS_CUDA_TRY(Grow(cub_tmp, cub_bytes, need));
   SPARSEPS_CUDA_TRY(
       cub::DeviceRadixSort::SortKeys(*cub_tmp, need, buf, static_cast<int>(k), 0, end_bit, stream));
   if (buf.Current() != keys) {
@@ -346,20 +340,16 @@ cudaError_t Axpy(float a, const float* x, float* y, size_t n, cudaStream_t strea
   return cudaGetLastError();
 }
 
-cudaError_t StreamingSum(const float* x, size_t n, double* host_sum, cudaStream_t stream) {
-  double* d = nullptr;
-  SPARSEPS_CUDA_TRY(cudaMallocAsync(reinterpret_cast<void**>(&d), sizeof(double), stream));
-  cudaError_t e = cudaMemsetAsync(d, 0, sizeof(double), stream);
-  if (e == cudaSuccess && n > 0) {
-    SumKernel<<<Blocks(n / 4 + 1), kThreads, 0, stream>>>(x, n, d);
-    e = cudaGetLastError();
+cudaError_t StreamingSum(const float* x, size_t n, double* scratch, double* host_sum,
+                         cudaStream_t stream) {
+  SPARSEPS_CUDA_TRY(cudaMemsetAsync(scratch, 0, sizeof(double), stream));
+  if (n > 0) {
+    SumKernel<<<Blocks(n / 4 + 1), kThreads, 0, stream>>>(x, n, scratch);
+    SPARSEPS_CUDA_TRY(cudaGetLastError());
   }
-  if (e == cudaSuccess) {
-    e = cudaMemcpyAsync(host_sum, d, sizeof(double), cudaMemcpyDeviceToHost, stream);
-  }
-  cudaFreeAsync(d, stream);
-  if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
-  return e;
+  SPARSEPS_CUDA_TRY(
+      cudaMemcpyAsync(host_sum, scratch, sizeof(double), cudaMemcpyDeviceToHost, stream));
+  return cudaStreamSynchronize(stream);
 }
 
 // ---- GpuTopK ----
@@ -368,15 +358,14 @@ GpuTopK::~GpuTopK() {
   for (void* p :
        {static_cast<void*>(cand_key_), static_cast<void*>(cand_idx_), static_cast<void*>(tie_idx_),
         static_cast<void*>(sort_tmp_), static_cast<void*>(sample_), static_cast<void*>(hist_),
-        static_cast<void*>(counters_), state_, cub_tmp_}) {
+        static_cast<void*>(counters_), state_, static_cast<void*>(cub_tmp_)}) {
     if (p != nullptr) cudaFree(p);
   }
 }
 
 cudaError_t GpuTopK::Reserve(size_t candidates, size_t sample) {
-  size_t cap2 = cap_;
   SPARSEPS_CUDA_TRY(Grow(&cand_key_, &cap_, candidates));
-  SPARSEPS_CUDA_TRY(Grow(&cand_idx_, &cap2, candidates));
+  SPARSEPS_CUDA_TRY(Grow(&cand_idx_, &cand_idx_cap_, candidates));
   SPARSEPS_CUDA_TRY(Grow(&sample_, &sample_cap_, sample));
   if (hist_ == nullptr) {
     SPARSEPS_CUDA_TRY(cudaMalloc(reinterpret_cast<void**>(&hist_), 2048 * sizeof(uint32_t)));
@@ -498,15 +487,14 @@ cudaError_t GpuTopK::Finish(size_t n, size_t k, uint32_t* idx_out, cudaStream_t 
 
 GpuThresholdSelect::~GpuThresholdSelect() {
   for (void* p : {static_cast<void*>(idx_tmp_), static_cast<void*>(val_tmp_),
-                  static_cast<void*>(counter_), cub_tmp_}) {
+                  static_cast<void*>(counter_), static_cast<void*>(cub_tmp_)}) {
     if (p != nullptr) cudaFree(p);
   }
 }
 
 cudaError_t GpuThresholdSelect::Reserve(size_t capacity) {
-  size_t cap2 = cap_;
   SPARSEPS_CUDA_TRY(Grow(&idx_tmp_, &cap_, capacity));
-  SPARSEPS_CUDA_TRY(Grow(&val_tmp_, &cap2, capacity));
+  SPARSEPS_CUDA_TRY(Grow(&val_tmp_, &val_cap_, capacity));
   if (counter_ == nullptr) {
     SPARSEPS_CUDA_TRY(cudaMalloc(reinterpret_cast<void**>(&counter_), sizeof(uint32_t)));
   }
@@ -543,13 +531,7 @@ cudaError_t GpuThresholdSelect::Select(const float* x, size_t n, float threshold
     SPARSEPS_CUDA_TRY(cub::DeviceRadixSort::SortKeys(nullptr, need, idx_tmp_, idx_out,
                                                      static_cast<int>(m), 0, end_bit, stream));
   }
-  if (need > cub_tmp_bytes_) {
-    if (cub_tmp_ != nullptr) cudaFree(cub_tmp_);
-    cub_tmp_ = nullptr;
-    cub_tmp_bytes_ = 0;
-    SPARSEPS_CUDA_TRY(cudaMalloc(&cub_tmp_, need));
-    cub_tmp_bytes_ = need;
-  }
+  SPARSEPS_CUDA_TRY(Grow(&cub_tmp_, &cub_tmp_bytes_, need));
   if (vals_out != nullptr) {
     SPARSEPS_CUDA_TRY(cub::DeviceRadixSort::SortPairs(cub_tmp_, need, idx_tmp_, idx_out, val_tmp_,
                                                       vals_out, static_cast<int>(m), 0, end_bit,

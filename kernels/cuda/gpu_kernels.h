@@ -38,8 +38,10 @@ cudaError_t ScatterAdd(float* dst, const uint32_t* idx, const float* vals, size_
 cudaError_t Axpy(float a, const float* x, float* y, size_t n, cudaStream_t stream);
 
 // *host_sum = the sum of x[0, n) (float accumulation per thread, double across blocks): one
-// streaming read, the baseline the selection benchmarks compare against. Synchronises.
-cudaError_t StreamingSum(const float* x, size_t n, double* host_sum, cudaStream_t stream);
+// streaming read, the baseline the selection benchmarks compare against. scratch: one device
+// double (no allocation per call, so the baseline is the read alone). Synchronises.
+cudaError_t StreamingSum(const float* x, size_t n, double* scratch, double* host_sum,
+                         cudaStream_t stream);
 
 // Exact top-k by magnitude (twin of kernels::TopKAbs: the same index set, ties at the k-th
 // magnitude broken towards lower indices, indices written in increasing order).
@@ -73,14 +75,15 @@ class GpuTopK {
 
   uint32_t* cand_key_ = nullptr;  // candidate keys and indices (capacity cap_)
   uint32_t* cand_idx_ = nullptr;
-  uint32_t* tie_idx_ = nullptr;   // ties at T (capacity tie_cap_)
-  uint32_t* sort_tmp_ = nullptr;  // sorted copy for CUB (capacity max(k, tie_cap_))
-  uint32_t* sample_ = nullptr;    // sampled keys
-  uint32_t* hist_ = nullptr;      // 2048 bins
-  uint32_t* counters_ = nullptr;  // device: [candidates, out, ties]
-  void* state_ = nullptr;         // device: the radix select's state
-  void* cub_tmp_ = nullptr;
-  size_t cap_ = 0, tie_cap_ = 0, sort_cap_ = 0, sample_cap_ = 0, cub_tmp_bytes_ = 0;
+  uint32_t* tie_idx_ = nullptr;       // ties at T (capacity tie_cap_)
+  uint32_t* sort_tmp_ = nullptr;      // sorted copy for CUB (capacity max(k, tie_cap_))
+  uint32_t* sample_ = nullptr;        // sampled keys
+  uint32_t* hist_ = nullptr;          // 2048 bins
+  uint32_t* counters_ = nullptr;      // device: [candidates, out, ties]
+  void* state_ = nullptr;             // device: the radix select's state
+  unsigned char* cub_tmp_ = nullptr;  // CUB's temporary storage
+  size_t cap_ = 0, cand_idx_cap_ = 0, tie_cap_ = 0, sort_cap_ = 0, sample_cap_ = 0;
+  size_t cub_tmp_bytes_ = 0;
   bool last_used_sample_ = false;
 };
 
@@ -104,8 +107,8 @@ class GpuThresholdSelect {
   uint32_t* idx_tmp_ = nullptr;
   float* val_tmp_ = nullptr;
   uint32_t* counter_ = nullptr;
-  void* cub_tmp_ = nullptr;
-  size_t cap_ = 0, cub_tmp_bytes_ = 0;
+  unsigned char* cub_tmp_ = nullptr;  // CUB's temporary storage
+  size_t cap_ = 0, val_cap_ = 0, cub_tmp_bytes_ = 0;
 };
 
 }  // namespace sparseps::kernels::gpu

@@ -136,8 +136,9 @@ TEST(GpuKernels, StreamingSumMatchesDoubleSum) {
   std::vector<float> x = Gradient(n, 11);
   for (auto& v : x) v = std::fabs(v);  // positive, so the relative error bound is meaningful
   DeviceVector<float> dx(x);
+  DeviceVector<double> scratch(1);
   double got = 0;
-  CUDA_OK(gpu::StreamingSum(dx.get(), n, &got, nullptr));
+  CUDA_OK(gpu::StreamingSum(dx.get(), n, scratch.get(), &got, nullptr));
   const double want = std::accumulate(x.begin(), x.end(), 0.0);
   EXPECT_NEAR(got, want, 1e-5 * want);
 }
