@@ -373,6 +373,21 @@ Status ValidateConfig(const proto::JobConfig& config, const ConfigSources& sourc
   if (config.node().host().empty()) {
     return Status::InvalidArgument(SourceOf(sources, "node.host") + ": key 'node.host' is empty");
   }
+  const auto& m = config.model();
+  if (m.type() == proto::CNN && m.channels_size() == 0) {
+    return Status::InvalidArgument(SourceOf(sources, "model.type") +
+                                   ": key 'model.channels' is empty; 'model.type: cnn' needs the "
+                                   "filters of each conv layer, e.g. channels: [32, 64]");
+  }
+  if (m.type() == proto::CNN && m.kernel_size() % 2 == 0) {
+    return Status::InvalidArgument(SourceOf(sources, "model.kernel_size") +
+                                   ": key 'model.kernel_size' (" + std::to_string(m.kernel_size()) +
+                                   ") must be odd (a 'same' convolution pads kernel_size / 2)");
+  }
+  if (m.type() != proto::CNN && m.channels_size() > 0) {
+    return Status::InvalidArgument(SourceOf(sources, "model.channels") +
+                                   ": key 'model.channels' is set but 'model.type' is not cnn");
+  }
   if (config.aggregation() == proto::ALLREDUCE) {
     const auto& col = config.collective();
     if (c.num_workers() % col.teams() != 0) {

@@ -81,6 +81,8 @@ Result<Dataset> LoadIdx(const std::string& images_path, const std::string& label
   Dataset d;
   d.num_samples = max_samples > 0 ? std::min<size_t>(max_samples, *n) : *n;
   d.num_features = size_t{*rows} * *cols;
+  d.rows = *rows;
+  d.cols = *cols;
   std::vector<uint8_t> pixels(d.num_samples * d.num_features);
   SPARSEPS_RETURN_IF_ERROR(ReadExact(img->get(), pixels.data(), pixels.size(), images_path));
   d.labels.resize(d.num_samples);

@@ -14,7 +14,8 @@ namespace sparseps {
 // A labelled image set, images as float rows (normalised), labels as class ids.
 struct Dataset {
   size_t num_samples = 0;
-  size_t num_features = 0;  // rows * cols of one image
+  size_t num_features = 0;    // rows * cols of one image
+  size_t rows = 0, cols = 0;  // image height and width (pixels); rows * cols == num_features
   size_t num_classes = 10;
   std::vector<float> images;    // num_samples x num_features, row-major
   std::vector<uint8_t> labels;  // num_samples

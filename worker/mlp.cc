@@ -1,5 +1,7 @@
 #include "worker/mlp.h"
 
+#include <fmt/format.h>
+
 #include <cmath>
 #include <random>
 
@@ -18,6 +20,12 @@ Mlp::Mlp(size_t inputs, std::vector<size_t> hidden, size_t classes) {
     num_params_ += sizes_[l + 1];
   }
   acts_.resize(num_layers());
+}
+
+std::string Mlp::Describe() const {
+  std::string s = "MLP";
+  for (size_t l = 0; l < sizes_.size(); ++l) s += fmt::format("{}{}", l ? "-" : " ", sizes_[l]);
+  return s;
 }
 
 void Mlp::InitParams(uint64_t seed, float* params) const {
@@ -60,8 +68,15 @@ void Mlp::Forward(const float* params, const float* x, size_t batch) {
   }
 }
 
+double Mlp::Loss(const float* params, const float* x, const uint8_t* y, size_t batch,
+                 size_t* correct) {
+  Forward(params, x, batch);
+  return kernels::SoftmaxCrossEntropy(acts_[num_layers() - 1].data(), y, batch, sizes_.back(),
+                                      nullptr, correct);
+}
+
 double Mlp::ForwardBackward(const float* params, const float* x, const uint8_t* y, size_t batch,
-                            float* grad, size_t* correct) {
+                            float* grad, size_t* correct, float* dx) {
   Forward(params, x, batch);
   const size_t last = num_layers() - 1;
   const double loss = kernels::SoftmaxCrossEntropy(acts_[last].data(), y, batch, sizes_.back(),
@@ -73,7 +88,13 @@ double Mlp::ForwardBackward(const float* params, const float* x, const uint8_t* 
     kernels::Gemm(true, false, n_in, n_out, batch, 1.0f, in, n_in, delta_.data(), n_out, 0.0f,
                   grad + w_offset_[l], n_out);
     kernels::SumRows(delta_.data(), batch, n_out, grad + b_offset_[l]);
-    if (l == 0) break;
+    if (l == 0) {
+      if (dx != nullptr) {
+        kernels::Gemm(false, true, batch, n_in, n_out, 1.0f, delta_.data(), n_out,
+                      params + w_offset_[l], n_out, 0.0f, dx, n_in);
+      }
+      break;
+    }
     // delta_prev = delta * W^T, then through the ReLU of layer l-1.
     kernels::Gemm(false, true, batch, n_in, n_out, 1.0f, delta_.data(), n_out,
                   params + w_offset_[l], n_out, 0.0f, delta_prev_.data(), n_in);
@@ -83,7 +104,8 @@ double Mlp::ForwardBackward(const float* params, const float* x, const uint8_t* 
   return loss;
 }
 
-std::pair<double, double> Mlp::Evaluate(const float* params, const Dataset& data, size_t chunk) {
+std::pair<double, double> Mlp::Evaluate(const float* params, const Dataset& data) {
+  const size_t chunk = 1000;
   double loss_sum = 0.0;
   size_t correct = 0;
   for (size_t start = 0; start < data.num_samples; start += chunk) {

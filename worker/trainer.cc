@@ -14,8 +14,9 @@
 #include "worker/collectives/collective.h"
 #include "worker/collectives/ring.h"
 #include "worker/compressor.h"
+#include "worker/device_buffer.h"
 #include "worker/idx_reader.h"
-#include "worker/mlp.h"
+#include "worker/model.h"
 #include "worker/ps_client.h"
 
 namespace sparseps {
@@ -57,9 +58,11 @@ Result<proto::Device> ResolveDevice(proto::Device requested, std::string* detail
   detail->clear();
   if (requested == proto::CPU) return proto::CPU;
   std::string why;
-  const bool gpu = kernels::CudaDeviceAvailable(&why);
-  // The GPU training path (cuBLAS model, device-resident compression) is not built yet.
-  if (gpu) why = "found " + why + ", but the GPU training path is not implemented yet";
+  if (kernels::CudaDeviceAvailable(&why)) {
+    *detail = std::string("train.device: ") + (requested == proto::AUTO ? "auto chose " : "") +
+              "cuda: " + why;
+    return proto::CUDA;
+  }
   if (requested == proto::AUTO) {
     *detail = "train.device: auto chose cpu: " + why;
     return proto::CPU;
@@ -101,8 +104,9 @@ Status RunWorker(const proto::JobConfig& config) {
                                    " is larger than a worker's share of " +
                                    std::to_string(train->num_samples / num_workers) + " samples");
   }
-  std::vector<size_t> hidden(config.model().hidden().begin(), config.model().hidden().end());
-  Mlp model(train->num_features, hidden, train->num_classes);
+  auto made_model = MakeModel(config.model(), *train, *device);
+  if (!made_model.ok()) return made_model.status();
+  Model& model = **made_model;
   const size_t n = model.num_params();
 
   zmq::context_t context(1);
@@ -172,10 +176,19 @@ Status RunWorker(const proto::JobConfig& config) {
     }
     const float momentum = static_cast<float>(tc.momentum());
     const float step_scale = static_cast<float>(tc.lr()) / static_cast<float>(num_workers);
+    // GPU models compute on device copies of the parameters and the gradient; selection, error
+    // feedback and encoding run on the host copies (one upload and one download per step).
+    const bool on_gpu = model.on_device();
+    DeviceBuffer params_d, grad_d;
+    if (on_gpu) {
+      SPARSEPS_RETURN_IF_ERROR(params_d.Allocate(n));
+      SPARSEPS_RETURN_IF_ERROR(grad_d.Allocate(n));
+    }
     spdlog::info(
-        "model: MLP {} parameters; {} training samples on this worker, {} steps per epoch; "
+        "model: {}, {} parameters; {} training samples on this worker, {} steps per epoch; "
         "initialised in {:.2f} s",
-        n, train->num_samples / num_workers, steps_per_epoch, SecondsSince(init_start));
+        model.Describe(), n, train->num_samples / num_workers, steps_per_epoch,
+        SecondsSince(init_start));
 
     const std::string& dir = config.run().dir();
     CsvWriter metrics, evals;
@@ -223,9 +236,11 @@ Status RunWorker(const proto::JobConfig& config) {
     uint64_t step = 0;
     uint32_t epochs_done = 0;
     double eval_s = 0.0;  // time spent evaluating, left out of train_s
-    auto evaluate = [&](uint32_t epoch) {
+    auto evaluate = [&](uint32_t epoch) -> Status {
       const auto e0 = Clock::now();
-      auto [loss, acc] = model.Evaluate(params.data(), *test);
+      if (on_gpu) SPARSEPS_RETURN_IF_ERROR(params_d.Upload(params.data()));
+      auto [loss, acc] = model.Evaluate(on_gpu ? params_d.data() : params.data(), *test);
+      SPARSEPS_RETURN_IF_ERROR(model.status());
       test_accuracy = acc;
       const double wall = SecondsSince(train_start);
       evals.Row({static_cast<double>(epoch), static_cast<double>(step), wall, loss, acc,
@@ -233,6 +248,7 @@ Status RunWorker(const proto::JobConfig& config) {
       eval_s += SecondsSince(e0);
       spdlog::info("eval epoch {} step {}: test loss {:.4f}, test accuracy {:.2f}%", epoch, step,
                    loss, 100.0 * acc);
+      return Status::OK();
     };
 
     for (uint32_t epoch = 0; epoch < epochs && step < total_steps; ++epoch) {
@@ -253,8 +269,17 @@ Status RunWorker(const proto::JobConfig& config) {
                       xb.data() + b * features);
           yb[b] = train->labels[idx];
         }
-        const double loss =
-            model.ForwardBackward(model_params, xb.data(), yb.data(), batch, grad.data(), nullptr);
+        double loss = 0.0;
+        if (on_gpu) {
+          SPARSEPS_RETURN_IF_ERROR(params_d.Upload(model_params));
+          loss = model.ForwardBackward(params_d.data(), xb.data(), yb.data(), batch, grad_d.data(),
+                                       nullptr);
+          SPARSEPS_RETURN_IF_ERROR(model.status());
+          SPARSEPS_RETURN_IF_ERROR(grad_d.Download(grad.data()));
+        } else {
+          loss = model.ForwardBackward(model_params, xb.data(), yb.data(), batch, grad.data(),
+                                       nullptr);
+        }
         // A NaN/Inf gradient is caught by the compressor (one pass over it, not two).
         if (!std::isfinite(loss)) {
           return Status::FailedPrecondition("the loss became NaN/Inf at step " +
@@ -338,7 +363,7 @@ Status RunWorker(const proto::JobConfig& config) {
         if (rank == 0 && tc.eval_every_steps() > 0 && (step + 1) % tc.eval_every_steps() == 0 &&
             step + 1 < total_steps) {
           ++step;  // the row names the number of steps done
-          evaluate(epoch);
+          SPARSEPS_RETURN_IF_ERROR(evaluate(epoch));
           --step;
         }
         progress_loss += loss;
@@ -362,11 +387,11 @@ Status RunWorker(const proto::JobConfig& config) {
       epochs_done = epoch + 1;
       const uint32_t every = tc.eval_every_epochs();
       if (rank == 0 && every > 0 && epochs_done % every == 0 && step < total_steps) {
-        evaluate(epochs_done);
+        SPARSEPS_RETURN_IF_ERROR(evaluate(epochs_done));
       }
     }
     const double train_s = SecondsSince(train_start);
-    if (rank == 0) evaluate(epochs_done);
+    if (rank == 0) SPARSEPS_RETURN_IF_ERROR(evaluate(epochs_done));
 
     proto::WorkerStats stats;
     stats.set_steps(step);

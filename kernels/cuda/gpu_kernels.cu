@@ -5,18 +5,11 @@
 #include <cstring>
 #include <cub/device/device_radix_sort.cuh>
 
+#include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/gpu_kernels.h"
 
 namespace sparseps::kernels::gpu {
 namespace {
-
-constexpr int kThreads = 256;
-constexpr size_t kMaxBlocks = 4096;
-
-// Blocks for a grid-stride loop over n elements with kThreads per block.
-unsigned Blocks(size_t n) {
-  return static_cast<unsigned>(std::clamp<size_t>((n + kThreads - 1) / kThreads, 1, kMaxBlocks));
-}
 
 // The bit pattern of |v|: monotone in the magnitude for non-NaN values (as kernels::AbsKey).
 __device__ __forceinline__ uint32_t AbsKey(float v) { return __float_as_uint(v) & 0x7fffffffu; }
@@ -275,23 +268,6 @@ int IndexBits(size_t n) {
   while (b < 32 && (size_t{1} << b) < n) ++b;
   return b;
 }
-
-template <typename T>
-cudaError_t Grow(T** p, size_t* cap, size_t want) {
-  if (*cap >= want && *p != nullptr) return cudaSuccess;
-  if (*p != nullptr) cudaFree(*p);
-  *p = nullptr;
-  *cap = 0;
-  cudaError_t e = cudaMalloc(reinterpret_cast<void**>(p), std::max<size_t>(want, 1) * sizeof(T));
-  if (e == cudaSuccess) *cap = want;
-  return e;
-}
-
-#define SPARSEPS_CUDA_TRY(expr)       \
-  do {                                \
-    const cudaError_t e_ = (expr);    \
-    if (e_ != cudaSuccess) return e_; \
-  } while (0)
 
 // Sorts keys[0, k) ascending (using tmp of the same size), leaving the result in keys.
 cudaError_t SortIndices(uint32_t* keys, uint32_t* tmp, size_t k, int end_bit,

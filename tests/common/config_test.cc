@@ -81,6 +81,35 @@ TEST_F(ConfigTest, OutOfRangeNamesKey) {
   EXPECT_THAT(c.status().message(), HasSubstr("compression.density"));
 }
 
+TEST_F(ConfigTest, LoadsTheCnnConfig) {
+  auto c = LoadConfig(std::string(SPARSEPS_SOURCE_DIR) + "/configs/cnn.yaml", {}, NoEnv);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->model().type(), proto::CNN);
+  ASSERT_EQ(c->model().channels_size(), 2);
+  EXPECT_EQ(c->model().channels(1), 32u);
+  EXPECT_EQ(c->model().kernel_size(), 5u);
+}
+
+TEST_F(ConfigTest, CnnSettingsAreCheckedNamingFileLineAndKey) {
+  auto path = Write("model:\n  type: cnn\n  hidden: [16]\n");
+  auto c = LoadConfig(path, {}, NoEnv);
+  ASSERT_FALSE(c.ok());
+  EXPECT_THAT(c.status().message(), HasSubstr(path + ":2:"));
+  EXPECT_THAT(c.status().message(), HasSubstr("'model.channels' is empty"));
+
+  path = Write("model:\n  type: cnn\n  channels: [4]\n  kernel_size: 4\n");
+  c = LoadConfig(path, {}, NoEnv);
+  ASSERT_FALSE(c.ok());
+  EXPECT_THAT(c.status().message(), HasSubstr(path + ":4:"));
+  EXPECT_THAT(c.status().message(), HasSubstr("'model.kernel_size' (4) must be odd"));
+
+  path = Write("model:\n  type: mlp\n  channels: [4]\n");
+  c = LoadConfig(path, {}, NoEnv);
+  ASSERT_FALSE(c.ok());
+  EXPECT_THAT(c.status().message(), HasSubstr(path + ":3:"));
+  EXPECT_THAT(c.status().message(), HasSubstr("'model.type' is not cnn"));
+}
+
 TEST_F(ConfigTest, UnknownEncodingIsRejected) {
   auto path = Write("compression:\n  encoding: topq\n");
   auto c = LoadConfig(path, {}, NoEnv);

@@ -21,29 +21,34 @@ TEST(Device, CpuIsAlwaysCpu) {
   EXPECT_EQ(detail, "");
 }
 
-// No GPU training path exists yet, so auto falls back to cpu and says why; cuda is refused with
-// the reason, never silently run on the CPU.
-TEST(Device, AutoFallsBackToCpuSayingWhy) {
-  std::string detail;
+// auto takes the GPU when one answers and otherwise falls back to cpu saying why; cuda without a
+// GPU is refused with the reason, never silently run on the CPU.
+TEST(Device, AutoTakesTheGpuOrSaysWhyNot) {
+  std::string detail, why;
+  const bool gpu = kernels::CudaDeviceAvailable(&why);
   auto d = ResolveDevice(proto::AUTO, &detail);
   ASSERT_TRUE(d.ok()) << d.status().message();
-  EXPECT_EQ(*d, proto::CPU);
-  EXPECT_THAT(detail, HasSubstr("train.device: auto chose cpu: "));
+  EXPECT_EQ(*d, gpu ? proto::CUDA : proto::CPU);
+  EXPECT_THAT(detail, HasSubstr(gpu ? "train.device: auto chose cuda: " + why
+                                    : "train.device: auto chose cpu: " + why));
 }
 
-TEST(Device, CudaFailsNamingTheReason) {
+TEST(Device, CudaRunsOnTheGpuOrFailsNamingTheReason) {
   std::string detail, why;
   const bool gpu = kernels::CudaDeviceAvailable(&why);
   auto d = ResolveDevice(proto::CUDA, &detail);
+  if (gpu) {
+    ASSERT_TRUE(d.ok()) << d.status().message();
+    EXPECT_EQ(*d, proto::CUDA);
+    EXPECT_THAT(detail, HasSubstr(why));
+    return;
+  }
   ASSERT_FALSE(d.ok());
   EXPECT_THAT(d.status().message(), HasSubstr("train.device: cuda, but "));
   EXPECT_THAT(d.status().message(), HasSubstr(why));
 #if defined(SPARSEPS_HAVE_CUDA)
-  if (!gpu) {
-    EXPECT_THAT(why, HasSubstr("no "));
-  }
+  EXPECT_THAT(why, HasSubstr("no "));
 #else
-  EXPECT_FALSE(gpu);
   EXPECT_THAT(why, HasSubstr("this build has no CUDA"));
 #endif
 }

@@ -68,7 +68,7 @@ TEST(Mlp, LearnsSeparableData) {
     data.images.push_back(b);
     data.labels.push_back(a * b > 0 ? 1 : 0);  // XOR-like quadrants: needs the hidden layer
   }
-  auto [loss0, acc0] = mlp.Evaluate(params.data(), data, 100);
+  auto [loss0, acc0] = mlp.Evaluate(params.data(), data);
   for (int epoch = 0; epoch < 300; ++epoch) {
     for (size_t b = 0; b < data.num_samples; b += 40) {
       mlp.ForwardBackward(params.data(), &data.images[b * 2], &data.labels[b], 40, grad.data(),
@@ -76,7 +76,7 @@ TEST(Mlp, LearnsSeparableData) {
       for (size_t i = 0; i < params.size(); ++i) params[i] -= 0.2f * grad[i];
     }
   }
-  auto [loss1, acc1] = mlp.Evaluate(params.data(), data, 100);
+  auto [loss1, acc1] = mlp.Evaluate(params.data(), data);
   EXPECT_LT(loss1, loss0);
   EXPECT_GT(acc1, 0.95) << "started at " << acc0;
 }

@@ -1,0 +1,387 @@
+// GPU twins of the MLP and the CNN (see gpu_models.h): one class for both, an optional stack of
+// conv layers and then the fully connected layers, mirroring worker/cnn.cc and worker/mlp.cc
+// operation for operation.
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <utility>
+
+#include "kernels/cuda/cuda_util.cuh"
+#include "kernels/cuda/dense_kernels.h"
+#include "worker/cnn.h"
+#include "worker/cuda/gpu_models.h"
+#include "worker/mlp.h"
+
+namespace sparseps {
+namespace {
+
+namespace gpu = kernels::gpu;
+
+// Device memory that grows on demand (contents lost when it grows).
+template <typename T>
+struct DeviceArray {
+  T* p = nullptr;
+  size_t cap = 0;
+  DeviceArray() = default;
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+  DeviceArray(DeviceArray&& o) noexcept : p(std::exchange(o.p, nullptr)), cap(o.cap) {}
+  ~DeviceArray() {
+    if (p != nullptr) cudaFree(p);
+  }
+  cudaError_t Reserve(size_t n) { return gpu::Grow(&p, &cap, n); }
+};
+
+// Pinned host memory that grows on demand.
+template <typename T>
+struct PinnedArray {
+  T* p = nullptr;
+  size_t cap = 0;
+  PinnedArray() = default;
+  PinnedArray(const PinnedArray&) = delete;
+  PinnedArray& operator=(const PinnedArray&) = delete;
+  ~PinnedArray() {
+    if (p != nullptr) cudaFreeHost(p);
+  }
+  cudaError_t Reserve(size_t n) {
+    if (cap >= n && p != nullptr) return cudaSuccess;
+    if (p != nullptr) cudaFreeHost(p);
+    p = nullptr;
+    cap = 0;
+    cudaError_t e =
+        cudaMallocHost(reinterpret_cast<void**>(&p), std::max<size_t>(n, 1) * sizeof(T));
+    if (e == cudaSuccess) cap = n;
+    return e;
+  }
+};
+
+Status CudaFailure(cudaError_t e, const char* what) {
+  return Status::FailedPrecondition(std::string("CUDA error in ") + what + ": " +
+                                    cudaGetErrorString(e));
+}
+
+Status BlasFailure(cublasStatus_t e, const char* what) {
+  return Status::FailedPrecondition(std::string("cuBLAS error in ") + what + ": " +
+                                    cublasGetStatusString(e));
+}
+
+#define GPU_TRY(expr, what)                              \
+  do {                                                   \
+    const cudaError_t e_ = (expr);                       \
+    if (e_ != cudaSuccess) return CudaFailure(e_, what); \
+  } while (0)
+#define BLAS_TRY(expr, what)                                       \
+  do {                                                             \
+    const cublasStatus_t e_ = (expr);                              \
+    if (e_ != CUBLAS_STATUS_SUCCESS) return BlasFailure(e_, what); \
+  } while (0)
+
+class GpuNet final : public Model {
+ public:
+  // twin: the CPU model (layout, InitParams, Describe); convs/kernel/head_offset: its conv
+  // layers (none for an MLP); head: its fully connected part.
+  GpuNet(std::unique_ptr<Model> twin, std::vector<Cnn::Conv> convs, size_t kernel,
+         size_t head_offset, const Mlp& head)
+      : twin_(std::move(twin)),
+        convs_(std::move(convs)),
+        kernel_(kernel),
+        head_offset_(head_offset),
+        sizes_(head.sizes()) {
+    for (size_t l = 0; l + 1 < sizes_.size(); ++l) {
+      w_offset_.push_back(head.w_offset(l));
+      b_offset_.push_back(head.b_offset(l));
+    }
+    col_.resize(convs_.size());
+    act_.resize(convs_.size());
+    pooled_.resize(convs_.size());
+    argmax_.resize(convs_.size());
+    fc_.resize(sizes_.size() - 1);
+  }
+
+  ~GpuNet() override {
+    if (blas_ != nullptr) cublasDestroy(blas_);
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  }
+
+  Status Start() {
+    GPU_TRY(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+    BLAS_TRY(cublasCreate(&blas_), "cublasCreate");
+    BLAS_TRY(cublasSetStream(blas_, stream_), "cublasSetStream");
+    // FP32 GEMMs (no TF32), so the GPU model stays within float rounding of the CPU model.
+    BLAS_TRY(cublasSetMathMode(blas_, CUBLAS_DEFAULT_MATH), "cublasSetMathMode");
+    return Status::OK();
+  }
+
+  size_t num_params() const override { return twin_->num_params(); }
+  std::string Describe() const override { return twin_->Describe() + " on CUDA"; }
+  bool on_device() const override { return true; }
+  void InitParams(uint64_t seed, float* params) const override { twin_->InitParams(seed, params); }
+  Status status() const override { return status_; }
+
+  double ForwardBackward(const float* params, const float* x, const uint8_t* y, size_t batch,
+                         float* grad, size_t* correct) override {
+    if (!status_.ok()) return std::numeric_limits<double>::quiet_NaN();
+    double loss = 0.0;
+    Record([&]() -> Status {
+      SPARSEPS_RETURN_IF_ERROR(Upload(x, y, batch));
+      SPARSEPS_RETURN_IF_ERROR(Forward(params, batch));
+      SPARSEPS_RETURN_IF_ERROR(Backward(params, batch, grad));
+      return SumLoss(batch, &loss, correct);
+    }());
+    return status_.ok() ? loss : std::numeric_limits<double>::quiet_NaN();
+  }
+
+  std::pair<double, double> Evaluate(const float* params, const Dataset& data) override {
+    const double nan = std::numeric_limits<double>::quiet_NaN();
+    if (!status_.ok()) return {nan, nan};
+    const size_t chunk = convs_.empty() ? 1000 : 100;
+    double loss_sum = 0.0;
+    size_t correct = 0;
+    Record([&]() -> Status {
+      for (size_t start = 0; start < data.num_samples; start += chunk) {
+        const size_t n = std::min(chunk, data.num_samples - start);
+        SPARSEPS_RETURN_IF_ERROR(
+            Upload(data.images.data() + start * data.num_features, data.labels.data() + start, n));
+        SPARSEPS_RETURN_IF_ERROR(Forward(params, n));
+        double loss = 0.0;
+        GPU_TRY(gpu::SoftmaxCrossEntropy(logits(), y_.p, n, sizes_.back(), nullptr, row_loss_.p,
+                                         row_correct_.p, stream_),
+                "softmax cross-entropy");
+        SPARSEPS_RETURN_IF_ERROR(SumLoss(n, &loss, &correct));
+        loss_sum += loss * static_cast<double>(n);
+      }
+      return Status::OK();
+    }());
+    if (!status_.ok()) return {nan, nan};
+    const double n = static_cast<double>(std::max<size_t>(data.num_samples, 1));
+    return {loss_sum / n, static_cast<double>(correct) / n};
+  }
+
+ private:
+  // Keeps s as the model's status (nvcc's front end warns on the ignored Status& of operator=).
+  void Record(Status s) { static_cast<void>(status_ = std::move(s)); }
+
+  size_t features() const { return convs_.empty() ? sizes_[0] : convs_[0].h * convs_[0].w; }
+  float* logits() { return fc_.back().p; }
+
+  // Row-major C = op(A) op(B) through column-major cuBLAS: C^T = op(B)^T op(A)^T.
+  Status Gemm(bool ta, bool tb, size_t m, size_t n, size_t k, const float* a, size_t lda,
+              const float* b, size_t ldb, float* c, size_t ldc) {
+    const float one = 1.0f, zero = 0.0f;
+    BLAS_TRY(cublasSgemm(blas_, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
+                         static_cast<int>(n), static_cast<int>(m), static_cast<int>(k), &one, b,
+                         static_cast<int>(ldb), a, static_cast<int>(lda), &zero, c,
+                         static_cast<int>(ldc)),
+             "cublasSgemm");
+    return Status::OK();
+  }
+
+  Status Reserve(size_t batch) {
+    if (batch <= reserved_batch_) return Status::OK();
+    const size_t classes = sizes_.back();
+    GPU_TRY(x_.Reserve(batch * features()), "cudaMalloc");
+    GPU_TRY(x_host_.Reserve(batch * features()), "cudaMallocHost");
+    GPU_TRY(y_.Reserve(batch), "cudaMalloc");
+    GPU_TRY(y_host_.Reserve(batch), "cudaMallocHost");
+    GPU_TRY(row_loss_.Reserve(batch), "cudaMalloc");
+    GPU_TRY(row_correct_.Reserve(batch), "cudaMalloc");
+    GPU_TRY(loss_host_.Reserve(batch), "cudaMallocHost");
+    GPU_TRY(correct_host_.Reserve(batch), "cudaMallocHost");
+    size_t widest_col = 0, widest_act = 0, widest_rows = batch;
+    for (size_t i = 0; i < convs_.size(); ++i) {
+      const Cnn::Conv& c = convs_[i];
+      const size_t positions = batch * c.h * c.w;
+      GPU_TRY(col_[i].Reserve(positions * kernel_ * kernel_ * c.c_in), "cudaMalloc");
+      GPU_TRY(act_[i].Reserve(positions * c.c_out), "cudaMalloc");
+      GPU_TRY(pooled_[i].Reserve(batch * (c.h / 2) * (c.w / 2) * c.c_out), "cudaMalloc");
+      GPU_TRY(argmax_[i].Reserve(batch * (c.h / 2) * (c.w / 2) * c.c_out), "cudaMalloc");
+      widest_col = std::max(widest_col, positions * kernel_ * kernel_ * c.c_in);
+      widest_act = std::max({widest_act, positions * c.c_out, positions * c.c_in});
+      widest_rows = std::max(widest_rows, positions);
+    }
+    size_t widest_fc = 0, widest_cols = classes;
+    for (size_t l = 0; l + 1 < sizes_.size(); ++l) {
+      GPU_TRY(fc_[l].Reserve(batch * sizes_[l + 1]), "cudaMalloc");
+      widest_fc = std::max({widest_fc, sizes_[l + 1], sizes_[l]});
+    }
+    for (const Cnn::Conv& c : convs_) widest_cols = std::max(widest_cols, c.c_out);
+    widest_cols = std::max(widest_cols, widest_fc);
+    GPU_TRY(delta_.Reserve(batch * widest_fc), "cudaMalloc");
+    GPU_TRY(delta_prev_.Reserve(batch * widest_fc), "cudaMalloc");
+    GPU_TRY(d_pooled_.Reserve(std::max(widest_act, batch * widest_fc)), "cudaMalloc");
+    GPU_TRY(d_act_.Reserve(widest_act), "cudaMalloc");
+    GPU_TRY(d_col_.Reserve(widest_col), "cudaMalloc");
+    GPU_TRY(sum_scratch_.Reserve(gpu::SumRowsScratch(widest_rows, widest_cols)), "cudaMalloc");
+    reserved_batch_ = batch;
+    return Status::OK();
+  }
+
+  // Copies the batch to the device through the pinned buffers.
+  Status Upload(const float* x, const uint8_t* y, size_t batch) {
+    SPARSEPS_RETURN_IF_ERROR(Reserve(batch));
+    const size_t nx = batch * features();
+    std::memcpy(x_host_.p, x, nx * sizeof(float));
+    std::memcpy(y_host_.p, y, batch);
+    GPU_TRY(cudaMemcpyAsync(x_.p, x_host_.p, nx * sizeof(float), cudaMemcpyHostToDevice, stream_),
+            "copying the batch");
+    GPU_TRY(cudaMemcpyAsync(y_.p, y_host_.p, batch, cudaMemcpyHostToDevice, stream_),
+            "copying the labels");
+    return Status::OK();
+  }
+
+  Status Forward(const float* params, size_t batch) {
+    const float* in = x_.p;
+    for (size_t i = 0; i < convs_.size(); ++i) {
+      const Cnn::Conv& c = convs_[i];
+      const size_t positions = batch * c.h * c.w, patch = kernel_ * kernel_ * c.c_in;
+      GPU_TRY(gpu::Im2ColSame(in, batch, c.h, c.w, c.c_in, kernel_, col_[i].p, stream_), "im2col");
+      SPARSEPS_RETURN_IF_ERROR(Gemm(false, true, positions, c.c_out, patch, col_[i].p, patch,
+                                    params + c.w_offset, patch, act_[i].p, c.c_out));
+      GPU_TRY(gpu::AddBiasRows(act_[i].p, params + c.b_offset, positions, c.c_out, stream_),
+              "bias");
+      GPU_TRY(gpu::ReluForward(act_[i].p, positions * c.c_out, stream_), "relu");
+      GPU_TRY(
+          gpu::MaxPool2x2(act_[i].p, batch, c.h, c.w, c.c_out, pooled_[i].p, argmax_[i].p, stream_),
+          "max pooling");
+      in = pooled_[i].p;
+    }
+    const float* head = params + head_offset_;
+    for (size_t l = 0; l + 1 < sizes_.size(); ++l) {
+      const size_t n_in = sizes_[l], n_out = sizes_[l + 1];
+      SPARSEPS_RETURN_IF_ERROR(Gemm(false, false, batch, n_out, n_in, in, n_in, head + w_offset_[l],
+                                    n_out, fc_[l].p, n_out));
+      GPU_TRY(gpu::AddBiasRows(fc_[l].p, head + b_offset_[l], batch, n_out, stream_), "bias");
+      if (l + 2 < sizes_.size()) {
+        GPU_TRY(gpu::ReluForward(fc_[l].p, batch * n_out, stream_), "relu");
+      }
+      in = fc_[l].p;
+    }
+    return Status::OK();
+  }
+
+  Status Backward(const float* params, size_t batch, float* grad) {
+    GPU_TRY(gpu::SoftmaxCrossEntropy(logits(), y_.p, batch, sizes_.back(), delta_.p, row_loss_.p,
+                                     row_correct_.p, stream_),
+            "softmax cross-entropy");
+    const float* head = params + head_offset_;
+    float* head_grad = grad + head_offset_;
+    for (size_t l = sizes_.size() - 1; l-- > 0;) {
+      const size_t n_in = sizes_[l], n_out = sizes_[l + 1];
+      const float* in = l > 0 ? fc_[l - 1].p : (convs_.empty() ? x_.p : pooled_.back().p);
+      SPARSEPS_RETURN_IF_ERROR(Gemm(true, false, n_in, n_out, batch, in, n_in, delta_.p, n_out,
+                                    head_grad + w_offset_[l], n_out));
+      GPU_TRY(
+          gpu::SumRows(delta_.p, batch, n_out, head_grad + b_offset_[l], sum_scratch_.p, stream_),
+          "bias gradient");
+      if (l == 0) {
+        if (!convs_.empty()) {
+          SPARSEPS_RETURN_IF_ERROR(Gemm(false, true, batch, n_in, n_out, delta_.p, n_out,
+                                        head + w_offset_[l], n_out, d_pooled_.p, n_in));
+        }
+        break;
+      }
+      SPARSEPS_RETURN_IF_ERROR(Gemm(false, true, batch, n_in, n_out, delta_.p, n_out,
+                                    head + w_offset_[l], n_out, delta_prev_.p, n_in));
+      GPU_TRY(gpu::ReluBackward(delta_prev_.p, fc_[l - 1].p, batch * n_in, stream_), "relu");
+      std::swap(delta_.p, delta_prev_.p);
+      std::swap(delta_.cap, delta_prev_.cap);
+    }
+    for (size_t i = convs_.size(); i-- > 0;) {
+      const Cnn::Conv& c = convs_[i];
+      const size_t positions = batch * c.h * c.w, patch = kernel_ * kernel_ * c.c_in;
+      const size_t pooled = batch * (c.h / 2) * (c.w / 2) * c.c_out;
+      GPU_TRY(gpu::MaxPool2x2Backward(d_pooled_.p, argmax_[i].p, pooled, positions * c.c_out,
+                                      d_act_.p, stream_),
+              "max pooling backward");
+      GPU_TRY(gpu::ReluBackward(d_act_.p, act_[i].p, positions * c.c_out, stream_), "relu");
+      SPARSEPS_RETURN_IF_ERROR(Gemm(true, false, c.c_out, patch, positions, d_act_.p, c.c_out,
+                                    col_[i].p, patch, grad + c.w_offset, patch));
+      GPU_TRY(
+          gpu::SumRows(d_act_.p, positions, c.c_out, grad + c.b_offset, sum_scratch_.p, stream_),
+          "bias gradient");
+      if (i == 0) break;
+      SPARSEPS_RETURN_IF_ERROR(Gemm(false, false, positions, patch, c.c_out, d_act_.p, c.c_out,
+                                    params + c.w_offset, patch, d_col_.p, patch));
+      GPU_TRY(gpu::Col2ImSame(d_col_.p, batch, c.h, c.w, c.c_in, kernel_, d_pooled_.p, stream_),
+              "col2im");
+    }
+    return Status::OK();
+  }
+
+  // Copies the per-row losses back (the one synchronisation of a step) and sums them in row
+  // order, as the CPU does.
+  Status SumLoss(size_t batch, double* loss, size_t* correct) {
+    GPU_TRY(cudaMemcpyAsync(loss_host_.p, row_loss_.p, batch * sizeof(double),
+                            cudaMemcpyDeviceToHost, stream_),
+            "copying the losses");
+    GPU_TRY(
+        cudaMemcpyAsync(correct_host_.p, row_correct_.p, batch, cudaMemcpyDeviceToHost, stream_),
+        "copying the predictions");
+    GPU_TRY(cudaStreamSynchronize(stream_), "the step");
+    double total = 0.0;
+    size_t right = 0;
+    for (size_t r = 0; r < batch; ++r) {
+      total += loss_host_.p[r];
+      right += correct_host_.p[r];
+    }
+    *loss = total / static_cast<double>(std::max<size_t>(batch, 1));
+    if (correct != nullptr) *correct += right;
+    return Status::OK();
+  }
+
+  std::unique_ptr<Model> twin_;
+  std::vector<Cnn::Conv> convs_;
+  size_t kernel_;
+  size_t head_offset_;
+  std::vector<size_t> sizes_, w_offset_, b_offset_;
+  cudaStream_t stream_ = nullptr;
+  cublasHandle_t blas_ = nullptr;
+  Status status_;
+  size_t reserved_batch_ = 0;
+  DeviceArray<float> x_;
+  DeviceArray<uint8_t> y_, row_correct_;
+  DeviceArray<double> row_loss_;
+  PinnedArray<float> x_host_;
+  PinnedArray<uint8_t> y_host_, correct_host_;
+  PinnedArray<double> loss_host_;
+  std::vector<DeviceArray<float>> col_, act_, pooled_, fc_;
+  std::vector<DeviceArray<uint32_t>> argmax_;
+  DeviceArray<float> delta_, delta_prev_, d_pooled_, d_act_, d_col_, sum_scratch_;
+};
+
+Result<std::unique_ptr<Model>> Start(std::unique_ptr<GpuNet> net) {
+  int devices = 0;
+  if (cudaError_t e = cudaGetDeviceCount(&devices); e != cudaSuccess || devices == 0) {
+    return Status::FailedPrecondition(
+        std::string("train.device: cuda, but no usable CUDA device (") +
+        (e != cudaSuccess ? cudaGetErrorString(e) : "none found") + ")");
+  }
+  SPARSEPS_RETURN_IF_ERROR(net->Start());
+  return std::unique_ptr<Model>(std::move(net));
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Model>> MakeGpuMlp(size_t inputs, std::vector<size_t> hidden,
+                                          size_t classes) {
+  auto twin = std::make_unique<Mlp>(inputs, std::move(hidden), classes);
+  const Mlp& head = *twin;
+  return Start(std::make_unique<GpuNet>(std::move(twin), std::vector<Cnn::Conv>{}, 0, 0, head));
+}
+
+Result<std::unique_ptr<Model>> MakeGpuCnn(size_t rows, size_t cols, std::vector<size_t> channels,
+                                          size_t kernel, std::vector<size_t> hidden,
+                                          size_t classes) {
+  auto twin =
+      std::make_unique<Cnn>(rows, cols, std::move(channels), kernel, std::move(hidden), classes);
+  const Cnn& cnn = *twin;
+  auto convs = cnn.convs();
+  return Start(std::make_unique<GpuNet>(std::move(twin), std::move(convs), cnn.kernel(),
+                                        cnn.head_offset(), cnn.head()));
+}
+
+}  // namespace sparseps

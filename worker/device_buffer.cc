@@ -1,0 +1,67 @@
+#include "worker/device_buffer.h"
+
+#include <algorithm>
+#include <string>
+
+#if SPARSEPS_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace sparseps {
+namespace {
+
+#if SPARSEPS_HAVE_CUDA
+Status Check(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return Status::OK();
+  return Status::FailedPrecondition(std::string("CUDA error in ") + what + ": " +
+                                    cudaGetErrorString(e));
+}
+#else
+Status NoCuda() { return Status::FailedPrecondition("this build has no CUDA"); }
+#endif
+
+}  // namespace
+
+DeviceBuffer::~DeviceBuffer() {
+#if SPARSEPS_HAVE_CUDA
+  if (data_ != nullptr) cudaFree(data_);
+#endif
+}
+
+Status DeviceBuffer::Allocate(size_t n) {
+#if SPARSEPS_HAVE_CUDA
+  if (data_ != nullptr) cudaFree(data_);
+  data_ = nullptr;
+  size_ = 0;
+  SPARSEPS_RETURN_IF_ERROR(
+      Check(cudaMalloc(reinterpret_cast<void**>(&data_), std::max<size_t>(n, 1) * sizeof(float)),
+            "cudaMalloc"));
+  size_ = n;
+  return Status::OK();
+#else
+  (void)n;
+  return NoCuda();
+#endif
+}
+
+Status DeviceBuffer::Upload(const float* host) {
+#if SPARSEPS_HAVE_CUDA
+  return Check(cudaMemcpy(data_, host, size_ * sizeof(float), cudaMemcpyHostToDevice),
+               "copying to the device");
+#else
+  (void)host;
+  return NoCuda();
+#endif
+}
+
+Status DeviceBuffer::Download(float* host) const {
+#if SPARSEPS_HAVE_CUDA
+  return Check(cudaMemcpy(host, data_, size_ * sizeof(float), cudaMemcpyDeviceToHost),
+               "copying from the device");
+#else
+  (void)host;
+  return NoCuda();
+#endif
+}
+
+}  // namespace sparseps

@@ -1,0 +1,61 @@
+// The models a worker trains, behind one interface: an MLP (worker/mlp.h) and a small CNN
+// (worker/cnn.h) on the CPU, and their CUDA twins (worker/cuda/gpu_models.h).
+//
+// Parameters live in one flat fp32 vector (the PS key space) whose layout each model documents.
+// A CPU model reads and writes host memory; a GPU model (on_device() true) takes params and grad
+// in device memory and the batch (x, y) in host memory.
+//
+// Thread-safety: a model holds scratch buffers; use one per thread.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "common/status.h"
+#include "proto/config.pb.h"
+#include "worker/idx_reader.h"
+
+namespace sparseps {
+
+class Model {
+ public:
+  virtual ~Model() = default;
+
+  // Elements of the flat parameter vector.
+  virtual size_t num_params() const = 0;
+
+  // One line for the log, e.g. "MLP 784-256-128-10".
+  virtual std::string Describe() const = 0;
+
+  // True when params and grad of ForwardBackward and Evaluate are device pointers.
+  virtual bool on_device() const { return false; }
+
+  // Seeded initial parameters, identical on every machine for the same seed (host memory,
+  // num_params() elements, also for a GPU model).
+  virtual void InitParams(uint64_t seed, float* params) const = 0;
+
+  // Mean cross-entropy loss of the batch (x: batch x features, y: batch labels, host memory) and
+  // its gradient with respect to params, written to grad (num_params() elements, overwritten).
+  // Adds the number of correct arg-max predictions to *correct when not null.
+  virtual double ForwardBackward(const float* params, const float* x, const uint8_t* y,
+                                 size_t batch, float* grad, size_t* correct) = 0;
+
+  // Mean loss and accuracy (fraction) over the whole dataset.
+  virtual std::pair<double, double> Evaluate(const float* params, const Dataset& data) = 0;
+
+  // The first failure of the device (a GPU model's CUDA or cuBLAS error); OK for CPU models.
+  // After a failure ForwardBackward and Evaluate return NaN.
+  virtual Status status() const { return Status::OK(); }
+};
+
+// The model of `config` (model.type, widths) for images shaped like `shape` (rows, cols,
+// num_classes) on `device` (proto::CPU or proto::CUDA; resolve AUTO first). Errors:
+// InvalidArgument naming the key for a shape the model cannot take (a CNN needs
+// model.channels, an odd model.kernel_size and images that survive its poolings);
+// FailedPrecondition for CUDA in a build without CUDA.
+Result<std::unique_ptr<Model>> MakeModel(const proto::ModelConfig& config, const Dataset& shape,
+                                         proto::Device device);
+
+}  // namespace sparseps
