@@ -42,6 +42,12 @@ class CountSketchHash {
   // With an even number of rows the mean of the two middle values.
   void Estimate(const float* table, uint64_t key_begin, size_t n, float* out) const;
 
+  // The hash coefficients (for the GPU twin, kernels/cuda/gpu_kernels.h GpuCountSketch): per row
+  // a_j and b_j of the bucket hash, and c_j0..c_j3 of the sign polynomial (4 per row).
+  const std::vector<uint64_t>& bucket_a() const { return bucket_a_; }
+  const std::vector<uint64_t>& bucket_b() const { return bucket_b_; }
+  const std::vector<uint64_t>& sign_coefficients() const { return sign_c_; }
+
  private:
   uint32_t rows_;
   uint32_t columns_;

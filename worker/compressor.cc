@@ -43,6 +43,20 @@ std::vector<uint32_t> RangeSlice(const std::vector<uint32_t>& sorted, const KeyR
 
 }  // namespace
 
+void EncodeTopKPushes(const std::vector<uint32_t>& selected, const std::vector<float>& values,
+                      const std::vector<KeyRange>& ranges, TopKFormat format,
+                      std::vector<Message>* out) {
+  for (const auto& r : ranges) {
+    size_t first = 0;
+    std::vector<uint32_t> idx = RangeSlice(selected, r, &first);
+    std::vector<float> vals(values.begin() + static_cast<ptrdiff_t>(first),
+                            values.begin() + static_cast<ptrdiff_t>(first + idx.size()));
+    Message m = NewPush(r);
+    EncodeTopK(std::move(idx), std::move(vals), &m, format);
+    out->push_back(std::move(m));
+  }
+}
+
 size_t WarmupK(double density, uint32_t warmup_epochs, uint32_t epoch, size_t n) {
   double d = density;
   if (epoch < warmup_epochs) {
@@ -120,15 +134,7 @@ Status TopKCompressor::Compress(const float* grad, const std::vector<KeyRange>& 
     }
   }
   last_selected_ = k;
-  for (const auto& r : ranges) {
-    size_t first = 0;
-    std::vector<uint32_t> idx = RangeSlice(selected_, r, &first);
-    std::vector<float> vals(values_.begin() + static_cast<ptrdiff_t>(first),
-                            values_.begin() + static_cast<ptrdiff_t>(first + idx.size()));
-    Message m = NewPush(r);
-    EncodeTopK(std::move(idx), std::move(vals), &m, format_);
-    out->push_back(std::move(m));
-  }
+  EncodeTopKPushes(selected_, values_, ranges, format_, out);
   return Status::OK();
 }
 

@@ -53,7 +53,17 @@ class Compressor {
 
   // Elements selected in the last Compress call (all of them for dense).
   virtual size_t last_selected() const = 0;
+
+  // True when Compress takes the gradient in device memory (worker/cuda/gpu_compressor.h).
+  virtual bool on_device() const { return false; }
 };
+
+// Appends one TOPK push per range in `ranges` (a sorted cover of the key space) holding the
+// entries of (selected, values) that fall into it, keys relative to the range. selected: global
+// keys, strictly increasing; values: one per key (already rounded when format.fp16_values).
+void EncodeTopKPushes(const std::vector<uint32_t>& selected, const std::vector<float>& values,
+                      const std::vector<KeyRange>& ranges, TopKFormat format,
+                      std::vector<Message>* out);
 
 // `dense`: momentum SGD's velocity u = m*u + g is pushed whole; nothing is held back.
 class DenseCompressor final : public Compressor {

@@ -5,6 +5,8 @@
 
 #if SPARSEPS_HAVE_CUDA
 #include <cuda_runtime_api.h>
+
+#include "kernels/cuda/gpu_kernels.h"
 #endif
 
 namespace sparseps {
@@ -60,6 +62,17 @@ Status DeviceBuffer::Download(float* host) const {
                "copying from the device");
 #else
   (void)host;
+  return NoCuda();
+#endif
+}
+
+Status DeviceBuffer::Axpy(float a, const DeviceBuffer& x) {
+#if SPARSEPS_HAVE_CUDA
+  SPARSEPS_RETURN_IF_ERROR(Check(kernels::gpu::Axpy(a, x.data(), data_, size_, nullptr), "axpy"));
+  return Check(cudaStreamSynchronize(nullptr), "axpy");
+#else
+  (void)a;
+  (void)x;
   return NoCuda();
 #endif
 }

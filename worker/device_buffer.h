@@ -28,6 +28,9 @@ class DeviceBuffer {
   Status Upload(const float* host);
   Status Download(float* host) const;
 
+  // this += a * x over size() elements (x.size() >= size()), on the device; synchronous.
+  Status Axpy(float a, const DeviceBuffer& x);
+
  private:
   float* data_ = nullptr;
   size_t size_ = 0;

@@ -14,6 +14,9 @@
 #include "worker/collectives/collective.h"
 #include "worker/collectives/ring.h"
 #include "worker/compressor.h"
+#if SPARSEPS_HAVE_CUDA
+#include "worker/cuda/gpu_compressor.h"
+#endif
 #include "worker/device_buffer.h"
 #include "worker/idx_reader.h"
 #include "worker/model.h"
@@ -176,8 +179,10 @@ Status RunWorker(const proto::JobConfig& config) {
     }
     const float momentum = static_cast<float>(tc.momentum());
     const float step_scale = static_cast<float>(tc.lr()) / static_cast<float>(num_workers);
-    // GPU models compute on device copies of the parameters and the gradient; selection, error
-    // feedback and encoding run on the host copies (one upload and one download per step).
+    // GPU models compute on device copies of the parameters and the gradient (the parameters go
+    // up once per step). With a device compressor (PS mode, topk, exact selection) the gradient
+    // stays there and only the selected entries come down; otherwise it comes down whole and the
+    // CPU compressor or collective takes it.
     const bool on_gpu = model.on_device();
     DeviceBuffer params_d, grad_d;
     if (on_gpu) {
@@ -203,7 +208,22 @@ Status RunWorker(const proto::JobConfig& config) {
     }
 
     std::vector<uint32_t> shard = ShardIndices(train->num_samples, tc.seed(), rank, num_workers);
-    auto compressor = MakeCompressor(config, n);
+    std::unique_ptr<Compressor> compressor;
+#if SPARSEPS_HAVE_CUDA
+    if (on_gpu && !allreduce) {
+      auto made = MakeGpuCompressor(n, config.compression(), momentum);
+      if (!made.ok()) return made.status();
+      compressor = std::move(*made);
+    }
+#endif
+    if (!compressor) compressor = MakeCompressor(config, n);
+    const bool grad_on_device = compressor->on_device();
+    if (on_gpu) {
+      spdlog::info("compression on the {}", grad_on_device
+                                                ? "GPU (only the selected entries "
+                                                  "come to the host)"
+                                                : "CPU (the gradient comes to the host)");
+    }
     ps.set_changed_callback([&](uint64_t begin, std::span<const uint32_t> keys) {
       compressor->OnChanged(begin, keys);
     });
@@ -275,7 +295,11 @@ Status RunWorker(const proto::JobConfig& config) {
           loss = model.ForwardBackward(params_d.data(), xb.data(), yb.data(), batch, grad_d.data(),
                                        nullptr);
           SPARSEPS_RETURN_IF_ERROR(model.status());
-          SPARSEPS_RETURN_IF_ERROR(grad_d.Download(grad.data()));
+          if (grad_on_device) {
+            if (wd > 0 && std::isfinite(loss)) SPARSEPS_RETURN_IF_ERROR(grad_d.Axpy(wd, params_d));
+          } else {
+            SPARSEPS_RETURN_IF_ERROR(grad_d.Download(grad.data()));
+          }
         } else {
           loss = model.ForwardBackward(model_params, xb.data(), yb.data(), batch, grad.data(),
                                        nullptr);
@@ -285,7 +309,7 @@ Status RunWorker(const proto::JobConfig& config) {
           return Status::FailedPrecondition("the loss became NaN/Inf at step " +
                                             std::to_string(step) + " (try a smaller train.lr)");
         }
-        if (wd > 0) kernels::Axpy(wd, model_params, grad.data(), n);
+        if (wd > 0 && !grad_on_device) kernels::Axpy(wd, model_params, grad.data(), n);
         const auto t1 = Clock::now();
         const uint64_t sent0 = bytes_sent(), recv0 = bytes_received();
         auto t2 = t1;
@@ -329,7 +353,9 @@ Status RunWorker(const proto::JobConfig& config) {
           }
         } else if (compressor->LocalStep(grad.data(), model_params)) {
           pushes.clear();
-          if (Status c = compressor->Compress(grad.data(), ps.ranges(), &pushes); !c.ok()) {
+          if (Status c = compressor->Compress(grad_on_device ? grad_d.data() : grad.data(),
+                                              ps.ranges(), &pushes);
+              !c.ok()) {
             return Status::FailedPrecondition(c.message() + " at step " + std::to_string(step) +
                                               " (try a smaller train.lr)");
           }

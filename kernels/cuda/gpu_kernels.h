@@ -15,6 +15,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
+
+#include "kernels/count_sketch.h"
 
 namespace sparseps::kernels::gpu {
 
@@ -109,6 +112,64 @@ class GpuThresholdSelect {
   uint32_t* counter_ = nullptr;
   unsigned char* cub_tmp_ = nullptr;  // CUB's temporary storage
   size_t cap_ = 0, val_cap_ = 0, cub_tmp_bytes_ = 0;
+};
+
+// SBC binarisation (Sattler et al., arXiv 1805.08768, Algorithm 1), twin of the step in
+// worker/compressor.cc SbcCompressor::Compress after A = a + R: P+ = the (at most) k largest
+// positive entries of A, P- = the k most negative; the side with the larger mean magnitude mu is
+// sent as its indices with the one value +-mu; then A[i] -= value and u[i] = 0 (momentum factor
+// masking) at the sent indices. Zeros are never selected. Method: one pass writes one side's part
+// (and counts its non-zeros), GpuTopK selects min(k, non-zeros) of it, the selected magnitudes are
+// summed in double (atomics: equal to the CPU's mean within double rounding).
+class GpuSbc {
+ public:
+  GpuSbc() = default;
+  ~GpuSbc();
+  GpuSbc(const GpuSbc&) = delete;
+  GpuSbc& operator=(const GpuSbc&) = delete;
+
+  // residual: A (updated in place); velocity: u (may be null). Writes the sent indices
+  // (increasing) to idx_out (room for k), sets *host_count and *host_value. Synchronises.
+  cudaError_t Binarize(float* residual, float* velocity, size_t n, size_t k, uint32_t* idx_out,
+                       size_t* host_count, float* host_value, cudaStream_t stream);
+
+ private:
+  GpuTopK topk_;
+  float* side_ = nullptr;
+  uint32_t* other_ = nullptr;  // the positive side's indices while the negative one is selected
+  unsigned long long* nonzeros_ = nullptr;
+  double* sum_ = nullptr;
+  size_t side_cap_ = 0, other_cap_ = 0, nonzeros_cap_ = 0, sum_cap_ = 0;
+};
+
+// Count sketch on the device, twin of kernels::CountSketchHash (the same coefficients, so the
+// same buckets and signs: p = 2^61 - 1 arithmetic with 64-bit high multiplies, Barrett reduction
+// by 2^64 / columns). Hashes are computed on the fly, no tables. Insertions add with atomics (a
+// different order than the CPU: equal within float rounding, exactly for integer values);
+// Estimate is bitwise equal to the CPU's.
+class GpuCountSketch {
+ public:
+  explicit GpuCountSketch(const CountSketchHash& hash);
+  ~GpuCountSketch();
+  GpuCountSketch(const GpuCountSketch&) = delete;
+  GpuCountSketch& operator=(const GpuCountSketch&) = delete;
+
+  // table[rows x columns] += sketch of v[0, n) (first key key_begin); zeros skipped.
+  cudaError_t InsertDense(const float* v, size_t n, uint64_t key_begin, float* table,
+                          cudaStream_t stream);
+  // table += sketch of vals[j] at keys key_begin + idx[j], j < k.
+  cudaError_t InsertSparse(const uint32_t* idx, const float* vals, size_t k, uint64_t key_begin,
+                           float* table, cudaStream_t stream);
+  // out[t] = the median over rows of s_j(i) table[j][h_j(i)], i = key_begin + t, t < n.
+  cudaError_t Estimate(const float* table, uint64_t key_begin, size_t n, float* out,
+                       cudaStream_t stream);
+
+ private:
+  cudaError_t Upload();
+  uint32_t rows_, columns_;
+  uint64_t column_inv_;
+  std::vector<uint64_t> host_coeffs_;  // per row: a, b, c0..c3
+  uint64_t* coeffs_ = nullptr;         // the same on the device (uploaded at first use)
 };
 
 }  // namespace sparseps::kernels::gpu

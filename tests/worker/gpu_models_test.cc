@@ -9,12 +9,15 @@
 #include <random>
 #include <vector>
 
+#include "common/key_range.h"
 #include "kernels/conv.h"
 #include "kernels/cuda/dense_kernels.h"
 #include "kernels/cuda/gpu_kernels.h"
 #include "kernels/dense.h"
 #include "kernels/error_feedback.h"
 #include "tests/support/gpu_testing.h"
+#include "worker/compressor.h"
+#include "worker/cuda/gpu_compressor.h"
 #include "worker/model.h"
 
 namespace sparseps {
@@ -216,6 +219,154 @@ TEST(GpuModels, TrainingReachesTheCpuAccuracy) {
   const auto [gpu_loss, gpu_acc] = (*gpu)->Evaluate(d_params.get(), *test);
   EXPECT_GT(cpu_acc, 0.70);
   EXPECT_NEAR(gpu_acc, cpu_acc, 0.01) << "cpu loss " << cpu_loss << ", gpu loss " << gpu_loss;
+}
+
+// The device top-k compressor against TopKCompressor over three pushes, with plain and with
+// fp16/varint payloads: byte-identical pushes per key range, and the same residual and velocity
+// (error feedback bitwise equal, so nothing is lost or gained on the device).
+TEST(GpuTopKCompressor, PushesAndResidualsEqualTheCpuCompressor) {
+  SKIP_WITHOUT_GPU();
+  const size_t n = 3 << 19;
+  const auto ranges = SplitKeyRanges(n, 3);
+  for (bool compact : {false, true}) {
+    proto::CompressionConfig c;
+    c.set_encoding(proto::TOPK);
+    c.set_density(0.001);
+    c.set_fp16_values(compact);
+    c.set_varint_indices(compact);
+    TopKCompressor cpu(n, c, 0.9f);
+    auto made = MakeGpuCompressor(n, c, 0.9f);
+    ASSERT_TRUE(made.ok()) << made.status().message();
+    ASSERT_TRUE(*made);
+    Compressor& gpu = **made;
+    ASSERT_TRUE(gpu.on_device());
+    for (int round = 0; round < 3; ++round) {
+      const auto g = Normal(n, 30 + round);
+      DeviceVector<float> dg(g);
+      std::vector<Message> cpu_out, gpu_out;
+      ASSERT_TRUE(cpu.Compress(g.data(), ranges, &cpu_out).ok());
+      ASSERT_TRUE(gpu.Compress(dg.get(), ranges, &gpu_out).ok());
+      ASSERT_EQ(gpu.last_selected(), cpu.last_selected());
+      ASSERT_EQ(gpu_out.size(), cpu_out.size());
+      for (size_t r = 0; r < cpu_out.size(); ++r) {
+        EXPECT_EQ(gpu_out[r].header.SerializeAsString(), cpu_out[r].header.SerializeAsString());
+        ASSERT_EQ(gpu_out[r].frames.size(), cpu_out[r].frames.size());
+        for (size_t f = 0; f < cpu_out[r].frames.size(); ++f) {
+          EXPECT_EQ(gpu_out[r].frames[f].to_string(), cpu_out[r].frames[f].to_string())
+              << "round " << round << " range " << r << " frame " << f;
+        }
+      }
+      std::vector<float> residual, velocity;
+      ASSERT_TRUE(DownloadGpuCompressorState(gpu, &residual, &velocity).ok());
+      EXPECT_EQ(residual, cpu.residual()) << "round " << round;
+      EXPECT_EQ(velocity, cpu.velocity()) << "round " << round;
+    }
+  }
+  // A NaN in the gradient is refused before anything changes.
+  proto::CompressionConfig c;
+  c.set_density(0.01);
+  auto made = MakeGpuCompressor(1000, c, 0.9f);
+  ASSERT_TRUE(made.ok());
+  std::vector<float> bad(1000, 1.0f);
+  bad[500] = std::nanf("");
+  DeviceVector<float> dbad(bad);
+  std::vector<Message> out;
+  EXPECT_EQ((*made)->Compress(dbad.get(), {KeyRange{0, 1000}}, &out).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_TRUE(out.empty());
+}
+
+// GpuSbc against SbcCompressor (the CPU path) over two rounds with error feedback: the same
+// count, value (within double-sum rounding) and residual, with sides of unequal mass so the choice
+// is not a tie; then a fresh vector with only 3 non-zero entries, fewer than k (zeros are never
+// sent).
+TEST(GpuSbc, MatchesTheCpuCompressorOverTwoRounds) {
+  SKIP_WITHOUT_GPU();
+  const size_t n = 1 << 20;
+  proto::CompressionConfig c;
+  c.set_encoding(proto::SBC);
+  c.set_density(0.001);
+  SbcCompressor cpu(n, c, /*momentum=*/0.0f, /*lr=*/0.1f);
+  const size_t k = WarmupK(0.001, 0, 0, n);
+  std::vector<float> params(n, 0.0f);
+  DeviceVector<float> residual(std::vector<float>(n, 0.0f)), idx_vals(n);
+  DeviceVector<uint32_t> idx(k);
+  kernels::gpu::GpuSbc gpu;
+  for (int round = 0; round < 2; ++round) {
+    auto g = Normal(n, 20 + round);
+    if (round == 0) {
+      for (auto& v : g) v = v > 0 ? 1.5f * v : v;  // the positive side is heavier
+    } else {
+      for (size_t i = 0; i < n; ++i) g[i] = (i % 4096 == 7) ? -50.0f : std::fabs(g[i]);
+    }
+    std::vector<Message> out;
+    ASSERT_TRUE(cpu.LocalStep(g.data(), params.data()));
+    ASSERT_TRUE(cpu.Compress(g.data(), {KeyRange{0, n}}, &out).ok());
+    DeviceVector<float> dg(g);
+    CUDA_OK(kernels::gpu::Axpy(1.0f, dg.get(), residual.get(), n, nullptr));
+    size_t count = 0;
+    float value = 0.0f;
+    CUDA_OK(gpu.Binarize(residual.get(), nullptr, n, k, idx.get(), &count, &value, nullptr));
+    EXPECT_EQ(count, cpu.last_selected()) << "round " << round;
+    EXPECT_NEAR(value, cpu.last_value(), 1e-6f * std::fabs(cpu.last_value())) << round;
+    if (value == cpu.last_value()) {
+      EXPECT_EQ(residual.ToHost(), cpu.residual()) << "round " << round;
+    }
+    EXPECT_EQ(round == 1, value < 0.0f) << "round 1 sends the -50s";
+  }
+  SbcCompressor fresh(n, c, 0.0f, 0.1f);
+  std::vector<float> g(n, 0.0f);
+  g[5] = -100.0f;
+  g[700000] = -98.0f;
+  g[9] = 1.0f;
+  std::vector<Message> out;
+  ASSERT_TRUE(fresh.LocalStep(g.data(), params.data()));
+  ASSERT_TRUE(fresh.Compress(g.data(), {KeyRange{0, n}}, &out).ok());
+  DeviceVector<float> dg(g);
+  size_t count = 0;
+  float value = 0.0f;
+  CUDA_OK(gpu.Binarize(dg.get(), nullptr, n, k, idx.get(), &count, &value, nullptr));
+  EXPECT_EQ(count, 2u);
+  EXPECT_EQ(fresh.last_selected(), 2u);
+  EXPECT_EQ(value, -99.0f);
+  EXPECT_EQ(idx.ToHost(2), (std::vector<uint32_t>{5, 700000}));
+  EXPECT_EQ(dg.ToHost(), fresh.residual());
+}
+
+// GpuCountSketch against kernels::CountSketchHash: integer values, so the atomic insertions are
+// exact and the tables equal; the estimates are bitwise equal; keys past 2^32 and an even number
+// of rows included.
+TEST(GpuCountSketch, TablesAndEstimatesEqualCpu) {
+  SKIP_WITHOUT_GPU();
+  for (uint32_t rows : {5u, 4u}) {
+    kernels::CountSketchHash hash(rows, 10007, 99);
+    const size_t n = 300000;
+    const uint64_t key_begin = (uint64_t{1} << 33) + 5;
+    std::vector<float> v(n, 0.0f);
+    std::mt19937 rng(rows);
+    std::uniform_int_distribution<int> val(-20, 20);
+    for (size_t i = 0; i < n; i += 3) v[i] = static_cast<float>(val(rng));
+    std::vector<float> table(hash.table_size(), 0.0f);
+    hash.InsertDense(v.data(), n, key_begin, table.data());
+    std::vector<uint32_t> idx = {0, 17, 299999};
+    std::vector<float> vals = {3, -4, 5};
+    hash.InsertSparse(idx.data(), vals.data(), idx.size(), key_begin, table.data());
+    std::vector<float> est(n);
+    hash.Estimate(table.data(), key_begin, n, est.data());
+
+    kernels::gpu::GpuCountSketch gpu(hash);
+    DeviceVector<float> dv(v), dtable(std::vector<float>(hash.table_size(), 0.0f)), dvals(vals),
+        dest(n);
+    DeviceVector<uint32_t> didx(idx);
+    CUDA_OK(gpu.InsertDense(dv.get(), n, key_begin, dtable.get(), nullptr));
+    CUDA_OK(
+        gpu.InsertSparse(didx.get(), dvals.get(), idx.size(), key_begin, dtable.get(), nullptr));
+    EXPECT_EQ(dtable.ToHost(), table) << rows << " rows";
+    // Estimate from the CPU's table, so the comparison is of the query alone.
+    DeviceVector<float> cpu_table(table);
+    CUDA_OK(gpu.Estimate(cpu_table.get(), key_begin, n, dest.get(), nullptr));
+    EXPECT_EQ(dest.ToHost(), est) << rows << " rows";
+  }
 }
 
 }  // namespace
