@@ -129,18 +129,10 @@ double Cnn::ForwardBackward(const float* params, const float* x, const uint8_t* 
 }
 
 std::pair<double, double> Cnn::Evaluate(const float* params, const Dataset& data) {
-  const size_t chunk = 100;
-  double loss_sum = 0.0;
-  size_t correct = 0;
-  for (size_t start = 0; start < data.num_samples; start += chunk) {
-    const size_t n = std::min(chunk, data.num_samples - start);
-    const float* features = Forward(params, data.images.data() + start * data.num_features, n);
-    loss_sum +=
-        head_.Loss(params + head_offset_, features, data.labels.data() + start, n, &correct) *
-        static_cast<double>(n);
-  }
-  const double n = static_cast<double>(std::max<size_t>(data.num_samples, 1));
-  return {loss_sum / n, static_cast<double>(correct) / n};
+  return EvaluateInChunks(
+      data, 100, [&](const float* x, const uint8_t* y, size_t n, size_t* correct) {
+        return head_.Loss(params + head_offset_, Forward(params, x, n), y, n, correct);
+      });
 }
 
 }  // namespace sparseps

@@ -7,18 +7,13 @@
 #include <cuda_runtime_api.h>
 
 #include "kernels/cuda/gpu_kernels.h"
+#include "worker/cuda/cuda_status.h"
 #endif
 
 namespace sparseps {
 namespace {
 
-#if SPARSEPS_HAVE_CUDA
-Status Check(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return Status::OK();
-  return Status::FailedPrecondition(std::string("CUDA error in ") + what + ": " +
-                                    cudaGetErrorString(e));
-}
-#else
+#if !SPARSEPS_HAVE_CUDA
 Status NoCuda() { return Status::FailedPrecondition("this build has no CUDA"); }
 #endif
 
@@ -35,9 +30,9 @@ Status DeviceBuffer::Allocate(size_t n) {
   if (data_ != nullptr) cudaFree(data_);
   data_ = nullptr;
   size_ = 0;
-  SPARSEPS_RETURN_IF_ERROR(
-      Check(cudaMalloc(reinterpret_cast<void**>(&data_), std::max<size_t>(n, 1) * sizeof(float)),
-            "cudaMalloc"));
+  SPARSEPS_RETURN_IF_ERROR(CudaStatus(
+      cudaMalloc(reinterpret_cast<void**>(&data_), std::max<size_t>(n, 1) * sizeof(float)),
+      "cudaMalloc"));
   size_ = n;
   return Status::OK();
 #else
@@ -48,8 +43,8 @@ Status DeviceBuffer::Allocate(size_t n) {
 
 Status DeviceBuffer::Upload(const float* host) {
 #if SPARSEPS_HAVE_CUDA
-  return Check(cudaMemcpy(data_, host, size_ * sizeof(float), cudaMemcpyHostToDevice),
-               "copying to the device");
+  return CudaStatus(cudaMemcpy(data_, host, size_ * sizeof(float), cudaMemcpyHostToDevice),
+                    "copying to the device");
 #else
   (void)host;
   return NoCuda();
@@ -58,8 +53,8 @@ Status DeviceBuffer::Upload(const float* host) {
 
 Status DeviceBuffer::Download(float* host) const {
 #if SPARSEPS_HAVE_CUDA
-  return Check(cudaMemcpy(host, data_, size_ * sizeof(float), cudaMemcpyDeviceToHost),
-               "copying from the device");
+  return CudaStatus(cudaMemcpy(host, data_, size_ * sizeof(float), cudaMemcpyDeviceToHost),
+                    "copying from the device");
 #else
   (void)host;
   return NoCuda();
@@ -68,8 +63,9 @@ Status DeviceBuffer::Download(float* host) const {
 
 Status DeviceBuffer::Axpy(float a, const DeviceBuffer& x) {
 #if SPARSEPS_HAVE_CUDA
-  SPARSEPS_RETURN_IF_ERROR(Check(kernels::gpu::Axpy(a, x.data(), data_, size_, nullptr), "axpy"));
-  return Check(cudaStreamSynchronize(nullptr), "axpy");
+  SPARSEPS_RETURN_IF_ERROR(
+      CudaStatus(kernels::gpu::Axpy(a, x.data(), data_, size_, nullptr), "axpy"));
+  return CudaStatus(cudaStreamSynchronize(nullptr), "axpy");
 #else
   (void)a;
   (void)x;

@@ -105,19 +105,10 @@ double Mlp::ForwardBackward(const float* params, const float* x, const uint8_t* 
 }
 
 std::pair<double, double> Mlp::Evaluate(const float* params, const Dataset& data) {
-  const size_t chunk = 1000;
-  double loss_sum = 0.0;
-  size_t correct = 0;
-  for (size_t start = 0; start < data.num_samples; start += chunk) {
-    const size_t n = std::min(chunk, data.num_samples - start);
-    Forward(params, data.images.data() + start * data.num_features, n);
-    loss_sum +=
-        kernels::SoftmaxCrossEntropy(acts_[num_layers() - 1].data(), data.labels.data() + start, n,
-                                     sizes_.back(), nullptr, &correct) *
-        static_cast<double>(n);
-  }
-  const double n = static_cast<double>(std::max<size_t>(data.num_samples, 1));
-  return {loss_sum / n, static_cast<double>(correct) / n};
+  return EvaluateInChunks(data, 1000,
+                          [&](const float* x, const uint8_t* y, size_t n, size_t* correct) {
+                            return Loss(params, x, y, n, correct);
+                          });
 }
 
 }  // namespace sparseps

@@ -1,5 +1,6 @@
 #include "worker/model.h"
 
+#include <algorithm>
 #include <vector>
 
 #include "worker/cnn.h"
@@ -9,6 +10,21 @@
 #endif
 
 namespace sparseps {
+
+std::pair<double, double> EvaluateInChunks(
+    const Dataset& data, size_t chunk,
+    const std::function<double(const float*, const uint8_t*, size_t, size_t*)>& chunk_loss) {
+  double loss_sum = 0.0;
+  size_t correct = 0;
+  for (size_t start = 0; start < data.num_samples; start += chunk) {
+    const size_t n = std::min(chunk, data.num_samples - start);
+    loss_sum += chunk_loss(data.images.data() + start * data.num_features,
+                           data.labels.data() + start, n, &correct) *
+                static_cast<double>(n);
+  }
+  const double n = static_cast<double>(std::max<size_t>(data.num_samples, 1));
+  return {loss_sum / n, static_cast<double>(correct) / n};
+}
 
 Result<std::unique_ptr<Model>> MakeModel(const proto::ModelConfig& config, const Dataset& shape,
                                          proto::Device device) {

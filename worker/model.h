@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -49,6 +50,12 @@ class Model {
   // After a failure ForwardBackward and Evaluate return NaN.
   virtual Status status() const { return Status::OK(); }
 };
+
+// Mean loss and accuracy (fraction) over `data` in chunks of `chunk` samples: chunk_loss(x, y, n,
+// &correct) returns the mean loss of n samples and adds their correct predictions.
+std::pair<double, double> EvaluateInChunks(
+    const Dataset& data, size_t chunk,
+    const std::function<double(const float*, const uint8_t*, size_t, size_t*)>& chunk_loss);
 
 // The model of `config` (model.type, widths) for images shaped like `shape` (rows, cols,
 // num_classes) on `device` (proto::CPU or proto::CUDA; resolve AUTO first). Errors:

@@ -296,7 +296,7 @@ Status RunWorker(const proto::JobConfig& config) {
                                        nullptr);
           SPARSEPS_RETURN_IF_ERROR(model.status());
           if (grad_on_device) {
-            if (wd > 0 && std::isfinite(loss)) SPARSEPS_RETURN_IF_ERROR(grad_d.Axpy(wd, params_d));
+            if (wd > 0) SPARSEPS_RETURN_IF_ERROR(grad_d.Axpy(wd, params_d));
           } else {
             SPARSEPS_RETURN_IF_ERROR(grad_d.Download(grad.data()));
           }

@@ -289,9 +289,10 @@ TEST(GpuSbc, MatchesTheCpuCompressorOverTwoRounds) {
   SbcCompressor cpu(n, c, /*momentum=*/0.0f, /*lr=*/0.1f);
   const size_t k = WarmupK(0.001, 0, 0, n);
   std::vector<float> params(n, 0.0f);
-  DeviceVector<float> residual(std::vector<float>(n, 0.0f)), idx_vals(n);
+  DeviceVector<float> residual(std::vector<float>(n, 0.0f));
   DeviceVector<uint32_t> idx(k);
   kernels::gpu::GpuSbc gpu;
+  float drift = 0.0f;
   for (int round = 0; round < 2; ++round) {
     auto g = Normal(n, 20 + round);
     if (round == 0) {
@@ -309,8 +310,12 @@ TEST(GpuSbc, MatchesTheCpuCompressorOverTwoRounds) {
     CUDA_OK(gpu.Binarize(residual.get(), nullptr, n, k, idx.get(), &count, &value, nullptr));
     EXPECT_EQ(count, cpu.last_selected()) << "round " << round;
     EXPECT_NEAR(value, cpu.last_value(), 1e-6f * std::fabs(cpu.last_value())) << round;
-    if (value == cpu.last_value()) {
-      EXPECT_EQ(residual.ToHost(), cpu.residual()) << "round " << round;
+    // The residuals differ only where the (double-summed) values did: by at most the values'
+    // differences so far plus one rounding of the subtraction.
+    drift += std::fabs(value - cpu.last_value()) + 1e-6f * std::fabs(value);
+    const auto gpu_residual = residual.ToHost();
+    for (size_t i = 0; i < n; ++i) {
+      ASSERT_NEAR(gpu_residual[i], cpu.residual()[i], drift) << "round " << round << " key " << i;
     }
     EXPECT_EQ(round == 1, value < 0.0f) << "round 1 sends the -50s";
   }

@@ -11,17 +11,12 @@
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/gpu_kernels.h"
 #include "kernels/pack.h"
+#include "worker/cuda/cuda_status.h"
 
 namespace sparseps {
 namespace {
 
 namespace gpu = kernels::gpu;
-
-Status Cuda(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return Status::OK();
-  return Status::FailedPrecondition(std::string("CUDA error in ") + what + ": " +
-                                    cudaGetErrorString(e));
-}
 
 class GpuTopKCompressor final : public Compressor {
  public:
@@ -44,12 +39,12 @@ class GpuTopKCompressor final : public Compressor {
 
   Status Start() {
     SPARSEPS_RETURN_IF_ERROR(
-        Cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate"));
-    SPARSEPS_RETURN_IF_ERROR(Cuda(gpu::Grow(&u_, &u_cap_, n_), "cudaMalloc"));
-    SPARSEPS_RETURN_IF_ERROR(Cuda(gpu::Grow(&v_, &v_cap_, n_), "cudaMalloc"));
-    SPARSEPS_RETURN_IF_ERROR(Cuda(gpu::Grow(&sum_, &sum_cap_, 1), "cudaMalloc"));
-    SPARSEPS_RETURN_IF_ERROR(Cuda(cudaMemset(u_, 0, n_ * sizeof(float)), "cudaMemset"));
-    SPARSEPS_RETURN_IF_ERROR(Cuda(cudaMemset(v_, 0, n_ * sizeof(float)), "cudaMemset"));
+        CudaStatus(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate"));
+    SPARSEPS_RETURN_IF_ERROR(CudaStatus(gpu::Grow(&u_, &u_cap_, n_), "cudaMalloc"));
+    SPARSEPS_RETURN_IF_ERROR(CudaStatus(gpu::Grow(&v_, &v_cap_, n_), "cudaMalloc"));
+    SPARSEPS_RETURN_IF_ERROR(CudaStatus(gpu::Grow(&sum_, &sum_cap_, 1), "cudaMalloc"));
+    SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaMemset(u_, 0, n_ * sizeof(float)), "cudaMemset"));
+    SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaMemset(v_, 0, n_ * sizeof(float)), "cudaMemset"));
     return Reserve(k_);
   }
 
@@ -65,23 +60,23 @@ class GpuTopKCompressor final : public Compressor {
     // One read: the sum of a vector is finite exactly when every entry is (in double).
     double sum = 0.0;
     SPARSEPS_RETURN_IF_ERROR(
-        Cuda(gpu::StreamingSum(grad, n_, sum_, &sum, stream_), "checking the gradient"));
+        CudaStatus(gpu::StreamingSum(grad, n_, sum_, &sum, stream_), "checking the gradient"));
     if (!std::isfinite(sum)) {
       return Status::InvalidArgument("the gradient contains NaN or Inf; nothing was pushed");
     }
-    SPARSEPS_RETURN_IF_ERROR(
-        Cuda(gpu::MomentumCorrection(u_, v_, grad, momentum_, n_, stream_), "momentum correction"));
+    SPARSEPS_RETURN_IF_ERROR(CudaStatus(
+        gpu::MomentumCorrection(u_, v_, grad, momentum_, n_, stream_), "momentum correction"));
     size_t k = 0;
-    SPARSEPS_RETURN_IF_ERROR(Cuda(topk_.Select(v_, n_, k_, idx_, &k, stream_), "top-k"));
+    SPARSEPS_RETURN_IF_ERROR(CudaStatus(topk_.Select(v_, n_, k_, idx_, &k, stream_), "top-k"));
     SPARSEPS_RETURN_IF_ERROR(
-        Cuda(gpu::GatherAndZero(v_, u_, idx_, k, vals_, stream_), "gathering the values"));
-    SPARSEPS_RETURN_IF_ERROR(Cuda(
+        CudaStatus(gpu::GatherAndZero(v_, u_, idx_, k, vals_, stream_), "gathering the values"));
+    SPARSEPS_RETURN_IF_ERROR(CudaStatus(
         cudaMemcpyAsync(idx_host_, idx_, k * sizeof(uint32_t), cudaMemcpyDeviceToHost, stream_),
         "copying the indices"));
-    SPARSEPS_RETURN_IF_ERROR(
-        Cuda(cudaMemcpyAsync(vals_host_, vals_, k * sizeof(float), cudaMemcpyDeviceToHost, stream_),
-             "copying the values"));
-    SPARSEPS_RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(stream_), "the selection"));
+    SPARSEPS_RETURN_IF_ERROR(CudaStatus(
+        cudaMemcpyAsync(vals_host_, vals_, k * sizeof(float), cudaMemcpyDeviceToHost, stream_),
+        "copying the values"));
+    SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream_), "the selection"));
     selected_.assign(idx_host_, idx_host_ + k);
     values_.assign(vals_host_, vals_host_ + k);
     if (format_.fp16_values) {
@@ -92,12 +87,12 @@ class GpuTopKCompressor final : public Compressor {
         vals_host_[j] = values_[j] - sent;
         values_[j] = sent;
       }
-      SPARSEPS_RETURN_IF_ERROR(Cuda(
+      SPARSEPS_RETURN_IF_ERROR(CudaStatus(
           cudaMemcpyAsync(vals_, vals_host_, k * sizeof(float), cudaMemcpyHostToDevice, stream_),
           "copying the rounding errors"));
       SPARSEPS_RETURN_IF_ERROR(
-          Cuda(gpu::ScatterAdd(v_, idx_, vals_, k, stream_), "keeping the rounding errors"));
-      SPARSEPS_RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(stream_), "the rounding errors"));
+          CudaStatus(gpu::ScatterAdd(v_, idx_, vals_, k, stream_), "keeping the rounding errors"));
+      SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream_), "the rounding errors"));
     }
     last_selected_ = k;
     EncodeTopKPushes(selected_, values_, ranges, format_, out);
@@ -107,28 +102,28 @@ class GpuTopKCompressor final : public Compressor {
   Status Download(std::vector<float>* residual, std::vector<float>* velocity) const {
     residual->resize(n_);
     velocity->resize(n_);
-    SPARSEPS_RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(stream_), "the stream"));
+    SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream_), "the stream"));
     SPARSEPS_RETURN_IF_ERROR(
-        Cuda(cudaMemcpy(residual->data(), v_, n_ * sizeof(float), cudaMemcpyDeviceToHost),
-             "copying the residual"));
-    return Cuda(cudaMemcpy(velocity->data(), u_, n_ * sizeof(float), cudaMemcpyDeviceToHost),
-                "copying the velocity");
+        CudaStatus(cudaMemcpy(residual->data(), v_, n_ * sizeof(float), cudaMemcpyDeviceToHost),
+                   "copying the residual"));
+    return CudaStatus(cudaMemcpy(velocity->data(), u_, n_ * sizeof(float), cudaMemcpyDeviceToHost),
+                      "copying the velocity");
   }
 
  private:
   Status Reserve(size_t k) {
-    SPARSEPS_RETURN_IF_ERROR(Cuda(gpu::Grow(&idx_, &idx_cap_, k), "cudaMalloc"));
-    SPARSEPS_RETURN_IF_ERROR(Cuda(gpu::Grow(&vals_, &vals_cap_, k), "cudaMalloc"));
+    SPARSEPS_RETURN_IF_ERROR(CudaStatus(gpu::Grow(&idx_, &idx_cap_, k), "cudaMalloc"));
+    SPARSEPS_RETURN_IF_ERROR(CudaStatus(gpu::Grow(&vals_, &vals_cap_, k), "cudaMalloc"));
     if (host_cap_ < k) {
       cudaFreeHost(idx_host_);
       cudaFreeHost(vals_host_);
       idx_host_ = nullptr;
       vals_host_ = nullptr;
       host_cap_ = 0;
-      SPARSEPS_RETURN_IF_ERROR(Cuda(
+      SPARSEPS_RETURN_IF_ERROR(CudaStatus(
           cudaMallocHost(reinterpret_cast<void**>(&idx_host_), k * sizeof(uint32_t)), "pinned"));
-      SPARSEPS_RETURN_IF_ERROR(
-          Cuda(cudaMallocHost(reinterpret_cast<void**>(&vals_host_), k * sizeof(float)), "pinned"));
+      SPARSEPS_RETURN_IF_ERROR(CudaStatus(
+          cudaMallocHost(reinterpret_cast<void**>(&vals_host_), k * sizeof(float)), "pinned"));
       host_cap_ = k;
     }
     return Status::OK();

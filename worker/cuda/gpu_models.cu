@@ -12,7 +12,9 @@
 
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/dense_kernels.h"
+#include "kernels/device.h"
 #include "worker/cnn.h"
+#include "worker/cuda/cuda_status.h"
 #include "worker/cuda/gpu_models.h"
 #include "worker/mlp.h"
 
@@ -59,20 +61,15 @@ struct PinnedArray {
   }
 };
 
-Status CudaFailure(cudaError_t e, const char* what) {
-  return Status::FailedPrecondition(std::string("CUDA error in ") + what + ": " +
-                                    cudaGetErrorString(e));
-}
-
 Status BlasFailure(cublasStatus_t e, const char* what) {
   return Status::FailedPrecondition(std::string("cuBLAS error in ") + what + ": " +
                                     cublasGetStatusString(e));
 }
 
-#define GPU_TRY(expr, what)                              \
-  do {                                                   \
-    const cudaError_t e_ = (expr);                       \
-    if (e_ != cudaSuccess) return CudaFailure(e_, what); \
+#define GPU_TRY(expr, what)                             \
+  do {                                                  \
+    const cudaError_t e_ = (expr);                      \
+    if (e_ != cudaSuccess) return CudaStatus(e_, what); \
   } while (0)
 #define BLAS_TRY(expr, what)                                       \
   do {                                                             \
@@ -138,27 +135,23 @@ class GpuNet final : public Model {
   std::pair<double, double> Evaluate(const float* params, const Dataset& data) override {
     const double nan = std::numeric_limits<double>::quiet_NaN();
     if (!status_.ok()) return {nan, nan};
-    const size_t chunk = convs_.empty() ? 1000 : 100;
-    double loss_sum = 0.0;
-    size_t correct = 0;
-    Record([&]() -> Status {
-      for (size_t start = 0; start < data.num_samples; start += chunk) {
-        const size_t n = std::min(chunk, data.num_samples - start);
-        SPARSEPS_RETURN_IF_ERROR(
-            Upload(data.images.data() + start * data.num_features, data.labels.data() + start, n));
-        SPARSEPS_RETURN_IF_ERROR(Forward(params, n));
-        double loss = 0.0;
-        GPU_TRY(gpu::SoftmaxCrossEntropy(logits(), y_.p, n, sizes_.back(), nullptr, row_loss_.p,
-                                         row_correct_.p, stream_),
-                "softmax cross-entropy");
-        SPARSEPS_RETURN_IF_ERROR(SumLoss(n, &loss, &correct));
-        loss_sum += loss * static_cast<double>(n);
-      }
-      return Status::OK();
-    }());
+    auto result = EvaluateInChunks(
+        data, convs_.empty() ? 1000 : 100,
+        [&](const float* x, const uint8_t* y, size_t n, size_t* correct) {
+          double loss = nan;
+          if (!status_.ok()) return loss;
+          Record([&]() -> Status {
+            SPARSEPS_RETURN_IF_ERROR(Upload(x, y, n));
+            SPARSEPS_RETURN_IF_ERROR(Forward(params, n));
+            GPU_TRY(gpu::SoftmaxCrossEntropy(logits(), y_.p, n, sizes_.back(), nullptr, row_loss_.p,
+                                             row_correct_.p, stream_),
+                    "softmax cross-entropy");
+            return SumLoss(n, &loss, correct);
+          }());
+          return loss;
+        });
     if (!status_.ok()) return {nan, nan};
-    const double n = static_cast<double>(std::max<size_t>(data.num_samples, 1));
-    return {loss_sum / n, static_cast<double>(correct) / n};
+    return result;
   }
 
  private:
@@ -354,11 +347,8 @@ class GpuNet final : public Model {
 };
 
 Result<std::unique_ptr<Model>> Start(std::unique_ptr<GpuNet> net) {
-  int devices = 0;
-  if (cudaError_t e = cudaGetDeviceCount(&devices); e != cudaSuccess || devices == 0) {
-    return Status::FailedPrecondition(
-        std::string("train.device: cuda, but no usable CUDA device (") +
-        (e != cudaSuccess ? cudaGetErrorString(e) : "none found") + ")");
+  if (std::string why; !kernels::CudaDeviceAvailable(&why)) {
+    return Status::FailedPrecondition("train.device: cuda, but " + why);
   }
   SPARSEPS_RETURN_IF_ERROR(net->Start());
   return std::unique_ptr<Model>(std::move(net));
