@@ -179,14 +179,17 @@ Status SbcCompressor::Compress(const float* grad, const std::vector<KeyRange>& r
   pos_selector_.Select(side_.data(), n, k_, &pos_);
   for (size_t i = 0; i < n; ++i) side_[i] = residual_[i] < 0.0f ? residual_[i] : 0.0f;
   neg_selector_.Select(side_.data(), n, k_, &neg_);
-  // Zeros never count as selected (a side may have fewer than k non-zero entries).
-  auto drop_zeros = [&](std::vector<uint32_t>* idx) {
-    idx->erase(
-        std::remove_if(idx->begin(), idx->end(), [&](uint32_t i) { return residual_[i] == 0.0f; }),
-        idx->end());
+  // A side with fewer than k entries of its sign is padded by the selector with zeros of side_,
+  // i.e. entries that are zero or of the other sign: those never count as selected.
+  auto keep_sign = [&](std::vector<uint32_t>* idx, bool positive) {
+    idx->erase(std::remove_if(idx->begin(), idx->end(),
+                              [&](uint32_t i) {
+                                return positive ? !(residual_[i] > 0.0f) : !(residual_[i] < 0.0f);
+                              }),
+               idx->end());
   };
-  drop_zeros(&pos_);
-  drop_zeros(&neg_);
+  keep_sign(&pos_, true);
+  keep_sign(&neg_, false);
   auto mean = [&](const std::vector<uint32_t>& idx) {
     double s = 0.0;
     for (uint32_t i : idx) s += std::fabs(residual_[i]);

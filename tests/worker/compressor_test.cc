@@ -142,5 +142,38 @@ TEST(DenseCompressor, PushesEverythingWithMomentum) {
   EXPECT_EQ(out[3].header.key_begin(), 2u);
 }
 
+// SBC (Sattler et al., Algorithm 1) when a side has fewer than k entries of its sign: only the
+// entries of the chosen sign are sent, at the mean of their magnitudes; an entry of the other sign
+// that pads the selection is neither sent nor counted in the mean (a bug that the GPU twin's test
+// found: the 1 below was sent with the two negatives, at the mean 66.33).
+TEST(SbcCompressor, SideWithFewerThanKEntriesSendsOnlyItsSign) {
+  const size_t n = 1000;  // density 1%: k = 10, more than either side has
+  proto::CompressionConfig c;
+  c.set_encoding(proto::SBC);
+  c.set_density(0.01);
+  for (const float sign : {1.0f, -1.0f}) {
+    SbcCompressor sbc(n, c, /*momentum=*/0.0f, /*lr=*/0.1f);
+    std::vector<float> g(n, 0.0f), params(n, 0.0f);
+    g[5] = -100.0f * sign;
+    g[700] = -98.0f * sign;
+    g[3] = 1.0f * sign;  // among the lowest-index zeros of the other side that pad its selection
+    std::vector<Message> out;
+    ASSERT_TRUE(sbc.LocalStep(g.data(), params.data()));
+    ASSERT_TRUE(sbc.Compress(g.data(), {KeyRange{0, n}}, &out).ok());
+    EXPECT_EQ(sbc.last_selected(), 2u);
+    EXPECT_EQ(sbc.last_value(), -99.0f * sign);
+    std::vector<float> expected(n, 0.0f);
+    expected[5] = -1.0f * sign;  // -100 - (-99)
+    expected[700] = 1.0f * sign;
+    expected[3] = 1.0f * sign;  // not sent: kept whole in the residual
+    EXPECT_EQ(sbc.residual(), expected) << "sign " << sign;
+    ASSERT_EQ(out.size(), 1u);
+    DecodedPayload p;
+    ASSERT_TRUE(FindCodec(proto::SBC)->Decode(out[0], n, &p).ok());
+    EXPECT_EQ(std::vector<uint32_t>(p.indices.begin(), p.indices.end()),
+              (std::vector<uint32_t>{5, 700}));
+  }
+}
+
 }  // namespace
 }  // namespace sparseps
