@@ -4,6 +4,9 @@
 #include <cmath>
 #include <cstring>
 #include <cub/device/device_radix_sort.cuh>
+#include <cub/device/device_scan.cuh>
+#include <cub/device/device_select.cuh>
+#include <type_traits>
 
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/gpu_kernels.h"
@@ -128,12 +131,20 @@ __global__ void InitStateKernel(RadixState* st, uint32_t r) {
   st->bucket_count = 0;
 }
 
-// hist[(key >> shift) & (2^bits - 1)] += 1 for the keys that share the state's prefix above
-// shift + bits. Shared-memory histogram per block, added to the global one at the end.
+// One level of the radix select in one launch (blocks of kRadixThreads): hist[(key >> shift) &
+// (2^bits - 1)] += 1 for the keys that share the state's prefix above shift + bits (a shared-
+// memory histogram per block, added to the global one); the last block to finish then finds the
+// bin that holds the remaining-th largest key, narrows the state to it, and clears hist and *done
+// for the next level. hist (2048 bins) and *done must be zero at the first level.
+constexpr int kRadixThreads = 1024;
+
 template <typename Source>
-__global__ void HistogramKernel(Source src, int shift, int bits, const RadixState* st,
-                                uint32_t* hist) {
+__global__ void __launch_bounds__(kRadixThreads)
+    RadixLevelKernel(Source src, int shift, int bits, RadixState* st, uint32_t* hist,
+                     uint32_t* done) {
   __shared__ uint32_t local[2048];
+  __shared__ uint32_t sums[kRadixThreads];
+  __shared__ bool last;
   const uint32_t bins = 1u << bits;
   for (uint32_t b = threadIdx.x; b < bins; b += blockDim.x) local[b] = 0;
   __syncthreads();
@@ -149,24 +160,24 @@ __global__ void HistogramKernel(Source src, int shift, int bits, const RadixStat
   for (uint32_t b = threadIdx.x; b < bins; b += blockDim.x) {
     if (local[b] != 0) atomicAdd(&hist[b], local[b]);
   }
-}
-
-// One block of 1024 threads: finds the bin that holds the remaining-th largest key of this level
-// and narrows the state to it.
-__global__ void FindBinKernel(const uint32_t* hist, int shift, int bits, RadixState* st) {
-  __shared__ uint32_t sums[1024];
-  const int bins = 1 << bits;
-  const int per = (bins + 1023) / 1024;  // 1 or 2 bins per thread, taken from the top
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(done, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  // The last block: an inclusive scan of the bins from the top, 1 or 2 bins per thread.
+  const int nbins = static_cast<int>(bins);
+  const int per = (nbins + kRadixThreads - 1) / kRadixThreads;
   const int t = static_cast<int>(threadIdx.x);
   uint32_t mine = 0;
   for (int j = 0; j < per; ++j) {
-    const int b = bins - 1 - (t * per + j);
-    if (b >= 0) mine += hist[b];
+    const int b = nbins - 1 - (t * per + j);
+    if (b >= 0) mine += __ldcg(&hist[b]);
   }
   sums[t] = mine;
   __syncthreads();
-  // Inclusive scan (Hillis-Steele) over 1024 entries: sums[t] = bins above, this thread's incl.
-  for (int off = 1; off < 1024; off *= 2) {
+  for (int off = 1; off < kRadixThreads; off *= 2) {  // Hillis-Steele
     const uint32_t add = t >= off ? sums[t - off] : 0u;
     __syncthreads();
     sums[t] += add;
@@ -176,9 +187,9 @@ __global__ void FindBinKernel(const uint32_t* hist, int shift, int bits, RadixSt
   uint32_t before = t == 0 ? 0u : sums[t - 1];
   if (before < remaining && remaining <= sums[t]) {
     for (int j = 0; j < per; ++j) {
-      const int b = bins - 1 - (t * per + j);
+      const int b = nbins - 1 - (t * per + j);
       if (b < 0) break;
-      const uint32_t c = hist[b];
+      const uint32_t c = __ldcg(&hist[b]);
       if (remaining <= before + c) {
         st->prefix |= static_cast<uint32_t>(b) << shift;
         st->above += before;
@@ -188,6 +199,33 @@ __global__ void FindBinKernel(const uint32_t* hist, int shift, int bits, RadixSt
       }
       before += c;
     }
+  }
+  __syncthreads();
+  for (int b = t; b < nbins; b += kRadixThreads) hist[b] = 0;
+  if (t == 0) *done = 0;
+}
+
+// Runs the three levels over src (n keys) from a state initialised for rank r.
+template <typename Source>
+cudaError_t RadixSelect(Source src, size_t n, uint32_t r, RadixState* st, uint32_t* hist,
+                        cudaStream_t stream) {
+  InitStateKernel<<<1, 1, 0, stream>>>(st, r);
+  const unsigned blocks =
+      static_cast<unsigned>(std::clamp<size_t>((n + kRadixThreads - 1) / kRadixThreads, 1, 1024));
+  for (int l = 0; l < 3; ++l) {
+    RadixLevelKernel<<<blocks, kRadixThreads, 0, stream>>>(src, kLevelShift[l], kLevelBits[l], st,
+                                                           hist, hist + 2048);
+  }
+  return cudaGetLastError();
+}
+
+// flags[i] = keys[i] >= *t.
+__global__ void FlagAtLeastKernel(const uint32_t* keys, size_t n, const uint32_t* t,
+                                  unsigned char* flags) {
+  const uint32_t threshold = *t;
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n;
+       i += size_t{gridDim.x} * blockDim.x) {
+    flags[i] = keys[i] >= threshold ? 1 : 0;
   }
 }
 
@@ -199,24 +237,6 @@ __global__ void SampleKernel(const float* x, size_t n, size_t runs, uint32_t* sa
     const size_t run = s / 32;
     const size_t start = run * (n / runs);
     sample[s] = AbsKey(x[start + (s % 32)]);
-  }
-}
-
-// Candidates: entries whose key is at least the sampled key (st->prefix); at most cap are kept,
-// counters[0] counts them all.
-__global__ void CollectKernel(const float* x, size_t n, const RadixState* st, uint32_t* keys,
-                              uint32_t* idx, size_t cap, uint32_t* counters) {
-  const uint32_t t = st->prefix;
-  const size_t stride = size_t{gridDim.x} * blockDim.x;
-  for (size_t base = blockIdx.x * size_t{blockDim.x}; base < n; base += stride) {
-    const size_t i = base + threadIdx.x;
-    const uint32_t key = i < n ? AbsKey(x[i]) : 0u;
-    const bool take = i < n && key >= t;
-    const uint32_t pos = WarpAppend(take, &counters[0]);
-    if (take && pos < cap) {
-      keys[pos] = key;
-      idx[pos] = static_cast<uint32_t>(i);
-    }
   }
 }
 
@@ -246,20 +266,161 @@ __global__ void IotaKernel(uint32_t* out, size_t n) {
   }
 }
 
-// Threshold selection: |x[i]| >= threshold to (idx, val), at most cap kept.
-__global__ void AtLeastKernel(const float* x, size_t n, uint32_t t, uint32_t* idx, float* val,
-                              size_t cap, uint32_t* counter) {
-  const size_t stride = size_t{gridDim.x} * blockDim.x;
-  for (size_t base = blockIdx.x * size_t{blockDim.x}; base < n; base += stride) {
-    const size_t i = base + threadIdx.x;
-    const float v = i < n ? x[i] : 0.0f;
-    const bool take = i < n && AbsKey(v) >= t;
-    const uint32_t pos = WarpAppend(take, counter);
-    if (take && pos < cap) {
-      idx[pos] = static_cast<uint32_t>(i);
-      val[pos] = v;
+// ---- ordered (stable) selection ----
+// Entries whose key reaches a threshold, written in index order without a sort: MaskKernel sets
+// one bit per entry (word w holds entries 32w..32w+31) and counts the bits per segment of
+// kSegWords words; an exclusive scan of the counts gives each segment's first output slot;
+// EmitKernel turns each segment's bits into output entries. Keys: |x|'s bits for float sources,
+// the values themselves for uint32_t sources (a candidate list's keys).
+
+constexpr size_t kSegWords = 256;  // one warp per segment in EmitKernel: 8 words per lane
+
+template <typename T>
+__device__ __forceinline__ uint32_t KeyOf(uint32_t bits) {
+  if constexpr (std::is_same_v<T, float>) {
+    return bits & 0x7fffffffu;
+  } else {
+    return bits;
+  }
+}
+
+// One warp per chunk of 128 entries (a 16-byte load per lane): the chunk's 4 mask words, written
+// by lane 0 as one 16-byte store, and their bit count added to the chunk's segment. The threshold
+// is t, or *t_dev when t_dev is not null (a threshold found on the device).
+template <typename T>
+__global__ void MaskKernel(const T* src, size_t n, uint32_t t, const uint32_t* t_dev,
+                           uint32_t* mask, uint32_t* seg_count) {
+  static_assert(sizeof(T) == 4, "4-byte keys");
+  if (t_dev != nullptr) t = *t_dev;
+  const size_t chunks = (n + 127) / 128;
+  const bool vec = (reinterpret_cast<uintptr_t>(src) & 15u) == 0;
+  const auto* bits = reinterpret_cast<const uint32_t*>(src);
+  const unsigned lane = threadIdx.x & 31u;
+  const size_t warps = size_t{gridDim.x} * (blockDim.x / 32);
+  for (size_t c = (blockIdx.x * size_t{blockDim.x} + threadIdx.x) / 32; c < chunks; c += warps) {
+    const size_t i = c * 128 + 4 * lane;
+    uint32_t k[4];
+    if (vec && c * 128 + 128 <= n) {
+      const uint4 v = __ldg(reinterpret_cast<const uint4*>(bits) + c * 32 + lane);
+      k[0] = v.x;
+      k[1] = v.y;
+      k[2] = v.z;
+      k[3] = v.w;
+    } else {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) k[j] = i + j < n ? bits[i + j] : 0u;
+    }
+    uint32_t word = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (i + j < n && KeyOf<T>(k[j]) >= t) word |= 1u << j;
+    }
+    // Lane l holds entries 4l..4l+3 of the chunk: bits 4(l % 8).. of word l / 8.
+    word <<= 4 * (lane & 7u);
+    word |= __shfl_xor_sync(0xffffffffu, word, 1);
+    word |= __shfl_xor_sync(0xffffffffu, word, 2);
+    word |= __shfl_xor_sync(0xffffffffu, word, 4);
+    const uint32_t w1 = __shfl_sync(0xffffffffu, word, 8);
+    const uint32_t w2 = __shfl_sync(0xffffffffu, word, 16);
+    const uint32_t w3 = __shfl_sync(0xffffffffu, word, 24);
+    if (lane == 0) {
+      reinterpret_cast<uint4*>(mask)[c] = make_uint4(word, w1, w2, w3);
+      const uint32_t count = __popc(word) + __popc(w1) + __popc(w2) + __popc(w3);
+      if (count != 0) atomicAdd(&seg_count[c / (kSegWords / 4)], count);
     }
   }
+}
+
+// One warp per segment: each lane's 8 words, a warp scan of their bit counts, then the entries in
+// index order from the segment's first slot. An entry e (bit e of the mask) goes out as index
+// map[e] (e when map is null), value src[e] (float sources, when vals is not null) and key (when
+// keys is not null); at most cap entries are written. *total = the number selected.
+template <typename T>
+__global__ void EmitKernel(const uint32_t* mask, size_t words, const uint32_t* seg_count,
+                           const uint32_t* seg_offset, size_t segs, const T* src,
+                           const uint32_t* map, uint32_t* idx_out, float* vals, uint32_t* keys,
+                           size_t cap, uint32_t* total) {
+  const unsigned lane = threadIdx.x & 31u;
+  const size_t warps = size_t{gridDim.x} * (blockDim.x / 32);
+  for (size_t sg = (blockIdx.x * size_t{blockDim.x} + threadIdx.x) / 32; sg < segs; sg += warps) {
+    const uint32_t count = seg_count[sg];
+    if (sg == segs - 1 && lane == 0) *total = seg_offset[sg] + count;
+    if (count == 0) continue;
+    const size_t w0 = sg * kSegWords + 8 * lane;
+    uint32_t m[8];
+    if (w0 + 8 <= words) {
+      const uint4 a = reinterpret_cast<const uint4*>(mask + w0)[0];
+      const uint4 b = reinterpret_cast<const uint4*>(mask + w0)[1];
+      m[0] = a.x;
+      m[1] = a.y;
+      m[2] = a.z;
+      m[3] = a.w;
+      m[4] = b.x;
+      m[5] = b.y;
+      m[6] = b.z;
+      m[7] = b.w;
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) m[j] = w0 + j < words ? mask[w0 + j] : 0u;
+    }
+    uint32_t mine = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) mine += __popc(m[j]);
+    uint32_t incl = mine;
+#pragma unroll
+    for (int off = 1; off < 32; off *= 2) {
+      const uint32_t v = __shfl_up_sync(0xffffffffu, incl, off);
+      if (lane >= static_cast<unsigned>(off)) incl += v;
+    }
+    size_t pos = size_t{seg_offset[sg]} + incl - mine;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      uint32_t w = m[j];
+      while (w != 0) {
+        const size_t e = (w0 + j) * 32 + static_cast<size_t>(__ffs(static_cast<int>(w)) - 1);
+        w &= w - 1;
+        if (pos < cap) {
+          idx_out[pos] = map != nullptr ? map[e] : static_cast<uint32_t>(e);
+          const uint32_t b = reinterpret_cast<const uint32_t*>(src)[e];
+          if constexpr (std::is_same_v<T, float>) {
+            if (vals != nullptr) vals[pos] = __uint_as_float(b);
+          }
+          if (keys != nullptr) keys[pos] = KeyOf<T>(b);
+        }
+        ++pos;
+      }
+    }
+  }
+}
+
+// Grid for one warp per item, `items` of them.
+unsigned WarpBlocks(size_t items) { return Blocks(items * 32); }
+
+// The ordered selection of src[0, n) (see above); the count goes to *total (device). Enqueued on
+// stream, no synchronisation.
+template <typename T>
+cudaError_t OrderedSelect(const T* src, size_t n, uint32_t t, const uint32_t* t_dev,
+                          const uint32_t* map, uint32_t* idx_out, float* vals, uint32_t* keys,
+                          size_t cap, SelectScratch* s, uint32_t* total, cudaStream_t stream) {
+  if (n == 0) return cudaMemsetAsync(total, 0, sizeof(uint32_t), stream);
+  const size_t chunks = (n + 127) / 128, words = 4 * chunks;
+  const size_t segs = (words + kSegWords - 1) / kSegWords;
+  SPARSEPS_CUDA_TRY(Grow(&s->mask, &s->mask_cap, words));
+  SPARSEPS_CUDA_TRY(Grow(&s->seg_count, &s->count_cap, segs));
+  SPARSEPS_CUDA_TRY(Grow(&s->seg_offset, &s->offset_cap, segs));
+  SPARSEPS_CUDA_TRY(cudaMemsetAsync(s->seg_count, 0, segs * sizeof(uint32_t), stream));
+  MaskKernel<T>
+      <<<WarpBlocks(chunks), kThreads, 0, stream>>>(src, n, t, t_dev, s->mask, s->seg_count);
+  SPARSEPS_CUDA_TRY(cudaGetLastError());
+  size_t need = 0;
+  SPARSEPS_CUDA_TRY(cub::DeviceScan::ExclusiveSum(nullptr, need, s->seg_count, s->seg_offset,
+                                                  static_cast<int>(segs), stream));
+  SPARSEPS_CUDA_TRY(Grow(&s->cub_tmp, &s->cub_bytes, need));
+  SPARSEPS_CUDA_TRY(cub::DeviceScan::ExclusiveSum(s->cub_tmp, need, s->seg_count, s->seg_offset,
+                                                  static_cast<int>(segs), stream));
+  EmitKernel<T><<<WarpBlocks(segs), kThreads, 0, stream>>>(
+      s->mask, words, s->seg_count, s->seg_offset, segs, src, map, idx_out, vals, keys, cap, total);
+  return cudaGetLastError();
 }
 
 // Bits needed for indices below n (CUB sorts only those).
@@ -334,7 +495,8 @@ GpuTopK::~GpuTopK() {
   for (void* p :
        {static_cast<void*>(cand_key_), static_cast<void*>(cand_idx_), static_cast<void*>(tie_idx_),
         static_cast<void*>(sort_tmp_), static_cast<void*>(sample_), static_cast<void*>(hist_),
-        static_cast<void*>(counters_), state_, static_cast<void*>(cub_tmp_)}) {
+        static_cast<void*>(counters_), state_, static_cast<void*>(cub_tmp_),
+        static_cast<void*>(flags_)}) {
     if (p != nullptr) cudaFree(p);
   }
 }
@@ -344,7 +506,8 @@ cudaError_t GpuTopK::Reserve(size_t candidates, size_t sample) {
   SPARSEPS_CUDA_TRY(Grow(&cand_idx_, &cand_idx_cap_, candidates));
   SPARSEPS_CUDA_TRY(Grow(&sample_, &sample_cap_, sample));
   if (hist_ == nullptr) {
-    SPARSEPS_CUDA_TRY(cudaMalloc(reinterpret_cast<void**>(&hist_), 2048 * sizeof(uint32_t)));
+    // 2048 bins and the radix select's count of finished blocks.
+    SPARSEPS_CUDA_TRY(cudaMalloc(reinterpret_cast<void**>(&hist_), 2049 * sizeof(uint32_t)));
     SPARSEPS_CUDA_TRY(cudaMalloc(reinterpret_cast<void**>(&counters_), 4 * sizeof(uint32_t)));
     SPARSEPS_CUDA_TRY(cudaMalloc(&state_, sizeof(RadixState)));
   }
@@ -369,6 +532,8 @@ cudaError_t GpuTopK::Select(const float* x, size_t n, size_t k, uint32_t* idx_ou
   const size_t cap = 4 * k + 1024;
   SPARSEPS_CUDA_TRY(Reserve(sampled ? cap : 0, sampled ? sample_runs * 32 : 0));
   auto* st = static_cast<RadixState*>(state_);
+  // Every level leaves the histogram clear for the next; clear it once per call all the same.
+  SPARSEPS_CUDA_TRY(cudaMemsetAsync(hist_, 0, 2049 * sizeof(uint32_t), stream));
   if (sampled) {
     const size_t s = sample_runs * 32;
     SampleKernel<<<Blocks(s), kThreads, 0, stream>>>(x, n, sample_runs, sample_);
@@ -377,33 +542,40 @@ cudaError_t GpuTopK::Select(const float* x, size_t n, size_t k, uint32_t* idx_ou
         1.25 * static_cast<double>(k) * static_cast<double>(s) / static_cast<double>(n);
     const uint32_t rank =
         static_cast<uint32_t>(std::clamp(std::ceil(want), 1.0, static_cast<double>(s)));
-    InitStateKernel<<<1, 1, 0, stream>>>(st, rank);
-    const CandidateSource sample_src{sample_, nullptr, s};
-    for (int l = 0; l < 3; ++l) {
-      SPARSEPS_CUDA_TRY(cudaMemsetAsync(hist_, 0, 2048 * sizeof(uint32_t), stream));
-      HistogramKernel<<<Blocks(s), kThreads, 0, stream>>>(sample_src, kLevelShift[l], kLevelBits[l],
-                                                          st, hist_);
-      FindBinKernel<<<1, 1024, 0, stream>>>(hist_, kLevelShift[l], kLevelBits[l], st);
-    }
-    SPARSEPS_CUDA_TRY(cudaMemsetAsync(counters_, 0, 4 * sizeof(uint32_t), stream));
-    CollectKernel<<<Blocks(n), kThreads, 0, stream>>>(x, n, st, cand_key_, cand_idx_, cap_,
-                                                      counters_);
-    SPARSEPS_CUDA_TRY(cudaGetLastError());
+    SPARSEPS_CUDA_TRY(
+        RadixSelect(CandidateSource{sample_, nullptr, s}, s, rank, st, hist_, stream));
+    // The candidates, in index order: the entries whose key reaches the sampled key (st->prefix).
+    SPARSEPS_CUDA_TRY(OrderedSelect<float>(x, n, 0, &st->prefix, nullptr, cand_idx_, nullptr,
+                                           cand_key_, cap_, &scratch_, &counters_[0], stream));
     uint32_t found = 0;
     SPARSEPS_CUDA_TRY(
         cudaMemcpyAsync(&found, counters_, sizeof(found), cudaMemcpyDeviceToHost, stream));
     SPARSEPS_CUDA_TRY(cudaStreamSynchronize(stream));
     if (found >= k && found <= cap_) {
       last_used_sample_ = true;
-      InitStateKernel<<<1, 1, 0, stream>>>(st, static_cast<uint32_t>(k));
       const CandidateSource cands{cand_key_, cand_idx_, found};
-      for (int l = 0; l < 3; ++l) {
-        SPARSEPS_CUDA_TRY(cudaMemsetAsync(hist_, 0, 2048 * sizeof(uint32_t), stream));
-        HistogramKernel<<<Blocks(found), kThreads, 0, stream>>>(cands, kLevelShift[l],
-                                                                kLevelBits[l], st, hist_);
-        FindBinKernel<<<1, 1024, 0, stream>>>(hist_, kLevelShift[l], kLevelBits[l], st);
+      SPARSEPS_CUDA_TRY(RadixSelect(cands, found, static_cast<uint32_t>(k), st, hist_, stream));
+      RadixState host_st{};
+      SPARSEPS_CUDA_TRY(
+          cudaMemcpyAsync(&host_st, st, sizeof(host_st), cudaMemcpyDeviceToHost, stream));
+      SPARSEPS_CUDA_TRY(cudaStreamSynchronize(stream));
+      if (host_st.bucket_count == host_st.remaining) {
+        // Every tie at T is taken: the candidates with key >= T (exactly k), kept in index
+        // order by CUB's stable selection.
+        SPARSEPS_CUDA_TRY(Grow(&flags_, &flags_cap_, found));
+        FlagAtLeastKernel<<<Blocks(found), kThreads, 0, stream>>>(cand_key_, found, &st->prefix,
+                                                                  flags_);
+        SPARSEPS_CUDA_TRY(cudaGetLastError());
+        size_t need = 0;
+        SPARSEPS_CUDA_TRY(cub::DeviceSelect::Flagged(nullptr, need, cand_idx_, flags_, idx_out,
+                                                     &counters_[1], static_cast<int>(found),
+                                                     stream));
+        SPARSEPS_CUDA_TRY(Grow(&cub_tmp_, &cub_tmp_bytes_, need));
+        SPARSEPS_CUDA_TRY(cub::DeviceSelect::Flagged(cub_tmp_, need, cand_idx_, flags_, idx_out,
+                                                     &counters_[1], static_cast<int>(found),
+                                                     stream));
+        return cudaStreamSynchronize(stream);
       }
-      SPARSEPS_CUDA_TRY(cudaGetLastError());
       // Ties lie among the candidates: room for all of them.
       SPARSEPS_CUDA_TRY(Grow(&tie_idx_, &tie_cap_, found));
       SPARSEPS_CUDA_TRY(cudaMemsetAsync(counters_, 0, 4 * sizeof(uint32_t), stream));
@@ -414,15 +586,8 @@ cudaError_t GpuTopK::Select(const float* x, size_t n, size_t k, uint32_t* idx_ou
     }
   }
   // The radix select over x itself.
-  InitStateKernel<<<1, 1, 0, stream>>>(st, static_cast<uint32_t>(k));
   const VectorSource vec{x, n};
-  for (int l = 0; l < 3; ++l) {
-    SPARSEPS_CUDA_TRY(cudaMemsetAsync(hist_, 0, 2048 * sizeof(uint32_t), stream));
-    HistogramKernel<<<Blocks(n), kThreads, 0, stream>>>(vec, kLevelShift[l], kLevelBits[l], st,
-                                                        hist_);
-    FindBinKernel<<<1, 1024, 0, stream>>>(hist_, kLevelShift[l], kLevelBits[l], st);
-  }
-  SPARSEPS_CUDA_TRY(cudaGetLastError());
+  SPARSEPS_CUDA_TRY(RadixSelect(vec, n, static_cast<uint32_t>(k), st, hist_, stream));
   RadixState host_st{};
   SPARSEPS_CUDA_TRY(cudaMemcpyAsync(&host_st, st, sizeof(host_st), cudaMemcpyDeviceToHost, stream));
   SPARSEPS_CUDA_TRY(cudaStreamSynchronize(stream));
@@ -461,20 +626,15 @@ cudaError_t GpuTopK::Finish(size_t n, size_t k, uint32_t* idx_out, cudaStream_t 
 
 // ---- GpuThresholdSelect ----
 
-GpuThresholdSelect::~GpuThresholdSelect() {
-  for (void* p : {static_cast<void*>(idx_tmp_), static_cast<void*>(val_tmp_),
-                  static_cast<void*>(counter_), static_cast<void*>(cub_tmp_)}) {
+SelectScratch::~SelectScratch() {
+  for (void* p : {static_cast<void*>(mask), static_cast<void*>(seg_count),
+                  static_cast<void*>(seg_offset), static_cast<void*>(cub_tmp)}) {
     if (p != nullptr) cudaFree(p);
   }
 }
 
-cudaError_t GpuThresholdSelect::Reserve(size_t capacity) {
-  SPARSEPS_CUDA_TRY(Grow(&idx_tmp_, &cap_, capacity));
-  SPARSEPS_CUDA_TRY(Grow(&val_tmp_, &val_cap_, capacity));
-  if (counter_ == nullptr) {
-    SPARSEPS_CUDA_TRY(cudaMalloc(reinterpret_cast<void**>(&counter_), sizeof(uint32_t)));
-  }
-  return cudaSuccess;
+GpuThresholdSelect::~GpuThresholdSelect() {
+  if (counter_ != nullptr) cudaFree(counter_);
 }
 
 cudaError_t GpuThresholdSelect::Select(const float* x, size_t n, float threshold, uint32_t* idx_out,
@@ -482,41 +642,20 @@ cudaError_t GpuThresholdSelect::Select(const float* x, size_t n, float threshold
                                        cudaStream_t stream) {
   *host_count = 0;
   if (n == 0) return cudaSuccess;
-  SPARSEPS_CUDA_TRY(Reserve(capacity));
+  if (counter_ == nullptr) {
+    SPARSEPS_CUDA_TRY(cudaMalloc(reinterpret_cast<void**>(&counter_), sizeof(uint32_t)));
+  }
   uint32_t t = 0;
   std::memcpy(&t, &threshold, sizeof(t));
   t &= 0x7fffffffu;
-  SPARSEPS_CUDA_TRY(cudaMemsetAsync(counter_, 0, sizeof(uint32_t), stream));
-  AtLeastKernel<<<Blocks(n), kThreads, 0, stream>>>(x, n, t, idx_tmp_, val_tmp_, capacity,
-                                                    counter_);
-  SPARSEPS_CUDA_TRY(cudaGetLastError());
+  SPARSEPS_CUDA_TRY(OrderedSelect<float>(x, n, t, nullptr, nullptr, idx_out, vals_out, nullptr,
+                                         capacity, &scratch_, counter_, stream));
   uint32_t count = 0;
   SPARSEPS_CUDA_TRY(
       cudaMemcpyAsync(&count, counter_, sizeof(count), cudaMemcpyDeviceToHost, stream));
   SPARSEPS_CUDA_TRY(cudaStreamSynchronize(stream));
   *host_count = count;
-  const size_t m = std::min<size_t>(count, capacity);
-  if (m == 0) return cudaSuccess;
-  const int end_bit = IndexBits(n);
-  size_t need = 0;
-  if (vals_out != nullptr) {
-    SPARSEPS_CUDA_TRY(cub::DeviceRadixSort::SortPairs(nullptr, need, idx_tmp_, idx_out, val_tmp_,
-                                                      vals_out, static_cast<int>(m), 0, end_bit,
-                                                      stream));
-  } else {
-    SPARSEPS_CUDA_TRY(cub::DeviceRadixSort::SortKeys(nullptr, need, idx_tmp_, idx_out,
-                                                     static_cast<int>(m), 0, end_bit, stream));
-  }
-  SPARSEPS_CUDA_TRY(Grow(&cub_tmp_, &cub_tmp_bytes_, need));
-  if (vals_out != nullptr) {
-    SPARSEPS_CUDA_TRY(cub::DeviceRadixSort::SortPairs(cub_tmp_, need, idx_tmp_, idx_out, val_tmp_,
-                                                      vals_out, static_cast<int>(m), 0, end_bit,
-                                                      stream));
-  } else {
-    SPARSEPS_CUDA_TRY(cub::DeviceRadixSort::SortKeys(cub_tmp_, need, idx_tmp_, idx_out,
-                                                     static_cast<int>(m), 0, end_bit, stream));
-  }
-  return cudaStreamSynchronize(stream);
+  return cudaSuccess;
 }
 
 }  // namespace sparseps::kernels::gpu

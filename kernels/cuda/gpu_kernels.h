@@ -46,16 +46,36 @@ cudaError_t Axpy(float a, const float* x, float* y, size_t n, cudaStream_t strea
 cudaError_t StreamingSum(const float* x, size_t n, double* scratch, double* host_sum,
                          cudaStream_t stream);
 
+// Scratch of the ordered (stable) selection that GpuTopK and GpuThresholdSelect share: one mask
+// bit per entry, the selected count per segment of 8192 entries and its exclusive prefix sum.
+// Owned by one selector (not thread-safe); freed with it.
+struct SelectScratch {
+  SelectScratch() = default;
+  ~SelectScratch();
+  SelectScratch(const SelectScratch&) = delete;
+  SelectScratch& operator=(const SelectScratch&) = delete;
+  uint32_t* mask = nullptr;
+  uint32_t* seg_count = nullptr;
+  uint32_t* seg_offset = nullptr;
+  unsigned char* cub_tmp = nullptr;  // CUB's scan storage
+  size_t mask_cap = 0, count_cap = 0, offset_cap = 0, cub_bytes = 0;
+};
+
 // Exact top-k by magnitude (twin of kernels::TopKAbs: the same index set, ties at the k-th
 // magnitude broken towards lower indices, indices written in increasing order).
 //
 // Method: keys are the bit patterns of |x| (monotone in the magnitude). A strided sample (runs of
-// 32 consecutive entries) gives a key that about 1.25 k entries reach; one pass over x collects
-// those (key, index) pairs with warp-aggregated atomics; a three-level radix select (11 + 10 + 10
-// bits) over the candidates finds the k-th key T and how many ties at T to take; the entries
-// above T and the lowest-index ties are sorted by index (CUB radix sort over k entries). If the
-// sample misleads (fewer than k or more than the buffer's 4 k candidates), the radix select runs
-// over x itself (four passes). Cost on the fast path: one read of x plus O(k) work.
+// 32 consecutive entries) gives a key that about 1.25 k entries reach; one pass over x (16-byte
+// loads) marks those entries in a bit mask and counts them per segment; a scan of the counts and
+// a pass over the mask write the candidates (key, index) in index order. A three-level radix
+// select (11 + 10 + 10 bits) over the candidates finds the k-th key T and how many ties at T to
+// take (each level one launch: histogram, then the last block finds the bin); when all the ties
+// are taken (the usual case), the candidates with key >= T are the answer, kept in index order by
+// a stable selection (CUB DeviceSelect::Flagged) over the candidate list; otherwise the
+// entries above T and the lowest-index ties are sorted by index (CUB radix sort over k entries).
+// If the sample misleads (fewer than k or more than the buffer's 4 k candidates), the radix select
+// runs over x itself (four passes). Cost on the fast path: one read of x, n/8 bytes of mask
+// written and read, and O(k) work.
 class GpuTopK {
  public:
   GpuTopK() = default;
@@ -81,20 +101,25 @@ class GpuTopK {
   uint32_t* tie_idx_ = nullptr;       // ties at T (capacity tie_cap_)
   uint32_t* sort_tmp_ = nullptr;      // sorted copy for CUB (capacity max(k, tie_cap_))
   uint32_t* sample_ = nullptr;        // sampled keys
-  uint32_t* hist_ = nullptr;          // 2048 bins
+  uint32_t* hist_ = nullptr;          // 2048 bins, then the count of finished blocks
   uint32_t* counters_ = nullptr;      // device: [candidates, out, ties]
   void* state_ = nullptr;             // device: the radix select's state
   unsigned char* cub_tmp_ = nullptr;  // CUB's temporary storage
   size_t cap_ = 0, cand_idx_cap_ = 0, tie_cap_ = 0, sort_cap_ = 0, sample_cap_ = 0;
   size_t cub_tmp_bytes_ = 0;
+  unsigned char* flags_ = nullptr;  // candidates with key >= T (capacity flags_cap_)
+  size_t flags_cap_ = 0;
+  SelectScratch scratch_;
   bool last_used_sample_ = false;
 };
 
 // Threshold selection (twin of kernels::SelectAtLeast): writes the indices i with |x[i]| >=
 // threshold in increasing order to idx_out and, when vals_out is not null, x[i] to vals_out; sets
 // *host_count. At most `capacity` entries are written; *host_count is the full count, so a count
-// above capacity tells the caller to retry with more room. One pass over x (warp-aggregated
-// atomics), then a CUB sort of the selected pairs by index. Synchronises once.
+// above capacity tells the caller to retry with more room. One pass over x (16-byte loads) marks
+// the selected entries in a bit mask (n/8 bytes) and counts them per segment of 8192; a scan of
+// the counts and a pass over the mask write them in index order (no sort, no atomics on the
+// output). Synchronises once.
 class GpuThresholdSelect {
  public:
   GpuThresholdSelect() = default;
@@ -106,12 +131,8 @@ class GpuThresholdSelect {
                      size_t capacity, size_t* host_count, cudaStream_t stream);
 
  private:
-  cudaError_t Reserve(size_t capacity);
-  uint32_t* idx_tmp_ = nullptr;
-  float* val_tmp_ = nullptr;
+  SelectScratch scratch_;
   uint32_t* counter_ = nullptr;
-  unsigned char* cub_tmp_ = nullptr;  // CUB's temporary storage
-  size_t cap_ = 0, val_cap_ = 0, cub_tmp_bytes_ = 0;
 };
 
 // SBC binarisation (Sattler et al., arXiv 1805.08768, Algorithm 1), twin of the step in
@@ -144,9 +165,11 @@ class GpuSbc {
 
 // Count sketch on the device, twin of kernels::CountSketchHash (the same coefficients, so the
 // same buckets and signs: p = 2^61 - 1 arithmetic with 64-bit high multiplies, Barrett reduction
-// by 2^64 / columns). Hashes are computed on the fly, no tables. Insertions add with atomics (a
-// different order than the CPU: equal within float rounding, exactly for integer values);
-// Estimate is bitwise equal to the CPU's.
+// by 2^64 / columns; keys below 2^32 take 32-bit multiplies). Hashes are computed on the fly, no
+// tables. Insertions add with atomics (a different order than the CPU: equal within float
+// rounding, exactly for integer values); a dense insertion whose table fits in a block's shared
+// memory adds into a block-private table first, then once per cell into the global one. Estimate
+// is bitwise equal to the CPU's.
 class GpuCountSketch {
  public:
   explicit GpuCountSketch(const CountSketchHash& hash);
@@ -170,6 +193,8 @@ class GpuCountSketch {
   uint64_t column_inv_;
   std::vector<uint64_t> host_coeffs_;  // per row: a, b, c0..c3
   uint64_t* coeffs_ = nullptr;         // the same on the device (uploaded at first use)
+  size_t shared_limit_ = 0;            // bytes of shared memory a block's table may take
+  uint32_t sms_ = 1;                   // the device's multiprocessors
 };
 
 }  // namespace sparseps::kernels::gpu

@@ -50,6 +50,18 @@ __device__ __forceinline__ uint64_t MulMod(uint64_t a, uint64_t b) {
   return r;
 }
 
+// The same value for a < 2^61 and a 32-bit b, from two 32 x 32 -> 64-bit multiplies instead of
+// a full 64 x 64 -> 128-bit one (the exact 128-bit product, reduced the same way).
+__device__ __forceinline__ uint64_t MulMod(uint64_t a, uint32_t b) {
+  const uint64_t p0 = static_cast<uint64_t>(static_cast<uint32_t>(a)) * b;
+  const uint64_t p1 = (a >> 32) * b;  // < 2^61
+  const uint64_t lo = p0 + (p1 << 32);
+  const uint64_t hi = (p1 >> 32) + (lo < p0 ? 1 : 0);
+  uint64_t r = (lo & kPrime) + ((hi << 3) | (lo >> 61));
+  if (r >= kPrime) r -= kPrime;
+  return r;
+}
+
 __device__ __forceinline__ uint64_t AddMod(uint64_t a, uint64_t b) {
   uint64_t r = a + b;
   if (r >= kPrime) r -= kPrime;
@@ -61,14 +73,20 @@ struct Hash {
   uint32_t rows, columns;
   uint64_t column_inv;
 
-  __device__ __forceinline__ uint32_t Bucket(uint32_t j, uint64_t x) const {
-    const uint64_t lin = AddMod(MulMod(coeffs[6 * j], x), coeffs[6 * j + 1]);
-    const uint64_t q = __umul64hi(lin, column_inv);
-    uint64_t r = lin - q * columns;
+  // Key types: uint64_t, or uint32_t where every key is below 2^32 (cheaper multiplies).
+  template <typename K>
+  __device__ __forceinline__ uint32_t Bucket(uint32_t j, K x) const {
+    return ModColumns(AddMod(MulMod(coeffs[6 * j], x), coeffs[6 * j + 1]));
+  }
+  // v mod columns (Barrett with column_inv = 2^64 / columns).
+  __device__ __forceinline__ uint32_t ModColumns(uint64_t v) const {
+    const uint64_t q = __umul64hi(v, column_inv);
+    uint64_t r = v - q * columns;
     while (r >= columns) r -= columns;
     return static_cast<uint32_t>(r);
   }
-  __device__ __forceinline__ float Sign(uint32_t j, uint64_t x) const {
+  template <typename K>
+  __device__ __forceinline__ float Sign(uint32_t j, K x) const {
     const uint64_t* c = coeffs + 6 * j + 2;
     uint64_t h = c[3];
     h = AddMod(MulMod(h, x), c[2]);
@@ -80,24 +98,148 @@ struct Hash {
 
 __device__ __forceinline__ uint64_t Reduce(uint64_t i) { return i < kPrime ? i : i % kPrime; }
 
-__global__ void InsertDenseKernel(Hash h, const float* v, size_t n, uint64_t key_begin,
-                                  float* table) {
-  for (size_t t = blockIdx.x * size_t{blockDim.x} + threadIdx.x; t < n;
-       t += size_t{gridDim.x} * blockDim.x) {
-    const float x = v[t];
-    if (x == 0.0f) continue;
-    const uint64_t key = Reduce(key_begin + t);
-    for (uint32_t j = 0; j < h.rows; ++j) {
-      atomicAdd(&table[size_t{j} * h.columns + h.Bucket(j, key)], h.Sign(j, key) * x);
+__device__ __forceinline__ uint64_t SubMod(uint64_t a, uint64_t b) {
+  return a >= b ? a - b : a + kPrime - b;
+}
+
+// Row j's hashes over consecutive keys x0, x0 + 1, ... (mod p) with additions only, as the CPU's
+// RowWalker (kernels/count_sketch.cc): a*x + b mod p grows by a per key, the sign's cubic
+// polynomial by forward differences (3 additions mod p). The bucket (a*x + b mod p) mod c is kept
+// incrementally too: it grows by a mod c, less p mod c when a*x + b wraps past p. Bitwise the
+// hashes of Hash::Bucket and Hash::Sign.
+struct RowWalker {
+  uint64_t a, lin, d0, d1, d2, d3;
+  uint32_t columns, bucket, a_mod_c, p_mod_c;
+
+  template <typename K>
+  __device__ __forceinline__ RowWalker(const Hash& h, uint32_t j, K x0) {
+    const uint64_t* c = h.coeffs + 6 * j + 2;
+    a = h.coeffs[6 * j];
+    columns = h.columns;
+    lin = AddMod(MulMod(a, x0), h.coeffs[6 * j + 1]);
+    bucket = h.ModColumns(lin);
+    a_mod_c = h.ModColumns(a);
+    p_mod_c = h.ModColumns(kPrime);
+    auto poly = [&](uint64_t v) {
+      uint64_t p = c[3];
+      p = AddMod(MulMod(p, v), c[2]);
+      p = AddMod(MulMod(p, v), c[1]);
+      return AddMod(MulMod(p, v), c[0]);
+    };
+    const uint64_t x = x0;
+    const uint64_t p0 = poly(x), p1 = poly(AddMod(x, 1)), p2 = poly(AddMod(x, 2)),
+                   p3 = poly(AddMod(x, 3));
+    d0 = p0;
+    d1 = SubMod(p1, p0);
+    const uint64_t e1 = SubMod(p2, p1), e2 = SubMod(p3, p2);
+    d2 = SubMod(e1, d1);
+    d3 = SubMod(SubMod(e2, e1), d2);
+  }
+  __device__ __forceinline__ float sign() const { return (d0 & 1) ? 1.0f : -1.0f; }
+  __device__ __forceinline__ void Next() {
+    const uint64_t next = lin + a;
+    const bool wrap = next >= kPrime;
+    lin = wrap ? next - kPrime : next;
+    bucket += a_mod_c;
+    if (bucket >= columns) bucket -= columns;
+    if (wrap) bucket = bucket >= p_mod_c ? bucket - p_mod_c : bucket + columns - p_mod_c;
+    d0 = AddMod(d0, d1);
+    d1 = AddMod(d1, d2);
+    d2 = AddMod(d2, d3);
+  }
+};
+
+// Entries per thread in the dense insertion: one walker start (13 modular multiplies per row)
+// serves this many consecutive keys.
+constexpr int kRun = 16;
+
+// Inserts the run of entries [t0, t0 + kRun) of v (those below n and non-zero) into table (global
+// or shared memory) with the given atomic add.
+template <typename K>
+__device__ __forceinline__ void InsertRun(const Hash& h, const float* v, size_t n, size_t t0,
+                                          uint64_t key_begin, float* table) {
+  float x[kRun];
+  if (t0 + kRun <= n && (reinterpret_cast<uintptr_t>(v + t0) & 15u) == 0) {
+#pragma unroll
+    for (int q = 0; q < kRun / 4; ++q) {
+      const float4 f = __ldg(reinterpret_cast<const float4*>(v + t0) + q);
+      x[4 * q] = f.x;
+      x[4 * q + 1] = f.y;
+      x[4 * q + 2] = f.z;
+      x[4 * q + 3] = f.w;
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < kRun; ++e) x[e] = t0 + e < n ? v[t0 + e] : 0.0f;
+  }
+  bool any = false;
+#pragma unroll
+  for (int e = 0; e < kRun; ++e) any |= x[e] != 0.0f;
+  if (!any) return;
+  const K x0 = static_cast<K>(Reduce(key_begin + t0));
+  for (uint32_t j = 0; j < h.rows; ++j) {
+    RowWalker w(h, j, x0);
+    float* row = table + size_t{j} * h.columns;
+#pragma unroll
+    for (int e = 0; e < kRun; ++e) {
+      if (x[e] != 0.0f) atomicAdd(&row[w.bucket], w.sign() * x[e]);
+      w.Next();
     }
   }
 }
 
-__global__ void InsertSparseKernel(Hash h, const uint32_t* idx, const float* vals, size_t k,
+// The block's copy of the hash coefficients in shared memory (read rows x 6 times per entry).
+__device__ __forceinline__ Hash SharedHash(const Hash& h, uint64_t* coeffs) {
+  for (uint32_t i = threadIdx.x; i < 6 * h.rows; i += blockDim.x) coeffs[i] = h.coeffs[i];
+  __syncthreads();
+  Hash s = h;
+  s.coeffs = coeffs;
+  return s;
+}
+
+// K: uint32_t when every key of the call is below 2^32, else uint64_t.
+template <typename K>
+__global__ void InsertDenseKernel(Hash hash, const float* v, size_t n, uint64_t key_begin,
+                                  float* table) {
+  __shared__ uint64_t coeffs[6 * kMaxRows];
+  const Hash h = SharedHash(hash, coeffs);
+  const size_t runs = (n + kRun - 1) / kRun;
+  for (size_t r = blockIdx.x * size_t{blockDim.x} + threadIdx.x; r < runs;
+       r += size_t{gridDim.x} * blockDim.x) {
+    InsertRun<K>(h, v, n, r * kRun, key_begin, table);
+  }
+}
+
+// The same into a block-private table in shared memory (dynamic, rows x columns floats), added
+// to the global table at the end: one global atomic per non-zero cell and block instead of one
+// per row and entry. For tables that fit in a block's shared memory.
+template <typename K>
+__global__ void __launch_bounds__(1024, 1)
+    InsertDenseSharedKernel(Hash hash, const float* v, size_t n, uint64_t key_begin, float* table) {
+  extern __shared__ float local[];
+  __shared__ uint64_t coeffs[6 * kMaxRows];
+  const size_t cells = size_t{hash.rows} * hash.columns;
+  for (size_t c = threadIdx.x; c < cells; c += blockDim.x) local[c] = 0.0f;
+  const Hash h = SharedHash(hash, coeffs);  // synchronises the block
+  const size_t runs = (n + kRun - 1) / kRun;
+  for (size_t r = blockIdx.x * size_t{blockDim.x} + threadIdx.x; r < runs;
+       r += size_t{gridDim.x} * blockDim.x) {
+    InsertRun<K>(h, v, n, r * kRun, key_begin, local);
+  }
+  __syncthreads();
+  for (size_t c = threadIdx.x; c < cells; c += blockDim.x) {
+    if (local[c] != 0.0f) atomicAdd(&table[c], local[c]);
+  }
+}
+
+template <typename K>
+__global__ void InsertSparseKernel(Hash hash, const uint32_t* idx, const float* vals, size_t k,
                                    uint64_t key_begin, float* table) {
+  __shared__ uint64_t coeffs[6 * kMaxRows];
+  const Hash h = SharedHash(hash, coeffs);
   for (size_t t = blockIdx.x * size_t{blockDim.x} + threadIdx.x; t < k;
        t += size_t{gridDim.x} * blockDim.x) {
-    const uint64_t key = Reduce(key_begin + idx[t]);
+    const K key = static_cast<K>(Reduce(key_begin + idx[t]));
     const float x = vals[t];
     for (uint32_t j = 0; j < h.rows; ++j) {
       atomicAdd(&table[size_t{j} * h.columns + h.Bucket(j, key)], h.Sign(j, key) * x);
@@ -107,11 +249,14 @@ __global__ void InsertSparseKernel(Hash h, const uint32_t* idx, const float* val
 
 // One key per thread: the rows' signed values, insertion-sorted, then the median as the CPU takes
 // it (the middle one; with an even count 0.5 * (lower + upper)).
-__global__ void EstimateKernel(Hash h, const float* table, uint64_t key_begin, size_t n,
+template <typename K>
+__global__ void EstimateKernel(Hash hash, const float* table, uint64_t key_begin, size_t n,
                                float* out) {
+  __shared__ uint64_t coeffs[6 * kMaxRows];
+  const Hash h = SharedHash(hash, coeffs);
   for (size_t t = blockIdx.x * size_t{blockDim.x} + threadIdx.x; t < n;
        t += size_t{gridDim.x} * blockDim.x) {
-    const uint64_t key = Reduce(key_begin + t);
+    const K key = static_cast<K>(Reduce(key_begin + t));
     float vals[kMaxRows];
     for (uint32_t j = 0; j < h.rows; ++j) {
       const float v = h.Sign(j, key) * table[size_t{j} * h.columns + h.Bucket(j, key)];
@@ -203,18 +348,59 @@ GpuCountSketch::~GpuCountSketch() { cudaFree(coeffs_); }
 
 cudaError_t GpuCountSketch::Upload() {
   if (coeffs_ != nullptr) return cudaSuccess;
+  int device = 0, optin = 0, sms = 0;
+  SPARSEPS_CUDA_TRY(cudaGetDevice(&device));
+  SPARSEPS_CUDA_TRY(
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  SPARSEPS_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  // Room for the coefficients' static shared memory next to the table.
+  const size_t limit = static_cast<size_t>(std::max(optin, 0));
+  shared_limit_ = limit > 6 * kMaxRows * sizeof(uint64_t) + 1024
+                      ? limit - 6 * kMaxRows * sizeof(uint64_t) - 1024
+                      : 0;
+  sms_ = static_cast<uint32_t>(std::max(sms, 1));
+  if (shared_limit_ > 0) {
+    const int want = static_cast<int>(shared_limit_);
+    SPARSEPS_CUDA_TRY(cudaFuncSetAttribute(InsertDenseSharedKernel<uint32_t>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, want));
+    SPARSEPS_CUDA_TRY(cudaFuncSetAttribute(InsertDenseSharedKernel<uint64_t>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, want));
+  }
   SPARSEPS_CUDA_TRY(
       cudaMalloc(reinterpret_cast<void**>(&coeffs_), host_coeffs_.size() * sizeof(uint64_t)));
   return cudaMemcpy(coeffs_, host_coeffs_.data(), host_coeffs_.size() * sizeof(uint64_t),
                     cudaMemcpyHostToDevice);
 }
 
+// Whether keys [key_begin, key_begin + n) are all below 2^32 (the cheaper key type applies).
+bool SmallKeys(uint64_t key_begin, size_t n) {
+  return key_begin < (uint64_t{1} << 32) && n <= (uint64_t{1} << 32) - key_begin;
+}
+
 cudaError_t GpuCountSketch::InsertDense(const float* v, size_t n, uint64_t key_begin, float* table,
                                         cudaStream_t stream) {
   SPARSEPS_CUDA_TRY(Upload());
   if (n == 0) return cudaSuccess;
-  InsertDenseKernel<<<Blocks(n), kThreads, 0, stream>>>(Hash{coeffs_, rows_, columns_, column_inv_},
-                                                        v, n, key_begin, table);
+  const Hash h{coeffs_, rows_, columns_, column_inv_};
+  const bool small = SmallKeys(key_begin, n);
+  // Block-private tables pay when the entries' atomics (rows per entry) far outnumber the
+  // flushes (one per cell and block).
+  const size_t bytes = size_t{rows_} * columns_ * sizeof(float);
+  const unsigned blocks = static_cast<unsigned>(2 * sms_);
+  if (bytes <= shared_limit_ && n * rows_ >= 16 * size_t{blocks} * rows_ * columns_) {
+    if (small) {
+      InsertDenseSharedKernel<uint32_t><<<blocks, 1024, bytes, stream>>>(h, v, n, key_begin, table);
+    } else {
+      InsertDenseSharedKernel<uint64_t><<<blocks, 1024, bytes, stream>>>(h, v, n, key_begin, table);
+    }
+    return cudaGetLastError();
+  }
+  const unsigned grid = Blocks((n + kRun - 1) / kRun);
+  if (small) {
+    InsertDenseKernel<uint32_t><<<grid, kThreads, 0, stream>>>(h, v, n, key_begin, table);
+  } else {
+    InsertDenseKernel<uint64_t><<<grid, kThreads, 0, stream>>>(h, v, n, key_begin, table);
+  }
   return cudaGetLastError();
 }
 
@@ -222,8 +408,15 @@ cudaError_t GpuCountSketch::InsertSparse(const uint32_t* idx, const float* vals,
                                          uint64_t key_begin, float* table, cudaStream_t stream) {
   SPARSEPS_CUDA_TRY(Upload());
   if (k == 0) return cudaSuccess;
-  InsertSparseKernel<<<Blocks(k), kThreads, 0, stream>>>(
-      Hash{coeffs_, rows_, columns_, column_inv_}, idx, vals, k, key_begin, table);
+  const Hash h{coeffs_, rows_, columns_, column_inv_};
+  // Indices are 32-bit: the keys stay below 2^32 when key_begin + 2^32 - 1 does.
+  if (SmallKeys(key_begin, uint64_t{1} << 32)) {
+    InsertSparseKernel<uint32_t>
+        <<<Blocks(k), kThreads, 0, stream>>>(h, idx, vals, k, key_begin, table);
+  } else {
+    InsertSparseKernel<uint64_t>
+        <<<Blocks(k), kThreads, 0, stream>>>(h, idx, vals, k, key_begin, table);
+  }
   return cudaGetLastError();
 }
 
@@ -231,8 +424,12 @@ cudaError_t GpuCountSketch::Estimate(const float* table, uint64_t key_begin, siz
                                      cudaStream_t stream) {
   SPARSEPS_CUDA_TRY(Upload());
   if (n == 0) return cudaSuccess;
-  EstimateKernel<<<Blocks(n), kThreads, 0, stream>>>(Hash{coeffs_, rows_, columns_, column_inv_},
-                                                     table, key_begin, n, out);
+  const Hash h{coeffs_, rows_, columns_, column_inv_};
+  if (SmallKeys(key_begin, n)) {
+    EstimateKernel<uint32_t><<<Blocks(n), kThreads, 0, stream>>>(h, table, key_begin, n, out);
+  } else {
+    EstimateKernel<uint64_t><<<Blocks(n), kThreads, 0, stream>>>(h, table, key_begin, n, out);
+  }
   return cudaGetLastError();
 }
 

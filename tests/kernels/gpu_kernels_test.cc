@@ -173,9 +173,21 @@ TEST(GpuThresholdSelect, SameAsSelectAtLeast) {
   ASSERT_EQ(count, want.size());
   EXPECT_EQ(didx.ToHost(count), want);
   EXPECT_EQ(dvals.ToHost(count), want_vals);
-  // Too little room: the full count is reported so the caller can retry.
+  // Too little room: the full count is reported so the caller can retry, and the room holds the
+  // first entries.
   CUDA_OK(sel.Select(dx.get(), n, threshold, didx.get(), nullptr, 10, &count, nullptr));
   EXPECT_EQ(count, want.size());
+  EXPECT_EQ(didx.ToHost(10), std::vector<uint32_t>(want.begin(), want.begin() + 10));
+  // A source that is not 16-byte aligned (a key range starting at an odd offset): scalar loads,
+  // the same selection shifted by one.
+  std::vector<uint32_t> want_shifted;
+  std::vector<float> want_shifted_vals;
+  SelectAtLeast(x.data() + 1, n - 1, threshold, &want_shifted, &want_shifted_vals);
+  CUDA_OK(sel.Select(dx.get() + 1, n - 1, threshold, didx.get(), dvals.get(), want.size() + 100,
+                     &count, nullptr));
+  ASSERT_EQ(count, want_shifted.size());
+  EXPECT_EQ(didx.ToHost(count), want_shifted);
+  EXPECT_EQ(dvals.ToHost(count), want_shifted_vals);
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <random>
 #include <vector>
@@ -185,10 +186,12 @@ TEST(GpuModels, CnnGradientMatchesCpu) {
 }
 
 // Plain SGD on 6000 Fashion-MNIST samples, one epoch, the same order on both devices: the GPU
-// run reaches the CPU run's test accuracy (within 1 point).
+// run reaches the CPU run's test accuracy (within 1 point). Data: $SPARSEPS_FASHION_MNIST_DIR, else
+// /usr/share/datasets/fashion-mnist.
 TEST(GpuModels, TrainingReachesTheCpuAccuracy) {
   SKIP_WITHOUT_GPU();
-  const std::string dir = "/usr/share/datasets/fashion-mnist";
+  const char* env = std::getenv("SPARSEPS_FASHION_MNIST_DIR");
+  const std::string dir = env != nullptr ? env : "/usr/share/datasets/fashion-mnist";
   if (!std::filesystem::exists(dir + "/train-images-idx3-ubyte.gz")) {
     GTEST_SKIP() << "no Fashion-MNIST in " << dir;
   }
@@ -343,10 +346,22 @@ TEST(GpuSbc, MatchesTheCpuCompressorOverTwoRounds) {
 // of rows included.
 TEST(GpuCountSketch, TablesAndEstimatesEqualCpu) {
   SKIP_WITHOUT_GPU();
-  for (uint32_t rows : {5u, 4u}) {
-    kernels::CountSketchHash hash(rows, 10007, 99);
+  // Rows 5 and 4 (odd and even medians); 10007 columns (global atomics) and 61 (the table fits in
+  // shared memory: the block-private path); keys below 2^32 (32-bit multiplies), past 2^33, and
+  // across p = 2^61 - 1 (the keys wrap to 0 in the middle of the incremental hashes).
+  struct Case {
+    uint32_t rows, columns;
+    uint64_t key_begin;
+  };
+  for (const Case& c :
+       {Case{5, 10007, (uint64_t{1} << 33) + 5}, Case{4, 10007, 5}, Case{5, 61, 7},
+        Case{4, 61, (uint64_t{1} << 33) + 5}, Case{5, 10007, (uint64_t{1} << 61) - 1 - 1000}}) {
+    const uint32_t rows = c.rows;
+    kernels::CountSketchHash hash(rows, c.columns, 99);
     const size_t n = 300000;
-    const uint64_t key_begin = (uint64_t{1} << 33) + 5;
+    const uint64_t key_begin = c.key_begin;
+    SCOPED_TRACE(::testing::Message()
+                 << rows << " rows x " << c.columns << " columns, keys from " << key_begin);
     std::vector<float> v(n, 0.0f);
     std::mt19937 rng(rows);
     std::uniform_int_distribution<int> val(-20, 20);
