@@ -4,7 +4,8 @@
 // benchmark reports bytes_per_second for one read of the vector (4n bytes per iteration), so the
 // ratios against BM_OneRead and the fraction of the GPU's memory bandwidth read off directly.
 // Baseline for the exact top-k: a full CUB radix sort of (|x| key, index) pairs, descending, as
-// a sort-based top-k does (this CUDA's CUB has no DeviceTopK; no PyTorch here).
+// a sort-based top-k does (this CUDA's CUB, 3.0, has no DeviceTopK); torch.topk is timed on the
+// same problem by bench/torch_topk_baseline.py, which bench/gpu_checks.sh runs in the same call.
 // Without a CUDA device every benchmark is skipped with the reason.
 #include <benchmark/benchmark.h>
 
@@ -90,6 +91,20 @@ void BM_OneRead(benchmark::State& state) {
   cudaFree(scratch);
 }
 
+// The practical bandwidth ceiling: a device-to-device copy of the vector. Its bytes_per_second
+// counts bytes read plus bytes written (8n per iteration), unlike the others (4n).
+void BM_DeviceCopy(benchmark::State& state) {
+  if (!Ready(state)) return;
+  Input& in = Input::Get();
+  float* dst = nullptr;
+  cudaMalloc(reinterpret_cast<void**>(&dst), in.n * sizeof(float));
+  Timed(state, 2 * in.n, [&] {
+    cudaMemcpyAsync(dst, in.x, in.n * sizeof(float), cudaMemcpyDeviceToDevice);
+    cudaDeviceSynchronize();
+  });
+  cudaFree(dst);
+}
+
 void BM_TopK(benchmark::State& state) {
   if (!Ready(state)) return;
   Input& in = Input::Get();
@@ -152,12 +167,15 @@ void BM_CubSortTopK(benchmark::State& state) {
   }
 }
 
-// Count-sketch insertion of the whole vector (every entry non-zero): 5 rows x n/100 columns (the
-// table, 20 MB at 100M, stays in L2), hashes on the fly, one atomic per row and entry.
+// Count-sketch insertion of the whole vector (every entry non-zero), hashes on the fly. Arg 0:
+// 5 rows x n/100 columns (FetchSGD's proportions; the table, 20 MB at 100M, stays in L2): one
+// global atomic per row and entry. Arg 1: 5 rows x 10,000 columns (configs/sketch.yaml's table,
+// 200 KB): block-private tables in shared memory.
 void BM_CountSketchInsertDense(benchmark::State& state) {
   if (!Ready(state)) return;
   Input& in = Input::Get();
-  CountSketchHash hash(5, static_cast<uint32_t>(in.n / 100), 7);
+  const uint32_t columns = state.range(0) == 0 ? static_cast<uint32_t>(in.n / 100) : 10000;
+  CountSketchHash hash(5, columns, 7);
   GpuCountSketch sketch(hash);
   float* table = nullptr;
   cudaMalloc(reinterpret_cast<void**>(&table), hash.table_size() * sizeof(float));
@@ -191,8 +209,13 @@ void BM_SbcBinarize(benchmark::State& state) {
   cudaFree(idx);
 }
 
+BENCHMARK(BM_DeviceCopy)->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_OneRead)->UseManualTime()->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_CountSketchInsertDense)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_CountSketchInsertDense)
+    ->Arg(0)
+    ->Arg(1)
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_SbcBinarize)->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_TopK)->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_ThresholdSelect)->UseManualTime()->Unit(benchmark::kMicrosecond);

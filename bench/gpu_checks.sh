@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# Every check that needs a CUDA device, in one go (issue 5): the GPU tests, the GPU kernel
+# benchmarks, the torch.topk baseline on the same problem, and the CNN and MLP trained through the
+# PS on the GPU and on the CPU (same config, same machine) for the accuracy and time comparison.
+#
+#   bench/gpu_checks.sh [--build-dir B] [--out DIR] [--data DIR] [--skip-train] [--reps R] [--ncu]
+#
+# B: a build with CUDA (default build/); DIR: where the logs go (default runs/gpu-checks-<time>);
+# --data: Fashion-MNIST (default /usr/share/datasets/fashion-mnist). Writes, under DIR:
+#   summary.txt        device, pass/fail of each step, the last lines of each log
+#   gpu_tests.log      gpu_kernels_test and gpu_models_test (gtest output)
+#   gpu_bench.json/.log sparseps_gpu_bench (Google Benchmark, R repetitions, CUDA-event times)
+#   torch_topk.log     bench/torch_topk_baseline.py (when python3 has torch with CUDA)
+#   train.log          the training runs' final lines; train-runs.tar.gz their run directories
+#   ncu.log            with --ncu: Nsight Compute's speed-of-light and memory sections for the
+#                      kernels of BM_TopK, BM_ThresholdSelect and BM_CountSketchInsertDense
+# Exit code: 0 when every test passed and every run finished, 1 otherwise.
+set -uo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+build_dir="$here/build"
+out=""
+data="/usr/share/datasets/fashion-mnist"
+train=1
+reps=5
+ncu=0
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --build-dir) build_dir="$2"; shift 2 ;;
+    --out) out="$2"; shift 2 ;;
+    --data) data="$2"; shift 2 ;;
+    --skip-train) train=0; shift ;;
+    --reps) reps="$2"; shift 2 ;;
+    --ncu) ncu=1; shift ;;
+    -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "gpu_checks.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+  esac
+done
+[[ -n "$out" ]] || out="$here/runs/gpu-checks-$(date +%Y%m%d-%H%M%S)"
+mkdir -p "$out"
+summary="$out/summary.txt"
+: >"$summary"
+failed=0
+note() { echo "$*" | tee -a "$summary"; }
+step() {  # step NAME LOG CMD...: runs CMD with its output in LOG (appended), notes the result
+  local name="$1" log="$2"; shift 2
+  local t0=$SECONDS
+  "$@" >>"$log" 2>&1
+  local rc=$?
+  if [[ $rc -eq 0 ]]; then note "PASS $name ($((SECONDS - t0)) s)"; else
+    note "FAIL $name (exit $rc, $((SECONDS - t0)) s; see $(basename "$log"))"; failed=1; fi
+  return $rc
+}
+
+note "== $(date -u +%FT%TZ) $(uname -n)"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem \
+  --format=csv,noheader 2>&1 | sed 's/^/gpu: /' | tee -a "$summary"
+
+step gpu_kernels_test "$out/gpu_tests.log" timeout 300 "$build_dir/tests/gpu_kernels_test"
+step gpu_models_test "$out/gpu_tests.log" timeout 300 env SPARSEPS_FASHION_MNIST_DIR="$data" \
+  "$build_dir/tests/gpu_models_test"
+grep -E "^\[  (SKIPPED|FAILED) \]|Failure|Skipped" "$out/gpu_tests.log" | head -20 | tee -a "$summary"
+
+step sparseps_gpu_bench "$out/gpu_bench.log" timeout 300 "$build_dir/bench/sparseps_gpu_bench" \
+  --benchmark_repetitions="$reps" --benchmark_report_aggregates_only=true \
+  --benchmark_out="$out/gpu_bench.json" --benchmark_out_format=json
+grep -E "_median|_mean" "$out/gpu_bench.log" | tee -a "$summary"
+# Without the caller's LD_LIBRARY_PATH: PyTorch brings its own libraries.
+step torch_topk_baseline "$out/torch_topk.log" timeout 300 env -u LD_LIBRARY_PATH python3 "$here/bench/torch_topk_baseline.py"
+tee -a "$summary" <"$out/torch_topk.log"
+
+if [[ $ncu -eq 1 ]]; then
+  for b in TopK ThresholdSelect CountSketchInsertDense; do
+    step "ncu BM_$b" "$out/ncu.log" timeout 300 ncu --section SpeedOfLight \
+      --section MemoryWorkloadAnalysis --launch-skip 40 --launch-count 12 \
+      "$build_dir/bench/sparseps_gpu_bench" --benchmark_filter="^BM_$b/" \
+      --benchmark_min_time=0.05
+  done
+fi
+
+if [[ $train -eq 1 ]]; then
+  runs="$out/train-runs"
+  mkdir -p "$runs"
+  for cfg in cnn quickstart; do
+    for dev in cuda cpu; do
+      step "train $cfg on $dev" "$out/train.log" timeout 300 "$here/deploy/launch.sh" \
+        --config "$here/configs/$cfg.yaml" --build-dir "$build_dir" --quiet \
+        --set "train.device=$dev" --set "data.dir=$data" --run-dir "$runs/$cfg-$dev"
+      grep -h -m1 -i "device" "$runs/$cfg-$dev/worker-0.log" | tee -a "$summary"
+      tail -n 2 "$out/train.log" | tee -a "$summary"
+    done
+  done
+  tar -czf "$out/train-runs.tar.gz" -C "$out" train-runs && rm -rf "$runs"
+fi
+note "== done: $([[ $failed -eq 0 ]] && echo all passed || echo FAILURES)"
+exit $failed
