@@ -6,7 +6,6 @@
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_scan.cuh>
 #include <cub/device/device_select.cuh>
-#include <type_traits>
 
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/gpu_kernels.h"
@@ -270,27 +269,15 @@ __global__ void IotaKernel(uint32_t* out, size_t n) {
 // Entries whose key reaches a threshold, written in index order without a sort: MaskKernel sets
 // one bit per entry (word w holds entries 32w..32w+31) and counts the bits per segment of
 // kSegWords words; an exclusive scan of the counts gives each segment's first output slot;
-// EmitKernel turns each segment's bits into output entries. Keys: |x|'s bits for float sources,
-// the values themselves for uint32_t sources (a candidate list's keys).
+// EmitKernel turns each segment's bits into output entries. Keys are |x|'s bits (AbsKey).
 
 constexpr size_t kSegWords = 256;  // one warp per segment in EmitKernel: 8 words per lane
-
-template <typename T>
-__device__ __forceinline__ uint32_t KeyOf(uint32_t bits) {
-  if constexpr (std::is_same_v<T, float>) {
-    return bits & 0x7fffffffu;
-  } else {
-    return bits;
-  }
-}
 
 // One warp per chunk of 128 entries (a 16-byte load per lane): the chunk's 4 mask words, written
 // by lane 0 as one 16-byte store, and their bit count added to the chunk's segment. The threshold
 // is t, or *t_dev when t_dev is not null (a threshold found on the device).
-template <typename T>
-__global__ void MaskKernel(const T* src, size_t n, uint32_t t, const uint32_t* t_dev,
+__global__ void MaskKernel(const float* src, size_t n, uint32_t t, const uint32_t* t_dev,
                            uint32_t* mask, uint32_t* seg_count) {
-  static_assert(sizeof(T) == 4, "4-byte keys");
   if (t_dev != nullptr) t = *t_dev;
   const size_t chunks = (n + 127) / 128;
   const bool vec = (reinterpret_cast<uintptr_t>(src) & 15u) == 0;
@@ -313,7 +300,7 @@ __global__ void MaskKernel(const T* src, size_t n, uint32_t t, const uint32_t* t
     uint32_t word = 0;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      if (i + j < n && KeyOf<T>(k[j]) >= t) word |= 1u << j;
+      if (i + j < n && (k[j] & 0x7fffffffu) >= t) word |= 1u << j;
     }
     // Lane l holds entries 4l..4l+3 of the chunk: bits 4(l % 8).. of word l / 8.
     word <<= 4 * (lane & 7u);
@@ -332,14 +319,13 @@ __global__ void MaskKernel(const T* src, size_t n, uint32_t t, const uint32_t* t
 }
 
 // One warp per segment: each lane's 8 words, a warp scan of their bit counts, then the entries in
-// index order from the segment's first slot. An entry e (bit e of the mask) goes out as index
-// map[e] (e when map is null), value src[e] (float sources, when vals is not null) and key (when
-// keys is not null); at most cap entries are written. *total = the number selected.
-template <typename T>
+// index order from the segment's first slot. An entry e (bit e of the mask) goes out as index e,
+// value src[e] (when vals is not null) and key AbsKey(src[e]) (when keys is not null); at most cap
+// entries are written. *total = the number selected.
 __global__ void EmitKernel(const uint32_t* mask, size_t words, const uint32_t* seg_count,
-                           const uint32_t* seg_offset, size_t segs, const T* src,
-                           const uint32_t* map, uint32_t* idx_out, float* vals, uint32_t* keys,
-                           size_t cap, uint32_t* total) {
+                           const uint32_t* seg_offset, size_t segs, const float* src,
+                           uint32_t* idx_out, float* vals, uint32_t* keys, size_t cap,
+                           uint32_t* total) {
   const unsigned lane = threadIdx.x & 31u;
   const size_t warps = size_t{gridDim.x} * (blockDim.x / 32);
   for (size_t sg = (blockIdx.x * size_t{blockDim.x} + threadIdx.x) / 32; sg < segs; sg += warps) {
@@ -380,12 +366,10 @@ __global__ void EmitKernel(const uint32_t* mask, size_t words, const uint32_t* s
         const size_t e = (w0 + j) * 32 + static_cast<size_t>(__ffs(static_cast<int>(w)) - 1);
         w &= w - 1;
         if (pos < cap) {
-          idx_out[pos] = map != nullptr ? map[e] : static_cast<uint32_t>(e);
-          const uint32_t b = reinterpret_cast<const uint32_t*>(src)[e];
-          if constexpr (std::is_same_v<T, float>) {
-            if (vals != nullptr) vals[pos] = __uint_as_float(b);
-          }
-          if (keys != nullptr) keys[pos] = KeyOf<T>(b);
+          idx_out[pos] = static_cast<uint32_t>(e);
+          const float v = src[e];
+          if (vals != nullptr) vals[pos] = v;
+          if (keys != nullptr) keys[pos] = AbsKey(v);
         }
         ++pos;
       }
@@ -398,10 +382,9 @@ unsigned WarpBlocks(size_t items) { return Blocks(items * 32); }
 
 // The ordered selection of src[0, n) (see above); the count goes to *total (device). Enqueued on
 // stream, no synchronisation.
-template <typename T>
-cudaError_t OrderedSelect(const T* src, size_t n, uint32_t t, const uint32_t* t_dev,
-                          const uint32_t* map, uint32_t* idx_out, float* vals, uint32_t* keys,
-                          size_t cap, SelectScratch* s, uint32_t* total, cudaStream_t stream) {
+cudaError_t OrderedSelect(const float* src, size_t n, uint32_t t, const uint32_t* t_dev,
+                          uint32_t* idx_out, float* vals, uint32_t* keys, size_t cap,
+                          SelectScratch* s, uint32_t* total, cudaStream_t stream) {
   if (n == 0) return cudaMemsetAsync(total, 0, sizeof(uint32_t), stream);
   const size_t chunks = (n + 127) / 128, words = 4 * chunks;
   const size_t segs = (words + kSegWords - 1) / kSegWords;
@@ -409,8 +392,7 @@ cudaError_t OrderedSelect(const T* src, size_t n, uint32_t t, const uint32_t* t_
   SPARSEPS_CUDA_TRY(Grow(&s->seg_count, &s->count_cap, segs));
   SPARSEPS_CUDA_TRY(Grow(&s->seg_offset, &s->offset_cap, segs));
   SPARSEPS_CUDA_TRY(cudaMemsetAsync(s->seg_count, 0, segs * sizeof(uint32_t), stream));
-  MaskKernel<T>
-      <<<WarpBlocks(chunks), kThreads, 0, stream>>>(src, n, t, t_dev, s->mask, s->seg_count);
+  MaskKernel<<<WarpBlocks(chunks), kThreads, 0, stream>>>(src, n, t, t_dev, s->mask, s->seg_count);
   SPARSEPS_CUDA_TRY(cudaGetLastError());
   size_t need = 0;
   SPARSEPS_CUDA_TRY(cub::DeviceScan::ExclusiveSum(nullptr, need, s->seg_count, s->seg_offset,
@@ -418,8 +400,8 @@ cudaError_t OrderedSelect(const T* src, size_t n, uint32_t t, const uint32_t* t_
   SPARSEPS_CUDA_TRY(Grow(&s->cub_tmp, &s->cub_bytes, need));
   SPARSEPS_CUDA_TRY(cub::DeviceScan::ExclusiveSum(s->cub_tmp, need, s->seg_count, s->seg_offset,
                                                   static_cast<int>(segs), stream));
-  EmitKernel<T><<<WarpBlocks(segs), kThreads, 0, stream>>>(
-      s->mask, words, s->seg_count, s->seg_offset, segs, src, map, idx_out, vals, keys, cap, total);
+  EmitKernel<<<WarpBlocks(segs), kThreads, 0, stream>>>(s->mask, words, s->seg_count, s->seg_offset,
+                                                        segs, src, idx_out, vals, keys, cap, total);
   return cudaGetLastError();
 }
 
@@ -545,8 +527,8 @@ cudaError_t GpuTopK::Select(const float* x, size_t n, size_t k, uint32_t* idx_ou
     SPARSEPS_CUDA_TRY(
         RadixSelect(CandidateSource{sample_, nullptr, s}, s, rank, st, hist_, stream));
     // The candidates, in index order: the entries whose key reaches the sampled key (st->prefix).
-    SPARSEPS_CUDA_TRY(OrderedSelect<float>(x, n, 0, &st->prefix, nullptr, cand_idx_, nullptr,
-                                           cand_key_, cap_, &scratch_, &counters_[0], stream));
+    SPARSEPS_CUDA_TRY(OrderedSelect(x, n, 0, &st->prefix, cand_idx_, nullptr, cand_key_, cap_,
+                                    &scratch_, &counters_[0], stream));
     uint32_t found = 0;
     SPARSEPS_CUDA_TRY(
         cudaMemcpyAsync(&found, counters_, sizeof(found), cudaMemcpyDeviceToHost, stream));
@@ -648,8 +630,8 @@ cudaError_t GpuThresholdSelect::Select(const float* x, size_t n, float threshold
   uint32_t t = 0;
   std::memcpy(&t, &threshold, sizeof(t));
   t &= 0x7fffffffu;
-  SPARSEPS_CUDA_TRY(OrderedSelect<float>(x, n, t, nullptr, nullptr, idx_out, vals_out, nullptr,
-                                         capacity, &scratch_, counter_, stream));
+  SPARSEPS_CUDA_TRY(OrderedSelect(x, n, t, nullptr, idx_out, vals_out, nullptr, capacity, &scratch_,
+                                  counter_, stream));
   uint32_t count = 0;
   SPARSEPS_CUDA_TRY(
       cudaMemcpyAsync(&count, counter_, sizeof(count), cudaMemcpyDeviceToHost, stream));
