@@ -71,10 +71,16 @@ tee -a "$summary" <"$out/torch_topk.log"
 
 if [[ $ncu -eq 1 ]]; then
   for b in TopK ThresholdSelect CountSketchInsertDense; do
+    before=$(grep -c "Section: GPU Speed Of Light" "$out/ncu.log" 2>/dev/null)
     step "ncu BM_$b" "$out/ncu.log" timeout 300 ncu --section SpeedOfLight \
       --section MemoryWorkloadAnalysis --launch-skip 40 --launch-count 12 \
       "$build_dir/bench/sparseps_gpu_bench" --benchmark_filter="^BM_$b/" \
       --benchmark_min_time=0.05
+    # ncu exits 0 when the filter matched nothing: a profile without kernels is a failure.
+    if [[ $(grep -c "Section: GPU Speed Of Light" "$out/ncu.log") -eq ${before:-0} ]]; then
+      note "FAIL ncu BM_$b: no kernel profiled"
+      failed=1
+    fi
   done
 fi
 

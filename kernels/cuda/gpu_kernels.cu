@@ -273,6 +273,14 @@ __global__ void IotaKernel(uint32_t* out, size_t n) {
 
 constexpr size_t kSegWords = 256;  // one warp per segment in EmitKernel: 8 words per lane
 
+// out[0..3] = v's four words (a 16-byte load unpacked into an array the loops index).
+__device__ __forceinline__ void Unpack(const uint4& v, uint32_t* out) {
+  out[0] = v.x;
+  out[1] = v.y;
+  out[2] = v.z;
+  out[3] = v.w;
+}
+
 // One warp per chunk of 128 entries (a 16-byte load per lane): the chunk's 4 mask words, written
 // by lane 0 as one 16-byte store, and their bit count added to the chunk's segment. The threshold
 // is t, or *t_dev when t_dev is not null (a threshold found on the device).
@@ -288,11 +296,7 @@ __global__ void MaskKernel(const float* src, size_t n, uint32_t t, const uint32_
     const size_t i = c * 128 + 4 * lane;
     uint32_t k[4];
     if (vec && c * 128 + 128 <= n) {
-      const uint4 v = __ldg(reinterpret_cast<const uint4*>(bits) + c * 32 + lane);
-      k[0] = v.x;
-      k[1] = v.y;
-      k[2] = v.z;
-      k[3] = v.w;
+      Unpack(__ldg(reinterpret_cast<const uint4*>(bits) + c * 32 + lane), k);
     } else {
 #pragma unroll
       for (int j = 0; j < 4; ++j) k[j] = i + j < n ? bits[i + j] : 0u;
@@ -335,16 +339,8 @@ __global__ void EmitKernel(const uint32_t* mask, size_t words, const uint32_t* s
     const size_t w0 = sg * kSegWords + 8 * lane;
     uint32_t m[8];
     if (w0 + 8 <= words) {
-      const uint4 a = reinterpret_cast<const uint4*>(mask + w0)[0];
-      const uint4 b = reinterpret_cast<const uint4*>(mask + w0)[1];
-      m[0] = a.x;
-      m[1] = a.y;
-      m[2] = a.z;
-      m[3] = a.w;
-      m[4] = b.x;
-      m[5] = b.y;
-      m[6] = b.z;
-      m[7] = b.w;
+      Unpack(reinterpret_cast<const uint4*>(mask + w0)[0], m);
+      Unpack(reinterpret_cast<const uint4*>(mask + w0)[1], m + 4);
     } else {
 #pragma unroll
       for (int j = 0; j < 8; ++j) m[j] = w0 + j < words ? mask[w0 + j] : 0u;
