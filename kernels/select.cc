@@ -73,34 +73,21 @@ size_t SelectAtLeast(const float* x, size_t n, float threshold, std::vector<uint
 }
 
 float SampledMagnitude(const float* x, size_t n, size_t sample_size, size_t rank) {
-  sample_size = std::min(sample_size, n);
-  std::vector<uint32_t> keys(sample_size);
-  // Runs of 16 consecutive entries (one cache line) at a stride, each run placed with a
-  // deterministic jitter inside its stride so that periodic structure in x (layer boundaries,
-  // padding) does not line up with the sample. Runs keep the memory traffic of a 1% sample low.
-  constexpr size_t kRun = 16;
-  const size_t runs = (sample_size + kRun - 1) / kRun;
-  const double stride = static_cast<double>(n) / static_cast<double>(runs);
-  uint64_t state = 0x9e3779b97f4a7c15ULL;
-  size_t j = 0;
-  for (size_t r = 0; r < runs && j < sample_size; ++r) {
-    state = state * 6364136223846793005ULL + 1442695040888963407ULL;
-    const double jitter = static_cast<double>(state >> 40) / static_cast<double>(1ULL << 24);
-    size_t i = static_cast<size_t>((static_cast<double>(r) + jitter) * stride);
-    i = std::min(i, n - std::min(n, kRun));
-    for (size_t u = 0; u < kRun && j < sample_size && i + u < n; ++u) keys[j++] = AbsKey(x[i + u]);
-  }
-  keys.resize(j);
-  sample_size = j;
+  std::vector<uint32_t> keys;
+  keys.reserve(std::min(sample_size, n));
+  ForEachSampleRun(n, sample_size, [&](size_t start, size_t len) {
+    for (size_t u = 0; u < len; ++u) keys.push_back(AbsKey(x[start + u]));
+  });
+  sample_size = keys.size();
   rank = std::clamp<size_t>(rank, 1, sample_size);
   if (rank <= sample_size / 64) {
     // A small rank: a min-heap of the rank largest rejects most keys with one compare.
     std::vector<uint32_t> heap(keys.begin(), keys.begin() + static_cast<ptrdiff_t>(rank));
     std::make_heap(heap.begin(), heap.end(), std::greater<uint32_t>());
-    for (size_t j2 = rank; j2 < sample_size; ++j2) {
-      if (keys[j2] > heap.front()) {
+    for (size_t j = rank; j < sample_size; ++j) {
+      if (keys[j] > heap.front()) {
         std::pop_heap(heap.begin(), heap.end(), std::greater<uint32_t>());
-        heap.back() = keys[j2];
+        heap.back() = keys[j];
         std::push_heap(heap.begin(), heap.end(), std::greater<uint32_t>());
       }
     }
@@ -181,6 +168,11 @@ ScaledThreshold::ScaledThreshold(size_t k)
 size_t ScaledThreshold::Select(const float* x, size_t n, std::vector<uint32_t>* out) {
   out->clear();
   const size_t count = SelectAtLeast(x, n, threshold_, out);
+  Update(count);
+  return count;
+}
+
+void ScaledThreshold::Update(size_t count) {
   const double ratio = static_cast<double>(count) / static_cast<double>(std::max<size_t>(k_, 1));
   if (ratio > 1.1) {
     threshold_ *= 1.005f;
@@ -189,7 +181,6 @@ size_t ScaledThreshold::Select(const float* x, size_t n, std::vector<uint32_t>* 
   } else {
     threshold_ *= 1.00125f;
   }
-  return count;
 }
 
 }  // namespace sparseps::kernels

@@ -32,9 +32,37 @@ float StreamingSum(const float* x, size_t n);
 size_t SelectAtLeast(const float* x, size_t n, float threshold, std::vector<uint32_t>* out,
                      std::vector<float>* values = nullptr);
 
+// The sample SampledMagnitude reads: calls run(start, length) for runs of (at most) 16
+// consecutive entries of a vector of n entries, one run per stride of n / ceil(sample_size / 16),
+// placed with a deterministic jitter inside its stride, min(sample_size, n) entries in all when
+// n >= 16. The GPU twin (kernels/cuda/gpu_kernels.h) takes its sample positions from here.
+template <typename Run>
+void ForEachSampleRun(size_t n, size_t sample_size, Run run) {
+  // Runs of 16 consecutive entries (one cache line) at a stride, each run placed with a
+  // deterministic jitter inside its stride so that periodic structure in x (layer boundaries,
+  // padding) does not line up with the sample. Runs keep the memory traffic of a 1% sample low.
+  constexpr size_t kRun = 16;
+  sample_size = sample_size < n ? sample_size : n;
+  const size_t runs = (sample_size + kRun - 1) / kRun;
+  const double stride = static_cast<double>(n) / static_cast<double>(runs);
+  uint64_t state = 0x9e3779b97f4a7c15ULL;
+  size_t taken = 0;
+  for (size_t r = 0; r < runs && taken < sample_size; ++r) {
+    state = state * 6364136223846793005ULL + 1442695040888963407ULL;
+    const double jitter = static_cast<double>(state >> 40) / static_cast<double>(1ULL << 24);
+    size_t i = static_cast<size_t>((static_cast<double>(r) + jitter) * stride);
+    const size_t last_start = n - (n < kRun ? n : kRun);
+    i = i < last_start ? i : last_start;
+    size_t len = sample_size - taken < kRun ? sample_size - taken : kRun;
+    len = len < n - i ? len : n - i;
+    run(i, len);
+    taken += len;
+  }
+}
+
 // The magnitude of the `rank`-th largest (1-based) of `sample_size` entries of x taken as runs of
-// 16 consecutive entries at a fixed stride (deterministic). REQUIRES: 1 <= rank <= min(sample_size,
-// n).
+// 16 consecutive entries at a fixed stride (ForEachSampleRun; deterministic). REQUIRES: 1 <= rank
+// <= min(sample_size, n).
 float SampledMagnitude(const float* x, size_t n, size_t sample_size, size_t rank);
 
 // Keeps the k largest-magnitude entries of the sorted index list *idx (indices into x) and drops
@@ -61,6 +89,9 @@ class ScaledThreshold {
   explicit ScaledThreshold(size_t k);
   // Selects into *out (cleared first) and updates the threshold; returns the count.
   size_t Select(const float* x, size_t n, std::vector<uint32_t>* out);
+  // Scales the threshold for a selection that found `count` entries (what Select does after its
+  // pass; the GPU twin selects on the device and calls this).
+  void Update(size_t count);
   void set_k(size_t k) { k_ = k; }
   float threshold() const { return threshold_; }
   void set_threshold(float t) { threshold_ = t; }

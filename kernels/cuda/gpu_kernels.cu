@@ -9,6 +9,7 @@
 
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/gpu_kernels.h"
+#include "kernels/select.h"
 
 namespace sparseps::kernels::gpu {
 namespace {
@@ -48,6 +49,52 @@ __global__ void GatherAndZeroKernel(float* v, float* u, const uint32_t* idx, siz
     v[i] = 0.0f;
     if (u != nullptr) u[i] = 0.0f;
   }
+}
+
+template <typename T>
+__global__ void GatherKernel(const T* src, const uint32_t* idx, size_t k, T* out) {
+  for (size_t j = blockIdx.x * size_t{blockDim.x} + threadIdx.x; j < k;
+       j += size_t{gridDim.x} * blockDim.x) {
+    out[j] = src[idx[j]];
+  }
+}
+
+__global__ void ScatterSetKernel(float* dst, const uint32_t* idx, const float* vals, size_t k) {
+  for (size_t j = blockIdx.x * size_t{blockDim.x} + threadIdx.x; j < k;
+       j += size_t{gridDim.x} * blockDim.x) {
+    dst[idx[j]] = vals[j];
+  }
+}
+
+__global__ void ZeroAtKernel(float* v, float* u, const uint32_t* idx, size_t k) {
+  for (size_t j = blockIdx.x * size_t{blockDim.x} + threadIdx.x; j < k;
+       j += size_t{gridDim.x} * blockDim.x) {
+    v[idx[j]] = 0.0f;
+    if (u != nullptr) u[idx[j]] = 0.0f;
+  }
+}
+
+__global__ void SbcLocalStepKernel(float* u, float* a, float* params, const float* g, float m,
+                                   float lr, size_t n) {
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n;
+       i += size_t{gridDim.x} * blockDim.x) {
+    // Round after each operation, as the CPU does (no fused multiply-add).
+    const float ui = __fadd_rn(__fmul_rn(m, u[i]), g[i]);
+    u[i] = ui;
+    a[i] = __fadd_rn(a[i], ui);
+    params[i] = __fsub_rn(params[i], __fmul_rn(lr, ui));
+  }
+}
+
+// *key = min(*key, |x[idx[j]]|'s bits) over j < k (*key starts at 0xffffffff).
+__global__ void MinAbsKeyKernel(const float* x, const uint32_t* idx, size_t k, uint32_t* key) {
+  uint32_t mine = 0xffffffffu;
+  for (size_t j = blockIdx.x * size_t{blockDim.x} + threadIdx.x; j < k;
+       j += size_t{gridDim.x} * blockDim.x) {
+    mine = min(mine, AbsKey(x[idx[j]]));
+  }
+  for (int off = 16; off > 0; off /= 2) mine = min(mine, __shfl_down_sync(0xffffffffu, mine, off));
+  if ((threadIdx.x & 31u) == 0 && mine != 0xffffffffu) atomicMin(key, mine);
 }
 
 __global__ void ScatterAddKernel(float* dst, const uint32_t* idx, const float* vals, size_t k) {
@@ -467,6 +514,43 @@ cudaError_t StreamingSum(const float* x, size_t n, double* scratch, double* host
   return cudaStreamSynchronize(stream);
 }
 
+template <typename T>
+cudaError_t GatherT(const T* src, const uint32_t* idx, size_t k, T* out, cudaStream_t stream) {
+  if (k == 0) return cudaSuccess;
+  GatherKernel<T><<<Blocks(k), kThreads, 0, stream>>>(src, idx, k, out);
+  return cudaGetLastError();
+}
+
+cudaError_t Gather(const float* src, const uint32_t* idx, size_t k, float* out,
+                   cudaStream_t stream) {
+  return GatherT(src, idx, k, out, stream);
+}
+
+cudaError_t Gather(const uint32_t* src, const uint32_t* idx, size_t k, uint32_t* out,
+                   cudaStream_t stream) {
+  return GatherT(src, idx, k, out, stream);
+}
+
+cudaError_t ScatterSet(float* dst, const uint32_t* idx, const float* vals, size_t k,
+                       cudaStream_t stream) {
+  if (k == 0) return cudaSuccess;
+  ScatterSetKernel<<<Blocks(k), kThreads, 0, stream>>>(dst, idx, vals, k);
+  return cudaGetLastError();
+}
+
+cudaError_t ZeroAt(float* v, float* u, const uint32_t* idx, size_t k, cudaStream_t stream) {
+  if (k == 0) return cudaSuccess;
+  ZeroAtKernel<<<Blocks(k), kThreads, 0, stream>>>(v, u, idx, k);
+  return cudaGetLastError();
+}
+
+cudaError_t SbcLocalStep(float* u, float* a, float* params, const float* g, float m, float lr,
+                         size_t n, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  SbcLocalStepKernel<<<Blocks(n), kThreads, 0, stream>>>(u, a, params, g, m, lr, n);
+  return cudaGetLastError();
+}
+
 // ---- GpuTopK ----
 
 GpuTopK::~GpuTopK() {
@@ -632,6 +716,116 @@ cudaError_t GpuThresholdSelect::Select(const float* x, size_t n, float threshold
   SPARSEPS_CUDA_TRY(
       cudaMemcpyAsync(&count, counter_, sizeof(count), cudaMemcpyDeviceToHost, stream));
   SPARSEPS_CUDA_TRY(cudaStreamSynchronize(stream));
+  *host_count = count;
+  return cudaSuccess;
+}
+
+// ---- GpuSampledThresholdSelect ----
+
+GpuSampledThresholdSelect::~GpuSampledThresholdSelect() {
+  for (void* p :
+       {static_cast<void*>(pos_), static_cast<void*>(sample_), static_cast<void*>(sel_),
+        static_cast<void*>(key_), static_cast<void*>(cand_idx_), static_cast<void*>(cand_vals_),
+        static_cast<void*>(kept_pos_), static_cast<void*>(kept_)}) {
+    if (p != nullptr) cudaFree(p);
+  }
+}
+
+cudaError_t GpuSampledThresholdSelect::Threshold(const float* x, size_t n, size_t sample,
+                                                 size_t rank, float* host_threshold,
+                                                 cudaStream_t stream) {
+  if (n != pos_n_ || sample != pos_sample_) {
+    // The CPU twin's sample positions (kernels::ForEachSampleRun), uploaded once per size.
+    std::vector<uint32_t> host_pos;
+    host_pos.reserve(std::min(sample, n));
+    ForEachSampleRun(n, sample, [&](size_t start, size_t len) {
+      for (size_t u = 0; u < len; ++u) host_pos.push_back(static_cast<uint32_t>(start + u));
+    });
+    SPARSEPS_CUDA_TRY(Grow(&pos_, &pos_cap_, host_pos.size()));
+    SPARSEPS_CUDA_TRY(cudaMemcpy(pos_, host_pos.data(), host_pos.size() * sizeof(uint32_t),
+                                 cudaMemcpyHostToDevice));
+    pos_n_ = n;
+    pos_sample_ = sample;
+    pos_count_ = host_pos.size();
+  }
+  const size_t m = pos_count_;
+  rank = std::clamp<size_t>(rank, 1, m);
+  SPARSEPS_CUDA_TRY(Grow(&sample_, &sample_cap_, m));
+  SPARSEPS_CUDA_TRY(Grow(&sel_, &sel_cap_, rank));
+  SPARSEPS_CUDA_TRY(Grow(&key_, &key_cap_, 1));
+  SPARSEPS_CUDA_TRY(Gather(x, pos_, m, sample_, stream));
+  size_t taken = 0;
+  SPARSEPS_CUDA_TRY(topk_.Select(sample_, m, rank, sel_, &taken, stream));
+  // The rank-th largest magnitude is the smallest of the rank largest.
+  SPARSEPS_CUDA_TRY(cudaMemsetAsync(key_, 0xff, sizeof(uint32_t), stream));
+  MinAbsKeyKernel<<<Blocks(taken), kThreads, 0, stream>>>(sample_, sel_, taken, key_);
+  SPARSEPS_CUDA_TRY(cudaGetLastError());
+  uint32_t key = 0;
+  SPARSEPS_CUDA_TRY(cudaMemcpyAsync(&key, key_, sizeof(key), cudaMemcpyDeviceToHost, stream));
+  SPARSEPS_CUDA_TRY(cudaStreamSynchronize(stream));
+  std::memcpy(host_threshold, &key, sizeof(key));
+  return cudaSuccess;
+}
+
+cudaError_t GpuSampledThresholdSelect::SelectAtLeast(const float* x, size_t n, float threshold,
+                                                     size_t* host_count, cudaStream_t stream) {
+  SPARSEPS_CUDA_TRY(Grow(&cand_idx_, &cand_cap_, std::max<size_t>(cand_cap_, 1024)));
+  SPARSEPS_CUDA_TRY(Grow(&cand_vals_, &cand_vals_cap_, cand_cap_));
+  SPARSEPS_CUDA_TRY(
+      select_.Select(x, n, threshold, cand_idx_, cand_vals_, cand_cap_, host_count, stream));
+  if (*host_count <= cand_cap_) return cudaSuccess;
+  // More than the buffers hold: make room for all of them and select again.
+  SPARSEPS_CUDA_TRY(Grow(&cand_idx_, &cand_cap_, *host_count + *host_count / 4));
+  SPARSEPS_CUDA_TRY(Grow(&cand_vals_, &cand_vals_cap_, cand_cap_));
+  return select_.Select(x, n, threshold, cand_idx_, cand_vals_, cand_cap_, host_count, stream);
+}
+
+cudaError_t GpuSampledThresholdSelect::Select(const float* x, size_t n, size_t k,
+                                              double sample_ratio, size_t* host_count,
+                                              cudaStream_t stream) {
+  *host_count = 0;
+  result_ = cand_idx_;
+  if (k == 0 || n == 0) return cudaSuccess;
+  if (k >= n) {
+    // Every entry: |x| >= 0 holds for all of them (callers reject NaN).
+    SPARSEPS_CUDA_TRY(SelectAtLeast(x, n, 0.0f, host_count, stream));
+    result_ = cand_idx_;
+    return cudaSuccess;
+  }
+  // The same sample, rank, bounds and refinement as kernels::SampledThresholdSelect.
+  const size_t sample = std::clamp<size_t>(
+      static_cast<size_t>(std::ceil(sample_ratio * static_cast<double>(n))), 1, n);
+  const size_t rank = std::clamp<size_t>(
+      static_cast<size_t>(std::llround(static_cast<double>(k) * static_cast<double>(sample) /
+                                       static_cast<double>(n))),
+      1, sample);
+  float threshold = 0.0f;
+  SPARSEPS_CUDA_TRY(Threshold(x, n, sample, rank, &threshold, stream));
+  const size_t lo = static_cast<size_t>(0.8 * static_cast<double>(k));
+  const size_t hi = static_cast<size_t>(std::ceil(1.3 * static_cast<double>(k)));
+  if (cand_cap_ < hi + hi / 4) {
+    SPARSEPS_CUDA_TRY(Grow(&cand_idx_, &cand_cap_, hi + hi / 4));
+    SPARSEPS_CUDA_TRY(Grow(&cand_vals_, &cand_vals_cap_, cand_cap_));
+  }
+  size_t count = 0;
+  for (int adjust = 0;; ++adjust) {
+    SPARSEPS_CUDA_TRY(SelectAtLeast(x, n, threshold, &count, stream));
+    result_ = cand_idx_;
+    if (count > hi) {
+      // Too many: the exact top-k among the selected (ties to lower indices, as KeepTopK).
+      SPARSEPS_CUDA_TRY(Grow(&kept_pos_, &kept_pos_cap_, k));
+      SPARSEPS_CUDA_TRY(Grow(&kept_, &kept_cap_, k));
+      size_t kept = 0;
+      SPARSEPS_CUDA_TRY(topk_.Select(cand_vals_, count, k, kept_pos_, &kept, stream));
+      SPARSEPS_CUDA_TRY(Gather(cand_idx_, kept_pos_, kept, kept_, stream));
+      SPARSEPS_CUDA_TRY(cudaStreamSynchronize(stream));
+      result_ = kept_;
+      count = kept;
+      break;
+    }
+    if (count >= lo || adjust == 10 || threshold == 0.0f) break;
+    threshold *= 0.7f;
+  }
   *host_count = count;
   return cudaSuccess;
 }

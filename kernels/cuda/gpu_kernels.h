@@ -40,6 +40,27 @@ cudaError_t ScatterAdd(float* dst, const uint32_t* idx, const float* vals, size_
 // y += a x over n elements. Twin of kernels::Axpy.
 cudaError_t Axpy(float a, const float* x, float* y, size_t n, cudaStream_t stream);
 
+// out[j] = src[idx[j]] for j < k (floats or 32-bit keys). Indices must be in bounds.
+cudaError_t Gather(const float* src, const uint32_t* idx, size_t k, float* out,
+                   cudaStream_t stream);
+cudaError_t Gather(const uint32_t* src, const uint32_t* idx, size_t k, uint32_t* out,
+                   cudaStream_t stream);
+
+// dst[idx[j]] = vals[j] for j < k (indices distinct and in bounds): the changed parameters of a
+// pull written into the device copy.
+cudaError_t ScatterSet(float* dst, const uint32_t* idx, const float* vals, size_t k,
+                       cudaStream_t stream);
+
+// v[idx[j]] = 0, and u[idx[j]] = 0 when u is not null, for j < k (the sketch's error reset at the
+// keys a pull changed).
+cudaError_t ZeroAt(float* v, float* u, const uint32_t* idx, size_t k, cudaStream_t stream);
+
+// SBC's local step (Sattler et al., arXiv 1805.08768, Algorithm 1), twin of
+// SbcCompressor::LocalStep in worker/compressor.cc: u = m u + g; a += u; params -= lr u over n
+// elements, each operation rounded as the CPU does (bitwise equal).
+cudaError_t SbcLocalStep(float* u, float* a, float* params, const float* g, float m, float lr,
+                         size_t n, cudaStream_t stream);
+
 // *host_sum = the sum of x[0, n) (float accumulation per thread, double across blocks): one
 // streaming read, the baseline the selection benchmarks compare against. scratch: one device
 // double (no allocation per call, so the baseline is the read alone). Synchronises.
@@ -133,6 +154,48 @@ class GpuThresholdSelect {
  private:
   SelectScratch scratch_;
   uint32_t* counter_ = nullptr;
+};
+
+// DGC's sampled threshold selection (Lin et al., ICLR 2018, section 3.4), twin of
+// kernels::SampledThresholdSelect: the same sample positions (kernels::ForEachSampleRun, uploaded
+// once per vector size), the same rank, bounds [0.8 k, 1.3 k] and refinement (too many -> the
+// exact top-k among the selected, ties to lower indices; too few -> threshold * 0.7, at most 10
+// times), so the same selected set. The sample's rank-th magnitude comes from GpuTopK over the
+// gathered sample; each pass is GpuThresholdSelect (the candidate buffers grow when a pass finds
+// more than they hold, and that pass runs again). REQUIRES: x finite. One host thread.
+class GpuSampledThresholdSelect {
+ public:
+  GpuSampledThresholdSelect() = default;
+  ~GpuSampledThresholdSelect();
+  GpuSampledThresholdSelect(const GpuSampledThresholdSelect&) = delete;
+  GpuSampledThresholdSelect& operator=(const GpuSampledThresholdSelect&) = delete;
+
+  // Selects about k entries of x[0, n) by magnitude; sets *host_count. The indices (increasing)
+  // are at indices() until the next call. Synchronises.
+  cudaError_t Select(const float* x, size_t n, size_t k, double sample_ratio, size_t* host_count,
+                     cudaStream_t stream);
+  const uint32_t* indices() const { return result_; }
+
+ private:
+  // The rank-th largest magnitude of the sample of `sample` entries, as SampledMagnitude.
+  cudaError_t Threshold(const float* x, size_t n, size_t sample, size_t rank, float* host_threshold,
+                        cudaStream_t stream);
+  // One pass of |x| >= threshold into the candidate buffers, growing them when needed.
+  cudaError_t SelectAtLeast(const float* x, size_t n, float threshold, size_t* host_count,
+                            cudaStream_t stream);
+
+  GpuTopK topk_;
+  GpuThresholdSelect select_;
+  uint32_t* pos_ = nullptr;  // the sample positions for (pos_n_, pos_sample_)
+  size_t pos_cap_ = 0, pos_n_ = 0, pos_sample_ = 0, pos_count_ = 0;
+  float* sample_ = nullptr;
+  uint32_t *sel_ = nullptr, *key_ = nullptr;
+  uint32_t* cand_idx_ = nullptr;
+  float* cand_vals_ = nullptr;
+  uint32_t *kept_pos_ = nullptr, *kept_ = nullptr;
+  size_t sample_cap_ = 0, sel_cap_ = 0, key_cap_ = 0, cand_cap_ = 0, cand_vals_cap_ = 0;
+  size_t kept_pos_cap_ = 0, kept_cap_ = 0;
+  const uint32_t* result_ = nullptr;
 };
 
 // SBC binarisation (Sattler et al., arXiv 1805.08768, Algorithm 1), twin of the step in

@@ -190,5 +190,88 @@ TEST(GpuThresholdSelect, SameAsSelectAtLeast) {
   EXPECT_EQ(dvals.ToHost(count), want_shifted_vals);
 }
 
+// DGC's sampled threshold on the device: the same selected set as the CPU's on the usual path,
+// on the "too many" path (all magnitudes equal: the exact top-k among the selected, the first k
+// indices), on the "too few" path (one huge sampled entry: ten rounds of threshold * 0.7), for
+// k >= n and for a vector shorter than one sample run.
+TEST(GpuSampledThresholdSelect, SameSetAsTheCpu) {
+  SKIP_WITHOUT_GPU();
+  struct Case {
+    std::string name;
+    std::vector<float> x;
+    size_t k;
+    double ratio;
+  };
+  const size_t n = 1 << 20;
+  std::vector<Case> cases;
+  cases.push_back({"gradient", Gradient(n, 21), 1000, 0.01});
+  cases.push_back({"ties", std::vector<float>(n, 0.25f), 1000, 0.01});
+  std::vector<float> spike = Gradient(n, 22);
+  ForEachSampleRun(n, 105, [&](size_t start, size_t) {
+    if (start > n / 2 && spike[start] < 50.0f) spike[start] = 100.0f;
+  });
+  cases.push_back({"too few", spike, 100, 1e-4});
+  cases.push_back({"k >= n", Gradient(100, 23), 200, 0.01});
+  cases.push_back({"shorter than a run", Gradient(10, 24), 3, 0.5});
+  gpu::GpuSampledThresholdSelect sel;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    std::vector<uint32_t> want;
+    SampledThresholdSelect(c.x.data(), c.x.size(), c.k, c.ratio, &want);
+    DeviceVector<float> dx(c.x);
+    size_t count = 0;
+    CUDA_OK(sel.Select(dx.get(), c.x.size(), c.k, c.ratio, &count, nullptr));
+    ASSERT_EQ(count, want.size());
+    std::vector<uint32_t> got(count);
+    ASSERT_EQ(
+        cudaMemcpy(got.data(), sel.indices(), count * sizeof(uint32_t), cudaMemcpyDeviceToHost),
+        cudaSuccess);
+    EXPECT_EQ(got, want);
+  }
+}
+
+// Gather, ScatterSet, ZeroAt and SBC's local step against plain loops (the local step bitwise:
+// each operation rounded as on the CPU).
+TEST(GpuKernels, GatherScatterSetZeroAtAndSbcLocalStep) {
+  SKIP_WITHOUT_GPU();
+  const size_t n = 100003;
+  const auto x = Gradient(n, 31);
+  const std::vector<uint32_t> idx = {0, 7, 5000, 100002};
+  DeviceVector<float> dx(x), dout(idx.size());
+  DeviceVector<uint32_t> didx(idx), dkeys(idx.size());
+  CUDA_OK(gpu::Gather(dx.get(), didx.get(), idx.size(), dout.get(), nullptr));
+  EXPECT_EQ(dout.ToHost(), (std::vector<float>{x[0], x[7], x[5000], x[100002]}));
+  std::vector<uint32_t> src(n);
+  std::iota(src.begin(), src.end(), 1000u);
+  DeviceVector<uint32_t> dsrc(src);
+  CUDA_OK(gpu::Gather(dsrc.get(), didx.get(), idx.size(), dkeys.get(), nullptr));
+  EXPECT_EQ(dkeys.ToHost(), (std::vector<uint32_t>{1000, 1007, 6000, 101002}));
+  const std::vector<float> vals = {1, 2, 3, 4};
+  DeviceVector<float> dvals(vals);
+  CUDA_OK(gpu::ScatterSet(dx.get(), didx.get(), dvals.get(), idx.size(), nullptr));
+  auto want = x;
+  for (size_t j = 0; j < idx.size(); ++j) want[idx[j]] = vals[j];
+  EXPECT_EQ(dx.ToHost(), want);
+  DeviceVector<float> du(x);
+  CUDA_OK(gpu::ZeroAt(dx.get(), du.get(), didx.get(), idx.size(), nullptr));
+  auto want_u = x;
+  for (uint32_t i : idx) want[i] = want_u[i] = 0.0f;
+  EXPECT_EQ(dx.ToHost(), want);
+  EXPECT_EQ(du.ToHost(), want_u);
+
+  auto u = Gradient(n, 32), a = Gradient(n, 33), params = Gradient(n, 34);
+  const auto g = Gradient(n, 35);
+  DeviceVector<float> dU(u), dA(a), dP(params), dG(g);
+  CUDA_OK(gpu::SbcLocalStep(dU.get(), dA.get(), dP.get(), dG.get(), 0.9f, 0.05f, n, nullptr));
+  for (size_t i = 0; i < n; ++i) {
+    u[i] = 0.9f * u[i] + g[i];
+    a[i] += u[i];
+    params[i] -= 0.05f * u[i];
+  }
+  EXPECT_EQ(dU.ToHost(), u);
+  EXPECT_EQ(dA.ToHost(), a);
+  EXPECT_EQ(dP.ToHost(), params);
+}
+
 }  // namespace
 }  // namespace sparseps::kernels

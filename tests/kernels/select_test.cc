@@ -6,6 +6,7 @@
 #include <cmath>
 #include <numeric>
 #include <random>
+#include <utility>
 #include <vector>
 
 namespace sparseps::kernels {
@@ -129,6 +130,38 @@ TEST(ScaledThreshold, ScalesByTheAuthorsRule) {
   sel.set_threshold(1.0f);
   EXPECT_EQ(sel.Select(x.data(), x.size(), &idx), 100u);  // ratio 1: the middle band
   EXPECT_FLOAT_EQ(sel.threshold(), 1.00125f);
+  // Update alone (what the GPU twin calls after its pass) scales the same way.
+  sel.set_threshold(1.0f);
+  sel.Update(200);  // ratio 2 > 1.1
+  EXPECT_FLOAT_EQ(sel.threshold(), 1.005f);
+}
+
+// The sample DGC's threshold reads (and the GPU twin gathers): min(sample, n) entries inside the
+// vector, runs of at most 16 consecutive ones in increasing order, spread over the whole vector;
+// the same runs on every call.
+TEST(ForEachSampleRun, CoversTheSampleSizeInsideTheVector) {
+  for (auto [n, sample] : std::vector<std::pair<size_t, size_t>>{
+           {1 << 20, 10486}, {1000, 10}, {1000, 1000}, {17, 16}, {10, 5}, {10, 100}, {1, 1}}) {
+    SCOPED_TRACE(::testing::Message() << "n " << n << " sample " << sample);
+    std::vector<std::pair<size_t, size_t>> runs, again;
+    ForEachSampleRun(n, sample, [&](size_t start, size_t len) { runs.emplace_back(start, len); });
+    ForEachSampleRun(n, sample, [&](size_t start, size_t len) { again.emplace_back(start, len); });
+    EXPECT_EQ(runs, again);
+    size_t total = 0, previous = 0;
+    for (auto [start, len] : runs) {
+      ASSERT_GE(len, 1u);
+      ASSERT_LE(len, 16u);
+      ASSERT_LE(start + len, n);
+      EXPECT_GE(start, previous) << "runs in increasing order";
+      previous = start;
+      total += len;
+    }
+    EXPECT_EQ(total, std::min(sample, n));
+    if (n >= (size_t{1} << 20)) {
+      EXPECT_GT(runs.back().first, n - n / 100) << "the sample reaches the end of the vector";
+      EXPECT_LT(runs.front().first, n / 100);
+    }
+  }
 }
 
 }  // namespace

@@ -24,7 +24,12 @@ inline std::string NoGpu() {
     GTEST_SKIP() << why;                                                        \
   }
 
-#define CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << cudaGetErrorString(expr)
+// Asserts that a CUDA call succeeded (evaluating it once), naming the error otherwise.
+#define CUDA_OK(expr)                                                             \
+  do {                                                                            \
+    const cudaError_t cuda_ok_error_ = (expr);                                    \
+    ASSERT_EQ(cuda_ok_error_, cudaSuccess) << cudaGetErrorString(cuda_ok_error_); \
+  } while (0)
 
 // A device copy of a host vector, freed at scope exit.
 template <typename T>
