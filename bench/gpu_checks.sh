@@ -4,9 +4,13 @@
 # PS on the GPU and on the CPU (same config, same machine) for the accuracy and time comparison.
 #
 #   bench/gpu_checks.sh [--build-dir B] [--out DIR] [--data DIR] [--skip-train] [--reps R] [--ncu]
+#                       [--train "CFG[:KEY=VALUE] ..."]
 #
 # B: a build with CUDA (default build/); DIR: where the logs go (default runs/gpu-checks-<time>);
-# --data: Fashion-MNIST (default /usr/share/datasets/fashion-mnist). Writes, under DIR:
+# --data: Fashion-MNIST (default /usr/share/datasets/fashion-mnist); --train: the runs, each a
+# config in configs/ with an optional --set (default: every device compressor: cnn, quickstart
+# (topk) with each selection mode, sbc, sketch, sketch_second_round, sketch_fetchsgd).
+# Writes, under DIR:
 #   summary.txt        device, pass/fail of each step, the last lines of each log
 #   gpu_tests.log      gpu_kernels_test and gpu_models_test (gtest output)
 #   gpu_bench.json/.log sparseps_gpu_bench (Google Benchmark, R repetitions, CUDA-event times)
@@ -24,6 +28,9 @@ data="/usr/share/datasets/fashion-mnist"
 train=1
 reps=5
 ncu=0
+train_runs="cnn quickstart quickstart:compression.selection=sampled_threshold"
+train_runs+=" quickstart:compression.selection=scaled_threshold sbc sketch sketch_second_round"
+train_runs+=" sketch_fetchsgd"
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --build-dir) build_dir="$2"; shift 2 ;;
@@ -32,7 +39,8 @@ while [[ $# -gt 0 ]]; do
     --skip-train) train=0; shift ;;
     --reps) reps="$2"; shift 2 ;;
     --ncu) ncu=1; shift ;;
-    -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --train) train_runs="$2"; shift 2 ;;
+    -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu_checks.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -87,12 +95,20 @@ fi
 if [[ $train -eq 1 ]]; then
   runs="$out/train-runs"
   mkdir -p "$runs"
-  for cfg in cnn quickstart; do
+  for spec in $train_runs; do
+    cfg="${spec%%:*}"
+    extra=()
+    name="$cfg"
+    if [[ "$spec" == *:* ]]; then
+      extra=(--set "${spec#*:}")
+      name="$cfg-${spec##*=}"
+    fi
     for dev in cuda cpu; do
-      step "train $cfg on $dev" "$out/train.log" timeout 300 "$here/deploy/launch.sh" \
+      step "train $spec on $dev" "$out/train.log" timeout 300 "$here/deploy/launch.sh" \
         --config "$here/configs/$cfg.yaml" --build-dir "$build_dir" --quiet \
-        --set "train.device=$dev" --set "data.dir=$data" --run-dir "$runs/$cfg-$dev"
-      grep -h -m1 -i "device" "$runs/$cfg-$dev/worker-0.log" | tee -a "$summary"
+        --set "train.device=$dev" --set "data.dir=$data" "${extra[@]}" \
+        --run-dir "$runs/$name-$dev"
+      grep -h -m2 -i -E "device|compression on" "$runs/$name-$dev/worker-0.log" | tee -a "$summary"
       tail -n 2 "$out/train.log" | tee -a "$summary"
     done
   done

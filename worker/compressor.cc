@@ -15,14 +15,6 @@
 namespace sparseps {
 namespace {
 
-Message NewPush(const KeyRange& r) {
-  Message m;
-  m.header.set_command(proto::PUSH);
-  m.header.set_key_begin(r.begin);
-  m.header.set_key_end(r.end);
-  return m;
-}
-
 Status CheckFinite(const float* x, size_t n, const char* what) {
   if (!kernels::AllFinite(x, n)) {
     return Status::InvalidArgument(std::string(what) + " contains NaN or Inf; nothing was pushed");
@@ -42,6 +34,34 @@ std::vector<uint32_t> RangeSlice(const std::vector<uint32_t>& sorted, const KeyR
 }
 
 }  // namespace
+
+Message NewPush(const KeyRange& r) {
+  Message m;
+  m.header.set_command(proto::PUSH);
+  m.header.set_key_begin(r.begin);
+  m.header.set_key_end(r.end);
+  return m;
+}
+
+void EncodeSbcPushes(const std::vector<uint32_t>& chosen, float value,
+                     const std::vector<KeyRange>& ranges, std::vector<Message>* out) {
+  for (const auto& r : ranges) {
+    size_t first = 0;
+    std::vector<uint32_t> idx = RangeSlice(chosen, r, &first);
+    const double p =
+        std::clamp(static_cast<double>(idx.size()) / static_cast<double>(r.size()), 1e-9, 0.5);
+    Message m = NewPush(r);
+    EncodeSbc(idx, value, kernels::GolombParameter(p), &m);
+    out->push_back(std::move(m));
+  }
+}
+
+size_t SketchTruncateK(const proto::CompressionConfig& c, size_t n) {
+  const double p1 = c.sketch().truncate_factor();
+  if (p1 <= 0 || c.sketch().server_momentum()) return 0;
+  return std::min(
+      n, static_cast<size_t>(std::ceil(p1 * static_cast<double>(WarmupK(c.density(), 0, 0, n)))));
+}
 
 void EncodeTopKPushes(const std::vector<uint32_t>& selected, const std::vector<float>& values,
                       const std::vector<KeyRange>& ranges, TopKFormat format,
@@ -205,15 +225,7 @@ Status SbcCompressor::Compress(const float* grad, const std::vector<KeyRange>& r
   }
   last_selected_ = chosen.size();
   last_value_ = value;
-  for (const auto& r : ranges) {
-    size_t first = 0;
-    std::vector<uint32_t> idx = RangeSlice(chosen, r, &first);
-    const double p =
-        std::clamp(static_cast<double>(idx.size()) / static_cast<double>(r.size()), 1e-9, 0.5);
-    Message m = NewPush(r);
-    EncodeSbc(idx, value, kernels::GolombParameter(p), &m);
-    out->push_back(std::move(m));
-  }
+  EncodeSbcPushes(chosen, value, ranges, out);
   return Status::OK();
 }
 
@@ -235,14 +247,11 @@ Status SketchCompressor::Compress(const float* grad, const std::vector<KeyRange>
     kernels::MomentumCorrection(velocity_.data(), residual_.data(), grad, momentum_, n);
   }
   const uint32_t rows = config_.sketch().rows();
-  const double p1 = config_.sketch().truncate_factor();
-  const bool truncate = p1 > 0 && !fetch;
+  const size_t truncate_k = SketchTruncateK(config_, n);
+  const bool truncate = truncate_k > 0;
   if (truncate) {
-    const size_t k =
-        std::min(n, static_cast<size_t>(
-                        std::ceil(p1 * static_cast<double>(WarmupK(config_.density(), 0, 0, n)))));
-    truncated_.resize(k);
-    truncated_.resize(kernels::TopKAbs(residual_.data(), n, k, truncated_.data()));
+    truncated_.resize(truncate_k);
+    truncated_.resize(kernels::TopKAbs(residual_.data(), n, truncate_k, truncated_.data()));
     truncated_values_.resize(truncated_.size());
     for (size_t j = 0; j < truncated_.size(); ++j) truncated_values_[j] = residual_[truncated_[j]];
   }

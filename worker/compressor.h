@@ -58,6 +58,20 @@ class Compressor {
   virtual bool on_device() const { return false; }
 };
 
+// An empty PUSH for key range r (command and key range set).
+Message NewPush(const KeyRange& r);
+
+// Appends one SBC push per range in `ranges` (a sorted cover of the key space): the positions of
+// `chosen` (global keys, strictly increasing) inside it, relative to the range and Golomb-coded
+// with the parameter for the range's density, and the one value.
+void EncodeSbcPushes(const std::vector<uint32_t>& chosen, float value,
+                     const std::vector<KeyRange>& ranges, std::vector<Message>* out);
+
+// Entries the sketch encoding keeps before sketching (Sketched SGD's truncation to
+// truncate_factor * k, k = density * n without warm-up), at most n; 0 when it does not truncate
+// (truncate_factor 0, or server momentum).
+size_t SketchTruncateK(const proto::CompressionConfig& c, size_t n);
+
 // Appends one TOPK push per range in `ranges` (a sorted cover of the key space) holding the
 // entries of (selected, values) that fall into it, keys relative to the range. selected: global
 // keys, strictly increasing; values: one per key (already rounded when format.fp16_values).

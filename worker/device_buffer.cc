@@ -6,6 +6,7 @@
 #if SPARSEPS_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
+#include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/gpu_kernels.h"
 #include "worker/cuda/cuda_status.h"
 #endif
@@ -22,6 +23,8 @@ Status NoCuda() { return Status::FailedPrecondition("this build has no CUDA"); }
 DeviceBuffer::~DeviceBuffer() {
 #if SPARSEPS_HAVE_CUDA
   if (data_ != nullptr) cudaFree(data_);
+  if (scratch_ != nullptr) cudaFree(scratch_);
+  if (staging_ != nullptr) cudaFreeHost(staging_);
 #endif
 }
 
@@ -61,6 +64,39 @@ Status DeviceBuffer::Download(float* host) const {
 #endif
 }
 
+Status DeviceBuffer::UploadKeys(const float* host, std::span<const uint32_t> keys) {
+#if SPARSEPS_HAVE_CUDA
+  const size_t k = keys.size();
+  if (k == 0) return Status::OK();
+  SPARSEPS_RETURN_IF_ERROR(
+      CudaStatus(kernels::gpu::Grow(&scratch_, &scratch_cap_, 2 * k), "cudaMalloc"));
+  if (staging_cap_ < 2 * k) {
+    if (staging_ != nullptr) cudaFreeHost(staging_);
+    staging_ = nullptr;
+    staging_cap_ = 0;
+    SPARSEPS_RETURN_IF_ERROR(
+        CudaStatus(cudaMallocHost(reinterpret_cast<void**>(&staging_), 2 * k * sizeof(uint32_t)),
+                   "cudaMallocHost"));
+    staging_cap_ = 2 * k;
+  }
+  std::copy(keys.begin(), keys.end(), staging_);
+  float* vals = reinterpret_cast<float*>(staging_ + k);
+  for (size_t j = 0; j < k; ++j) vals[j] = host[keys[j]];
+  SPARSEPS_RETURN_IF_ERROR(
+      CudaStatus(cudaMemcpy(scratch_, staging_, 2 * k * sizeof(uint32_t), cudaMemcpyHostToDevice),
+                 "copying the changed parameters"));
+  SPARSEPS_RETURN_IF_ERROR(
+      CudaStatus(kernels::gpu::ScatterSet(data_, scratch_,
+                                          reinterpret_cast<const float*>(scratch_ + k), k, nullptr),
+                 "writing the changed parameters"));
+  return CudaStatus(cudaStreamSynchronize(nullptr), "writing the changed parameters");
+#else
+  (void)host;
+  (void)keys;
+  return NoCuda();
+#endif
+}
+
 Status DeviceBuffer::Axpy(float a, const DeviceBuffer& x) {
 #if SPARSEPS_HAVE_CUDA
   SPARSEPS_RETURN_IF_ERROR(
@@ -71,6 +107,25 @@ Status DeviceBuffer::Axpy(float a, const DeviceBuffer& x) {
   (void)x;
   return NoCuda();
 #endif
+}
+
+void ChangedKeys::Add(uint64_t key_begin, std::span<const uint32_t> keys) {
+  if (all_) return;
+  if (keys_.size() + keys.size() > limit_) {
+    AddAll();
+    return;
+  }
+  for (uint32_t key : keys) keys_.push_back(static_cast<uint32_t>(key_begin + key));
+}
+
+Status SyncToDevice(const float* host, ChangedKeys* changed, DeviceBuffer* device) {
+  if (changed->all()) {
+    SPARSEPS_RETURN_IF_ERROR(device->Upload(host));
+  } else {
+    SPARSEPS_RETURN_IF_ERROR(device->UploadKeys(host, changed->keys()));
+  }
+  changed->Clear();
+  return Status::OK();
 }
 
 }  // namespace sparseps

@@ -5,6 +5,9 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
 
 #include "common/status.h"
 
@@ -28,12 +31,53 @@ class DeviceBuffer {
   Status Upload(const float* host);
   Status Download(float* host) const;
 
+  // this[key] = host[key] for each key (distinct, below size()): the keys and their values go up
+  // in one copy through a pinned buffer and a kernel scatters them; synchronous.
+  Status UploadKeys(const float* host, std::span<const uint32_t> keys);
+
   // this += a * x over size() elements (x.size() >= size()), on the device; synchronous.
   Status Axpy(float a, const DeviceBuffer& x);
 
  private:
   float* data_ = nullptr;
   size_t size_ = 0;
+  uint32_t* scratch_ = nullptr;  // device: keys, then values (UploadKeys)
+  uint32_t* staging_ = nullptr;  // pinned host: the same
+  size_t scratch_cap_ = 0, staging_cap_ = 0;
 };
+
+// Which parameters changed since a device copy was last brought up to date: the keys of pull
+// replies and of applied sparse updates, or all of them (at the start, after a dense change, or
+// once the keys pass a quarter of the vector, where one dense copy beats a scatter).
+// Host only; one thread.
+class ChangedKeys {
+ public:
+  explicit ChangedKeys(size_t num_params) : limit_(num_params / 4) {}
+
+  // Keys key_begin + keys[j] changed (keys distinct from those added since the last Clear).
+  void Add(uint64_t key_begin, std::span<const uint32_t> keys);
+  // Every parameter may have changed.
+  void AddAll() {
+    all_ = true;
+    keys_.clear();
+  }
+  bool all() const { return all_; }
+  // The changed keys (global, in the order added) when !all().
+  const std::vector<uint32_t>& keys() const { return keys_; }
+  void Clear() {
+    all_ = false;
+    keys_.clear();
+  }
+
+ private:
+  size_t limit_;
+  bool all_ = true;  // a fresh device copy holds nothing yet
+  std::vector<uint32_t> keys_;
+};
+
+// Brings `device` up to date with `host` (num_params floats) for the keys in *changed, densely
+// when all changed, and clears *changed. Errors: those of Upload / UploadKeys (*changed is then
+// left as it was).
+Status SyncToDevice(const float* host, ChangedKeys* changed, DeviceBuffer* device);
 
 }  // namespace sparseps

@@ -179,12 +179,15 @@ Status RunWorker(const proto::JobConfig& config) {
     }
     const float momentum = static_cast<float>(tc.momentum());
     const float step_scale = static_cast<float>(tc.lr()) / static_cast<float>(num_workers);
-    // GPU models compute on device copies of the parameters and the gradient (the parameters go
-    // up once per step). With a device compressor (PS mode, topk, exact selection) the gradient
-    // stays there and only the selected entries come down; otherwise it comes down whole and the
-    // CPU compressor or collective takes it.
+    // GPU models compute on device copies of the parameters and the gradient. The device copy
+    // of the parameters is kept up to date by uploading only what changed: the keys of each
+    // pull reply or sparse update (everything after a dense one). With a device compressor (PS
+    // mode: topk, sbc with exact selection, sketch) the gradient stays there and only the
+    // encoded payload's parts come down; otherwise it comes down whole and the CPU compressor or
+    // collective takes it.
     const bool on_gpu = model.on_device();
-    DeviceBuffer params_d, grad_d;
+    DeviceBuffer params_d, grad_d, eval_d;
+    ChangedKeys changed(n);
     if (on_gpu) {
       SPARSEPS_RETURN_IF_ERROR(params_d.Allocate(n));
       SPARSEPS_RETURN_IF_ERROR(grad_d.Allocate(n));
@@ -211,7 +214,7 @@ Status RunWorker(const proto::JobConfig& config) {
     std::unique_ptr<Compressor> compressor;
 #if SPARSEPS_HAVE_CUDA
     if (on_gpu && !allreduce) {
-      auto made = MakeGpuCompressor(n, config.compression(), momentum);
+      auto made = MakeGpuCompressor(n, config.compression(), momentum, static_cast<float>(tc.lr()));
       if (!made.ok()) return made.status();
       compressor = std::move(*made);
     }
@@ -220,14 +223,15 @@ Status RunWorker(const proto::JobConfig& config) {
     const bool grad_on_device = compressor->on_device();
     if (on_gpu) {
       spdlog::info("compression on the {}", grad_on_device
-                                                ? "GPU (only the selected entries "
-                                                  "come to the host)"
+                                                ? "GPU (only the encoded payload comes to the host)"
                                                 : "CPU (the gradient comes to the host)");
     }
     ps.set_changed_callback([&](uint64_t begin, std::span<const uint32_t> keys) {
       compressor->OnChanged(begin, keys);
+      if (on_gpu) changed.Add(begin, keys);
     });
-    // SBC trains a local copy between pushes; the pulled parameters replace it after each push.
+    // SBC trains a local copy between pushes (on the device with the device compressor, else on
+    // the host); the pulled parameters replace it after each push.
     const bool local_copy = config.compression().encoding() == proto::SBC;
     std::vector<float> local;
     if (local_copy) local = params;
@@ -258,8 +262,17 @@ Status RunWorker(const proto::JobConfig& config) {
     double eval_s = 0.0;  // time spent evaluating, left out of train_s
     auto evaluate = [&](uint32_t epoch) -> Status {
       const auto e0 = Clock::now();
-      if (on_gpu) SPARSEPS_RETURN_IF_ERROR(params_d.Upload(params.data()));
-      auto [loss, acc] = model.Evaluate(on_gpu ? params_d.data() : params.data(), *test);
+      const float* eval_params = params.data();
+      if (on_gpu && local_copy) {
+        // params_d holds SBC's local copy: the global parameters go to a buffer of their own.
+        if (eval_d.size() != n) SPARSEPS_RETURN_IF_ERROR(eval_d.Allocate(n));
+        SPARSEPS_RETURN_IF_ERROR(eval_d.Upload(params.data()));
+        eval_params = eval_d.data();
+      } else if (on_gpu) {
+        SPARSEPS_RETURN_IF_ERROR(SyncToDevice(params.data(), &changed, &params_d));
+        eval_params = params_d.data();
+      }
+      auto [loss, acc] = model.Evaluate(eval_params, *test);
       SPARSEPS_RETURN_IF_ERROR(model.status());
       test_accuracy = acc;
       const double wall = SecondsSince(train_start);
@@ -291,7 +304,9 @@ Status RunWorker(const proto::JobConfig& config) {
         }
         double loss = 0.0;
         if (on_gpu) {
-          SPARSEPS_RETURN_IF_ERROR(params_d.Upload(model_params));
+          // A local copy trained on the host goes up whole; otherwise what changed goes up.
+          if (local_copy && !grad_on_device) changed.AddAll();
+          SPARSEPS_RETURN_IF_ERROR(SyncToDevice(model_params, &changed, &params_d));
           loss = model.ForwardBackward(params_d.data(), xb.data(), yb.data(), batch, grad_d.data(),
                                        nullptr);
           SPARSEPS_RETURN_IF_ERROR(model.status());
@@ -343,15 +358,19 @@ Status RunWorker(const proto::JobConfig& config) {
                                   update.indices.size());
             }
             kernels::Axpy(-step_scale, velocity.data(), params.data(), n);
+            changed.AddAll();
           } else if (update.dense) {
             kernels::Axpy(-step_scale, update.sum.data(), params.data(), n);
+            changed.AddAll();
           } else {
             for (size_t e = 0; e < update.indices.size(); ++e) {
               params[update.indices[e]] -= step_scale * update.values[e];
               velocity[update.indices[e]] = 0.0f;
             }
+            if (on_gpu) changed.Add(0, update.indices);
           }
-        } else if (compressor->LocalStep(grad.data(), model_params)) {
+        } else if (compressor->LocalStep(grad_on_device ? grad_d.data() : grad.data(),
+                                         grad_on_device ? params_d.data() : model_params)) {
           pushes.clear();
           if (Status c = compressor->Compress(grad_on_device ? grad_d.data() : grad.data(),
                                               ps.ranges(), &pushes);
@@ -370,7 +389,10 @@ Status RunWorker(const proto::JobConfig& config) {
           } else {
             SPARSEPS_RETURN_IF_ERROR(ps.PushPull(push_round++, pushes, params.data()));
           }
-          if (local_copy) std::copy(params.begin(), params.end(), local.begin());
+          if (local_copy) {
+            std::copy(params.begin(), params.end(), local.begin());
+            changed.AddAll();
+          }
         }
         const auto t3 = Clock::now();
         metrics.Row(

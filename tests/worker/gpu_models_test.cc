@@ -8,8 +8,10 @@
 #include <cstdlib>
 #include <filesystem>
 #include <random>
+#include <string>
 #include <vector>
 
+#include "common/codec/codec.h"
 #include "common/key_range.h"
 #include "kernels/conv.h"
 #include "kernels/cuda/dense_kernels.h"
@@ -19,6 +21,7 @@
 #include "tests/support/gpu_testing.h"
 #include "worker/compressor.h"
 #include "worker/cuda/gpu_compressor.h"
+#include "worker/device_buffer.h"
 #include "worker/model.h"
 
 namespace sparseps {
@@ -32,6 +35,23 @@ std::vector<float> Normal(size_t n, uint64_t seed, float scale = 1.0f) {
   std::vector<float> v(n);
   for (auto& x : v) x = d(rng);
   return v;
+}
+
+// Messages equal frame for frame (headers and payload bytes).
+void ExpectSameMessage(const Message& gpu, const Message& cpu, const std::string& where) {
+  EXPECT_EQ(gpu.header.SerializeAsString(), cpu.header.SerializeAsString()) << where;
+  ASSERT_EQ(gpu.frames.size(), cpu.frames.size()) << where;
+  for (size_t f = 0; f < cpu.frames.size(); ++f) {
+    EXPECT_EQ(gpu.frames[f].to_string(), cpu.frames[f].to_string()) << where << " frame " << f;
+  }
+}
+
+void ExpectSamePushes(const std::vector<Message>& gpu, const std::vector<Message>& cpu,
+                      const std::string& where) {
+  ASSERT_EQ(gpu.size(), cpu.size()) << where;
+  for (size_t r = 0; r < cpu.size(); ++r) {
+    ExpectSameMessage(gpu[r], cpu[r], where + " range " + std::to_string(r));
+  }
 }
 
 float MaxAbs(const std::vector<float>& v) {
@@ -224,51 +244,50 @@ TEST(GpuModels, TrainingReachesTheCpuAccuracy) {
   EXPECT_NEAR(gpu_acc, cpu_acc, 0.01) << "cpu loss " << cpu_loss << ", gpu loss " << gpu_loss;
 }
 
-// The device top-k compressor against TopKCompressor over three pushes, with plain and with
-// fp16/varint payloads: byte-identical pushes per key range, and the same residual and velocity
-// (error feedback bitwise equal, so nothing is lost or gained on the device).
+// The device top-k compressor against TopKCompressor over three pushes, for each selection mode
+// (exact, DGC's sampled threshold, ExDyna's scaled threshold, whose first pass selects almost
+// everything and so grows its buffer), with plain and with fp16/varint payloads: byte-identical
+// pushes per key range, and the same residual and velocity (error feedback bitwise equal, so
+// nothing is lost or gained on the device).
 TEST(GpuTopKCompressor, PushesAndResidualsEqualTheCpuCompressor) {
   SKIP_WITHOUT_GPU();
   const size_t n = 3 << 19;
   const auto ranges = SplitKeyRanges(n, 3);
-  for (bool compact : {false, true}) {
-    proto::CompressionConfig c;
-    c.set_encoding(proto::TOPK);
-    c.set_density(0.001);
-    c.set_fp16_values(compact);
-    c.set_varint_indices(compact);
-    TopKCompressor cpu(n, c, 0.9f);
-    auto made = MakeGpuCompressor(n, c, 0.9f);
-    ASSERT_TRUE(made.ok()) << made.status().message();
-    ASSERT_TRUE(*made);
-    Compressor& gpu = **made;
-    ASSERT_TRUE(gpu.on_device());
-    for (int round = 0; round < 3; ++round) {
-      const auto g = Normal(n, 30 + round);
-      DeviceVector<float> dg(g);
-      std::vector<Message> cpu_out, gpu_out;
-      ASSERT_TRUE(cpu.Compress(g.data(), ranges, &cpu_out).ok());
-      ASSERT_TRUE(gpu.Compress(dg.get(), ranges, &gpu_out).ok());
-      ASSERT_EQ(gpu.last_selected(), cpu.last_selected());
-      ASSERT_EQ(gpu_out.size(), cpu_out.size());
-      for (size_t r = 0; r < cpu_out.size(); ++r) {
-        EXPECT_EQ(gpu_out[r].header.SerializeAsString(), cpu_out[r].header.SerializeAsString());
-        ASSERT_EQ(gpu_out[r].frames.size(), cpu_out[r].frames.size());
-        for (size_t f = 0; f < cpu_out[r].frames.size(); ++f) {
-          EXPECT_EQ(gpu_out[r].frames[f].to_string(), cpu_out[r].frames[f].to_string())
-              << "round " << round << " range " << r << " frame " << f;
-        }
+  for (proto::Selection mode : {proto::EXACT, proto::SAMPLED_THRESHOLD, proto::SCALED_THRESHOLD}) {
+    for (bool compact : {false, true}) {
+      proto::CompressionConfig c;
+      c.set_encoding(proto::TOPK);
+      c.set_density(0.001);
+      c.set_selection(mode);
+      c.set_fp16_values(compact);
+      c.set_varint_indices(compact);
+      TopKCompressor cpu(n, c, 0.9f);
+      auto made = MakeGpuCompressor(n, c, 0.9f, 0.1f);
+      ASSERT_TRUE(made.ok()) << made.status().message();
+      ASSERT_TRUE(*made);
+      Compressor& gpu = **made;
+      ASSERT_TRUE(gpu.on_device());
+      for (int round = 0; round < 3; ++round) {
+        const std::string where = "selection " + proto::Selection_Name(mode) +
+                                  (compact ? " compact" : "") + " round " + std::to_string(round);
+        const auto g = Normal(n, 30 + round);
+        DeviceVector<float> dg(g);
+        std::vector<Message> cpu_out, gpu_out;
+        ASSERT_TRUE(cpu.Compress(g.data(), ranges, &cpu_out).ok());
+        ASSERT_TRUE(gpu.Compress(dg.get(), ranges, &gpu_out).ok());
+        ASSERT_EQ(gpu.last_selected(), cpu.last_selected()) << where;
+        ExpectSamePushes(gpu_out, cpu_out, where);
+        std::vector<float> residual, velocity;
+        ASSERT_TRUE(DownloadGpuCompressorState(gpu, &residual, &velocity).ok());
+        EXPECT_EQ(residual, cpu.residual()) << where;
+        EXPECT_EQ(velocity, cpu.velocity()) << where;
       }
-      std::vector<float> residual, velocity;
-      ASSERT_TRUE(DownloadGpuCompressorState(gpu, &residual, &velocity).ok());
-      EXPECT_EQ(residual, cpu.residual()) << "round " << round;
-      EXPECT_EQ(velocity, cpu.velocity()) << "round " << round;
     }
   }
   // A NaN in the gradient is refused before anything changes.
   proto::CompressionConfig c;
   c.set_density(0.01);
-  auto made = MakeGpuCompressor(1000, c, 0.9f);
+  auto made = MakeGpuCompressor(1000, c, 0.9f, 0.1f);
   ASSERT_TRUE(made.ok());
   std::vector<float> bad(1000, 1.0f);
   bad[500] = std::nanf("");
@@ -277,6 +296,158 @@ TEST(GpuTopKCompressor, PushesAndResidualsEqualTheCpuCompressor) {
   EXPECT_EQ((*made)->Compress(dbad.get(), {KeyRange{0, 1000}}, &out).code(),
             StatusCode::kInvalidArgument);
   EXPECT_TRUE(out.empty());
+}
+
+// The device SBC compressor against SbcCompressor through the trainer's calls: local steps on
+// the device copy of the parameters (bitwise equal to the host copy's), then a push every second
+// step over three pushes with error feedback and momentum: the same positions per key range, the
+// value within double-sum rounding, residuals within what those values' differences explain.
+TEST(GpuSbcCompressor, LocalStepsAndPushesEqualTheCpuCompressor) {
+  SKIP_WITHOUT_GPU();
+  const size_t n = 1 << 20;
+  const auto ranges = SplitKeyRanges(n, 2);
+  proto::CompressionConfig c;
+  c.set_encoding(proto::SBC);
+  c.set_density(0.001);
+  c.set_local_iterations(2);
+  SbcCompressor cpu(n, c, 0.9f, 0.05f);
+  auto made = MakeGpuCompressor(n, c, 0.9f, 0.05f);
+  ASSERT_TRUE(made.ok()) << made.status().message();
+  ASSERT_TRUE(*made);
+  Compressor& gpu = **made;
+  auto params = Normal(n, 5);
+  DeviceVector<float> dparams(params);
+  float drift = 0.0f;
+  int pushes = 0;
+  for (int step = 0; step < 6; ++step) {
+    const std::string where = "step " + std::to_string(step);
+    const auto g = Normal(n, 40 + step);
+    DeviceVector<float> dg(g);
+    const bool cpu_push = cpu.LocalStep(g.data(), params.data());
+    ASSERT_EQ(gpu.LocalStep(dg.get(), dparams.get()), cpu_push) << where;
+    ASSERT_EQ(dparams.ToHost(), params) << where;
+    if (!cpu_push) continue;
+    ++pushes;
+    std::vector<Message> cpu_out, gpu_out;
+    ASSERT_TRUE(cpu.Compress(g.data(), ranges, &cpu_out).ok());
+    ASSERT_TRUE(gpu.Compress(dg.get(), ranges, &gpu_out).ok()) << where;
+    ASSERT_EQ(gpu.last_selected(), cpu.last_selected()) << where;
+    ASSERT_EQ(gpu_out.size(), cpu_out.size());
+    float value = 0.0f;
+    for (size_t r = 0; r < cpu_out.size(); ++r) {
+      DecodedPayload want, got;
+      ASSERT_TRUE(FindCodec(proto::SBC)->Decode(cpu_out[r], ranges[r].size(), &want).ok());
+      ASSERT_TRUE(FindCodec(proto::SBC)->Decode(gpu_out[r], ranges[r].size(), &got).ok());
+      EXPECT_EQ(std::vector<uint32_t>(got.indices.begin(), got.indices.end()),
+                std::vector<uint32_t>(want.indices.begin(), want.indices.end()))
+          << where << " range " << r;
+      if (!got.values.empty()) value = got.values[0];
+    }
+    EXPECT_NEAR(value, cpu.last_value(), 1e-6f * std::fabs(cpu.last_value())) << where;
+    drift += std::fabs(value - cpu.last_value()) + 1e-6f * std::fabs(value);
+    std::vector<float> residual, velocity;
+    ASSERT_TRUE(DownloadGpuCompressorState(gpu, &residual, &velocity).ok());
+    for (size_t i = 0; i < n; ++i) {
+      ASSERT_NEAR(residual[i], cpu.residual()[i], drift) << where << " key " << i;
+    }
+  }
+  EXPECT_EQ(pushes, 3);
+  // Threshold selections stay on the CPU compressor (GpuSbc selects exactly).
+  c.set_selection(proto::SAMPLED_THRESHOLD);
+  auto none = MakeGpuCompressor(n, c, 0.9f, 0.05f);
+  ASSERT_TRUE(none.ok());
+  EXPECT_FALSE(*none);
+}
+
+// The device sketch compressor against SketchCompressor: integer gradients and no momentum, so
+// the atomic insertions are exact and the pushes byte-identical, with truncation (fusion groups
+// across three key ranges) and without, and with server momentum (FetchSGD); then the second
+// round's exact values and the error reset at the keys a pull changed.
+TEST(GpuSketchCompressor, PushesEqualTheCpuCompressor) {
+  SKIP_WITHOUT_GPU();
+  const size_t n = 300000;
+  const auto ranges = SplitKeyRanges(n, 3);
+  struct Case {
+    double truncate_factor;
+    uint64_t fusion_group_size;
+    bool server_momentum;
+  };
+  for (const Case& k : {Case{2.0, 30000, false}, Case{0.0, 0, false}, Case{1.0, 0, true}}) {
+    const std::string where = "truncate " + std::to_string(k.truncate_factor) + " groups " +
+                              std::to_string(k.fusion_group_size) +
+                              (k.server_momentum ? " server momentum" : "");
+    proto::CompressionConfig c;
+    c.set_encoding(proto::SKETCH);
+    c.set_density(0.01);
+    c.mutable_sketch()->set_truncate_factor(k.truncate_factor);
+    c.mutable_sketch()->set_fusion_group_size(k.fusion_group_size);
+    c.mutable_sketch()->set_server_momentum(k.server_momentum);
+    SketchCompressor cpu(n, c, 0.0f);
+    auto made = MakeGpuCompressor(n, c, 0.0f, 0.1f);
+    ASSERT_TRUE(made.ok()) << made.status().message();
+    ASSERT_TRUE(*made);
+    Compressor& gpu = **made;
+    std::mt19937 rng(7);
+    std::uniform_int_distribution<int> val(-50, 50);
+    for (int round = 0; round < 2; ++round) {
+      std::vector<float> g(n, 0.0f);
+      for (size_t i = 0; i < n; i += 2) g[i] = static_cast<float>(val(rng));
+      DeviceVector<float> dg(g);
+      std::vector<Message> cpu_out, gpu_out;
+      ASSERT_TRUE(cpu.Compress(g.data(), ranges, &cpu_out).ok());
+      ASSERT_TRUE(gpu.Compress(dg.get(), ranges, &gpu_out).ok()) << where;
+      EXPECT_EQ(gpu.last_selected(), cpu.last_selected()) << where;
+      ExpectSamePushes(gpu_out, cpu_out, where + " round " + std::to_string(round));
+    }
+    // The second round: exact residual values at candidates of range 1.
+    const std::vector<uint32_t> candidates = {0, 1, 2, 4, 99999};
+    Message cpu_push, gpu_push;
+    ASSERT_TRUE(cpu.ExactValues(ranges[1], candidates, &cpu_push).ok());
+    ASSERT_TRUE(gpu.ExactValues(ranges[1], candidates, &gpu_push).ok());
+    ExpectSameMessage(gpu_push, cpu_push, where + " exact values");
+    const std::vector<uint32_t> outside = {100000};
+    EXPECT_EQ(gpu.ExactValues(ranges[1], outside, &gpu_push).code(), StatusCode::kProtocolError);
+    // The error reset where a pull changed the parameters.
+    const std::vector<uint32_t> changed = {0, 2, 3, 50000};
+    cpu.OnChanged(ranges[2].begin, changed);
+    gpu.OnChanged(ranges[2].begin, changed);
+    std::vector<float> residual, velocity;
+    ASSERT_TRUE(DownloadGpuCompressorState(gpu, &residual, &velocity).ok());
+    EXPECT_EQ(residual, cpu.residual()) << where;
+  }
+}
+
+// The trainer's device copy of the parameters: a dense upload at the start, then only the keys
+// that changed (one copy and a scatter), and a dense upload again past a quarter of the vector.
+TEST(DeviceBuffer, SyncUploadsTheChangedKeys) {
+  SKIP_WITHOUT_GPU();
+  const size_t n = 1000;
+  auto host = Normal(n, 3);
+  DeviceBuffer device;
+  ASSERT_TRUE(device.Allocate(n).ok());
+  ChangedKeys changed(n);
+  ASSERT_TRUE(SyncToDevice(host.data(), &changed, &device).ok());
+  std::vector<float> back(n);
+  ASSERT_TRUE(device.Download(back.data()).ok());
+  EXPECT_EQ(back, host);
+  // Keys 100 + {1, 7} and 900 + {0}: only those go up.
+  host[101] = 1.0f;
+  host[107] = 2.0f;
+  host[900] = 3.0f;
+  host[5] = 4.0f;  // not reported: stays as it was on the device
+  const std::vector<uint32_t> a = {1, 7}, b = {0};
+  changed.Add(100, a);
+  changed.Add(900, b);
+  ASSERT_TRUE(SyncToDevice(host.data(), &changed, &device).ok());
+  ASSERT_TRUE(device.Download(back.data()).ok());
+  EXPECT_EQ(back[101], 1.0f);
+  EXPECT_EQ(back[107], 2.0f);
+  EXPECT_EQ(back[900], 3.0f);
+  EXPECT_NE(back[5], 4.0f);
+  back[5] = 4.0f;
+  EXPECT_EQ(back, host);
+  EXPECT_FALSE(changed.all());
+  EXPECT_TRUE(changed.keys().empty());
 }
 
 // GpuSbc against SbcCompressor (the CPU path) over two rounds with error feedback: the same

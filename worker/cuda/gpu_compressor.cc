@@ -1,16 +1,22 @@
-// The device twin of TopKCompressor (see gpu_compressor.h). Host C++ (C++20, like
-// worker/compressor.h) calling the kernels of kernels/cuda.
+// The device twins of TopKCompressor, SbcCompressor and SketchCompressor (see gpu_compressor.h).
+// Host C++ (C++20, like worker/compressor.h) calling the kernels of kernels/cuda.
 #include "worker/cuda/gpu_compressor.h"
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <vector>
 
+#include "common/codec/sketch.h"
+#include "common/codec/topk.h"
+#include "kernels/count_sketch.h"
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/gpu_kernels.h"
 #include "kernels/pack.h"
+#include "kernels/select.h"
 #include "worker/cuda/cuda_status.h"
 
 namespace sparseps {
@@ -18,80 +24,214 @@ namespace {
 
 namespace gpu = kernels::gpu;
 
-class GpuTopKCompressor final : public Compressor {
- public:
-  GpuTopKCompressor(size_t n, const proto::CompressionConfig& c, float momentum)
-      : config_(c),
-        n_(n),
-        k_(WarmupK(c.density(), c.warmup_epochs(), 0, n)),
-        momentum_(momentum),
-        format_{c.fp16_values(), c.varint_indices()} {}
+// A device array that grows (contents lost) when asked to hold more.
+template <typename T>
+struct DeviceArray {
+  DeviceArray() = default;
+  ~DeviceArray() {
+    if (p != nullptr) cudaFree(p);
+  }
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+  Status Reserve(size_t n) { return CudaStatus(gpu::Grow(&p, &cap, n), "cudaMalloc"); }
+  T* p = nullptr;
+  size_t cap = 0;
+};
 
-  ~GpuTopKCompressor() override {
-    for (void* p : {static_cast<void*>(u_), static_cast<void*>(v_), static_cast<void*>(idx_),
-                    static_cast<void*>(vals_), static_cast<void*>(sum_)}) {
-      cudaFree(p);
-    }
-    cudaFreeHost(idx_host_);
-    cudaFreeHost(vals_host_);
+// A pinned host array (the staging of device-to-host copies) that grows (contents lost).
+template <typename T>
+struct PinnedArray {
+  PinnedArray() = default;
+  ~PinnedArray() {
+    if (p != nullptr) cudaFreeHost(p);
+  }
+  PinnedArray(const PinnedArray&) = delete;
+  PinnedArray& operator=(const PinnedArray&) = delete;
+  Status Reserve(size_t n) {
+    if (p != nullptr && cap >= n) return Status::OK();
+    if (p != nullptr) cudaFreeHost(p);
+    p = nullptr;
+    cap = 0;
+    SPARSEPS_RETURN_IF_ERROR(
+        CudaStatus(cudaMallocHost(reinterpret_cast<void**>(&p), std::max<size_t>(n, 1) * sizeof(T)),
+                   "cudaMallocHost"));
+    cap = n;
+    return Status::OK();
+  }
+  T* p = nullptr;
+  size_t cap = 0;
+};
+
+// What every device compressor holds: its stream, the velocity u and the residual v (n floats
+// each, zero at the start), and the finiteness check.
+class GpuCompressorBase : public Compressor {
+ public:
+  explicit GpuCompressorBase(size_t n) : n_(n) {}
+  ~GpuCompressorBase() override {
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
 
-  Status Start() {
+  virtual Status Start() {
     SPARSEPS_RETURN_IF_ERROR(
         CudaStatus(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate"));
-    SPARSEPS_RETURN_IF_ERROR(CudaStatus(gpu::Grow(&u_, &u_cap_, n_), "cudaMalloc"));
-    SPARSEPS_RETURN_IF_ERROR(CudaStatus(gpu::Grow(&v_, &v_cap_, n_), "cudaMalloc"));
-    SPARSEPS_RETURN_IF_ERROR(CudaStatus(gpu::Grow(&sum_, &sum_cap_, 1), "cudaMalloc"));
-    SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaMemset(u_, 0, n_ * sizeof(float)), "cudaMemset"));
-    SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaMemset(v_, 0, n_ * sizeof(float)), "cudaMemset"));
-    return Reserve(k_);
+    SPARSEPS_RETURN_IF_ERROR(u_.Reserve(n_));
+    SPARSEPS_RETURN_IF_ERROR(v_.Reserve(n_));
+    SPARSEPS_RETURN_IF_ERROR(sum_.Reserve(1));
+    SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaMemset(u_.p, 0, n_ * sizeof(float)), "cudaMemset"));
+    return CudaStatus(cudaMemset(v_.p, 0, n_ * sizeof(float)), "cudaMemset");
   }
 
   bool on_device() const override { return true; }
   size_t last_selected() const override { return last_selected_; }
+
+  Status Download(std::vector<float>* residual, std::vector<float>* velocity) const {
+    residual->resize(n_);
+    velocity->resize(n_);
+    SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream_), "the stream"));
+    SPARSEPS_RETURN_IF_ERROR(
+        CudaStatus(cudaMemcpy(residual->data(), v_.p, n_ * sizeof(float), cudaMemcpyDeviceToHost),
+                   "copying the residual"));
+    return CudaStatus(
+        cudaMemcpy(velocity->data(), u_.p, n_ * sizeof(float), cudaMemcpyDeviceToHost),
+        "copying the velocity");
+  }
+
+ protected:
+  // InvalidArgument naming `what` when x[0, n) (device) holds NaN or Inf. One read: the sum of
+  // the entries is finite exactly when every entry is (short of a float overflow).
+  Status CheckFinite(const float* x, const char* what) {
+    double sum = 0.0;
+    SPARSEPS_RETURN_IF_ERROR(
+        CudaStatus(gpu::StreamingSum(x, n_, sum_.p, &sum, stream_), "checking the input"));
+    if (!std::isfinite(sum)) {
+      return Status::InvalidArgument(std::string(what) +
+                                     " contains NaN or Inf; nothing was pushed");
+    }
+    return Status::OK();
+  }
+
+  const size_t n_;
+  cudaStream_t stream_ = nullptr;
+  DeviceArray<float> u_, v_;
+  DeviceArray<double> sum_;
+  size_t last_selected_ = 0;
+};
+
+// The device twin of Selector (worker/compressor.h): exact top-k, DGC's sampled threshold or
+// ExDyna's scaled threshold over device memory, the same selected set as the CPU's.
+class DeviceSelector {
+ public:
+  DeviceSelector(proto::Selection mode, double sample_ratio, size_t k)
+      : mode_(mode), sample_ratio_(sample_ratio), scaled_(k) {}
+
+  // Selects about k entries of x[0, n) (exactly min(k, n) for exact top-k); *count of them, at
+  // indices() (increasing) until the next call. Synchronises.
+  Status Select(const float* x, size_t n, size_t k, size_t* count, cudaStream_t stream) {
+    *count = 0;
+    switch (mode_) {
+      case proto::SAMPLED_THRESHOLD:
+        SPARSEPS_RETURN_IF_ERROR(CudaStatus(sampled_.Select(x, n, k, sample_ratio_, count, stream),
+                                            "the sampled threshold selection"));
+        result_ = sampled_.indices();
+        return Status::OK();
+      case proto::SCALED_THRESHOLD: {
+        scaled_.set_k(k);
+        SPARSEPS_RETURN_IF_ERROR(out_.Reserve(std::max(out_.cap, 2 * k)));
+        size_t found = 0;
+        SPARSEPS_RETURN_IF_ERROR(CudaStatus(
+            threshold_.Select(x, n, scaled_.threshold(), out_.p, nullptr, out_.cap, &found, stream),
+            "the scaled threshold selection"));
+        if (found > out_.cap) {
+          // More than the buffer holds: make room and select again.
+          SPARSEPS_RETURN_IF_ERROR(out_.Reserve(found + found / 4));
+          SPARSEPS_RETURN_IF_ERROR(CudaStatus(threshold_.Select(x, n, scaled_.threshold(), out_.p,
+                                                                nullptr, out_.cap, &found, stream),
+                                              "the scaled threshold selection"));
+        }
+        scaled_.Update(found);
+        *count = found;
+        result_ = out_.p;
+        return Status::OK();
+      }
+      default:
+        SPARSEPS_RETURN_IF_ERROR(out_.Reserve(std::min(k, n)));
+        SPARSEPS_RETURN_IF_ERROR(CudaStatus(topk_.Select(x, n, k, out_.p, count, stream), "top-k"));
+        result_ = out_.p;
+        return Status::OK();
+    }
+  }
+  const uint32_t* indices() const { return result_; }
+
+ private:
+  proto::Selection mode_;
+  double sample_ratio_;
+  kernels::ScaledThreshold scaled_;  // the threshold's state; the pass runs on the device
+  gpu::GpuTopK topk_;
+  gpu::GpuSampledThresholdSelect sampled_;
+  gpu::GpuThresholdSelect threshold_;
+  DeviceArray<uint32_t> out_;
+  const uint32_t* result_ = nullptr;
+};
+
+// ---- topk ----
+
+// TopKCompressor's steps on the device: u = m u + g; v += u; select over |v|; gather the values
+// and zero v and u there; the indices and values, contiguous in one device buffer, come down in
+// one copy. With fp16 values the rounding errors go back into v (k entries up).
+class GpuTopKCompressor final : public GpuCompressorBase {
+ public:
+  GpuTopKCompressor(size_t n, const proto::CompressionConfig& c, float momentum)
+      : GpuCompressorBase(n),
+        config_(c),
+        k_(WarmupK(c.density(), c.warmup_epochs(), 0, n)),
+        momentum_(momentum),
+        selector_(c.selection(), c.sample_ratio(), k_),
+        format_{c.fp16_values(), c.varint_indices()} {}
+
   void SetEpoch(uint32_t epoch) override {
     k_ = WarmupK(config_.density(), config_.warmup_epochs(), epoch, n_);
   }
 
   Status Compress(const float* grad, const std::vector<KeyRange>& ranges,
                   std::vector<Message>* out) override {
-    SPARSEPS_RETURN_IF_ERROR(Reserve(k_));
-    // One read: the sum of a vector is finite exactly when every entry is (in double).
-    double sum = 0.0;
-    SPARSEPS_RETURN_IF_ERROR(
-        CudaStatus(gpu::StreamingSum(grad, n_, sum_, &sum, stream_), "checking the gradient"));
-    if (!std::isfinite(sum)) {
-      return Status::InvalidArgument("the gradient contains NaN or Inf; nothing was pushed");
-    }
+    SPARSEPS_RETURN_IF_ERROR(CheckFinite(grad, "the gradient"));
     SPARSEPS_RETURN_IF_ERROR(CudaStatus(
-        gpu::MomentumCorrection(u_, v_, grad, momentum_, n_, stream_), "momentum correction"));
+        gpu::MomentumCorrection(u_.p, v_.p, grad, momentum_, n_, stream_), "momentum correction"));
     size_t k = 0;
-    SPARSEPS_RETURN_IF_ERROR(CudaStatus(topk_.Select(v_, n_, k_, idx_, &k, stream_), "top-k"));
+    SPARSEPS_RETURN_IF_ERROR(selector_.Select(v_.p, n_, k_, &k, stream_));
+    // The payload: k indices, then k values.
+    SPARSEPS_RETURN_IF_ERROR(payload_.Reserve(2 * k));
+    SPARSEPS_RETURN_IF_ERROR(host_.Reserve(2 * k));
+    uint32_t* idx = payload_.p;
+    float* vals = reinterpret_cast<float*>(payload_.p + k);
     SPARSEPS_RETURN_IF_ERROR(
-        CudaStatus(gpu::GatherAndZero(v_, u_, idx_, k, vals_, stream_), "gathering the values"));
-    SPARSEPS_RETURN_IF_ERROR(CudaStatus(
-        cudaMemcpyAsync(idx_host_, idx_, k * sizeof(uint32_t), cudaMemcpyDeviceToHost, stream_),
-        "copying the indices"));
-    SPARSEPS_RETURN_IF_ERROR(CudaStatus(
-        cudaMemcpyAsync(vals_host_, vals_, k * sizeof(float), cudaMemcpyDeviceToHost, stream_),
-        "copying the values"));
+        CudaStatus(cudaMemcpyAsync(idx, selector_.indices(), k * sizeof(uint32_t),
+                                   cudaMemcpyDeviceToDevice, stream_),
+                   "copying the indices"));
+    SPARSEPS_RETURN_IF_ERROR(
+        CudaStatus(gpu::GatherAndZero(v_.p, u_.p, idx, k, vals, stream_), "gathering the values"));
+    SPARSEPS_RETURN_IF_ERROR(
+        CudaStatus(cudaMemcpyAsync(host_.p, payload_.p, 2 * k * sizeof(uint32_t),
+                                   cudaMemcpyDeviceToHost, stream_),
+                   "copying the payload"));
     SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream_), "the selection"));
-    selected_.assign(idx_host_, idx_host_ + k);
-    values_.assign(vals_host_, vals_host_ + k);
+    selected_.assign(host_.p, host_.p + k);
+    values_.resize(k);
+    if (k > 0) std::memcpy(values_.data(), host_.p + k, k * sizeof(float));
     if (format_.fp16_values) {
       // Send what a half holds; the rounding error goes back into v (zero there after the
       // gather, so adding it sets it, as the CPU does).
+      float* errors = reinterpret_cast<float*>(host_.p + k);
       for (size_t j = 0; j < k; ++j) {
         const float sent = kernels::RoundToHalf(values_[j]);
-        vals_host_[j] = values_[j] - sent;
+        errors[j] = values_[j] - sent;
         values_[j] = sent;
       }
       SPARSEPS_RETURN_IF_ERROR(CudaStatus(
-          cudaMemcpyAsync(vals_, vals_host_, k * sizeof(float), cudaMemcpyHostToDevice, stream_),
+          cudaMemcpyAsync(vals, errors, k * sizeof(float), cudaMemcpyHostToDevice, stream_),
           "copying the rounding errors"));
       SPARSEPS_RETURN_IF_ERROR(
-          CudaStatus(gpu::ScatterAdd(v_, idx_, vals_, k, stream_), "keeping the rounding errors"));
+          CudaStatus(gpu::ScatterAdd(v_.p, idx, vals, k, stream_), "keeping the rounding errors"));
       SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream_), "the rounding errors"));
     }
     last_selected_ = k;
@@ -99,72 +239,300 @@ class GpuTopKCompressor final : public Compressor {
     return Status::OK();
   }
 
-  Status Download(std::vector<float>* residual, std::vector<float>* velocity) const {
-    residual->resize(n_);
-    velocity->resize(n_);
-    SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream_), "the stream"));
+ private:
+  proto::CompressionConfig config_;
+  size_t k_;
+  float momentum_;
+  DeviceSelector selector_;
+  TopKFormat format_;
+  DeviceArray<uint32_t> payload_;
+  PinnedArray<uint32_t> host_;
+  std::vector<uint32_t> selected_;
+  std::vector<float> values_;
+};
+
+// ---- sbc ----
+
+// SbcCompressor's steps on the device: LocalStep trains the device copy of the parameters
+// (u = m u + g; a += u; params -= lr u); Compress forms A = a + R in the residual, binarises it
+// (GpuSbc: the side with the larger mean magnitude, R = A - sent, u zeroed there) and brings the
+// positions down (4 k bytes); the Golomb coding runs on the host, as the CPU's.
+class GpuSbcCompressor final : public GpuCompressorBase {
+ public:
+  GpuSbcCompressor(size_t n, const proto::CompressionConfig& c, float momentum, float lr)
+      : GpuCompressorBase(n),
+        config_(c),
+        k_(WarmupK(c.density(), c.warmup_epochs(), 0, n)),
+        momentum_(momentum),
+        lr_(lr) {}
+
+  Status Start() override {
+    SPARSEPS_RETURN_IF_ERROR(GpuCompressorBase::Start());
+    SPARSEPS_RETURN_IF_ERROR(a_.Reserve(n_));
+    return CudaStatus(cudaMemset(a_.p, 0, n_ * sizeof(float)), "cudaMemset");
+  }
+
+  void SetEpoch(uint32_t epoch) override {
+    k_ = WarmupK(config_.density(), config_.warmup_epochs(), epoch, n_);
+  }
+
+  // grad and params: device memory. A CUDA error ends the local steps at once (returns true) and
+  // Compress reports it.
+  bool LocalStep(const float* grad, float* params) override {
+    if (status_.ok()) {
+      status_ = CudaStatus(gpu::SbcLocalStep(u_.p, a_.p, params, grad, momentum_, lr_, n_, stream_),
+                           "local step");
+    }
+    if (status_.ok()) status_ = CudaStatus(cudaStreamSynchronize(stream_), "local step");
+    return !status_.ok() || ++local_steps_ % config_.local_iterations() == 0;
+  }
+
+  Status Compress(const float* /*grad*/, const std::vector<KeyRange>& ranges,
+                  std::vector<Message>* out) override {
+    SPARSEPS_RETURN_IF_ERROR(status_);
+    SPARSEPS_RETURN_IF_ERROR(CheckFinite(a_.p, "the accumulated update"));
     SPARSEPS_RETURN_IF_ERROR(
-        CudaStatus(cudaMemcpy(residual->data(), v_, n_ * sizeof(float), cudaMemcpyDeviceToHost),
-                   "copying the residual"));
-    return CudaStatus(cudaMemcpy(velocity->data(), u_, n_ * sizeof(float), cudaMemcpyDeviceToHost),
-                      "copying the velocity");
+        CudaStatus(gpu::Axpy(1.0f, a_.p, v_.p, n_, stream_), "adding the accumulator"));
+    SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(a_.p, 0, n_ * sizeof(float), stream_),
+                                        "clearing the accumulator"));
+    SPARSEPS_RETURN_IF_ERROR(idx_.Reserve(k_));
+    size_t count = 0;
+    float value = 0.0f;
+    SPARSEPS_RETURN_IF_ERROR(CudaStatus(
+        sbc_.Binarize(v_.p, u_.p, n_, k_, idx_.p, &count, &value, stream_), "SBC binarisation"));
+    SPARSEPS_RETURN_IF_ERROR(host_.Reserve(count));
+    SPARSEPS_RETURN_IF_ERROR(CudaStatus(
+        cudaMemcpyAsync(host_.p, idx_.p, count * sizeof(uint32_t), cudaMemcpyDeviceToHost, stream_),
+        "copying the positions"));
+    SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream_), "copying the positions"));
+    chosen_.assign(host_.p, host_.p + count);
+    last_selected_ = count;
+    EncodeSbcPushes(chosen_, value, ranges, out);
+    return Status::OK();
   }
 
  private:
-  Status Reserve(size_t k) {
-    SPARSEPS_RETURN_IF_ERROR(CudaStatus(gpu::Grow(&idx_, &idx_cap_, k), "cudaMalloc"));
-    SPARSEPS_RETURN_IF_ERROR(CudaStatus(gpu::Grow(&vals_, &vals_cap_, k), "cudaMalloc"));
-    if (host_cap_ < k) {
-      cudaFreeHost(idx_host_);
-      cudaFreeHost(vals_host_);
-      idx_host_ = nullptr;
-      vals_host_ = nullptr;
-      host_cap_ = 0;
+  proto::CompressionConfig config_;
+  size_t k_;
+  float momentum_, lr_;
+  uint32_t local_steps_ = 0;
+  Status status_;
+  DeviceArray<float> a_;  // the accumulator a
+  DeviceArray<uint32_t> idx_;
+  PinnedArray<uint32_t> host_;
+  gpu::GpuSbc sbc_;
+  std::vector<uint32_t> chosen_;
+};
+
+// ---- sketch ----
+
+// SketchCompressor's steps on the device: u = m u + g; v += u (FetchSGD: v = g); the truncation
+// to the top truncate_factor * k of |v| (GpuTopK); each key range's fusion groups sketched into
+// one device table (GpuCountSketch, the CPU's hashes), which comes down whole. The second round
+// gathers v at the candidates on the device; the keys a pull changed get u = v = 0 there.
+class GpuSketchCompressor final : public GpuCompressorBase {
+ public:
+  GpuSketchCompressor(size_t n, const proto::CompressionConfig& c, float momentum)
+      : GpuCompressorBase(n), config_(c), momentum_(momentum) {}
+
+  Status Compress(const float* grad, const std::vector<KeyRange>& ranges,
+                  std::vector<Message>* out) override {
+    SPARSEPS_RETURN_IF_ERROR(status_);
+    SPARSEPS_RETURN_IF_ERROR(CheckFinite(grad, "the gradient"));
+    if (config_.sketch().server_momentum()) {
+      // FetchSGD: the raw gradient is sketched whole; momentum and error live on the servers.
       SPARSEPS_RETURN_IF_ERROR(CudaStatus(
-          cudaMallocHost(reinterpret_cast<void**>(&idx_host_), k * sizeof(uint32_t)), "pinned"));
+          cudaMemcpyAsync(v_.p, grad, n_ * sizeof(float), cudaMemcpyDeviceToDevice, stream_),
+          "copying the gradient"));
+    } else {
+      SPARSEPS_RETURN_IF_ERROR(
+          CudaStatus(gpu::MomentumCorrection(u_.p, v_.p, grad, momentum_, n_, stream_),
+                     "momentum correction"));
+    }
+    const size_t truncate_k = SketchTruncateK(config_, n_);
+    size_t kept = 0;
+    if (truncate_k > 0) {
+      SPARSEPS_RETURN_IF_ERROR(trunc_idx_.Reserve(truncate_k));
+      SPARSEPS_RETURN_IF_ERROR(trunc_vals_.Reserve(truncate_k));
+      SPARSEPS_RETURN_IF_ERROR(host_idx_.Reserve(truncate_k));
       SPARSEPS_RETURN_IF_ERROR(CudaStatus(
-          cudaMallocHost(reinterpret_cast<void**>(&vals_host_), k * sizeof(float)), "pinned"));
-      host_cap_ = k;
+          topk_.Select(v_.p, n_, truncate_k, trunc_idx_.p, &kept, stream_), "the truncation"));
+      SPARSEPS_RETURN_IF_ERROR(CudaStatus(
+          gpu::Gather(v_.p, trunc_idx_.p, kept, trunc_vals_.p, stream_), "the truncation"));
+      SPARSEPS_RETURN_IF_ERROR(
+          CudaStatus(cudaMemcpyAsync(host_idx_.p, trunc_idx_.p, kept * sizeof(uint32_t),
+                                     cudaMemcpyDeviceToHost, stream_),
+                     "the truncation"));
+      SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream_), "the truncation"));
+    }
+    SPARSEPS_RETURN_IF_ERROR(Layout(ranges));
+    const uint32_t rows = config_.sketch().rows();
+    size_t cells = 0;
+    for (size_t ri = 0; ri < ranges.size(); ++ri) {
+      const KeyRange& r = ranges[ri];
+      const RangeSketch& rs = layout_[ri];
+      const size_t range_cells = size_t{rows} * rs.columns;
+      SPARSEPS_RETURN_IF_ERROR(table_.Reserve(range_cells));
+      SPARSEPS_RETURN_IF_ERROR(host_table_.Reserve(range_cells));
+      SPARSEPS_RETURN_IF_ERROR(CudaStatus(
+          cudaMemsetAsync(table_.p, 0, range_cells * sizeof(float), stream_), "cudaMemset"));
+      float* table = table_.p;
+      for (const auto& g : rs.groups) {
+        const uint64_t begin = r.begin + g.range.begin, end = r.begin + g.range.end;
+        if (truncate_k > 0) {
+          // The truncated entries inside this group (sorted), with their global keys.
+          const uint32_t* sorted = host_idx_.p;
+          const uint32_t* lo = std::lower_bound(sorted, sorted + kept, begin);
+          const uint32_t* hi = std::lower_bound(lo, sorted + kept, end);
+          const size_t first = static_cast<size_t>(lo - host_idx_.p);
+          SPARSEPS_RETURN_IF_ERROR(
+              CudaStatus(g.sketch->InsertSparse(trunc_idx_.p + first, trunc_vals_.p + first,
+                                                static_cast<size_t>(hi - lo), 0, table, stream_),
+                         "the sketch"));
+        } else {
+          SPARSEPS_RETURN_IF_ERROR(
+              CudaStatus(g.sketch->InsertDense(v_.p + begin, g.range.size(), begin, table, stream_),
+                         "the sketch"));
+        }
+        table += g.table_size;
+      }
+      SPARSEPS_RETURN_IF_ERROR(
+          CudaStatus(cudaMemcpyAsync(host_table_.p, table_.p, range_cells * sizeof(float),
+                                     cudaMemcpyDeviceToHost, stream_),
+                     "copying the sketch"));
+      SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream_), "copying the sketch"));
+      Message m = NewPush(r);
+      EncodeSketch(std::vector<float>(host_table_.p, host_table_.p + range_cells), rows, rs.columns,
+                   &m);
+      out->push_back(std::move(m));
+      cells += range_cells;
+    }
+    last_selected_ = cells;
+    return Status::OK();
+  }
+
+  Status ExactValues(const KeyRange& r, std::span<const uint32_t> candidates,
+                     Message* push) override {
+    for (uint32_t c : candidates) {
+      if (c >= r.size()) return Status::ProtocolError("candidate outside the key range");
+    }
+    const size_t m = candidates.size();
+    SPARSEPS_RETURN_IF_ERROR(keys_.Reserve(m));
+    SPARSEPS_RETURN_IF_ERROR(vals_.Reserve(m));
+    SPARSEPS_RETURN_IF_ERROR(host_vals_.Reserve(m));
+    SPARSEPS_RETURN_IF_ERROR(
+        CudaStatus(cudaMemcpyAsync(keys_.p, candidates.data(), m * sizeof(uint32_t),
+                                   cudaMemcpyHostToDevice, stream_),
+                   "copying the candidates"));
+    SPARSEPS_RETURN_IF_ERROR(CudaStatus(gpu::Gather(v_.p + r.begin, keys_.p, m, vals_.p, stream_),
+                                        "gathering the candidates' values"));
+    SPARSEPS_RETURN_IF_ERROR(CudaStatus(
+        cudaMemcpyAsync(host_vals_.p, vals_.p, m * sizeof(float), cudaMemcpyDeviceToHost, stream_),
+        "copying the candidates' values"));
+    SPARSEPS_RETURN_IF_ERROR(
+        CudaStatus(cudaStreamSynchronize(stream_), "copying the candidates' values"));
+    push->header.set_key_begin(r.begin);
+    push->header.set_key_end(r.end);
+    EncodeTopK(std::vector<uint32_t>(candidates.begin(), candidates.end()),
+               std::vector<float>(host_vals_.p, host_vals_.p + m), push);
+    return Status::OK();
+  }
+
+  // A CUDA error here is kept and reported by the next Compress.
+  void OnChanged(uint64_t key_begin, std::span<const uint32_t> keys) override {
+    if (config_.sketch().server_momentum() || keys.empty() || !status_.ok()) return;
+    status_ = keys_.Reserve(keys.size());
+    if (status_.ok()) {
+      status_ = CudaStatus(cudaMemcpyAsync(keys_.p, keys.data(), keys.size() * sizeof(uint32_t),
+                                           cudaMemcpyHostToDevice, stream_),
+                           "copying the changed keys");
+    }
+    if (status_.ok()) {
+      status_ =
+          CudaStatus(gpu::ZeroAt(v_.p + key_begin, u_.p + key_begin, keys_.p, keys.size(), stream_),
+                     "the error reset");
+    }
+    if (status_.ok()) status_ = CudaStatus(cudaStreamSynchronize(stream_), "the error reset");
+  }
+
+ private:
+  struct Group {
+    KeyRange range;  // relative to the key range
+    size_t table_size = 0;
+    std::unique_ptr<gpu::GpuCountSketch> sketch;
+  };
+  struct RangeSketch {
+    KeyRange range;
+    uint64_t columns = 0;  // over all its groups
+    std::vector<Group> groups;
+  };
+
+  // The fusion groups and their sketches for `ranges` (built at the first call, the same after).
+  Status Layout(const std::vector<KeyRange>& ranges) {
+    bool same = layout_.size() == ranges.size();
+    for (size_t i = 0; same && i < ranges.size(); ++i) {
+      same = layout_[i].range.begin == ranges[i].begin && layout_[i].range.end == ranges[i].end;
+    }
+    if (same) return Status::OK();
+    layout_.clear();
+    for (const auto& r : ranges) {
+      RangeSketch rs;
+      rs.range = r;
+      for (const auto& g : FusionGroups(r.size(), config_.sketch().fusion_group_size())) {
+        const kernels::CountSketchHash hash(
+            config_.sketch().rows(), SketchColumns(config_, g.size()), config_.sketch().seed());
+        Group group;
+        group.range = g;
+        group.table_size = hash.table_size();
+        group.sketch = std::make_unique<gpu::GpuCountSketch>(hash);
+        rs.columns += hash.columns();
+        rs.groups.push_back(std::move(group));
+      }
+      layout_.push_back(std::move(rs));
     }
     return Status::OK();
   }
 
   proto::CompressionConfig config_;
-  size_t n_, k_;
   float momentum_;
-  TopKFormat format_;
-  cudaStream_t stream_ = nullptr;
+  Status status_;
   gpu::GpuTopK topk_;
-  float *u_ = nullptr, *v_ = nullptr, *vals_ = nullptr;
-  uint32_t* idx_ = nullptr;
-  double* sum_ = nullptr;
-  size_t u_cap_ = 0, v_cap_ = 0, vals_cap_ = 0, idx_cap_ = 0, sum_cap_ = 0;
-  uint32_t* idx_host_ = nullptr;
-  float* vals_host_ = nullptr;
-  size_t host_cap_ = 0;
-  std::vector<uint32_t> selected_;
-  std::vector<float> values_;
-  size_t last_selected_ = 0;
+  DeviceArray<uint32_t> trunc_idx_, keys_;
+  DeviceArray<float> trunc_vals_, table_, vals_;
+  PinnedArray<uint32_t> host_idx_;
+  PinnedArray<float> host_table_, host_vals_;
+  std::vector<RangeSketch> layout_;
 };
 
 }  // namespace
 
 Result<std::unique_ptr<Compressor>> MakeGpuCompressor(size_t num_params,
                                                       const proto::CompressionConfig& c,
-                                                      float momentum) {
-  if (c.encoding() != proto::TOPK || c.selection() != proto::EXACT) {
-    return std::unique_ptr<Compressor>();
+                                                      float momentum, float lr) {
+  std::unique_ptr<GpuCompressorBase> compressor;
+  switch (c.encoding()) {
+    case proto::TOPK:
+      compressor = std::make_unique<GpuTopKCompressor>(num_params, c, momentum);
+      break;
+    case proto::SBC:
+      if (c.selection() != proto::EXACT) return std::unique_ptr<Compressor>();
+      compressor = std::make_unique<GpuSbcCompressor>(num_params, c, momentum, lr);
+      break;
+    case proto::SKETCH:
+      compressor = std::make_unique<GpuSketchCompressor>(num_params, c, momentum);
+      break;
+    default:
+      return std::unique_ptr<Compressor>();
   }
-  auto compressor = std::make_unique<GpuTopKCompressor>(num_params, c, momentum);
   SPARSEPS_RETURN_IF_ERROR(compressor->Start());
   return std::unique_ptr<Compressor>(std::move(compressor));
 }
 
 Status DownloadGpuCompressorState(const Compressor& compressor, std::vector<float>* residual,
                                   std::vector<float>* velocity) {
-  const auto* gpu_topk = dynamic_cast<const GpuTopKCompressor*>(&compressor);
-  if (gpu_topk == nullptr) return Status::InvalidArgument("not a GPU compressor");
-  return gpu_topk->Download(residual, velocity);
+  const auto* on_gpu = dynamic_cast<const GpuCompressorBase*>(&compressor);
+  if (on_gpu == nullptr) return Status::InvalidArgument("not a GPU compressor");
+  return on_gpu->Download(residual, velocity);
 }
 
 }  // namespace sparseps

@@ -1,15 +1,24 @@
-// `topk` compression on the device: the twin of TopKCompressor (worker/compressor.h) for a GPU
-// worker, so the gradient, the velocity u and the residual v stay in device memory. Per push:
-// u = m u + g; v += u (kernels::gpu::MomentumCorrection); exact top-k of |v| (GpuTopK);
-// gather the k values and zero v and u there (GatherAndZero); copy the k indices and values to
-// pinned host buffers (8 k bytes, the only transfer), then split them by key range and encode as
-// the CPU does. With fp16 values the rounding error goes back into v (k entries up).
+// Compression on the device for a GPU worker: the twins of TopKCompressor, SbcCompressor and
+// SketchCompressor (worker/compressor.h), so the gradient, the velocity u, the residual and (SBC)
+// the accumulator stay in device memory, and only the encoded payload's raw parts cross to the
+// host, through pinned buffers:
+//   topk   every selection mode (exact GpuTopK, DGC's sampled threshold, ExDyna's scaled
+//          threshold, each the twin of the CPU's); the k indices and values come down in one copy
+//          of 8 k bytes, then are split by key range and encoded as the CPU does.
+//   sbc    exact selection; LocalStep trains the device copy of the parameters; the k positions
+//          come down (4 k bytes) and are Golomb-coded on the host.
+//   sketch every setting (truncation, fusion groups, second round, server momentum); the tables
+//          are built on the device and come down (rows x columns floats per key range); the
+//          second round gathers the candidates' values on the device.
+// The pushes equal the CPU compressor's for the same gradients: byte for byte for topk and for
+// the positions of sbc, the sbc value within double-sum rounding, the sketch tables within float
+// rounding (atomics add in another order; exactly for integer values).
 //
-// Exact selection only (compression.selection: exact); the trainer keeps the CPU compressor for
-// the other modes and encodings. Built only with CUDA. Thread-safety: one host thread.
+// Built only with CUDA. Thread-safety: one host thread per compressor.
 #pragma once
 
 #include <memory>
+#include <vector>
 
 #include "common/status.h"
 #include "proto/config.pb.h"
@@ -17,14 +26,16 @@
 
 namespace sparseps {
 
-// The device compressor for `c` when it has one (encoding topk with exact selection), else null.
-// Errors: FailedPrecondition when device memory or a stream cannot be had.
+// The device compressor for `c` when it has one (topk; sbc with exact selection; sketch), else
+// null (dense, and sbc with a threshold selection: the CPU compressor takes the gradient then).
+// momentum: train.momentum; lr: train.lr (SBC's local steps). Errors: FailedPrecondition when
+// device memory or a stream cannot be had.
 Result<std::unique_ptr<Compressor>> MakeGpuCompressor(size_t num_params,
                                                       const proto::CompressionConfig& c,
-                                                      float momentum);
+                                                      float momentum, float lr);
 
 // Device state of a compressor from MakeGpuCompressor, copied to the host (for tests): the
-// residual v and the velocity u. Errors: InvalidArgument for another compressor.
+// residual and the velocity u. Errors: InvalidArgument for another compressor.
 Status DownloadGpuCompressorState(const Compressor& compressor, std::vector<float>* residual,
                                   std::vector<float>* velocity);
 
