@@ -175,6 +175,22 @@ void BM_GolombEncodeDecode(benchmark::State& state) {
 }
 BENCHMARK(BM_GolombEncodeDecode)->Args({k16M, kK});
 
+// Golomb encode alone of the k positions (what a worker's push costs on the host; the decode is
+// the server's), at 0.1% of 16M and of 100M entries (whether packing on the GPU would pay).
+void BM_GolombEncode(benchmark::State& state) {
+  const size_t n = static_cast<size_t>(state.range(0)), k = static_cast<size_t>(state.range(1));
+  const auto idx = Positions(n, k);
+  const uint32_t b = sparseps::kernels::GolombParameter(static_cast<double>(k) / n);
+  std::vector<uint8_t> code;
+  for (auto _ : state) {
+    code.clear();
+    benchmark::DoNotOptimize(sparseps::kernels::GolombEncode(idx.data(), k, b, &code));
+  }
+  state.counters["bits_per_position"] = 8.0 * static_cast<double>(code.size()) / k;
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * k * sizeof(uint32_t)));
+}
+BENCHMARK(BM_GolombEncode)->Args({k16M, kK})->Args({100'000'000, 100'000});
+
 // memcpy of arg bytes (the Golomb and aggregation baselines).
 void BM_Memcpy(benchmark::State& state) {
   const size_t bytes = static_cast<size_t>(state.range(0));
