@@ -130,6 +130,19 @@ void KeepTopK(const float* x, size_t k, std::vector<uint32_t>* idx,
   idx->resize(out);
 }
 
+SampledThresholdPlan PlanSampledThreshold(size_t n, size_t k, double sample_ratio) {
+  SampledThresholdPlan plan;
+  plan.sample = std::clamp<size_t>(
+      static_cast<size_t>(std::ceil(sample_ratio * static_cast<double>(n))), 1, n);
+  plan.rank = std::clamp<size_t>(
+      static_cast<size_t>(std::llround(static_cast<double>(k) * static_cast<double>(plan.sample) /
+                                       static_cast<double>(n))),
+      1, plan.sample);
+  plan.lo = static_cast<size_t>(0.8 * static_cast<double>(k));
+  plan.hi = static_cast<size_t>(std::ceil(1.3 * static_cast<double>(k)));
+  return plan;
+}
+
 size_t SampledThresholdSelect(const float* x, size_t n, size_t k, double sample_ratio,
                               std::vector<uint32_t>* out) {
   out->clear();
@@ -138,26 +151,22 @@ size_t SampledThresholdSelect(const float* x, size_t n, size_t k, double sample_
     for (size_t i = 0; i < n; ++i) out->push_back(static_cast<uint32_t>(i));
     return n;
   }
-  const size_t sample = std::clamp<size_t>(
-      static_cast<size_t>(std::ceil(sample_ratio * static_cast<double>(n))), 1, n);
-  const size_t rank = std::clamp<size_t>(
-      static_cast<size_t>(std::llround(static_cast<double>(k) * static_cast<double>(sample) /
-                                       static_cast<double>(n))),
-      1, sample);
-  float threshold = SampledMagnitude(x, n, sample, rank);
-  const size_t lo = static_cast<size_t>(0.8 * static_cast<double>(k));
-  const size_t hi = static_cast<size_t>(std::ceil(1.3 * static_cast<double>(k)));
+  const SampledThresholdPlan plan = PlanSampledThreshold(n, k, sample_ratio);
+  float threshold = SampledMagnitude(x, n, plan.sample, plan.rank);
   std::vector<float> values;
   for (int adjust = 0;; ++adjust) {
     out->clear();
     values.clear();
     SelectAtLeast(x, n, threshold, out, &values);
-    if (out->size() > hi) {
+    if (out->size() > plan.hi) {
       KeepTopK(x, k, out, &values);
       break;
     }
-    if (out->size() >= lo || adjust == 10 || threshold == 0.0f) break;
-    threshold *= 0.7f;
+    if (out->size() >= plan.lo || adjust == SampledThresholdPlan::kMaxRetries ||
+        threshold == 0.0f) {
+      break;
+    }
+    threshold *= SampledThresholdPlan::kShrink;
   }
   return out->size();
 }

@@ -72,6 +72,18 @@ float SampledMagnitude(const float* x, size_t n, size_t sample_size, size_t rank
 void KeepTopK(const float* x, size_t k, std::vector<uint32_t>* idx,
               const std::vector<float>* values = nullptr);
 
+// The parameters of DGC's sampled threshold for n entries and a target of k (0 < k < n): the
+// sample size (sample_ratio * n, at least 1), the rank in the sample whose magnitude is the first
+// threshold (k * sample / n, at least 1), and the accepted count band [lo, hi] = [0.8 k, 1.3 k];
+// a count below lo retries with threshold * kShrink, at most kMaxRetries times. Shared by
+// SampledThresholdSelect and its GPU twin so that both select the same set.
+struct SampledThresholdPlan {
+  static constexpr float kShrink = 0.7f;
+  static constexpr int kMaxRetries = 10;
+  size_t sample, rank, lo, hi;
+};
+SampledThresholdPlan PlanSampledThreshold(size_t n, size_t k, double sample_ratio);
+
 // DGC's sampled threshold (Lin et al., ICLR 2018, §3.4 and the authors' code): the threshold is
 // the (k * sample_ratio)-th largest magnitude of a strided sample of sample_ratio * n entries;
 // a count outside [0.8k, 1.3k] is refined: too many -> exact top-k among the selected (no second

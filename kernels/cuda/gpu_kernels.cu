@@ -793,16 +793,10 @@ cudaError_t GpuSampledThresholdSelect::Select(const float* x, size_t n, size_t k
     return cudaSuccess;
   }
   // The same sample, rank, bounds and refinement as kernels::SampledThresholdSelect.
-  const size_t sample = std::clamp<size_t>(
-      static_cast<size_t>(std::ceil(sample_ratio * static_cast<double>(n))), 1, n);
-  const size_t rank = std::clamp<size_t>(
-      static_cast<size_t>(std::llround(static_cast<double>(k) * static_cast<double>(sample) /
-                                       static_cast<double>(n))),
-      1, sample);
+  const SampledThresholdPlan plan = PlanSampledThreshold(n, k, sample_ratio);
+  const size_t hi = plan.hi;
   float threshold = 0.0f;
-  SPARSEPS_CUDA_TRY(Threshold(x, n, sample, rank, &threshold, stream));
-  const size_t lo = static_cast<size_t>(0.8 * static_cast<double>(k));
-  const size_t hi = static_cast<size_t>(std::ceil(1.3 * static_cast<double>(k)));
+  SPARSEPS_CUDA_TRY(Threshold(x, n, plan.sample, plan.rank, &threshold, stream));
   if (cand_cap_ < hi + hi / 4) {
     SPARSEPS_CUDA_TRY(Grow(&cand_idx_, &cand_cap_, hi + hi / 4));
     SPARSEPS_CUDA_TRY(Grow(&cand_vals_, &cand_vals_cap_, cand_cap_));
@@ -823,8 +817,10 @@ cudaError_t GpuSampledThresholdSelect::Select(const float* x, size_t n, size_t k
       count = kept;
       break;
     }
-    if (count >= lo || adjust == 10 || threshold == 0.0f) break;
-    threshold *= 0.7f;
+    if (count >= plan.lo || adjust == SampledThresholdPlan::kMaxRetries || threshold == 0.0f) {
+      break;
+    }
+    threshold *= SampledThresholdPlan::kShrink;
   }
   *host_count = count;
   return cudaSuccess;
