@@ -4,15 +4,17 @@
 # PS on the GPU and on the CPU (same config, same machine) for the accuracy and time comparison.
 #
 #   bench/gpu_checks.sh [--build-dir B] [--out DIR] [--data DIR] [--skip-train] [--reps R] [--ncu]
-#                       [--train "CFG[:KEY=VALUE] ..."]
+#                       [--train "CFG[:KEY=VALUE...] ..."]
 #
 # B: a build with CUDA (default build/); DIR: where the logs go (default runs/gpu-checks-<time>);
 # --data: Fashion-MNIST (default /usr/share/datasets/fashion-mnist); --train: the runs, each a
-# config in configs/ with an optional --set (default: every device compressor: cnn, quickstart
-# (topk) with each selection mode, sbc, sketch, sketch_second_round, sketch_fetchsgd).
+# config in configs/ with optional --set's (default: every device compressor: cnn, quickstart
+# (topk) with each selection mode, sbc, sketch, sketch_second_round, sketch_fetchsgd; and the
+# device selection of allreduce mode: quickstart with topk_allgather, gtopk, gtopk + scaled
+# threshold).
 # Writes, under DIR:
 #   summary.txt        device, pass/fail of each step, the last lines of each log
-#   gpu_tests.log      gpu_kernels_test and gpu_models_test (gtest output)
+#   gpu_tests.log      gpu_kernels_test, gpu_models_test, collectives_test's GPU test (gtest)
 #   gpu_bench.json/.log sparseps_gpu_bench (Google Benchmark, R repetitions, CUDA-event times)
 #   torch_topk.log     bench/torch_topk_baseline.py (when python3 has torch with CUDA)
 #   train.log          the training runs' final lines; train-runs.tar.gz their run directories
@@ -30,7 +32,9 @@ reps=5
 ncu=0
 train_runs="cnn quickstart quickstart:compression.selection=sampled_threshold"
 train_runs+=" quickstart:compression.selection=scaled_threshold sbc sketch sketch_second_round"
-train_runs+=" sketch_fetchsgd"
+train_runs+=" sketch_fetchsgd quickstart:aggregation=allreduce:collective.algorithm=topk_allgather"
+train_runs+=" quickstart:aggregation=allreduce:collective.algorithm=gtopk"
+train_runs+=" quickstart:aggregation=allreduce:collective.algorithm=gtopk:compression.selection=scaled_threshold"
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --build-dir) build_dir="$2"; shift 2 ;;
@@ -67,6 +71,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max
 step gpu_kernels_test "$out/gpu_tests.log" timeout 300 "$build_dir/tests/gpu_kernels_test"
 step gpu_models_test "$out/gpu_tests.log" timeout 300 env SPARSEPS_FASHION_MNIST_DIR="$data" \
   "$build_dir/tests/gpu_models_test"
+step gpu_allreduce_test "$out/gpu_tests.log" timeout 300 "$build_dir/tests/collectives_test" \
+  --gtest_filter='GpuAllreduceInput.*'
 grep -E "^\[  (SKIPPED|FAILED) \]|Failure|Skipped" "$out/gpu_tests.log" | head -20 | tee -a "$summary"
 
 step sparseps_gpu_bench "$out/gpu_bench.log" timeout 300 "$build_dir/bench/sparseps_gpu_bench" \
@@ -96,19 +102,20 @@ if [[ $train -eq 1 ]]; then
   runs="$out/train-runs"
   mkdir -p "$runs"
   for spec in $train_runs; do
-    cfg="${spec%%:*}"
+    IFS=: read -r -a parts <<<"$spec"
+    cfg="${parts[0]}"
     extra=()
     name="$cfg"
-    if [[ "$spec" == *:* ]]; then
-      extra=(--set "${spec#*:}")
-      name="$cfg-${spec##*=}"
-    fi
+    for kv in "${parts[@]:1}"; do
+      extra+=(--set "$kv")
+      name+="-${kv##*=}"
+    done
     for dev in cuda cpu; do
       step "train $spec on $dev" "$out/train.log" timeout 300 "$here/deploy/launch.sh" \
         --config "$here/configs/$cfg.yaml" --build-dir "$build_dir" --quiet \
         --set "train.device=$dev" --set "data.dir=$data" "${extra[@]}" \
         --run-dir "$runs/$name-$dev"
-      grep -h -m2 -i -E "device|compression on" "$runs/$name-$dev/worker-0.log" | tee -a "$summary"
+      grep -h -m2 -i -E "device|compression on|selection on|collective takes" "$runs/$name-$dev/worker-0.log" | tee -a "$summary"
       tail -n 2 "$out/train.log" | tee -a "$summary"
     done
   done

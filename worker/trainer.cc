@@ -220,8 +220,27 @@ Status RunWorker(const proto::JobConfig& config) {
     }
 #endif
     if (!compressor) compressor = MakeCompressor(config, n);
-    const bool grad_on_device = compressor->on_device();
-    if (on_gpu) {
+    // Allreduce mode on a GPU with a collective that selects locally (TopK-AllGather, gTop-k):
+    // the momentum correction, the residual and the selection stay on the device, and only the
+    // selected entries come to the host.
+    bool gpu_selects = false;
+#if SPARSEPS_HAVE_CUDA
+    std::unique_ptr<GpuAllreduceInput> gpu_input;
+    if (on_gpu && collective && collective->selects_locally()) {
+      auto made = GpuAllreduceInput::Make(n, config.compression().selection(),
+                                          config.compression().sample_ratio(), collective->k(),
+                                          momentum, aggregated_momentum);
+      if (!made.ok()) return made.status();
+      gpu_input = std::move(*made);
+      gpu_selects = true;
+    }
+#endif
+    const bool grad_on_device = compressor->on_device() || gpu_selects;
+    if (on_gpu && collective) {
+      spdlog::info("{}", gpu_selects ? "selection on the GPU (only the selected entries come to "
+                                       "the host)"
+                                     : "the collective takes the gradient on the host");
+    } else if (on_gpu) {
       spdlog::info("compression on the {}", grad_on_device
                                                 ? "GPU (only the encoded payload comes to the host)"
                                                 : "CPU (the gradient comes to the host)");
@@ -329,7 +348,29 @@ Status RunWorker(const proto::JobConfig& config) {
         const uint64_t sent0 = bytes_sent(), recv0 = bytes_received();
         auto t2 = t1;
         double topk_mass = -1.0;  // collective.measure_quality only
-        if (collective) {
+        if (gpu_selects) {
+#if SPARSEPS_HAVE_CUDA
+          if (Status a = gpu_input->Accumulate(grad_d.data()); !a.ok()) {
+            return Status::FailedPrecondition(a.message() + " at step " + std::to_string(step) +
+                                              " (try a smaller train.lr)");
+          }
+          if (measure_quality) {
+            probe.resize(n);
+            SPARSEPS_RETURN_IF_ERROR(gpu_input->Download(probe.data(), nullptr));
+            SPARSEPS_RETURN_IF_ERROR(RingAllreduce(group.get(), probe_tag, probe.data(), n,
+                                                   config.collective().segment_bytes() / 4));
+            probe_tag += uint64_t{1} << 32;
+          }
+          t2 = Clock::now();
+          SparseVector mine, put_back;
+          SPARSEPS_RETURN_IF_ERROR(gpu_input->Take(collective->k(), &mine));
+          SPARSEPS_RETURN_IF_ERROR(
+              collective->AllreduceSelected(std::move(mine), &put_back, &update));
+          SPARSEPS_RETURN_IF_ERROR(gpu_input->PutBack(put_back));
+          if (!aggregated_momentum)
+            SPARSEPS_RETURN_IF_ERROR(gpu_input->MaskMomentum(update.indices));
+#endif
+        } else if (collective) {
           if (!kernels::AllFinite(grad.data(), n)) {
             return Status::FailedPrecondition("the gradient holds NaN or Inf at step " +
                                               std::to_string(step) + " (try a smaller train.lr)");
@@ -347,6 +388,8 @@ Status RunWorker(const proto::JobConfig& config) {
           }
           t2 = Clock::now();
           SPARSEPS_RETURN_IF_ERROR(collective->Allreduce(&acc, &update));
+        }
+        if (collective) {
           if (measure_quality) topk_mass = TopKMassShare(probe, update);
           if (aggregated_momentum) {
             // v = m v + update; params -= lr / W v (dense: v decays everywhere).

@@ -135,6 +135,25 @@ __global__ void SumKernel(const float* x, size_t n, double* out) {
   }
 }
 
+// Counts the entries whose exponent bits are all ones (NaN or Inf).
+__global__ void CountNonFiniteKernel(const float* x, size_t n, unsigned long long* out) {
+  auto bad = [](float v) { return (__float_as_uint(v) & 0x7f800000u) == 0x7f800000u ? 1u : 0u; };
+  unsigned count = 0;
+  const size_t n4 = n / 4;
+  const float4* x4 = reinterpret_cast<const float4*>(x);
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n4;
+       i += size_t{gridDim.x} * blockDim.x) {
+    const float4 v = x4[i];
+    count += bad(v.x) + bad(v.y) + bad(v.z) + bad(v.w);
+  }
+  for (size_t i = 4 * n4 + blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n;
+       i += size_t{gridDim.x} * blockDim.x) {
+    count += bad(x[i]);
+  }
+  for (int off = 16; off > 0; off /= 2) count += __shfl_down_sync(0xffffffffu, count, off);
+  if ((threadIdx.x & 31u) == 0 && count > 0) atomicAdd(out, static_cast<unsigned long long>(count));
+}
+
 // ---- selection ----
 
 // Where the keys come from: the vector itself (key = |x[i]|'s bits, index = i) ...
@@ -512,6 +531,20 @@ cudaError_t StreamingSum(const float* x, size_t n, double* scratch, double* host
   SPARSEPS_CUDA_TRY(
       cudaMemcpyAsync(host_sum, scratch, sizeof(double), cudaMemcpyDeviceToHost, stream));
   return cudaStreamSynchronize(stream);
+}
+
+cudaError_t CountNonFinite(const float* x, size_t n, unsigned long long* scratch,
+                           uint64_t* host_count, cudaStream_t stream) {
+  SPARSEPS_CUDA_TRY(cudaMemsetAsync(scratch, 0, sizeof(unsigned long long), stream));
+  if (n > 0) {
+    CountNonFiniteKernel<<<Blocks(n / 4 + 1), kThreads, 0, stream>>>(x, n, scratch);
+    SPARSEPS_CUDA_TRY(cudaGetLastError());
+  }
+  unsigned long long count = 0;
+  SPARSEPS_CUDA_TRY(cudaMemcpyAsync(&count, scratch, sizeof count, cudaMemcpyDeviceToHost, stream));
+  SPARSEPS_CUDA_TRY(cudaStreamSynchronize(stream));
+  *host_count = count;
+  return cudaSuccess;
 }
 
 template <typename T>

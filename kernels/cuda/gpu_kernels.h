@@ -67,6 +67,12 @@ cudaError_t SbcLocalStep(float* u, float* a, float* params, const float* g, floa
 cudaError_t StreamingSum(const float* x, size_t n, double* scratch, double* host_sum,
                          cudaStream_t stream);
 
+// *host_count = the number of NaN and Inf entries of x[0, n) (exponent bits all ones), the
+// twin of kernels::AllFinite: one read of x (16-byte loads). scratch: one device counter.
+// Synchronises.
+cudaError_t CountNonFinite(const float* x, size_t n, unsigned long long* scratch,
+                           uint64_t* host_count, cudaStream_t stream);
+
 // Scratch of the ordered (stable) selection that GpuTopK and GpuThresholdSelect share: one mask
 // bit per entry, the selected count per segment of 8192 entries and its exclusive prefix sum.
 // Owned by one selector (not thread-safe); freed with it.

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <string>
@@ -104,6 +105,30 @@ TEST(GpuKernels, StreamingSumMatchesDoubleSum) {
   CUDA_OK(gpu::StreamingSum(dx.get(), n, scratch.get(), &got, nullptr));
   const double want = std::accumulate(x.begin(), x.end(), 0.0);
   EXPECT_NEAR(got, want, 1e-5 * want);
+}
+
+// The finiteness check counts exactly the NaN and Inf entries (at the vectorised body and the
+// tail), and huge finite values whose sum overflows a float are not reported.
+TEST(GpuKernels, CountNonFiniteCountsNaNAndInfOnly) {
+  SKIP_WITHOUT_GPU();
+  const size_t n = (1 << 16) + 3;
+  std::vector<float> x(n, 3.0e38f);  // finite; any float sum of a few overflows
+  DeviceVector<unsigned long long> scratch(1);
+  uint64_t bad = 1;
+  {
+    DeviceVector<float> dx(x);
+    CUDA_OK(gpu::CountNonFinite(dx.get(), n, scratch.get(), &bad, nullptr));
+    EXPECT_EQ(bad, 0u);
+    EXPECT_TRUE(AllFinite(x.data(), n));
+  }
+  x[5] = std::numeric_limits<float>::quiet_NaN();
+  x[4096] = std::numeric_limits<float>::infinity();
+  x[n - 1] = -std::numeric_limits<float>::infinity();  // in the scalar tail
+  DeviceVector<float> dx(x);
+  CUDA_OK(gpu::CountNonFinite(dx.get(), n, scratch.get(), &bad, nullptr));
+  EXPECT_EQ(bad, 3u);
+  CUDA_OK(gpu::CountNonFinite(dx.get(), 0, scratch.get(), &bad, nullptr));
+  EXPECT_EQ(bad, 0u);
 }
 
 // The GPU top-k against kernels::TopKAbs: the same indices in the same (increasing) order.

@@ -21,8 +21,16 @@
 #include <fstream>
 #include <numeric>
 
+#include "kernels/device.h"
+#include "kernels/error_feedback.h"
 #include "worker/collectives/collective.h"
 #include "worker/collectives/exdyna.h"
+#include "worker/compressor.h"
+#if SPARSEPS_HAVE_CUDA
+#include <cuda_runtime_api.h>
+
+#include "worker/cuda/gpu_compressor.h"
+#endif
 
 namespace sparseps {
 namespace {
@@ -40,8 +48,17 @@ float Grad(int w, int t, size_t i) {
   return i % 37 == 0 ? 10.0f * v : v;
 }
 
+// Who selects for the collectives that select locally (Collective::selects_locally).
+enum class Input {
+  kAllreduce,      // Allreduce(x): the collective selects
+  kCallerSelects,  // the trainer's way: Selector, TakeEntries, AllreduceSelected, put-backs
+  kGpu,            // a GPU worker's way: GpuAllreduceInput on device memory (CUDA builds)
+};
+
 struct RunSetup {
   proto::CollectiveAlgorithm algorithm = proto::RING;
+  Input input = Input::kAllreduce;
+  proto::Selection selection = proto::EXACT;
   int workers = 2;
   size_t n = 5003;
   double density = 0.02;
@@ -85,15 +102,71 @@ struct RunSetup {
     config.mutable_collective()->set_algorithm(s.algorithm);
     config.mutable_collective()->set_teams(s.teams);
     config.mutable_collective()->set_segment_bytes(s.segment_bytes);
+    config.mutable_compression()->set_selection(s.selection);
+    config.mutable_compression()->set_sample_ratio(0.05);
     auto collective = MakeCollective(config, group->get(), s.n);
     if (!collective.ok()) fail(collective.status().ToString());
+    if (s.input != Input::kAllreduce && !(*collective)->selects_locally()) {
+      fail("the collective does not select locally");
+    }
+    const size_t k = (*collective)->k();
+    Selector selector(s.selection, 0.05, k);
+#if SPARSEPS_HAVE_CUDA
+    std::unique_ptr<GpuAllreduceInput> gpu;
+    float* grad_d = nullptr;
+    if (s.input == Input::kGpu) {
+      // Momentum 0: u = g, so x gains the integer gradient as on the host.
+      auto made = GpuAllreduceInput::Make(s.n, s.selection, 0.05, k, 0.0f, false);
+      if (!made.ok()) fail(made.status().ToString());
+      gpu = std::move(*made);
+      if (cudaMalloc(reinterpret_cast<void**>(&grad_d), s.n * sizeof(float)) != cudaSuccess) {
+        fail("cudaMalloc");
+      }
+    }
+#else
+    if (s.input == Input::kGpu) fail("no CUDA in this build");
+#endif
 
     std::ofstream out(path, std::ios::binary);
-    std::vector<float> x(s.n, 0.0f), dense(s.n);
+    std::vector<float> x(s.n, 0.0f), dense(s.n), g(s.n);
+    std::vector<uint32_t> selected;
     CollectiveUpdate update;
     for (int t = 0; t < s.iterations; ++t) {
-      for (size_t i = 0; i < s.n; ++i) x[i] += Grad(rank, t, i);
-      Status st = (*collective)->Allreduce(&x, &update);
+      for (size_t i = 0; i < s.n; ++i) g[i] = Grad(rank, t, i);
+      Status st;
+      SparseVector put_back;
+      switch (s.input) {
+        case Input::kAllreduce:
+          for (size_t i = 0; i < s.n; ++i) x[i] += g[i];
+          st = (*collective)->Allreduce(&x, &update);
+          break;
+        case Input::kCallerSelects:
+          for (size_t i = 0; i < s.n; ++i) x[i] += g[i];
+          selector.Select(x.data(), s.n, k, &selected);
+          st = (*collective)->AllreduceSelected(TakeEntries(&x, selected), &put_back, &update);
+          for (size_t e = 1; e < put_back.size(); ++e) {
+            if (put_back.indices[e] <= put_back.indices[e - 1]) fail("put-backs not increasing");
+          }
+          kernels::ScatterAdd(x.data(), put_back.indices.data(), put_back.values.data(),
+                              put_back.size());
+          break;
+        case Input::kGpu: {
+#if SPARSEPS_HAVE_CUDA
+          if (cudaMemcpy(grad_d, g.data(), s.n * sizeof(float), cudaMemcpyHostToDevice) !=
+              cudaSuccess) {
+            fail("cudaMemcpy");
+          }
+          SparseVector mine;
+          st = gpu->Accumulate(grad_d);
+          if (st.ok()) st = gpu->Take(k, &mine);
+          if (st.ok()) st = (*collective)->AllreduceSelected(std::move(mine), &put_back, &update);
+          if (st.ok()) st = gpu->PutBack(put_back);
+          if (st.ok()) st = gpu->MaskMomentum(update.indices);
+          if (st.ok()) st = gpu->Download(x.data(), nullptr);
+#endif
+          break;
+        }
+      }
       if (!st.ok()) fail("iteration " + std::to_string(t) + ": " + st.ToString());
       uint64_t count = s.n;
       if (update.dense) {
@@ -113,6 +186,10 @@ struct RunSetup {
     out.close();
     if (!out) fail("write " + path);
     collective->reset();
+#if SPARSEPS_HAVE_CUDA
+    gpu.reset();
+    if (grad_d != nullptr) cudaFree(grad_d);
+#endif
   }
   _exit(0);
 }
@@ -339,6 +416,81 @@ TEST(ExDynaDensity, GlobalCountStaysWithinTwentyPercentOfTheTarget) {
     const double mean = sum / (s.iterations - s.iterations / 2);
     EXPECT_NEAR(mean / k, 1.0, 0.2) << "mean global count " << mean << " for k = " << k;
   }
+}
+
+// The trainer's way for the collectives that select locally (the caller selects, takes the
+// entries out, calls AllreduceSelected and adds the put-backs back) gives bitwise the updates and
+// residuals of Allreduce, for every selection mode, and keeps the invariants.
+void ExpectSameRuns(const RunSetup& a, const RunSetup& b) {
+  Result ra, rb;
+  ASSERT_TRUE(RunWorkers(a, &ra));
+  ASSERT_TRUE(RunWorkers(b, &rb));
+  CheckInvariants(b, rb);
+  for (int w = 0; w < a.workers; ++w) {
+    for (int t = 0; t < a.iterations; ++t) {
+      const size_t ws = static_cast<size_t>(w), ts = static_cast<size_t>(t);
+      ASSERT_EQ(0, std::memcmp(ra.updates[ws][ts].data(), rb.updates[ws][ts].data(), a.n * 4))
+          << "worker " << w << ", iteration " << t << ": another update";
+      ASSERT_EQ(0, std::memcmp(ra.residuals[ws][ts].data(), rb.residuals[ws][ts].data(), a.n * 4))
+          << "worker " << w << ", iteration " << t << ": another residual";
+    }
+  }
+}
+
+std::vector<RunSetup> LocalSelectionSetups() {
+  std::vector<RunSetup> setups;
+  for (auto algorithm : {proto::TOPK_ALLGATHER, proto::GTOPK}) {
+    for (auto selection : {proto::EXACT, proto::SAMPLED_THRESHOLD, proto::SCALED_THRESHOLD}) {
+      RunSetup s;
+      s.algorithm = algorithm;
+      s.selection = selection;
+      s.workers = 3;
+      setups.push_back(s);
+    }
+  }
+  return setups;
+}
+
+TEST(CallerSelects, SameUpdatesAndResidualsAsAllreduce) {
+  for (const RunSetup& s : LocalSelectionSetups()) {
+    SCOPED_TRACE(proto::CollectiveAlgorithm_Name(s.algorithm) + ", " +
+                 proto::Selection_Name(s.selection));
+    RunSetup caller = s;
+    caller.input = Input::kCallerSelects;
+    ExpectSameRuns(s, caller);
+  }
+}
+
+#if SPARSEPS_HAVE_CUDA
+// Whether a CUDA device answers, asked in a child process: the workers are forked, and a process
+// that has touched CUDA must not fork children that use it.
+std::string NoGpuInAChild() {
+  const pid_t pid = fork();
+  if (pid == 0) {
+    std::string why;
+    _exit(kernels::CudaDeviceAvailable(&why) ? 0 : 1);
+  }
+  int status = 0;
+  if (pid < 0 || waitpid(pid, &status, 0) != pid) return "fork failed";
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0 ? "" : "no CUDA device answers";
+}
+#endif
+
+// A GPU worker's allreduce (GpuAllreduceInput: selection, residual and put-backs on the device)
+// gives bitwise the updates and residuals of the host path, for every selection mode.
+TEST(GpuAllreduceInput, SameUpdatesAndResidualsAsTheHostPath) {
+#if !SPARSEPS_HAVE_CUDA
+  GTEST_SKIP() << "no CUDA in this build";
+#else
+  if (const std::string why = NoGpuInAChild(); !why.empty()) GTEST_SKIP() << why;
+  for (const RunSetup& s : LocalSelectionSetups()) {
+    SCOPED_TRACE(proto::CollectiveAlgorithm_Name(s.algorithm) + ", " +
+                 proto::Selection_Name(s.selection));
+    RunSetup on_gpu = s;
+    on_gpu.input = Input::kGpu;
+    ExpectSameRuns(s, on_gpu);
+  }
+#endif
 }
 
 // In-process checks of the transport: a silent peer ends a wait with its name, a malformed

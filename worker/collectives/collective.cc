@@ -39,6 +39,11 @@ SparseVector TakeEntries(std::vector<float>* x, std::vector<uint32_t> keys) {
   return out;
 }
 
+Status Collective::AllreduceSelected(SparseVector /*mine*/, SparseVector* /*put_back*/,
+                                     CollectiveUpdate* /*update*/) {
+  return Status::Internal("this collective does not select locally");
+}
+
 std::vector<int> AllWorkers(int p) {
   std::vector<int> members(static_cast<size_t>(p));
   for (int i = 0; i < p; ++i) members[static_cast<size_t>(i)] = i;

@@ -22,6 +22,13 @@
 
 namespace sparseps {
 
+// A sparse vector: strictly increasing keys and their values.
+struct SparseVector {
+  std::vector<uint32_t> indices;
+  std::vector<float> values;
+  size_t size() const { return indices.size(); }
+};
+
 // What one allreduce applies: the same on every worker.
 struct CollectiveUpdate {
   bool dense = false;
@@ -40,6 +47,22 @@ class Collective {
   // applied now. Errors: those of PeerGroup (a deadline naming the missing worker, a malformed
   // message, Aborted on FATAL), or IoError from Gloo.
   virtual Status Allreduce(std::vector<float>* x, CollectiveUpdate* update) = 0;
+
+  // True for the collectives whose first step is a local selection of about k entries of x with
+  // compression.selection (TopK-AllGather, gTop-k): a caller holding x elsewhere (a GPU worker
+  // keeps it in device memory) may then select itself and call AllreduceSelected, so only the
+  // selected entries reach the host.
+  virtual bool selects_locally() const { return false; }
+
+  // The rest of Allreduce after the caller's local selection. mine: the selected entries (keys
+  // strictly increasing, below num_params), already taken out of x (x keeps the rest as its
+  // residual); the selection must be the one Allreduce would make (the same mode and k()) for the
+  // same results. On return *put_back holds entries (keys strictly increasing) the caller adds
+  // back into x, and *update the sum over workers applied now. Allreduce(x, u) equals selecting,
+  // taking the entries out, AllreduceSelected, and adding put_back into x. Errors: as Allreduce;
+  // Internal for the collectives that do not select locally.
+  virtual Status AllreduceSelected(SparseVector mine, SparseVector* put_back,
+                                   CollectiveUpdate* update);
 
   // Sets the per-worker budget k (elements) for the sparse collectives, e.g. under a density
   // warm-up; the dense ones ignore it.
@@ -76,13 +99,6 @@ Result<std::unique_ptr<Collective>> MakeCollective(const proto::JobConfig& confi
                                                    size_t num_params);
 
 // ---- helpers shared by the sparse collectives (collective.cc) ----
-
-// A sparse vector: strictly increasing keys and their values.
-struct SparseVector {
-  std::vector<uint32_t> indices;
-  std::vector<float> values;
-  size_t size() const { return indices.size(); }
-};
 
 // Keeps the top k entries of x[begin, end) by magnitude (ties to lower keys), skipping zeros,
 // as absolute keys in increasing order.

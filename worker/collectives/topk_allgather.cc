@@ -36,9 +36,16 @@ TopKAllGather::TopKAllGather(PeerGroup* group, size_t num_params, size_t k,
       touched_(num_params, 0) {}
 
 Status TopKAllGather::Allreduce(std::vector<float>* x, CollectiveUpdate* update) {
-  const uint64_t tag = NextCall();
   selector_.Select(x->data(), n_, k_, &selected_);
-  SparseVector mine = TakeEntries(x, selected_);
+  SparseVector put_back;
+  return AllreduceSelected(TakeEntries(x, selected_), &put_back, update);
+}
+
+Status TopKAllGather::AllreduceSelected(SparseVector mine, SparseVector* put_back,
+                                        CollectiveUpdate* update) {
+  const uint64_t tag = NextCall();
+  put_back->indices.clear();
+  put_back->values.clear();
   last_selected_ = mine.size();
   const int p = group_->size();
   const std::vector<int> members = AllWorkers(p);

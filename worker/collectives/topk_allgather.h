@@ -15,6 +15,10 @@ class TopKAllGather final : public Collective {
   TopKAllGather(PeerGroup* group, size_t num_params, size_t k, proto::Selection selection,
                 double sample_ratio);
   Status Allreduce(std::vector<float>* x, CollectiveUpdate* update) override;
+  bool selects_locally() const override { return true; }
+  // Nothing comes back: put_back is left empty.
+  Status AllreduceSelected(SparseVector mine, SparseVector* put_back,
+                           CollectiveUpdate* update) override;
 
  private:
   Selector selector_;

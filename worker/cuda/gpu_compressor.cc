@@ -62,6 +62,20 @@ struct PinnedArray {
   size_t cap = 0;
 };
 
+// InvalidArgument naming `what` when x[0, n) (device) holds NaN or Inf, after one read of it
+// (scratch: one device counter). Synchronises the stream.
+Status CheckFiniteOnDevice(const float* x, size_t n, unsigned long long* scratch,
+                           cudaStream_t stream, const char* what) {
+  uint64_t bad = 0;
+  SPARSEPS_RETURN_IF_ERROR(
+      CudaStatus(gpu::CountNonFinite(x, n, scratch, &bad, stream), "checking the input"));
+  if (bad > 0) {
+    return Status::InvalidArgument(std::string(what) + " contains NaN or Inf (" +
+                                   std::to_string(bad) + " entries); nothing was pushed");
+  }
+  return Status::OK();
+}
+
 // What every device compressor holds: its stream, the velocity u and the residual v (n floats
 // each, zero at the start), and the finiteness check.
 class GpuCompressorBase : public Compressor {
@@ -76,7 +90,7 @@ class GpuCompressorBase : public Compressor {
         CudaStatus(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate"));
     SPARSEPS_RETURN_IF_ERROR(u_.Reserve(n_));
     SPARSEPS_RETURN_IF_ERROR(v_.Reserve(n_));
-    SPARSEPS_RETURN_IF_ERROR(sum_.Reserve(1));
+    SPARSEPS_RETURN_IF_ERROR(bad_.Reserve(1));
     SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaMemset(u_.p, 0, n_ * sizeof(float)), "cudaMemset"));
     return CudaStatus(cudaMemset(v_.p, 0, n_ * sizeof(float)), "cudaMemset");
   }
@@ -97,23 +111,14 @@ class GpuCompressorBase : public Compressor {
   }
 
  protected:
-  // InvalidArgument naming `what` when x[0, n) (device) holds NaN or Inf. One read: the sum of
-  // the entries is finite exactly when every entry is (short of a float overflow).
   Status CheckFinite(const float* x, const char* what) {
-    double sum = 0.0;
-    SPARSEPS_RETURN_IF_ERROR(
-        CudaStatus(gpu::StreamingSum(x, n_, sum_.p, &sum, stream_), "checking the input"));
-    if (!std::isfinite(sum)) {
-      return Status::InvalidArgument(std::string(what) +
-                                     " contains NaN or Inf; nothing was pushed");
-    }
-    return Status::OK();
+    return CheckFiniteOnDevice(x, n_, bad_.p, stream_, what);
   }
 
   const size_t n_;
   cudaStream_t stream_ = nullptr;
   DeviceArray<float> u_, v_;
-  DeviceArray<double> sum_;
+  DeviceArray<unsigned long long> bad_;
   size_t last_selected_ = 0;
 };
 
@@ -526,6 +531,132 @@ Result<std::unique_ptr<Compressor>> MakeGpuCompressor(size_t num_params,
   }
   SPARSEPS_RETURN_IF_ERROR(compressor->Start());
   return std::unique_ptr<Compressor>(std::move(compressor));
+}
+
+// ---- allreduce ----
+
+struct GpuAllreduceInput::State {
+  State(size_t n, proto::Selection selection, double sample_ratio, size_t k, float momentum,
+        bool aggregated)
+      : n(n), momentum(momentum), aggregated(aggregated), selector(selection, sample_ratio, k) {}
+  ~State() {
+    if (stream != nullptr) cudaStreamDestroy(stream);
+  }
+  size_t n;
+  float momentum;
+  bool aggregated;
+  cudaStream_t stream = nullptr;
+  DeviceSelector selector;
+  DeviceArray<float> u, x;
+  DeviceArray<unsigned long long> bad;
+  DeviceArray<uint32_t> entries;  // k keys then k values (or the keys going up)
+  PinnedArray<uint32_t> host;
+};
+
+GpuAllreduceInput::GpuAllreduceInput(std::unique_ptr<State> state) : state_(std::move(state)) {}
+GpuAllreduceInput::~GpuAllreduceInput() = default;
+
+Result<std::unique_ptr<GpuAllreduceInput>> GpuAllreduceInput::Make(size_t n,
+                                                                   proto::Selection selection,
+                                                                   double sample_ratio, size_t k,
+                                                                   float momentum,
+                                                                   bool aggregated) {
+  auto st = std::make_unique<State>(n, selection, sample_ratio, k, momentum, aggregated);
+  SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&st->stream, cudaStreamNonBlocking),
+                                      "cudaStreamCreate"));
+  SPARSEPS_RETURN_IF_ERROR(st->x.Reserve(n));
+  SPARSEPS_RETURN_IF_ERROR(st->bad.Reserve(1));
+  SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaMemset(st->x.p, 0, n * sizeof(float)), "cudaMemset"));
+  if (!aggregated) {
+    SPARSEPS_RETURN_IF_ERROR(st->u.Reserve(n));
+    SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaMemset(st->u.p, 0, n * sizeof(float)), "cudaMemset"));
+  }
+  return std::unique_ptr<GpuAllreduceInput>(new GpuAllreduceInput(std::move(st)));
+}
+
+Status GpuAllreduceInput::Accumulate(const float* grad) {
+  State& st = *state_;
+  SPARSEPS_RETURN_IF_ERROR(CheckFiniteOnDevice(grad, st.n, st.bad.p, st.stream, "the gradient"));
+  if (st.aggregated) {
+    return CudaStatus(gpu::Axpy(1.0f, grad, st.x.p, st.n, st.stream), "accumulating the gradient");
+  }
+  return CudaStatus(gpu::MomentumCorrection(st.u.p, st.x.p, grad, st.momentum, st.n, st.stream),
+                    "momentum correction");
+}
+
+Status GpuAllreduceInput::Take(size_t k, SparseVector* mine) {
+  State& st = *state_;
+  size_t count = 0;
+  SPARSEPS_RETURN_IF_ERROR(st.selector.Select(st.x.p, st.n, k, &count, st.stream));
+  SPARSEPS_RETURN_IF_ERROR(st.entries.Reserve(2 * count));
+  SPARSEPS_RETURN_IF_ERROR(st.host.Reserve(2 * count));
+  uint32_t* idx = st.entries.p;
+  float* vals = reinterpret_cast<float*>(st.entries.p + count);
+  SPARSEPS_RETURN_IF_ERROR(
+      CudaStatus(cudaMemcpyAsync(idx, st.selector.indices(), count * sizeof(uint32_t),
+                                 cudaMemcpyDeviceToDevice, st.stream),
+                 "copying the indices"));
+  SPARSEPS_RETURN_IF_ERROR(
+      CudaStatus(gpu::GatherAndZero(st.x.p, nullptr, idx, count, vals, st.stream),
+                 "taking the selected entries"));
+  SPARSEPS_RETURN_IF_ERROR(
+      CudaStatus(cudaMemcpyAsync(st.host.p, st.entries.p, 2 * count * sizeof(uint32_t),
+                                 cudaMemcpyDeviceToHost, st.stream),
+                 "copying the selected entries"));
+  SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(st.stream), "the selection"));
+  mine->indices.assign(st.host.p, st.host.p + count);
+  mine->values.resize(count);
+  if (count > 0) std::memcpy(mine->values.data(), st.host.p + count, count * sizeof(float));
+  return Status::OK();
+}
+
+Status GpuAllreduceInput::PutBack(const SparseVector& entries) {
+  State& st = *state_;
+  const size_t m = entries.size();
+  if (m == 0) return Status::OK();
+  SPARSEPS_RETURN_IF_ERROR(st.entries.Reserve(2 * m));
+  SPARSEPS_RETURN_IF_ERROR(st.host.Reserve(2 * m));
+  std::memcpy(st.host.p, entries.indices.data(), m * sizeof(uint32_t));
+  std::memcpy(st.host.p + m, entries.values.data(), m * sizeof(float));
+  SPARSEPS_RETURN_IF_ERROR(
+      CudaStatus(cudaMemcpyAsync(st.entries.p, st.host.p, 2 * m * sizeof(uint32_t),
+                                 cudaMemcpyHostToDevice, st.stream),
+                 "copying the put-backs"));
+  SPARSEPS_RETURN_IF_ERROR(
+      CudaStatus(gpu::ScatterAdd(st.x.p, st.entries.p,
+                                 reinterpret_cast<const float*>(st.entries.p + m), m, st.stream),
+                 "adding the put-backs"));
+  return CudaStatus(cudaStreamSynchronize(st.stream), "the put-backs");
+}
+
+Status GpuAllreduceInput::MaskMomentum(std::span<const uint32_t> keys) {
+  State& st = *state_;
+  if (st.aggregated || keys.empty()) return Status::OK();
+  SPARSEPS_RETURN_IF_ERROR(st.entries.Reserve(keys.size()));
+  SPARSEPS_RETURN_IF_ERROR(st.host.Reserve(keys.size()));
+  std::memcpy(st.host.p, keys.data(), keys.size() * sizeof(uint32_t));
+  SPARSEPS_RETURN_IF_ERROR(
+      CudaStatus(cudaMemcpyAsync(st.entries.p, st.host.p, keys.size() * sizeof(uint32_t),
+                                 cudaMemcpyHostToDevice, st.stream),
+                 "copying the update's keys"));
+  SPARSEPS_RETURN_IF_ERROR(CudaStatus(
+      gpu::ZeroAt(st.u.p, nullptr, st.entries.p, keys.size(), st.stream), "momentum masking"));
+  return CudaStatus(cudaStreamSynchronize(st.stream), "momentum masking");
+}
+
+Status GpuAllreduceInput::Download(float* contribution, float* velocity) const {
+  const State& st = *state_;
+  SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(st.stream), "the stream"));
+  SPARSEPS_RETURN_IF_ERROR(
+      CudaStatus(cudaMemcpy(contribution, st.x.p, st.n * sizeof(float), cudaMemcpyDeviceToHost),
+                 "copying the contribution"));
+  if (velocity == nullptr) return Status::OK();
+  if (st.aggregated) {
+    std::fill(velocity, velocity + st.n, 0.0f);
+    return Status::OK();
+  }
+  return CudaStatus(cudaMemcpy(velocity, st.u.p, st.n * sizeof(float), cudaMemcpyDeviceToHost),
+                    "copying the velocity");
 }
 
 Status DownloadGpuCompressorState(const Compressor& compressor, std::vector<float>* residual,

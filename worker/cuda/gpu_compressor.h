@@ -15,13 +15,17 @@
 // rounding (atomics add in another order; exactly for integer values).
 //
 // Built only with CUDA. Thread-safety: one host thread per compressor.
+//
+// GpuAllreduceInput (below) is the same for allreduce mode's sparse collectives.
 #pragma once
 
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "common/status.h"
 #include "proto/config.pb.h"
+#include "worker/collectives/collective.h"
 #include "worker/compressor.h"
 
 namespace sparseps {
@@ -38,5 +42,49 @@ Result<std::unique_ptr<Compressor>> MakeGpuCompressor(size_t num_params,
 // residual and the velocity u. Errors: InvalidArgument for another compressor.
 Status DownloadGpuCompressorState(const Compressor& compressor, std::vector<float>* residual,
                                   std::vector<float>* velocity);
+
+// The device side of allreduce mode for a GPU worker whose collective selects locally
+// (Collective::selects_locally: TopK-AllGather, gTop-k). The trainer's host steps, on the device:
+// the velocity u and the contribution x (the residual between calls) stay in device memory; the
+// collective's selection runs there (the CPU Selector's set: exact top-k, DGC's sampled threshold
+// or ExDyna's scaled threshold); only the selected entries come down (one copy of 8 k bytes), and
+// only the collective's put-backs and the update's keys go up. For the same gradients x, u and
+// the update equal the host path's bitwise (every step is the same float operation).
+//
+// Built only with CUDA. Thread-safety: one host thread.
+class GpuAllreduceInput {
+ public:
+  // n: parameters; selection and sample_ratio: compression.selection and sample_ratio; k: the
+  // collective's initial k (the scaled threshold's state starts from it); momentum: train.momentum;
+  // aggregated: collective.momentum is AGGREGATED (the velocity is then the host's). Errors:
+  // FailedPrecondition when device memory or a stream cannot be had.
+  static Result<std::unique_ptr<GpuAllreduceInput>> Make(size_t n, proto::Selection selection,
+                                                         double sample_ratio, size_t k,
+                                                         float momentum, bool aggregated);
+  ~GpuAllreduceInput();
+
+  // x += (u = m u + g) (DGC momentum correction), or x += g when the momentum is aggregated.
+  // grad: device, n floats. Errors: InvalidArgument when grad holds NaN or Inf (nothing changes).
+  Status Accumulate(const float* grad);
+
+  // Selects about k entries of x (exactly min(k, n) for exact top-k), takes them out of x (zero
+  // there) and returns them, keys strictly increasing, in *mine. Synchronises.
+  Status Take(size_t k, SparseVector* mine);
+
+  // x[keys] += values (keys distinct): a collective's put-backs. Synchronises.
+  Status PutBack(const SparseVector& entries);
+
+  // u[keys] = 0 (keys distinct): momentum factor masking at the keys an update applied.
+  // Synchronises. No-op with aggregated momentum.
+  Status MaskMomentum(std::span<const uint32_t> keys);
+
+  // Copies x (and u when velocity is not null) to the host, n floats each. Synchronises.
+  Status Download(float* contribution, float* velocity) const;
+
+ private:
+  struct State;
+  explicit GpuAllreduceInput(std::unique_ptr<State> state);
+  std::unique_ptr<State> state_;
+};
 
 }  // namespace sparseps
