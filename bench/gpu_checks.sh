@@ -72,7 +72,7 @@ step gpu_kernels_test "$out/gpu_tests.log" timeout 300 "$build_dir/tests/gpu_ker
 step gpu_models_test "$out/gpu_tests.log" timeout 300 env SPARSEPS_FASHION_MNIST_DIR="$data" \
   "$build_dir/tests/gpu_models_test"
 step gpu_allreduce_test "$out/gpu_tests.log" timeout 300 "$build_dir/tests/collectives_test" \
-  --gtest_filter='GpuAllreduceInput.*'
+  --gtest_filter='GpuContribution.*'
 grep -E "^\[  (SKIPPED|FAILED) \]|Failure|Skipped" "$out/gpu_tests.log" | head -20 | tee -a "$summary"
 
 step sparseps_gpu_bench "$out/gpu_bench.log" timeout 300 "$build_dir/bench/sparseps_gpu_bench" \

@@ -220,26 +220,29 @@ Status RunWorker(const proto::JobConfig& config) {
     }
 #endif
     if (!compressor) compressor = MakeCompressor(config, n);
-    // Allreduce mode on a GPU with a collective that selects locally (TopK-AllGather, gTop-k):
-    // the momentum correction, the residual and the selection stay on the device, and only the
-    // selected entries come to the host.
-    bool gpu_selects = false;
+    // Allreduce mode on a GPU: the contribution (momentum correction, residual) stays on the
+    // device and the collective's operations run there, so only what the collective needs comes
+    // to the host (the selected entries for TopK-AllGather, gTop-k and ExDyna).
+    bool gpu_contribution = false;
 #if SPARSEPS_HAVE_CUDA
-    std::unique_ptr<GpuAllreduceInput> gpu_input;
-    if (on_gpu && collective && collective->selects_locally()) {
-      auto made = GpuAllreduceInput::Make(n, config.compression().selection(),
-                                          config.compression().sample_ratio(), collective->k(),
-                                          momentum, aggregated_momentum);
+    std::unique_ptr<GpuContribution> contribution_d;
+    if (on_gpu && collective) {
+      auto made = GpuContribution::Make(n, config.compression().selection(),
+                                        config.compression().sample_ratio(), collective->k(),
+                                        momentum, aggregated_momentum);
       if (!made.ok()) return made.status();
-      gpu_input = std::move(*made);
-      gpu_selects = true;
+      contribution_d = std::move(*made);
+      gpu_contribution = true;
     }
 #endif
-    const bool grad_on_device = compressor->on_device() || gpu_selects;
+    const bool grad_on_device = compressor->on_device() || gpu_contribution;
     if (on_gpu && collective) {
-      spdlog::info("{}", gpu_selects ? "selection on the GPU (only the selected entries come to "
-                                       "the host)"
-                                     : "the collective takes the gradient on the host");
+      spdlog::info("allreduce contribution on the GPU ({})",
+                   config.collective().algorithm() == proto::TOPK_ALLGATHER ||
+                           config.collective().algorithm() == proto::GTOPK ||
+                           config.collective().algorithm() == proto::EXDYNA
+                       ? "only the selected entries come to the host"
+                       : "this collective takes all of it to the host");
     } else if (on_gpu) {
       spdlog::info("compression on the {}", grad_on_device
                                                 ? "GPU (only the encoded payload comes to the host)"
@@ -348,27 +351,24 @@ Status RunWorker(const proto::JobConfig& config) {
         const uint64_t sent0 = bytes_sent(), recv0 = bytes_received();
         auto t2 = t1;
         double topk_mass = -1.0;  // collective.measure_quality only
-        if (gpu_selects) {
+        if (gpu_contribution) {
 #if SPARSEPS_HAVE_CUDA
-          if (Status a = gpu_input->Accumulate(grad_d.data()); !a.ok()) {
+          if (Status a = contribution_d->Accumulate(grad_d.data()); !a.ok()) {
             return Status::FailedPrecondition(a.message() + " at step " + std::to_string(step) +
                                               " (try a smaller train.lr)");
           }
           if (measure_quality) {
             probe.resize(n);
-            SPARSEPS_RETURN_IF_ERROR(gpu_input->Download(probe.data(), nullptr));
+            SPARSEPS_RETURN_IF_ERROR(contribution_d->Read(probe.data(), /*zero=*/false));
             SPARSEPS_RETURN_IF_ERROR(RingAllreduce(group.get(), probe_tag, probe.data(), n,
                                                    config.collective().segment_bytes() / 4));
             probe_tag += uint64_t{1} << 32;
           }
           t2 = Clock::now();
-          SparseVector mine, put_back;
-          SPARSEPS_RETURN_IF_ERROR(gpu_input->Take(collective->k(), &mine));
-          SPARSEPS_RETURN_IF_ERROR(
-              collective->AllreduceSelected(std::move(mine), &put_back, &update));
-          SPARSEPS_RETURN_IF_ERROR(gpu_input->PutBack(put_back));
-          if (!aggregated_momentum)
-            SPARSEPS_RETURN_IF_ERROR(gpu_input->MaskMomentum(update.indices));
+          SPARSEPS_RETURN_IF_ERROR(collective->Allreduce(contribution_d.get(), &update));
+          if (!aggregated_momentum && !update.dense) {
+            SPARSEPS_RETURN_IF_ERROR(contribution_d->MaskMomentum(update.indices));
+          }
 #endif
         } else if (collective) {
           if (!kernels::AllFinite(grad.data(), n)) {

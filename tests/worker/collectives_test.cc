@@ -48,16 +48,66 @@ float Grad(int w, int t, size_t i) {
   return i % 37 == 0 ? 10.0f * v : v;
 }
 
-// Who selects for the collectives that select locally (Collective::selects_locally).
+// Where the contribution lives.
 enum class Input {
-  kAllreduce,      // Allreduce(x): the collective selects
-  kCallerSelects,  // the trainer's way: Selector, TakeEntries, AllreduceSelected, put-backs
-  kGpu,            // a GPU worker's way: GpuAllreduceInput on device memory (CUDA builds)
+  kHost,      // a host vector (HostContribution)
+  kCounting,  // a host vector behind CountingContribution (below)
+  kGpu,       // device memory (GpuContribution; CUDA builds)
+};
+
+// A HostContribution that counts the floats (keys and values) each operation moves between the
+// contribution and the collective: what a GPU worker's contribution copies between device and
+// host.
+class CountingContribution final : public Contribution {
+ public:
+  CountingContribution(std::vector<float>* x, Selector* selector) : host_(x, selector) {}
+  size_t size() const override { return host_.size(); }
+  Status Select(size_t k, std::vector<uint32_t>* keys) override {
+    Status s = host_.Select(k, keys);
+    moved_ += keys->size();
+    selected_ += keys->size();
+    return s;
+  }
+  Status SelectAtLeast(size_t begin, size_t end, float threshold,
+                       std::vector<uint32_t>* keys) override {
+    Status s = host_.SelectAtLeast(begin, end, threshold, keys);
+    moved_ += keys->size();
+    selected_ += keys->size();
+    return s;
+  }
+  Status SampledMagnitude(size_t begin, size_t end, size_t sample, size_t rank,
+                          float* out) override {
+    moved_ += end - begin;  // the GPU reads the range on the host
+    return host_.SampledMagnitude(begin, end, sample, rank, out);
+  }
+  Status Take(std::span<const uint32_t> keys, float* values) override {
+    moved_ += 2 * keys.size();
+    return host_.Take(keys, values);
+  }
+  Status Add(const SparseVector& entries) override {
+    moved_ += 2 * entries.size();
+    return host_.Add(entries);
+  }
+  Status Set(const SparseVector& entries) override {
+    moved_ += 2 * entries.size();
+    return host_.Set(entries);
+  }
+  Status Read(float* out, bool zero) override {
+    moved_ += size();
+    return host_.Read(out, zero);
+  }
+  uint64_t moved() const { return moved_; }
+  // Keys the selections returned.
+  uint64_t selected() const { return selected_; }
+
+ private:
+  HostContribution host_;
+  uint64_t moved_ = 0, selected_ = 0;
 };
 
 struct RunSetup {
   proto::CollectiveAlgorithm algorithm = proto::RING;
-  Input input = Input::kAllreduce;
+  Input input = Input::kHost;
   proto::Selection selection = proto::EXACT;
   int workers = 2;
   size_t n = 5003;
@@ -106,17 +156,14 @@ struct RunSetup {
     config.mutable_compression()->set_sample_ratio(0.05);
     auto collective = MakeCollective(config, group->get(), s.n);
     if (!collective.ok()) fail(collective.status().ToString());
-    if (s.input != Input::kAllreduce && !(*collective)->selects_locally()) {
-      fail("the collective does not select locally");
-    }
     const size_t k = (*collective)->k();
     Selector selector(s.selection, 0.05, k);
 #if SPARSEPS_HAVE_CUDA
-    std::unique_ptr<GpuAllreduceInput> gpu;
+    std::unique_ptr<GpuContribution> gpu;
     float* grad_d = nullptr;
     if (s.input == Input::kGpu) {
       // Momentum 0: u = g, so x gains the integer gradient as on the host.
-      auto made = GpuAllreduceInput::Make(s.n, s.selection, 0.05, k, 0.0f, false);
+      auto made = GpuContribution::Make(s.n, s.selection, 0.05, k, 0.0f, false);
       if (!made.ok()) fail(made.status().ToString());
       gpu = std::move(*made);
       if (cudaMalloc(reinterpret_cast<void**>(&grad_d), s.n * sizeof(float)) != cudaSuccess) {
@@ -129,26 +176,20 @@ struct RunSetup {
 
     std::ofstream out(path, std::ios::binary);
     std::vector<float> x(s.n, 0.0f), dense(s.n), g(s.n);
-    std::vector<uint32_t> selected;
     CollectiveUpdate update;
+    CountingContribution counting(&x, &selector);
     for (int t = 0; t < s.iterations; ++t) {
       for (size_t i = 0; i < s.n; ++i) g[i] = Grad(rank, t, i);
       Status st;
-      SparseVector put_back;
+      const uint64_t moved_before = counting.moved(), selected_before = counting.selected();
       switch (s.input) {
-        case Input::kAllreduce:
+        case Input::kHost:
           for (size_t i = 0; i < s.n; ++i) x[i] += g[i];
           st = (*collective)->Allreduce(&x, &update);
           break;
-        case Input::kCallerSelects:
+        case Input::kCounting:
           for (size_t i = 0; i < s.n; ++i) x[i] += g[i];
-          selector.Select(x.data(), s.n, k, &selected);
-          st = (*collective)->AllreduceSelected(TakeEntries(&x, selected), &put_back, &update);
-          for (size_t e = 1; e < put_back.size(); ++e) {
-            if (put_back.indices[e] <= put_back.indices[e - 1]) fail("put-backs not increasing");
-          }
-          kernels::ScatterAdd(x.data(), put_back.indices.data(), put_back.values.data(),
-                              put_back.size());
+          st = (*collective)->Allreduce(&counting, &update);
           break;
         case Input::kGpu: {
 #if SPARSEPS_HAVE_CUDA
@@ -156,13 +197,10 @@ struct RunSetup {
               cudaSuccess) {
             fail("cudaMemcpy");
           }
-          SparseVector mine;
           st = gpu->Accumulate(grad_d);
-          if (st.ok()) st = gpu->Take(k, &mine);
-          if (st.ok()) st = (*collective)->AllreduceSelected(std::move(mine), &put_back, &update);
-          if (st.ok()) st = gpu->PutBack(put_back);
-          if (st.ok()) st = gpu->MaskMomentum(update.indices);
-          if (st.ok()) st = gpu->Download(x.data(), nullptr);
+          if (st.ok()) st = (*collective)->Allreduce(gpu.get(), &update);
+          if (st.ok() && !update.dense) st = gpu->MaskMomentum(update.indices);
+          if (st.ok()) st = gpu->Read(x.data(), /*zero=*/false);
 #endif
           break;
         }
@@ -182,6 +220,9 @@ struct RunSetup {
       out.write(reinterpret_cast<const char*>(dense.data()), static_cast<std::streamsize>(s.n * 4));
       out.write(reinterpret_cast<const char*>(x.data()), static_cast<std::streamsize>(s.n * 4));
       out.write(reinterpret_cast<const char*>(&count), sizeof count);
+      const uint64_t moved[2] = {counting.moved() - moved_before,
+                                 counting.selected() - selected_before};
+      out.write(reinterpret_cast<const char*>(moved), sizeof moved);
     }
     out.close();
     if (!out) fail("write " + path);
@@ -198,6 +239,8 @@ struct Result {
   // [worker][iteration]
   std::vector<std::vector<std::vector<float>>> updates, residuals;
   std::vector<std::vector<uint64_t>> counts;
+  // Input::kCounting, per iteration: floats moved, keys selected.
+  std::vector<std::vector<uint64_t>> moved, selected;
 };
 
 // Forks s.workers children, hands them each other's ports, waits (60 s deadline, then kills them
@@ -285,14 +328,17 @@ bool RunWorkers(const RunSetup& s, Result* result) {
   result->updates.assign(static_cast<size_t>(s.workers), {});
   result->residuals.assign(static_cast<size_t>(s.workers), {});
   result->counts.assign(static_cast<size_t>(s.workers), {});
+  result->moved.assign(static_cast<size_t>(s.workers), {});
+  result->selected.assign(static_cast<size_t>(s.workers), {});
   for (int w = 0; w < s.workers; ++w) {
     std::ifstream in(std::string(dir) + "/w" + std::to_string(w) + ".bin", std::ios::binary);
     for (int t = 0; t < s.iterations; ++t) {
       std::vector<float> u(s.n), r(s.n);
-      uint64_t count = 0;
+      uint64_t count = 0, moved[2] = {0, 0};
       in.read(reinterpret_cast<char*>(u.data()), static_cast<std::streamsize>(s.n * 4));
       in.read(reinterpret_cast<char*>(r.data()), static_cast<std::streamsize>(s.n * 4));
       in.read(reinterpret_cast<char*>(&count), sizeof count);
+      in.read(reinterpret_cast<char*>(moved), sizeof moved);
       if (!in) {
         ADD_FAILURE() << "short output of worker " << w;
         return false;
@@ -300,6 +346,8 @@ bool RunWorkers(const RunSetup& s, Result* result) {
       result->updates[static_cast<size_t>(w)].push_back(std::move(u));
       result->residuals[static_cast<size_t>(w)].push_back(std::move(r));
       result->counts[static_cast<size_t>(w)].push_back(count);
+      result->moved[static_cast<size_t>(w)].push_back(moved[0]);
+      result->selected[static_cast<size_t>(w)].push_back(moved[1]);
     }
   }
   return true;
@@ -418,27 +466,33 @@ TEST(ExDynaDensity, GlobalCountStaysWithinTwentyPercentOfTheTarget) {
   }
 }
 
-// The trainer's way for the collectives that select locally (the caller selects, takes the
-// entries out, calls AllreduceSelected and adds the put-backs back) gives bitwise the updates and
-// residuals of Allreduce, for every selection mode, and keeps the invariants.
-void ExpectSameRuns(const RunSetup& a, const RunSetup& b) {
-  Result ra, rb;
+// Runs a and b (the same collective, another contribution) and expects bitwise the same
+// updates and residuals, and b to keep the invariants.
+void ExpectSameRuns(const RunSetup& a, const RunSetup& b, Result* rb) {
+  Result ra;
   ASSERT_TRUE(RunWorkers(a, &ra));
-  ASSERT_TRUE(RunWorkers(b, &rb));
-  CheckInvariants(b, rb);
+  ASSERT_TRUE(RunWorkers(b, rb));
+  CheckInvariants(b, *rb);
   for (int w = 0; w < a.workers; ++w) {
     for (int t = 0; t < a.iterations; ++t) {
       const size_t ws = static_cast<size_t>(w), ts = static_cast<size_t>(t);
-      ASSERT_EQ(0, std::memcmp(ra.updates[ws][ts].data(), rb.updates[ws][ts].data(), a.n * 4))
+      ASSERT_EQ(0, std::memcmp(ra.updates[ws][ts].data(), rb->updates[ws][ts].data(), a.n * 4))
           << "worker " << w << ", iteration " << t << ": another update";
-      ASSERT_EQ(0, std::memcmp(ra.residuals[ws][ts].data(), rb.residuals[ws][ts].data(), a.n * 4))
+      ASSERT_EQ(0, std::memcmp(ra.residuals[ws][ts].data(), rb->residuals[ws][ts].data(), a.n * 4))
           << "worker " << w << ", iteration " << t << ": another residual";
     }
   }
 }
 
-std::vector<RunSetup> LocalSelectionSetups() {
+// Every collective, and the sparse ones in every selection mode, on 3 workers.
+std::vector<RunSetup> ContributionSetups() {
   std::vector<RunSetup> setups;
+  for (auto algorithm : {proto::RING, proto::GLOO, proto::SPARDL, proto::EXDYNA}) {
+    RunSetup s;
+    s.algorithm = algorithm;
+    s.workers = 3;
+    setups.push_back(s);
+  }
   for (auto algorithm : {proto::TOPK_ALLGATHER, proto::GTOPK}) {
     for (auto selection : {proto::EXACT, proto::SAMPLED_THRESHOLD, proto::SCALED_THRESHOLD}) {
       RunSetup s;
@@ -451,13 +505,60 @@ std::vector<RunSetup> LocalSelectionSetups() {
   return setups;
 }
 
-TEST(CallerSelects, SameUpdatesAndResidualsAsAllreduce) {
-  for (const RunSetup& s : LocalSelectionSetups()) {
-    SCOPED_TRACE(proto::CollectiveAlgorithm_Name(s.algorithm) + ", " +
-                 proto::Selection_Name(s.selection));
-    RunSetup caller = s;
-    caller.input = Input::kCallerSelects;
-    ExpectSameRuns(s, caller);
+std::string SetupName(const RunSetup& s) {
+  return proto::CollectiveAlgorithm_Name(s.algorithm) + ", " + proto::Selection_Name(s.selection);
+}
+
+// What a GPU worker copies between device and host per iteration, counted on the host, for s
+// keys selected and an update of c entries: TopK-AllGather s keys and s entries taken (3 s);
+// gTop-k the same and its put-backs (own values at at most s keys, dropped sums at at most c);
+// ExDyna its own keys and the union's entries (s + 2 c) after the first iteration's sampled
+// range; the dense collectives the vector; SparDL the vector and its dropped sums at the update's
+// keys. Exact top-k selects k, the sampled threshold at most 1.3 k. The results are bitwise those
+// of the plain host vector.
+TEST(Contribution, SparseCollectivesMoveOnlyTheSelectedEntries) {
+  for (const RunSetup& s : ContributionSetups()) {
+    SCOPED_TRACE(SetupName(s));
+    RunSetup counted = s;
+    counted.input = Input::kCounting;
+    Result r;
+    ExpectSameRuns(s, counted, &r);
+    const uint64_t k = static_cast<uint64_t>(std::llround(s.density * static_cast<double>(s.n)));
+    for (int w = 0; w < s.workers; ++w) {
+      for (int t = 0; t < s.iterations; ++t) {
+        SCOPED_TRACE("worker " + std::to_string(w) + ", iteration " + std::to_string(t));
+        const size_t ws = static_cast<size_t>(w), ts = static_cast<size_t>(t);
+        const uint64_t moved = r.moved[ws][ts], sel = r.selected[ws][ts], c = r.counts[ws][ts];
+        switch (s.algorithm) {
+          case proto::RING:
+          case proto::GLOO:
+            ASSERT_EQ(moved, s.n);
+            break;
+          case proto::SPARDL:
+            ASSERT_EQ(moved, s.n + 2 * c);
+            break;
+          case proto::EXDYNA:
+            if (t > 0) {
+              ASSERT_EQ(moved, sel + 2 * c);
+            }
+            break;
+          case proto::TOPK_ALLGATHER:
+            ASSERT_EQ(moved, 3 * sel);
+            break;
+          default:
+            ASSERT_GE(moved, 3 * sel);
+            ASSERT_LE(moved, 5 * sel + 2 * c);
+        }
+        if (s.selection == proto::EXACT && s.algorithm != proto::EXDYNA) {
+          ASSERT_EQ(sel,
+                    s.algorithm == proto::TOPK_ALLGATHER || s.algorithm == proto::GTOPK ? k : 0);
+        }
+        if (s.selection == proto::SAMPLED_THRESHOLD) {
+          ASSERT_LE(sel, 13 * k / 10 + 1);
+          ASSERT_GT(sel, 0u);
+        }
+      }
+    }
   }
 }
 
@@ -476,19 +577,20 @@ std::string NoGpuInAChild() {
 }
 #endif
 
-// A GPU worker's allreduce (GpuAllreduceInput: selection, residual and put-backs on the device)
-// gives bitwise the updates and residuals of the host path, for every selection mode.
-TEST(GpuAllreduceInput, SameUpdatesAndResidualsAsTheHostPath) {
+// A GPU worker's allreduce (GpuContribution: momentum correction, residual and the collective's
+// operations on the device) gives bitwise the updates and residuals of the host path, for every
+// collective and selection mode.
+TEST(GpuContribution, SameUpdatesAndResidualsAsTheHostPath) {
 #if !SPARSEPS_HAVE_CUDA
   GTEST_SKIP() << "no CUDA in this build";
 #else
   if (const std::string why = NoGpuInAChild(); !why.empty()) GTEST_SKIP() << why;
-  for (const RunSetup& s : LocalSelectionSetups()) {
-    SCOPED_TRACE(proto::CollectiveAlgorithm_Name(s.algorithm) + ", " +
-                 proto::Selection_Name(s.selection));
+  for (const RunSetup& s : ContributionSetups()) {
+    SCOPED_TRACE(SetupName(s));
     RunSetup on_gpu = s;
     on_gpu.input = Input::kGpu;
-    ExpectSameRuns(s, on_gpu);
+    Result r;
+    ExpectSameRuns(s, on_gpu, &r);
   }
 #endif
 }

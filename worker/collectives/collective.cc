@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "kernels/error_feedback.h"
+#include "kernels/select.h"
 #include "kernels/topk.h"
 #include "worker/collectives/exdyna.h"
 #include "worker/collectives/gloo.h"
@@ -31,17 +32,52 @@ void TopKOfRange(const float* x, size_t begin, size_t end, size_t k, SparseVecto
   }
 }
 
-SparseVector TakeEntries(std::vector<float>* x, std::vector<uint32_t> keys) {
-  SparseVector out;
-  out.values.resize(keys.size());
-  kernels::GatherAndZero(x->data(), nullptr, keys.data(), keys.size(), out.values.data());
-  out.indices = std::move(keys);
-  return out;
+Status HostContribution::Select(size_t k, std::vector<uint32_t>* keys) {
+  selector_->Select(x_->data(), x_->size(), k, keys);
+  return Status::OK();
 }
 
-Status Collective::AllreduceSelected(SparseVector /*mine*/, SparseVector* /*put_back*/,
-                                     CollectiveUpdate* /*update*/) {
-  return Status::Internal("this collective does not select locally");
+Status HostContribution::SelectAtLeast(size_t begin, size_t end, float threshold,
+                                       std::vector<uint32_t>* keys) {
+  keys->clear();
+  kernels::SelectAtLeast(x_->data() + begin, end - begin, threshold, keys);
+  for (uint32_t& key : *keys) key += static_cast<uint32_t>(begin);
+  return Status::OK();
+}
+
+Status HostContribution::SampledMagnitude(size_t begin, size_t end, size_t sample, size_t rank,
+                                          float* out) {
+  *out = kernels::SampledMagnitude(x_->data() + begin, end - begin, sample, rank);
+  return Status::OK();
+}
+
+Status HostContribution::Take(std::span<const uint32_t> keys, float* values) {
+  kernels::GatherAndZero(x_->data(), nullptr, keys.data(), keys.size(), values);
+  return Status::OK();
+}
+
+Status HostContribution::Add(const SparseVector& entries) {
+  kernels::ScatterAdd(x_->data(), entries.indices.data(), entries.values.data(), entries.size());
+  return Status::OK();
+}
+
+Status HostContribution::Set(const SparseVector& entries) {
+  for (size_t e = 0; e < entries.size(); ++e) (*x_)[entries.indices[e]] = entries.values[e];
+  return Status::OK();
+}
+
+Status HostContribution::Read(float* out, bool zero) {
+  std::copy(x_->begin(), x_->end(), out);
+  if (zero) std::fill(x_->begin(), x_->end(), 0.0f);
+  return Status::OK();
+}
+
+Result<SparseVector> TakeEntries(Contribution* x, std::vector<uint32_t> keys) {
+  SparseVector out;
+  out.values.resize(keys.size());
+  SPARSEPS_RETURN_IF_ERROR(x->Take(keys, out.values.data()));
+  out.indices = std::move(keys);
+  return out;
 }
 
 std::vector<int> AllWorkers(int p) {

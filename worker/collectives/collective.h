@@ -19,6 +19,7 @@
 #include "common/status.h"
 #include "proto/config.pb.h"
 #include "worker/collectives/peer_group.h"
+#include "worker/compressor.h"
 
 namespace sparseps {
 
@@ -37,32 +38,80 @@ struct CollectiveUpdate {
   std::vector<float> values;      // sparse: the sum over workers at `indices`
 };
 
+// This worker's contribution x (num_params floats: its momentum-corrected gradient plus its
+// residual) to an allreduce, wherever it lives: in host memory (HostContribution below) or in
+// device memory (GpuContribution, worker/cuda/gpu_compressor.h). Collectives read and change x
+// only through these operations, so a GPU worker moves between device and host only what its
+// collective needs: the selected entries and the put-backs for TopK-AllGather, gTop-k and ExDyna,
+// the whole vector for the dense ones and SparDL.
+// Keys are absolute (below size()); key lists are strictly increasing unless stated.
+// Thread-safety: one thread.
+class Contribution {
+ public:
+  virtual ~Contribution() = default;
+  virtual size_t size() const = 0;
+
+  // About k keys of x by magnitude with the contribution's selection (compression.selection:
+  // exact top-k, exactly min(k, n) keys; DGC's sampled threshold; ExDyna's scaled threshold).
+  virtual Status Select(size_t k, std::vector<uint32_t>* keys) = 0;
+
+  // The keys i in [begin, end) with |x[i]| >= threshold (kernels::SelectAtLeast).
+  virtual Status SelectAtLeast(size_t begin, size_t end, float threshold,
+                               std::vector<uint32_t>* keys) = 0;
+
+  // The rank-th largest magnitude of the `sample` entries of x[begin, end) that
+  // kernels::SampledMagnitude samples. REQUIRES: 1 <= rank <= sample <= end - begin.
+  virtual Status SampledMagnitude(size_t begin, size_t end, size_t sample, size_t rank,
+                                  float* out) = 0;
+
+  // values[j] = x[keys[j]], then x[keys[j]] = 0.
+  virtual Status Take(std::span<const uint32_t> keys, float* values) = 0;
+
+  // x[keys] += values.
+  virtual Status Add(const SparseVector& entries) = 0;
+
+  // x[keys] = values.
+  virtual Status Set(const SparseVector& entries) = 0;
+
+  // out[0, n) = x; with zero, x = 0 afterwards.
+  virtual Status Read(float* out, bool zero) = 0;
+};
+
+// A Contribution in host memory: a vector the caller owns and a Selector (the collective's).
+class HostContribution final : public Contribution {
+ public:
+  HostContribution(std::vector<float>* x, Selector* selector) : x_(x), selector_(selector) {}
+  size_t size() const override { return x_->size(); }
+  Status Select(size_t k, std::vector<uint32_t>* keys) override;
+  Status SelectAtLeast(size_t begin, size_t end, float threshold,
+                       std::vector<uint32_t>* keys) override;
+  Status SampledMagnitude(size_t begin, size_t end, size_t sample, size_t rank,
+                          float* out) override;
+  Status Take(std::span<const uint32_t> keys, float* values) override;
+  Status Add(const SparseVector& entries) override;
+  Status Set(const SparseVector& entries) override;
+  Status Read(float* out, bool zero) override;
+
+ private:
+  std::vector<float>* x_;
+  Selector* selector_;
+};
+
 class Collective {
  public:
   virtual ~Collective() = default;
 
-  // One aggregation. *x (num_params floats): in, this worker's contribution (its momentum-
-  // corrected gradient plus its residual); out, what this worker keeps for later iterations (its
-  // residual; all zero for the dense collectives). *update: the sum over workers of what is
-  // applied now. Errors: those of PeerGroup (a deadline naming the missing worker, a malformed
-  // message, Aborted on FATAL), or IoError from Gloo.
-  virtual Status Allreduce(std::vector<float>* x, CollectiveUpdate* update) = 0;
+  // One aggregation. *x: in, this worker's contribution; out, what this worker keeps for later
+  // iterations (its residual; all zero for the dense collectives). *update: the sum over workers
+  // of what is applied now. Errors: those of PeerGroup (a deadline naming the missing worker, a
+  // malformed message, Aborted on FATAL), IoError from Gloo, or those of x's operations (CUDA).
+  virtual Status Allreduce(Contribution* x, CollectiveUpdate* update) = 0;
 
-  // True for the collectives whose first step is a local selection of about k entries of x with
-  // compression.selection (TopK-AllGather, gTop-k): a caller holding x elsewhere (a GPU worker
-  // keeps it in device memory) may then select itself and call AllreduceSelected, so only the
-  // selected entries reach the host.
-  virtual bool selects_locally() const { return false; }
-
-  // The rest of Allreduce after the caller's local selection. mine: the selected entries (keys
-  // strictly increasing, below num_params), already taken out of x (x keeps the rest as its
-  // residual); the selection must be the one Allreduce would make (the same mode and k()) for the
-  // same results. On return *put_back holds entries (keys strictly increasing) the caller adds
-  // back into x, and *update the sum over workers applied now. Allreduce(x, u) equals selecting,
-  // taking the entries out, AllreduceSelected, and adding put_back into x. Errors: as Allreduce;
-  // Internal for the collectives that do not select locally.
-  virtual Status AllreduceSelected(SparseVector mine, SparseVector* put_back,
-                                   CollectiveUpdate* update);
+  // The same on a host vector (num_params floats), selecting with compression.selection.
+  Status Allreduce(std::vector<float>* x, CollectiveUpdate* update) {
+    HostContribution c(x, &selector_);
+    return Allreduce(&c, update);
+  }
 
   // Sets the per-worker budget k (elements) for the sparse collectives, e.g. under a density
   // warm-up; the dense ones ignore it.
@@ -77,8 +126,9 @@ class Collective {
   virtual uint64_t bytes_received() const { return group_->bytes_received(); }
 
  protected:
-  Collective(PeerGroup* group, size_t num_params, size_t k)
-      : group_(group), n_(num_params), k_(k) {}
+  Collective(PeerGroup* group, size_t num_params, size_t k,
+             proto::Selection selection = proto::EXACT, double sample_ratio = 0.0)
+      : group_(group), n_(num_params), k_(k), selector_(selection, sample_ratio, k) {}
 
   // A fresh tag base for this call: the call number in the high 32 bits, so that every message
   // of a call has a tag of its own whatever the rounds.
@@ -89,6 +139,7 @@ class Collective {
   size_t k_;
   size_t last_selected_ = 0;
   uint64_t calls_ = 0;
+  Selector selector_;  // the host vector's selection (Contribution::Select)
 };
 
 // The collective named by config.collective.algorithm for num_params parameters over `group`
@@ -105,8 +156,8 @@ Result<std::unique_ptr<Collective>> MakeCollective(const proto::JobConfig& confi
 void TopKOfRange(const float* x, size_t begin, size_t end, size_t k, SparseVector* out);
 
 // Moves x's entries at `keys` (strictly increasing) into a sparse vector and zeroes them in x
-// (kernels::GatherAndZero): what a worker sends leaves its residual.
-SparseVector TakeEntries(std::vector<float>* x, std::vector<uint32_t> keys);
+// (Contribution::Take): what a worker sends leaves its residual.
+Result<SparseVector> TakeEntries(Contribution* x, std::vector<uint32_t> keys);
 
 // Worker ranks 0 .. p-1: the members of a collective over the whole group.
 std::vector<int> AllWorkers(int p);

@@ -3,8 +3,6 @@
 #include <algorithm>
 #include <cmath>
 
-#include "kernels/error_feedback.h"
-#include "kernels/select.h"
 #include "worker/collectives/ring.h"
 
 namespace sparseps {
@@ -53,11 +51,10 @@ void ExDyna::Rebalance() {
   }
 }
 
-Status ExDyna::Allreduce(std::vector<float>* x, CollectiveUpdate* update) {
+Status ExDyna::Allreduce(Contribution* x, CollectiveUpdate* update) {
   const uint64_t tag = NextCall();
   const int p = group_->size(), r = group_->rank();
   const std::vector<int> members = AllWorkers(p);
-  const float* xd = x->data();
 
   if (t_ == 0) {
     // Initial threshold: the mean over the workers of the k_p-th magnitude of a 1% sample of
@@ -72,10 +69,13 @@ Status ExDyna::Allreduce(std::vector<float>* x, CollectiveUpdate* update) {
         1, static_cast<size_t>(static_cast<double>(kp) * static_cast<double>(sample) /
                                static_cast<double>(std::max<size_t>(len, 1))));
     const size_t rank_in_sample = std::min(rank, std::max<size_t>(sample, 1));
+    float magnitude = 0.0f;
+    if (len > 0) {
+      SPARSEPS_RETURN_IF_ERROR(x->SampledMagnitude(b, e, sample, rank_in_sample, &magnitude));
+    }
     SparseVector t0;
     t0.indices.push_back(0);
-    t0.values.push_back(len == 0 ? 0.0f
-                                 : kernels::SampledMagnitude(xd + b, len, sample, rank_in_sample));
+    t0.values.push_back(magnitude);
     std::vector<std::pair<uint64_t, uint64_t>> bounds(static_cast<size_t>(p), {0, 1});
     std::vector<SparseVector> all;
     SPARSEPS_RETURN_IF_ERROR(AllGatherSparse(group_, tag + (3u << 12), members,
@@ -97,11 +97,8 @@ Status ExDyna::Allreduce(std::vector<float>* x, CollectiveUpdate* update) {
 
   const int own = static_cast<int>((t_ + static_cast<uint64_t>(r)) % static_cast<uint64_t>(p));
   auto [b, e] = PartitionRange(own);
-  std::vector<uint32_t> sel;
-  kernels::SelectAtLeast(xd + b, e - b, threshold_, &sel);
   SparseVector mine;
-  mine.indices.reserve(sel.size());
-  for (uint32_t i : sel) mine.indices.push_back(static_cast<uint32_t>(b + i));
+  SPARSEPS_RETURN_IF_ERROR(x->SelectAtLeast(b, e, threshold_, &mine.indices));
   last_selected_ = mine.size();
 
   // All-gather the keys; member w's keys lie in partition (t + w) mod P.
@@ -125,8 +122,7 @@ Status ExDyna::Allreduce(std::vector<float>* x, CollectiveUpdate* update) {
   }
   prev_total_ = update->indices.size();
   update->values.resize(update->indices.size());
-  kernels::GatherAndZero(x->data(), nullptr, update->indices.data(), update->indices.size(),
-                         update->values.data());
+  SPARSEPS_RETURN_IF_ERROR(x->Take(update->indices, update->values.data()));
   SPARSEPS_RETURN_IF_ERROR(RingAllreduce(group_, tag + (1u << 16), update->values.data(),
                                          update->values.size(), segment_elems_));
   ++t_;

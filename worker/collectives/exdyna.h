@@ -25,7 +25,8 @@ namespace sparseps {
 class ExDyna final : public Collective {
  public:
   ExDyna(PeerGroup* group, size_t num_params, size_t k, uint64_t segment_bytes);
-  Status Allreduce(std::vector<float>* x, CollectiveUpdate* update) override;
+  using Collective::Allreduce;
+  Status Allreduce(Contribution* x, CollectiveUpdate* update) override;
 
   float threshold() const { return threshold_; }
   // Partition boundaries in blocks (P + 1 entries) and the block size in elements.

@@ -44,12 +44,16 @@ class GlooCollective final : public Collective {
                  std::shared_ptr<gloo::rendezvous::Context> context)
       : Collective(group, num_params, num_params), context_(std::move(context)) {}
 
-  Status Allreduce(std::vector<float>* x, CollectiveUpdate* update) override {
+  using Collective::Allreduce;
+  Status Allreduce(Contribution* x, CollectiveUpdate* update) override {
+    update->dense = true;
+    update->sum.resize(n_);
+    SPARSEPS_RETURN_IF_ERROR(x->Read(update->sum.data(), /*zero=*/true));
     if (group_->size() > 1) {
       try {
         gloo::AllreduceOptions opts(context_);
         opts.setAlgorithm(gloo::AllreduceOptions::Algorithm::RING);
-        opts.setOutput(x->data(), n_);
+        opts.setOutput(update->sum.data(), n_);
         opts.setReduceFunction(
             static_cast<void (*)(void*, const void*, const void*, size_t)>(&gloo::sum<float>));
         opts.setTag(static_cast<uint32_t>(++calls_));
@@ -60,9 +64,6 @@ class GlooCollective final : public Collective {
       const uint64_t p = static_cast<uint64_t>(group_->size());
       wire_bytes_ += 2 * (p - 1) * (n_ * sizeof(float)) / p;
     }
-    update->dense = true;
-    update->sum.swap(*x);
-    x->assign(n_, 0.0f);
     last_selected_ = n_;
     return Status::OK();
   }

@@ -33,24 +33,18 @@ SparseVector MergeAdd(const SparseVector& a, const SparseVector& b) {
 
 GTopK::GTopK(PeerGroup* group, size_t num_params, size_t k, proto::Selection selection,
              double sample_ratio)
-    : Collective(group, num_params, k),
-      selector_(selection, sample_ratio, k),
+    : Collective(group, num_params, k, selection, sample_ratio),
       dropped_(num_params, 0.0f),
       in_global_(num_params, 0),
       returned_(num_params, 0) {}
 
-Status GTopK::Allreduce(std::vector<float>* x, CollectiveUpdate* update) {
-  selector_.Select(x->data(), n_, k_, &selected_);
-  SparseVector put_back;
-  SPARSEPS_RETURN_IF_ERROR(AllreduceSelected(TakeEntries(x, selected_), &put_back, update));
-  kernels::ScatterAdd(x->data(), put_back.indices.data(), put_back.values.data(), put_back.size());
-  return Status::OK();
-}
-
-Status GTopK::AllreduceSelected(SparseVector local, SparseVector* put_back,
-                                CollectiveUpdate* update) {
+Status GTopK::Allreduce(Contribution* x, CollectiveUpdate* update) {
   const uint64_t tag = NextCall();
   const int p = group_->size(), r = group_->rank();
+  SPARSEPS_RETURN_IF_ERROR(x->Select(k_, &selected_));
+  auto taken = TakeEntries(x, selected_);
+  if (!taken.ok()) return taken.status();
+  const SparseVector local = std::move(*taken);
   last_selected_ = local.size();
   const std::pair<uint64_t, uint64_t> whole{0, n_};
   std::vector<uint32_t> dropped_keys;
@@ -117,35 +111,35 @@ Status GTopK::AllreduceSelected(SparseVector local, SparseVector* put_back,
 
   // Residuals: the dropped partial sums at global keys, the own selected values elsewhere. A
   // key can be dropped in several rounds (dropped_keys repeats it; dropped_ holds the sum).
-  put_back->indices.clear();
-  put_back->values.clear();
+  SparseVector put_back;
   for (uint32_t i : current.indices) in_global_[i] = 1;
   for (size_t e = 0; e < local.size(); ++e) {
     if (!in_global_[local.indices[e]]) {
-      put_back->indices.push_back(local.indices[e]);
+      put_back.indices.push_back(local.indices[e]);
       returned_[local.indices[e]] = 1;
     }
   }
   for (uint32_t i : dropped_keys) {
     if (in_global_[i] && !returned_[i]) {
-      put_back->indices.push_back(i);
+      put_back.indices.push_back(i);
       returned_[i] = 1;
     }
   }
-  std::sort(put_back->indices.begin(), put_back->indices.end());
-  put_back->values.resize(put_back->indices.size());
+  std::sort(put_back.indices.begin(), put_back.indices.end());
+  put_back.values.resize(put_back.indices.size());
   for (size_t e = 0; e < local.size(); ++e) {
     // The own value at a key that lost (scratch: dropped_ there is cleared below).
     if (!in_global_[local.indices[e]]) dropped_[local.indices[e]] = local.values[e];
   }
-  for (size_t e = 0; e < put_back->size(); ++e) {
-    const uint32_t i = put_back->indices[e];
-    put_back->values[e] = dropped_[i];
+  for (size_t e = 0; e < put_back.size(); ++e) {
+    const uint32_t i = put_back.indices[e];
+    put_back.values[e] = dropped_[i];
     returned_[i] = 0;
   }
   for (uint32_t i : dropped_keys) dropped_[i] = 0.0f;
   for (size_t e = 0; e < local.size(); ++e) dropped_[local.indices[e]] = 0.0f;
   for (uint32_t i : current.indices) in_global_[i] = 0;
+  SPARSEPS_RETURN_IF_ERROR(x->Add(put_back));
   update->dense = false;
   update->indices = std::move(current.indices);
   update->values = std::move(current.values);

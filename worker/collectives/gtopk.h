@@ -20,19 +20,14 @@ class GTopK final : public Collective {
  public:
   GTopK(PeerGroup* group, size_t num_params, size_t k, proto::Selection selection,
         double sample_ratio);
-  Status Allreduce(std::vector<float>* x, CollectiveUpdate* update) override;
-  bool selects_locally() const override { return true; }
-  // put_back: the residual's part described above (own values at keys that lost, dropped
-  // partial sums at keys that won).
-  Status AllreduceSelected(SparseVector mine, SparseVector* put_back,
-                           CollectiveUpdate* update) override;
+  using Collective::Allreduce;
+  Status Allreduce(Contribution* x, CollectiveUpdate* update) override;
 
  private:
-  Selector selector_;
   std::vector<uint32_t> selected_;
   std::vector<float> dropped_;  // n floats: partial sums this worker dropped in the merge
   std::vector<uint8_t> in_global_;
-  std::vector<uint8_t> returned_;  // n flags: keys already in put_back
+  std::vector<uint8_t> returned_;  // n flags: keys already among the put-backs
 };
 
 }  // namespace sparseps

@@ -89,11 +89,12 @@ RingCollective::RingCollective(PeerGroup* group, size_t num_params, uint64_t seg
     : Collective(group, num_params, num_params),
       segment_elems_(std::max<uint64_t>(1, segment_bytes / sizeof(float))) {}
 
-Status RingCollective::Allreduce(std::vector<float>* x, CollectiveUpdate* update) {
-  SPARSEPS_RETURN_IF_ERROR(RingAllreduce(group_, NextCall(), x->data(), n_, segment_elems_));
+Status RingCollective::Allreduce(Contribution* x, CollectiveUpdate* update) {
   update->dense = true;
-  update->sum.swap(*x);
-  x->assign(n_, 0.0f);
+  update->sum.resize(n_);
+  SPARSEPS_RETURN_IF_ERROR(x->Read(update->sum.data(), /*zero=*/true));
+  SPARSEPS_RETURN_IF_ERROR(
+      RingAllreduce(group_, NextCall(), update->sum.data(), n_, segment_elems_));
   last_selected_ = n_;
   return Status::OK();
 }

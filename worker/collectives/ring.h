@@ -17,7 +17,8 @@ Status RingAllreduce(PeerGroup* group, uint64_t tag_base, float* x, size_t n, si
 class RingCollective final : public Collective {
  public:
   RingCollective(PeerGroup* group, size_t num_params, uint64_t segment_bytes);
-  Status Allreduce(std::vector<float>* x, CollectiveUpdate* update) override;
+  using Collective::Allreduce;
+  Status Allreduce(Contribution* x, CollectiveUpdate* update) override;
 
  private:
   size_t segment_elems_;

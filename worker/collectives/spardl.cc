@@ -15,7 +15,7 @@ SparDL::SparDL(PeerGroup* group, size_t num_params, size_t k, int teams)
       scratch_(num_params, 0.0f),
       touched_(num_params, 0) {}
 
-Status SparDL::Allreduce(std::vector<float>* x, CollectiveUpdate* update) {
+Status SparDL::Allreduce(Contribution* x, CollectiveUpdate* update) {
   const uint64_t tag = NextCall();
   const int p = group_->size();
   const int b_count = p / teams_;  // blocks = workers per team
@@ -30,7 +30,7 @@ Status SparDL::Allreduce(std::vector<float>* x, CollectiveUpdate* update) {
   auto worker = [&](int member) {
     return team * b_count + ((member % b_count) + b_count) % b_count;
   };
-  std::copy(x->begin(), x->end(), work_.begin());
+  SPARSEPS_RETURN_IF_ERROR(x->Read(work_.data(), /*zero=*/false));
   // Cuts block b of work_ to its top k_b (returned) and leaves the rest in work_.
   auto take_top = [&](int b) {
     SparseVector s;
@@ -107,9 +107,12 @@ Status SparDL::Allreduce(std::vector<float>* x, CollectiveUpdate* update) {
   }
   // Global residual collection: x keeps the own contribution except at the update's keys, where
   // it takes what this worker dropped.
-  for (uint32_t i : update->indices) (*x)[i] = work_[i];
+  SparseVector dropped;
+  dropped.indices = update->indices;
+  dropped.values.resize(dropped.size());
+  for (size_t e = 0; e < dropped.size(); ++e) dropped.values[e] = work_[dropped.indices[e]];
   last_selected_ = sent_entries;
-  return Status::OK();
+  return x->Set(dropped);
 }
 
 }  // namespace sparseps

@@ -22,7 +22,8 @@ namespace sparseps {
 class SparDL final : public Collective {
  public:
   SparDL(PeerGroup* group, size_t num_params, size_t k, int teams);
-  Status Allreduce(std::vector<float>* x, CollectiveUpdate* update) override;
+  using Collective::Allreduce;
+  Status Allreduce(Contribution* x, CollectiveUpdate* update) override;
 
  private:
   int teams_;

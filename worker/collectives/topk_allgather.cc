@@ -30,22 +30,16 @@ void SumSparse(std::span<const SparseVector> blocks, std::vector<float>* scratch
 
 TopKAllGather::TopKAllGather(PeerGroup* group, size_t num_params, size_t k,
                              proto::Selection selection, double sample_ratio)
-    : Collective(group, num_params, k),
-      selector_(selection, sample_ratio, k),
+    : Collective(group, num_params, k, selection, sample_ratio),
       scratch_(num_params, 0.0f),
       touched_(num_params, 0) {}
 
-Status TopKAllGather::Allreduce(std::vector<float>* x, CollectiveUpdate* update) {
-  selector_.Select(x->data(), n_, k_, &selected_);
-  SparseVector put_back;
-  return AllreduceSelected(TakeEntries(x, selected_), &put_back, update);
-}
-
-Status TopKAllGather::AllreduceSelected(SparseVector mine, SparseVector* put_back,
-                                        CollectiveUpdate* update) {
+Status TopKAllGather::Allreduce(Contribution* x, CollectiveUpdate* update) {
   const uint64_t tag = NextCall();
-  put_back->indices.clear();
-  put_back->values.clear();
+  SPARSEPS_RETURN_IF_ERROR(x->Select(k_, &selected_));
+  auto taken = TakeEntries(x, selected_);
+  if (!taken.ok()) return taken.status();
+  SparseVector mine = std::move(*taken);
   last_selected_ = mine.size();
   const int p = group_->size();
   const std::vector<int> members = AllWorkers(p);

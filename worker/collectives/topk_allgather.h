@@ -14,14 +14,10 @@ class TopKAllGather final : public Collective {
  public:
   TopKAllGather(PeerGroup* group, size_t num_params, size_t k, proto::Selection selection,
                 double sample_ratio);
-  Status Allreduce(std::vector<float>* x, CollectiveUpdate* update) override;
-  bool selects_locally() const override { return true; }
-  // Nothing comes back: put_back is left empty.
-  Status AllreduceSelected(SparseVector mine, SparseVector* put_back,
-                           CollectiveUpdate* update) override;
+  using Collective::Allreduce;
+  Status Allreduce(Contribution* x, CollectiveUpdate* update) override;
 
  private:
-  Selector selector_;
   std::vector<uint32_t> selected_;
   std::vector<float> scratch_;
   std::vector<uint8_t> touched_;

@@ -91,8 +91,9 @@ class GpuCompressorBase : public Compressor {
     SPARSEPS_RETURN_IF_ERROR(u_.Reserve(n_));
     SPARSEPS_RETURN_IF_ERROR(v_.Reserve(n_));
     SPARSEPS_RETURN_IF_ERROR(bad_.Reserve(1));
-    SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaMemset(u_.p, 0, n_ * sizeof(float)), "cudaMemset"));
-    return CudaStatus(cudaMemset(v_.p, 0, n_ * sizeof(float)), "cudaMemset");
+    SPARSEPS_RETURN_IF_ERROR(
+        CudaStatus(cudaMemsetAsync(u_.p, 0, n_ * sizeof(float), stream_), "cudaMemset"));
+    return CudaStatus(cudaMemsetAsync(v_.p, 0, n_ * sizeof(float), stream_), "cudaMemset");
   }
 
   bool on_device() const override { return true; }
@@ -274,7 +275,7 @@ class GpuSbcCompressor final : public GpuCompressorBase {
   Status Start() override {
     SPARSEPS_RETURN_IF_ERROR(GpuCompressorBase::Start());
     SPARSEPS_RETURN_IF_ERROR(a_.Reserve(n_));
-    return CudaStatus(cudaMemset(a_.p, 0, n_ * sizeof(float)), "cudaMemset");
+    return CudaStatus(cudaMemsetAsync(a_.p, 0, n_ * sizeof(float), stream_), "cudaMemset");
   }
 
   void SetEpoch(uint32_t epoch) override {
@@ -535,7 +536,7 @@ Result<std::unique_ptr<Compressor>> MakeGpuCompressor(size_t num_params,
 
 // ---- allreduce ----
 
-struct GpuAllreduceInput::State {
+struct GpuContribution::State {
   State(size_t n, proto::Selection selection, double sample_ratio, size_t k, float momentum,
         bool aggregated)
       : n(n), momentum(momentum), aggregated(aggregated), selector(selection, sample_ratio, k) {}
@@ -547,34 +548,37 @@ struct GpuAllreduceInput::State {
   bool aggregated;
   cudaStream_t stream = nullptr;
   DeviceSelector selector;
+  gpu::GpuThresholdSelect threshold;
   DeviceArray<float> u, x;
   DeviceArray<unsigned long long> bad;
-  DeviceArray<uint32_t> entries;  // k keys then k values (or the keys going up)
-  PinnedArray<uint32_t> host;
+  DeviceArray<uint32_t> entries;  // keys, then as many values (floats)
+  PinnedArray<uint32_t> host;     // the same on the host
 };
 
-GpuAllreduceInput::GpuAllreduceInput(std::unique_ptr<State> state) : state_(std::move(state)) {}
-GpuAllreduceInput::~GpuAllreduceInput() = default;
+GpuContribution::GpuContribution(std::unique_ptr<State> state) : state_(std::move(state)) {}
+GpuContribution::~GpuContribution() = default;
 
-Result<std::unique_ptr<GpuAllreduceInput>> GpuAllreduceInput::Make(size_t n,
-                                                                   proto::Selection selection,
-                                                                   double sample_ratio, size_t k,
-                                                                   float momentum,
-                                                                   bool aggregated) {
+Result<std::unique_ptr<GpuContribution>> GpuContribution::Make(size_t n, proto::Selection selection,
+                                                               double sample_ratio, size_t k,
+                                                               float momentum, bool aggregated) {
   auto st = std::make_unique<State>(n, selection, sample_ratio, k, momentum, aggregated);
   SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&st->stream, cudaStreamNonBlocking),
                                       "cudaStreamCreate"));
   SPARSEPS_RETURN_IF_ERROR(st->x.Reserve(n));
   SPARSEPS_RETURN_IF_ERROR(st->bad.Reserve(1));
-  SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaMemset(st->x.p, 0, n * sizeof(float)), "cudaMemset"));
+  SPARSEPS_RETURN_IF_ERROR(
+      CudaStatus(cudaMemsetAsync(st->x.p, 0, n * sizeof(float), st->stream), "cudaMemset"));
   if (!aggregated) {
     SPARSEPS_RETURN_IF_ERROR(st->u.Reserve(n));
-    SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaMemset(st->u.p, 0, n * sizeof(float)), "cudaMemset"));
+    SPARSEPS_RETURN_IF_ERROR(
+        CudaStatus(cudaMemsetAsync(st->u.p, 0, n * sizeof(float), st->stream), "cudaMemset"));
   }
-  return std::unique_ptr<GpuAllreduceInput>(new GpuAllreduceInput(std::move(st)));
+  return std::unique_ptr<GpuContribution>(new GpuContribution(std::move(st)));
 }
 
-Status GpuAllreduceInput::Accumulate(const float* grad) {
+size_t GpuContribution::size() const { return state_->n; }
+
+Status GpuContribution::Accumulate(const float* grad) {
   State& st = *state_;
   SPARSEPS_RETURN_IF_ERROR(CheckFiniteOnDevice(grad, st.n, st.bad.p, st.stream, "the gradient"));
   if (st.aggregated) {
@@ -584,78 +588,139 @@ Status GpuAllreduceInput::Accumulate(const float* grad) {
                     "momentum correction");
 }
 
-Status GpuAllreduceInput::Take(size_t k, SparseVector* mine) {
+Status GpuContribution::Upload(std::span<const uint32_t> keys, const float* values) {
+  State& st = *state_;
+  const size_t m = keys.size(), words = values != nullptr ? 2 * m : m;
+  SPARSEPS_RETURN_IF_ERROR(st.entries.Reserve(2 * m));
+  SPARSEPS_RETURN_IF_ERROR(st.host.Reserve(2 * m));
+  std::memcpy(st.host.p, keys.data(), m * sizeof(uint32_t));
+  if (values != nullptr) std::memcpy(st.host.p + m, values, m * sizeof(float));
+  return CudaStatus(cudaMemcpyAsync(st.entries.p, st.host.p, words * sizeof(uint32_t),
+                                    cudaMemcpyHostToDevice, st.stream),
+                    "copying keys to the device");
+}
+
+Status GpuContribution::Select(size_t k, std::vector<uint32_t>* keys) {
   State& st = *state_;
   size_t count = 0;
   SPARSEPS_RETURN_IF_ERROR(st.selector.Select(st.x.p, st.n, k, &count, st.stream));
-  SPARSEPS_RETURN_IF_ERROR(st.entries.Reserve(2 * count));
-  SPARSEPS_RETURN_IF_ERROR(st.host.Reserve(2 * count));
-  uint32_t* idx = st.entries.p;
-  float* vals = reinterpret_cast<float*>(st.entries.p + count);
+  SPARSEPS_RETURN_IF_ERROR(st.host.Reserve(count));
   SPARSEPS_RETURN_IF_ERROR(
-      CudaStatus(cudaMemcpyAsync(idx, st.selector.indices(), count * sizeof(uint32_t),
-                                 cudaMemcpyDeviceToDevice, st.stream),
-                 "copying the indices"));
-  SPARSEPS_RETURN_IF_ERROR(
-      CudaStatus(gpu::GatherAndZero(st.x.p, nullptr, idx, count, vals, st.stream),
-                 "taking the selected entries"));
-  SPARSEPS_RETURN_IF_ERROR(
-      CudaStatus(cudaMemcpyAsync(st.host.p, st.entries.p, 2 * count * sizeof(uint32_t),
+      CudaStatus(cudaMemcpyAsync(st.host.p, st.selector.indices(), count * sizeof(uint32_t),
                                  cudaMemcpyDeviceToHost, st.stream),
-                 "copying the selected entries"));
+                 "copying the selected keys"));
   SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(st.stream), "the selection"));
-  mine->indices.assign(st.host.p, st.host.p + count);
-  mine->values.resize(count);
-  if (count > 0) std::memcpy(mine->values.data(), st.host.p + count, count * sizeof(float));
+  keys->assign(st.host.p, st.host.p + count);
   return Status::OK();
 }
 
-Status GpuAllreduceInput::PutBack(const SparseVector& entries) {
+Status GpuContribution::SelectAtLeast(size_t begin, size_t end, float threshold,
+                                      std::vector<uint32_t>* keys) {
+  State& st = *state_;
+  size_t found = 0;
+  for (size_t room = std::max<size_t>(st.entries.cap, 1024);;) {
+    SPARSEPS_RETURN_IF_ERROR(st.entries.Reserve(room));
+    SPARSEPS_RETURN_IF_ERROR(
+        CudaStatus(st.threshold.Select(st.x.p + begin, end - begin, threshold, st.entries.p,
+                                       nullptr, st.entries.cap, &found, st.stream),
+                   "the threshold selection"));
+    if (found <= st.entries.cap) break;
+    room = found + found / 4;  // more than the buffer holds: make room and select again
+  }
+  SPARSEPS_RETURN_IF_ERROR(st.host.Reserve(found));
+  SPARSEPS_RETURN_IF_ERROR(
+      CudaStatus(cudaMemcpyAsync(st.host.p, st.entries.p, found * sizeof(uint32_t),
+                                 cudaMemcpyDeviceToHost, st.stream),
+                 "copying the selected keys"));
+  SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(st.stream), "the selection"));
+  keys->resize(found);
+  for (size_t j = 0; j < found; ++j) (*keys)[j] = st.host.p[j] + static_cast<uint32_t>(begin);
+  return Status::OK();
+}
+
+Status GpuContribution::SampledMagnitude(size_t begin, size_t end, size_t sample, size_t rank,
+                                         float* out) {
+  // Once per job (ExDyna's first threshold): the range comes to the host.
+  State& st = *state_;
+  std::vector<float> range(end - begin);
+  SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(st.stream), "the stream"));
+  SPARSEPS_RETURN_IF_ERROR(
+      CudaStatus(cudaMemcpy(range.data(), st.x.p + begin, range.size() * sizeof(float),
+                            cudaMemcpyDeviceToHost),
+                 "copying the sampled range"));
+  *out = kernels::SampledMagnitude(range.data(), range.size(), sample, rank);
+  return Status::OK();
+}
+
+Status GpuContribution::Take(std::span<const uint32_t> keys, float* values) {
+  State& st = *state_;
+  const size_t m = keys.size();
+  if (m == 0) return Status::OK();
+  SPARSEPS_RETURN_IF_ERROR(Upload(keys, nullptr));
+  float* vals = reinterpret_cast<float*>(st.entries.p + m);
+  SPARSEPS_RETURN_IF_ERROR(CudaStatus(
+      gpu::GatherAndZero(st.x.p, nullptr, st.entries.p, m, vals, st.stream), "taking entries"));
+  SPARSEPS_RETURN_IF_ERROR(CudaStatus(
+      cudaMemcpyAsync(st.host.p + m, vals, m * sizeof(float), cudaMemcpyDeviceToHost, st.stream),
+      "copying the taken values"));
+  SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(st.stream), "taking entries"));
+  std::memcpy(values, st.host.p + m, m * sizeof(float));
+  return Status::OK();
+}
+
+Status GpuContribution::Add(const SparseVector& entries) {
   State& st = *state_;
   const size_t m = entries.size();
   if (m == 0) return Status::OK();
-  SPARSEPS_RETURN_IF_ERROR(st.entries.Reserve(2 * m));
-  SPARSEPS_RETURN_IF_ERROR(st.host.Reserve(2 * m));
-  std::memcpy(st.host.p, entries.indices.data(), m * sizeof(uint32_t));
-  std::memcpy(st.host.p + m, entries.values.data(), m * sizeof(float));
-  SPARSEPS_RETURN_IF_ERROR(
-      CudaStatus(cudaMemcpyAsync(st.entries.p, st.host.p, 2 * m * sizeof(uint32_t),
-                                 cudaMemcpyHostToDevice, st.stream),
-                 "copying the put-backs"));
+  SPARSEPS_RETURN_IF_ERROR(Upload(entries.indices, entries.values.data()));
   SPARSEPS_RETURN_IF_ERROR(
       CudaStatus(gpu::ScatterAdd(st.x.p, st.entries.p,
                                  reinterpret_cast<const float*>(st.entries.p + m), m, st.stream),
-                 "adding the put-backs"));
-  return CudaStatus(cudaStreamSynchronize(st.stream), "the put-backs");
+                 "adding entries"));
+  return CudaStatus(cudaStreamSynchronize(st.stream), "adding entries");
 }
 
-Status GpuAllreduceInput::MaskMomentum(std::span<const uint32_t> keys) {
+Status GpuContribution::Set(const SparseVector& entries) {
+  State& st = *state_;
+  const size_t m = entries.size();
+  if (m == 0) return Status::OK();
+  SPARSEPS_RETURN_IF_ERROR(Upload(entries.indices, entries.values.data()));
+  SPARSEPS_RETURN_IF_ERROR(
+      CudaStatus(gpu::ScatterSet(st.x.p, st.entries.p,
+                                 reinterpret_cast<const float*>(st.entries.p + m), m, st.stream),
+                 "setting entries"));
+  return CudaStatus(cudaStreamSynchronize(st.stream), "setting entries");
+}
+
+Status GpuContribution::Read(float* out, bool zero) {
+  State& st = *state_;
+  SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(st.stream), "the stream"));
+  SPARSEPS_RETURN_IF_ERROR(
+      CudaStatus(cudaMemcpy(out, st.x.p, st.n * sizeof(float), cudaMemcpyDeviceToHost),
+                 "copying the contribution"));
+  if (!zero) return Status::OK();
+  SPARSEPS_RETURN_IF_ERROR(
+      CudaStatus(cudaMemsetAsync(st.x.p, 0, st.n * sizeof(float), st.stream), "cudaMemset"));
+  return CudaStatus(cudaStreamSynchronize(st.stream), "cudaMemset");
+}
+
+Status GpuContribution::MaskMomentum(std::span<const uint32_t> keys) {
   State& st = *state_;
   if (st.aggregated || keys.empty()) return Status::OK();
-  SPARSEPS_RETURN_IF_ERROR(st.entries.Reserve(keys.size()));
-  SPARSEPS_RETURN_IF_ERROR(st.host.Reserve(keys.size()));
-  std::memcpy(st.host.p, keys.data(), keys.size() * sizeof(uint32_t));
-  SPARSEPS_RETURN_IF_ERROR(
-      CudaStatus(cudaMemcpyAsync(st.entries.p, st.host.p, keys.size() * sizeof(uint32_t),
-                                 cudaMemcpyHostToDevice, st.stream),
-                 "copying the update's keys"));
+  SPARSEPS_RETURN_IF_ERROR(Upload(keys, nullptr));
   SPARSEPS_RETURN_IF_ERROR(CudaStatus(
       gpu::ZeroAt(st.u.p, nullptr, st.entries.p, keys.size(), st.stream), "momentum masking"));
   return CudaStatus(cudaStreamSynchronize(st.stream), "momentum masking");
 }
 
-Status GpuAllreduceInput::Download(float* contribution, float* velocity) const {
+Status GpuContribution::ReadVelocity(float* out) const {
   const State& st = *state_;
-  SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(st.stream), "the stream"));
-  SPARSEPS_RETURN_IF_ERROR(
-      CudaStatus(cudaMemcpy(contribution, st.x.p, st.n * sizeof(float), cudaMemcpyDeviceToHost),
-                 "copying the contribution"));
-  if (velocity == nullptr) return Status::OK();
   if (st.aggregated) {
-    std::fill(velocity, velocity + st.n, 0.0f);
+    std::fill(out, out + st.n, 0.0f);
     return Status::OK();
   }
-  return CudaStatus(cudaMemcpy(velocity, st.u.p, st.n * sizeof(float), cudaMemcpyDeviceToHost),
+  SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(st.stream), "the stream"));
+  return CudaStatus(cudaMemcpy(out, st.u.p, st.n * sizeof(float), cudaMemcpyDeviceToHost),
                     "copying the velocity");
 }
 

@@ -16,7 +16,7 @@
 //
 // Built only with CUDA. Thread-safety: one host thread per compressor.
 //
-// GpuAllreduceInput (below) is the same for allreduce mode's sparse collectives.
+// GpuContribution (below) is the same for allreduce mode.
 #pragma once
 
 #include <memory>
@@ -43,47 +43,57 @@ Result<std::unique_ptr<Compressor>> MakeGpuCompressor(size_t num_params,
 Status DownloadGpuCompressorState(const Compressor& compressor, std::vector<float>* residual,
                                   std::vector<float>* velocity);
 
-// The device side of allreduce mode for a GPU worker whose collective selects locally
-// (Collective::selects_locally: TopK-AllGather, gTop-k). The trainer's host steps, on the device:
-// the velocity u and the contribution x (the residual between calls) stay in device memory; the
-// collective's selection runs there (the CPU Selector's set: exact top-k, DGC's sampled threshold
-// or ExDyna's scaled threshold); only the selected entries come down (one copy of 8 k bytes), and
-// only the collective's put-backs and the update's keys go up. For the same gradients x, u and
-// the update equal the host path's bitwise (every step is the same float operation).
+// A GPU worker's contribution to an allreduce (worker/collectives/collective.h), in device
+// memory: the trainer's host steps, on the device. The velocity u and the contribution x (the
+// residual between calls) stay there; the collective's operations run there, the selection with
+// the CPU Selector's set (exact top-k, DGC's sampled threshold, ExDyna's scaled threshold), so
+// only what the collective needs crosses: for TopK-AllGather and gTop-k the selected entries
+// (one copy of 8 k bytes) and the put-backs; for ExDyna the own keys, then the values at the
+// union; the whole vector for the dense collectives and SparDL (whose partial sums are kept on
+// the host). ExDyna's first threshold (once per job) reads its partition on the host. For the
+// same gradients x, u and the update equal the host path's bitwise (every step is the same float
+// operation).
 //
 // Built only with CUDA. Thread-safety: one host thread.
-class GpuAllreduceInput {
+class GpuContribution final : public Contribution {
  public:
   // n: parameters; selection and sample_ratio: compression.selection and sample_ratio; k: the
   // collective's initial k (the scaled threshold's state starts from it); momentum: train.momentum;
   // aggregated: collective.momentum is AGGREGATED (the velocity is then the host's). Errors:
   // FailedPrecondition when device memory or a stream cannot be had.
-  static Result<std::unique_ptr<GpuAllreduceInput>> Make(size_t n, proto::Selection selection,
-                                                         double sample_ratio, size_t k,
-                                                         float momentum, bool aggregated);
-  ~GpuAllreduceInput();
+  static Result<std::unique_ptr<GpuContribution>> Make(size_t n, proto::Selection selection,
+                                                       double sample_ratio, size_t k,
+                                                       float momentum, bool aggregated);
+  ~GpuContribution() override;
 
   // x += (u = m u + g) (DGC momentum correction), or x += g when the momentum is aggregated.
   // grad: device, n floats. Errors: InvalidArgument when grad holds NaN or Inf (nothing changes).
   Status Accumulate(const float* grad);
 
-  // Selects about k entries of x (exactly min(k, n) for exact top-k), takes them out of x (zero
-  // there) and returns them, keys strictly increasing, in *mine. Synchronises.
-  Status Take(size_t k, SparseVector* mine);
-
-  // x[keys] += values (keys distinct): a collective's put-backs. Synchronises.
-  Status PutBack(const SparseVector& entries);
-
   // u[keys] = 0 (keys distinct): momentum factor masking at the keys an update applied.
   // Synchronises. No-op with aggregated momentum.
   Status MaskMomentum(std::span<const uint32_t> keys);
 
-  // Copies x (and u when velocity is not null) to the host, n floats each. Synchronises.
-  Status Download(float* contribution, float* velocity) const;
+  // Copies u to the host (n floats; zeros with aggregated momentum). Synchronises.
+  Status ReadVelocity(float* out) const;
+
+  // Contribution (each synchronises; errors: FailedPrecondition naming the CUDA call).
+  size_t size() const override;
+  Status Select(size_t k, std::vector<uint32_t>* keys) override;
+  Status SelectAtLeast(size_t begin, size_t end, float threshold,
+                       std::vector<uint32_t>* keys) override;
+  Status SampledMagnitude(size_t begin, size_t end, size_t sample, size_t rank,
+                          float* out) override;
+  Status Take(std::span<const uint32_t> keys, float* values) override;
+  Status Add(const SparseVector& entries) override;
+  Status Set(const SparseVector& entries) override;
+  Status Read(float* out, bool zero) override;
 
  private:
   struct State;
-  explicit GpuAllreduceInput(std::unique_ptr<State> state);
+  explicit GpuContribution(std::unique_ptr<State> state);
+  // Copies keys (and values when not null) up into the device scratch; returns the values' place.
+  Status Upload(std::span<const uint32_t> keys, const float* values);
   std::unique_ptr<State> state_;
 };
 
