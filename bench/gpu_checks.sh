@@ -9,9 +9,9 @@
 # B: a build with CUDA (default build/); DIR: where the logs go (default runs/gpu-checks-<time>);
 # --data: Fashion-MNIST (default /usr/share/datasets/fashion-mnist); --train: the runs, each a
 # config in configs/ with optional --set's (default: every device compressor: cnn, quickstart
-# (topk) with each selection mode, sbc, sketch, sketch_second_round, sketch_fetchsgd; and the
-# device selection of allreduce mode: quickstart with topk_allgather, gtopk, gtopk + scaled
-# threshold).
+# (topk) with each selection mode, sbc (exact and sampled threshold), sketch, sketch_second_round,
+# sketch_fetchsgd; and allreduce mode's device contribution: quickstart with topk_allgather,
+# gtopk, gtopk + scaled threshold, exdyna, spardl).
 # Writes, under DIR:
 #   summary.txt        device, pass/fail of each step, the last lines of each log
 #   gpu_tests.log      gpu_kernels_test, gpu_models_test, collectives_test's GPU test (gtest)
@@ -30,11 +30,13 @@ data="/usr/share/datasets/fashion-mnist"
 train=1
 reps=5
 ncu=0
+ar="quickstart:aggregation=allreduce:collective.algorithm"
 train_runs="cnn quickstart quickstart:compression.selection=sampled_threshold"
-train_runs+=" quickstart:compression.selection=scaled_threshold sbc sketch sketch_second_round"
-train_runs+=" sketch_fetchsgd quickstart:aggregation=allreduce:collective.algorithm=topk_allgather"
-train_runs+=" quickstart:aggregation=allreduce:collective.algorithm=gtopk"
-train_runs+=" quickstart:aggregation=allreduce:collective.algorithm=gtopk:compression.selection=scaled_threshold"
+train_runs+=" quickstart:compression.selection=scaled_threshold"
+train_runs+=" sbc sbc:compression.selection=sampled_threshold"
+train_runs+=" sketch sketch_second_round sketch_fetchsgd"
+train_runs+=" $ar=topk_allgather $ar=gtopk $ar=gtopk:compression.selection=scaled_threshold"
+train_runs+=" $ar=exdyna $ar=spardl"
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --build-dir) build_dir="$2"; shift 2 ;;
@@ -115,7 +117,7 @@ if [[ $train -eq 1 ]]; then
         --config "$here/configs/$cfg.yaml" --build-dir "$build_dir" --quiet \
         --set "train.device=$dev" --set "data.dir=$data" "${extra[@]}" \
         --run-dir "$runs/$name-$dev"
-      grep -h -m2 -i -E "device|compression on|selection on|collective takes" "$runs/$name-$dev/worker-0.log" | tee -a "$summary"
+      grep -h -m2 -i -E "device|compression on|contribution on" "$runs/$name-$dev/worker-0.log" | tee -a "$summary"
       tail -n 2 "$out/train.log" | tee -a "$summary"
     done
   done

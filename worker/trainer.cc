@@ -182,7 +182,7 @@ Status RunWorker(const proto::JobConfig& config) {
     // GPU models compute on device copies of the parameters and the gradient. The device copy
     // of the parameters is kept up to date by uploading only what changed: the keys of each
     // pull reply or sparse update (everything after a dense one). With a device compressor (PS
-    // mode: topk, sbc with exact selection, sketch) the gradient stays there and only the
+    // mode: topk, sbc, sketch) the gradient stays there and only the
     // encoded payload's parts come down; otherwise it comes down whole and the CPU compressor or
     // collective takes it.
     const bool on_gpu = model.on_device();

@@ -15,6 +15,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "kernels/count_sketch.h"
@@ -223,8 +224,28 @@ class GpuSbc {
   cudaError_t Binarize(float* residual, float* velocity, size_t n, size_t k, uint32_t* idx_out,
                        size_t* host_count, float* host_value, cudaStream_t stream);
 
+  // One side's selection: about k entries of values[0, n) (that side's entries of A, zeros
+  // elsewhere) by magnitude; sets *idx (device, increasing, valid until the selector's next call)
+  // and *count. side: 0 positive, 1 negative (the caller keeps one selector state per side, as
+  // SbcCompressor keeps two Selectors).
+  using SideSelect = std::function<cudaError_t(int side, const float* values, size_t n, size_t k,
+                                               const uint32_t** idx, size_t* count)>;
+
+  // Binarize with the caller's selection (DGC's sampled or ExDyna's scaled threshold, twins of
+  // SbcCompressor's): each side's selection with k, then the entries that are not of the side's
+  // sign dropped (zeros a threshold of 0 lets in), then as Binarize. The sent indices are at
+  // *chosen (device, increasing, valid until the next call).
+  cudaError_t BinarizeSelected(const SideSelect& select, float* residual, float* velocity, size_t n,
+                               size_t k, const uint32_t** chosen, size_t* host_count,
+                               float* host_value, cudaStream_t stream);
+
  private:
   GpuTopK topk_;
+  uint32_t* kept_[2] = {nullptr, nullptr};  // BinarizeSelected: each side's kept indices
+  size_t kept_cap_[2] = {0, 0};
+  int* kept_count_ = nullptr;
+  unsigned char* cub_tmp_ = nullptr;
+  size_t cub_bytes_ = 0;
   float* side_ = nullptr;
   uint32_t* other_ = nullptr;  // the positive side's indices while the negative one is selected
   unsigned long long* nonzeros_ = nullptr;

@@ -1,4 +1,6 @@
 // SBC binarisation and the count sketch on the device (see gpu_kernels.h).
+#include <cub/device/device_select.cuh>
+
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/gpu_kernels.h"
 
@@ -281,6 +283,75 @@ GpuSbc::~GpuSbc() {
   cudaFree(other_);
   cudaFree(nonzeros_);
   cudaFree(sum_);
+  cudaFree(kept_[0]);
+  cudaFree(kept_[1]);
+  cudaFree(kept_count_);
+  cudaFree(cub_tmp_);
+}
+
+namespace {
+
+// True at the indices whose entry of the side is not zero (of the side's sign).
+struct NonZeroAt {
+  const float* side;
+  __device__ bool operator()(uint32_t i) const { return side[i] != 0.0f; }
+};
+
+}  // namespace
+
+cudaError_t GpuSbc::BinarizeSelected(const SideSelect& select, float* residual, float* velocity,
+                                     size_t n, size_t k, const uint32_t** chosen,
+                                     size_t* host_count, float* host_value, cudaStream_t stream) {
+  *host_count = 0;
+  *host_value = 0.0f;
+  *chosen = nullptr;
+  SPARSEPS_CUDA_TRY(Grow(&side_, &side_cap_, n));
+  SPARSEPS_CUDA_TRY(Grow(&nonzeros_, &nonzeros_cap_, 1));
+  SPARSEPS_CUDA_TRY(Grow(&sum_, &sum_cap_, 1));
+  if (kept_count_ == nullptr) SPARSEPS_CUDA_TRY(cudaMalloc(&kept_count_, sizeof(int)));
+  size_t count[2] = {0, 0};
+  double mean[2] = {0.0, 0.0};
+  for (int s = 0; s < 2; ++s) {
+    SideKernel<<<Blocks(n), kThreads, 0, stream>>>(residual, n, s == 0, side_, nonzeros_);
+    SPARSEPS_CUDA_TRY(cudaGetLastError());
+    const uint32_t* sel = nullptr;
+    size_t selected = 0;
+    SPARSEPS_CUDA_TRY(select(s, side_, n, k, &sel, &selected));
+    if (selected == 0) continue;
+    // Keep the entries of the side's sign, in order (CUB's stable selection).
+    SPARSEPS_CUDA_TRY(Grow(&kept_[s], &kept_cap_[s], selected));
+    size_t bytes = 0;
+    SPARSEPS_CUDA_TRY(cub::DeviceSelect::If(nullptr, bytes, sel, kept_[s], kept_count_,
+                                            static_cast<int>(selected), NonZeroAt{side_}, stream));
+    SPARSEPS_CUDA_TRY(Grow(&cub_tmp_, &cub_bytes_, bytes));
+    SPARSEPS_CUDA_TRY(cub::DeviceSelect::If(cub_tmp_, bytes, sel, kept_[s], kept_count_,
+                                            static_cast<int>(selected), NonZeroAt{side_}, stream));
+    int kept = 0;
+    SPARSEPS_CUDA_TRY(
+        cudaMemcpyAsync(&kept, kept_count_, sizeof(int), cudaMemcpyDeviceToHost, stream));
+    SPARSEPS_CUDA_TRY(cudaStreamSynchronize(stream));
+    count[s] = static_cast<size_t>(kept);
+    if (count[s] == 0) continue;
+    SPARSEPS_CUDA_TRY(cudaMemsetAsync(sum_, 0, sizeof(double), stream));
+    SumAbsKernel<<<Blocks(count[s]), kThreads, 0, stream>>>(residual, kept_[s], count[s], sum_);
+    SPARSEPS_CUDA_TRY(cudaGetLastError());
+    double sum = 0.0;
+    SPARSEPS_CUDA_TRY(cudaMemcpyAsync(&sum, sum_, sizeof(sum), cudaMemcpyDeviceToHost, stream));
+    SPARSEPS_CUDA_TRY(cudaStreamSynchronize(stream));
+    mean[s] = sum / static_cast<double>(count[s]);
+  }
+  const int side = mean[0] >= mean[1] ? 0 : 1;
+  const float value = static_cast<float>(side == 0 ? mean[0] : -mean[1]);
+  if (count[side] > 0) {
+    ApplyKernel<<<Blocks(count[side]), kThreads, 0, stream>>>(residual, velocity, kept_[side],
+                                                              count[side], value);
+    SPARSEPS_CUDA_TRY(cudaGetLastError());
+  }
+  SPARSEPS_CUDA_TRY(cudaStreamSynchronize(stream));
+  *chosen = kept_[side];
+  *host_count = count[side];
+  *host_value = value;
+  return cudaSuccess;
 }
 
 cudaError_t GpuSbc::Binarize(float* residual, float* velocity, size_t n, size_t k,

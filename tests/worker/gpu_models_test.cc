@@ -298,65 +298,67 @@ TEST(GpuTopKCompressor, PushesAndResidualsEqualTheCpuCompressor) {
   EXPECT_TRUE(out.empty());
 }
 
-// The device SBC compressor against SbcCompressor through the trainer's calls: local steps on
-// the device copy of the parameters (bitwise equal to the host copy's), then a push every second
+// The device SBC compressor against SbcCompressor through the trainer's calls, in every
+// selection mode: local steps on the device copy of the parameters (bitwise equal to the host
+// copy's), then a push every second
 // step over three pushes with error feedback and momentum: the same positions per key range, the
 // value within double-sum rounding, residuals within what those values' differences explain.
 TEST(GpuSbcCompressor, LocalStepsAndPushesEqualTheCpuCompressor) {
   SKIP_WITHOUT_GPU();
   const size_t n = 1 << 20;
   const auto ranges = SplitKeyRanges(n, 2);
-  proto::CompressionConfig c;
-  c.set_encoding(proto::SBC);
-  c.set_density(0.001);
-  c.set_local_iterations(2);
-  SbcCompressor cpu(n, c, 0.9f, 0.05f);
-  auto made = MakeGpuCompressor(n, c, 0.9f, 0.05f);
-  ASSERT_TRUE(made.ok()) << made.status().message();
-  ASSERT_TRUE(*made);
-  Compressor& gpu = **made;
-  auto params = Normal(n, 5);
-  DeviceVector<float> dparams(params);
-  float drift = 0.0f;
-  int pushes = 0;
-  for (int step = 0; step < 6; ++step) {
-    const std::string where = "step " + std::to_string(step);
-    const auto g = Normal(n, 40 + step);
-    DeviceVector<float> dg(g);
-    const bool cpu_push = cpu.LocalStep(g.data(), params.data());
-    ASSERT_EQ(gpu.LocalStep(dg.get(), dparams.get()), cpu_push) << where;
-    ASSERT_EQ(dparams.ToHost(), params) << where;
-    if (!cpu_push) continue;
-    ++pushes;
-    std::vector<Message> cpu_out, gpu_out;
-    ASSERT_TRUE(cpu.Compress(g.data(), ranges, &cpu_out).ok());
-    ASSERT_TRUE(gpu.Compress(dg.get(), ranges, &gpu_out).ok()) << where;
-    ASSERT_EQ(gpu.last_selected(), cpu.last_selected()) << where;
-    ASSERT_EQ(gpu_out.size(), cpu_out.size());
-    float value = 0.0f;
-    for (size_t r = 0; r < cpu_out.size(); ++r) {
-      DecodedPayload want, got;
-      ASSERT_TRUE(FindCodec(proto::SBC)->Decode(cpu_out[r], ranges[r].size(), &want).ok());
-      ASSERT_TRUE(FindCodec(proto::SBC)->Decode(gpu_out[r], ranges[r].size(), &got).ok());
-      EXPECT_EQ(std::vector<uint32_t>(got.indices.begin(), got.indices.end()),
-                std::vector<uint32_t>(want.indices.begin(), want.indices.end()))
-          << where << " range " << r;
-      if (!got.values.empty()) value = got.values[0];
+  for (auto selection : {proto::EXACT, proto::SAMPLED_THRESHOLD, proto::SCALED_THRESHOLD}) {
+    SCOPED_TRACE(proto::Selection_Name(selection));
+    proto::CompressionConfig c;
+    c.set_encoding(proto::SBC);
+    c.set_density(0.001);
+    c.set_local_iterations(2);
+    c.set_selection(selection);
+    c.set_sample_ratio(0.01);
+    SbcCompressor cpu(n, c, 0.9f, 0.05f);
+    auto made = MakeGpuCompressor(n, c, 0.9f, 0.05f);
+    ASSERT_TRUE(made.ok()) << made.status().message();
+    ASSERT_TRUE(*made);
+    Compressor& gpu = **made;
+    auto params = Normal(n, 5);
+    DeviceVector<float> dparams(params);
+    float drift = 0.0f;
+    int pushes = 0;
+    for (int step = 0; step < 6; ++step) {
+      const std::string where = "step " + std::to_string(step);
+      const auto g = Normal(n, 40 + step);
+      DeviceVector<float> dg(g);
+      const bool cpu_push = cpu.LocalStep(g.data(), params.data());
+      ASSERT_EQ(gpu.LocalStep(dg.get(), dparams.get()), cpu_push) << where;
+      ASSERT_EQ(dparams.ToHost(), params) << where;
+      if (!cpu_push) continue;
+      ++pushes;
+      std::vector<Message> cpu_out, gpu_out;
+      ASSERT_TRUE(cpu.Compress(g.data(), ranges, &cpu_out).ok());
+      ASSERT_TRUE(gpu.Compress(dg.get(), ranges, &gpu_out).ok()) << where;
+      ASSERT_EQ(gpu.last_selected(), cpu.last_selected()) << where;
+      ASSERT_GT(cpu.last_selected(), 0u) << where;
+      ASSERT_EQ(gpu_out.size(), cpu_out.size());
+      float value = 0.0f;
+      for (size_t r = 0; r < cpu_out.size(); ++r) {
+        DecodedPayload want, got;
+        ASSERT_TRUE(FindCodec(proto::SBC)->Decode(cpu_out[r], ranges[r].size(), &want).ok());
+        ASSERT_TRUE(FindCodec(proto::SBC)->Decode(gpu_out[r], ranges[r].size(), &got).ok());
+        EXPECT_EQ(std::vector<uint32_t>(got.indices.begin(), got.indices.end()),
+                  std::vector<uint32_t>(want.indices.begin(), want.indices.end()))
+            << where << " range " << r;
+        if (!got.values.empty()) value = got.values[0];
+      }
+      EXPECT_NEAR(value, cpu.last_value(), 1e-6f * std::fabs(cpu.last_value())) << where;
+      drift += std::fabs(value - cpu.last_value()) + 1e-6f * std::fabs(value);
+      std::vector<float> residual, velocity;
+      ASSERT_TRUE(DownloadGpuCompressorState(gpu, &residual, &velocity).ok());
+      for (size_t i = 0; i < n; ++i) {
+        ASSERT_NEAR(residual[i], cpu.residual()[i], drift) << where << " key " << i;
+      }
     }
-    EXPECT_NEAR(value, cpu.last_value(), 1e-6f * std::fabs(cpu.last_value())) << where;
-    drift += std::fabs(value - cpu.last_value()) + 1e-6f * std::fabs(value);
-    std::vector<float> residual, velocity;
-    ASSERT_TRUE(DownloadGpuCompressorState(gpu, &residual, &velocity).ok());
-    for (size_t i = 0; i < n; ++i) {
-      ASSERT_NEAR(residual[i], cpu.residual()[i], drift) << where << " key " << i;
-    }
+    EXPECT_EQ(pushes, 3);
   }
-  EXPECT_EQ(pushes, 3);
-  // Threshold selections stay on the CPU compressor (GpuSbc selects exactly).
-  c.set_selection(proto::SAMPLED_THRESHOLD);
-  auto none = MakeGpuCompressor(n, c, 0.9f, 0.05f);
-  ASSERT_TRUE(none.ok());
-  EXPECT_FALSE(*none);
 }
 
 // The device sketch compressor against SketchCompressor: integer gradients and no momentum, so

@@ -270,7 +270,9 @@ class GpuSbcCompressor final : public GpuCompressorBase {
         config_(c),
         k_(WarmupK(c.density(), c.warmup_epochs(), 0, n)),
         momentum_(momentum),
-        lr_(lr) {}
+        lr_(lr),
+        pos_selector_(c.selection(), c.sample_ratio(), k_),
+        neg_selector_(c.selection(), c.sample_ratio(), k_) {}
 
   Status Start() override {
     SPARSEPS_RETURN_IF_ERROR(GpuCompressorBase::Start());
@@ -301,14 +303,32 @@ class GpuSbcCompressor final : public GpuCompressorBase {
         CudaStatus(gpu::Axpy(1.0f, a_.p, v_.p, n_, stream_), "adding the accumulator"));
     SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(a_.p, 0, n_ * sizeof(float), stream_),
                                         "clearing the accumulator"));
-    SPARSEPS_RETURN_IF_ERROR(idx_.Reserve(k_));
     size_t count = 0;
     float value = 0.0f;
-    SPARSEPS_RETURN_IF_ERROR(CudaStatus(
-        sbc_.Binarize(v_.p, u_.p, n_, k_, idx_.p, &count, &value, stream_), "SBC binarisation"));
+    const uint32_t* chosen = nullptr;
+    if (config_.selection() == proto::EXACT) {
+      SPARSEPS_RETURN_IF_ERROR(idx_.Reserve(k_));
+      SPARSEPS_RETURN_IF_ERROR(CudaStatus(
+          sbc_.Binarize(v_.p, u_.p, n_, k_, idx_.p, &count, &value, stream_), "SBC binarisation"));
+      chosen = idx_.p;
+    } else {
+      // The threshold selections, one selector state per side as the CPU's.
+      Status selected;
+      auto select = [&](int side, const float* values, size_t n, size_t k, const uint32_t** idx,
+                        size_t* found) {
+        DeviceSelector& selector = side == 0 ? pos_selector_ : neg_selector_;
+        selected = selector.Select(values, n, k, found, stream_);
+        *idx = selector.indices();
+        return selected.ok() ? cudaSuccess : cudaErrorUnknown;
+      };
+      const cudaError_t e =
+          sbc_.BinarizeSelected(select, v_.p, u_.p, n_, k_, &chosen, &count, &value, stream_);
+      SPARSEPS_RETURN_IF_ERROR(selected);
+      SPARSEPS_RETURN_IF_ERROR(CudaStatus(e, "SBC binarisation"));
+    }
     SPARSEPS_RETURN_IF_ERROR(host_.Reserve(count));
     SPARSEPS_RETURN_IF_ERROR(CudaStatus(
-        cudaMemcpyAsync(host_.p, idx_.p, count * sizeof(uint32_t), cudaMemcpyDeviceToHost, stream_),
+        cudaMemcpyAsync(host_.p, chosen, count * sizeof(uint32_t), cudaMemcpyDeviceToHost, stream_),
         "copying the positions"));
     SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream_), "copying the positions"));
     chosen_.assign(host_.p, host_.p + count);
@@ -323,7 +343,8 @@ class GpuSbcCompressor final : public GpuCompressorBase {
   float momentum_, lr_;
   uint32_t local_steps_ = 0;
   Status status_;
-  DeviceArray<float> a_;  // the accumulator a
+  DeviceSelector pos_selector_, neg_selector_;  // threshold selections (SbcCompressor's twins)
+  DeviceArray<float> a_;                        // the accumulator a
   DeviceArray<uint32_t> idx_;
   PinnedArray<uint32_t> host_;
   gpu::GpuSbc sbc_;
@@ -521,7 +542,6 @@ Result<std::unique_ptr<Compressor>> MakeGpuCompressor(size_t num_params,
       compressor = std::make_unique<GpuTopKCompressor>(num_params, c, momentum);
       break;
     case proto::SBC:
-      if (c.selection() != proto::EXACT) return std::unique_ptr<Compressor>();
       compressor = std::make_unique<GpuSbcCompressor>(num_params, c, momentum, lr);
       break;
     case proto::SKETCH:

@@ -5,8 +5,9 @@
 //   topk   every selection mode (exact GpuTopK, DGC's sampled threshold, ExDyna's scaled
 //          threshold, each the twin of the CPU's); the k indices and values come down in one copy
 //          of 8 k bytes, then are split by key range and encoded as the CPU does.
-//   sbc    exact selection; LocalStep trains the device copy of the parameters; the k positions
-//          come down (4 k bytes) and are Golomb-coded on the host.
+//   sbc    every selection mode (one selector state per side, as the CPU's); LocalStep trains
+//          the device copy of the parameters; the k positions come down (4 k bytes) and are
+//          Golomb-coded on the host.
 //   sketch every setting (truncation, fusion groups, second round, server momentum); the tables
 //          are built on the device and come down (rows x columns floats per key range); the
 //          second round gathers the candidates' values on the device.
@@ -30,8 +31,8 @@
 
 namespace sparseps {
 
-// The device compressor for `c` when it has one (topk; sbc with exact selection; sketch), else
-// null (dense, and sbc with a threshold selection: the CPU compressor takes the gradient then).
+// The device compressor for `c` when it has one (topk, sbc, sketch), else null (dense: the CPU
+// compressor takes the gradient, which is the payload anyway).
 // momentum: train.momentum; lr: train.lr (SBC's local steps). Errors: FailedPrecondition when
 // device memory or a stream cannot be had.
 Result<std::unique_ptr<Compressor>> MakeGpuCompressor(size_t num_params,
