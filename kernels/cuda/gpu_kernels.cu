@@ -111,19 +111,26 @@ __global__ void AxpyKernel(float a, const float* x, float* y, size_t n) {
   }
 }
 
-__global__ void SumKernel(const float* x, size_t n, double* out) {
-  float acc = 0.0f;
+// Calls f(v) for this thread's entries of x[0, n) in a grid-stride loop: 16-byte loads over the
+// body, then the tail one by one.
+template <typename F>
+__device__ __forceinline__ void ForEachEntry(const float* x, size_t n, F f) {
   const size_t n4 = n / 4;
   const float4* x4 = reinterpret_cast<const float4*>(x);
   for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n4;
        i += size_t{gridDim.x} * blockDim.x) {
     const float4 v = x4[i];
-    acc += (v.x + v.y) + (v.z + v.w);
+    f(v.x, v.y, v.z, v.w);
   }
   for (size_t i = 4 * n4 + blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n;
        i += size_t{gridDim.x} * blockDim.x) {
-    acc += x[i];
+    f(x[i], 0.0f, 0.0f, 0.0f);
   }
+}
+
+__global__ void SumKernel(const float* x, size_t n, double* out) {
+  float acc = 0.0f;
+  ForEachEntry(x, n, [&](float a, float b, float c, float d) { acc += (a + b) + (c + d); });
   for (int off = 16; off > 0; off /= 2) acc += __shfl_down_sync(0xffffffffu, acc, off);
   __shared__ float warp_sums[kThreads / 32];
   if ((threadIdx.x & 31u) == 0) warp_sums[threadIdx.x / 32] = acc;
@@ -139,17 +146,9 @@ __global__ void SumKernel(const float* x, size_t n, double* out) {
 __global__ void CountNonFiniteKernel(const float* x, size_t n, unsigned long long* out) {
   auto bad = [](float v) { return (__float_as_uint(v) & 0x7f800000u) == 0x7f800000u ? 1u : 0u; };
   unsigned count = 0;
-  const size_t n4 = n / 4;
-  const float4* x4 = reinterpret_cast<const float4*>(x);
-  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n4;
-       i += size_t{gridDim.x} * blockDim.x) {
-    const float4 v = x4[i];
-    count += bad(v.x) + bad(v.y) + bad(v.z) + bad(v.w);
-  }
-  for (size_t i = 4 * n4 + blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n;
-       i += size_t{gridDim.x} * blockDim.x) {
-    count += bad(x[i]);
-  }
+  ForEachEntry(x, n, [&](float a, float b, float c, float d) {
+    count += bad(a) + bad(b) + bad(c) + bad(d);
+  });
   for (int off = 16; off > 0; off /= 2) count += __shfl_down_sync(0xffffffffu, count, off);
   if ((threadIdx.x & 31u) == 0 && count > 0) atomicAdd(out, static_cast<unsigned long long>(count));
 }

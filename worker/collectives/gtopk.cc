@@ -2,7 +2,6 @@
 
 #include <algorithm>
 
-#include "kernels/error_feedback.h"
 #include "kernels/topk.h"
 
 namespace sparseps {
@@ -35,8 +34,7 @@ GTopK::GTopK(PeerGroup* group, size_t num_params, size_t k, proto::Selection sel
              double sample_ratio)
     : Collective(group, num_params, k, selection, sample_ratio),
       dropped_(num_params, 0.0f),
-      in_global_(num_params, 0),
-      returned_(num_params, 0) {}
+      in_global_(num_params, 0) {}
 
 Status GTopK::Allreduce(Contribution* x, CollectiveUpdate* update) {
   const uint64_t tag = NextCall();
@@ -109,36 +107,27 @@ Status GTopK::Allreduce(Contribution* x, CollectiveUpdate* update) {
     SPARSEPS_RETURN_IF_ERROR(group_->Send(r + d, bcast, m));
   }
 
-  // Residuals: the dropped partial sums at global keys, the own selected values elsewhere. A
-  // key can be dropped in several rounds (dropped_keys repeats it; dropped_ holds the sum).
-  SparseVector put_back;
+  // Residuals: the own selected values at keys that lost, the dropped partial sums at keys that
+  // won (a key dropped in several rounds is listed once per round; dropped_ holds the sum).
   for (uint32_t i : current.indices) in_global_[i] = 1;
+  SparseVector lost, won;
   for (size_t e = 0; e < local.size(); ++e) {
     if (!in_global_[local.indices[e]]) {
-      put_back.indices.push_back(local.indices[e]);
-      returned_[local.indices[e]] = 1;
+      lost.indices.push_back(local.indices[e]);
+      lost.values.push_back(local.values[e]);
     }
   }
+  std::sort(dropped_keys.begin(), dropped_keys.end());
+  dropped_keys.erase(std::unique(dropped_keys.begin(), dropped_keys.end()), dropped_keys.end());
   for (uint32_t i : dropped_keys) {
-    if (in_global_[i] && !returned_[i]) {
-      put_back.indices.push_back(i);
-      returned_[i] = 1;
+    if (in_global_[i]) {
+      won.indices.push_back(i);
+      won.values.push_back(dropped_[i]);
     }
+    dropped_[i] = 0.0f;
   }
-  std::sort(put_back.indices.begin(), put_back.indices.end());
-  put_back.values.resize(put_back.indices.size());
-  for (size_t e = 0; e < local.size(); ++e) {
-    // The own value at a key that lost (scratch: dropped_ there is cleared below).
-    if (!in_global_[local.indices[e]]) dropped_[local.indices[e]] = local.values[e];
-  }
-  for (size_t e = 0; e < put_back.size(); ++e) {
-    const uint32_t i = put_back.indices[e];
-    put_back.values[e] = dropped_[i];
-    returned_[i] = 0;
-  }
-  for (uint32_t i : dropped_keys) dropped_[i] = 0.0f;
-  for (size_t e = 0; e < local.size(); ++e) dropped_[local.indices[e]] = 0.0f;
   for (uint32_t i : current.indices) in_global_[i] = 0;
+  const SparseVector put_back = MergeAdd(lost, won);  // disjoint keys: a merge
   SPARSEPS_RETURN_IF_ERROR(x->Add(put_back));
   update->dense = false;
   update->indices = std::move(current.indices);

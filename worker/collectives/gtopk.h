@@ -27,7 +27,6 @@ class GTopK final : public Collective {
   std::vector<uint32_t> selected_;
   std::vector<float> dropped_;  // n floats: partial sums this worker dropped in the merge
   std::vector<uint8_t> in_global_;
-  std::vector<uint8_t> returned_;  // n flags: keys already among the put-backs
 };
 
 }  // namespace sparseps

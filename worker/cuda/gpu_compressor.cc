@@ -688,28 +688,21 @@ Status GpuContribution::Take(std::span<const uint32_t> keys, float* values) {
   return Status::OK();
 }
 
-Status GpuContribution::Add(const SparseVector& entries) {
-  State& st = *state_;
-  const size_t m = entries.size();
-  if (m == 0) return Status::OK();
-  SPARSEPS_RETURN_IF_ERROR(Upload(entries.indices, entries.values.data()));
-  SPARSEPS_RETURN_IF_ERROR(
-      CudaStatus(gpu::ScatterAdd(st.x.p, st.entries.p,
-                                 reinterpret_cast<const float*>(st.entries.p + m), m, st.stream),
-                 "adding entries"));
-  return CudaStatus(cudaStreamSynchronize(st.stream), "adding entries");
-}
+Status GpuContribution::Add(const SparseVector& entries) { return Scatter(entries, true); }
 
-Status GpuContribution::Set(const SparseVector& entries) {
+Status GpuContribution::Set(const SparseVector& entries) { return Scatter(entries, false); }
+
+Status GpuContribution::Scatter(const SparseVector& entries, bool add) {
   State& st = *state_;
   const size_t m = entries.size();
   if (m == 0) return Status::OK();
   SPARSEPS_RETURN_IF_ERROR(Upload(entries.indices, entries.values.data()));
+  const float* vals = reinterpret_cast<const float*>(st.entries.p + m);
   SPARSEPS_RETURN_IF_ERROR(
-      CudaStatus(gpu::ScatterSet(st.x.p, st.entries.p,
-                                 reinterpret_cast<const float*>(st.entries.p + m), m, st.stream),
-                 "setting entries"));
-  return CudaStatus(cudaStreamSynchronize(st.stream), "setting entries");
+      CudaStatus(add ? gpu::ScatterAdd(st.x.p, st.entries.p, vals, m, st.stream)
+                     : gpu::ScatterSet(st.x.p, st.entries.p, vals, m, st.stream),
+                 add ? "adding entries" : "setting entries"));
+  return CudaStatus(cudaStreamSynchronize(st.stream), "scattering entries");
 }
 
 Status GpuContribution::Read(float* out, bool zero) {

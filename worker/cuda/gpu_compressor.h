@@ -93,8 +93,10 @@ class GpuContribution final : public Contribution {
  private:
   struct State;
   explicit GpuContribution(std::unique_ptr<State> state);
-  // Copies keys (and values when not null) up into the device scratch; returns the values' place.
+  // Copies keys (and values when not null) up into the device scratch: m keys, then m values.
   Status Upload(std::span<const uint32_t> keys, const float* values);
+  // x[keys] += values (add) or x[keys] = values.
+  Status Scatter(const SparseVector& entries, bool add);
   std::unique_ptr<State> state_;
 };
 
