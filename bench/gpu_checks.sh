@@ -3,18 +3,26 @@
 # benchmarks, the torch.topk baseline on the same problem, and the CNN and MLP trained through the
 # PS on the GPU and on the CPU (same config, same machine) for the accuracy and time comparison.
 #
-#   bench/gpu_checks.sh [--build-dir B] [--out DIR] [--data DIR] [--skip-train] [--reps R] [--ncu]
-#                       [--train "CFG[:KEY=VALUE...] ..."]
+#   bench/gpu_checks.sh [--build-dir B] [--out DIR] [--data DIR] [--steps LIST] [--reps R]
+#                       [--train "CFG[:KEY=VALUE...] ..."] [--devices "cuda cpu"]
+#                       [--skip-train] [--ncu]
 #
 # B: a build with CUDA (default build/); DIR: where the logs go (default runs/gpu-checks-<time>);
-# --data: Fashion-MNIST (default /usr/share/datasets/fashion-mnist); --train: the runs, each a
+# --data: Fashion-MNIST (default /usr/share/datasets/fashion-mnist); --steps: which checks, comma
+# separated, in this order: tests, memcheck, bench, torch, ncu, train (default
+# tests,bench,torch,train; --skip-train drops train, --ncu adds ncu); --train: the runs, each a
 # config in configs/ with optional --set's (default: every device compressor: cnn, quickstart
 # (topk) with each selection mode, sbc (exact and sampled threshold), sketch, sketch_second_round,
 # sketch_fetchsgd; and allreduce mode's device contribution: quickstart with topk_allgather,
-# gtopk, gtopk + scaled threshold, exdyna, spardl).
+# gtopk, gtopk + scaled threshold, exdyna, spardl); --devices: train.device of each run (default
+# "cuda cpu": the GPU run and its CPU reference).
+# Everything takes longer than the device tool's 10 minutes a call: split it with --steps and
+# --devices, e.g. tests,memcheck / bench,torch,ncu / train --devices cuda / train --devices cpu.
 # Writes, under DIR:
 #   summary.txt        device, pass/fail of each step, the last lines of each log
 #   gpu_tests.log      gpu_kernels_test, gpu_models_test, collectives_test's GPU test (gtest)
+#   memcheck.log       the same tests under compute-sanitizer's memcheck (leaks too), but the
+#                      training run (GpuModels.TrainingReachesTheCpuAccuracy)
 #   gpu_bench.json/.log sparseps_gpu_bench (Google Benchmark, R repetitions, CUDA-event times)
 #   torch_topk.log     bench/torch_topk_baseline.py (when python3 has torch with CUDA)
 #   train.log          the training runs' final lines; train-runs.tar.gz their run directories
@@ -27,9 +35,9 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build_dir="$here/build"
 out=""
 data="/usr/share/datasets/fashion-mnist"
-train=1
+steps="tests,bench,torch,train"
+devices="cuda cpu"
 reps=5
-ncu=0
 ar="quickstart:aggregation=allreduce:collective.algorithm"
 train_runs="cnn quickstart quickstart:compression.selection=sampled_threshold"
 train_runs+=" quickstart:compression.selection=scaled_threshold"
@@ -42,14 +50,28 @@ while [[ $# -gt 0 ]]; do
     --build-dir) build_dir="$2"; shift 2 ;;
     --out) out="$2"; shift 2 ;;
     --data) data="$2"; shift 2 ;;
-    --skip-train) train=0; shift ;;
+    --steps) steps="$2"; shift 2 ;;
+    --skip-train) steps="${steps//train/}"; shift ;;
     --reps) reps="$2"; shift 2 ;;
-    --ncu) ncu=1; shift ;;
+    --ncu) steps+=",ncu"; shift ;;
     --train) train_runs="$2"; shift 2 ;;
-    -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --devices) devices="$2"; shift 2 ;;
+    -h|--help) sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu_checks.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
+for s in ${steps//,/ }; do
+  case "$s" in
+    tests|memcheck|bench|torch|ncu|train) ;;
+    *) echo "gpu_checks.sh: unknown step '$s' in --steps (tests, memcheck, bench, torch, ncu, train)" >&2
+       exit 2 ;;
+  esac
+done
+for d in $devices; do
+  [[ "$d" == cuda || "$d" == cpu ]] ||
+    { echo "gpu_checks.sh: unknown device '$d' in --devices (cuda, cpu)" >&2; exit 2; }
+done
+want() { [[ ",$steps," == *",$1,"* ]]; }
 [[ -n "$out" ]] || out="$here/runs/gpu-checks-$(date +%Y%m%d-%H%M%S)"
 mkdir -p "$out"
 summary="$out/summary.txt"
@@ -70,25 +92,57 @@ note "== $(date -u +%FT%TZ) $(uname -n)"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem \
   --format=csv,noheader 2>&1 | sed 's/^/gpu: /' | tee -a "$summary"
 
-step gpu_kernels_test "$out/gpu_tests.log" timeout 300 "$build_dir/tests/gpu_kernels_test"
-step gpu_models_test "$out/gpu_tests.log" timeout 300 env SPARSEPS_FASHION_MNIST_DIR="$data" \
-  "$build_dir/tests/gpu_models_test"
-step gpu_allreduce_test "$out/gpu_tests.log" timeout 300 "$build_dir/tests/collectives_test" \
-  --gtest_filter='GpuContribution.*'
-grep -E "^\[  (SKIPPED|FAILED) \]|Failure|Skipped" "$out/gpu_tests.log" | head -20 | tee -a "$summary"
+# The GPU tests: NAME BINARY GTEST_FILTER.
+gpu_tests=("gpu_kernels_test tests/gpu_kernels_test *"
+  "gpu_models_test tests/gpu_models_test *"
+  "gpu_allreduce_test tests/collectives_test GpuContribution.*")
+if want tests; then
+  for t in "${gpu_tests[@]}"; do
+    read -r name bin filter <<<"$t"
+    step "$name" "$out/gpu_tests.log" timeout 300 env SPARSEPS_FASHION_MNIST_DIR="$data" \
+      "$build_dir/$bin" --gtest_filter="$filter"
+  done
+  grep -E "^\[  (SKIPPED|FAILED) \]|Failure|Skipped" "$out/gpu_tests.log" | head -20 | tee -a "$summary"
+  # The tests skip without a device; here that is a failure, not a pass.
+  skipped=$(grep -o "^\[  SKIPPED \] [A-Za-z][A-Za-z0-9_./]*" "$out/gpu_tests.log" | sort -u | wc -l)
+  if [[ $skipped -gt 0 ]]; then
+    note "FAIL $skipped GPU tests skipped (no CUDA device?)"
+    failed=1
+  fi
+fi
 
-step sparseps_gpu_bench "$out/gpu_bench.log" timeout 300 "$build_dir/bench/sparseps_gpu_bench" \
-  --benchmark_repetitions="$reps" --benchmark_report_aggregates_only=true \
-  --benchmark_out="$out/gpu_bench.json" --benchmark_out_format=json
-grep -E "_median|_mean" "$out/gpu_bench.log" | tee -a "$summary"
-# Without the caller's LD_LIBRARY_PATH: PyTorch brings its own libraries.
-step torch_topk_baseline "$out/torch_topk.log" timeout 300 env -u LD_LIBRARY_PATH python3 "$here/bench/torch_topk_baseline.py"
-tee -a "$summary" <"$out/torch_topk.log"
+if want memcheck; then
+  # Out-of-bounds and misaligned accesses, and device memory still allocated at exit. A skipped
+  # test would pass unseen: the GPU must be there (the tests step says so).
+  for t in "${gpu_tests[@]}"; do
+    read -r name bin filter <<<"$t"
+    [[ "$filter" == "*" ]] && filter="*-GpuModels.TrainingReachesTheCpuAccuracy"
+    step "memcheck $name" "$out/memcheck.log" timeout 500 env SPARSEPS_FASHION_MNIST_DIR="$data" \
+      compute-sanitizer --tool memcheck --leak-check full --error-exitcode 1 \
+      "$build_dir/$bin" --gtest_filter="$filter"
+  done
+  grep -E "ERROR SUMMARY|LEAK SUMMARY|^\[  (SKIPPED|FAILED) \]" "$out/memcheck.log" | head -20 |
+    tee -a "$summary"
+fi
 
-if [[ $ncu -eq 1 ]]; then
+if want bench; then
+  step sparseps_gpu_bench "$out/gpu_bench.log" timeout 300 "$build_dir/bench/sparseps_gpu_bench" \
+    --benchmark_repetitions="$reps" --benchmark_report_aggregates_only=true \
+    --benchmark_out="$out/gpu_bench.json" --benchmark_out_format=json
+  grep -E "_median|_mean" "$out/gpu_bench.log" | tee -a "$summary"
+fi
+if want torch; then
+  # Without the caller's LD_LIBRARY_PATH: PyTorch brings its own libraries.
+  step torch_topk_baseline "$out/torch_topk.log" timeout 300 env -u LD_LIBRARY_PATH python3 \
+    "$here/bench/torch_topk_baseline.py"
+  tee -a "$summary" <"$out/torch_topk.log"
+fi
+
+if want ncu; then
   for b in TopK ThresholdSelect CountSketchInsertDense; do
     before=$(grep -c "Section: GPU Speed Of Light" "$out/ncu.log" 2>/dev/null)
-    step "ncu BM_$b" "$out/ncu.log" timeout 300 ncu --section SpeedOfLight \
+    # --clock-control none: profile at the clocks the benchmarks ran at.
+    step "ncu BM_$b" "$out/ncu.log" timeout 300 ncu --clock-control none --section SpeedOfLight \
       --section MemoryWorkloadAnalysis --launch-skip 40 --launch-count 12 \
       "$build_dir/bench/sparseps_gpu_bench" --benchmark_filter="^BM_$b/" \
       --benchmark_min_time=0.05
@@ -100,7 +154,7 @@ if [[ $ncu -eq 1 ]]; then
   done
 fi
 
-if [[ $train -eq 1 ]]; then
+if want train; then
   runs="$out/train-runs"
   mkdir -p "$runs"
   for spec in $train_runs; do
@@ -112,7 +166,7 @@ if [[ $train -eq 1 ]]; then
       extra+=(--set "$kv")
       name+="-${kv##*=}"
     done
-    for dev in cuda cpu; do
+    for dev in $devices; do
       step "train $spec on $dev" "$out/train.log" timeout 300 "$here/deploy/launch.sh" \
         --config "$here/configs/$cfg.yaml" --build-dir "$build_dir" --quiet \
         --set "train.device=$dev" --set "data.dir=$data" "${extra[@]}" \

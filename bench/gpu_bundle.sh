@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Packs a CUDA build for a GPU machine that lacks the build's dependencies (no apt there, no
+# network): what bench/gpu_checks.sh runs (the GPU tests, sparseps_gpu_bench and the three daemons),
+# stripped, with the shared libraries they load (but glibc's, libstdc++/libgcc and cuBLAS, which
+# the GPU machine's own CUDA provides), and Fashion-MNIST.
+#
+#   bench/gpu_bundle.sh [--build-dir B] [--out DIR] [--data DIR]
+#
+# B: a build configured with -DSPARSEPS_CUDA=ON (default build-gpu/; the targets are built first);
+# DIR: where the bundle goes (default .devrun/, git-ignored through .git/info/exclude or not at
+# all: add it there yourself); --data: Fashion-MNIST's four .gz files (default
+# /usr/share/datasets/fashion-mnist).
+# Writes DIR/bundle.tar.xz (build/{tests,bench,scheduler,server,worker}/..., lib/) and DIR/data/.
+# On the GPU machine, from the repository root (DIR = .devrun):
+#   mkdir -p .devrun/x && tar -xJf .devrun/bundle.tar.xz -C .devrun/x
+#   export LD_LIBRARY_PATH=$PWD/.devrun/x/lib:/usr/local/cuda/lib64
+#   bash bench/gpu_checks.sh --build-dir .devrun/x/build --data $PWD/.devrun/data --steps tests
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+build_dir="$here/build-gpu"
+out="$here/.devrun"
+data="/usr/share/datasets/fashion-mnist"
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --build-dir) build_dir="$2"; shift 2 ;;
+    --out) out="$2"; shift 2 ;;
+    --data) data="$2"; shift 2 ;;
+    -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "gpu_bundle.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+  esac
+done
+[[ -f "$build_dir/CMakeCache.txt" ]] || { echo "gpu_bundle.sh: $build_dir is not a CMake build" >&2; exit 1; }
+ls "$data"/*.gz >/dev/null 2>&1 || { echo "gpu_bundle.sh: no Fashion-MNIST .gz files in $data" >&2; exit 1; }
+
+binaries=(tests/gpu_kernels_test tests/gpu_models_test tests/collectives_test
+  bench/sparseps_gpu_bench scheduler/sparseps-scheduler server/sparseps-server
+  worker/sparseps-worker)
+targets=()
+for b in "${binaries[@]}"; do targets+=("$(basename "$b")"); done
+cmake --build "$build_dir" --target "${targets[@]}" ||
+  { echo "gpu_bundle.sh: building ${targets[*]} in $build_dir failed (configured with -DSPARSEPS_CUDA=ON?)" >&2; exit 1; }
+
+stage="$(mktemp -d)"
+trap 'rm -rf "$stage"' EXIT
+mkdir -p "$stage/lib"
+for b in "${binaries[@]}"; do
+  mkdir -p "$stage/build/$(dirname "$b")"
+  cp "$build_dir/$b" "$stage/build/$b"
+  strip "$stage/build/$b"
+done
+# The libraries the binaries load, but those the GPU machine must have its own of.
+ldd "$stage"/build/*/* | awk '/=>/ {print $3}' | sort -u | while read -r lib; do
+  case "$(basename "$lib")" in
+    libc.so* | libm.so* | libdl.so* | libpthread.so* | librt.so* | libresolv.so* | libcublas* | \
+      libgcc_s* | libstdc++*) ;;
+    *) cp -L "$lib" "$stage/lib/" ;;
+  esac
+done
+rm -rf "$out" && mkdir -p "$out/data"
+tar -C "$stage" -cJf "$out/bundle.tar.xz" .
+cp "$data"/*.gz "$out/data/"
+du -sh "$out"/*
