@@ -169,6 +169,8 @@ TEST(Compare, WritesTheTableCsvAndPlots) {
   EXPECT_THAT(md, HasSubstr("| gloo |"));
   EXPECT_THAT(md, HasSubstr("machine: "));
   EXPECT_THAT(md, HasSubstr("density 0.01"));
+  // 784*32 + 32 + 32*10 + 10 parameters, as the worker logs them.
+  EXPECT_THAT(md, HasSubstr("model: MLP 784-32-10, 25450 parameters;"));
   EXPECT_THAT(testing::ReadFile(out + "/results.csv"), HasSubstr("step_ms_median"));
   for (const char* f : {"step_time.png", "bytes.png", "accuracy.png"}) {
     EXPECT_GT(std::filesystem::file_size(out + "/" + f), 1000u) << f;
