@@ -17,50 +17,13 @@
 #include "kernels/cuda/gpu_kernels.h"
 #include "kernels/pack.h"
 #include "kernels/select.h"
+#include "worker/cuda/cuda_arrays.h"
 #include "worker/cuda/cuda_status.h"
 
 namespace sparseps {
 namespace {
 
 namespace gpu = kernels::gpu;
-
-// A device array that grows (contents lost) when asked to hold more.
-template <typename T>
-struct DeviceArray {
-  DeviceArray() = default;
-  ~DeviceArray() {
-    if (p != nullptr) cudaFree(p);
-  }
-  DeviceArray(const DeviceArray&) = delete;
-  DeviceArray& operator=(const DeviceArray&) = delete;
-  Status Reserve(size_t n) { return CudaStatus(gpu::Grow(&p, &cap, n), "cudaMalloc"); }
-  T* p = nullptr;
-  size_t cap = 0;
-};
-
-// A pinned host array (the staging of device-to-host copies) that grows (contents lost).
-template <typename T>
-struct PinnedArray {
-  PinnedArray() = default;
-  ~PinnedArray() {
-    if (p != nullptr) cudaFreeHost(p);
-  }
-  PinnedArray(const PinnedArray&) = delete;
-  PinnedArray& operator=(const PinnedArray&) = delete;
-  Status Reserve(size_t n) {
-    if (p != nullptr && cap >= n) return Status::OK();
-    if (p != nullptr) cudaFreeHost(p);
-    p = nullptr;
-    cap = 0;
-    SPARSEPS_RETURN_IF_ERROR(
-        CudaStatus(cudaMallocHost(reinterpret_cast<void**>(&p), std::max<size_t>(n, 1) * sizeof(T)),
-                   "cudaMallocHost"));
-    cap = n;
-    return Status::OK();
-  }
-  T* p = nullptr;
-  size_t cap = 0;
-};
 
 // InvalidArgument naming `what` when x[0, n) (device) holds NaN or Inf, after one read of it
 // (scratch: one device counter). Synchronises the stream.

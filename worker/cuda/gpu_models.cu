@@ -14,6 +14,7 @@
 #include "kernels/cuda/dense_kernels.h"
 #include "kernels/device.h"
 #include "worker/cnn.h"
+#include "worker/cuda/cuda_arrays.h"
 #include "worker/cuda/cuda_status.h"
 #include "worker/cuda/gpu_models.h"
 #include "worker/mlp.h"
@@ -22,44 +23,6 @@ namespace sparseps {
 namespace {
 
 namespace gpu = kernels::gpu;
-
-// Device memory that grows on demand (contents lost when it grows).
-template <typename T>
-struct DeviceArray {
-  T* p = nullptr;
-  size_t cap = 0;
-  DeviceArray() = default;
-  DeviceArray(const DeviceArray&) = delete;
-  DeviceArray& operator=(const DeviceArray&) = delete;
-  DeviceArray(DeviceArray&& o) noexcept : p(std::exchange(o.p, nullptr)), cap(o.cap) {}
-  ~DeviceArray() {
-    if (p != nullptr) cudaFree(p);
-  }
-  cudaError_t Reserve(size_t n) { return gpu::Grow(&p, &cap, n); }
-};
-
-// Pinned host memory that grows on demand.
-template <typename T>
-struct PinnedArray {
-  T* p = nullptr;
-  size_t cap = 0;
-  PinnedArray() = default;
-  PinnedArray(const PinnedArray&) = delete;
-  PinnedArray& operator=(const PinnedArray&) = delete;
-  ~PinnedArray() {
-    if (p != nullptr) cudaFreeHost(p);
-  }
-  cudaError_t Reserve(size_t n) {
-    if (cap >= n && p != nullptr) return cudaSuccess;
-    if (p != nullptr) cudaFreeHost(p);
-    p = nullptr;
-    cap = 0;
-    cudaError_t e =
-        cudaMallocHost(reinterpret_cast<void**>(&p), std::max<size_t>(n, 1) * sizeof(T));
-    if (e == cudaSuccess) cap = n;
-    return e;
-  }
-};
 
 Status BlasFailure(cublasStatus_t e, const char* what) {
   return Status::FailedPrecondition(std::string("cuBLAS error in ") + what + ": " +
@@ -176,39 +139,39 @@ class GpuNet final : public Model {
   Status Reserve(size_t batch) {
     if (batch <= reserved_batch_) return Status::OK();
     const size_t classes = sizes_.back();
-    GPU_TRY(x_.Reserve(batch * features()), "cudaMalloc");
-    GPU_TRY(x_host_.Reserve(batch * features()), "cudaMallocHost");
-    GPU_TRY(y_.Reserve(batch), "cudaMalloc");
-    GPU_TRY(y_host_.Reserve(batch), "cudaMallocHost");
-    GPU_TRY(row_loss_.Reserve(batch), "cudaMalloc");
-    GPU_TRY(row_correct_.Reserve(batch), "cudaMalloc");
-    GPU_TRY(loss_host_.Reserve(batch), "cudaMallocHost");
-    GPU_TRY(correct_host_.Reserve(batch), "cudaMallocHost");
+    SPARSEPS_RETURN_IF_ERROR(x_.Reserve(batch * features()));
+    SPARSEPS_RETURN_IF_ERROR(x_host_.Reserve(batch * features()));
+    SPARSEPS_RETURN_IF_ERROR(y_.Reserve(batch));
+    SPARSEPS_RETURN_IF_ERROR(y_host_.Reserve(batch));
+    SPARSEPS_RETURN_IF_ERROR(row_loss_.Reserve(batch));
+    SPARSEPS_RETURN_IF_ERROR(row_correct_.Reserve(batch));
+    SPARSEPS_RETURN_IF_ERROR(loss_host_.Reserve(batch));
+    SPARSEPS_RETURN_IF_ERROR(correct_host_.Reserve(batch));
     size_t widest_col = 0, widest_act = 0, widest_rows = batch;
     for (size_t i = 0; i < convs_.size(); ++i) {
       const Cnn::Conv& c = convs_[i];
       const size_t positions = batch * c.h * c.w;
-      GPU_TRY(col_[i].Reserve(positions * kernel_ * kernel_ * c.c_in), "cudaMalloc");
-      GPU_TRY(act_[i].Reserve(positions * c.c_out), "cudaMalloc");
-      GPU_TRY(pooled_[i].Reserve(batch * (c.h / 2) * (c.w / 2) * c.c_out), "cudaMalloc");
-      GPU_TRY(argmax_[i].Reserve(batch * (c.h / 2) * (c.w / 2) * c.c_out), "cudaMalloc");
+      SPARSEPS_RETURN_IF_ERROR(col_[i].Reserve(positions * kernel_ * kernel_ * c.c_in));
+      SPARSEPS_RETURN_IF_ERROR(act_[i].Reserve(positions * c.c_out));
+      SPARSEPS_RETURN_IF_ERROR(pooled_[i].Reserve(batch * (c.h / 2) * (c.w / 2) * c.c_out));
+      SPARSEPS_RETURN_IF_ERROR(argmax_[i].Reserve(batch * (c.h / 2) * (c.w / 2) * c.c_out));
       widest_col = std::max(widest_col, positions * kernel_ * kernel_ * c.c_in);
       widest_act = std::max({widest_act, positions * c.c_out, positions * c.c_in});
       widest_rows = std::max(widest_rows, positions);
     }
     size_t widest_fc = 0, widest_cols = classes;
     for (size_t l = 0; l + 1 < sizes_.size(); ++l) {
-      GPU_TRY(fc_[l].Reserve(batch * sizes_[l + 1]), "cudaMalloc");
+      SPARSEPS_RETURN_IF_ERROR(fc_[l].Reserve(batch * sizes_[l + 1]));
       widest_fc = std::max({widest_fc, sizes_[l + 1], sizes_[l]});
     }
     for (const Cnn::Conv& c : convs_) widest_cols = std::max(widest_cols, c.c_out);
     widest_cols = std::max(widest_cols, widest_fc);
-    GPU_TRY(delta_.Reserve(batch * widest_fc), "cudaMalloc");
-    GPU_TRY(delta_prev_.Reserve(batch * widest_fc), "cudaMalloc");
-    GPU_TRY(d_pooled_.Reserve(std::max(widest_act, batch * widest_fc)), "cudaMalloc");
-    GPU_TRY(d_act_.Reserve(widest_act), "cudaMalloc");
-    GPU_TRY(d_col_.Reserve(widest_col), "cudaMalloc");
-    GPU_TRY(sum_scratch_.Reserve(gpu::SumRowsScratch(widest_rows, widest_cols)), "cudaMalloc");
+    SPARSEPS_RETURN_IF_ERROR(delta_.Reserve(batch * widest_fc));
+    SPARSEPS_RETURN_IF_ERROR(delta_prev_.Reserve(batch * widest_fc));
+    SPARSEPS_RETURN_IF_ERROR(d_pooled_.Reserve(std::max(widest_act, batch * widest_fc)));
+    SPARSEPS_RETURN_IF_ERROR(d_act_.Reserve(widest_act));
+    SPARSEPS_RETURN_IF_ERROR(d_col_.Reserve(widest_col));
+    SPARSEPS_RETURN_IF_ERROR(sum_scratch_.Reserve(gpu::SumRowsScratch(widest_rows, widest_cols)));
     reserved_batch_ = batch;
     return Status::OK();
   }
