@@ -1,6 +1,7 @@
 #include "worker/collectives/ring.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 
 #include "common/key_range.h"
@@ -57,11 +58,27 @@ Status RingAllreduce(PeerGroup* group, uint64_t tag_base, float* x, size_t n,
       auto m = recv(tag(0, t, s), c, s);
       if (!m.ok()) return m.status();
       auto [b, e] = seg_range(c, s);
-      const float* in = m->FrameAs<float>(0, proto::F32)->data();
-      float* out = x + b;
-      for (size_t i = 0; i < e - b; ++i) out[i] += in[i];
       // Forward at once: the next reduce-scatter step, or the first all-gather step.
-      SPARSEPS_RETURN_IF_ERROR(send_copy(c, s, t + 1 < steps ? tag(0, t + 1, s) : tag(1, 0, s)));
+      const uint64_t next = t + 1 < steps ? tag(0, t + 1, s) : tag(1, 0, s);
+      zmq::message_t& frame = m->frames[0];
+      if (reinterpret_cast<uintptr_t>(frame.data()) % alignof(float) != 0) {
+        // (ZeroMQ's buffers are malloc'd, so this does not happen; kept for safety.)
+        const float* in = m->FrameAs<float>(0, proto::F32)->data();
+        for (size_t i = 0; i < e - b; ++i) x[b + i] += in[i];
+        SPARSEPS_RETURN_IF_ERROR(send_copy(c, s, next));
+        continue;
+      }
+      // Add into the received frame and forward that frame: no copy into a new message. x keeps
+      // the sum only for the chunk this worker ends up owning (the last step); the all-gather
+      // overwrites every other chunk. x + in equals in + x bitwise (addition commutes).
+      float* in = static_cast<float*>(frame.data());
+      const float* own = x + b;
+      for (size_t i = 0; i < e - b; ++i) in[i] += own[i];
+      if (t + 1 == steps && e > b) std::memcpy(x + b, in, (e - b) * sizeof(float));
+      Message fwd;
+      fwd.header.add_frames()->CopyFrom(m->header.frames(0));
+      fwd.frames.push_back(std::move(frame));
+      SPARSEPS_RETURN_IF_ERROR(group->Send(right, next, fwd));
     }
   }
   // All-gather: in step t receive the final chunk r - t and pass it on unchanged (the received
