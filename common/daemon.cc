@@ -1,11 +1,13 @@
 #include "common/daemon.h"
 
+#include <malloc.h>
 #include <spdlog/sinks/stdout_sinks.h>
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <cstdlib>
 
 #include "common/config.h"
 #include "common/van.h"
@@ -21,6 +23,18 @@ void SetLogName(const std::string& name) {
   spdlog::set_default_logger(logger);
 }
 
+void KeepFreedMessageBuffers() {
+  // Respect a user's own tuning (glibc reads these at the first allocation).
+  if (std::getenv("MALLOC_MMAP_THRESHOLD_") != nullptr ||
+      std::getenv("MALLOC_TRIM_THRESHOLD_") != nullptr) {
+    return;
+  }
+  if (mallopt(M_MMAP_THRESHOLD, static_cast<int>(kMessageMmapThreshold)) != 1 ||
+      mallopt(M_TRIM_THRESHOLD, static_cast<int>(kMessageTrimThreshold)) != 1) {
+    spdlog::warn("mallopt refused the message-buffer thresholds; running with glibc's defaults");
+  }
+}
+
 int ExitCodeFor(const Status& status) {
   if (status.ok()) return 0;
   return status.code() == StatusCode::kInvalidArgument ? 2 : 1;
@@ -28,6 +42,7 @@ int ExitCodeFor(const Status& status) {
 
 int DaemonMain(int argc, char** argv, const std::string& name, const std::string& description,
                const std::function<Status(const proto::JobConfig&)>& body) {
+  KeepFreedMessageBuffers();  // before any thread (ZeroMQ's, OpenBLAS's) allocates
   CLI::App app{description, name};
   std::string config_path;
   std::vector<std::string> overrides;

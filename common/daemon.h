@@ -1,6 +1,7 @@
 // The shared entry point of the three daemons: command line (CLI11), config, logging, exit codes.
 #pragma once
 
+#include <cstddef>
 #include <functional>
 #include <string>
 
@@ -18,6 +19,18 @@ int DaemonMain(int argc, char** argv, const std::string& name, const std::string
 
 // Renames the log (e.g. "worker-1" once the rank is known).
 void SetLogName(const std::string& name);
+
+// Tunes glibc's allocator for a daemon that allocates and frees message buffers of up to tens of
+// MB many times a step (ZeroMQ's receive buffers, ring segments, pushes and pulls): blocks below
+// kMessageMmapThreshold bytes come from the heap instead of their own mmap, and up to
+// kMessageTrimThreshold bytes of freed heap stay with the process. With glibc's defaults each
+// such buffer went back to the kernel when freed and was page-faulted in again on its next use:
+// measured on the 10 Gbit/s comparison (docs/BENCHMARKS.md), the dense ring's step fell from
+// 1.26x to 1.07x of Gloo's. Does nothing when MALLOC_MMAP_THRESHOLD_ or MALLOC_TRIM_THRESHOLD_ is
+// set. Call before other threads start; DaemonMain does.
+inline constexpr size_t kMessageMmapThreshold = size_t{32} << 20;  // glibc's maximum on 64-bit
+inline constexpr size_t kMessageTrimThreshold = size_t{128} << 20;
+void KeepFreedMessageBuffers();
 
 // Exit code for a status: 0 OK, 2 InvalidArgument, 1 otherwise.
 int ExitCodeFor(const Status& status);
