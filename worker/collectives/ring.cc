@@ -62,7 +62,8 @@ Status RingAllreduce(PeerGroup* group, uint64_t tag_base, float* x, size_t n,
       const uint64_t next = t + 1 < steps ? tag(0, t + 1, s) : tag(1, 0, s);
       zmq::message_t& frame = m->frames[0];
       if (reinterpret_cast<uintptr_t>(frame.data()) % alignof(float) != 0) {
-        // (ZeroMQ's buffers are malloc'd, so this does not happen; kept for safety.)
+        // A frame inside ZeroMQ's shared receive buffer may start at any offset: add from the
+        // aligned copy FrameAs makes and send a copy, as before.
         const float* in = m->FrameAs<float>(0, proto::F32)->data();
         for (size_t i = 0; i < e - b; ++i) x[b + i] += in[i];
         SPARSEPS_RETURN_IF_ERROR(send_copy(c, s, next));
