@@ -24,6 +24,9 @@ void SetLogName(const std::string& name) {
 }
 
 void KeepFreedMessageBuffers() {
+#if defined(__SANITIZE_ADDRESS__)
+  return;  // AddressSanitizer's allocator replaces glibc's and ignores mallopt.
+#else
   // Respect a user's own tuning (glibc reads these at the first allocation).
   if (std::getenv("MALLOC_MMAP_THRESHOLD_") != nullptr ||
       std::getenv("MALLOC_TRIM_THRESHOLD_") != nullptr) {
@@ -33,6 +36,7 @@ void KeepFreedMessageBuffers() {
       mallopt(M_TRIM_THRESHOLD, static_cast<int>(kMessageTrimThreshold)) != 1) {
     spdlog::warn("mallopt refused the message-buffer thresholds; running with glibc's defaults");
   }
+#endif
 }
 
 int ExitCodeFor(const Status& status) {
@@ -42,7 +46,6 @@ int ExitCodeFor(const Status& status) {
 
 int DaemonMain(int argc, char** argv, const std::string& name, const std::string& description,
                const std::function<Status(const proto::JobConfig&)>& body) {
-  KeepFreedMessageBuffers();  // before any thread (ZeroMQ's, OpenBLAS's) allocates
   CLI::App app{description, name};
   std::string config_path;
   std::vector<std::string> overrides;
@@ -93,6 +96,9 @@ int DaemonMain(int argc, char** argv, const std::string& name, const std::string
   for (const auto& line : DescribeConfig(*config)) spdlog::info("  {}", line);
 
   InstallStopHandlers();
+  // Before the body starts any thread (ZeroMQ's, OpenBLAS's); after --get, whose output scripts
+  // read, so that a warning never lands in it.
+  KeepFreedMessageBuffers();
   Status s;
   try {
     s = body(*config);
