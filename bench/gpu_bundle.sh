@@ -7,9 +7,8 @@
 #   bench/gpu_bundle.sh [--build-dir B] [--out DIR] [--data DIR]
 #
 # B: a build configured with -DSPARSEPS_CUDA=ON (default build-gpu/; the targets are built first);
-# DIR: where the bundle goes (default .devrun/, git-ignored through .git/info/exclude or not at
-# all: add it there yourself); --data: Fashion-MNIST's four .gz files (default
-# /usr/share/datasets/fashion-mnist).
+# DIR: where the bundle goes (default .devrun/, which .gitignore lists); --data: Fashion-MNIST's
+# four .gz files (default /usr/share/datasets/fashion-mnist).
 # Writes DIR/bundle.tar.xz (build/{tests,bench,scheduler,server,worker}/..., lib/) and DIR/data/.
 # On the GPU machine, from the repository root (DIR = .devrun):
 #   mkdir -p .devrun/x && tar -xJf .devrun/bundle.tar.xz -C .devrun/x
@@ -26,7 +25,7 @@ while [[ $# -gt 0 ]]; do
     --build-dir) build_dir="$2"; shift 2 ;;
     --out) out="$2"; shift 2 ;;
     --data) data="$2"; shift 2 ;;
-    -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu_bundle.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
