@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <sstream>
 
 namespace sparseps {
@@ -199,10 +200,17 @@ Status MergeField(const YAML::Node& value, pb::Message* msg, const pb::FieldDesc
 Status MergeNode(const YAML::Node& node, pb::Message* msg, const std::string& prefix,
                  const std::string& origin, ConfigSources* sources) {
   const pb::Descriptor* d = msg->GetDescriptor();
+  // yaml-cpp keeps every pair of a mapping, duplicates included; YAML forbids them, and taking
+  // one silently would drop what the other says.
+  std::map<std::string, std::string> seen;  // key name -> where it was first given
   for (const auto& kv : node) {
     const std::string name = kv.first.Scalar();
     const std::string key = prefix.empty() ? name : prefix + "." + name;
     const std::string where = Where(origin, kv.first);
+    if (const auto [it, fresh] = seen.emplace(name, where); !fresh) {
+      return Status::InvalidArgument(where + ": key '" + key + "' is given twice (first at " +
+                                     it->second + "); merge the two into one");
+    }
     const pb::FieldDescriptor* f = d->FindFieldByName(name);
     if (f == nullptr) {
       return Status::InvalidArgument(where + ": unknown key '" + key + "'; known keys" +
@@ -446,7 +454,7 @@ Result<proto::JobConfig> LoadConfig(const std::string& path,
     sources["node.host"] = "env SPARSEPS_HOST";
   }
   if (config.node().rank() < 0) {
-    for (const char* name : {"RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"}) {
+    for (const char* name : {"SPARSEPS_RANK", "RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"}) {
       const char* s = env(name);
       if (s == nullptr || !*s) continue;
       int32_t rank;

@@ -1,8 +1,9 @@
 // Job configuration: YAML files mapped strictly onto proto::JobConfig (proto/config.proto).
 //
 // Precedence, lowest first: the schema's defaults, the YAML file, the environment that launchers
-// set (SPARSEPS_SCHEDULER=host:port, SPARSEPS_HOST, and the rank from RANK / SLURM_PROCID /
-// OMPI_COMM_WORLD_RANK when node.rank is -1), then `--set key=value` overrides.
+// set (SPARSEPS_SCHEDULER=host:port, SPARSEPS_HOST, and the rank from the first of SPARSEPS_RANK,
+// RANK, SLURM_PROCID, OMPI_COMM_WORLD_RANK that is set, when node.rank is -1), then
+// `--set key=value` overrides. A key given twice in one YAML mapping is an error naming both.
 //
 // Every error is InvalidArgument and names where the bad value came from: "file:line:col: key"
 // for the file, "--set key" for an override, the variable's name for the environment.

@@ -163,5 +163,84 @@ TEST_F(ConfigTest, SchedulerAddressFromEnvironment) {
   EXPECT_FALSE(LoadConfig(path, {}, lookup).ok());
 }
 
+// YAML forbids a key twice in one mapping; yaml-cpp keeps both, and taking either would drop
+// what the other says. Both places are named.
+TEST_F(ConfigTest, SectionGivenTwiceNamesBothLines) {
+  auto path = Write("train:\n  lr: 0.5\ncluster:\n  num_workers: 3\ntrain:\n  epochs: 4\n");
+  auto c = LoadConfig(path, {}, NoEnv);
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(c.status().message(), HasSubstr(path + ":5:1: key 'train' is given twice"));
+  EXPECT_THAT(c.status().message(), HasSubstr("(first at " + path + ":1:1)"));
+}
+
+TEST_F(ConfigTest, KeyGivenTwiceInASectionNamesBothLines) {
+  auto path = Write("train:\n  lr: 0.5\n  epochs: 2\n  lr: 0.1\n");
+  auto c = LoadConfig(path, {}, NoEnv);
+  ASSERT_FALSE(c.ok());
+  EXPECT_THAT(c.status().message(), HasSubstr(path + ":4:3: key 'train.lr' is given twice"));
+  EXPECT_THAT(c.status().message(), HasSubstr("(first at " + path + ":2:3)"));
+  // The same name in two different sections is not a duplicate.
+  path = Write("compression:\n  sketch:\n    seed: 1\ntrain:\n  seed: 2\n");
+  auto ok = LoadConfig(path, {}, NoEnv);
+  ASSERT_TRUE(ok.ok()) << ok.status().ToString();
+  EXPECT_EQ(ok->compression().sketch().seed(), 1u);
+  EXPECT_EQ(ok->train().seed(), 2u);
+}
+
+// node.rank -1 takes the first of SPARSEPS_RANK, RANK, SLURM_PROCID, OMPI_COMM_WORLD_RANK that is
+// set; a rank in the config or on the command line wins over the environment.
+TEST_F(ConfigTest, RankFromTheEnvironment) {
+  auto path = Write("cluster:\n  num_workers: 4\n");
+  std::map<std::string, std::string> env;
+  auto lookup = [&env](const char* name) -> const char* {
+    auto it = env.find(name);
+    return it == env.end() ? nullptr : it->second.c_str();
+  };
+  ConfigSources sources;
+  auto c = LoadConfig(path, {}, lookup, &sources);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->node().rank(), -1);
+
+  env = {{"OMPI_COMM_WORLD_RANK", "3"}};
+  c = LoadConfig(path, {}, lookup, &sources);
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->node().rank(), 3);
+  EXPECT_EQ(sources["node.rank"], "env OMPI_COMM_WORLD_RANK");
+  env["SLURM_PROCID"] = "2";
+  EXPECT_EQ(LoadConfig(path, {}, lookup)->node().rank(), 2);
+  env["RANK"] = "1";
+  EXPECT_EQ(LoadConfig(path, {}, lookup)->node().rank(), 1);
+  env["SPARSEPS_RANK"] = "0";
+  c = LoadConfig(path, {}, lookup, &sources);
+  EXPECT_EQ(c->node().rank(), 0);
+  EXPECT_EQ(sources["node.rank"], "env SPARSEPS_RANK");
+
+  env = {{"RANK", "-1"}};
+  auto bad = LoadConfig(path, {}, lookup);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(bad.status().message(), HasSubstr("env RANK='-1'"));
+  env = {{"SPARSEPS_RANK", "one"}};
+  EXPECT_THAT(LoadConfig(path, {}, lookup).status().message(), HasSubstr("env SPARSEPS_RANK"));
+
+  // An explicit rank wins.
+  env = {{"SPARSEPS_RANK", "1"}};
+  EXPECT_EQ(LoadConfig(path, {"node.rank=3"}, lookup)->node().rank(), 3);
+  path = Write("node:\n  rank: 2\n");
+  EXPECT_EQ(LoadConfig(path, {}, lookup)->node().rank(), 2);
+}
+
+TEST_F(ConfigTest, LogLevelIsChecked) {
+  auto path = Write("run:\n  log_level: debug\n");
+  auto c = LoadConfig(path, {}, NoEnv);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->run().log_level(), "debug");
+  path = Write("run:\n  name: x\n  log_level: verbose\n");
+  c = LoadConfig(path, {}, NoEnv);
+  ASSERT_FALSE(c.ok());
+  EXPECT_THAT(c.status().message(), HasSubstr(path + ":3:"));
+  EXPECT_THAT(c.status().message(), HasSubstr("unknown level 'verbose'"));
+}
+
 }  // namespace
 }  // namespace sparseps

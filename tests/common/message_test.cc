@@ -1,6 +1,7 @@
 // The transport: header frame + payload frames, every size validated before use.
 #include "common/message.h"
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <string>
@@ -32,6 +33,16 @@ class MessageTest : public ::testing::Test {
       dealer_.send(zmq::buffer(parts[i]),
                    i + 1 < parts.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
     }
+  }
+  // The next message must be refused as malformed (not time out, not fail to arrive) with a reason
+  // that contains `reason`, and still name the sender so that it can be answered.
+  void ExpectRejected(const std::string& reason) {
+    std::string from;
+    auto r = Receive(&from);
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), StatusCode::kProtocolError) << r.status().ToString();
+    EXPECT_THAT(r.status().message(), ::testing::HasSubstr(reason));
+    EXPECT_EQ(from, "peer-1");
   }
   zmq::context_t ctx_;
   zmq::socket_t router_;
@@ -65,11 +76,7 @@ TEST_F(MessageTest, RoundTripCountsBytes) {
 
 TEST_F(MessageTest, RejectsGarbageHeader) {
   SendRaw({std::string("\xff\xff\xff\xff\x0f garbage", 13)});
-  std::string from;
-  auto r = Receive(&from);
-  ASSERT_FALSE(r.ok());
-  EXPECT_EQ(r.status().code(), StatusCode::kProtocolError);
-  EXPECT_EQ(from, "peer-1");
+  ExpectRejected("header frame (13 bytes) is not a valid Header");
 }
 
 TEST_F(MessageTest, RejectsHeaderLyingAboutFrameSize) {
@@ -79,10 +86,7 @@ TEST_F(MessageTest, RejectsHeaderLyingAboutFrameSize) {
   f->set_type(proto::F32);
   f->set_bytes(1 << 20);  // claims 1 MiB, carries 8 bytes
   SendRaw({h.SerializeAsString(), std::string(8, '\0')});
-  std::string from;
-  auto r = Receive(&from);
-  ASSERT_FALSE(r.ok());
-  EXPECT_NE(r.status().message().find("declares"), std::string::npos) << r.status().message();
+  ExpectRejected("payload frame 0 declares 1048576 bytes, carries 8");
 }
 
 TEST_F(MessageTest, RejectsFrameCountMismatch) {
@@ -92,8 +96,7 @@ TEST_F(MessageTest, RejectsFrameCountMismatch) {
   f->set_type(proto::F32);
   f->set_bytes(4);
   SendRaw({h.SerializeAsString()});  // declares one payload frame, sends none
-  std::string from;
-  EXPECT_FALSE(Receive(&from).ok());
+  ExpectRejected("header declares 1 payload frames, message has 0");
 }
 
 TEST_F(MessageTest, RejectsSizeNotMultipleOfElement) {
@@ -103,8 +106,22 @@ TEST_F(MessageTest, RejectsSizeNotMultipleOfElement) {
   f->set_type(proto::F32);
   f->set_bytes(6);
   SendRaw({h.SerializeAsString(), std::string(6, '\0')});
-  std::string from;
-  EXPECT_FALSE(Receive(&from).ok());
+  ExpectRejected("payload frame 0 has 6 bytes, not a multiple of 4");
+}
+
+TEST_F(MessageTest, RejectsUnknownElementType) {
+  proto::Header h;
+  h.set_command(proto::PUSH);
+  auto* f = h.add_frames();
+  f->set_type(static_cast<proto::ElemType>(77));
+  f->set_bytes(4);
+  SendRaw({h.SerializeAsString(), std::string(4, '\0')});
+  ExpectRejected("payload frame 0 has an unknown element type 77");
+}
+
+TEST_F(MessageTest, RejectsOversizedHeader) {
+  SendRaw({std::string(kMaxHeaderBytes + 1, 'x')});
+  ExpectRejected("exceeds the limit of 1048576");
 }
 
 TEST_F(MessageTest, RejectsTooManyFrames) {
@@ -118,8 +135,7 @@ TEST_F(MessageTest, RejectsTooManyFrames) {
   parts.push_back(h.SerializeAsString());
   for (size_t i = 0; i < kMaxPayloadFrames + 1; ++i) parts.push_back("x");
   SendRaw(parts);
-  std::string from;
-  EXPECT_FALSE(Receive(&from).ok());
+  ExpectRejected("message has 17 payload frames; at most 16 are allowed");
 }
 
 TEST_F(MessageTest, ValidMessageAfterGarbageStillArrives) {

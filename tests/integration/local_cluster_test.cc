@@ -3,8 +3,11 @@
 // hard timeout, the loss must decrease, and the run directory must hold the metrics and summary.
 #include <gmock/gmock.h>
 #include <google/protobuf/util/json_util.h>
+#include <gtest/gtest-spi.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -71,24 +74,42 @@ Cluster Start(const TempDir& dir, const std::string& config, int servers, int wo
   return c;
 }
 
-// Column `name` of a CSV file as doubles.
-std::vector<double> CsvColumn(const std::string& path, const std::string& name) {
+// Column `name` of a CSV file as doubles. A missing file, a missing column or a row without
+// that cell fails the test (fatally: call through ASSERT_NO_FATAL_FAILURE).
+void CsvColumn(const std::string& path, const std::string& name, std::vector<double>* values) {
   std::ifstream in(path);
+  ASSERT_TRUE(in) << path << " is missing";
   std::string line;
-  std::getline(in, line);
+  ASSERT_TRUE(std::getline(in, line)) << path << " is empty";
   std::vector<std::string> header;
   std::stringstream hs(line);
   for (std::string cell; std::getline(hs, cell, ',');) header.push_back(cell);
-  const auto col = std::find(header.begin(), header.end(), name) - header.begin();
-  std::vector<double> values;
+  const auto it = std::find(header.begin(), header.end(), name);
+  ASSERT_NE(it, header.end()) << path << " has no column '" << name << "'; header: " << line;
+  const size_t col = static_cast<size_t>(it - header.begin());
+  values->clear();
   while (std::getline(in, line)) {
+    std::vector<std::string> cells;
     std::stringstream ls(line);
-    std::string cell;
-    for (long i = 0; i <= col && std::getline(ls, cell, ','); ++i) {
-    }
-    values.push_back(std::stod(cell));
+    for (std::string cell; std::getline(ls, cell, ',');) cells.push_back(cell);
+    ASSERT_GT(cells.size(), col) << path << ": a row without column '" << name << "': " << line;
+    values->push_back(std::stod(cells[col]));
   }
-  return values;
+}
+
+// The helper itself: a column that is not there fails instead of reading another one (in PS
+// mode the last column, topk_mass, is -1 on every row and would pass a loss check).
+TEST(CsvColumnHelper, MissingColumnOrCellFailsTheTest) {
+  static std::string path;
+  path = ::testing::TempDir() + "sparseps_csv_column_test.csv";
+  std::ofstream(path) << "step,loss,topk_mass\n1,2.5,-1\n2,1.5\n";
+  static std::vector<double> got;
+  EXPECT_FATAL_FAILURE(CsvColumn(path, "bytes_sent", &got), "has no column 'bytes_sent'");
+  EXPECT_FATAL_FAILURE(CsvColumn(path, "topk_mass", &got), "a row without column 'topk_mass'");
+  EXPECT_FATAL_FAILURE(CsvColumn(path + ".missing", "loss", &got), "is missing");
+  ASSERT_NO_FATAL_FAILURE(CsvColumn(path, "loss", &got));
+  EXPECT_EQ(got, (std::vector<double>{2.5, 1.5}));
+  std::remove(path.c_str());
 }
 
 class LocalClusterTest : public ::testing::TestWithParam<std::string> {};
@@ -111,8 +132,9 @@ TEST_P(LocalClusterTest, TrainsAndEveryProcessExitsZero) {
   EXPECT_EQ(c.scheduler->Wait(30), 0) << c.scheduler->Log();
 
   for (int w = 0; w < 2; ++w) {
-    const auto loss =
-        CsvColumn(dir.path() + "/metrics-worker-" + std::to_string(w) + ".csv", "loss");
+    const std::string csv = dir.path() + "/metrics-worker-" + std::to_string(w) + ".csv";
+    std::vector<double> loss, sent;
+    ASSERT_NO_FATAL_FAILURE(CsvColumn(csv, "loss", &loss));
     ASSERT_EQ(loss.size(), 40u) << "one metrics row per step";
     double first = 0, last = 0;
     for (size_t i = 0; i < 5; ++i) {
@@ -121,8 +143,7 @@ TEST_P(LocalClusterTest, TrainsAndEveryProcessExitsZero) {
     }
     EXPECT_LT(last, 0.8 * first) << "worker " << w << ": mean loss of the first 5 steps "
                                  << first / 5 << ", of the last 5 " << last / 5;
-    const auto sent =
-        CsvColumn(dir.path() + "/metrics-worker-" + std::to_string(w) + ".csv", "bytes_sent");
+    ASSERT_NO_FATAL_FAILURE(CsvColumn(csv, "bytes_sent", &sent));
     for (double b : sent) ASSERT_GT(b, 0);
   }
 

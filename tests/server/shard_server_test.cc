@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <map>
 #include <random>
 #include <set>
@@ -11,6 +13,7 @@
 
 #include "common/codec/codec.h"
 #include "common/codec/dense.h"
+#include "common/codec/sketch.h"
 #include "common/codec/topk.h"
 #include "common/key_range.h"
 
@@ -228,6 +231,157 @@ TEST(ShardServer, AnswersPingAndRejectsOtherCommands) {
   Message reg;
   reg.header.set_command(proto::REGISTER);
   EXPECT_EQ(Only(Send(s, std::move(reg))), proto::ERROR);
+}
+
+// compression.server_topk: every iteration the shard adds the aggregate to its residual r,
+// applies the top density * (range size) entries of r and keeps the rest. Each pull carries at
+// most that many entries, they are the largest of r (aggregate plus what was held back), and
+// nothing is lost: params + r == init - sum of every push (lr = W makes the scale -1).
+TEST(ShardServer, ServerTopKPullsCarryTheLargestOfAggregatePlusResidual) {
+  constexpr int kWorkers = 2;
+  constexpr size_t kKeys = 200;
+  const KeyRange r{1000, 1000 + kKeys};
+  proto::CompressionConfig c;
+  c.set_encoding(proto::TOPK);
+  c.set_density(0.05);  // k = 10 per pull
+  c.set_server_topk(true);
+  constexpr size_t k = 10;
+  ShardServer s({r, 0, kWorkers, static_cast<double>(kWorkers), c, 0.0});
+  ASSERT_EQ(Only(Send(s, Init(r, std::vector<float>(kKeys, 0.0f)))), proto::INIT_ACK);
+  std::vector<double> residual(kKeys, 0.0), pushed(kKeys, 0.0);
+  std::mt19937 rng(4);
+  for (int64_t t = 0; t < 8; ++t) {
+    for (int w = 0; w < kWorkers; ++w) {
+      // 30 distinct keys with integer values of either sign: more than k touched per iteration.
+      std::set<uint32_t> keys;
+      while (keys.size() < 30) keys.insert(static_cast<uint32_t>(rng() % kKeys));
+      std::vector<uint32_t> idx(keys.begin(), keys.end());
+      std::vector<float> val;
+      for (uint32_t i : idx) {
+        val.push_back(static_cast<float>(static_cast<int>(rng() % 61) - 30));
+        residual[i] += val.back();
+        pushed[i] += val.back();
+      }
+      auto out = Send(s, Push(r, t, w, std::move(idx), std::move(val)), "w" + std::to_string(w));
+      ASSERT_EQ(out.at(0).msg.header.command(), proto::PUSH_ACK) << out[0].msg.header.error();
+    }
+    auto out = Send(s, Pull(r, t, 0, t), "w0");
+    ASSERT_EQ(Only(out), proto::PULL_REPLY);
+    ASSERT_EQ(out[0].msg.header.encoding(), proto::TOPK);
+    DecodedPayload p;
+    ASSERT_TRUE(FindCodec(proto::TOPK)->Decode(out[0].msg, kKeys, &p).ok());
+    ASSERT_LE(p.nnz(), k) << "iteration " << t;
+    ASSERT_GE(p.nnz(), 1u);
+    // The pulled keys hold the largest |r|: none left behind is larger than any taken.
+    const std::set<uint32_t> taken(p.indices.begin(), p.indices.end());
+    double smallest_taken = 1e30, largest_left = 0.0;
+    for (size_t i = 0; i < kKeys; ++i) {
+      const double m = std::fabs(residual[i]);
+      if (taken.count(static_cast<uint32_t>(i))) {
+        smallest_taken = std::min(smallest_taken, m);
+      } else {
+        largest_left = std::max(largest_left, m);
+      }
+    }
+    EXPECT_GE(smallest_taken, largest_left) << "iteration " << t;
+    EXPECT_GT(smallest_taken, 0.0);
+    // Fewer than k only when fewer than k keys hold anything.
+    size_t nonzero = 0;
+    for (double v : residual) nonzero += v != 0.0;
+    EXPECT_EQ(p.nnz(), std::min(k, nonzero)) << "iteration " << t;
+    for (size_t j = 0; j < p.nnz(); ++j) {
+      const uint32_t i = p.indices[j];
+      EXPECT_EQ(p.values[j], s.params()[i]);
+      residual[i] = 0.0;
+    }
+    for (size_t i = 0; i < kKeys; ++i) {
+      ASSERT_EQ(s.server_residual()[i], residual[i]) << "iteration " << t << " key " << i;
+      ASSERT_EQ(-static_cast<double>(s.params()[i]) + s.server_residual()[i], pushed[i]) << i;
+    }
+  }
+}
+
+// What a sketch server refuses, each with its reason, and nothing of it counted: a sketch of
+// another layout, a push for the wrong phase of the second round, a top-k push where a sketch is
+// due, exact values at other keys than the candidates, candidate requests for another iteration
+// or without the second round. The round then completes as if nothing had happened.
+TEST(ShardServer, SketchServerRejectsWrongLayoutPhaseAndCandidateKeys) {
+  const KeyRange r{0, 400};
+  proto::CompressionConfig c;
+  c.set_encoding(proto::SKETCH);
+  c.set_density(0.01);  // k = 4
+  c.mutable_sketch()->set_second_round(true);
+  const uint32_t rows = c.sketch().rows();
+  const uint64_t cols = SketchColumns(c, r.size());
+  ShardServer s({r, 0, 1, 1.0, c, 0.0});
+  ASSERT_EQ(Only(Send(s, Init(r, std::vector<float>(r.size(), 0.0f)))), proto::INIT_ACK);
+  auto expect_error = [&](Message m, const std::string& why) {
+    auto out = Send(s, std::move(m));
+    ASSERT_EQ(Only(out), proto::ERROR) << why;
+    EXPECT_NE(out[0].msg.header.error().find(why), std::string::npos) << out[0].msg.header.error();
+  };
+  auto sketch_push = [&](uint32_t nrows, uint64_t ncols, uint32_t phase) {
+    Message m;
+    m.header = BaseHeader(proto::PUSH, r, 0, 0);
+    m.header.set_phase(phase);
+    std::vector<float> table(size_t{nrows} * ncols, 0.0f);
+    table[7] = 3.0f;
+    EncodeSketch(std::move(table), nrows, ncols, &m);
+    return m;
+  };
+  expect_error(sketch_push(rows + 1, cols, 0), "does not match this server's");
+  expect_error(sketch_push(rows, cols + 1, 0), "does not match this server's");
+  expect_error(Push(r, 0, 0, {1, 2}, {1, 1}),
+               "phase 0 of the sketch second round must be a sketch");
+  expect_error(sketch_push(rows, cols, 1),
+               "PUSH for phase 1 of iteration 0; the server is in phase 0");
+  Message early;
+  early.header = BaseHeader(proto::PULL_CANDIDATES, r, 3, 0);
+  expect_error(std::move(early), "PULL_CANDIDATES for iteration 3");
+  EXPECT_EQ(s.counters().pushes, 0u);
+
+  // The real round: the sketch, the candidates, exact values at exactly those keys.
+  ASSERT_EQ(Only(Send(s, sketch_push(rows, cols, 0))), proto::PUSH_ACK);
+  Message ask;
+  ask.header = BaseHeader(proto::PULL_CANDIDATES, r, 0, 0);
+  auto out = Send(s, std::move(ask));
+  ASSERT_EQ(Only(out), proto::CANDIDATES);
+  DecodedPayload cand;
+  ASSERT_TRUE(FindCodec(proto::TOPK)->Decode(out[0].msg, r.size(), &cand).ok());
+  std::vector<uint32_t> keys(cand.indices.begin(), cand.indices.end());
+  ASSERT_FALSE(keys.empty());
+  auto exact = [&](std::vector<uint32_t> at) {
+    Message m = Push(r, 0, 0, at, std::vector<float>(at.size(), 2.0f));
+    m.header.set_phase(1);
+    return m;
+  };
+  std::vector<uint32_t> other = keys;
+  other.back() = other.back() + 1 < r.size() ? other.back() + 1 : other.back() - 1;
+  expect_error(exact(other), "exact values at exactly the candidate keys");
+  expect_error(exact({keys.begin(), keys.end() - 1}), "exact values at exactly the candidate keys");
+  expect_error(sketch_push(rows, cols, 0), "the server is in phase 1");
+  EXPECT_EQ(s.version(), 0);
+  ASSERT_EQ(Only(Send(s, exact(keys))), proto::PUSH_ACK);
+  EXPECT_EQ(s.version(), 1);
+  EXPECT_EQ(s.counters().rejected, 8u);
+
+  // Candidates are a second-round request: a plain sketch server refuses them.
+  proto::CompressionConfig plain = c;
+  plain.mutable_sketch()->set_second_round(false);
+  ShardServer p({r, 0, 1, 1.0, plain, 0.0});
+  ASSERT_EQ(Only(Send(p, Init(r, std::vector<float>(r.size(), 0.0f)))), proto::INIT_ACK);
+  Message ask2;
+  ask2.header = BaseHeader(proto::PULL_CANDIDATES, r, 0, 0);
+  auto refused = Send(p, std::move(ask2));
+  ASSERT_EQ(Only(refused), proto::ERROR);
+  EXPECT_NE(refused[0].msg.header.error().find("without compression.sketch.second_round"),
+            std::string::npos);
+  // A topk server refuses a sketch.
+  ShardServer t({r, 0, 1, 1.0, {}, 0.0});
+  ASSERT_EQ(Only(Send(t, Init(r, std::vector<float>(r.size(), 0.0f)))), proto::INIT_ACK);
+  auto not_sketch = Send(t, sketch_push(rows, cols, 0));
+  ASSERT_EQ(Only(not_sketch), proto::ERROR);
+  EXPECT_NE(not_sketch[0].msg.header.error().find("sketch layout"), std::string::npos);
 }
 
 }  // namespace

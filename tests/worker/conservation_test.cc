@@ -28,6 +28,30 @@ struct Case {
   int workers = 2;
 };
 
+// Rounds of the run: ExDyna's threshold starts at 1 / (2 sqrt(k)) and moves at most 0.5% per
+// step, so with these gradients (integers up to 20) it selects nearly everything for about a
+// thousand steps before its count settles near k; 3000 rounds let the test check that it does.
+int Steps(const Case& c) { return c.config.selection() == proto::SCALED_THRESHOLD ? 3000 : 30; }
+
+// The entries a push round must apply over all shards (keys whose parameter changed), given k of
+// that round (k = density * n, warm-up included) and W workers: each worker sends about k entries
+// and the servers apply the union, so between k and W * k; fewer only where the workers' values
+// cancel exactly. Sampled threshold: DGC's accepted band [0.8 k, 1.3 k] per worker. Server
+// re-sparsification: at most density * (range size) per shard, so at most k in all. k = n: every
+// key whose summed gradient is not zero.
+struct Band {
+  size_t lo, hi;
+};
+Band AppliedBand(const Case& c, size_t k, size_t n) {
+  const size_t W = static_cast<size_t>(c.workers);
+  if (k >= n) return {n * 9 / 10, n};
+  if (c.config.server_topk()) return {k / 2, k};
+  if (c.config.selection() == proto::SAMPLED_THRESHOLD) {
+    return {k * 8 / 10, static_cast<size_t>(std::ceil(1.3 * static_cast<double>(k))) * W};
+  }
+  return {k, W * k};
+}
+
 proto::CompressionConfig Config(proto::Encoding e, double density) {
   proto::CompressionConfig c;
   c.set_encoding(e);
@@ -78,7 +102,7 @@ class Conservation : public ::testing::TestWithParam<Case> {};
 TEST_P(Conservation, AppliedPlusResidualsEqualsPushed) {
   const Case& c = GetParam();
   constexpr size_t kParams = 1001;
-  constexpr int kSteps = 30;
+  const int kSteps = Steps(c);
   const auto ranges = SplitKeyRanges(kParams, 2);
   const int W = c.workers;
   std::vector<std::unique_ptr<ShardServer>> shards;
@@ -102,6 +126,7 @@ TEST_P(Conservation, AppliedPlusResidualsEqualsPushed) {
   std::mt19937 rng(11);
   std::vector<double> grad_sum(kParams, 0.0);
   std::vector<float> grad(kParams), local(kParams);
+  std::vector<size_t> applied_per_round;
   int64_t round = 0;
   for (int t = 0; t < kSteps; ++t) {
     bool push = false;
@@ -119,6 +144,8 @@ TEST_P(Conservation, AppliedPlusResidualsEqualsPushed) {
       }
     }
     if (!push) continue;
+    std::vector<std::vector<float>> before;
+    for (auto& sh : shards) before.push_back(sh->params());
     for (int w = 0; w < W; ++w) {
       for (size_t s = 0; s < ranges.size(); ++s) {
         Message& m = pushes[w][s];
@@ -142,6 +169,21 @@ TEST_P(Conservation, AppliedPlusResidualsEqualsPushed) {
       }
     }
     ++round;
+    // What was applied: the keys whose parameter changed (lr = W, so a change is the sum).
+    size_t applied = 0;
+    for (size_t s = 0; s < ranges.size(); ++s) {
+      for (size_t i = 0; i < before[s].size(); ++i) {
+        applied += shards[s]->params()[i] != before[s][i];
+      }
+    }
+    const size_t k = WarmupK(c.config.density(), c.config.warmup_epochs(),
+                             static_cast<uint32_t>(t / 10), kParams);
+    applied_per_round.push_back(applied);
+    if (c.config.selection() != proto::SCALED_THRESHOLD) {
+      const Band band = AppliedBand(c, k, kParams);
+      EXPECT_GE(applied, band.lo) << c.name << " step " << t << " k " << k;
+      EXPECT_LE(applied, band.hi) << c.name << " step " << t << " k " << k;
+    }
     // The invariant, per key.
     for (size_t s = 0; s < ranges.size(); ++s) {
       const auto& params = shards[s]->params();
@@ -167,7 +209,18 @@ TEST_P(Conservation, AppliedPlusResidualsEqualsPushed) {
       }
     }
   }
-  EXPECT_GT(round, 0);
+  // SBC with local iterations pushes every local_iterations-th step.
+  EXPECT_EQ(round, kSteps / static_cast<int>(c.config.local_iterations()));
+  if (c.config.selection() == proto::SCALED_THRESHOLD) {
+    // Settled: over the last third of the run, the mean count is about k per worker.
+    const size_t k = WarmupK(c.config.density(), 0, 0, kParams);
+    const size_t from = applied_per_round.size() * 2 / 3;
+    double mean = 0.0;
+    for (size_t r = from; r < applied_per_round.size(); ++r) mean += applied_per_round[r];
+    mean /= static_cast<double>(applied_per_round.size() - from);
+    EXPECT_GE(mean, 0.7 * static_cast<double>(k)) << c.name;
+    EXPECT_LE(mean, 1.3 * static_cast<double>(k * static_cast<size_t>(W))) << c.name;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Encodings, Conservation, ::testing::ValuesIn(Cases()),

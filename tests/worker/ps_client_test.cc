@@ -1,0 +1,256 @@
+// The worker's PS client against servers on loopback that misbehave on purpose: one that answers
+// ERROR, one that never answers (the client fails within cluster.request_timeout_s, naming the
+// server and what it waited for), one whose sparse reply skips a version, one that sends a reply
+// nobody asked for or garbage. And the same client against a real ShardServer behind the socket,
+// which must work, so that the failures above are the servers' doing.
+#include "worker/ps_client.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/codec/dense.h"
+#include "common/codec/topk.h"
+#include "common/control_client.h"
+#include "common/key_range.h"
+#include "common/van.h"
+#include "server/shard_server.h"
+
+namespace sparseps {
+namespace {
+
+using ::testing::HasSubstr;
+
+// A server on a loopback ROUTER socket, run on a thread of its own: every message that arrives
+// (or fails to parse) goes to `handler`, whose replies are sent back.
+class FakeServer {
+ public:
+  using Handler =
+      std::function<void(const std::string& peer, Result<Message> msg, std::vector<Outgoing>*)>;
+  FakeServer(zmq::context_t& context, Handler handler) : handler_(std::move(handler)) {
+    auto bound = BindRouter(context, "127.0.0.1", 0);
+    EXPECT_TRUE(bound.ok()) << bound.status().ToString();
+    socket_ = std::move(bound->socket);
+    port_ = bound->port;
+    thread_ = std::thread([this] { Loop(); });
+  }
+  ~FakeServer() {
+    stop_ = true;
+    thread_.join();
+  }
+  uint32_t port() const { return port_; }
+  // Messages received so far.
+  int received() const { return received_; }
+
+ private:
+  void Loop() {
+    while (!stop_) {
+      if (!PollIn({&socket_}, 20)[0]) continue;
+      std::string peer;
+      auto msg = RecvMessage(socket_, true, &peer, nullptr);
+      if (!msg.ok() && msg.status().code() == StatusCode::kIoError) continue;
+      ++received_;
+      std::vector<Outgoing> out;
+      handler_(peer, std::move(msg), &out);
+      for (auto& o : out) EXPECT_TRUE(SendMessage(socket_, o.msg, &o.to).ok());
+    }
+  }
+  Handler handler_;
+  zmq::socket_t socket_;
+  uint32_t port_ = 0;
+  std::atomic<bool> stop_{false};
+  std::atomic<int> received_{0};
+  std::thread thread_;
+};
+
+constexpr size_t kParams = 8;
+const KeyRange kRange{0, kParams};
+
+// A membership of one server (rank 0, owning every key) at 127.0.0.1:port.
+proto::Membership OneServer(uint32_t port) {
+  proto::Membership m;
+  m.set_epoch(1);
+  m.set_num_params(kParams);
+  auto* n = m.add_nodes();
+  n->set_role(proto::SERVER);
+  n->set_rank(0);
+  n->set_host("127.0.0.1");
+  n->set_port(port);
+  auto* r = m.add_ranges();
+  r->set_begin(kRange.begin);
+  r->set_end(kRange.end);
+  r->set_server_rank(0);
+  return m;
+}
+
+// A reply to `request` with `command`, as a server makes it.
+Outgoing ReplyTo(const std::string& peer, const Message& request, proto::Command command,
+                 int64_t version) {
+  Outgoing o{peer, {}};
+  o.msg.header.set_command(command);
+  o.msg.header.set_sender_role(proto::SERVER);
+  o.msg.header.set_iteration(request.header.iteration());
+  o.msg.header.set_request_id(request.header.request_id());
+  o.msg.header.set_key_begin(kRange.begin);
+  o.msg.header.set_key_end(kRange.end);
+  o.msg.header.set_version(version);
+  return o;
+}
+
+// One top-k push of key 3, as a compressor makes it (the client sets command and iteration).
+std::vector<Message> OnePush() {
+  std::vector<Message> pushes(1);
+  pushes[0].header.set_key_begin(kRange.begin);
+  pushes[0].header.set_key_end(kRange.end);
+  EncodeTopK({3}, {1.0f}, &pushes[0]);
+  return pushes;
+}
+
+class PsClientTest : public ::testing::Test {
+ protected:
+  PsClientTest() {
+    // No scheduler answers: the control socket stays silent (the client polls it, finds nothing).
+    config_.mutable_cluster()->set_scheduler_port(1);
+  }
+  std::unique_ptr<PsClient> Connect(uint32_t port, double timeout_s) {
+    control_ = std::make_unique<ControlClient>(context_, config_, proto::WORKER);
+    return std::make_unique<PsClient>(context_, OneServer(port), /*worker_rank=*/0, control_.get(),
+                                      timeout_s);
+  }
+  zmq::context_t context_;
+  proto::JobConfig config_;
+  std::unique_ptr<ControlClient> control_;
+};
+
+TEST_F(PsClientTest, WorksAgainstARealShard) {
+  ShardServer shard({kRange, 0, 1, 1.0, {}, 0.0});
+  std::mutex mu;
+  FakeServer server(context_,
+                    [&](const std::string& peer, Result<Message> msg, std::vector<Outgoing>* out) {
+                      std::lock_guard<std::mutex> lock(mu);
+                      shard.Handle(peer, msg, out);
+                    });
+  auto ps = Connect(server.port(), 10);
+  std::vector<float> params = {1, 2, 3, 4, 5, 6, 7, 8};
+  ASSERT_TRUE(ps->Init(params.data()).ok());
+  std::vector<float> pulled(kParams, 0.0f);
+  ASSERT_TRUE(ps->PullInitial(pulled.data()).ok());
+  EXPECT_EQ(pulled, params);
+  std::vector<uint32_t> changed;
+  ps->set_changed_callback(
+      [&](uint64_t, std::span<const uint32_t> keys) { changed.assign(keys.begin(), keys.end()); });
+  auto pushes = OnePush();
+  Status s = ps->PushPull(0, pushes, pulled.data());
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  EXPECT_EQ(pulled[3], 3.0f);  // 4 - lr * 1 / W
+  EXPECT_EQ(changed, (std::vector<uint32_t>{3}));
+  EXPECT_EQ(ps->version(0), 1);
+}
+
+TEST_F(PsClientTest, ServerErrorIsReturnedWithTheServersReason) {
+  FakeServer server(context_,
+                    [](const std::string& peer, Result<Message> msg, std::vector<Outgoing>* out) {
+                      ASSERT_TRUE(msg.ok());
+                      Outgoing o = ReplyTo(peer, *msg, proto::ERROR, 0);
+                      o.msg.header.set_error("duplicate PUSH from worker 0 for iteration 0");
+                      out->push_back(std::move(o));
+                    });
+  auto ps = Connect(server.port(), 10);
+  std::vector<float> params(kParams, 0.0f);
+  auto pushes = OnePush();
+  Status s = ps->PushPull(0, pushes, params.data());
+  EXPECT_EQ(s.code(), StatusCode::kProtocolError) << s.ToString();
+  EXPECT_THAT(s.message(), HasSubstr("server 0 at tcp://127.0.0.1:" +
+                                     std::to_string(server.port()) + " rejected our request"));
+  EXPECT_THAT(s.message(), HasSubstr("duplicate PUSH from worker 0 for iteration 0"));
+}
+
+TEST_F(PsClientTest, SilentServerFailsWithinTheTimeoutNamingIt) {
+  FakeServer server(context_, [](const std::string&, Result<Message>, std::vector<Outgoing>*) {});
+  constexpr double kTimeoutS = 0.5;
+  auto ps = Connect(server.port(), kTimeoutS);
+  std::vector<float> params(kParams, 0.0f);
+  auto pushes = OnePush();
+  const auto start = std::chrono::steady_clock::now();
+  Status s = ps->PushPull(7, pushes, params.data());
+  const double waited =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(s.code(), StatusCode::kDeadlineExceeded) << s.ToString();
+  EXPECT_THAT(s.message(), HasSubstr("waiting for PUSH_ACK (iteration 7) from server 0 at "
+                                     "tcp://127.0.0.1:" +
+                                     std::to_string(server.port())));
+  EXPECT_GE(waited, kTimeoutS);
+  EXPECT_LT(waited, kTimeoutS + 10.0) << "the deadline was not kept";
+  EXPECT_EQ(server.received(), 2) << "the push and its pull reached the server";
+}
+
+// A sparse delta is only valid on top of the version the client holds: a reply that skips a
+// version would leave the client with a mix of two versions.
+TEST_F(PsClientTest, SparseReplyForAnotherVersionIsRefused) {
+  FakeServer server(context_,
+                    [](const std::string& peer, Result<Message> msg, std::vector<Outgoing>* out) {
+                      ASSERT_TRUE(msg.ok());
+                      if (msg->header.command() == proto::PUSH) {
+                        out->push_back(ReplyTo(peer, *msg, proto::PUSH_ACK, 0));
+                        return;
+                      }
+                      // The client holds version -1 (never pulled); a delta for version 5 cannot
+                      // apply.
+                      Outgoing o = ReplyTo(peer, *msg, proto::PULL_REPLY, 5);
+                      EncodeTopK({3}, {9.0f}, &o.msg);
+                      out->push_back(std::move(o));
+                    });
+  auto ps = Connect(server.port(), 10);
+  std::vector<float> params(kParams, 0.0f);
+  auto pushes = OnePush();
+  Status s = ps->PushPull(0, pushes, params.data());
+  EXPECT_EQ(s.code(), StatusCode::kProtocolError) << s.ToString();
+  EXPECT_THAT(s.message(), HasSubstr("sent a sparse delta for version 5 but we hold -1"));
+  EXPECT_EQ(params[3], 0.0f) << "the refused delta was applied";
+}
+
+TEST_F(PsClientTest, UnexpectedOrMalformedRepliesAreProtocolErrors) {
+  // A PULL_REPLY where the PUSH_ACK is due.
+  {
+    FakeServer server(context_,
+                      [](const std::string& peer, Result<Message> msg, std::vector<Outgoing>* out) {
+                        ASSERT_TRUE(msg.ok());
+                        Outgoing o = ReplyTo(peer, *msg, proto::PULL_REPLY, 1);
+                        EncodeDense(std::vector<float>(kParams, 1.0f), &o.msg);
+                        out->push_back(std::move(o));
+                      });
+    auto ps = Connect(server.port(), 10);
+    std::vector<float> params(kParams, 0.0f);
+    auto pushes = OnePush();
+    Status s = ps->PushPull(0, pushes, params.data());
+    EXPECT_EQ(s.code(), StatusCode::kProtocolError) << s.ToString();
+    EXPECT_THAT(s.message(), HasSubstr("unexpected PULL_REPLY from server 0"));
+    EXPECT_THAT(s.message(), HasSubstr("(expected PUSH_ACK)"));
+  }
+  // A dense reply of the wrong length.
+  {
+    FakeServer server(context_,
+                      [](const std::string& peer, Result<Message> msg, std::vector<Outgoing>* out) {
+                        ASSERT_TRUE(msg.ok());
+                        Outgoing o = ReplyTo(peer, *msg, proto::PULL_REPLY, 0);
+                        EncodeDense(std::vector<float>(kParams + 1, 1.0f), &o.msg);
+                        out->push_back(std::move(o));
+                      });
+    auto ps = Connect(server.port(), 10);
+    std::vector<float> params(kParams, 0.0f);
+    Status s = ps->PullInitial(params.data());
+    EXPECT_EQ(s.code(), StatusCode::kProtocolError) << s.ToString();
+    EXPECT_THAT(s.message(), HasSubstr("bad PULL_REPLY from server 0"));
+    EXPECT_EQ(params, std::vector<float>(kParams, 0.0f));
+  }
+}
+
+}  // namespace
+}  // namespace sparseps
