@@ -14,9 +14,37 @@
 
 namespace sparseps {
 
+namespace {
+
+// Passes on the lines below `below` only: with a stderr sink at `below` and up, the info lines go
+// to stdout and the warnings and errors to stderr, so that `2>/dev/null` hides the problems and
+// `>/dev/null` leaves only them.
+class BelowLevelSink final : public spdlog::sinks::sink {
+ public:
+  BelowLevelSink(std::shared_ptr<spdlog::sinks::sink> target, spdlog::level::level_enum below)
+      : target_(std::move(target)), below_(below) {}
+  void log(const spdlog::details::log_msg& msg) override {
+    if (msg.level < below_) target_->log(msg);
+  }
+  void flush() override { target_->flush(); }
+  void set_pattern(const std::string& pattern) override { target_->set_pattern(pattern); }
+  void set_formatter(std::unique_ptr<spdlog::formatter> formatter) override {
+    target_->set_formatter(std::move(formatter));
+  }
+
+ private:
+  std::shared_ptr<spdlog::sinks::sink> target_;
+  spdlog::level::level_enum below_;
+};
+
+}  // namespace
+
 void SetLogName(const std::string& name) {
-  auto logger =
-      std::make_shared<spdlog::logger>(name, std::make_shared<spdlog::sinks::stdout_sink_mt>());
+  auto err = std::make_shared<spdlog::sinks::stderr_sink_mt>();
+  err->set_level(spdlog::level::warn);
+  auto out = std::make_shared<BelowLevelSink>(std::make_shared<spdlog::sinks::stdout_sink_mt>(),
+                                              spdlog::level::warn);
+  auto logger = std::make_shared<spdlog::logger>(name, spdlog::sinks_init_list{out, err});
   logger->set_pattern("[%Y-%m-%d %H:%M:%S.%e] [%n] [%l] %v");
   logger->set_level(spdlog::default_logger()->level());
   logger->flush_on(spdlog::level::info);

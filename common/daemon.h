@@ -17,7 +17,8 @@ namespace sparseps {
 int DaemonMain(int argc, char** argv, const std::string& name, const std::string& description,
                const std::function<Status(const proto::JobConfig&)>& body);
 
-// Renames the log (e.g. "worker-1" once the rank is known).
+// Renames the log (e.g. "worker-1" once the rank is known). Lines go to stdout up to info and to
+// stderr from warn up (each flushed as written, so a file that takes both keeps their order).
 void SetLogName(const std::string& name);
 
 // Tunes glibc's allocator for a daemon that allocates and frees message buffers of up to tens of

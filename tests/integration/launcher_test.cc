@@ -2,7 +2,9 @@
 // the file, line and key), and a failing process (exit 1, its log shown, the others stopped).
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -175,6 +177,46 @@ TEST(Compare, WritesTheTableCsvAndPlots) {
   for (const char* f : {"step_time.png", "bytes.png", "accuracy.png"}) {
     EXPECT_GT(std::filesystem::file_size(out + "/" + f), 1000u) << f;
   }
+}
+
+// Runs `command` through the shell and returns its stdout (stderr as the command redirects it).
+std::string Stdout(const std::string& command, int* rc) {
+  FILE* p = popen(command.c_str(), "r");
+  std::string text;
+  if (p == nullptr) return text;
+  char buf[4096];
+  while (size_t n = fread(buf, 1, sizeof(buf), p)) text.append(buf, n);
+  const int status = pclose(p);
+  *rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return text;
+}
+
+// The daemons' log lines: info on stdout, warnings and errors on stderr, so `2>/dev/null` hides
+// the problems and `>/dev/null` keeps only them; --get prints the value alone on stdout.
+TEST(Daemons, ErrorsGoToStderrAndTheRestToStdout) {
+  TempDir dir("daemon-streams");
+  const std::string bad = dir.path() + "/bad.yaml";
+  std::ofstream(bad) << "train:\n  lr: 0.1\ntrain:\n  epochs: 2\n";
+  const std::string worker = testing::BinaryPath("worker/sparseps-worker");
+  int rc = 0;
+  EXPECT_EQ(Stdout(worker + " --config " + bad + " 2>/dev/null", &rc), "");
+  EXPECT_EQ(rc, 2);
+  const std::string err = Stdout(worker + " --config " + bad + " 2>&1 >/dev/null", &rc);
+  EXPECT_EQ(rc, 2);
+  EXPECT_THAT(err, HasSubstr("[error] bad configuration: " + bad +
+                             ":3:1: key 'train' is given twice (first at " + bad + ":1:1)"));
+  EXPECT_EQ(Stdout(worker + " --set train.lr=0.25 --get train.lr 2>&1", &rc), "0.25\n");
+  EXPECT_EQ(rc, 0);
+  // A scheduler that nobody joins: its start on stdout, the timeout that ends it on stderr.
+  const std::string scheduler =
+      testing::BinaryPath("scheduler/sparseps-scheduler") + " --set cluster.register_timeout_s=0.2";
+  const std::string out = Stdout(scheduler + " 2>/dev/null", &rc);
+  EXPECT_EQ(rc, 1);
+  EXPECT_THAT(out, HasSubstr("[info] sparseps-scheduler starting"));
+  EXPECT_THAT(out, ::testing::Not(HasSubstr("[error]")));
+  EXPECT_THAT(Stdout(scheduler + " 2>&1 >/dev/null", &rc),
+              AllOf(HasSubstr("[error]"), HasSubstr("registration timed out after"),
+                    ::testing::Not(HasSubstr("[info]"))));
 }
 
 }  // namespace
