@@ -1,10 +1,12 @@
 #include "common/metrics.h"
 
-#include <google/protobuf/util/json_util.h>
+#include <google/protobuf/descriptor.h>
+#include <google/protobuf/reflection.h>
 
 #include <cstdio>
 #include <filesystem>
 #include <limits>
+#include <nlohmann/json.hpp>
 
 namespace sparseps {
 
@@ -27,14 +29,67 @@ void CsvWriter::Row(const std::vector<double>& values) {
   out_.flush();
 }
 
+namespace {
+
+namespace pb = google::protobuf;
+
+nlohmann::ordered_json FieldValue(const pb::Message& msg, const pb::FieldDescriptor* f, int i);
+
+// Every field, in the .proto's order, defaults included; 64-bit integers as JSON numbers.
+nlohmann::ordered_json ToJson(const pb::Message& msg) {
+  nlohmann::ordered_json out = nlohmann::ordered_json::object();
+  const pb::Descriptor* d = msg.GetDescriptor();
+  const pb::Reflection* r = msg.GetReflection();
+  for (int i = 0; i < d->field_count(); ++i) {
+    const pb::FieldDescriptor* f = d->field(i);
+    if (f->is_repeated()) {
+      nlohmann::ordered_json list = nlohmann::ordered_json::array();
+      for (int j = 0; j < r->FieldSize(msg, f); ++j) list.push_back(FieldValue(msg, f, j));
+      out[f->name()] = std::move(list);
+    } else {
+      out[f->name()] = FieldValue(msg, f, -1);
+    }
+  }
+  return out;
+}
+
+// Field f of msg (element i of a repeated field, or the field itself when i is -1).
+nlohmann::ordered_json FieldValue(const pb::Message& msg, const pb::FieldDescriptor* f, int i) {
+  const pb::Reflection* r = msg.GetReflection();
+  const bool rep = i >= 0;
+  switch (f->cpp_type()) {
+    case pb::FieldDescriptor::CPPTYPE_INT32:
+      return rep ? r->GetRepeatedInt32(msg, f, i) : r->GetInt32(msg, f);
+    case pb::FieldDescriptor::CPPTYPE_INT64:
+      return rep ? r->GetRepeatedInt64(msg, f, i) : r->GetInt64(msg, f);
+    case pb::FieldDescriptor::CPPTYPE_UINT32:
+      return rep ? r->GetRepeatedUInt32(msg, f, i) : r->GetUInt32(msg, f);
+    case pb::FieldDescriptor::CPPTYPE_UINT64:
+      return rep ? r->GetRepeatedUInt64(msg, f, i) : r->GetUInt64(msg, f);
+    case pb::FieldDescriptor::CPPTYPE_DOUBLE:
+      return rep ? r->GetRepeatedDouble(msg, f, i) : r->GetDouble(msg, f);
+    case pb::FieldDescriptor::CPPTYPE_FLOAT:
+      return rep ? r->GetRepeatedFloat(msg, f, i) : r->GetFloat(msg, f);
+    case pb::FieldDescriptor::CPPTYPE_BOOL:
+      return rep ? r->GetRepeatedBool(msg, f, i) : r->GetBool(msg, f);
+    case pb::FieldDescriptor::CPPTYPE_STRING:
+      return rep ? r->GetRepeatedString(msg, f, i) : r->GetString(msg, f);
+    case pb::FieldDescriptor::CPPTYPE_ENUM:
+      return (rep ? r->GetRepeatedEnum(msg, f, i) : r->GetEnum(msg, f))->name();
+    case pb::FieldDescriptor::CPPTYPE_MESSAGE:
+      return ToJson(rep ? r->GetRepeatedMessage(msg, f, i) : r->GetMessage(msg, f));
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+std::string ToJsonText(const google::protobuf::Message& message) {
+  return ToJson(message).dump(2) + "\n";
+}
+
 Status WriteJson(const std::string& path, const google::protobuf::Message& message) {
-  std::string json;
-  google::protobuf::util::JsonPrintOptions opts;
-  opts.add_whitespace = true;
-  opts.always_print_primitive_fields = true;
-  opts.preserve_proto_field_names = true;
-  auto st = google::protobuf::util::MessageToJsonString(message, &json, opts);
-  if (!st.ok()) return Status::Internal("JSON encoding failed: " + st.ToString());
+  const std::string json = ToJsonText(message);
   const std::string tmp = path + ".tmp";
   {
     std::ofstream out(tmp, std::ios::trunc);

@@ -27,8 +27,13 @@ class CsvWriter {
   size_t columns_ = 0;
 };
 
-// Writes `message` as pretty-printed JSON (field names as in the .proto) to `path` atomically
-// (write to a temporary file, then rename). Errors: IoError.
+// `message` as pretty-printed JSON: every field in the .proto's order under its .proto name,
+// defaults included, integers of every width as JSON numbers (protobuf's own JSON mapping writes
+// 64-bit ones as strings, which readers of a summary should not have to convert), enums by name.
+std::string ToJsonText(const google::protobuf::Message& message);
+
+// Writes ToJsonText(message) to `path` atomically (write to a temporary file, then rename).
+// Errors: IoError.
 Status WriteJson(const std::string& path, const google::protobuf::Message& message);
 
 // Creates `dir` and its parents if missing. Errors: IoError.

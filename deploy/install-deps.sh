@@ -11,12 +11,12 @@ packages=(
   build-essential cmake ninja-build pkg-config git
   libzmq3-dev cppzmq-dev
   libprotobuf-dev protobuf-compiler
-  libyaml-cpp-dev libcli11-dev libspdlog-dev libfmt-dev
+  libyaml-cpp-dev libcli11-dev libspdlog-dev libfmt-dev nlohmann-json3-dev
   libopenblas-dev zlib1g-dev
   googletest libgtest-dev libgmock-dev libbenchmark-dev
   dataset-fashion-mnist
   clang-format clang libclang-rt-14-dev iproute2 iperf3 procps python3
-  libgloo-dev python3-yaml python3-matplotlib
+  libgloo-dev python3-yaml python3-matplotlib python3-pytest
 )
 
 missing=()

@@ -3,12 +3,38 @@
 
     deploy/summarize.py runs/quickstart-* runs/quickstart-dense-*
 
-Columns: job, encoding, density, workers, servers, final test accuracy, wall-clock seconds,
-training seconds, steps, bytes sent and received per worker per step, cluster samples/s.
+Columns: run (the directory's name), method (ps/ENCODING or allreduce/COLLECTIVE), density,
+workers (W), servers (S), status, final test accuracy, wall-clock seconds, training seconds,
+steps, bytes sent and received per worker per step, and the cluster's training samples per
+second. docs/user-guide.md ("What a run writes") documents each field of summary.json.
+
+Exit code: 0, or 1 when a directory has no readable summary.json (named on stderr).
 """
 import json
 import os
 import sys
+
+HEADER = ("| run | method | density | W | S | status | test acc | wall s | train s | steps "
+          "| sent B/worker/step | recv B/worker/step | samples/s (cluster) |")
+
+
+def method(s):
+    """'ps/topk', 'allreduce/spardl', from a summary (older ones had only 'encoding')."""
+    if s.get("aggregation") == "allreduce":
+        return "allreduce/" + s.get("collective", "")
+    return "ps/" + str(s.get("encoding", "")).lower()
+
+
+def row(name, s):
+    samples = s.get("cluster_samples_per_s", s.get("samples_per_s", 0))
+    return (f"| {name} | {method(s)} | {s.get('density', 0):g} "
+            f"| {s.get('num_workers', 0)} | {s.get('num_servers', 0)} | {s.get('status', '')} "
+            f"| {100 * float(s.get('final_test_accuracy', 0)):.2f}% "
+            f"| {float(s.get('wall_clock_s', 0)):.1f} | {float(s.get('train_s', 0)):.1f} "
+            f"| {int(s.get('steps', 0))} "
+            f"| {float(s.get('bytes_sent_per_worker_per_step', 0)):.0f} "
+            f"| {float(s.get('bytes_received_per_worker_per_step', 0)):.0f} "
+            f"| {float(samples):.0f} |")
 
 
 def main(argv):
@@ -24,18 +50,11 @@ def main(argv):
         except (OSError, ValueError) as e:
             print(f"summarize: {path}: {e}", file=sys.stderr)
             return 1
-        rows.append((os.path.basename(os.path.normpath(d)), s))
-    print("| run | encoding | density | W | S | status | test acc | wall s | train s | steps "
-          "| sent B/worker/step | recv B/worker/step | samples/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for name, s in rows:
-        print(f"| {name} | {s.get('encoding', '').lower()} | {s.get('density', 0):g} "
-              f"| {s.get('num_workers', 0)} | {s.get('num_servers', 0)} | {s.get('status', '')} "
-              f"| {100 * s.get('final_test_accuracy', 0):.2f}% | {s.get('wall_clock_s', 0):.1f} "
-              f"| {s.get('train_s', 0):.1f} | {s.get('steps', 0)} "
-              f"| {s.get('bytes_sent_per_worker_per_step', 0):.0f} "
-              f"| {s.get('bytes_received_per_worker_per_step', 0):.0f} "
-              f"| {s.get('samples_per_s', 0):.0f} |")
+        rows.append(row(os.path.basename(os.path.normpath(d)), s))
+    print(HEADER)
+    print("|" + "---|" * (HEADER.count("|") - 1))
+    for r in rows:
+        print(r)
     return 0
 
 

@@ -407,12 +407,23 @@ proto::RunSummary Scheduler::Summary(Clock::time_point now) const {
   s.set_status(!finished_ ? "running" : finished_->ok() ? "ok" : finished_->message());
   s.set_num_workers(static_cast<uint32_t>(expected_workers_));
   s.set_num_servers(static_cast<uint32_t>(expected_servers_));
-  std::string enc = proto::Encoding_Name(config_.compression().encoding());
-  std::transform(enc.begin(), enc.end(), enc.begin(),
-                 [](unsigned char c) { return std::tolower(c); });
-  s.set_encoding(enc);
-  s.set_density(config_.compression().encoding() == proto::DENSE ? 1.0
-                                                                 : config_.compression().density());
+  auto lower = [](std::string name) {
+    std::transform(name.begin(), name.end(), name.begin(),
+                   [](unsigned char c) { return std::tolower(c); });
+    return name;
+  };
+  const bool allreduce = config_.aggregation() == proto::ALLREDUCE;
+  s.set_aggregation(allreduce ? "allreduce" : "ps");
+  bool dense = false;
+  if (allreduce) {
+    const auto algorithm = config_.collective().algorithm();
+    s.set_collective(lower(proto::CollectiveAlgorithm_Name(algorithm)));
+    dense = algorithm == proto::RING || algorithm == proto::GLOO;
+  } else {
+    s.set_encoding(lower(proto::Encoding_Name(config_.compression().encoding())));
+    dense = config_.compression().encoding() == proto::DENSE;
+  }
+  s.set_density(dense ? 1.0 : config_.compression().density());
   s.set_num_params(membership_.num_params());
   const auto end = finished_ ? finished_at_ : now;
   s.set_wall_clock_s(std::chrono::duration<double>(end - start_).count());
@@ -434,8 +445,10 @@ proto::RunSummary Scheduler::Summary(Clock::time_point now) const {
     s.set_final_test_accuracy(w0.final_test_accuracy());
     s.set_train_s(w0.wall_s());
     s.set_steps(w0.steps());
-    s.set_samples_per_s(w0.samples_per_s());
   }
+  double samples_per_s = 0.0;
+  for (const auto& w : worker_stats_) samples_per_s += w.samples_per_s();
+  s.set_cluster_samples_per_s(samples_per_s);
   return s;
 }
 

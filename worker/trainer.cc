@@ -439,7 +439,7 @@ Status RunWorker(const proto::JobConfig& config) {
         }
         const auto t3 = Clock::now();
         metrics.Row(
-            {static_cast<double>(step), static_cast<double>(epoch), loss,
+            {static_cast<double>(step + 1), static_cast<double>(epoch + 1), loss,
              static_cast<double>(bytes_sent() - sent0),
              static_cast<double>(bytes_received() - recv0),
              static_cast<double>(collective ? collective->last_selected()
@@ -454,7 +454,7 @@ Status RunWorker(const proto::JobConfig& config) {
         if (rank == 0 && tc.eval_every_steps() > 0 && (step + 1) % tc.eval_every_steps() == 0 &&
             step + 1 < total_steps) {
           ++step;  // the row names the number of steps done
-          SPARSEPS_RETURN_IF_ERROR(evaluate(epoch));
+          SPARSEPS_RETURN_IF_ERROR(evaluate(epoch + 1));
           --step;
         }
         progress_loss += loss;
@@ -462,9 +462,11 @@ Status RunWorker(const proto::JobConfig& config) {
         last_loss = loss;
         const double since = std::chrono::duration<double>(t3 - last_progress).count();
         if (rank == 0 && since >= config.run().progress_interval_s()) {
+          // loss: the mean since the previous line; test_acc: the last evaluation's; samples/s:
+          // the cluster's since the previous line; MB: this worker's totals so far.
           spdlog::info(
-              "progress epoch {}/{} step {}/{} loss {:.4f} test_acc {} samples/s {:.0f} "
-              "sent {:.2f} MB recv {:.2f} MB",
+              "progress epoch {}/{} step {}/{} loss {:.4f} test_acc {} cluster {:.0f} samples/s, "
+              "this worker sent {:.2f} MB and received {:.2f} MB in all",
               epoch + 1, epochs, step + 1, total_steps, progress_loss / progress_steps,
               test_accuracy < 0 ? std::string("n/a") : fmt::format("{:.2f}%", 100 * test_accuracy),
               static_cast<double>(progress_steps * batch * num_workers) / since, bytes_sent() / 1e6,
@@ -492,10 +494,9 @@ Status RunWorker(const proto::JobConfig& config) {
     stats.set_final_test_accuracy(test_accuracy);
     stats.set_final_train_loss(last_loss);
     stats.set_wall_s(train_s);
-    stats.set_samples_per_s(static_cast<double>(step * batch * num_workers) /
-                            std::max(train_s, 1e-9));
+    stats.set_samples_per_s(static_cast<double>(step * batch) / std::max(train_s, 1e-9));
     spdlog::info(
-        "training done: {} steps in {:.1f} s, {:.0f} samples/s (cluster), sent {:.0f} B/step, "
+        "training done: {} steps in {:.1f} s, {:.0f} samples/s on this worker, sent {:.0f} B/step, "
         "received {:.0f} B/step{}",
         step, train_s, stats.samples_per_s(),
         step ? static_cast<double>(bytes_sent()) / static_cast<double>(step) : 0.0,

@@ -71,7 +71,7 @@ TEST(Launcher, CnnConfigTrains) {
   EXPECT_THAT(worker, HasSubstr("model: CNN 28x28 conv5x5-16 pool conv5x5-32 pool, head MLP "
                                 "1568-128-10"));
   const std::string summary = testing::ReadFile(run + "/summary.json");
-  EXPECT_THAT(summary, HasSubstr("\"num_params\": \"215370\""));
+  EXPECT_THAT(summary, HasSubstr("\"num_params\": 215370,"));
   // 40 steps from 10% (chance): measured 71.8% on the CPU.
   const size_t at = summary.find("\"final_test_accuracy\": ");
   ASSERT_NE(at, std::string::npos) << summary;

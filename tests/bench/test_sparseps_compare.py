@@ -1,0 +1,153 @@
+"""bench/sparseps-compare on synthetic run directories: the numbers it writes to results.csv and
+results.md (median and p90 step time, the ratio to gloo, bytes per worker per step, time to the
+target accuracy or "not reached", final accuracy) are checked against values computed by hand.
+Run by ctest (tests/CMakeLists.txt) with Debian's python3 -m pytest."""
+import csv
+import importlib.machinery
+import importlib.util
+import os
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCE = os.path.join(HERE, "..", "..")
+
+
+def load_driver():
+    path = os.path.join(SOURCE, "bench", "sparseps-compare")
+    loader = importlib.machinery.SourceFileLoader("sparseps_compare", path)
+    spec = importlib.util.spec_from_loader("sparseps_compare", loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+driver = load_driver()
+
+METRICS = ["step", "epoch", "loss", "bytes_sent", "bytes_received", "selected", "compute_ms",
+           "encode_ms", "comm_ms", "wall_s", "applied", "topk_mass"]
+EVALS = ["epoch", "step", "wall_s", "test_loss", "test_accuracy", "train_s"]
+
+
+def write_csv(path, columns, rows):
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(columns)
+        w.writerows(rows)
+
+
+def make_run(run_dir, steps, step_ms, sent, received, evals, workers=2):
+    """A run directory as the workers write it. Step i (1-based) of every worker takes
+    compute 10 ms, encode 5 ms and comm step_ms(i) - 15 ms, and moves sent(w, i) and
+    received(w, i) bytes; evals are (train_s, test_accuracy) pairs."""
+    os.makedirs(run_dir)
+    for w in range(workers):
+        rows = [[i, 1, 1.0, sent(w, i), received(w, i), 10, 10.0, 5.0, step_ms(i) - 15.0,
+                 0.01 * i, -1, -1] for i in range(1, steps + 1)]
+        write_csv(os.path.join(run_dir, f"metrics-worker-{w}.csv"), METRICS, rows)
+    write_csv(os.path.join(run_dir, "eval-worker-0.csv"), EVALS,
+              [[1, 10 * (j + 1), t + 1.0, 0.5, acc, t] for j, (t, acc) in enumerate(evals)])
+
+
+def test_summarize_computes_the_figures(tmp_path):
+    run = str(tmp_path / "ps_topk")
+    # 20 steps: the first 2 (a tenth) are warm-up and left out. Steps 3..20 take 103..120 ms.
+    make_run(run, 20, step_ms=lambda i: 100.0 + i, sent=lambda w, i: 1000 * (w + 1),
+             received=lambda w, i: 4000 + i,
+             evals=[(1.5, 0.62), (3.0, 0.81), (4.5, 0.85)])
+    r = driver.summarize("ps_topk", run, target=0.80, workers=2)
+    assert r["steps"] == 20
+    # 18 values 103..120: median (111 + 112) / 2; p90 the value at index round(0.9 * 17) = 15.
+    assert r["step_ms_median"] == pytest.approx(111.5)
+    assert r["step_ms_p90"] == pytest.approx(118.0)
+    assert r["compute_ms_median"] == 10.0
+    assert r["encode_ms_median"] == 5.0
+    assert r["comm_ms_median"] == pytest.approx(96.5)
+    # Mean over both workers' steps 3..20: (1000 + 2000) / 2; received 4000 + mean(3..20).
+    assert r["sent_bytes_per_step"] == pytest.approx(1500.0)
+    assert r["received_bytes_per_step"] == pytest.approx(4011.5)
+    # The first evaluation at or above the target, on the training clock.
+    assert r["time_to_target_s"] == 3.0
+    assert r["final_accuracy"] == 0.85
+    assert r["train_s"] == 4.5
+    assert r["curve"] == [(1.5, 0.62), (3.0, 0.81), (4.5, 0.85)]
+
+
+def test_target_not_reached_and_missing_runs(tmp_path):
+    run = str(tmp_path / "slow")
+    make_run(run, 10, step_ms=lambda i: 50.0, sent=lambda w, i: 1, received=lambda w, i: 1,
+             evals=[(1.0, 0.5), (2.0, 0.7)])
+    r = driver.summarize("slow", run, target=0.80, workers=2)
+    assert r["time_to_target_s"] != r["time_to_target_s"]  # NaN: never reached
+    assert r["final_accuracy"] == 0.7
+    assert driver.summarize("none", str(tmp_path / "absent"), 0.8, 2) is None
+
+
+def read_results(out):
+    with open(os.path.join(out, "results.csv")) as f:
+        return {r["setting"]: r for r in csv.DictReader(f)}
+
+
+def test_outputs_hold_the_ratio_to_gloo_and_every_number(tmp_path):
+    out = str(tmp_path / "out")
+    os.makedirs(out)
+    results = []
+    for name, ms, evals in [("gloo", 200.0, [(5.0, 0.79), (10.0, 0.82)]),
+                            ("ps_topk", 50.0, [(1.0, 0.81), (2.0, 0.84)]),
+                            ("exdyna", 40.0, [(1.0, 0.6), (2.0, 0.7)])]:
+        run = str(tmp_path / name)
+        make_run(run, 10, step_ms=lambda i, ms=ms: ms, sent=lambda w, i: 2500,
+                 received=lambda w, i: 3500, evals=evals)
+        results.append(driver.summarize(name, run, target=0.8, workers=2))
+    cfg = {"name": "synthetic", "target_accuracy": 0.8}
+    header = ["machine: test", "network: loopback (unshaped)", "model: MLP; density 0.01",
+              "command: test"]
+    driver.write_outputs(out, cfg, header, results)
+
+    csv_rows = read_results(out)
+    assert list(csv_rows) == ["gloo", "ps_topk", "exdyna"]
+    assert float(csv_rows["ps_topk"]["step_ms_median"]) == 50.0
+    assert float(csv_rows["gloo"]["time_to_target_s"]) == 10.0
+    assert csv_rows["exdyna"]["time_to_target_s"] == "nan"
+    assert float(csv_rows["exdyna"]["final_accuracy"]) == 0.7
+    assert float(csv_rows["ps_topk"]["sent_bytes_per_step"]) == 2500.0
+
+    with open(os.path.join(out, "results.md")) as f:
+        md = f.read()
+    assert "# synthetic" in md
+    assert "- machine: test" in md
+    assert "| setting | step ms (median) | p90 | vs gloo |" in md
+    assert "time to 80% (s)" in md
+    assert "| gloo | 200.0 | 200.0 | 1.00x | 10 / 5 / 185 | 2.5 | 3.5 | 10.0 | 82.00% |" in md
+    assert "| ps_topk | 50.0 | 50.0 | 0.25x | 10 / 5 / 35 | 2.5 | 3.5 | 1.0 | 84.00% |" in md
+    assert "| exdyna | 40.0 | 40.0 | 0.20x | 10 / 5 / 25 | 2.5 | 3.5 | not reached | 70.00% |" in md
+    for png in ("step_time.png", "bytes.png", "accuracy.png"):
+        assert os.path.getsize(os.path.join(out, png)) > 1000, png
+
+
+def test_without_gloo_there_is_no_ratio(tmp_path):
+    out = str(tmp_path / "out")
+    os.makedirs(out)
+    run = str(tmp_path / "ring")
+    make_run(run, 10, step_ms=lambda i: 30.0, sent=lambda w, i: 1, received=lambda w, i: 1,
+             evals=[(1.0, 0.9)])
+    driver.write_outputs(out, {"name": "x"}, ["m", "n", "o", "c"],
+                         [driver.summarize("ring", run, 0.8, 2)])
+    with open(os.path.join(out, "results.md")) as f:
+        assert "| ring | 30.0 | 30.0 |  | 10 / 5 / 15 |" in f.read()
+
+
+def test_bad_comparison_configs_are_refused_naming_the_key(tmp_path, capsys):
+    def refused(text):
+        path = tmp_path / "cmp.yaml"
+        path.write_text(text)
+        with pytest.raises(SystemExit) as e:
+            driver.load_config(str(path))
+        assert e.value.code == 2
+        return capsys.readouterr().err
+
+    assert "unknown key 'setings'" in refused("job: j.yaml\nworkers: 2\nsetings: []\n")
+    assert "key 'workers' is missing" in refused("job: j.yaml\nsettings: []\n")
+    assert "name 'a' used twice" in refused(
+        "job: j.yaml\nworkers: 2\nsettings:\n  - {name: a}\n  - {name: a}\n")
+    assert "settings[0] needs a name" in refused("job: j.yaml\nworkers: 2\nsettings:\n  - {}\n")
