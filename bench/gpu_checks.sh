@@ -56,7 +56,7 @@ while [[ $# -gt 0 ]]; do
     --ncu) steps+=",ncu"; shift ;;
     --train) train_runs="$2"; shift 2 ;;
     --devices) devices="$2"; shift 2 ;;
-    -h|--help) sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) awk 'NR == 1 { next } /^#/ { sub(/^# ?/, ""); print; next } { exit }' "$0"; exit 0 ;;
     *) echo "gpu_checks.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done

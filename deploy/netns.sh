@@ -12,8 +12,13 @@
 #   deploy/netns.sh check              # exit 0 when ip netns works here, else 1 with the reason
 set -euo pipefail
 
+usage() { awk 'NR == 1 { next } /^#/ { sub(/^# ?/, ""); print; next } { exit }' "$0"; }
 cmd="${1:-}"
 [[ $# -gt 0 ]] && shift
+case "$cmd" in
+  -h|--help|help) usage; exit 0 ;;
+  "") usage >&2; exit 2 ;;
+esac
 hosts=2
 rate=1gbit
 delay=""
@@ -27,7 +32,7 @@ while [[ $# -gt 0 ]]; do
     --delay) delay="$2"; shift 2 ;;
     --prefix) prefix="$2"; shift 2 ;;
     --subnet) subnet="$2"; shift 2 ;;
-    -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) usage; exit 0 ;;
     *) args=("$@"); break ;;  # HOST and CMD: taken verbatim (options come first)
   esac
 done

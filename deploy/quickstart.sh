@@ -8,6 +8,15 @@
 #   deploy/quickstart.sh --config configs/quickstart_dense.yaml
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+for a in "$@"; do
+  if [[ "$a" == -h || "$a" == --help ]]; then
+    awk 'NR == 1 { next } /^#/ { sub(/^# ?/, ""); print; next } { exit }' "$0"
+    echo
+    echo "deploy/launch.sh's options, which quickstart.sh passes on:"
+    "$here/deploy/launch.sh" --help | sed 's/^/  /'
+    exit 0
+  fi
+done
 "$here/deploy/install-deps.sh"
 echo "quickstart: building into $here/build (log: ${TMPDIR:-/tmp}/sparseps-build.log)"
 "$here/deploy/build.sh" "$here/build" >"${TMPDIR:-/tmp}/sparseps-build.log" 2>&1 || {

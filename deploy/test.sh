@@ -12,6 +12,10 @@
 #   deploy/test.sh -R Codec        # extra arguments go to ctest
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then
+  awk 'NR == 1 { next } /^#/ { sub(/^# ?/, ""); print; next } { exit }' "$0"
+  exit 0
+fi
 "$here/deploy/install-deps.sh"
 jobs="$(nproc)"
 

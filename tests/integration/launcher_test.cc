@@ -219,5 +219,29 @@ TEST(Daemons, ErrorsGoToStderrAndTheRestToStdout) {
                     ::testing::Not(HasSubstr("[info]"))));
 }
 
+
+// Every script's --help: exit 0, the header comment as text (no line of code), and nothing done:
+// quickstart.sh neither installs nor builds, netns.sh needs no root.
+TEST(Scripts, HelpPrintsUsageAndDoesNothingElse) {
+  const std::string root = SPARSEPS_SOURCE_DIR;
+  for (const std::string script :
+       {"deploy/launch.sh", "deploy/netns.sh", "deploy/quickstart.sh", "deploy/test.sh",
+        "bench/gpu_checks.sh", "bench/gpu_bundle.sh"}) {
+    int rc = -1;
+    const std::string out = Stdout("bash " + root + "/" + script + " --help 2>&1", &rc);
+    EXPECT_EQ(rc, 0) << script << ":\n" << out;
+    EXPECT_GT(out.size(), 200u) << script;
+    EXPECT_THAT(out, HasSubstr(script)) << script << " --help does not show its own usage";
+    for (const char* code : {"set -", "#!/", "here=", "$(", "esac"}) {
+      EXPECT_THAT(out, ::testing::Not(HasSubstr(code))) << script << " --help prints code";
+    }
+    EXPECT_THAT(out, ::testing::Not(HasSubstr("install-deps:"))) << script;
+    EXPECT_THAT(out, ::testing::Not(HasSubstr("building"))) << script;
+  }
+  int rc = -1;
+  Stdout("bash " + root + "/deploy/netns.sh 2>&1", &rc);
+  EXPECT_EQ(rc, 2) << "netns.sh without a command";
+}
+
 }  // namespace
 }  // namespace sparseps
