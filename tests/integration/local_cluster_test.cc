@@ -21,6 +21,7 @@ namespace sparseps {
 namespace {
 
 using testing::ChildProcess;
+using testing::CsvColumn;
 using testing::TempDir;
 
 constexpr double kHardTimeoutS = 120;
@@ -72,29 +73,6 @@ Cluster Start(const TempDir& dir, const std::string& config, int servers, int wo
         dir.path() + "/worker-" + std::to_string(w) + ".log", env));
   }
   return c;
-}
-
-// Column `name` of a CSV file as doubles. A missing file, a missing column or a row without
-// that cell fails the test (fatally: call through ASSERT_NO_FATAL_FAILURE).
-void CsvColumn(const std::string& path, const std::string& name, std::vector<double>* values) {
-  std::ifstream in(path);
-  ASSERT_TRUE(in) << path << " is missing";
-  std::string line;
-  ASSERT_TRUE(std::getline(in, line)) << path << " is empty";
-  std::vector<std::string> header;
-  std::stringstream hs(line);
-  for (std::string cell; std::getline(hs, cell, ',');) header.push_back(cell);
-  const auto it = std::find(header.begin(), header.end(), name);
-  ASSERT_NE(it, header.end()) << path << " has no column '" << name << "'; header: " << line;
-  const size_t col = static_cast<size_t>(it - header.begin());
-  values->clear();
-  while (std::getline(in, line)) {
-    std::vector<std::string> cells;
-    std::stringstream ls(line);
-    for (std::string cell; std::getline(ls, cell, ',');) cells.push_back(cell);
-    ASSERT_GT(cells.size(), col) << path << ": a row without column '" << name << "': " << line;
-    values->push_back(std::stod(cells[col]));
-  }
 }
 
 // The helper itself: a column that is not there fails instead of reading another one (in PS

@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <csignal>
@@ -119,6 +120,27 @@ std::string WaitForFile(const std::string& path, double timeout_s) {
 
 std::string BinaryPath(const std::string& relative) {
   return std::string(SPARSEPS_BINARY_DIR) + "/" + relative;
+}
+
+void CsvColumn(const std::string& path, const std::string& name, std::vector<double>* values) {
+  std::ifstream in(path);
+  ASSERT_TRUE(in) << path << " is missing";
+  std::string line;
+  ASSERT_TRUE(std::getline(in, line)) << path << " is empty";
+  std::vector<std::string> header;
+  std::stringstream hs(line);
+  for (std::string cell; std::getline(hs, cell, ',');) header.push_back(cell);
+  const auto it = std::find(header.begin(), header.end(), name);
+  ASSERT_NE(it, header.end()) << path << " has no column '" << name << "'; header: " << line;
+  const size_t col = static_cast<size_t>(it - header.begin());
+  values->clear();
+  while (std::getline(in, line)) {
+    std::vector<std::string> cells;
+    std::stringstream ls(line);
+    for (std::string cell; std::getline(ls, cell, ',');) cells.push_back(cell);
+    ASSERT_GT(cells.size(), col) << path << ": a row without column '" << name << "': " << line;
+    values->push_back(std::stod(cells[col]));
+  }
 }
 
 }  // namespace sparseps::testing

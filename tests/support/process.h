@@ -53,6 +53,10 @@ class TempDir {
 std::string ReadFile(const std::string& path);
 // Waits up to timeout_s for path to exist with non-empty content and returns it (empty on timeout).
 std::string WaitForFile(const std::string& path, double timeout_s);
+// Column `name` of a CSV file (header row first) as doubles into *values. A missing file, a
+// missing column or a row without that cell fails the test fatally: call it through
+// ASSERT_NO_FATAL_FAILURE.
+void CsvColumn(const std::string& path, const std::string& name, std::vector<double>* values);
 // Path of a built daemon, e.g. BinaryPath("server/sparseps-server").
 std::string BinaryPath(const std::string& relative);
 
