@@ -10,6 +10,7 @@
 #include <cstdlib>
 
 #include "common/config.h"
+#include "common/metrics.h"
 #include "common/van.h"
 
 namespace sparseps {
@@ -123,6 +124,13 @@ int DaemonMain(int argc, char** argv, const std::string& name, const std::string
                config_path.empty() ? "(defaults)" : config_path);
   for (const auto& line : DescribeConfig(*config)) spdlog::info("  {}", line);
 
+  // Each host's processes write into run.dir on that host: make it there, whoever starts first.
+  if (const std::string& dir = config->run().dir(); !dir.empty()) {
+    if (Status d = EnsureDirectory(dir); !d.ok()) {
+      spdlog::error("{} failed: run.dir: {}", name, d.message());
+      return ExitCodeFor(Status::InvalidArgument(d.message()));
+    }
+  }
   InstallStopHandlers();
   // Before the body starts any thread (ZeroMQ's, OpenBLAS's); after --get, whose output scripts
   // read, so that a warning never lands in it.

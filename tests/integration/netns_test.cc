@@ -7,7 +7,12 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <sstream>
 #include <string>
+#include <vector>
 
 #include "tests/support/process.h"
 
@@ -71,6 +76,134 @@ TEST(EmulatedNetwork, ShapedLinkCarriesItsRateAndIsRemovedAfterwards) {
     EXPECT_GT(bps, 0.9 * 500e6) << json.substr(0, 2000);
     EXPECT_LT(bps, 1.1 * 500e6) << json.substr(0, 2000);
     server.Wait(10);
+  }
+  std::string list;
+  Shell("ip netns list", &list);
+  EXPECT_EQ(list.find(prefix), std::string::npos) << "namespaces left behind: " << list;
+}
+
+bool HaveData() {
+  return std::filesystem::exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz");
+}
+
+// deploy/launch.sh --netns: each process runs on its emulated host and binds and announces that
+// host's address (server 0 on host 1, worker w on host 2 + w), and the job trains across them.
+TEST(EmulatedNetwork, LaunchPlacesEachProcessOnItsHost) {
+  std::string why;
+  if (Shell(kScript + " check", &why) != 0)
+    GTEST_SKIP() << "network namespaces unavailable: " << why;
+  if (!HaveData()) GTEST_SKIP() << "Fashion-MNIST not installed";
+  const std::string prefix = "spl" + std::to_string(getpid());
+  {
+    Teardown guard{prefix};
+    std::string out;
+    ASSERT_EQ(Shell(kScript + " up --hosts 3 --rate 1gbit --prefix " + prefix, &out), 0) << out;
+    testing::TempDir dir("launch-netns");
+    const std::string run = dir.path() + "/run";
+    testing::ChildProcess p({"/bin/bash",   std::string(SPARSEPS_SOURCE_DIR) + "/deploy/launch.sh",
+                             "--build-dir", SPARSEPS_BINARY_DIR,
+                             "--run-dir",   run,
+                             "--netns",     prefix,
+                             "--set",       "model.hidden=[32]",
+                             "--set",       "data.max_train_samples=2048",
+                             "--set",       "data.max_test_samples=500",
+                             "--set",       "train.max_steps=30",
+                             "--set",       "cluster.num_servers=1",
+                             "--set",       "cluster.num_workers=2"},
+                            dir.path() + "/launch.log");
+    ASSERT_EQ(p.Wait(180), 0) << p.Log();
+    EXPECT_NE(testing::ReadFile(run + "/summary.json").find("\"status\": \"ok\""),
+              std::string::npos);
+    const std::string server = testing::ReadFile(run + "/server-0.log");
+    EXPECT_NE(server.find("server data socket on tcp://10.77.0.1:"), std::string::npos) << server;
+    const std::string scheduler = testing::ReadFile(run + "/scheduler.log");
+    EXPECT_NE(scheduler.find("scheduler listening on tcp://10.77.0.1:"), std::string::npos)
+        << scheduler;
+    for (const char* host : {"at 10.77.0.2:", "at 10.77.0.3:"}) {
+      EXPECT_NE(scheduler.find(host), std::string::npos) << host << " in\n" << scheduler;
+    }
+  }
+  std::string list;
+  Shell("ip netns list", &list);
+  EXPECT_EQ(list.find(prefix), std::string::npos) << "namespaces left behind: " << list;
+}
+
+// The shell blocks of docs/user-guide.md that follow "<!-- netns_test: host N -->", by N.
+std::map<int, std::string> GuideBlocks() {
+  std::map<int, std::string> blocks;
+  std::istringstream in(
+      testing::ReadFile(std::string(SPARSEPS_SOURCE_DIR) + "/docs/user-guide.md"));
+  const std::string marker = "<!-- netns_test: host ";
+  int host = 0;
+  bool inside = false;
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind(marker, 0) == 0) {
+      host = std::atoi(line.c_str() + marker.size());
+    } else if (host > 0 && !inside && line.rfind("```", 0) == 0) {
+      inside = true;
+    } else if (inside && line.rfind("```", 0) == 0) {
+      inside = false;
+      host = 0;
+    } else if (inside) {
+      blocks[host] += line + "\n";
+    }
+  }
+  return blocks;
+}
+
+// The user guide's two-host example, its commands read from the guide and run as written, each
+// host's block in its own network namespace and its own directory (its own "disk", holding the
+// repository's build/ and configs/): every process exits 0, host 1 has the summary, host 2 worker
+// 1's metrics.
+TEST(EmulatedNetwork, TwoHostsByHandAsTheUserGuideSays) {
+  std::string why;
+  if (Shell(kScript + " check", &why) != 0)
+    GTEST_SKIP() << "network namespaces unavailable: " << why;
+  if (!HaveData()) GTEST_SKIP() << "Fashion-MNIST not installed";
+  const auto blocks = GuideBlocks();
+  ASSERT_EQ(blocks.size(), 2u) << "docs/user-guide.md: two marked blocks expected";
+  const std::string prefix = "sph" + std::to_string(getpid());
+  {
+    Teardown guard{prefix};
+    std::string out;
+    // The guide's addresses are the emulator's default subnet, 10.77.0.1 and .2.
+    ASSERT_EQ(Shell(kScript + " up --hosts 2 --rate 1gbit --prefix " + prefix, &out), 0) << out;
+    testing::TempDir dir("two-hosts");
+    std::vector<std::unique_ptr<testing::ChildProcess>> hosts;
+    for (const auto& [host, commands] : blocks) {
+      const std::string root = dir.path() + "/host" + std::to_string(host);
+      std::filesystem::create_directories(root);
+      std::filesystem::create_directory_symlink(SPARSEPS_BINARY_DIR, root + "/build");
+      std::filesystem::create_directory_symlink(std::string(SPARSEPS_SOURCE_DIR) + "/configs",
+                                                root + "/configs");
+      hosts.push_back(std::make_unique<testing::ChildProcess>(
+          std::vector<std::string>{"/usr/sbin/ip", "netns", "exec",
+                                   prefix + "-h" + std::to_string(host), "/bin/bash", "-e", "-c",
+                                   "cd " + root + "\n" + commands},
+          root + "/shell.log", std::vector<std::string>{"OPENBLAS_NUM_THREADS=1"},
+          /*own_group=*/true));
+    }
+    for (size_t h = 0; h < hosts.size(); ++h) {
+      const std::string root = dir.path() + "/host" + std::to_string(h + 1);
+      EXPECT_EQ(hosts[h]->Wait(240), 0)
+          << "host " << h + 1 << ": " << hosts[h]->Log() << "\n"
+          << testing::ReadFile(root + "/scheduler.log") << testing::ReadFile(root + "/server.log")
+          << testing::ReadFile(root + "/worker-" + std::to_string(h) + ".log");
+    }
+    const std::string run1 = dir.path() + "/host1/runs/two_hosts";
+    const std::string run2 = dir.path() + "/host2/runs/two_hosts";
+    const std::string summary = testing::ReadFile(run1 + "/summary.json");
+    EXPECT_NE(summary.find("\"status\": \"ok\""), std::string::npos) << summary;
+    const size_t at = summary.find("\"final_test_accuracy\": ");
+    ASSERT_NE(at, std::string::npos) << summary;
+    EXPECT_GT(std::stod(summary.substr(at + 23)), 0.8) << summary;  // 85.9% on loopback
+    EXPECT_TRUE(std::filesystem::exists(run1 + "/metrics-worker-0.csv"));
+    EXPECT_TRUE(std::filesystem::exists(run1 + "/eval-worker-0.csv"));
+    EXPECT_FALSE(std::filesystem::exists(run1 + "/metrics-worker-1.csv"));
+    std::vector<double> steps;
+    testing::CsvColumn(run2 + "/metrics-worker-1.csv", "step", &steps);
+    EXPECT_EQ(steps.size(), 468u) << "one epoch: 60000 / 2 workers / 64 per batch";
+    EXPECT_FALSE(std::filesystem::exists(run2 + "/summary.json"));
   }
   std::string list;
   Shell("ip netns list", &list);

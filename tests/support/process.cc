@@ -22,8 +22,8 @@ extern char** environ;
 namespace sparseps::testing {
 
 ChildProcess::ChildProcess(std::vector<std::string> argv, const std::string& log_path,
-                           const std::vector<std::string>& env)
-    : log_path_(log_path) {
+                           const std::vector<std::string>& env, bool own_group)
+    : own_group_(own_group), log_path_(log_path) {
   std::vector<char*> args;
   for (auto& a : argv) args.push_back(a.data());
   args.push_back(nullptr);
@@ -40,7 +40,14 @@ ChildProcess::ChildProcess(std::vector<std::string> argv, const std::string& log
                                    O_WRONLY | O_CREAT | O_TRUNC, 0644);
   posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
   posix_spawn_file_actions_addclose(&actions, STDIN_FILENO);
-  int rc = posix_spawn(&pid_, args[0], &actions, nullptr, args.data(), envp.data());
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  if (own_group) {
+    posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP);
+    posix_spawnattr_setpgroup(&attr, 0);
+  }
+  int rc = posix_spawn(&pid_, args[0], &actions, &attr, args.data(), envp.data());
+  posix_spawnattr_destroy(&attr);
   posix_spawn_file_actions_destroy(&actions);
   if (rc != 0) {
     pid_ = -1;
@@ -48,11 +55,17 @@ ChildProcess::ChildProcess(std::vector<std::string> argv, const std::string& log
   }
 }
 
+void ChildProcess::Kill(int sig) {
+  if (pid_ > 0) ::kill(own_group_ ? -pid_ : pid_, sig);
+}
+
 ChildProcess::~ChildProcess() {
   if (Running()) {
-    ::kill(pid_, SIGKILL);
+    Kill(SIGKILL);
     int st = 0;
     ::waitpid(pid_, &st, 0);
+  } else if (own_group_) {
+    Kill(SIGKILL);  // what the shell left running in the background
   }
 }
 
@@ -70,7 +83,7 @@ int ChildProcess::Wait(double timeout_s) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
   while (Running()) {
     if (std::chrono::steady_clock::now() > deadline) {
-      ::kill(pid_, SIGKILL);
+      Kill(SIGKILL);
       int st = 0;
       ::waitpid(pid_, &st, 0);
       status_ = 255;

@@ -14,9 +14,11 @@ namespace sparseps::testing {
 class ChildProcess {
  public:
   // Starts argv[0] (a path) with the arguments and extra environment entries ("K=V").
-  // The test fails (ADD_FAILURE) when the program cannot be started.
+  // The test fails (ADD_FAILURE) when the program cannot be started. With `own_group` the child
+  // leads a process group of its own, and every kill (the destructor's, Wait's at the deadline)
+  // goes to the whole group: for a shell that starts processes in the background.
   ChildProcess(std::vector<std::string> argv, const std::string& log_path,
-               const std::vector<std::string>& env = {});
+               const std::vector<std::string>& env = {}, bool own_group = false);
   ~ChildProcess();
   ChildProcess(const ChildProcess&) = delete;
   ChildProcess& operator=(const ChildProcess&) = delete;
@@ -33,7 +35,11 @@ class ChildProcess {
   std::string Log() const;
 
  private:
+  // Sends sig to the child, or to its process group with own_group.
+  void Kill(int sig);
+
   pid_t pid_ = -1;
+  bool own_group_ = false;
   int status_ = -1;  // exit code once reaped
   std::string log_path_;
 };
