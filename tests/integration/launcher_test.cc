@@ -217,6 +217,12 @@ TEST(Daemons, ErrorsGoToStderrAndTheRestToStdout) {
   EXPECT_THAT(Stdout(scheduler + " 2>&1 >/dev/null", &rc),
               AllOf(HasSubstr("[error]"), HasSubstr("registration timed out after"),
                     ::testing::Not(HasSubstr("[info]"))));
+  // run.log_level: at warn, the info lines are gone and the error stays.
+  const std::string quiet = Stdout(scheduler + " --set run.log_level=warn 2>&1", &rc);
+  EXPECT_EQ(rc, 1);
+  EXPECT_THAT(quiet, ::testing::Not(HasSubstr("[info]")));
+  EXPECT_THAT(quiet, HasSubstr("[error]"));
+  EXPECT_THAT(Stdout(scheduler + " --set run.log_level=debug 2>&1", &rc), HasSubstr("[info]"));
 }
 
 // Every script's --help: exit 0, the header comment as text (no line of code), and nothing done:
