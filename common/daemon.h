@@ -12,8 +12,9 @@ namespace sparseps {
 
 // Parses `--config FILE` and repeated `--set key=value`, loads and validates the config (env
 // included), sets up logging at run.log_level, logs every resolved key, creates run.dir (when
-// set) on this host, installs the SIGINT/SIGTERM stop handlers and runs `body`. Returns the process exit code: 0 on success, 2 for a bad
-// command line, config or input (InvalidArgument), 1 for any other error (logged first).
+// set) on this host, installs the SIGINT/SIGTERM stop handlers and runs `body`. Returns the process
+// exit code: 0 on success, 2 for a bad command line, config or input (InvalidArgument), 1 for any
+// other error (logged first).
 int DaemonMain(int argc, char** argv, const std::string& name, const std::string& description,
                const std::function<Status(const proto::JobConfig&)>& body);
 
