@@ -98,13 +98,30 @@ Status DeviceBuffer::UploadKeys(const float* host, std::span<const uint32_t> key
 }
 
 Status DeviceBuffer::Axpy(float a, const DeviceBuffer& x) {
+  return DeviceAxpy(a, x.data(), data_, size_);
+}
+
+Status DeviceAxpy(float a, const float* x, float* y, size_t n) {
 #if SPARSEPS_HAVE_CUDA
-  SPARSEPS_RETURN_IF_ERROR(
-      CudaStatus(kernels::gpu::Axpy(a, x.data(), data_, size_, nullptr), "axpy"));
+  SPARSEPS_RETURN_IF_ERROR(CudaStatus(kernels::gpu::Axpy(a, x, y, n, nullptr), "axpy"));
   return CudaStatus(cudaStreamSynchronize(nullptr), "axpy");
 #else
   (void)a;
   (void)x;
+  (void)y;
+  (void)n;
+  return NoCuda();
+#endif
+}
+
+Status DeviceDownload(const float* device, float* host, size_t n) {
+#if SPARSEPS_HAVE_CUDA
+  return CudaStatus(cudaMemcpy(host, device, n * sizeof(float), cudaMemcpyDeviceToHost),
+                    "copying from the device");
+#else
+  (void)device;
+  (void)host;
+  (void)n;
   return NoCuda();
 #endif
 }

@@ -46,6 +46,13 @@ class DeviceBuffer {
   size_t scratch_cap_ = 0, staging_cap_ = 0;
 };
 
+// y += a * x over n floats of device memory; synchronous. Errors: FailedPrecondition (CUDA's, or
+// no CUDA in this build).
+Status DeviceAxpy(float a, const float* x, float* y, size_t n);
+
+// Copies n floats of device memory to the host (synchronous). Errors as DeviceAxpy.
+Status DeviceDownload(const float* device, float* host, size_t n);
+
 // Which parameters changed since a device copy was last brought up to date: the keys of pull
 // replies and of applied sparse updates, or all of them (at the start, after a dense change, or
 // once the keys pass a quarter of the vector, where one dense copy beats a scatter).

@@ -149,8 +149,8 @@ Status PsClient::ApplyPullReply(Peer& peer, const Message& msg, float* params) {
     }
     std::copy(p.dense.begin(), p.dense.end(), base);
   } else {
-    for (size_t j = 0; j < p.indices.size(); ++j) base[p.indices[j]] = p.values[j];
     if (on_changed_) on_changed_(peer.range.begin, p.indices);
+    for (size_t j = 0; j < p.indices.size(); ++j) base[p.indices[j]] = p.values[j];
   }
   peer.version = msg.header.version();
   return Status::OK();

@@ -43,8 +43,9 @@ class PsClient {
   Status PushPull(int64_t iteration, std::vector<Message>& pushes, float* params);
 
   // Called for every pull reply with the range's first key and the keys (relative to it) whose
-  // value changed: the reply's keys when sparse, the keys whose value differs when dense. The
-  // sketch compressor zeroes its residual there.
+  // value changes: the reply's keys when sparse, the keys whose value differs when dense; before
+  // the new values are written, so the old ones can still be read. The sketch compressor zeroes
+  // its residual there.
   using ChangedCallback = std::function<void(uint64_t key_begin, std::span<const uint32_t> keys)>;
   void set_changed_callback(ChangedCallback cb) { on_changed_ = std::move(cb); }
 

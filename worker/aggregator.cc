@@ -1,0 +1,379 @@
+#include "worker/aggregator.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+
+#include "kernels/error_feedback.h"
+#include "worker/collectives/collective.h"
+#include "worker/collectives/ring.h"
+#include "worker/compressor.h"
+#include "worker/ps_client.h"
+#if SPARSEPS_HAVE_CUDA
+#include "worker/cuda/gpu_compressor.h"
+#endif
+
+namespace sparseps {
+namespace {
+
+double Ms(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+// collective.measure_quality: the share of the squared L2 mass of the exact global top-K of
+// `sum` (the dense sum of the workers' contributions, K = entries applied) that the update's keys
+// hold. 1 for a dense update or an empty sum.
+double TopKMassShare(const std::vector<float>& sum, const CollectiveUpdate& update) {
+  if (update.dense || update.indices.empty()) return 1.0;
+  double applied = 0.0;
+  for (uint32_t key : update.indices) applied += double{sum[key]} * sum[key];
+  std::vector<float> sq(sum.size());
+  for (size_t i = 0; i < sum.size(); ++i) sq[i] = sum[i] * sum[i];
+  const size_t k = std::min(update.indices.size(), sq.size());
+  std::nth_element(sq.begin(), sq.begin() + static_cast<std::ptrdiff_t>(k - 1), sq.end(),
+                   std::greater<float>());
+  double best = 0.0;
+  for (size_t i = 0; i < k; ++i) best += sq[i];
+  return best > 0.0 ? applied / best : 1.0;
+}
+
+// Push to the servers, pull the new parameters (PS mode).
+class PsAggregator final : public Aggregator {
+ public:
+  PsAggregator(const proto::JobConfig& config, zmq::context_t& context, size_t n, bool on_device)
+      : Aggregator(config, n, on_device), context_(context) {}
+
+  Status Connect(ControlClient* control) override {
+    control_ = control;
+    ps_ = std::make_unique<PsClient>(context_, control->membership(), control->rank(), control,
+                                     config_.cluster().request_timeout_s());
+    const auto& tc = config_.train();
+#if SPARSEPS_HAVE_CUDA
+    if (model_on_device_) {
+      auto made = MakeGpuCompressor(num_params(), config_.compression(),
+                                    static_cast<float>(tc.momentum()), static_cast<float>(tc.lr()));
+      if (!made.ok()) return made.status();
+      compressor_ = std::move(*made);
+    }
+#endif
+    if (!compressor_) compressor_ = MakeCompressor(config_, num_params());
+    if (model_on_device_) {
+      spdlog::info("compression on the {}", compressor_->on_device()
+                                                ? "GPU (only the encoded payload comes to the host)"
+                                                : "CPU (the gradient comes to the host)");
+    }
+    ps_->set_changed_callback([this](uint64_t begin, std::span<const uint32_t> keys) {
+      compressor_->OnChanged(begin, keys);
+      if (model_on_device_) changed_.Add(begin, keys);
+    });
+    const auto& c = config_.compression();
+    local_copy_ = c.encoding() == proto::SBC;
+    two_rounds_ =
+        c.encoding() == proto::SKETCH && c.sketch().second_round() && !c.sketch().server_momentum();
+    return Status::OK();
+  }
+
+  Status Init(const std::vector<float>& initial) override {
+    if (control_->rank() == 0) SPARSEPS_RETURN_IF_ERROR(ps_->Init(initial.data()));
+    SPARSEPS_RETURN_IF_ERROR(control_->Barrier("init", proto::WORKER));
+    SPARSEPS_RETURN_IF_ERROR(ps_->PullInitial(params_.data()));
+    if (local_copy_) local_ = params_;
+    return Status::OK();
+  }
+
+  void SetEpoch(uint32_t epoch) override { compressor_->SetEpoch(epoch); }
+  bool takes_device_gradient() const override { return compressor_->on_device(); }
+  uint64_t bytes_sent() const override { return ps_->bytes_sent(); }
+  uint64_t bytes_received() const override { return ps_->bytes_received(); }
+
+ protected:
+  float* local_params() override { return local_copy_ ? local_.data() : nullptr; }
+  bool local_on_device() const override { return local_copy_ && compressor_->on_device(); }
+
+  Status Aggregate(float* grad, bool on_device, StepStats* stats) override {
+    const auto t0 = Clock::now();
+    auto t1 = t0;
+    // SBC trains its local copy between pushes: on the device copy with the device compressor.
+    float* trained = on_device ? params_d_.data() : local_copy_ ? local_.data() : params_.data();
+    if (compressor_->LocalStep(grad, trained)) {
+      pushes_.clear();
+      SPARSEPS_RETURN_IF_ERROR(compressor_->Compress(grad, ps_->ranges(), &pushes_));
+      t1 = Clock::now();
+      if (two_rounds_) {
+        SPARSEPS_RETURN_IF_ERROR(ps_->SketchTwoRounds(
+            push_round_++, pushes_,
+            [&](size_t r, std::span<const uint32_t> candidates, Message* push) {
+              return compressor_->ExactValues(ps_->ranges()[r], candidates, push);
+            },
+            params_.data()));
+      } else {
+        SPARSEPS_RETURN_IF_ERROR(ps_->PushPull(push_round_++, pushes_, params_.data()));
+      }
+      if (local_copy_) {
+        // The pulled parameters replace the local copy (on the device too).
+        std::copy(params_.begin(), params_.end(), local_.begin());
+        changed_.AddAll();
+      }
+    } else {
+      t1 = Clock::now();
+    }
+    stats->selected = compressor_->last_selected();
+    stats->encode_ms = Ms(t0, t1);
+    stats->comm_ms = Ms(t1, Clock::now());
+    return Status::OK();
+  }
+
+ private:
+  zmq::context_t& context_;
+  ControlClient* control_ = nullptr;
+  std::unique_ptr<PsClient> ps_;
+  std::unique_ptr<Compressor> compressor_;
+  bool local_copy_ = false;   // SBC: the model trains `local_` between pushes
+  bool two_rounds_ = false;   // the sketch's second round
+  std::vector<float> local_;  // SBC's local copy (host)
+  std::vector<Message> pushes_;
+  int64_t push_round_ = 0;
+};
+
+// The workers sum among themselves (allreduce mode): DGC momentum correction on the worker
+// (u = m u + g; x += u), the collective takes x and leaves the residual in it, params -= lr / W *
+// update, and u is zeroed where the update applied (momentum factor masking); or, with
+// collective.momentum: aggregated, x += g and the momentum is applied to the update.
+class AllreduceAggregator final : public Aggregator {
+ public:
+  AllreduceAggregator(const proto::JobConfig& config, std::unique_ptr<PeerGroup> group, size_t n,
+                      bool on_device)
+      : Aggregator(config, n, on_device),
+        group_(std::move(group)),
+        momentum_(static_cast<float>(config.train().momentum())),
+        step_scale_(static_cast<float>(config.train().lr()) /
+                    static_cast<float>(config.cluster().num_workers())),
+        aggregated_momentum_(config.collective().momentum() == proto::AGGREGATED),
+        measure_quality_(config.collective().measure_quality()) {}
+
+  uint32_t port() const override { return group_->port(); }
+
+  Status Connect(ControlClient* control) override {
+    control_ = control;
+    const int workers = static_cast<int>(config_.cluster().num_workers());
+    std::vector<PeerGroup::PeerAddress> peers(static_cast<size_t>(workers));
+    for (const auto& node : control->membership().nodes()) {
+      if (node.role() == proto::WORKER && node.rank() >= 0 && node.rank() < workers) {
+        peers[static_cast<size_t>(node.rank())] = {node.host(), node.port()};
+      }
+    }
+    group_->Connect(control->rank(), peers);
+    group_->SetPollHook([control] { return control->Poll(); }, &control->socket());
+    auto made = MakeCollective(config_, group_.get(), num_params());
+    if (!made.ok()) return made.status();
+    collective_ = std::move(*made);
+    velocity_.assign(num_params(), 0.0f);
+    acc_.assign(num_params(), 0.0f);
+#if SPARSEPS_HAVE_CUDA
+    if (model_on_device_) {
+      const auto& c = config_.compression();
+      auto gpu = GpuContribution::Make(num_params(), c.selection(), c.sample_ratio(),
+                                       collective_->k(), momentum_, aggregated_momentum_);
+      if (!gpu.ok()) return gpu.status();
+      contribution_d_ = std::move(*gpu);
+    }
+#endif
+    if (model_on_device_) {
+      const auto a = config_.collective().algorithm();
+      spdlog::info("allreduce contribution on the GPU ({})",
+                   a == proto::TOPK_ALLGATHER || a == proto::GTOPK || a == proto::EXDYNA
+                       ? "only the selected entries come to the host"
+                       : "this collective takes all of it to the host");
+    }
+    return Status::OK();
+  }
+
+  // Every worker starts from the same seeded parameters; the collective keeps them equal.
+  Status Init(const std::vector<float>& initial) override {
+    params_ = initial;
+    changed_.AddAll();
+    return control_->Barrier("init", proto::WORKER);
+  }
+
+  void SetEpoch(uint32_t epoch) override {
+    const auto& c = config_.compression();
+    collective_->set_k(WarmupK(c.density(), c.warmup_epochs(), epoch, num_params()));
+  }
+
+  bool takes_device_gradient() const override {
+#if SPARSEPS_HAVE_CUDA
+    return contribution_d_ != nullptr;
+#else
+    return false;
+#endif
+  }
+  uint64_t bytes_sent() const override { return collective_->bytes_sent(); }
+  uint64_t bytes_received() const override { return collective_->bytes_received(); }
+
+ protected:
+  Status Aggregate(float* grad, bool on_device, StepStats* stats) override {
+    const size_t n = num_params();
+    const auto t0 = Clock::now();
+    auto t1 = t0;  // the collective starts
+    const uint32_t segment = static_cast<uint32_t>(config_.collective().segment_bytes() / 4);
+    if (on_device) {
+#if SPARSEPS_HAVE_CUDA
+      SPARSEPS_RETURN_IF_ERROR(contribution_d_->Accumulate(grad));
+      if (measure_quality_) {
+        probe_.resize(n);
+        SPARSEPS_RETURN_IF_ERROR(contribution_d_->Read(probe_.data(), /*zero=*/false));
+        SPARSEPS_RETURN_IF_ERROR(
+            RingAllreduce(group_.get(), NextProbeTag(), probe_.data(), n, segment));
+      }
+      t1 = Clock::now();
+      SPARSEPS_RETURN_IF_ERROR(collective_->Allreduce(contribution_d_.get(), &update_));
+      if (!aggregated_momentum_ && !update_.dense) {
+        SPARSEPS_RETURN_IF_ERROR(contribution_d_->MaskMomentum(update_.indices));
+      }
+#endif
+    } else {
+      if (!kernels::AllFinite(grad, n)) {
+        return Status::InvalidArgument("the gradient holds NaN or Inf; nothing was sent");
+      }
+      if (aggregated_momentum_) {
+        kernels::Axpy(1.0f, grad, acc_.data(), n);
+      } else {
+        kernels::MomentumCorrection(velocity_.data(), acc_.data(), grad, momentum_, n);
+      }
+      if (measure_quality_) {
+        probe_ = acc_;
+        SPARSEPS_RETURN_IF_ERROR(
+            RingAllreduce(group_.get(), NextProbeTag(), probe_.data(), n, segment));
+      }
+      t1 = Clock::now();
+      SPARSEPS_RETURN_IF_ERROR(collective_->Allreduce(&acc_, &update_));
+    }
+    Apply();
+    stats->encode_ms = Ms(t0, t1);
+    stats->comm_ms = Ms(t1, Clock::now());
+    if (measure_quality_) stats->topk_mass = TopKMassShare(probe_, update_);
+    stats->selected = collective_->last_selected();
+    stats->applied = static_cast<int64_t>(update_.dense ? n : update_.indices.size());
+    return Status::OK();
+  }
+
+ private:
+  // params -= lr / W * update (through the velocity with aggregated momentum); the velocity is
+  // zeroed where a sparse update applied (the device contribution masks its own).
+  void Apply() {
+    const size_t n = num_params();
+    if (aggregated_momentum_) {
+      // v = m v + update; params -= lr / W v (dense: v decays everywhere).
+      kernels::Scale(momentum_, velocity_.data(), n);
+      if (update_.dense) {
+        kernels::Axpy(1.0f, update_.sum.data(), velocity_.data(), n);
+      } else {
+        kernels::ScatterAdd(velocity_.data(), update_.indices.data(), update_.values.data(),
+                            update_.indices.size());
+      }
+      kernels::Axpy(-step_scale_, velocity_.data(), params_.data(), n);
+      changed_.AddAll();
+    } else if (update_.dense) {
+      kernels::Axpy(-step_scale_, update_.sum.data(), params_.data(), n);
+      changed_.AddAll();
+    } else {
+      for (size_t e = 0; e < update_.indices.size(); ++e) {
+        params_[update_.indices[e]] -= step_scale_ * update_.values[e];
+        velocity_[update_.indices[e]] = 0.0f;
+      }
+      if (model_on_device_) changed_.Add(0, update_.indices);
+    }
+  }
+
+  // Tags of the diagnostic ring, apart from the collective's own.
+  uint64_t NextProbeTag() {
+    const uint64_t tag = probe_tag_;
+    probe_tag_ += uint64_t{1} << 32;
+    return tag;
+  }
+
+  std::unique_ptr<PeerGroup> group_;
+  ControlClient* control_ = nullptr;
+  std::unique_ptr<Collective> collective_;
+#if SPARSEPS_HAVE_CUDA
+  std::unique_ptr<GpuContribution> contribution_d_;
+#endif
+  const float momentum_;
+  const float step_scale_;
+  const bool aggregated_momentum_;
+  const bool measure_quality_;
+  std::vector<float> velocity_, acc_, probe_;
+  CollectiveUpdate update_;
+  uint64_t probe_tag_ = uint64_t{1} << 63;
+};
+
+}  // namespace
+
+Aggregator::Aggregator(const proto::JobConfig& config, size_t num_params, bool model_on_device)
+    : config_(config),
+      params_(num_params, 0.0f),
+      model_on_device_(model_on_device),
+      changed_(num_params) {}
+
+Status Aggregator::Step(float* grad, bool grad_on_device, StepStats* stats) {
+  const size_t n = num_params();
+  const uint64_t sent0 = bytes_sent(), received0 = bytes_received();
+  if (grad_on_device && !takes_device_gradient()) {
+    // The compression or the collective runs on the host: the gradient comes down (one copy).
+    grad_h_.resize(n);
+    SPARSEPS_RETURN_IF_ERROR(DeviceDownload(grad, grad_h_.data(), n));
+    grad = grad_h_.data();
+    grad_on_device = false;
+  }
+  if (const float wd = static_cast<float>(config_.train().weight_decay()); wd > 0.0f) {
+    if (grad_on_device) {
+      SPARSEPS_RETURN_IF_ERROR(DeviceAxpy(wd, params_d_.data(), grad, n));
+    } else {
+      const float* model = local_params() != nullptr ? local_params() : params_.data();
+      kernels::Axpy(wd, model, grad, n);
+    }
+  }
+  SPARSEPS_RETURN_IF_ERROR(Aggregate(grad, grad_on_device, stats));
+  stats->bytes_sent = bytes_sent() - sent0;
+  stats->bytes_received = bytes_received() - received0;
+  return Status::OK();
+}
+
+Result<const float*> Aggregator::ModelParams() {
+  float* local = local_params();
+  if (!model_on_device_) return local != nullptr ? local : params_.data();
+  if (params_d_.size() != num_params()) SPARSEPS_RETURN_IF_ERROR(params_d_.Allocate(num_params()));
+  // A local copy trained on the host goes up whole; otherwise what changed goes up.
+  const bool host_local = local != nullptr && !local_on_device();
+  if (host_local) changed_.AddAll();
+  SPARSEPS_RETURN_IF_ERROR(
+      SyncToDevice(host_local ? local : params_.data(), &changed_, &params_d_));
+  return params_d_.data();
+}
+
+Result<const float*> Aggregator::JobParams() {
+  if (!model_on_device_) return params_.data();
+  if (local_params() != nullptr) {
+    // params_d_ holds the local copy: the job's parameters go to a buffer of their own.
+    if (eval_d_.size() != num_params()) SPARSEPS_RETURN_IF_ERROR(eval_d_.Allocate(num_params()));
+    SPARSEPS_RETURN_IF_ERROR(eval_d_.Upload(params_.data()));
+    return eval_d_.data();
+  }
+  return ModelParams();
+}
+
+Result<std::unique_ptr<Aggregator>> MakeAggregator(const proto::JobConfig& config,
+                                                   zmq::context_t& context, size_t num_params,
+                                                   bool model_on_device) {
+  if (config.aggregation() == proto::ALLREDUCE) {
+    auto group = PeerGroup::Bind(context, config.node().host(), config.collective().port(),
+                                 config.cluster().request_timeout_s());
+    if (!group.ok()) return group.status();
+    return std::unique_ptr<Aggregator>(
+        new AllreduceAggregator(config, std::move(*group), num_params, model_on_device));
+  }
+  return std::unique_ptr<Aggregator>(
+      new PsAggregator(config, context, num_params, model_on_device));
+}
+
+}  // namespace sparseps

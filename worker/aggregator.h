@@ -1,0 +1,124 @@
+// How a worker's gradients become new parameters, behind one interface, so that a training loop
+// (RunWorker, or a Python one through python/) sees parameters and a gradient and nothing of the
+// encodings or collectives:
+//   PsAggregator         compressor + PS client: push to the servers, pull the new parameters
+//                        (SBC's local copy and the sketch's second round live here);
+//   AllreduceAggregator  contribution + collective among the workers (momentum correction or
+//                        aggregated momentum, the quality probe).
+// An Aggregator owns the job's parameters as this worker holds them: a host vector that every
+// step updates, and for a model that computes on a GPU a device copy kept up to date with only
+// what changed (worker/device_buffer.h).
+//
+// Life cycle: MakeAggregator (before registering: allreduce binds its data port, which the
+// scheduler hands to the peers) -> Connect (with the membership) -> Init (the starting parameters)
+// -> Step per iteration.
+//
+// Thread-safety: one thread.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+#include <zmq.hpp>
+
+#include "common/control_client.h"
+#include "common/status.h"
+#include "proto/config.pb.h"
+#include "worker/device_buffer.h"
+
+namespace sparseps {
+
+// What one Step did, for the metrics CSV (docs/user-guide.md, "What a run writes").
+struct StepStats {
+  uint64_t bytes_sent = 0;      // during this step's communication
+  uint64_t bytes_received = 0;  //
+  size_t selected = 0;          // entries this worker selected (all of them when dense)
+  int64_t applied = -1;         // allreduce: entries the update changed; -1 in PS mode
+  double encode_ms = 0.0;       // compression (PS) or momentum correction and probe (allreduce)
+  double comm_ms = 0.0;         // communication and applying the update
+  double topk_mass = -1.0;      // collective.measure_quality only; -1 otherwise
+};
+
+class Aggregator {
+ public:
+  virtual ~Aggregator() = default;
+  Aggregator(const Aggregator&) = delete;
+  Aggregator& operator=(const Aggregator&) = delete;
+
+  // The data port to register with the scheduler (allreduce: the workers' own; PS: 0).
+  virtual uint32_t port() const { return 0; }
+
+  // Connects to the job's peers (servers, or the other workers) once the membership is known.
+  // `control` must outlive the aggregator; its socket is polled during every wait. Errors: those
+  // of making the collective (e.g. Gloo cannot connect), of device memory.
+  virtual Status Connect(ControlClient* control) = 0;
+
+  // Makes every worker start from the same parameters: *initial holds this worker's initial
+  // parameters (num_params() floats; worker 0's count: the same seed gives the same values
+  // everywhere); on return params() holds the job's. PS: worker 0 initialises the servers, every
+  // worker pulls; allreduce: the workers meet at a barrier. Errors: deadlines naming who is
+  // missing.
+  virtual Status Init(const std::vector<float>& initial) = 0;
+
+  // Sets the epoch (0-based) for the density warm-up (compression.warmup_epochs).
+  virtual void SetEpoch(uint32_t epoch) = 0;
+
+  // One aggregation of `grad` (num_params() floats; device memory when grad_on_device, which
+  // needs a CUDA build) and the update of params(). Adds train.weight_decay times the model's
+  // parameters to grad first (grad is changed then). Errors: InvalidArgument when the gradient
+  // holds NaN or Inf (nothing is sent); the communication's (deadlines naming the peer, a
+  // server's rejection, Aborted on FATAL).
+  Status Step(float* grad, bool grad_on_device, StepStats* stats);
+
+  // The parameters the model computes the next gradient at: the job's, or SBC's local copy;
+  // host memory, or a device copy brought up to date when the aggregator was made for a model on
+  // the device. Errors: CUDA's.
+  Result<const float*> ModelParams();
+
+  // The job's parameters as of the last step, where the model reads them (for evaluation).
+  Result<const float*> JobParams();
+
+  // The job's parameters in host memory (num_params() floats).
+  const std::vector<float>& params() const { return params_; }
+  size_t num_params() const { return params_.size(); }
+
+  // True when Step takes a device gradient without bringing it to the host (the compression or
+  // the contribution runs on the device).
+  virtual bool takes_device_gradient() const { return false; }
+
+  // Totals since the start.
+  virtual uint64_t bytes_sent() const = 0;
+  virtual uint64_t bytes_received() const = 0;
+
+ protected:
+  Aggregator(const proto::JobConfig& config, size_t num_params, bool model_on_device);
+
+  // The step proper: grad is in device memory exactly when takes_device_gradient() and the caller
+  // gave a device gradient; weight decay is already in.
+  virtual Status Aggregate(float* grad, bool on_device, StepStats* stats) = 0;
+
+  // Where the model's parameters are kept when they are not the job's (SBC's local copy), else
+  // null; a device model's copy is then that buffer's, or the device copy itself when
+  // local_on_device().
+  virtual float* local_params() { return nullptr; }
+  // True when the local copy is trained on the device copy itself (SBC's device compressor).
+  virtual bool local_on_device() const { return false; }
+
+  const proto::JobConfig config_;
+  std::vector<float> params_;  // the job's parameters, host
+  const bool model_on_device_;
+  DeviceBuffer params_d_;  // the model's parameters on the device (model_on_device_)
+  DeviceBuffer grad_d_;    // scratch: a host gradient going up (not used today)
+  DeviceBuffer eval_d_;    // the job's parameters for evaluation when params_d_ holds a local copy
+  ChangedKeys changed_;    // what params_d_ lacks of its source
+  std::vector<float> grad_h_;  // a device gradient brought to the host
+};
+
+// The aggregator for config.aggregation, for num_params parameters, the model computing on the
+// device when model_on_device. Binds allreduce's data port on node.host:collective.port. Errors:
+// IoError when the port cannot be bound, FailedPrecondition for device memory.
+Result<std::unique_ptr<Aggregator>> MakeAggregator(const proto::JobConfig& config,
+                                                   zmq::context_t& context, size_t num_params,
+                                                   bool model_on_device);
+
+}  // namespace sparseps

@@ -1,0 +1,100 @@
+#include "worker/training_log.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <string>
+
+namespace sparseps {
+
+TrainingLog::TrainingLog(const proto::JobConfig& config, int rank, uint64_t total_steps,
+                         uint32_t epochs)
+    : config_(config), rank_(rank), total_steps_(total_steps), epochs_(epochs) {}
+
+Status TrainingLog::Open() {
+  const std::string& dir = config_.run().dir();
+  SPARSEPS_RETURN_IF_ERROR(
+      metrics_.Open(dir.empty() ? "" : dir + "/metrics-worker-" + std::to_string(rank_) + ".csv",
+                    {"step", "epoch", "loss", "bytes_sent", "bytes_received", "selected",
+                     "compute_ms", "encode_ms", "comm_ms", "wall_s", "applied", "topk_mass"}));
+  if (rank_ == 0) {
+    SPARSEPS_RETURN_IF_ERROR(
+        evals_.Open(dir.empty() ? "" : dir + "/eval-worker-0.csv",
+                    {"epoch", "step", "wall_s", "test_loss", "test_accuracy", "train_s"}));
+  }
+  start_ = last_progress_ = Clock::now();
+  return Status::OK();
+}
+
+void TrainingLog::Step(uint64_t step, uint32_t epoch, double loss, double compute_ms,
+                       const StepStats& s, const Aggregator& aggregator) {
+  const auto now = Clock::now();
+  train_s_ = SecondsSince(start_);
+  metrics_.Row({static_cast<double>(step), static_cast<double>(epoch), loss,
+                static_cast<double>(s.bytes_sent), static_cast<double>(s.bytes_received),
+                static_cast<double>(s.selected), compute_ms, s.encode_ms, s.comm_ms, train_s_,
+                static_cast<double>(s.applied), s.topk_mass});
+  if (epoch != loss_epoch_) {
+    if (epoch_steps_ > 0) last_epoch_loss_ = epoch_loss_ / static_cast<double>(epoch_steps_);
+    loss_epoch_ = epoch;
+    epoch_loss_ = 0.0;
+    epoch_steps_ = 0;
+  }
+  epoch_loss_ += loss;
+  ++epoch_steps_;
+  progress_loss_ += loss;
+  ++progress_steps_;
+  const double since = std::chrono::duration<double>(now - last_progress_).count();
+  if (rank_ != 0 || since < config_.run().progress_interval_s()) return;
+  // loss: the mean since the previous line; test_acc: the last evaluation's; samples/s: the
+  // cluster's since the previous line; MB: this worker's totals so far.
+  const double samples = static_cast<double>(progress_steps_ * config_.train().batch_size() *
+                                             config_.cluster().num_workers());
+  spdlog::info(
+      "progress epoch {}/{} step {}/{} loss {:.4f} test_acc {} cluster {:.0f} samples/s, "
+      "this worker sent {:.2f} MB and received {:.2f} MB in all",
+      epoch, epochs_, step, total_steps_, progress_loss_ / static_cast<double>(progress_steps_),
+      test_accuracy_ < 0 ? std::string("n/a") : fmt::format("{:.2f}%", 100 * test_accuracy_),
+      samples / since, static_cast<double>(aggregator.bytes_sent()) / 1e6,
+      static_cast<double>(aggregator.bytes_received()) / 1e6);
+  last_progress_ = now;
+  progress_steps_ = 0;
+  progress_loss_ = 0.0;
+}
+
+void TrainingLog::EndEval(uint32_t epoch, uint64_t steps, double test_loss, double test_accuracy) {
+  const double took = SecondsSince(eval_start_);
+  const double wall = SecondsSince(start_);
+  test_accuracy_ = test_accuracy;
+  evals_.Row({static_cast<double>(epoch), static_cast<double>(steps), wall, test_loss,
+              test_accuracy, wall - eval_s_ - took});
+  eval_s_ += took;
+  spdlog::info("eval epoch {} step {}: test loss {:.4f}, test accuracy {:.2f}%", epoch, steps,
+               test_loss, 100.0 * test_accuracy);
+}
+
+proto::WorkerStats TrainingLog::Stats(uint64_t steps, uint32_t epochs,
+                                      const Aggregator& aggregator) const {
+  proto::WorkerStats stats;
+  stats.set_steps(steps);
+  stats.set_epochs(epochs);
+  stats.set_bytes_sent(aggregator.bytes_sent());
+  stats.set_bytes_received(aggregator.bytes_received());
+  stats.set_final_test_accuracy(test_accuracy_);
+  // The mean loss of the last epoch (the one in progress counts once it has a step).
+  stats.set_final_train_loss(epoch_steps_ > 0 ? epoch_loss_ / static_cast<double>(epoch_steps_)
+                                              : last_epoch_loss_);
+  stats.set_wall_s(train_s_);
+  stats.set_samples_per_s(static_cast<double>(steps * config_.train().batch_size()) /
+                          std::max(train_s_, 1e-9));
+  const double per_step = steps ? 1.0 / static_cast<double>(steps) : 0.0;
+  spdlog::info(
+      "training done: {} steps in {:.1f} s, {:.0f} samples/s on this worker, sent {:.0f} B/step, "
+      "received {:.0f} B/step{}",
+      steps, train_s_, stats.samples_per_s(), static_cast<double>(stats.bytes_sent()) * per_step,
+      static_cast<double>(stats.bytes_received()) * per_step,
+      rank_ == 0 ? fmt::format(", final test accuracy {:.2f}%", 100 * test_accuracy_) : "");
+  return stats;
+}
+
+}  // namespace sparseps

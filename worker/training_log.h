@@ -1,0 +1,60 @@
+// What a worker writes while it trains (docs/user-guide.md, "What a run writes"): a row per step
+// in metrics-worker-<rank>.csv, worker 0's evaluations in eval-worker-0.csv and its progress
+// lines, and the statistics of its DONE report. Steps and epochs are counted from 1 everywhere.
+//
+// Thread-safety: one thread.
+#pragma once
+
+#include <cstdint>
+
+#include "common/metrics.h"
+#include "common/status.h"
+#include "common/van.h"
+#include "proto/config.pb.h"
+#include "worker/aggregator.h"
+
+namespace sparseps {
+
+class TrainingLog {
+ public:
+  // total_steps and epochs: the run's (for the progress lines); samples_per_step: the batch of
+  // one worker.
+  TrainingLog(const proto::JobConfig& config, int rank, uint64_t total_steps, uint32_t epochs);
+
+  // Creates the CSV files in run.dir (none when it is empty) and starts the training clock.
+  // Errors: IoError naming the file.
+  Status Open();
+
+  // Step `step` (1-based) of epoch `epoch` (1-based) is done: its loss, its compute time and what
+  // the aggregation did; `aggregator` gives the byte totals of the progress line.
+  void Step(uint64_t step, uint32_t epoch, double loss, double compute_ms, const StepStats& stats,
+            const Aggregator& aggregator);
+
+  // Marks the start of an evaluation: its time is left out of train_s.
+  void BeginEval() { eval_start_ = Clock::now(); }
+  // The evaluation begun last ran in epoch `epoch` (1-based) after `steps` steps.
+  void EndEval(uint32_t epoch, uint64_t steps, double test_loss, double test_accuracy);
+
+  // Seconds since Open(), evaluations included.
+  double wall_s() const { return SecondsSince(start_); }
+  // The statistics of the DONE report after `steps` steps and `epochs` epochs.
+  proto::WorkerStats Stats(uint64_t steps, uint32_t epochs, const Aggregator& aggregator) const;
+
+ private:
+  const proto::JobConfig& config_;
+  const int rank_;
+  const uint64_t total_steps_;
+  const uint32_t epochs_;
+  CsvWriter metrics_, evals_;
+  Clock::time_point start_, last_progress_, eval_start_;
+  double eval_s_ = 0.0;   // time spent evaluating
+  double train_s_ = 0.0;  // the training time when the last step ended
+  uint64_t progress_steps_ = 0;
+  double progress_loss_ = 0.0;
+  uint32_t loss_epoch_ = 0;  // the epoch epoch_loss_ sums
+  uint64_t epoch_steps_ = 0;
+  double epoch_loss_ = 0.0, last_epoch_loss_ = 0.0;
+  double test_accuracy_ = -1.0;
+};
+
+}  // namespace sparseps
