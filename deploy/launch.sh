@@ -5,7 +5,13 @@
 # failing process's log) if one dies, and prints the run directory at the end.
 #
 #   deploy/launch.sh [--config F] [--set key=value ...] [--run-dir D] [--build-dir B] [--quiet]
-#                    [--netns PREFIX]
+#                    [--netns PREFIX] [--worker-command "CMD ARGS"]
+#
+# --worker-command starts each worker as CMD ARGS --config F --set ... instead of sparseps-worker:
+# a Python training loop that joins the job through the sparseps module (examples/fashion_mnist.py;
+# <build>/python is put on PYTHONPATH), for instance
+#   deploy/launch.sh --config examples/torch_cnn.yaml \
+#     --worker-command "python3 examples/fashion_mnist.py --model cnn"
 #
 # --netns PREFIX places each process on an emulated host made by `deploy/netns.sh up --prefix
 # PREFIX` (needs S + W hosts): server s on host 1+s, worker w on host S+1+w, the scheduler on
@@ -20,6 +26,7 @@ build_dir="${SPARSEPS_BUILD_DIR:-$here/build}"
 run_dir=""
 quiet=0
 netns=""
+worker_command=""
 sets=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -31,6 +38,7 @@ while [[ $# -gt 0 ]]; do
     --build-dir) build_dir="$2"; shift 2 ;;
     --quiet) quiet=1; shift ;;
     --netns) netns="$2"; shift 2 ;;
+    --worker-command) worker_command="$2"; shift 2 ;;
     -h|--help) awk 'NR == 1 { next } /^#/ { sub(/^# ?/, ""); print; next } { exit }' "$0"; exit 0 ;;
     *) echo "launch.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
@@ -65,6 +73,12 @@ printf '%s\n' "${sets[@]}" | paste -sd' ' > "$run_dir/overrides.txt"
 
 # One BLAS thread per process: the processes share the machine's cores.
 export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"
+# The Python module, for --worker-command.
+export PYTHONPATH="$build_dir/python${PYTHONPATH:+:$PYTHONPATH}"
+worker_argv=("$worker_bin")
+if [[ -n "$worker_command" ]]; then
+  read -r -a worker_argv <<<"$worker_command"
+fi
 
 pids=()
 names=()
@@ -143,7 +157,7 @@ done
 for ((w = 0; w < num_workers; w++)); do
   h=$((num_servers + 1 + w))
   # shellcheck disable=SC2046
-  start "worker-$w" $(on_host $h) "$worker_bin" "${common[@]}" \
+  start "worker-$w" $(on_host $h) "${worker_argv[@]}" "${common[@]}" \
     --set "cluster.scheduler_port=$port" --set "node.rank=$w" $(host_set $h node.host)
 done
 echo "sparseps: ${job_name}: 1 scheduler (port $port), $num_servers servers, $num_workers workers; logs in $run_dir"

@@ -47,9 +47,9 @@ class PsAggregator final : public Aggregator {
     control_ = control;
     ps_ = std::make_unique<PsClient>(context_, control->membership(), control->rank(), control,
                                      config_.cluster().request_timeout_s());
-    const auto& tc = config_.train();
 #if SPARSEPS_HAVE_CUDA
     if (model_on_device_) {
+      const auto& tc = config_.train();
       auto made = MakeGpuCompressor(num_params(), config_.compression(),
                                     static_cast<float>(tc.momentum()), static_cast<float>(tc.lr()));
       if (!made.ok()) return made.status();
@@ -63,6 +63,8 @@ class PsAggregator final : public Aggregator {
                                                 : "CPU (the gradient comes to the host)");
     }
     ps_->set_changed_callback([this](uint64_t begin, std::span<const uint32_t> keys) {
+      // SBC's model computes at its local copy, whose change Aggregate announces.
+      if (!local_copy_) WillChange(begin, keys, false);
       compressor_->OnChanged(begin, keys);
       if (model_on_device_) changed_.Add(begin, keys);
     });
@@ -90,9 +92,13 @@ class PsAggregator final : public Aggregator {
   float* local_params() override { return local_copy_ ? local_.data() : nullptr; }
   bool local_on_device() const override { return local_copy_ && compressor_->on_device(); }
 
+  Status ReadResidual(std::vector<float>* out) override { return compressor_->ReadResidual(out); }
+
   Status Aggregate(float* grad, bool on_device, StepStats* stats) override {
     const auto t0 = Clock::now();
     auto t1 = t0;
+    // The local copy changes everywhere: the local step, then the pulled parameters.
+    if (local_copy_) WillChange(0, {}, true);
     // SBC trains its local copy between pushes: on the device copy with the device compressor.
     float* trained = on_device ? params_d_.data() : local_copy_ ? local_.data() : params_.data();
     if (compressor_->LocalStep(grad, trained)) {
@@ -200,6 +206,17 @@ class AllreduceAggregator final : public Aggregator {
     collective_->set_k(WarmupK(c.density(), c.warmup_epochs(), epoch, num_params()));
   }
 
+  Status ReadResidual(std::vector<float>* out) override {
+#if SPARSEPS_HAVE_CUDA
+    if (contribution_d_ != nullptr) {
+      out->resize(num_params());
+      return contribution_d_->Read(out->data(), /*zero=*/false);
+    }
+#endif
+    *out = acc_;
+    return Status::OK();
+  }
+
   bool takes_device_gradient() const override {
 #if SPARSEPS_HAVE_CUDA
     return contribution_d_ != nullptr;
@@ -262,6 +279,9 @@ class AllreduceAggregator final : public Aggregator {
   // zeroed where a sparse update applied (the device contribution masks its own).
   void Apply() {
     const size_t n = num_params();
+    const bool dense = aggregated_momentum_ || update_.dense;
+    WillChange(0, dense ? std::span<const uint32_t>() : std::span<const uint32_t>(update_.indices),
+               dense);
     if (aggregated_momentum_) {
       // v = m v + update; params -= lr / W v (dense: v decays everywhere).
       kernels::Scale(momentum_, velocity_.data(), n);

@@ -17,7 +17,9 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <span>
 #include <vector>
 #include <zmq.hpp>
 
@@ -86,6 +88,25 @@ class Aggregator {
   // the contribution runs on the device).
   virtual bool takes_device_gradient() const { return false; }
 
+  // Called during Step before the parameters the model computes at (the job's, or SBC's local
+  // copy; host memory) change: with the keys about to change (key_begin + keys[j]), or with
+  // all = true when any may (dense pulls and updates, SBC's local steps). The old values can
+  // still be read then; a Python training loop gets its update that way (python/).
+  using ChangeObserver =
+      std::function<void(uint64_t key_begin, std::span<const uint32_t> keys, bool all)>;
+  void set_change_observer(ChangeObserver observer) { observer_ = std::move(observer); }
+
+  // The host copy of the parameters the model computes at: SBC's local copy, else params().
+  const float* host_model_params() {
+    const float* local = local_params();
+    return local != nullptr ? local : params_.data();
+  }
+
+  // What this worker holds back for later steps (num_params() floats): the compressor's residual
+  // (error feedback), or the contribution left after the last collective; zeros for dense pushes.
+  // For tests and diagnostics. Errors: CUDA's (a device compressor's state comes down).
+  virtual Status ReadResidual(std::vector<float>* out) = 0;
+
   // Totals since the start.
   virtual uint64_t bytes_sent() const = 0;
   virtual uint64_t bytes_received() const = 0;
@@ -104,14 +125,19 @@ class Aggregator {
   // True when the local copy is trained on the device copy itself (SBC's device compressor).
   virtual bool local_on_device() const { return false; }
 
+  // Tells the observer that keys (or all) are about to change.
+  void WillChange(uint64_t key_begin, std::span<const uint32_t> keys, bool all) {
+    if (observer_) observer_(key_begin, keys, all);
+  }
+
   const proto::JobConfig config_;
   std::vector<float> params_;  // the job's parameters, host
   const bool model_on_device_;
   DeviceBuffer params_d_;  // the model's parameters on the device (model_on_device_)
-  DeviceBuffer grad_d_;    // scratch: a host gradient going up (not used today)
   DeviceBuffer eval_d_;    // the job's parameters for evaluation when params_d_ holds a local copy
   ChangedKeys changed_;    // what params_d_ lacks of its source
   std::vector<float> grad_h_;  // a device gradient brought to the host
+  ChangeObserver observer_;
 };
 
 // The aggregator for config.aggregation, for num_params parameters, the model computing on the

@@ -54,6 +54,10 @@ class Compressor {
   // Elements selected in the last Compress call (all of them for dense).
   virtual size_t last_selected() const = 0;
 
+  // What this compressor holds back for later pushes (num_params floats, host memory): its
+  // residual; zeros when it keeps none (dense). Errors: CUDA's for a device compressor.
+  virtual Status ReadResidual(std::vector<float>* out) const = 0;
+
   // True when Compress takes the gradient in device memory (worker/cuda/gpu_compressor.h).
   virtual bool on_device() const { return false; }
 };
@@ -86,6 +90,10 @@ class DenseCompressor final : public Compressor {
   Status Compress(const float* grad, const std::vector<KeyRange>& ranges,
                   std::vector<Message>* out) override;
   size_t last_selected() const override { return velocity_.size(); }
+  Status ReadResidual(std::vector<float>* out) const override {
+    out->assign(velocity_.size(), 0.0f);
+    return Status::OK();
+  }
 
  private:
   float momentum_;
@@ -121,6 +129,10 @@ class TopKCompressor final : public Compressor {
                   std::vector<Message>* out) override;
   void SetEpoch(uint32_t epoch) override;
   size_t last_selected() const override { return last_selected_; }
+  Status ReadResidual(std::vector<float>* out) const override {
+    *out = residual_;
+    return Status::OK();
+  }
 
   size_t k() const { return k_; }
   const std::vector<float>& residual() const { return residual_; }
@@ -155,6 +167,10 @@ class SbcCompressor final : public Compressor {
                   std::vector<Message>* out) override;
   void SetEpoch(uint32_t epoch) override;
   size_t last_selected() const override { return last_selected_; }
+  Status ReadResidual(std::vector<float>* out) const override {
+    *out = residual_;
+    return Status::OK();
+  }
 
   const std::vector<float>& residual() const { return residual_; }
   // The signed value sent in the last Compress.
@@ -187,6 +203,10 @@ class SketchCompressor final : public Compressor {
   Status ExactValues(const KeyRange& r, std::span<const uint32_t> candidates,
                      Message* push) override;
   size_t last_selected() const override { return last_selected_; }
+  Status ReadResidual(std::vector<float>* out) const override {
+    *out = residual_;
+    return Status::OK();
+  }
 
   const std::vector<float>& residual() const { return residual_; }
 

@@ -10,8 +10,8 @@ WorkerSession::WorkerSession(const proto::JobConfig& config)
 WorkerSession::~WorkerSession() { control_.StopHeartbeats(); }
 
 Result<std::unique_ptr<WorkerSession>> WorkerSession::Join(const proto::JobConfig& config,
-                                                           size_t num_params,
-                                                           bool model_on_device) {
+                                                           size_t num_params, bool model_on_device,
+                                                           bool name_log) {
   std::unique_ptr<WorkerSession> s(new WorkerSession(config));
   auto made = MakeAggregator(config, s->context_, num_params, model_on_device);
   if (!made.ok()) return made.status();
@@ -22,7 +22,7 @@ Result<std::unique_ptr<WorkerSession>> WorkerSession::Join(const proto::JobConfi
   if (!st.ok()) return st;
   st = [&]() -> Status {
     SPARSEPS_RETURN_IF_ERROR(s->control_.WaitForMembership());
-    SetLogName("worker-" + std::to_string(s->rank()));
+    if (name_log) SetLogName("worker-" + std::to_string(s->rank()));
     s->control_.StartHeartbeats();
     return s->aggregator_->Connect(&s->control_);
   }();

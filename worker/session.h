@@ -19,12 +19,15 @@ class WorkerSession {
  public:
   // Makes the aggregator (allreduce binds its data port), registers with the scheduler as a
   // worker of num_params parameters (node.rank or the environment's rank requested), waits for
-  // the membership, names the log "worker-<rank>", starts the heartbeats and connects the
-  // aggregator to the servers or the other workers. A failure after registering is reported to
-  // the scheduler (which ends the job naming this worker) before it is returned. Errors: those of
-  // each step (a deadline naming who is missing, Aborted on FATAL, IoError binding a port).
+  // the membership, names the process's log "worker-<rank>" when name_log (the daemon; not where
+  // several sessions share a process: spdlog's default logger is one per process), starts the
+  // heartbeats and connects the aggregator to the servers or the other workers. A failure after
+  // registering is reported to the scheduler (which ends the job naming this worker) before it is
+  // returned. Errors: those of each step (a deadline naming who is missing, Aborted on FATAL,
+  // IoError binding a port).
   static Result<std::unique_ptr<WorkerSession>> Join(const proto::JobConfig& config,
-                                                     size_t num_params, bool model_on_device);
+                                                     size_t num_params, bool model_on_device,
+                                                     bool name_log = true);
   ~WorkerSession();
   WorkerSession(const WorkerSession&) = delete;
   WorkerSession& operator=(const WorkerSession&) = delete;

@@ -61,6 +61,10 @@ class GpuCompressorBase : public Compressor {
 
   bool on_device() const override { return true; }
   size_t last_selected() const override { return last_selected_; }
+  Status ReadResidual(std::vector<float>* out) const override {
+    std::vector<float> velocity;
+    return Download(out, &velocity);
+  }
 
   Status Download(std::vector<float>* residual, std::vector<float>* velocity) const {
     residual->resize(n_);

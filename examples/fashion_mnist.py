@@ -1,0 +1,243 @@
+#!/usr/bin/python3
+"""Train a PyTorch model on Fashion-MNIST as one worker of a sparseps job.
+
+The gradients go through sparseps (sparseps.torch.DistributedOptimizer: the job's encoding or
+collective, error feedback inside sparseps), the model and the optimizer are plain PyTorch.
+Started like the C++ worker, with the job's config and --set overrides, so deploy/launch.sh can
+start it in place of sparseps-worker (examples/train_torch.sh does):
+
+    examples/fashion_mnist.py --config examples/torch_cnn.yaml --set node.rank=0 \\
+        [--set key=value ...] [--model cnn|resnet18|mlp]
+
+The config's train.* keys (epochs, batch_size, lr, seed, max_steps, eval_every_epochs,
+eval_every_steps), data.* (dir, max_train_samples, max_test_samples), run.dir and
+run.progress_interval_s mean what they mean for the C++ worker. The data: torchvision's
+FashionMNIST reader over the IDX files of data.dir (Debian's dataset-fashion-mnist), unpacked
+once into ~/.cache/sparseps (SPARSEPS_CACHE). Each worker trains on its own shard (a seeded
+permutation dealt by rank). In run.dir it writes metrics-worker-R.csv and (worker 0)
+eval-worker-0.csv with the C++ worker's columns, so deploy/summarize.py and bench/sparseps-compare
+read its runs too.
+
+Models: cnn (two 5x5 conv layers of 16 and 32 filters with 2x2 pooling, a 128-unit head: the C++
+worker's configs/cnn.yaml, 215,370 parameters), resnet18 (torchvision's, for 1x28x28: a 3x3 stem
+without max pooling, 11,172,810 parameters), mlp (model.hidden of the config, ReLU).
+"""
+import argparse
+import csv
+import gzip
+import os
+import shutil
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torchvision
+
+import sparseps
+import sparseps.torch
+
+MEAN, STD = 0.2860, 0.3530  # Fashion-MNIST's, as the C++ reader normalises
+
+
+def log(rank, level, text):
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    stream = sys.stderr if level in ("warning", "error") else sys.stdout
+    print(f"[{stamp}] [worker-{rank}] [{level}] {text}", file=stream, flush=True)
+
+
+def fashion_mnist(data_dir, train):
+    """torchvision's FashionMNIST over data_dir's IDX files (.gz unpacked once into the cache)."""
+    cache = os.environ.get("SPARSEPS_CACHE", os.path.expanduser("~/.cache/sparseps"))
+    raw = os.path.join(cache, "FashionMNIST", "raw")
+    os.makedirs(raw, exist_ok=True)
+    for name in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+                 "t10k-labels-idx1-ubyte"):
+        dst = os.path.join(raw, name)
+        if os.path.exists(dst):
+            continue
+        src = os.path.join(data_dir, name)
+        tmp = f"{dst}.{os.getpid()}.tmp"
+        if os.path.exists(src + ".gz"):
+            with gzip.open(src + ".gz", "rb") as f, open(tmp, "wb") as out:
+                shutil.copyfileobj(f, out)
+        elif os.path.exists(src):
+            shutil.copyfile(src, tmp)
+        else:
+            raise SystemExit(f"fashion_mnist.py: {src}[.gz] not found (data.dir; "
+                             "deploy/install-deps.sh installs Debian's dataset-fashion-mnist)")
+        os.replace(tmp, dst)  # atomic: workers sharing the cache never see half a file
+    ds = torchvision.datasets.FashionMNIST(cache, train=train, download=False)
+    x = (ds.data.float().div_(255.0).sub_(MEAN).div_(STD)).unsqueeze(1)  # N x 1 x 28 x 28
+    return x, ds.targets.clone()
+
+
+class Cnn(nn.Module):
+    """configs/cnn.yaml's CNN: conv5x5-16, pool, conv5x5-32, pool, 1568-128-10."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 5, padding=2)
+        self.conv2 = nn.Conv2d(16, 32, 5, padding=2)
+        self.fc1 = nn.Linear(32 * 7 * 7, 128)
+        self.fc2 = nn.Linear(128, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+
+def resnet18():
+    """torchvision's ResNet-18 for 1x28x28: a 3x3 stride-1 stem of one channel, no max pooling."""
+    m = torchvision.models.resnet18(num_classes=10)
+    m.conv1 = nn.Conv2d(1, 64, kernel_size=3, stride=1, padding=1, bias=False)
+    m.maxpool = nn.Identity()
+    return m
+
+
+def mlp(hidden):
+    layers, width = [nn.Flatten()], 28 * 28
+    for h in hidden:
+        layers += [nn.Linear(width, h), nn.ReLU()]
+        width = h
+    layers.append(nn.Linear(width, 10))
+    return nn.Sequential(*layers)
+
+
+def evaluate(model, x, y, batch=1000):
+    model.eval()
+    loss, correct = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, len(x), batch):
+            out = model(x[i:i + batch])
+            loss += F.cross_entropy(out, y[i:i + batch], reduction="sum").item()
+            correct += (out.argmax(1) == y[i:i + batch]).sum().item()
+    model.train()
+    return loss / len(x), correct / len(x)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default="", help="the job's YAML config")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config key, as the daemons take it")
+    ap.add_argument("--model", choices=["cnn", "resnet18", "mlp"], default="cnn")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (1: the workers of a machine share its cores)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    worker = sparseps.Worker(args.config, overrides=args.set)
+    get = worker.get
+    seed, batch = get("train.seed"), get("train.batch_size")
+    torch.manual_seed(seed)  # the same initial model everywhere (worker 0's is used anyway)
+    model = {"cnn": Cnn, "resnet18": resnet18,
+             "mlp": lambda: mlp(get("model.hidden"))}[args.model]()
+    n = sum(p.numel() for p in model.parameters())
+    opt = sparseps.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=get("train.lr")),
+                                              worker)
+    rank, workers = worker.rank, worker.num_workers
+
+    x, y = fashion_mnist(get("data.dir"), train=True)
+    xt, yt = fashion_mnist(get("data.dir"), train=False)
+    if get("data.max_train_samples"):
+        x, y = x[:get("data.max_train_samples")], y[:get("data.max_train_samples")]
+    if get("data.max_test_samples"):
+        xt, yt = xt[:get("data.max_test_samples")], yt[:get("data.max_test_samples")]
+    shard = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))[rank::workers]
+    steps_per_epoch = len(shard) // batch
+    total = get("train.epochs") * steps_per_epoch
+    if get("train.max_steps"):
+        total = min(total, get("train.max_steps"))
+    epochs = (total + steps_per_epoch - 1) // steps_per_epoch
+    log(rank, "info", f"model: torch {args.model}, {n} parameters; {len(shard)} training samples "
+        f"on this worker, {steps_per_epoch} steps per epoch; {worker.aggregation} "
+        f"{get('compression.encoding') if worker.aggregation == 'ps' else get('collective.algorithm')}")
+
+    run_dir = get("run.dir")
+    metrics = evals = None
+    if run_dir:
+        metrics = csv.writer(open(os.path.join(run_dir, f"metrics-worker-{rank}.csv"), "w", newline="",
+                                  buffering=1))
+        metrics.writerow(["step", "epoch", "loss", "bytes_sent", "bytes_received", "selected",
+                          "compute_ms", "encode_ms", "comm_ms", "wall_s", "applied", "topk_mass"])
+        if rank == 0:
+            evals = csv.writer(open(os.path.join(run_dir, "eval-worker-0.csv"), "w", newline="",
+                                    buffering=1))
+            evals.writerow(["epoch", "step", "wall_s", "test_loss", "test_accuracy", "train_s"])
+    start = last = time.monotonic()
+    eval_s, accuracy, step, epoch_loss, epoch_steps = 0.0, -1.0, 0, 0.0, 0
+    progress_loss, progress_steps = 0.0, 0
+
+    def run_eval(epoch):
+        nonlocal eval_s, accuracy
+        t = time.monotonic()
+        test_loss, accuracy = evaluate(model, xt, yt)
+        took = time.monotonic() - t
+        wall = t + took - start
+        if evals:
+            evals.writerow([epoch, step, wall, test_loss, accuracy, wall - eval_s - took])
+        eval_s += took
+        log(rank, "info", f"eval epoch {epoch} step {step}: test loss {test_loss:.4f}, "
+            f"test accuracy {100 * accuracy:.2f}%")
+
+    for epoch in range(epochs):
+        order = shard[torch.randperm(len(shard), generator=torch.Generator().manual_seed(
+            seed ^ (epoch + 1) * 0x9E3779B9 ^ rank))]
+        worker.set_epoch(epoch)
+        epoch_loss, epoch_steps = 0.0, 0
+        for s in range(steps_per_epoch):
+            if step >= total:
+                break
+            t0 = time.monotonic()
+            idx = order[s * batch:(s + 1) * batch]
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x[idx]), y[idx])
+            loss.backward()
+            t1 = time.monotonic()
+            opt.step()
+            t2 = time.monotonic()
+            step += 1
+            last_step = worker.last_step
+            loss = loss.item()
+            epoch_loss, epoch_steps = epoch_loss + loss, epoch_steps + 1
+            if metrics:
+                # comm_ms: push_pull and the optimizer's step less the aggregation's encoding.
+                comm = 1000 * (t2 - t1) - last_step["encode_ms"]
+                metrics.writerow([step, epoch + 1, loss, last_step["bytes_sent"],
+                                  last_step["bytes_received"], last_step["selected"],
+                                  1000 * (t1 - t0), last_step["encode_ms"], comm, t2 - start,
+                                  last_step["applied"], -1])
+            progress_loss, progress_steps = progress_loss + loss, progress_steps + 1
+            if rank == 0 and t2 - last >= get("run.progress_interval_s"):
+                acc = "n/a" if accuracy < 0 else f"{100 * accuracy:.2f}%"
+                log(rank, "info",
+                    f"progress epoch {epoch + 1}/{epochs} step {step}/{total} loss "
+                    f"{progress_loss / progress_steps:.4f} test_acc {acc} cluster "
+                    f"{progress_steps * batch * workers / (t2 - last):.0f} samples/s, this worker "
+                    f"sent {worker.bytes_sent / 1e6:.2f} MB and received "
+                    f"{worker.bytes_received / 1e6:.2f} MB in all")
+                last, progress_loss, progress_steps = t2, 0.0, 0
+            every = get("train.eval_every_steps")
+            if rank == 0 and every and step % every == 0 and step < total:
+                run_eval(epoch + 1)
+        every = get("train.eval_every_epochs")
+        if rank == 0 and every and (epoch + 1) % every == 0 and step < total:
+            run_eval(epoch + 1)
+    train_s = time.monotonic() - start
+    if rank == 0:
+        run_eval(epochs)
+    log(rank, "info", f"training done: {step} steps in {train_s:.1f} s, "
+        f"{step * batch / train_s:.0f} samples/s on this worker"
+        + (f", final test accuracy {100 * accuracy:.2f}%" if rank == 0 else ""))
+    worker.finish(test_accuracy=accuracy, train_loss=epoch_loss / max(epoch_steps, 1),
+                  samples_per_s=step * batch / train_s, train_s=train_s)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ValueError, TimeoutError, sparseps.Error) as e:
+        print(f"fashion_mnist.py: {e}", file=sys.stderr)
+        sys.exit(2 if isinstance(e, ValueError) else 1)

@@ -1,0 +1,161 @@
+"""sparseps for PyTorch: a DistributedOptimizer wrapper and a DDP communication hook.
+
+DistributedOptimizer (as Horovod's and BytePS's): wraps any torch.optim optimizer. At start the
+model's parameters become worker 0's on every worker; each step() aggregates the gradients
+through the sparseps job (its encoding and selection, PS or allreduce, error feedback kept by
+sparseps) and hands the wrapped optimizer the aggregated gradient:
+
+    worker = sparseps.Worker("job.yaml")
+    opt = sparseps.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                              worker)
+    for x, y in loader:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+    worker.finish(test_accuracy=acc)
+
+The gradient handed to the optimizer is update / train.lr, where update is what the job applied
+(sparseps.Worker.push_pull): with torch.optim.SGD(lr=train.lr) and no torch momentum the model
+follows the job's parameters, as the C++ worker does; train.momentum is then DGC's momentum
+correction inside sparseps. With train.momentum: 0 any optimizer (Adam, SGD with momentum) can
+take the aggregated sparse gradient instead.
+
+sparse_allreduce_hook: a torch DDP communication hook that aggregates DDP's gradient buckets with
+a sparse collective of sparseps (topk_allgather, gtopk, spardl, exdyna; collective.algorithm)
+instead of Gloo's dense allreduce, as torch's own PowerSGD hook does with its state:
+
+    state = sparseps.torch.SparseAllreduceState(sparseps.Worker("job.yaml"), ddp_model)
+    ddp_model.register_comm_hook(state, sparseps.torch.sparse_allreduce_hook)
+
+The job must use `aggregation: allreduce` (no servers); the hook hands DDP the averaged
+aggregated gradient (update / train.lr), so train.lr: 1 is exact.
+
+Only torch is imported here, not linked: any PyTorch with DLPack works (Debian's 1.13 is tested).
+"""
+import torch
+
+__all__ = ["DistributedOptimizer", "SparseAllreduceState", "sparse_allreduce_hook"]
+
+
+def _float32_params(params, what):
+    params = [p for p in params if p.requires_grad]
+    if not params:
+        raise ValueError(f"{what}: no parameters that require a gradient")
+    devices = {p.device for p in params}
+    if len(devices) != 1:
+        raise ValueError(f"{what}: parameters on several devices ({devices}); sparseps takes one")
+    for p in params:
+        if p.dtype != torch.float32:
+            raise ValueError(f"{what}: a parameter of dtype {p.dtype}; sparseps takes float32")
+    return params
+
+
+class DistributedOptimizer:
+    """Wraps `optimizer` so that step() first aggregates its parameters' gradients through
+    `worker` (a sparseps.Worker, not yet initialised: this calls its init).
+
+    The gradients live in one flat float32 buffer of which every parameter's .grad is a view, so
+    push_pull takes them without a copy (keep zero_grad's set_to_none False, the default here).
+    Everything else (param_groups, state_dict, ...) is the wrapped optimizer's.
+    """
+
+    def __init__(self, optimizer, worker):
+        self.optimizer = optimizer
+        self.worker = worker
+        self._params = _float32_params(
+            [p for group in optimizer.param_groups for p in group["params"]],
+            "DistributedOptimizer")
+        total = sum(p.numel() for p in self._params)
+        device = self._params[0].device
+        self._flat = torch.zeros(total, dtype=torch.float32, device=device)
+        self._views = []
+        offset = 0
+        for p in self._params:
+            view = self._flat[offset:offset + p.numel()].view_as(p)
+            if p.grad is not None:
+                view.copy_(p.grad)
+            p.grad = view
+            self._views.append(view)
+            offset += p.numel()
+        # Every worker starts from worker 0's parameters (written into the model in place).
+        with torch.no_grad():
+            worker.init([p.detach() for p in self._params])
+
+    def _gather(self):
+        # A .grad replaced behind our back (zero_grad(set_to_none=True) elsewhere) goes back into
+        # the flat buffer, and becomes a view again.
+        for i, p in enumerate(self._params):
+            if p.grad is None:
+                self._views[i].zero_()
+            elif p.grad.data_ptr() != self._views[i].data_ptr():
+                self._views[i].copy_(p.grad)
+            p.grad = self._views[i]
+
+    def step(self, closure=None):
+        """Aggregates the gradients (sparseps.Worker.push_pull), sets each .grad to the job's
+        aggregated gradient (update / train.lr) and runs the wrapped optimizer's step."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._gather()
+        update = torch.from_numpy(self.worker.push_pull(self._flat))
+        with torch.no_grad():
+            self._flat.copy_(update.to(self._flat.device, non_blocking=False))
+            self._flat.div_(self.worker.lr)
+        self.optimizer.step()
+        return loss
+
+    def zero_grad(self, set_to_none=False):
+        """Zeroes the flat gradient buffer (set_to_none would drop the views; it is ignored)."""
+        self._flat.zero_()
+
+    def __getattr__(self, name):
+        return getattr(self.optimizer, name)
+
+
+class SparseAllreduceState:
+    """The state of sparse_allreduce_hook for one DDP model: the sparseps.Worker (not yet
+    initialised: this calls its init with the model's parameters) and one flat gradient of the
+    whole model, each parameter at a fixed offset whatever DDP's bucket layout (DDP rebuilds its
+    buckets after the first step), so that the residuals stay with their keys."""
+
+    def __init__(self, worker, model):
+        if worker.aggregation != "allreduce":
+            raise ValueError("sparse_allreduce_hook needs a job with aggregation: allreduce")
+        module = getattr(model, "module", model)
+        self.params = _float32_params(list(module.parameters()), "SparseAllreduceState")
+        self.offset = {}
+        offset = 0
+        for p in self.params:
+            self.offset[id(p)] = (offset, p.numel())
+            offset += p.numel()
+        self.flat = torch.zeros(offset, dtype=torch.float32, device=self.params[0].device)
+        self.pending = []  # (bucket, future) of this step
+        self.worker = worker
+        with torch.no_grad():
+            worker.init([p.detach() for p in self.params])
+
+
+def sparse_allreduce_hook(state, bucket):
+    """DDP communication hook: collects the step's buckets into state.flat and, at the last one,
+    aggregates it in one push_pull (residuals stay in sparseps, per key) and completes every
+    bucket's future with its part of update / train.lr, the averaged aggregated gradient."""
+    for p, g in zip(bucket.parameters(), bucket.gradients()):
+        start, n = state.offset[id(p)]
+        state.flat[start:start + n].copy_(g.reshape(-1))
+    future = torch.futures.Future()
+    state.pending.append((bucket, future))
+    if bucket.is_last():
+        update = torch.from_numpy(state.worker.push_pull(state.flat))
+        update = update.to(state.flat.device).div_(state.worker.lr)
+        for b, f in state.pending:
+            out = b.buffer()
+            pos = 0
+            for p in b.parameters():
+                start, n = state.offset[id(p)]
+                out[pos:pos + n].copy_(update[start:start + n])
+                pos += n
+            f.set_result(out)
+        state.pending = []
+    return future

@@ -1,0 +1,579 @@
+// The Python module `sparseps._sparseps` (pybind11): a training loop written in Python joins a
+// sparseps job as one of its workers. The scheduler and the servers run as the usual daemons;
+// this process registers, and each push_pull aggregates a gradient with the job's encoding,
+// selection and collective exactly as the C++ worker does (the same WorkerSession and
+// Aggregator, worker/session.h), returning the update to apply.
+//
+// Tensors come in without a copy: objects with __cuda_array_interface__ or __dlpack__ (PyTorch,
+// NumPy >= 1.22, CuPy) or the buffer protocol (NumPy arrays, PyTorch CPU tensors through NumPy).
+// They must be float32, C-contiguous, on the CPU (or, in a CUDA build, all on one CUDA device).
+// The module does not link libtorch.
+//
+// Errors become Python exceptions: ValueError for bad input or configuration, TimeoutError for a
+// deadline (naming who is missing), sparseps.Error (a RuntimeError) for the rest.
+//
+// Thread-safety: a Worker belongs to one Python thread; blocking calls release the GIL.
+#include <dlpack/dlpack.h>
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/config.h"
+#include "common/status.h"
+#include "worker/device_buffer.h"
+#include "worker/session.h"
+
+#if SPARSEPS_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace py = pybind11;
+
+namespace sparseps {
+namespace {
+
+PyObject* g_error = nullptr;  // sparseps.Error
+
+[[noreturn]] void Raise(const Status& s) {
+  switch (s.code()) {
+    case StatusCode::kInvalidArgument:
+      throw py::value_error(s.message());
+    case StatusCode::kDeadlineExceeded:
+      PyErr_SetString(PyExc_TimeoutError, s.message().c_str());
+      throw py::error_already_set();
+    default:
+      PyErr_SetString(g_error, s.ToString().c_str());
+      throw py::error_already_set();
+  }
+}
+
+void Check(const Status& s) {
+  if (!s.ok()) Raise(s);
+}
+
+// One float32 array lent by Python for the length of a call: host or CUDA memory, contiguous.
+class Borrowed {
+ public:
+  Borrowed() = default;
+  Borrowed(Borrowed&& o) noexcept { *this = std::move(o); }
+  Borrowed& operator=(Borrowed&& o) noexcept {
+    std::swap(data, o.data);
+    std::swap(size, o.size);
+    std::swap(cuda, o.cuda);
+    std::swap(device, o.device);
+    std::swap(shape, o.shape);
+    std::swap(managed_, o.managed_);
+    std::swap(buffer_, o.buffer_);
+    return *this;
+  }
+  ~Borrowed() {
+    if (managed_ != nullptr && managed_->deleter != nullptr) managed_->deleter(managed_);
+  }
+
+  float* data = nullptr;
+  size_t size = 0;  // elements
+  bool cuda = false;
+  int device = -1;  // CUDA device ordinal
+  std::vector<py::ssize_t> shape;
+
+  // Takes obj's memory. `what` names it in errors ("grads[2]").
+  static Borrowed From(py::handle obj, const std::string& what) {
+    if (py::hasattr(obj, "__cuda_array_interface__")) return FromCudaArrayInterface(obj, what);
+    if (py::hasattr(obj, "__dlpack__")) {
+      py::object capsule;
+      try {
+        capsule = obj.attr("__dlpack__")();
+      } catch (py::error_already_set& e) {
+        // NumPy refuses read-only arrays, PyTorch tensors that require grad: say why.
+        if (!py::isinstance<py::buffer>(obj)) {
+          throw py::value_error(what + ": cannot be read through DLPack: " + std::string(e.what()) +
+                                " (pass tensor.detach(), or a writable array)");
+        }
+      }
+      if (capsule) return FromDlpack(capsule, what);
+    }
+    if (py::isinstance<py::buffer>(obj))
+      return FromBuffer(py::reinterpret_borrow<py::buffer>(obj), what);
+    throw py::value_error(what +
+                          ": expected a float32 tensor or array (DLPack, "
+                          "__cuda_array_interface__ or the buffer protocol), got " +
+                          std::string(py::str(py::type::of(obj))));
+  }
+
+ private:
+  static Borrowed FromDlpack(py::object capsule, const std::string& what) {
+    auto* m = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule.ptr(), "dltensor"));
+    if (m == nullptr) {
+      PyErr_Clear();
+      throw py::value_error(what + ": __dlpack__ did not return a DLPack capsule");
+    }
+    // Consumed: the capsule no longer frees the tensor; this Borrowed does.
+    PyCapsule_SetName(capsule.ptr(), "used_dltensor");
+    Borrowed b;
+    b.managed_ = m;
+    const DLTensor& t = m->dl_tensor;
+    if (t.dtype.code != kDLFloat || t.dtype.bits != 32 || t.dtype.lanes != 1) {
+      throw py::value_error(what + ": dtype is not float32 (DLPack code " +
+                            std::to_string(t.dtype.code) + ", " + std::to_string(t.dtype.bits) +
+                            " bits); sparseps takes float32 (call .float())");
+    }
+    b.size = 1;
+    for (int d = 0; d < t.ndim; ++d) {
+      b.shape.push_back(static_cast<py::ssize_t>(t.shape[d]));
+      b.size *= static_cast<size_t>(t.shape[d]);
+    }
+    if (t.strides != nullptr) {
+      int64_t expect = 1;
+      for (int d = t.ndim - 1; d >= 0; --d) {
+        if (t.shape[d] != 1 && t.strides[d] != expect) {
+          throw py::value_error(what + ": not contiguous (call .contiguous())");
+        }
+        expect *= t.shape[d];
+      }
+    }
+    b.data = reinterpret_cast<float*>(static_cast<char*>(t.data) + t.byte_offset);
+    if (t.device.device_type == kDLCUDA) {
+      b.cuda = true;
+      b.device = t.device.device_id;
+    } else if (t.device.device_type != kDLCPU && t.device.device_type != kDLCUDAHost) {
+      throw py::value_error(what + ": on a device sparseps does not take (DLPack device type " +
+                            std::to_string(t.device.device_type) + "); use the CPU or CUDA");
+    }
+    return b;
+  }
+
+  static Borrowed FromCudaArrayInterface(py::handle obj, const std::string& what) {
+    py::dict cai = obj.attr("__cuda_array_interface__");
+    const std::string typestr = py::str(cai["typestr"]);
+    if (typestr != "<f4") {
+      throw py::value_error(what + ": dtype " + typestr +
+                            "; sparseps takes float32 (<f4, call .float())");
+    }
+    Borrowed b;
+    b.cuda = true;
+    b.size = 1;
+    for (auto d : py::tuple(cai["shape"])) {
+      b.shape.push_back(d.cast<py::ssize_t>());
+      b.size *= d.cast<size_t>();
+    }
+    if (cai.contains("strides") && !cai["strides"].is_none()) {
+      py::ssize_t expect = 4;
+      py::tuple strides = cai["strides"];
+      for (size_t d = b.shape.size(); d-- > 0;) {
+        if (b.shape[d] != 1 && strides[d].cast<py::ssize_t>() != expect) {
+          throw py::value_error(what + ": not contiguous (call .contiguous())");
+        }
+        expect *= b.shape[d];
+      }
+    }
+    b.data = reinterpret_cast<float*>(py::tuple(cai["data"])[0].cast<uintptr_t>());
+#if SPARSEPS_HAVE_CUDA
+    cudaPointerAttributes attr{};
+    if (b.data != nullptr && cudaPointerGetAttributes(&attr, b.data) == cudaSuccess) {
+      b.device = attr.device;
+    }
+#endif
+    return b;
+  }
+
+  static Borrowed FromBuffer(py::buffer buf, const std::string& what) {
+    py::buffer_info info = buf.request(/*writable=*/false);
+    if (info.format != py::format_descriptor<float>::format() || info.itemsize != 4) {
+      throw py::value_error(what + ": buffer format '" + info.format + "'; sparseps takes float32");
+    }
+    Borrowed b;
+    b.size = static_cast<size_t>(info.size);
+    b.shape = info.shape;
+    py::ssize_t expect = 4;
+    for (size_t d = info.shape.size(); d-- > 0;) {
+      if (info.shape[d] != 1 && info.strides[d] != expect) {
+        throw py::value_error(what + ": not contiguous (call numpy.ascontiguousarray)");
+      }
+      expect *= info.shape[d];
+    }
+    b.data = static_cast<float*>(info.ptr);
+    b.buffer_ = std::make_unique<py::buffer_info>(std::move(info));
+    return b;
+  }
+
+  DLManagedTensor* managed_ = nullptr;
+  std::unique_ptr<py::buffer_info> buffer_;
+};
+
+// A single tensor, or a list / tuple of them.
+struct Arrays {
+  bool listed = false;
+  std::vector<Borrowed> parts;
+  size_t total = 0;
+  bool cuda = false;
+  int device = -1;
+};
+
+Arrays Borrow(py::handle obj, const std::string& name) {
+  Arrays a;
+  if (py::isinstance<py::list>(obj) || py::isinstance<py::tuple>(obj)) {
+    a.listed = true;
+    size_t i = 0;
+    for (auto item : obj) {
+      a.parts.push_back(Borrowed::From(item, name + "[" + std::to_string(i++) + "]"));
+    }
+    if (a.parts.empty()) throw py::value_error(name + ": the list is empty");
+  } else {
+    a.parts.push_back(Borrowed::From(obj, name));
+  }
+  a.cuda = a.parts[0].cuda;
+  a.device = a.parts[0].device;
+  for (size_t i = 0; i < a.parts.size(); ++i) {
+    const Borrowed& b = a.parts[i];
+    if (b.cuda != a.cuda || b.device != a.device) {
+      throw py::value_error(name + "[" + std::to_string(i) +
+                            "]: on another device than the first; sparseps takes every tensor "
+                            "on one device");
+    }
+    a.total += b.size;
+  }
+  return a;
+}
+
+Status CopyBytes(void* dst, const void* src, size_t bytes, bool dst_cuda, bool src_cuda) {
+  if (!dst_cuda && !src_cuda) {
+    std::memcpy(dst, src, bytes);
+    return Status::OK();
+  }
+#if SPARSEPS_HAVE_CUDA
+  const cudaMemcpyKind kind = dst_cuda
+                                  ? (src_cuda ? cudaMemcpyDeviceToDevice : cudaMemcpyHostToDevice)
+                                  : cudaMemcpyDeviceToHost;
+  const cudaError_t e = cudaMemcpy(dst, src, bytes, kind);
+  if (e != cudaSuccess) {
+    return Status::FailedPrecondition(std::string("cudaMemcpy: ") + cudaGetErrorString(e));
+  }
+  return Status::OK();
+#else
+  return Status::FailedPrecondition("this build has no CUDA");
+#endif
+}
+
+// sparseps.Worker.
+class Worker {
+ public:
+  Worker(const std::string& config_path, std::optional<int> rank,
+         const std::vector<std::string>& overrides) {
+    std::vector<std::string> sets = overrides;
+    if (rank) sets.push_back("node.rank=" + std::to_string(*rank));
+    auto config = LoadConfig(config_path, sets);
+    Check(config.status());
+    config_ = std::move(*config);
+    if (config_.train().weight_decay() > 0) {
+      Raise(Status::InvalidArgument(
+          "train.weight_decay is for the C++ worker's models; in a Python loop put the weight "
+          "decay in the gradient or the optimizer (torch.optim's weight_decay)"));
+    }
+  }
+
+  // Joins the job with `params`' size, makes the job's starting parameters (worker 0's) and
+  // writes them into params in place.
+  void Init(py::object params) {
+    if (session_) Raise(Status::FailedPrecondition("init was called already"));
+    Arrays a = Borrow(params, "params");
+    if (a.cuda) {
+#if !SPARSEPS_HAVE_CUDA
+      Raise(Status::InvalidArgument(
+          "params: on a CUDA device, but this sparseps was built without CUDA (move the "
+          "tensors to the CPU, or build where nvcc is found)"));
+#endif
+    }
+    listed_ = a.listed;
+    for (const auto& b : a.parts) {
+      sizes_.push_back(b.size);
+      shapes_.push_back(b.shape);
+    }
+    cuda_ = a.cuda;
+    device_ = a.device;
+    std::vector<float> initial(a.total);
+    size_t offset = 0;
+    for (const auto& b : a.parts) {
+      Check(CopyBytes(initial.data() + offset, b.data, b.size * 4, false, b.cuda));
+      offset += b.size;
+    }
+    Status s;
+    {
+      py::gil_scoped_release release;
+      auto joined = WorkerSession::Join(config_, a.total, cuda_, /*name_log=*/false);
+      s = joined.status();
+      if (s.ok()) {
+        session_ = std::move(*joined);
+        s = session_->aggregator().Init(initial);
+        if (!s.ok()) session_->ReportFailure(s);
+      }
+    }
+    if (!s.ok()) {
+      session_.reset();
+      Raise(s);
+    }
+    Aggregator& agg = session_->aggregator();
+    agg.set_change_observer([this](uint64_t begin, std::span<const uint32_t> keys, bool all) {
+      Observe(begin, keys, all);
+    });
+    offset = 0;
+    for (auto& b : a.parts) {
+      Check(CopyBytes(b.data, agg.params().data() + offset, b.size * 4, b.cuda, false));
+      offset += b.size;
+    }
+  }
+
+  // Aggregates `grads` (the same layout as init's params) and returns the update: what to
+  // subtract from the parameters to hold the job's new ones (a float32 NumPy array, or a list of
+  // them shaped like grads, views of one array).
+  py::object PushPull(py::object grads) {
+    if (!session_) Raise(Status::FailedPrecondition("call init(params) before push_pull"));
+    Arrays a = Borrow(grads, "grads");
+    Aggregator& agg = session_->aggregator();
+    const size_t n = agg.num_params();
+    // Laid out as init's params, or one flat tensor of them all (then the update is flat too).
+    const bool flat = !a.listed && a.parts[0].size == n;
+    if (a.cuda != cuda_ || a.device != device_) {
+      Raise(Status::InvalidArgument(std::string("grads: on another device than init's params (") +
+                                    (cuda_ ? "CUDA" : "the CPU") + ")"));
+    }
+    if (!flat && (a.listed != listed_ || a.parts.size() != sizes_.size())) {
+      Raise(Status::InvalidArgument(
+          "grads: not laid out as init's params (" +
+          (listed_ ? "a list of " + std::to_string(sizes_.size()) + " tensors" : "one tensor") +
+          ") nor one flat tensor of all " + std::to_string(n) + " elements"));
+    }
+    for (size_t i = 0; !flat && i < sizes_.size(); ++i) {
+      if (a.parts[i].size != sizes_[i]) {
+        Raise(Status::InvalidArgument("grads" + (listed_ ? "[" + std::to_string(i) + "]" : "") +
+                                      ": " + std::to_string(a.parts[i].size) +
+                                      " elements; init's params had " + std::to_string(sizes_[i])));
+      }
+    }
+    // One flat gradient: a single tensor is taken as it is (no copy); a list is gathered.
+    float* grad = a.parts[0].data;
+    if (a.parts.size() > 1) {
+      if (cuda_) {
+        if (gather_d_.size() != n) Check(gather_d_.Allocate(n));
+        grad = gather_d_.data();
+      } else {
+        gather_.resize(n);
+        grad = gather_.data();
+      }
+      size_t offset = 0;
+      for (const auto& b : a.parts) {
+        Check(CopyBytes(grad + offset, b.data, b.size * 4, cuda_, cuda_));
+        offset += b.size;
+      }
+    }
+    // The update comes into a zeroed array (numpy.zeros: pages the step does not touch stay
+    // untouched): the observer copies the old values of the keys about to change, and after the
+    // step the new values are subtracted there.
+    py::array_t<float> update = py::module_::import("numpy").attr("zeros")(n, "float32");
+    out_ = update.mutable_data();
+    touched_.clear();
+    all_ = false;
+    Status s;
+    {
+      py::gil_scoped_release release;
+      if (cuda_) {
+        auto p = agg.ModelParams();  // the device copy, brought up to date
+        s = p.status();
+      }
+      if (s.ok()) s = agg.Step(grad, cuda_, &last_);
+      if (s.ok()) {
+        const float* now = agg.host_model_params();
+        if (all_) {
+          for (size_t i = 0; i < n; ++i) out_[i] -= now[i];
+        } else {
+          for (uint32_t k : touched_) out_[k] -= now[k];
+        }
+      }
+    }
+    out_ = nullptr;
+    if (!s.ok()) {
+      // A bad gradient changes nothing and the job goes on; anything else ends it.
+      if (s.code() != StatusCode::kInvalidArgument) session_->ReportFailure(s);
+      Raise(s);
+    }
+    ++steps_;
+    if (!a.listed) return update;
+    py::list out;
+    size_t offset = 0;
+    for (size_t i = 0; i < sizes_.size(); ++i) {
+      py::object part = update[py::slice(static_cast<py::ssize_t>(offset),
+                                         static_cast<py::ssize_t>(offset + sizes_[i]), 1)];
+      out.append(part.attr("reshape")(py::tuple(py::cast(shapes_[i]))));
+      offset += sizes_[i];
+    }
+    return out;
+  }
+
+  // The job's parameters as this worker holds them (a copy, float32).
+  py::array_t<float> Params() {
+    if (!session_) Raise(Status::FailedPrecondition("call init(params) first"));
+    const auto& p = session_->aggregator().params();
+    return py::array_t<float>(static_cast<py::ssize_t>(p.size()), p.data());
+  }
+
+  // What this worker holds back (its residual), for tests and diagnostics.
+  py::array_t<float> Residual() {
+    if (!session_) Raise(Status::FailedPrecondition("call init(params) first"));
+    std::vector<float> r;
+    Check(session_->aggregator().ReadResidual(&r));
+    return py::array_t<float>(static_cast<py::ssize_t>(r.size()), r.data());
+  }
+
+  void SetEpoch(uint32_t epoch) {
+    if (session_) session_->aggregator().SetEpoch(epoch);
+  }
+
+  // Tells the scheduler this worker is done (DONE with its statistics) and waits until every
+  // worker is (SHUTDOWN). test_accuracy: a fraction, -1 when this worker did not evaluate.
+  void Finish(double test_accuracy, double train_loss, double samples_per_s, double train_s) {
+    if (!session_) Raise(Status::FailedPrecondition("call init(params) first"));
+    proto::WorkerStats stats;
+    stats.set_steps(steps_);
+    stats.set_bytes_sent(session_->aggregator().bytes_sent());
+    stats.set_bytes_received(session_->aggregator().bytes_received());
+    stats.set_final_test_accuracy(test_accuracy);
+    stats.set_final_train_loss(train_loss);
+    stats.set_samples_per_s(samples_per_s);
+    stats.set_wall_s(train_s);
+    Status s;
+    {
+      py::gil_scoped_release release;
+      s = session_->Finish(stats);
+    }
+    session_.reset();
+    Check(s);
+  }
+
+  py::dict LastStep() const {
+    py::dict d;
+    d["bytes_sent"] = last_.bytes_sent;
+    d["bytes_received"] = last_.bytes_received;
+    d["selected"] = last_.selected;
+    d["applied"] = last_.applied;
+    d["encode_ms"] = last_.encode_ms;
+    d["comm_ms"] = last_.comm_ms;
+    return d;
+  }
+
+  // Every key of the resolved config with its value as `--get` prints it ("train.lr": "0.05").
+  py::dict Config() const {
+    py::dict d;
+    for (const std::string& line : DescribeConfig(config_)) {
+      const size_t eq = line.find(" = ");
+      d[py::str(line.substr(0, eq))] = line.substr(eq + 3);
+    }
+    return d;
+  }
+
+  int rank() const { return session_ ? session_->rank() : config_.node().rank(); }
+  int num_workers() const { return static_cast<int>(config_.cluster().num_workers()); }
+  size_t num_params() const { return session_ ? session_->aggregator().num_params() : 0; }
+  double lr() const { return config_.train().lr(); }
+  uint64_t bytes_sent() const { return session_ ? session_->aggregator().bytes_sent() : 0; }
+  uint64_t bytes_received() const { return session_ ? session_->aggregator().bytes_received() : 0; }
+  std::string aggregation() const {
+    return config_.aggregation() == proto::ALLREDUCE ? "allreduce" : "ps";
+  }
+
+ private:
+  // The aggregator's change observer: keeps the old values of what is about to change.
+  void Observe(uint64_t begin, std::span<const uint32_t> keys, bool all) {
+    if (out_ == nullptr || all_) return;
+    const float* p = session_->aggregator().host_model_params();
+    if (all) {
+      all_ = true;
+      std::copy(p, p + session_->aggregator().num_params(), out_);
+      return;
+    }
+    for (uint32_t k : keys) {
+      const size_t key = begin + k;
+      out_[key] = p[key];
+      touched_.push_back(static_cast<uint32_t>(key));
+    }
+  }
+
+  proto::JobConfig config_;
+  std::unique_ptr<WorkerSession> session_;
+  bool listed_ = false, cuda_ = false;
+  int device_ = -1;
+  std::vector<size_t> sizes_;
+  std::vector<std::vector<py::ssize_t>> shapes_;
+  std::vector<float> gather_;
+  DeviceBuffer gather_d_;
+  float* out_ = nullptr;
+  std::vector<uint32_t> touched_;
+  bool all_ = false;
+  uint64_t steps_ = 0;
+  StepStats last_;
+};
+
+}  // namespace
+}  // namespace sparseps
+
+PYBIND11_MODULE(_sparseps, m) {
+  using sparseps::Worker;
+  m.doc() = "sparseps: sparse, compressed gradient aggregation (parameter server or allreduce)";
+  static py::exception<std::runtime_error> error(m, "Error", PyExc_RuntimeError);
+  sparseps::g_error = error.ptr();
+#if SPARSEPS_HAVE_CUDA
+  m.attr("cuda") = true;  // CUDA tensors are compressed on the device
+#else
+  m.attr("cuda") = false;
+#endif
+  py::class_<Worker>(m, "Worker", R"doc(
+One worker of a sparseps job, driven by a Python training loop.
+
+Worker(config, rank=None, overrides=())
+  config: path of the job's YAML config (proto/config.proto; "" for the defaults). The scheduler's
+  address comes from it or from SPARSEPS_SCHEDULER=host:port; overrides are "key=value" strings
+  as --set takes them; rank (or SPARSEPS_RANK, RANK, ...) requests this worker's rank.
+)doc")
+      .def(py::init<const std::string&, std::optional<int>, const std::vector<std::string>&>(),
+           py::arg("config"), py::arg("rank") = py::none(),
+           py::arg("overrides") = std::vector<std::string>())
+      .def("init", &Worker::Init, py::arg("params"), R"doc(
+Joins the job (registers with the scheduler and waits for every node) with the size of params (a
+float32 tensor or array, or a list of them), and makes the job's starting parameters worker 0's:
+they are written into params in place on every worker.)doc")
+      .def("push_pull", &Worker::PushPull, py::arg("grads"), R"doc(
+Aggregates grads (laid out as init's params, or one flat tensor of all of them) with the job's
+encoding or collective, and returns the update: subtract it from the parameters to hold the job's
+new ones (params -= update). A float32 NumPy array, or a list of arrays shaped like grads (views
+of one array). A single tensor is read in place; a list is gathered into one buffer first. Raises ValueError for a gradient with
+NaN or Inf (nothing is sent; the job goes on), TimeoutError naming a missing peer.)doc")
+      .def("params", &Worker::Params, "The job's parameters as this worker holds them (a copy).")
+      .def("residual", &Worker::Residual,
+           "What this worker holds back for later steps (its residual; a copy).")
+      .def("set_epoch", &Worker::SetEpoch, py::arg("epoch"),
+           "Sets the epoch (0-based) for the density warm-up (compression.warmup_epochs).")
+      .def("finish", &Worker::Finish, py::arg("test_accuracy") = -1.0, py::arg("train_loss") = 0.0,
+           py::arg("samples_per_s") = 0.0, py::arg("train_s") = 0.0,
+           R"doc(
+Tells the scheduler this worker is done and waits until every worker is; the scheduler then
+writes summary.json (run.dir) with these statistics: test_accuracy (a fraction; -1: not evaluated
+here), train_loss (the last epoch's mean), samples_per_s (this worker's), train_s (seconds).)doc")
+      .def_property_readonly("last_step", &Worker::LastStep,
+                             "What the last push_pull did: bytes, entries selected and applied, "
+                             "encode and communication milliseconds.")
+      .def_property_readonly("config", &Worker::Config,
+                             "Every key of the job's resolved config: {'train.lr': '0.05', ...} "
+                             "(values as `sparseps-worker --get` prints them; Worker.get parses)")
+      .def_property_readonly("rank", &Worker::rank)
+      .def_property_readonly("num_workers", &Worker::num_workers)
+      .def_property_readonly("num_params", &Worker::num_params)
+      .def_property_readonly("lr", &Worker::lr, "train.lr of the job")
+      .def_property_readonly("aggregation", &Worker::aggregation, "'ps' or 'allreduce'")
+      .def_property_readonly("bytes_sent", &Worker::bytes_sent)
+      .def_property_readonly("bytes_received", &Worker::bytes_received);
+}

@@ -1,0 +1,113 @@
+"""Test support for the Python module: a sparseps job's scheduler and servers started as the real
+daemons (from the build, SPARSEPS_BUILD_DIR), stopped by pid when a test ends, and workers run as
+threads of the test (each sparseps.Worker releases the GIL while it waits)."""
+import os
+import pathlib
+import subprocess
+import threading
+import time
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BUILD = pathlib.Path(os.environ.get("SPARSEPS_BUILD_DIR", ROOT / "build"))
+DATA = pathlib.Path("/usr/share/datasets/fashion-mnist")
+
+
+class Cluster:
+    """A scheduler and `servers` servers for the job `config` (YAML text) with the `sets`
+    overrides ("key=value"), on loopback. Its workers need `overrides` on top of the same."""
+
+    def __init__(self, tmp, config, servers, workers, sets):
+        self.dir = pathlib.Path(tmp)
+        self.dir.mkdir(parents=True)
+        self.run_dir = self.dir / "run"
+        self.job = self.dir / "job.yaml"
+        self.job.write_text(config)
+        common = ["--config", str(self.job), "--set", f"run.dir={self.run_dir}",
+                  "--set", f"cluster.num_servers={max(servers, 1)}",
+                  "--set", f"cluster.num_workers={workers}"]
+        for s in sets:
+            common += ["--set", s]
+        self.procs = []
+        self._start("scheduler", BUILD / "scheduler" / "sparseps-scheduler", common +
+                    ["--set", "cluster.scheduler_port=0"])
+        port_file = self.run_dir / "scheduler.port"
+        deadline = time.time() + 30
+        while not (port_file.exists() and port_file.read_text().strip()):
+            if time.time() > deadline or self.procs[0][1].poll() is not None:
+                raise RuntimeError("the scheduler did not start:\n" + self.log("scheduler"))
+            time.sleep(0.05)
+        self.port = int(port_file.read_text())
+        # What every node of the job needs besides the config file.
+        self.overrides = [f"run.dir={self.run_dir}", f"cluster.scheduler_port={self.port}",
+                          f"cluster.num_servers={max(servers, 1)}",
+                          f"cluster.num_workers={workers}"]
+        for s in range(servers):
+            self._start(f"server-{s}", BUILD / "server" / "sparseps-server",
+                        common + ["--set", f"cluster.scheduler_port={self.port}",
+                                  "--set", f"node.rank={s}"])
+
+    def _start(self, name, binary, args):
+        log = open(self.dir / f"{name}.log", "w")
+        env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
+        self.procs.append((name, subprocess.Popen([str(binary)] + args, stdout=log,
+                                                  stderr=subprocess.STDOUT, env=env)))
+
+    def log(self, name):
+        return (self.dir / f"{name}.log").read_text()
+
+    def wait(self, timeout=60):
+        """Waits for every daemon to exit; returns {name: exit code}."""
+        deadline = time.time() + timeout
+        codes = {}
+        for name, p in self.procs:
+            try:
+                codes[name] = p.wait(max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                codes[name] = None
+        return codes
+
+    def stop(self):
+        for _, p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """cluster(config_text, servers=2, workers=2, sets=()) -> Cluster; stopped when the test
+    ends."""
+    made = []
+
+    def make(config, servers=2, workers=2, sets=()):
+        c = Cluster(tmp_path / f"job{len(made)}", config, servers, workers, sets)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.stop()
+
+
+def run_threads(targets):
+    """Runs each callable on a thread of its own; returns their results, raising the first
+    exception one of them raised."""
+    results = [None] * len(targets)
+    errors = []
+
+    def wrap(i, f):
+        try:
+            results[i] = f()
+        except BaseException as e:  # noqa: B902 - reported to the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=wrap, args=(i, f)) for i, f in enumerate(targets)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0]
+    return results

@@ -1,0 +1,72 @@
+// A C++ worker that pushes known gradients, for tests/python/test_worker.py: it joins the job of
+// --config (with --set overrides) through WorkerSession, as the worker daemon does, starts from
+// the parameters p0[i] = ((i % 13) - 6) / 8 and for step t = 0 .. steps-1 aggregates the integer
+// gradient g[i] = ((i * 7919 + t * 104729 + rank * 1299709) mod 41) - 20, appending the job's
+// parameters after every step (num_params float32 each) to --out. The Python test does the same
+// through sparseps.Worker and compares the two bitwise.
+//
+//   replay_worker --config F --num-params N --steps T --out FILE [--set k=v ...]
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "common/config.h"
+#include "worker/session.h"
+
+namespace sparseps {
+namespace {
+
+int Run(int argc, char** argv) {
+  CLI::App app{"push known gradients through a sparseps job (a test helper)", "replay_worker"};
+  std::string config_path, out_path;
+  std::vector<std::string> overrides;
+  size_t n = 0;
+  int steps = 0;
+  app.add_option("--config", config_path)->required();
+  app.add_option("--set", overrides);
+  app.add_option("--num-params", n)->required();
+  app.add_option("--steps", steps)->required();
+  app.add_option("--out", out_path)->required();
+  CLI11_PARSE(app, argc, argv);
+  auto config = LoadConfig(config_path, overrides);
+  if (!config.ok()) {
+    std::fprintf(stderr, "replay_worker: %s\n", config.status().ToString().c_str());
+    return 2;
+  }
+  auto session = WorkerSession::Join(*config, n, /*model_on_device=*/false);
+  if (!session.ok()) {
+    std::fprintf(stderr, "replay_worker: %s\n", session.status().ToString().c_str());
+    return 1;
+  }
+  WorkerSession& s = **session;
+  Aggregator& agg = s.aggregator();
+  std::vector<float> initial(n), grad(n);
+  for (size_t i = 0; i < n; ++i) initial[i] = static_cast<float>(static_cast<int>(i % 13) - 6) / 8;
+  Status st = agg.Init(initial);
+  std::ofstream out(out_path, std::ios::binary | std::ios::trunc);
+  const int64_t rank = s.rank();
+  for (int64_t t = 0; st.ok() && t < steps; ++t) {
+    for (size_t i = 0; i < n; ++i) {
+      const int64_t v = (static_cast<int64_t>(i) * 7919 + t * 104729 + rank * 1299709) % 41;
+      grad[i] = static_cast<float>(v - 20);
+    }
+    StepStats stats;
+    st = agg.Step(grad.data(), false, &stats);
+    out.write(reinterpret_cast<const char*>(agg.params().data()),
+              static_cast<std::streamsize>(n * sizeof(float)));
+  }
+  if (st.ok()) st = s.Finish(proto::WorkerStats());
+  if (!st.ok()) {
+    s.ReportFailure(st);
+    std::fprintf(stderr, "replay_worker: %s\n", st.ToString().c_str());
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace sparseps
+
+int main(int argc, char** argv) { return sparseps::Run(argc, argv); }

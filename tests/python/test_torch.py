@@ -1,0 +1,122 @@
+"""sparseps.torch with Debian's PyTorch: the example (examples/fashion_mnist.py, through
+sparseps.torch.DistributedOptimizer) trains a small CNN with 2 workers and 2 servers through the
+local launcher and its loss falls; DDP with sparse_allreduce_hook keeps the workers' models equal
+and sparse; bad tensors are clear exceptions."""
+import csv
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import sparseps
+import sparseps.torch
+from conftest import BUILD, DATA, ROOT, run_threads
+
+needs_data = pytest.mark.skipif(not (DATA / "train-images-idx3-ubyte.gz").exists(),
+                                reason="Fashion-MNIST not installed (deploy/install-deps.sh)")
+
+
+def read_csv(path):
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+@needs_data
+def test_example_trains_a_cnn_through_two_servers(tmp_path):
+    run = tmp_path / "run"
+    env = dict(os.environ, SPARSEPS_CACHE=str(tmp_path / "cache"))
+    p = subprocess.run(
+        ["bash", str(ROOT / "deploy" / "launch.sh"), "--build-dir", str(BUILD), "--config",
+         str(ROOT / "examples" / "torch_cnn.yaml"), "--run-dir", str(run), "--quiet",
+         "--set", "train.max_steps=100", "--set", "data.max_test_samples=2000",
+         "--worker-command", f"{sys.executable} {ROOT / 'examples' / 'fashion_mnist.py'} --model cnn"],
+        capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    for w in range(2):
+        rows = read_csv(run / f"metrics-worker-{w}.csv")
+        assert len(rows) == 100
+        loss = [float(r["loss"]) for r in rows]
+        assert sum(loss[-10:]) < 0.5 * sum(loss[:10]), (loss[:10], loss[-10:])
+        # top-k at 1% of 215,370: k = 2,154 entries selected and pushed per step.
+        assert {int(r["selected"]) for r in rows} == {2154}
+        assert all(0 < int(r["bytes_sent"]) < 0.05 * 4 * 215370 for r in rows[1:])
+    summary = (run / "summary.json").read_text()
+    assert '"status": "ok"' in summary
+    accuracy = float(read_csv(run / "eval-worker-0.csv")[-1]["test_accuracy"])
+    assert accuracy > 0.75  # 100 steps of 2 x 64 samples; 82.55% when measured
+
+
+def test_distributed_optimizer_starts_every_worker_from_worker_0(cluster):
+    c = cluster("train: {lr: 0.5, momentum: 0}\ncompression: {encoding: topk, density: 0.1}\n")
+
+    def worker(rank):
+        torch.manual_seed(rank)  # different models until init
+        model = torch.nn.Linear(30, 5)
+        opt = sparseps.torch.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.5),
+            sparseps.Worker(str(c.job), rank=rank, overrides=c.overrides))
+        start = [p.detach().clone() for p in model.parameters()]
+        for _ in range(5):
+            opt.zero_grad()
+            model(torch.randn(8, 30)).pow(2).mean().backward()
+            opt.step()
+        # The model follows the job's parameters (to float rounding of update / lr * lr).
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+        np.testing.assert_allclose(flat, opt.worker.params(), rtol=0, atol=1e-6)
+        opt.worker.finish()
+        return start, flat
+
+    (s0, f0), (s1, f1) = run_threads([lambda r=r: worker(r) for r in range(2)])
+    for a, b in zip(s0, s1):
+        assert torch.equal(a, b), "init did not make worker 0's parameters everyone's"
+    np.testing.assert_array_equal(f0, f1)
+
+
+def test_ddp_hook_keeps_the_workers_equal_and_sparse(cluster, tmp_path):
+    sets = ["aggregation=allreduce", "collective.algorithm=topk_allgather", "train.lr=1",
+            "train.momentum=0", "compression.density=0.1"]
+    c = cluster("cluster: {register_timeout_s: 60}\n", servers=0, sets=sets)
+    init = tmp_path / "dist_init"
+    outs = [tmp_path / f"ddp-{r}.pt" for r in range(2)]
+    env = dict(os.environ)
+    procs = [subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "python" / "ddp_worker.py"), str(r), "2", str(init),
+         str(c.job), str(outs[r])] + sum((["--set", s] for s in c.overrides + sets), []),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for r in range(2)]
+    for p in procs:
+        out, _ = p.communicate(timeout=180)
+        assert p.returncode == 0, out
+    got = [torch.load(o) for o in outs]
+    assert torch.equal(got[0]["params"], got[1]["params"])
+    n = got[0]["params"].numel()  # 20*64 + 64 + 64*4 + 4 = 1604; k = 160 per worker
+    for nz in got[0]["nonzero"]:
+        assert 0 < nz <= 2 * round(0.1 * n), got[0]["nonzero"]
+    loss = got[0]["loss"]
+    assert sum(loss[-5:]) < 0.6 * sum(loss[:5]), loss
+
+
+def test_bad_tensors_are_clear_exceptions(cluster):
+    c = cluster("compression: {encoding: topk, density: 0.1}\n", workers=1)
+    w = sparseps.Worker(str(c.job), rank=0, overrides=c.overrides)
+    with pytest.raises(ValueError, match="detach"):
+        w.init(torch.zeros(10, 10, requires_grad=True))
+    w.init(torch.zeros(10, 10))
+    with pytest.raises(ValueError, match="float32"):
+        w.push_pull(torch.zeros(10, 10, dtype=torch.float64))
+    with pytest.raises(ValueError, match="not contiguous"):
+        w.push_pull(torch.zeros(10, 10).t())
+    with pytest.raises(ValueError, match="90 elements; init's params had 100"):
+        w.push_pull(torch.zeros(9, 10))
+    bad = torch.ones(10, 10)
+    bad[3, 4] = float("inf")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        w.push_pull(bad)
+    if torch.cuda.is_available() and not sparseps.cuda:
+        with pytest.raises(ValueError, match="built without CUDA"):
+            w.push_pull(torch.zeros(10, 10, device="cuda"))
+    update = w.push_pull(torch.ones(10, 10))
+    assert update.shape == (100,) and np.count_nonzero(update) == 10  # k = 10
+    w.finish()

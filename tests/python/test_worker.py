@@ -1,0 +1,199 @@
+"""sparseps.Worker against a real job (scheduler and servers as daemons, workers as threads):
+push_pull equals the C++ worker's (tests/python/replay_worker.cc) bitwise for every kind of
+aggregation; nothing is lost between what was applied and the residuals; bad input is a clear
+Python exception that leaves the job running."""
+import subprocess
+
+import numpy as np
+import pytest
+
+import sparseps
+from conftest import BUILD, run_threads
+
+N = 1000  # parameters
+STEPS = 12
+
+BASE = """
+train: {lr: 0.5, momentum: 0.9}
+compression: {encoding: topk, density: 0.05}
+cluster: {register_timeout_s: 60, request_timeout_s: 60}
+"""
+
+
+def initial():
+    return ((np.arange(N) % 13) - 6).astype(np.float32) / 8
+
+
+def gradient(rank, t):
+    i = np.arange(N, dtype=np.int64)
+    return (((i * 7919 + t * 104729 + rank * 1299709) % 41) - 20).astype(np.float32)
+
+
+SETTINGS = {
+    "ps_topk": [],
+    "ps_topk_sampled_fp16": ["compression.selection=sampled_threshold",
+                             "compression.fp16_values=true", "compression.varint_indices=true"],
+    "ps_topk_server_topk": ["compression.server_topk=true"],
+    "ps_dense": ["compression.encoding=dense"],
+    "ps_sbc_local2": ["compression.encoding=sbc", "compression.local_iterations=2"],
+    "ps_sketch_second_round": ["compression.encoding=sketch", "compression.sketch.second_round=true"],
+    "allreduce_gtopk": ["aggregation=allreduce", "collective.algorithm=gtopk"],
+    "allreduce_spardl": ["aggregation=allreduce", "collective.algorithm=spardl"],
+    "allreduce_exdyna": ["aggregation=allreduce", "collective.algorithm=exdyna"],
+    "allreduce_ring_aggregated": ["aggregation=allreduce", "collective.algorithm=ring",
+                                  "collective.momentum=aggregated"],
+}
+
+
+def servers_for(sets):
+    return 0 if "aggregation=allreduce" in sets else 2
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_push_pull_equals_the_cpp_worker_bitwise(cluster, name):
+    sets = SETTINGS[name]
+    # The C++ workers.
+    c = cluster(BASE, servers=servers_for(sets), sets=sets)
+    outs = [c.dir / f"cpp-{r}.bin" for r in range(2)]
+    procs = [subprocess.Popen(
+        [str(BUILD / "tests" / "replay_worker"), "--config", str(c.job), "--num-params", str(N),
+         "--steps", str(STEPS), "--out", str(outs[r])] +
+        sum((["--set", s] for s in c.overrides + sets + [f"node.rank={r}"]), []),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    for p in procs:
+        out, _ = p.communicate(timeout=120)
+        assert p.returncode == 0, out
+    assert c.wait() == {k: 0 for k in c.wait()}
+    cpp = [np.fromfile(o, dtype=np.float32).reshape(STEPS, N) for o in outs]
+
+    # The same through the Python module.
+    p = cluster(BASE, servers=servers_for(sets), sets=sets)
+
+    def python_worker(rank):
+        w = sparseps.Worker(str(p.job), rank=rank, overrides=p.overrides + sets)
+        params = initial()
+        w.init(params)
+        before = w.params()
+        got = []
+        for t in range(STEPS):
+            update = w.push_pull(gradient(rank, t))
+            after = w.params()
+            got.append((before, update, after))
+            before = after
+        w.finish()
+        return got
+
+    py = run_threads([lambda r=r: python_worker(r) for r in range(2)])
+    assert p.wait() == {k: 0 for k in p.wait()}
+    sbc = "compression.encoding=sbc" in sets
+    for r in range(2):
+        for t, (before, update, after) in enumerate(py[r]):
+            # The job's parameters after each step: bitwise those of the C++ worker.
+            np.testing.assert_array_equal(after, cpp[r][t], err_msg=f"{name} worker {r} step {t}")
+            if not sbc:
+                # The update is exactly what the parameters moved by.
+                np.testing.assert_array_equal(update, before - after, err_msg=f"step {t}")
+
+
+def test_sbc_update_moves_the_local_copy(cluster):
+    """SBC trains a local copy between pushes: the update takes the model from one local copy to
+    the next (lr * velocity between pushes), and to the job's parameters at a push."""
+    sets = SETTINGS["ps_sbc_local2"]
+    c = cluster(BASE, sets=sets)
+
+    def worker(rank):
+        w = sparseps.Worker(str(c.job), rank=rank, overrides=c.overrides + sets)
+        model = initial()
+        w.init(model)
+        for t in range(4):
+            model = model - w.push_pull(gradient(rank, t))
+            if t % 2 == 1:  # a push: the model holds the job's parameters again (to rounding)
+                np.testing.assert_allclose(model, w.params(), rtol=0, atol=1e-5)
+        w.finish()
+
+    run_threads([lambda r=r: worker(r) for r in range(2)])
+
+
+@pytest.mark.parametrize("aggregation", ["ps", "allreduce"])
+def test_conservation_with_integer_gradients(cluster, aggregation):
+    """momentum 0, lr = W: init - params + the workers' residuals == every gradient pushed, exactly
+    (integers in float), and entries were applied every step."""
+    sets = ["train.momentum=0", "train.lr=2"]
+    if aggregation == "allreduce":
+        sets += ["aggregation=allreduce", "collective.algorithm=topk_allgather"]
+    c = cluster(BASE, servers=servers_for(sets), sets=sets)
+    pushed = np.zeros(N, dtype=np.float64)
+
+    def worker(rank):
+        w = sparseps.Worker(str(c.job), rank=rank, overrides=c.overrides + sets)
+        w.init(np.zeros(N, dtype=np.float32))
+        applied = []
+        for t in range(10):
+            update = w.push_pull(gradient(rank, t))
+            applied.append(int(np.count_nonzero(update)))
+        residual = w.residual().astype(np.float64)
+        params = w.params().astype(np.float64)
+        w.finish()
+        return residual, params, applied
+
+    out = run_threads([lambda r=r: worker(r) for r in range(2)])
+    for r in range(2):
+        for t in range(10):
+            pushed[:] += gradient(r, t)
+    params = out[0][1]
+    np.testing.assert_array_equal(out[1][1], params)  # every worker holds the same parameters
+    np.testing.assert_array_equal(-params + out[0][0] + out[1][0], pushed)
+    for r in range(2):
+        # k = 50 per worker: the union of two selections, 50 to 100 keys per step.
+        assert all(50 <= a <= 100 for a in out[r][2]), out[r][2]
+
+
+def test_bad_input_is_a_clear_exception_and_the_job_goes_on(cluster):
+    c = cluster(BASE)
+    good = {}
+
+    def worker(rank):
+        w = sparseps.Worker(str(c.job), rank=rank, overrides=c.overrides)
+        with pytest.raises(sparseps.Error, match="call init"):
+            w.push_pull(np.zeros(N, dtype=np.float32))
+        w.init(initial())
+        if rank == 0:
+            with pytest.raises(ValueError, match="float32"):
+                w.push_pull(np.zeros(N, dtype=np.float64))
+            with pytest.raises(ValueError, match="1001 elements; init's params had 1000"):
+                w.push_pull(np.zeros(N + 1, dtype=np.float32))
+            with pytest.raises(ValueError, match="not contiguous"):
+                w.push_pull(np.zeros(2 * N, dtype=np.float32)[::2])
+            with pytest.raises(ValueError, match="not laid out as init's params"):
+                w.push_pull([np.zeros(N - 1, dtype=np.float32), np.zeros(1, dtype=np.float32)])
+            with pytest.raises(ValueError, match="expected a float32 tensor or array"):
+                w.push_pull("gradient")
+            nan = gradient(0, 0)
+            nan[17] = np.nan
+            with pytest.raises(ValueError, match="NaN or Inf"):
+                w.push_pull(nan)
+            with pytest.raises(sparseps.Error, match="init was called already"):
+                w.init(initial())
+        # The job goes on: a good push_pull on both workers.
+        good[rank] = w.push_pull(gradient(rank, 0))
+        w.finish()
+
+    run_threads([lambda r=r: worker(r) for r in range(2)])
+    assert np.count_nonzero(good[0]) > 0
+    np.testing.assert_array_equal(good[0], good[1])
+    assert c.wait() == {k: 0 for k in c.wait()}
+
+
+def test_bad_config_is_a_value_error_naming_the_key(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  lr: fast\n")
+    with pytest.raises(ValueError, match=r"bad.yaml:2:.*train.lr"):
+        sparseps.Worker(str(bad))
+    with pytest.raises(ValueError, match="weight_decay"):
+        sparseps.Worker("", overrides=["train.weight_decay=0.1"])
+
+
+def test_a_missing_scheduler_is_a_timeout_naming_it():
+    w = sparseps.Worker("", overrides=["cluster.scheduler_port=1", "cluster.register_timeout_s=0.5"])
+    with pytest.raises(TimeoutError, match="membership"):
+        w.init(initial())
