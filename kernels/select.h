@@ -84,7 +84,8 @@ struct SampledThresholdPlan {
 };
 SampledThresholdPlan PlanSampledThreshold(size_t n, size_t k, double sample_ratio);
 
-// DGC's sampled threshold (Lin et al., ICLR 2018, §3.4 and the authors' code): the threshold is
+// DGC's sampled threshold (Lin et al., ICLR 2018, §3.4 and the authors' code; docs/algorithms.md
+// §2): the threshold is
 // the (k * sample_ratio)-th largest magnitude of a strided sample of sample_ratio * n entries;
 // a count outside [0.8k, 1.3k] is refined: too many -> exact top-k among the selected (no second
 // pass); too few -> threshold * 0.7 and another pass, at most 10 times. Writes the selected
@@ -92,7 +93,8 @@ SampledThresholdPlan PlanSampledThreshold(size_t n, size_t k, double sample_rati
 size_t SampledThresholdSelect(const float* x, size_t n, size_t k, double sample_ratio,
                               std::vector<uint32_t>* out);
 
-// ExDyna's online threshold scaling (Yoon & Oh, CCGrid 2024, §IV and kljp/exdyna): select
+// ExDyna's online threshold scaling (Yoon & Oh, CCGrid 2024, §IV and kljp/exdyna;
+// docs/algorithms.md §2): select
 // |x| >= thr in one pass, then scale thr toward the target count k by the last count's ratio
 // r = count / k: r > 1.1 -> thr *= 1.005; r <= 0.909 -> thr *= 0.995; otherwise thr *= 1.00125
 // (the authors' code). The initial threshold is 1 / (2 sqrt(k)).

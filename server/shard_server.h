@@ -1,4 +1,5 @@
-// One server's key range under BSP: aggregation of pushes, SGD update, pull replies.
+// One server's key range under BSP: aggregation of pushes, SGD update, pull replies
+// (docs/algorithms.md §3-4).
 //
 // Protocol per iteration t (version = number of applied iterations):
 //   PUSH(t) from each of the W workers, once each; t must equal the version. A stale (t <

@@ -117,7 +117,8 @@ class Selector {
 // max(1, round(density * n)), at most n.
 size_t WarmupK(double density, uint32_t warmup_epochs, uint32_t epoch, size_t n);
 
-// `topk` with DGC momentum correction and momentum factor masking (Lin et al., ICLR 2018, §3):
+// `topk` with DGC momentum correction and momentum factor masking (Lin et al., ICLR 2018, §3;
+// docs/algorithms.md §2):
 //   u = m*u + g;  v = v + u;  I = select(|v|, k) over the whole flat vector (k = density * N);
 //   push v[I] split by key range;  v[I] = 0;  u[I] = 0.
 // With fp16 values the rounding error stays in v. Invariant: the sum of all u's added to v equals
@@ -151,7 +152,8 @@ class TopKCompressor final : public Compressor {
   size_t last_selected_ = 0;
 };
 
-// `sbc`: Sparse Binary Compression (Sattler et al., arXiv 1805.08768, Algorithm 1). For
+// `sbc`: Sparse Binary Compression (Sattler et al., arXiv 1805.08768, Algorithm 1;
+// docs/algorithms.md §3). For
 // local_iterations steps the worker trains its own copy (u = m*u + g; params -= lr*u) and
 // accumulates a += u. Then A = a + R; P+ = the k largest entries, P- = the k most negative;
 // the side with the larger mean magnitude mu is sent as positions with the one value +-mu;
@@ -188,7 +190,8 @@ class SbcCompressor final : public Compressor {
   float last_value_ = 0.0f;
 };
 
-// `sketch`: Sketched SGD (Ivkin et al., NeurIPS 2019, Algorithm 1) with Sketch-Fusion groups:
+// `sketch`: Sketched SGD (Ivkin et al., NeurIPS 2019, Algorithm 1; docs/algorithms.md §3) with
+// Sketch-Fusion groups:
 // u = m*u + g; v += u; v is truncated to its top truncate_factor * k entries (Sketched SGD's p1;
 // 0: no truncation); each key range is cut into fusion groups and v's slice of each group is
 // count-sketched (rows x columns, columns = columns_per_k * density * group size). The servers sum

@@ -1,5 +1,5 @@
 // Allreduce-mode aggregation (`aggregation: allreduce`): the workers sum their gradients among
-// themselves with one of six collectives (ALGORITHMS.md sections 1-3 and 6), one per file pair in
+// themselves with one of six collectives (docs/algorithms.md §5), one per file pair in
 // this folder, all behind the interface below.
 //
 // Every collective keeps the invariant that nothing is lost (tests/worker/collectives_test.cc):

@@ -1,4 +1,4 @@
-// `exdyna`: ExDyna (Yoon & Oh, CCGrid 2024; ALGORITHMS.md section 2, after kljp/exdyna). The flat
+// `exdyna`: ExDyna (Yoon & Oh, CCGrid 2024; docs/algorithms.md §5, after kljp/exdyna). The flat
 // vector is cut into about 1024 blocks (size a multiple of 32 where large enough), grouped into P
 // contiguous exclusive partitions. Each iteration worker r selects |x| >= threshold only inside
 // partition (t + r) mod P (cyclic ownership), so no key is selected twice (no build-up). The keys

@@ -1,4 +1,4 @@
-// `gtopk`: gTop-k (Shi et al., ICDCS 2019, Algorithm 2; ALGORITHMS.md section 3). Each worker
+// `gtopk`: gTop-k (Shi et al., ICDCS 2019, Algorithm 2; docs/algorithms.md §5). Each worker
 // selects its local top k of its contribution; a binomial tree merges the sets pairwise toward
 // worker 0 (add values at common keys, keep the k largest), and worker 0's global top-k set is
 // broadcast down the same tree. ceil(log2 P) rounds each way; any P (the paper's code needs a

@@ -1,4 +1,5 @@
-// `spardl`: SparDL (Zhao et al., ICDE 2024; ALGORITHMS.md section 1, after the authors' code).
+// `spardl`: SparDL (Zhao et al., ICDE 2024, arXiv 2304.00737; docs/algorithms.md §5, after the
+// authors' code).
 // The flat vector is cut into B = P / d blocks (d = teams); per-block budget k_b = ceil(k / B).
 //   Spar-Reduce-Scatter inside each team of B workers, ceil(log2 B) rounds for any B: round i
 //   sends s_i blocks to the worker g_i ahead and receives s_i from the one g_i behind

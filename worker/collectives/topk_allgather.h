@@ -1,5 +1,5 @@
-// `topk_allgather` (TopK-AllGather, the transport of DGC's reference code; ALGORITHMS.md section
-// 6): each worker selects about k entries of its contribution (exact top-k, DGC's sampled
+// `topk_allgather` (TopK-AllGather, the transport of DGC's reference code; docs/algorithms.md
+// §5): each worker selects about k entries of its contribution (exact top-k, DGC's sampled
 // threshold or ExDyna's scaled threshold), keeps the rest as its residual, and all-gathers its
 // (index, value) pairs (Bruck, ceil(log2 P) rounds); every worker adds the P sets up in rank order.
 // Sends about 8k (P-1) bytes per worker; the update holds up to P k entries (gradient build-up).
