@@ -5,37 +5,18 @@
 #include <algorithm>
 #include <cmath>
 
-#include "common/codec/codec.h"
-#include "common/codec/dense.h"
-#include "common/codec/sketch.h"
-#include "common/codec/topk.h"
-#include "kernels/count_sketch.h"
-#include "kernels/error_feedback.h"
-#include "kernels/topk.h"
+#include "encodings/dense.h"
+#include "encodings/registry.h"
+#include "encodings/topk.h"
 
 namespace sparseps {
 
 ShardServer::ShardServer(const ShardOptions& options)
     : options_(options),
       params_(options.range.size(), 0.0f),
-      accum_(options.range.size(), 0.0f),
-      touched_mask_(options.range.size(), 0),
-      pushed_(static_cast<size_t>(options.num_workers), 0) {
-  const auto& c = options_.compression;
-  if (c.encoding() == proto::SKETCH) {
-    groups_ = FusionGroups(options_.range.size(), c.sketch().fusion_group_size());
-    for (const auto& g : groups_) {
-      group_columns_.push_back(SketchColumns(c, g.size()));
-      sketch_columns_ += group_columns_.back();
-    }
-    sketch_accum_.assign(size_t{c.sketch().rows()} * sketch_columns_, 0.0f);
-    if (c.sketch().server_momentum()) {
-      sketch_momentum_.assign(sketch_accum_.size(), 0.0f);
-      sketch_error_.assign(sketch_accum_.size(), 0.0f);
-    }
-  }
-  if (c.server_topk()) server_residual_.assign(options_.range.size(), 0.0f);
-}
+      aggregation_(MakeShardAggregation(
+          AggregationOptions{options.range, options.compression, options.momentum})),
+      pushed_(static_cast<size_t>(options.num_workers), 0) {}
 
 Outgoing ShardServer::Reply(const std::string& peer, const proto::Header& request,
                             proto::Command command) const {
@@ -159,8 +140,8 @@ void ShardServer::HandlePush(const std::string& peer, const Message& msg,
            out);
     return;
   }
-  const int want_phase = second_round() ? phase_ : 0;
-  if (static_cast<int>(h.phase()) != want_phase) {
+  const uint32_t want_phase = aggregation_->phase();
+  if (h.phase() != want_phase) {
     Reject(peer, &h,
            "PUSH for phase " + std::to_string(h.phase()) + " of iteration " +
                std::to_string(h.iteration()) + "; the server is in phase " +
@@ -179,127 +160,29 @@ void ShardServer::HandlePush(const std::string& peer, const Message& msg,
     Reject(peer, &h, "PUSH: " + s.message(), out);
     return;
   }
-  if (p.is_sketch() && (options_.compression.encoding() != proto::SKETCH ||
-                        p.sketch_rows != options_.compression.sketch().rows() ||
-                        p.sketch_columns != sketch_columns_)) {
-    Reject(peer, &h,
-           "PUSH: sketch layout " + std::to_string(p.sketch_rows) + " x " +
-               std::to_string(p.sketch_columns) + " does not match this server's " +
-               std::to_string(options_.compression.sketch().rows()) + " x " +
-               std::to_string(sketch_columns_) +
-               " (compression.sketch must be the same everywhere)",
-           out);
+  if (const std::string why = aggregation_->Refuse(p, want_phase); !why.empty()) {
+    Reject(peer, &h, "PUSH: " + why, out);
     return;
   }
-  if (want_phase == 1 &&
-      (p.encoding != proto::TOPK ||
-       !std::equal(p.indices.begin(), p.indices.end(), candidates_.begin(), candidates_.end()))) {
-    Reject(peer, &h, "PUSH phase 1 must carry exact values at exactly the candidate keys", out);
-    return;
-  }
-  if (want_phase == 0 && second_round() && !p.is_sketch()) {
-    Reject(peer, &h, "PUSH phase 0 of the sketch second round must be a sketch", out);
-    return;
-  }
-  // Validated: accumulate. Sparse stays sparse: scatter-add at the pushed keys only.
-  if (p.is_sketch()) {
-    kernels::Axpy(1.0f, p.sketch.data(), sketch_accum_.data(), sketch_accum_.size());
-    sketch_this_iteration_ = true;
-  } else if (p.is_dense()) {
-    kernels::Axpy(1.0f, p.dense.data(), accum_.data(), accum_.size());
-    dense_this_iteration_ = true;
-  } else {
-    const uint32_t* idx = p.indices.data();
-    for (size_t j = 0; j < p.indices.size(); ++j) {
-      if (!touched_mask_[idx[j]]) {
-        touched_mask_[idx[j]] = 1;
-        touched_.push_back(idx[j]);
-      }
-    }
-    kernels::ScatterAdd(accum_.data(), idx, p.values.data(), p.indices.size());
-  }
+  // Validated: accumulate (sparse stays sparse).
+  aggregation_->Add(p);
   pushed_[rank] = 1;
   ++counters_.pushes;
   out->push_back(Reply(peer, h, proto::PUSH_ACK));
-  if (std::all_of(pushed_.begin(), pushed_.end(), [](uint8_t b) { return b != 0; })) {
-    if (second_round() && phase_ == 0) {
-      PickCandidates();
-      std::fill(pushed_.begin(), pushed_.end(), 0);
-      phase_ = 1;
-      AnswerCandidateRequests(out);
-      return;
-    }
-    Apply();
-    AnswerReadyPulls(out);
+  if (!std::all_of(pushed_.begin(), pushed_.end(), [](uint8_t b) { return b != 0; })) return;
+  std::fill(pushed_.begin(), pushed_.end(), 0);
+  if (!aggregation_->EndPhase()) {
+    AnswerCandidateRequests(out);  // another phase follows: the candidates are out
+    return;
   }
-}
-
-bool ShardServer::second_round() const {
-  const auto& c = options_.compression;
-  return c.encoding() == proto::SKETCH && c.sketch().second_round() &&
-         !c.sketch().server_momentum();
-}
-
-void ShardServer::PickCandidates() {
-  const auto& c = options_.compression;
-  const uint32_t rows = c.sketch().rows();
-  const float* table = sketch_accum_.data();
-  candidates_.clear();
-  candidate_estimates_.clear();
-  for (size_t g = 0; g < groups_.size(); ++g) {
-    const KeyRange& grp = groups_[g];
-    const kernels::CountSketchHash hash(rows, group_columns_[g], c.sketch().seed());
-    estimates_.resize(grp.size());
-    hash.Estimate(table, options_.range.begin + grp.begin, grp.size(), estimates_.data());
-    table += hash.table_size();
-    const size_t want = std::min<size_t>(
-        grp.size(), static_cast<size_t>(std::ceil(c.sketch().candidates_factor() *
-                                                  static_cast<double>(SketchK(c, grp.size())))));
-    selected_.resize(want);
-    selected_.resize(kernels::TopKAbs(estimates_.data(), grp.size(), want, selected_.data()));
-    for (uint32_t j : selected_) {
-      candidates_.push_back(static_cast<uint32_t>(grp.begin + j));
-      candidate_estimates_.push_back(estimates_[j]);
-    }
-  }
-  std::fill(sketch_accum_.begin(), sketch_accum_.end(), 0.0f);
-  sketch_this_iteration_ = false;
-}
-
-void ShardServer::ApplyExactCandidates(float scale) {
-  // The k largest exact sums per group among the candidates are applied; the rest of the sums
-  // is dropped here because every worker still holds its share in its residual.
-  const auto& c = options_.compression;
-  last_changed_.clear();
-  auto it = candidates_.begin();
-  std::vector<float> sums;
-  for (const KeyRange& grp : groups_) {
-    auto end = std::lower_bound(it, candidates_.end(), static_cast<uint32_t>(grp.end));
-    sums.clear();
-    for (auto x = it; x != end; ++x) sums.push_back(accum_[*x]);
-    selected_.resize(std::min(sums.size(), SketchK(c, grp.size())));
-    selected_.resize(
-        kernels::TopKAbs(sums.data(), sums.size(), selected_.size(), selected_.data()));
-    for (uint32_t j : selected_) {
-      const uint32_t i = *(it + j);
-      if (accum_[i] == 0.0f) continue;
-      params_[i] += scale * accum_[i];
-      last_changed_.push_back(i);
-    }
-    it = end;
-  }
-  for (uint32_t i : touched_) {
-    accum_[i] = 0.0f;
-    touched_mask_[i] = 0;
-  }
-  touched_.clear();
-  phase_ = 0;
+  Apply();
+  AnswerReadyPulls(out);
 }
 
 void ShardServer::HandlePullCandidates(const std::string& peer, const Message& msg,
                                        std::vector<Outgoing>* out) {
   const proto::Header& h = msg.header;
-  if (!second_round()) {
+  if (!aggregation_->second_round()) {
     Reject(peer, &h, "PULL_CANDIDATES without compression.sketch.second_round", out);
     return;
   }
@@ -315,125 +198,24 @@ void ShardServer::HandlePullCandidates(const std::string& peer, const Message& m
 }
 
 void ShardServer::AnswerCandidateRequests(std::vector<Outgoing>* out) {
-  if (phase_ != 1) return;
+  if (aggregation_->phase() != 1 || candidate_requests_.empty()) return;
+  std::vector<uint32_t> keys;
+  std::vector<float> estimates;
+  aggregation_->Candidates(&keys, &estimates);
   for (const auto& r : candidate_requests_) {
     proto::Header request;
     request.set_iteration(r.wanted_version);
     request.set_request_id(r.request_id);
     Outgoing o = Reply(r.peer, request, proto::CANDIDATES);
-    EncodeTopK(std::vector<uint32_t>(candidates_), std::vector<float>(candidate_estimates_),
-               &o.msg);
+    EncodeTopK(std::vector<uint32_t>(keys), std::vector<float>(estimates), &o.msg);
     out->push_back(std::move(o));
   }
   candidate_requests_.clear();
 }
 
-void ShardServer::ApplySketch(float scale) {
-  // Heavy hitters per fusion group: the top k of the median estimates of the summed tables
-  // (linearity: the sum of the workers' sketches is the sketch of the summed residuals).
-  // FetchSGD: S_u = m S_u + sum; S_e += S_u; estimate from S_e; zero S_u and S_e where the
-  // applied keys hash.
-  const auto& c = options_.compression;
-  const uint32_t rows = c.sketch().rows();
-  const bool fetch = c.sketch().server_momentum();
-  if (fetch) {
-    const float m = static_cast<float>(options_.momentum);
-    for (size_t x = 0; x < sketch_accum_.size(); ++x) {
-      sketch_momentum_[x] = m * sketch_momentum_[x] + sketch_accum_[x];
-      sketch_error_[x] += sketch_momentum_[x];
-    }
-  }
-  float* table = fetch ? sketch_error_.data() : sketch_accum_.data();
-  last_changed_.clear();
-  for (size_t g = 0; g < groups_.size(); ++g) {
-    const KeyRange& grp = groups_[g];
-    const kernels::CountSketchHash hash(rows, group_columns_[g], c.sketch().seed());
-    estimates_.resize(grp.size());
-    hash.Estimate(table, options_.range.begin + grp.begin, grp.size(), estimates_.data());
-    selected_.resize(SketchK(c, grp.size()));
-    selected_.resize(
-        kernels::TopKAbs(estimates_.data(), grp.size(), selected_.size(), selected_.data()));
-    for (uint32_t j : selected_) {
-      if (estimates_[j] == 0.0f) continue;
-      const size_t i = grp.begin + j;
-      params_[i] += scale * estimates_[j];
-      last_changed_.push_back(static_cast<uint32_t>(i));
-    }
-    if (fetch) {
-      const size_t offset = static_cast<size_t>(table - sketch_error_.data());
-      for (uint32_t j : selected_) {
-        const uint64_t key = options_.range.begin + grp.begin + j;
-        for (uint32_t r = 0; r < rows; ++r) {
-          const size_t cell = offset + size_t{r} * hash.columns() + hash.Bucket(r, key);
-          sketch_error_[cell] = 0.0f;
-          sketch_momentum_[cell] = 0.0f;
-        }
-      }
-    }
-    table += hash.table_size();
-  }
-  std::sort(last_changed_.begin(), last_changed_.end());
-  std::fill(sketch_accum_.begin(), sketch_accum_.end(), 0.0f);
-  sketch_this_iteration_ = false;
-}
-
-void ShardServer::ApplyResparsified(float scale) {
-  // r += aggregate; apply the top k of r; r keeps the rest (nothing is lost).
-  if (dense_this_iteration_) {
-    kernels::Axpy(1.0f, accum_.data(), server_residual_.data(), accum_.size());
-    std::fill(accum_.begin(), accum_.end(), 0.0f);
-  } else {
-    for (uint32_t i : touched_) {
-      server_residual_[i] += accum_[i];
-      accum_[i] = 0.0f;
-    }
-  }
-  for (uint32_t i : touched_) touched_mask_[i] = 0;
-  const size_t n = server_residual_.size();
-  const size_t k = std::min(
-      n, std::max<size_t>(1, static_cast<size_t>(std::llround(options_.compression.density() *
-                                                              static_cast<double>(n)))));
-  selected_.resize(k);
-  selected_.resize(kernels::TopKAbs(server_residual_.data(), n, k, selected_.data()));
-  last_changed_.clear();
-  for (uint32_t i : selected_) {
-    if (server_residual_[i] == 0.0f) continue;
-    params_[i] += scale * server_residual_[i];
-    server_residual_[i] = 0.0f;
-    last_changed_.push_back(i);
-  }
-}
-
 void ShardServer::Apply() {
   const float scale = static_cast<float>(-options_.lr / options_.num_workers);
-  if (second_round()) {
-    ApplyExactCandidates(scale);
-    last_changed_all_ = false;
-  } else if (sketch_this_iteration_) {
-    ApplySketch(scale);
-    last_changed_all_ = false;
-  } else if (options_.compression.server_topk()) {
-    ApplyResparsified(scale);
-    last_changed_all_ = false;
-  } else if (dense_this_iteration_) {
-    kernels::Axpy(scale, accum_.data(), params_.data(), params_.size());
-    std::fill(accum_.begin(), accum_.end(), 0.0f);
-    for (uint32_t i : touched_) touched_mask_[i] = 0;
-    last_changed_.clear();
-    last_changed_all_ = true;
-  } else {
-    std::sort(touched_.begin(), touched_.end());
-    for (uint32_t i : touched_) {
-      params_[i] += scale * accum_[i];
-      accum_[i] = 0.0f;
-      touched_mask_[i] = 0;
-    }
-    last_changed_.assign(touched_.begin(), touched_.end());
-    last_changed_all_ = false;
-  }
-  touched_.clear();
-  dense_this_iteration_ = false;
-  std::fill(pushed_.begin(), pushed_.end(), 0);
+  aggregation_->Apply(scale, &params_, &last_changed_, &last_changed_all_);
   ++version_;
 }
 

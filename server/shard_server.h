@@ -20,17 +20,21 @@
 //   changed keys' new values if the puller holds version t (have_version) and that is smaller than
 //   the dense shard, DENSE otherwise.
 //   INIT (dense values) sets the initial parameters once, before any push.
-// Every received payload is validated (codec) before any state changes.
+// Every received payload is validated (codec) before any state changes. What differs between the
+// encodings (how pushes add up and what is applied) is the encoding's ShardAggregation, made from
+// the table of encodings (encodings/registry.h).
 //
 // Thread-safety: used by one thread.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "common/key_range.h"
 #include "common/van.h"
+#include "encodings/aggregation.h"
 #include "proto/config.pb.h"
 
 namespace sparseps {
@@ -69,7 +73,7 @@ class ShardServer {
   bool initialized() const { return version_ >= 0; }
   const ShardCounters& counters() const { return counters_; }
   // The server residual of re-sparsification (empty unless compression.server_topk).
-  const std::vector<float>& server_residual() const { return server_residual_; }
+  const std::vector<float>& server_residual() const { return aggregation_->residual(); }
 
   const ShardOptions& options() const { return options_; }
 
@@ -86,13 +90,8 @@ class ShardServer {
   void HandlePull(const std::string& peer, const Message& msg, std::vector<Outgoing>* out);
   void HandlePullCandidates(const std::string& peer, const Message& msg,
                             std::vector<Outgoing>* out);
-  void PickCandidates();
-  void ApplyExactCandidates(float scale);
   void AnswerCandidateRequests(std::vector<Outgoing>* out);
-  bool second_round() const;
   void Apply();
-  void ApplySketch(float scale);
-  void ApplyResparsified(float scale);
   void AnswerReadyPulls(std::vector<Outgoing>* out);
   Outgoing MakePullReply(const PendingPull& pull) const;
   void Reject(const std::string& peer, const proto::Header* h, const std::string& why,
@@ -104,35 +103,15 @@ class ShardServer {
   std::vector<float> params_;
   int64_t version_ = -1;  // -1 until INIT
 
-  // Aggregation buffer of iteration version_: values at touched keys, the touched list and mask.
-  std::vector<float> accum_;
-  std::vector<uint8_t> touched_mask_;
-  std::vector<uint32_t> touched_;
-  bool dense_this_iteration_ = false;  // a dense push touches every key
-  std::vector<uint8_t> pushed_;        // per worker rank, for this iteration
+  // The encoding's side of the iteration (encodings/aggregation.h): sums the pushes, applies.
+  std::unique_ptr<ShardAggregation> aggregation_;
+  std::vector<uint8_t> pushed_;  // per worker rank, for this phase of this iteration
 
   // What the last applied iteration changed (sorted keys), for sparse pull replies.
   std::vector<uint32_t> last_changed_;
   bool last_changed_all_ = true;
 
-  // SKETCH: the summed tables of this iteration (rows x total columns) and the groups' layout.
-  std::vector<float> sketch_accum_;
-  std::vector<float> sketch_momentum_, sketch_error_;  // FetchSGD's S_u and S_e
-  bool sketch_this_iteration_ = false;
-  std::vector<KeyRange> groups_;
-  std::vector<uint32_t> group_columns_;
-  uint64_t sketch_columns_ = 0;
-  std::vector<float> estimates_;
-  // Second round: 0 = collecting sketches, 1 = candidates picked, collecting exact values.
-  int phase_ = 0;
-  std::vector<uint32_t> candidates_;        // sorted, relative to the range
-  std::vector<float> candidate_estimates_;  // same order
-  std::vector<PendingPull> candidate_requests_;
-
-  // Re-sparsification state (compression.server_topk).
-  std::vector<float> server_residual_;
-  std::vector<uint32_t> selected_;
-
+  std::vector<PendingPull> candidate_requests_;  // PULL_CANDIDATES waiting for phase 1
   std::vector<PendingPull> pending_pulls_;
   ShardCounters counters_;
 };

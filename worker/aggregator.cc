@@ -4,13 +4,13 @@
 
 #include <algorithm>
 
+#include "encodings/registry.h"
 #include "kernels/error_feedback.h"
 #include "worker/collectives/collective.h"
 #include "worker/collectives/ring.h"
-#include "worker/compressor.h"
 #include "worker/ps_client.h"
 #if SPARSEPS_HAVE_CUDA
-#include "worker/cuda/gpu_compressor.h"
+#include "worker/cuda/gpu_contribution.h"
 #endif
 
 namespace sparseps {
@@ -47,15 +47,11 @@ class PsAggregator final : public Aggregator {
     control_ = control;
     ps_ = std::make_unique<PsClient>(context_, control->membership(), control->rank(), control,
                                      config_.cluster().request_timeout_s());
-#if SPARSEPS_HAVE_CUDA
     if (model_on_device_) {
-      const auto& tc = config_.train();
-      auto made = MakeGpuCompressor(num_params(), config_.compression(),
-                                    static_cast<float>(tc.momentum()), static_cast<float>(tc.lr()));
+      auto made = MakeGpuCompressor(config_, num_params());  // null: the encoding has none
       if (!made.ok()) return made.status();
       compressor_ = std::move(*made);
     }
-#endif
     if (!compressor_) compressor_ = MakeCompressor(config_, num_params());
     if (model_on_device_) {
       spdlog::info("compression on the {}", compressor_->on_device()
@@ -68,10 +64,8 @@ class PsAggregator final : public Aggregator {
       compressor_->OnChanged(begin, keys);
       if (model_on_device_) changed_.Add(begin, keys);
     });
-    const auto& c = config_.compression();
-    local_copy_ = c.encoding() == proto::SBC;
-    two_rounds_ =
-        c.encoding() == proto::SKETCH && c.sketch().second_round() && !c.sketch().server_momentum();
+    local_copy_ = compressor_->trains_local_copy();
+    two_rounds_ = compressor_->second_round();
     return Status::OK();
   }
 

@@ -6,9 +6,9 @@
 #if SPARSEPS_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
+#include "encodings/cuda/cuda_status.h"
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/gpu_kernels.h"
-#include "worker/cuda/cuda_status.h"
 #endif
 
 namespace sparseps {

@@ -3,8 +3,9 @@
 #include <algorithm>
 #include <cmath>
 
-#include "common/codec/codec.h"
-#include "common/codec/dense.h"
+#include "encodings/codec.h"
+#include "encodings/dense.h"
+#include "encodings/registry.h"
 
 namespace sparseps {
 

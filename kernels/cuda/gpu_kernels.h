@@ -57,7 +57,7 @@ cudaError_t ScatterSet(float* dst, const uint32_t* idx, const float* vals, size_
 cudaError_t ZeroAt(float* v, float* u, const uint32_t* idx, size_t k, cudaStream_t stream);
 
 // SBC's local step (Sattler et al., arXiv 1805.08768, Algorithm 1), twin of
-// SbcCompressor::LocalStep in worker/compressor.cc: u = m u + g; a += u; params -= lr u over n
+// SbcCompressor::LocalStep in encodings/sbc.cc: u = m u + g; a += u; params -= lr u over n
 // elements, each operation rounded as the CPU does (bitwise equal).
 cudaError_t SbcLocalStep(float* u, float* a, float* params, const float* g, float m, float lr,
                          size_t n, cudaStream_t stream);
@@ -206,7 +206,7 @@ class GpuSampledThresholdSelect {
 };
 
 // SBC binarisation (Sattler et al., arXiv 1805.08768, Algorithm 1), twin of the step in
-// worker/compressor.cc SbcCompressor::Compress after A = a + R: P+ = the (at most) k largest
+// encodings/sbc.cc SbcCompressor::Compress after A = a + R: P+ = the (at most) k largest
 // positive entries of A, P- = the k most negative; the side with the larger mean magnitude mu is
 // sent as its indices with the one value +-mu; then A[i] -= value and u[i] = 0 (momentum factor
 // masking) at the sent indices. Zeros are never selected. Method: one pass writes one side's part

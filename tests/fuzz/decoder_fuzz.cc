@@ -9,8 +9,9 @@
 #include <cstdlib>
 #include <vector>
 
-#include "common/codec/codec.h"
 #include "common/message.h"
+#include "encodings/codec.h"
+#include "encodings/registry.h"
 #include "kernels/golomb.h"
 #include "kernels/pack.h"
 

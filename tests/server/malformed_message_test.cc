@@ -10,14 +10,15 @@
 #include <vector>
 #include <zmq.hpp>
 
-#include "common/codec/codec.h"
-#include "common/codec/dense.h"
-#include "common/codec/topk.h"
 #include "common/config.h"
 #include "common/control_client.h"
 #include "common/key_range.h"
 #include "common/message.h"
 #include "common/van.h"
+#include "encodings/codec.h"
+#include "encodings/dense.h"
+#include "encodings/registry.h"
+#include "encodings/topk.h"
 #include "tests/support/process.h"
 
 namespace sparseps {

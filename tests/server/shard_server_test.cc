@@ -11,11 +11,12 @@
 #include <set>
 #include <vector>
 
-#include "common/codec/codec.h"
-#include "common/codec/dense.h"
-#include "common/codec/sketch.h"
-#include "common/codec/topk.h"
 #include "common/key_range.h"
+#include "encodings/codec.h"
+#include "encodings/dense.h"
+#include "encodings/registry.h"
+#include "encodings/sketch.h"
+#include "encodings/topk.h"
 
 namespace sparseps {
 namespace {

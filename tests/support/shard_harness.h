@@ -6,7 +6,7 @@
 #include <utility>
 #include <vector>
 
-#include "common/codec/dense.h"
+#include "encodings/dense.h"
 #include "common/key_range.h"
 #include "common/message.h"
 #include "server/shard_server.h"

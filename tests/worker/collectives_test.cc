@@ -21,15 +21,15 @@
 #include <fstream>
 #include <numeric>
 
+#include "encodings/compressor.h"
 #include "kernels/device.h"
 #include "kernels/error_feedback.h"
 #include "worker/collectives/collective.h"
 #include "worker/collectives/exdyna.h"
-#include "worker/compressor.h"
 #if SPARSEPS_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
-#include "worker/cuda/gpu_compressor.h"
+#include "worker/cuda/gpu_contribution.h"
 #endif
 
 namespace sparseps {

@@ -11,21 +11,34 @@
 #include <string>
 #include <vector>
 
-#include "common/codec/codec.h"
 #include "common/key_range.h"
+#include "encodings/codec.h"
+#include "encodings/compressor.h"
+#include "encodings/cuda/gpu_compressors.h"
+#include "encodings/registry.h"
+#include "encodings/sbc.h"
+#include "encodings/sketch.h"
+#include "encodings/topk.h"
 #include "kernels/conv.h"
 #include "kernels/cuda/dense_kernels.h"
 #include "kernels/cuda/gpu_kernels.h"
 #include "kernels/dense.h"
 #include "kernels/error_feedback.h"
 #include "tests/support/gpu_testing.h"
-#include "worker/compressor.h"
-#include "worker/cuda/gpu_compressor.h"
 #include "worker/device_buffer.h"
 #include "worker/model.h"
 
 namespace sparseps {
 namespace {
+
+// A job whose compression is `c`, with train.momentum m and train.lr lr (MakeGpuCompressor's).
+proto::JobConfig GpuJob(const proto::CompressionConfig& c, float m, float lr) {
+  proto::JobConfig job;
+  *job.mutable_compression() = c;
+  job.mutable_train()->set_momentum(m);
+  job.mutable_train()->set_lr(lr);
+  return job;
+}
 
 using gpu_testing::DeviceVector;
 
@@ -262,7 +275,7 @@ TEST(GpuTopKCompressor, PushesAndResidualsEqualTheCpuCompressor) {
       c.set_fp16_values(compact);
       c.set_varint_indices(compact);
       TopKCompressor cpu(n, c, 0.9f);
-      auto made = MakeGpuCompressor(n, c, 0.9f, 0.1f);
+      auto made = MakeGpuCompressor(GpuJob(c, 0.9f, 0.1f), n);
       ASSERT_TRUE(made.ok()) << made.status().message();
       ASSERT_TRUE(*made);
       Compressor& gpu = **made;
@@ -287,7 +300,7 @@ TEST(GpuTopKCompressor, PushesAndResidualsEqualTheCpuCompressor) {
   // A NaN in the gradient is refused before anything changes.
   proto::CompressionConfig c;
   c.set_density(0.01);
-  auto made = MakeGpuCompressor(1000, c, 0.9f, 0.1f);
+  auto made = MakeGpuCompressor(GpuJob(c, 0.9f, 0.1f), 1000);
   ASSERT_TRUE(made.ok());
   std::vector<float> bad(1000, 1.0f);
   bad[500] = std::nanf("");
@@ -316,7 +329,7 @@ TEST(GpuSbcCompressor, LocalStepsAndPushesEqualTheCpuCompressor) {
     c.set_selection(selection);
     c.set_sample_ratio(0.01);
     SbcCompressor cpu(n, c, 0.9f, 0.05f);
-    auto made = MakeGpuCompressor(n, c, 0.9f, 0.05f);
+    auto made = MakeGpuCompressor(GpuJob(c, 0.9f, 0.05f), n);
     ASSERT_TRUE(made.ok()) << made.status().message();
     ASSERT_TRUE(*made);
     Compressor& gpu = **made;
@@ -385,7 +398,7 @@ TEST(GpuSketchCompressor, PushesEqualTheCpuCompressor) {
     c.mutable_sketch()->set_fusion_group_size(k.fusion_group_size);
     c.mutable_sketch()->set_server_momentum(k.server_momentum);
     SketchCompressor cpu(n, c, 0.0f);
-    auto made = MakeGpuCompressor(n, c, 0.0f, 0.1f);
+    auto made = MakeGpuCompressor(GpuJob(c, 0.0f, 0.1f), n);
     ASSERT_TRUE(made.ok()) << made.status().message();
     ASSERT_TRUE(*made);
     Compressor& gpu = **made;

@@ -16,11 +16,11 @@
 #include <thread>
 #include <vector>
 
-#include "common/codec/dense.h"
-#include "common/codec/topk.h"
 #include "common/control_client.h"
 #include "common/key_range.h"
 #include "common/van.h"
+#include "encodings/dense.h"
+#include "encodings/topk.h"
 #include "server/shard_server.h"
 
 namespace sparseps {

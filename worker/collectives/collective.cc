@@ -180,39 +180,35 @@ Status AllGatherSparse(PeerGroup* group, uint64_t tag, std::span<const int> memb
   return Status::OK();
 }
 
+namespace {
+
+// One row per collective: the config's algorithm, its name, its factory (each in its file pair).
+struct CollectiveSpec {
+  proto::CollectiveAlgorithm id;
+  const char* name;
+  Result<std::unique_ptr<Collective>> (*make)(const proto::JobConfig& job, PeerGroup* group,
+                                              size_t num_params, size_t k);
+};
+
+const CollectiveSpec kCollectives[] = {
+    {proto::RING, "ring", MakeRingCollective},
+    {proto::GLOO, "gloo", MakeGloo},
+    {proto::TOPK_ALLGATHER, "topk_allgather", MakeTopKAllGather},
+    {proto::GTOPK, "gtopk", MakeGTopK},
+    {proto::SPARDL, "spardl", MakeSparDL},
+    {proto::EXDYNA, "exdyna", MakeExDyna},
+};
+
+}  // namespace
+
 Result<std::unique_ptr<Collective>> MakeCollective(const proto::JobConfig& config, PeerGroup* group,
                                                    size_t num_params) {
-  const auto& c = config.compression();
-  const size_t k = std::clamp<size_t>(
-      static_cast<size_t>(std::llround(c.density() * static_cast<double>(num_params))), 1,
-      num_params);
-  const auto& col = config.collective();
-  switch (col.algorithm()) {
-    case proto::RING:
-      return std::unique_ptr<Collective>(
-          new RingCollective(group, num_params, col.segment_bytes()));
-    case proto::GLOO:
-      return MakeGlooCollective(group, num_params, config.node().host());
-    case proto::TOPK_ALLGATHER:
-      return std::unique_ptr<Collective>(
-          new TopKAllGather(group, num_params, k, c.selection(), c.sample_ratio()));
-    case proto::GTOPK:
-      return std::unique_ptr<Collective>(
-          new GTopK(group, num_params, k, c.selection(), c.sample_ratio()));
-    case proto::SPARDL:
-      if (group->size() % static_cast<int>(col.teams()) != 0) {
-        return Status::InvalidArgument("collective.teams (" + std::to_string(col.teams()) +
-                                       ") must divide the number of workers (" +
-                                       std::to_string(group->size()) + ")");
-      }
-      return std::unique_ptr<Collective>(
-          new SparDL(group, num_params, k, static_cast<int>(col.teams())));
-    case proto::EXDYNA:
-      return std::unique_ptr<Collective>(new ExDyna(group, num_params, k, col.segment_bytes()));
-    default:
-      return Status::InvalidArgument("unknown collective.algorithm " +
-                                     std::to_string(static_cast<int>(col.algorithm())));
+  const size_t k = WarmupK(config.compression().density(), 0, 0, num_params);
+  for (const auto& c : kCollectives) {
+    if (c.id == config.collective().algorithm()) return c.make(config, group, num_params, k);
   }
+  return Status::InvalidArgument("unknown collective.algorithm " +
+                                 std::to_string(static_cast<int>(config.collective().algorithm())));
 }
 
 }  // namespace sparseps

@@ -17,9 +17,9 @@
 
 #include "common/message.h"
 #include "common/status.h"
+#include "encodings/compressor.h"
 #include "proto/config.pb.h"
 #include "worker/collectives/peer_group.h"
-#include "worker/compressor.h"
 
 namespace sparseps {
 
@@ -40,7 +40,7 @@ struct CollectiveUpdate {
 
 // This worker's contribution x (num_params floats: its momentum-corrected gradient plus its
 // residual) to an allreduce, wherever it lives: in host memory (HostContribution below) or in
-// device memory (GpuContribution, worker/cuda/gpu_compressor.h). Collectives read and change x
+// device memory (GpuContribution, worker/cuda/gpu_contribution.h). Collectives read and change x
 // only through these operations, so a GPU worker moves between device and host only what its
 // collective needs: the selected entries and the put-backs for TopK-AllGather, gTop-k and ExDyna,
 // the whole vector for the dense ones and SparDL.

@@ -129,4 +129,10 @@ Status ExDyna::Allreduce(Contribution* x, CollectiveUpdate* update) {
   return Status::OK();
 }
 
+Result<std::unique_ptr<Collective>> MakeExDyna(const proto::JobConfig& job, PeerGroup* group,
+                                               size_t num_params, size_t k) {
+  return std::unique_ptr<Collective>(
+      new ExDyna(group, num_params, k, job.collective().segment_bytes()));
+}
+
 }  // namespace sparseps

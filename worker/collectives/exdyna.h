@@ -45,4 +45,9 @@ class ExDyna final : public Collective {
   float threshold_ = 0.0f;
 };
 
+// The `exdyna`: k, collective.segment_bytes for the ring of its values; a row of the table of
+// collectives (collective.cc).
+Result<std::unique_ptr<Collective>> MakeExDyna(const proto::JobConfig& job, PeerGroup* group,
+                                               size_t num_params, size_t k);
+
 }  // namespace sparseps

@@ -95,4 +95,9 @@ Result<std::unique_ptr<Collective>> MakeGlooCollective(PeerGroup* group, size_t 
   }
 }
 
+Result<std::unique_ptr<Collective>> MakeGloo(const proto::JobConfig& job, PeerGroup* group,
+                                             size_t num_params, size_t k) {
+  return MakeGlooCollective(group, num_params, job.node().host());
+}
+
 }  // namespace sparseps

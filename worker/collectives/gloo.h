@@ -15,4 +15,9 @@ namespace sparseps {
 Result<std::unique_ptr<Collective>> MakeGlooCollective(PeerGroup* group, size_t num_params,
                                                        const std::string& host);
 
+// The `gloo`: Gloo binds on node.host (MakeGlooCollective); a row of the table of collectives
+// (collective.cc).
+Result<std::unique_ptr<Collective>> MakeGloo(const proto::JobConfig& job, PeerGroup* group,
+                                             size_t num_params, size_t k);
+
 }  // namespace sparseps

@@ -135,4 +135,11 @@ Status GTopK::Allreduce(Contribution* x, CollectiveUpdate* update) {
   return Status::OK();
 }
 
+Result<std::unique_ptr<Collective>> MakeGTopK(const proto::JobConfig& job, PeerGroup* group,
+                                              size_t num_params, size_t k) {
+  const auto& c = job.compression();
+  return std::unique_ptr<Collective>(
+      new GTopK(group, num_params, k, c.selection(), c.sample_ratio()));
+}
+
 }  // namespace sparseps

@@ -11,8 +11,8 @@
 // selected values come back instead (and the dropped sums, which would count them twice, go).
 #pragma once
 
+#include "encodings/compressor.h"
 #include "worker/collectives/collective.h"
-#include "worker/compressor.h"
 
 namespace sparseps {
 
@@ -28,5 +28,10 @@ class GTopK final : public Collective {
   std::vector<float> dropped_;  // n floats: partial sums this worker dropped in the merge
   std::vector<uint8_t> in_global_;
 };
+
+// The `gtopk`: k, compression.selection and sample_ratio; a row of the table of collectives
+// (collective.cc).
+Result<std::unique_ptr<Collective>> MakeGTopK(const proto::JobConfig& job, PeerGroup* group,
+                                              size_t num_params, size_t k);
 
 }  // namespace sparseps

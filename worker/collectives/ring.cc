@@ -117,4 +117,11 @@ Status RingCollective::Allreduce(Contribution* x, CollectiveUpdate* update) {
   return Status::OK();
 }
 
+Result<std::unique_ptr<Collective>> MakeRingCollective(const proto::JobConfig& job,
+                                                       PeerGroup* group, size_t num_params,
+                                                       size_t k) {
+  return std::unique_ptr<Collective>(
+      new RingCollective(group, num_params, job.collective().segment_bytes()));
+}
+
 }  // namespace sparseps

@@ -25,4 +25,9 @@ class RingCollective final : public Collective {
   size_t segment_elems_;
 };
 
+// The `ring`: collective.segment_bytes; a row of the table of collectives (collective.cc).
+Result<std::unique_ptr<Collective>> MakeRingCollective(const proto::JobConfig& job,
+                                                       PeerGroup* group, size_t num_params,
+                                                       size_t k);
+
 }  // namespace sparseps

@@ -115,4 +115,15 @@ Status SparDL::Allreduce(Contribution* x, CollectiveUpdate* update) {
   return x->Set(dropped);
 }
 
+Result<std::unique_ptr<Collective>> MakeSparDL(const proto::JobConfig& job, PeerGroup* group,
+                                               size_t num_params, size_t k) {
+  const uint32_t teams = job.collective().teams();
+  if (group->size() % static_cast<int>(teams) != 0) {
+    return Status::InvalidArgument("collective.teams (" + std::to_string(teams) +
+                                   ") must divide the number of workers (" +
+                                   std::to_string(group->size()) + ")");
+  }
+  return std::unique_ptr<Collective>(new SparDL(group, num_params, k, static_cast<int>(teams)));
+}
+
 }  // namespace sparseps

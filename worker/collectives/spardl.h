@@ -33,4 +33,9 @@ class SparDL final : public Collective {
   std::vector<uint8_t> touched_;
 };
 
+// The `spardl`: k, collective.teams (InvalidArgument unless it divides the workers); a row of the
+// table of collectives (collective.cc).
+Result<std::unique_ptr<Collective>> MakeSparDL(const proto::JobConfig& job, PeerGroup* group,
+                                               size_t num_params, size_t k);
+
 }  // namespace sparseps

@@ -55,4 +55,11 @@ Status TopKAllGather::Allreduce(Contribution* x, CollectiveUpdate* update) {
   return Status::OK();
 }
 
+Result<std::unique_ptr<Collective>> MakeTopKAllGather(const proto::JobConfig& job, PeerGroup* group,
+                                                      size_t num_params, size_t k) {
+  const auto& c = job.compression();
+  return std::unique_ptr<Collective>(
+      new TopKAllGather(group, num_params, k, c.selection(), c.sample_ratio()));
+}
+
 }  // namespace sparseps

@@ -5,8 +5,8 @@
 // Sends about 8k (P-1) bytes per worker; the update holds up to P k entries (gradient build-up).
 #pragma once
 
+#include "encodings/compressor.h"
 #include "worker/collectives/collective.h"
-#include "worker/compressor.h"
 
 namespace sparseps {
 
@@ -28,5 +28,10 @@ class TopKAllGather final : public Collective {
 // touched (n zeros) are work space, left zeroed.
 void SumSparse(std::span<const SparseVector> blocks, std::vector<float>* scratch,
                std::vector<uint8_t>* touched, SparseVector* out);
+
+// The `topk_allgather`: k per worker, compression.selection and sample_ratio; a row of the table of
+// collectives (collective.cc).
+Result<std::unique_ptr<Collective>> MakeTopKAllGather(const proto::JobConfig& job, PeerGroup* group,
+                                                      size_t num_params, size_t k);
 
 }  // namespace sparseps

@@ -14,8 +14,8 @@
 #include "kernels/cuda/dense_kernels.h"
 #include "kernels/device.h"
 #include "worker/cnn.h"
-#include "worker/cuda/cuda_arrays.h"
-#include "worker/cuda/cuda_status.h"
+#include "encodings/cuda/cuda_arrays.h"
+#include "encodings/cuda/cuda_status.h"
 #include "worker/cuda/gpu_models.h"
 #include "worker/mlp.h"
 

@@ -1,5 +1,5 @@
 // Codec round trips (dense, top-k) and rejection of truncated or inconsistent payloads.
-#include "common/codec/codec.h"
+#include "encodings/codec.h"
 
 #include <gtest/gtest.h>
 
@@ -7,9 +7,10 @@
 #include <limits>
 #include <vector>
 
-#include "common/codec/dense.h"
-#include "common/codec/topk.h"
 #include "common/message.h"
+#include "encodings/dense.h"
+#include "encodings/registry.h"
+#include "encodings/topk.h"
 #include "tests/support/messages.h"
 
 namespace sparseps {

@@ -1,4 +1,4 @@
-#include "common/codec/topk.h"
+#include "encodings/topk.h"
 
 #include "kernels/error_feedback.h"
 #include "kernels/pack.h"
@@ -89,6 +89,60 @@ Status TopKCodec::Decode(const Message& msg, uint64_t range_len, DecodedPayload*
     return Status::ProtocolError("topk payload contains NaN or Inf");
   }
   return Status::OK();
+}
+
+void EncodeTopKPushes(const std::vector<uint32_t>& selected, const std::vector<float>& values,
+                      const std::vector<KeyRange>& ranges, TopKFormat format,
+                      std::vector<Message>* out) {
+  for (const auto& r : ranges) {
+    size_t first = 0;
+    std::vector<uint32_t> idx = RangeSlice(selected, r, &first);
+    std::vector<float> vals(values.begin() + static_cast<ptrdiff_t>(first),
+                            values.begin() + static_cast<ptrdiff_t>(first + idx.size()));
+    Message m = NewPush(r);
+    EncodeTopK(std::move(idx), std::move(vals), &m, format);
+    out->push_back(std::move(m));
+  }
+}
+
+TopKCompressor::TopKCompressor(size_t num_params, const proto::CompressionConfig& c, float momentum)
+    : config_(c),
+      k_(WarmupK(c.density(), c.warmup_epochs(), 0, num_params)),
+      momentum_(momentum),
+      selector_(c.selection(), c.sample_ratio(), k_),
+      format_{c.fp16_values(), c.varint_indices()},
+      velocity_(num_params, 0.0f),
+      residual_(num_params, 0.0f) {}
+
+void TopKCompressor::SetEpoch(uint32_t epoch) {
+  k_ = WarmupK(config_.density(), config_.warmup_epochs(), epoch, residual_.size());
+}
+
+Status TopKCompressor::Compress(const float* grad, const std::vector<KeyRange>& ranges,
+                                std::vector<Message>* out) {
+  const size_t n = residual_.size();
+  SPARSEPS_RETURN_IF_ERROR(CheckFinite(grad, n, "the gradient"));
+  kernels::MomentumCorrection(velocity_.data(), residual_.data(), grad, momentum_, n);
+  selector_.Select(residual_.data(), n, k_, &selected_);
+  const size_t k = selected_.size();
+  values_.resize(k);
+  kernels::GatherAndZero(residual_.data(), velocity_.data(), selected_.data(), k, values_.data());
+  if (format_.fp16_values) {
+    // Send what a half holds; the rounding error stays in the residual.
+    for (size_t j = 0; j < k; ++j) {
+      const float sent = kernels::RoundToHalf(values_[j]);
+      residual_[selected_[j]] = values_[j] - sent;
+      values_[j] = sent;
+    }
+  }
+  last_selected_ = k;
+  EncodeTopKPushes(selected_, values_, ranges, format_, out);
+  return Status::OK();
+}
+
+std::unique_ptr<Compressor> MakeTopKCompressor(const proto::JobConfig& job, size_t num_params) {
+  return std::make_unique<TopKCompressor>(num_params, job.compression(),
+                                          static_cast<float>(job.train().momentum()));
 }
 
 }  // namespace sparseps

@@ -1,4 +1,4 @@
-#include "common/codec/dense.h"
+#include "encodings/dense.h"
 
 #include "kernels/error_feedback.h"
 
@@ -28,6 +28,27 @@ Status DenseCodec::Decode(const Message& msg, uint64_t range_len, DecodedPayload
   out->indices = {};
   out->values = {};
   return Status::OK();
+}
+
+DenseCompressor::DenseCompressor(size_t num_params, float momentum)
+    : momentum_(momentum), velocity_(num_params, 0.0f) {}
+
+Status DenseCompressor::Compress(const float* grad, const std::vector<KeyRange>& ranges,
+                                 std::vector<Message>* out) {
+  SPARSEPS_RETURN_IF_ERROR(CheckFinite(grad, velocity_.size(), "the gradient"));
+  for (size_t i = 0; i < velocity_.size(); ++i) velocity_[i] = momentum_ * velocity_[i] + grad[i];
+  for (const auto& r : ranges) {
+    Message m = NewPush(r);
+    EncodeDense(std::vector<float>(velocity_.begin() + static_cast<ptrdiff_t>(r.begin),
+                                   velocity_.begin() + static_cast<ptrdiff_t>(r.end)),
+                &m);
+    out->push_back(std::move(m));
+  }
+  return Status::OK();
+}
+
+std::unique_ptr<Compressor> MakeDenseCompressor(const proto::JobConfig& job, size_t num_params) {
+  return std::make_unique<DenseCompressor>(num_params, static_cast<float>(job.train().momentum()));
 }
 
 }  // namespace sparseps

@@ -1,4 +1,5 @@
-// Wire encodings of gradient pushes and pull replies (one encoding per file pair in this folder).
+// Wire encodings of gradient pushes and pull replies: the Codec interface; each encoding's codec is
+// in its file pair in this folder (dense, topk, sbc, sketch), found through encodings/registry.h.
 //
 // An encoder turns values of one key range into payload frames of a Message; a decoder validates
 // a received Message's frames against the key range's length and exposes them as a
@@ -50,8 +51,5 @@ class Codec {
   // order or bound, non-finite value). On error *out is unspecified and nothing was applied.
   virtual Status Decode(const Message& msg, uint64_t range_len, DecodedPayload* out) const = 0;
 };
-
-// The codec for an encoding, or nullptr when the encoding is unknown.
-const Codec* FindCodec(proto::Encoding encoding);
 
 }  // namespace sparseps

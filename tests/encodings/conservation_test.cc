@@ -12,12 +12,16 @@
 #include <string>
 #include <vector>
 
-#include "common/codec/codec.h"
-#include "common/codec/dense.h"
 #include "common/key_range.h"
+#include "encodings/codec.h"
+#include "encodings/compressor.h"
+#include "encodings/dense.h"
+#include "encodings/registry.h"
+#include "encodings/sbc.h"
+#include "encodings/sketch.h"
+#include "encodings/topk.h"
 #include "server/shard_server.h"
 #include "tests/support/shard_harness.h"
-#include "worker/compressor.h"
 
 namespace sparseps {
 namespace {

@@ -8,11 +8,12 @@
 #include <random>
 #include <vector>
 
-#include "common/codec/codec.h"
-#include "common/codec/sbc.h"
-#include "common/codec/sketch.h"
-#include "common/codec/topk.h"
 #include "common/message.h"
+#include "encodings/codec.h"
+#include "encodings/registry.h"
+#include "encodings/sbc.h"
+#include "encodings/sketch.h"
+#include "encodings/topk.h"
 #include "kernels/golomb.h"
 #include "kernels/pack.h"
 #include "tests/support/messages.h"

@@ -1,5 +1,5 @@
 // Top-k with error feedback: nothing is lost between what the server applied and the residual.
-#include "worker/compressor.h"
+#include "encodings/compressor.h"
 
 #include <gtest/gtest.h>
 
@@ -7,9 +7,12 @@
 #include <random>
 #include <vector>
 
-#include "common/codec/codec.h"
-#include "common/codec/dense.h"
 #include "common/key_range.h"
+#include "encodings/codec.h"
+#include "encodings/dense.h"
+#include "encodings/registry.h"
+#include "encodings/sbc.h"
+#include "encodings/topk.h"
 #include "server/shard_server.h"
 #include "tests/support/shard_harness.h"
 

@@ -8,8 +8,8 @@
 #include <utility>
 
 #include "common/status.h"
+#include "encodings/cuda/cuda_status.h"
 #include "kernels/cuda/cuda_util.cuh"
-#include "worker/cuda/cuda_status.h"
 
 namespace sparseps {
 

@@ -1,23 +1,5 @@
-// Compression on the device for a GPU worker: the twins of TopKCompressor, SbcCompressor and
-// SketchCompressor (worker/compressor.h), so the gradient, the velocity u, the residual and (SBC)
-// the accumulator stay in device memory, and only the encoded payload's raw parts cross to the
-// host, through pinned buffers:
-//   topk   every selection mode (exact GpuTopK, DGC's sampled threshold, ExDyna's scaled
-//          threshold, each the twin of the CPU's); the k indices and values come down in one copy
-//          of 8 k bytes, then are split by key range and encoded as the CPU does.
-//   sbc    every selection mode (one selector state per side, as the CPU's); LocalStep trains
-//          the device copy of the parameters; the k positions come down (4 k bytes) and are
-//          Golomb-coded on the host.
-//   sketch every setting (truncation, fusion groups, second round, server momentum); the tables
-//          are built on the device and come down (rows x columns floats per key range); the
-//          second round gathers the candidates' values on the device.
-// The pushes equal the CPU compressor's for the same gradients: byte for byte for topk and for
-// the positions of sbc, the sbc value within double-sum rounding, the sketch tables within float
-// rounding (atomics add in another order; exactly for integer values).
-//
-// Built only with CUDA. Thread-safety: one host thread per compressor.
-//
-// GpuContribution (below) is the same for allreduce mode.
+// A GPU worker's contribution to an allreduce on the device (GpuContribution), the twin of
+// HostContribution (worker/collectives/collective.h). Built only with CUDA.
 #pragma once
 
 #include <memory>
@@ -27,22 +9,8 @@
 #include "common/status.h"
 #include "proto/config.pb.h"
 #include "worker/collectives/collective.h"
-#include "worker/compressor.h"
 
 namespace sparseps {
-
-// The device compressor for `c` when it has one (topk, sbc, sketch), else null (dense: the CPU
-// compressor takes the gradient, which is the payload anyway).
-// momentum: train.momentum; lr: train.lr (SBC's local steps). Errors: FailedPrecondition when
-// device memory or a stream cannot be had.
-Result<std::unique_ptr<Compressor>> MakeGpuCompressor(size_t num_params,
-                                                      const proto::CompressionConfig& c,
-                                                      float momentum, float lr);
-
-// Device state of a compressor from MakeGpuCompressor, copied to the host (for tests): the
-// residual and the velocity u. Errors: InvalidArgument for another compressor.
-Status DownloadGpuCompressorState(const Compressor& compressor, std::vector<float>* residual,
-                                  std::vector<float>* velocity);
 
 // A GPU worker's contribution to an allreduce (worker/collectives/collective.h), in device
 // memory: the trainer's host steps, on the device. The velocity u and the contribution x (the

@@ -1,0 +1,102 @@
+// The worker's side of an encoding: a Compressor turns the worker's gradient into one push per key
+// range and keeps what was not sent for later iterations (error feedback; docs/algorithms.md §2).
+// Each encoding's compressor is in its own file (encodings/dense.h, topk.h, sbc.h, sketch.h) and
+// made through the table of encodings/registry.h; what they share is here: the interface, the
+// selection modes (Selector) and DGC's warm-up schedule (WarmupK).
+//
+// Thread-safety: a Compressor holds per-worker state; one thread uses it.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "common/key_range.h"
+#include "common/message.h"
+#include "common/status.h"
+#include "kernels/select.h"
+#include "proto/config.pb.h"
+
+namespace sparseps {
+
+class Compressor {
+ public:
+  virtual ~Compressor() = default;
+
+  // One local iteration with gradient `grad` (num_params floats). Returns true when this
+  // iteration ends with a push (Compress, then pull). The default pushes every iteration and
+  // leaves params alone; SBC trains `params` locally for local_iterations steps first.
+  virtual bool LocalStep(const float* grad, float* params) { return true; }
+
+  // Compresses `grad` (num_params floats; ignored by encodings that push what LocalStep
+  // accumulated) and appends one Message per range in `ranges` (a sorted cover of the key space),
+  // each with encoding, key range and payload frames set. Errors: InvalidArgument when the input
+  // holds NaN or Inf (nothing is changed then).
+  virtual Status Compress(const float* grad, const std::vector<KeyRange>& ranges,
+                          std::vector<Message>* out) = 0;
+
+  // Sketch second round: fills `push` (its key range already set) with this worker's exact
+  // residual values at `candidates` (keys relative to r.begin) as TOPK. Default: Unimplemented.
+  virtual Status ExactValues(const KeyRange& r, std::span<const uint32_t> candidates,
+                             Message* push) {
+    return Status::Internal("this encoding has no second round");
+  }
+
+  // The keys (relative to key_begin) whose parameters the last pull changed.
+  virtual void OnChanged(uint64_t key_begin, std::span<const uint32_t> keys) {}
+
+  // Sets the epoch (0-based) for the density warm-up schedule.
+  virtual void SetEpoch(uint32_t epoch) {}
+
+  // Elements selected in the last Compress call (all of them for dense).
+  virtual size_t last_selected() const = 0;
+
+  // What this compressor holds back for later pushes (num_params floats, host memory): its
+  // residual; zeros when it keeps none (dense). Errors: CUDA's for a device compressor.
+  virtual Status ReadResidual(std::vector<float>* out) const = 0;
+
+  // True when Compress takes the gradient in device memory (encodings/cuda/gpu_compressors.h).
+  virtual bool on_device() const { return false; }
+
+  // True when the worker trains a local copy of the parameters between pushes (LocalStep writes
+  // it; SBC's communication delay): the model then computes at that copy, which the pulled
+  // parameters replace after each push.
+  virtual bool trains_local_copy() const { return false; }
+
+  // True when each push is followed by a second round (the sketch's exact values at the servers'
+  // candidates, ExactValues) before the pull.
+  virtual bool second_round() const { return false; }
+};
+
+// An empty PUSH for key range r (command and key range set).
+Message NewPush(const KeyRange& r);
+
+// The entries of `sorted` (global keys, strictly increasing) that fall into range r, relative to
+// r.begin; *first is the position of the first of them in `sorted`.
+std::vector<uint32_t> RangeSlice(const std::vector<uint32_t>& sorted, const KeyRange& r,
+                                 size_t* first);
+
+// InvalidArgument naming `what` when x[0, n) holds NaN or Inf ("... nothing was pushed").
+Status CheckFinite(const float* x, size_t n, const char* what);
+
+// Picks about k entries of a vector by magnitude: exact top-k, DGC's sampled threshold or
+// ExDyna's scaled threshold (kernels/select.h; docs/algorithms.md §2). Output indices are
+// strictly increasing.
+class Selector {
+ public:
+  Selector(proto::Selection mode, double sample_ratio, size_t k);
+  void Select(const float* x, size_t n, size_t k, std::vector<uint32_t>* out);
+
+ private:
+  proto::Selection mode_;
+  double sample_ratio_;
+  kernels::ScaledThreshold scaled_;
+};
+
+// k for a density and an epoch under DGC's warm-up (density^((e + 1) / (W + 1)) for e < W):
+// max(1, round(density * n)), at most n.
+size_t WarmupK(double density, uint32_t warmup_epochs, uint32_t epoch, size_t n);
+
+}  // namespace sparseps

@@ -1,0 +1,39 @@
+// The shared parts of the device compressors (encodings/cuda/gpu_compressor_base.h).
+#include "encodings/cuda/gpu_compressor_base.h"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "encodings/cuda/gpu_compressors.h"
+#include "kernels/cuda/cuda_util.cuh"
+#include "kernels/cuda/gpu_kernels.h"
+
+namespace sparseps {
+
+// InvalidArgument naming `what` when x[0, n) (device) holds NaN or Inf, after one read of it
+// (scratch: one device counter). Synchronises the stream.
+Status CheckFiniteOnDevice(const float* x, size_t n, unsigned long long* scratch,
+                           cudaStream_t stream, const char* what) {
+  uint64_t bad = 0;
+  SPARSEPS_RETURN_IF_ERROR(
+      CudaStatus(kernels::gpu::CountNonFinite(x, n, scratch, &bad, stream), "checking the input"));
+  if (bad > 0) {
+    return Status::InvalidArgument(std::string(what) + " contains NaN or Inf (" +
+                                   std::to_string(bad) + " entries); nothing was pushed");
+  }
+  return Status::OK();
+}
+
+Status DownloadGpuCompressorState(const Compressor& compressor, std::vector<float>* residual,
+                                  std::vector<float>* velocity) {
+  const auto* on_gpu = dynamic_cast<const GpuCompressorBase*>(&compressor);
+  if (on_gpu == nullptr) return Status::InvalidArgument("not a GPU compressor");
+  return on_gpu->Download(residual, velocity);
+}
+
+}  // namespace sparseps

@@ -1,0 +1,54 @@
+// The table of encodings: every encoding's parts joined in one row of encodings/registry.cc, so
+// that the worker, the servers and the decoders find them in one place:
+//   codec             validates and views a received payload (encodings/codec.h);
+//   make_compressor   the worker's compressor with its residual (encodings/compressor.h);
+//   make_gpu_compressor  its device twin in a CUDA build (encodings/cuda/), or null;
+//   make_aggregation  how a server's shard adds the pushes and applies their sum
+//                     (encodings/aggregation.h).
+// A new encoding is its own files (encodings/<name>.h and .cc, and encodings/cuda/<name>.cc for a
+// device compressor), its value in proto/messages.proto's Encoding, and one row in the table;
+// encodings/README.md says how.
+//
+// Thread-safety: the table is immutable.
+#pragma once
+
+#include <memory>
+
+#include "common/status.h"
+#include "encodings/aggregation.h"
+#include "encodings/codec.h"
+#include "encodings/compressor.h"
+#include "proto/config.pb.h"
+
+namespace sparseps {
+
+struct EncodingSpec {
+  proto::Encoding id;
+  const char* name;  // as configs write it: "topk"
+  const Codec* codec;
+  std::unique_ptr<Compressor> (*make_compressor)(const proto::JobConfig& job, size_t num_params);
+  // Null result (not an error) when the encoding has no device compressor or the build no CUDA.
+  Result<std::unique_ptr<Compressor>> (*make_gpu_compressor)(const proto::JobConfig& job,
+                                                             size_t num_params);
+  std::unique_ptr<ShardAggregation> (*make_aggregation)(const AggregationOptions& options);
+};
+
+// The row of `id`, or nullptr for an encoding that is not in the table.
+const EncodingSpec* FindEncoding(proto::Encoding id);
+
+// The codec of `id`, or nullptr when unknown (received messages name their own encoding).
+const Codec* FindCodec(proto::Encoding id);
+
+// The compressor of the job's encoding (compression.encoding).
+std::unique_ptr<Compressor> MakeCompressor(const proto::JobConfig& job, size_t num_params);
+
+// The device compressor of the job's encoding, or null when it has none (dense: the gradient is
+// the payload) or the build has no CUDA. Errors: FailedPrecondition when device memory or a
+// stream cannot be had.
+Result<std::unique_ptr<Compressor>> MakeGpuCompressor(const proto::JobConfig& job,
+                                                      size_t num_params);
+
+// A shard's aggregation for options.compression.encoding.
+std::unique_ptr<ShardAggregation> MakeShardAggregation(const AggregationOptions& options);
+
+}  // namespace sparseps

@@ -1,0 +1,355 @@
+#include "encodings/sketch.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "encodings/topk.h"
+#include "kernels/count_sketch.h"
+#include "kernels/error_feedback.h"
+#include "kernels/topk.h"
+
+namespace sparseps {
+
+void EncodeSketch(std::vector<float>&& tables, uint32_t rows, uint64_t columns, Message* msg) {
+  msg->header.set_encoding(proto::SKETCH);
+  msg->header.set_sketch_rows(rows);
+  msg->header.set_sketch_columns(columns);
+  AddFrame(msg, proto::F32, std::move(tables));
+}
+
+std::vector<KeyRange> FusionGroups(uint64_t range_len, uint64_t fusion_group_size) {
+  std::vector<KeyRange> groups;
+  const uint64_t g = fusion_group_size == 0 ? range_len : fusion_group_size;
+  for (uint64_t b = 0; b < range_len; b += g) groups.push_back({b, std::min(range_len, b + g)});
+  return groups;
+}
+
+uint32_t SketchColumns(const proto::CompressionConfig& c, uint64_t group_len) {
+  const double cols =
+      std::ceil(c.sketch().columns_per_k() * c.density() * static_cast<double>(group_len));
+  return static_cast<uint32_t>(std::clamp(cols, 16.0, 4e9));
+}
+
+size_t SketchK(const proto::CompressionConfig& c, uint64_t group_len) {
+  const size_t k = static_cast<size_t>(std::llround(c.density() * static_cast<double>(group_len)));
+  return std::min<size_t>(group_len, std::max<size_t>(1, k));
+}
+
+Status SketchCodec::Decode(const Message& msg, uint64_t range_len, DecodedPayload* out) const {
+  if (msg.frames.size() != 1) {
+    return Status::ProtocolError("sketch payload needs 1 frame (the tables), got " +
+                                 std::to_string(msg.frames.size()));
+  }
+  auto tables = msg.FrameAs<float>(0, proto::F32);
+  if (!tables.ok()) return tables.status();
+  const uint32_t rows = msg.header.sketch_rows();
+  const uint64_t columns = msg.header.sketch_columns();
+  if (rows < 1 || rows > 32 || columns < 1) {
+    return Status::ProtocolError("sketch layout " + std::to_string(rows) + " x " +
+                                 std::to_string(columns) + " is invalid");
+  }
+  if (columns > tables->size() || tables->size() != uint64_t{rows} * columns) {
+    return Status::ProtocolError("sketch frame has " + std::to_string(tables->size()) +
+                                 " values, not " + std::to_string(rows) + " x " +
+                                 std::to_string(columns));
+  }
+  if (!kernels::AllFinite(tables->data(), tables->size())) {
+    return Status::ProtocolError("sketch payload contains NaN or Inf");
+  }
+  out->encoding = proto::SKETCH;
+  out->dense = {};
+  out->indices = {};
+  out->values = {};
+  out->sketch = *tables;
+  out->sketch_rows = rows;
+  out->sketch_columns = columns;
+  return Status::OK();
+}
+
+size_t SketchTruncateK(const proto::CompressionConfig& c, size_t n) {
+  const double p1 = c.sketch().truncate_factor();
+  if (p1 <= 0 || c.sketch().server_momentum()) return 0;
+  return std::min(
+      n, static_cast<size_t>(std::ceil(p1 * static_cast<double>(WarmupK(c.density(), 0, 0, n)))));
+}
+
+SketchCompressor::SketchCompressor(size_t num_params, const proto::CompressionConfig& c,
+                                   float momentum)
+    : config_(c), momentum_(momentum), velocity_(num_params, 0.0f), residual_(num_params, 0.0f) {}
+
+Status SketchCompressor::Compress(const float* grad, const std::vector<KeyRange>& ranges,
+                                  std::vector<Message>* out) {
+  const size_t n = residual_.size();
+  SPARSEPS_RETURN_IF_ERROR(CheckFinite(grad, n, "the gradient"));
+  // FetchSGD: the raw gradient is sketched whole; momentum and error live on the servers.
+  const bool fetch = config_.sketch().server_momentum();
+  if (fetch) {
+    std::copy(grad, grad + n, residual_.begin());
+  } else {
+    kernels::MomentumCorrection(velocity_.data(), residual_.data(), grad, momentum_, n);
+  }
+  const uint32_t rows = config_.sketch().rows();
+  const size_t truncate_k = SketchTruncateK(config_, n);
+  const bool truncate = truncate_k > 0;
+  if (truncate) {
+    truncated_.resize(truncate_k);
+    truncated_.resize(kernels::TopKAbs(residual_.data(), n, truncate_k, truncated_.data()));
+    truncated_values_.resize(truncated_.size());
+    for (size_t j = 0; j < truncated_.size(); ++j) truncated_values_[j] = residual_[truncated_[j]];
+  }
+  size_t cells = 0;
+  for (const auto& r : ranges) {
+    const auto groups = FusionGroups(r.size(), config_.sketch().fusion_group_size());
+    uint64_t columns = 0;
+    for (const auto& g : groups) columns += SketchColumns(config_, g.size());
+    std::vector<float> tables(size_t{rows} * columns, 0.0f);
+    float* table = tables.data();
+    for (const auto& g : groups) {
+      const kernels::CountSketchHash hash(rows, SketchColumns(config_, g.size()),
+                                          config_.sketch().seed());
+      const uint64_t begin = r.begin + g.begin, end = r.begin + g.end;
+      if (truncate) {
+        // The truncated entries inside this group (truncated_ is sorted).
+        const auto lo = std::lower_bound(truncated_.begin(), truncated_.end(), begin);
+        const auto hi = std::lower_bound(lo, truncated_.end(), end);
+        const size_t first = static_cast<size_t>(lo - truncated_.begin());
+        std::vector<uint32_t> idx(lo, hi);
+        for (auto& i : idx) i -= static_cast<uint32_t>(begin);
+        hash.InsertSparse(idx.data(), truncated_values_.data() + first, idx.size(), begin, table);
+      } else {
+        hash.InsertDense(residual_.data() + begin, g.size(), begin, table);
+      }
+      table += hash.table_size();
+    }
+    cells += tables.size();
+    Message m = NewPush(r);
+    EncodeSketch(std::move(tables), rows, columns, &m);
+    out->push_back(std::move(m));
+  }
+  last_selected_ = cells;
+  return Status::OK();
+}
+
+Status SketchCompressor::ExactValues(const KeyRange& r, std::span<const uint32_t> candidates,
+                                     Message* push) {
+  std::vector<float> vals(candidates.size());
+  for (size_t j = 0; j < candidates.size(); ++j) {
+    if (candidates[j] >= r.size()) return Status::ProtocolError("candidate outside the key range");
+    vals[j] = residual_[r.begin + candidates[j]];
+  }
+  push->header.set_key_begin(r.begin);
+  push->header.set_key_end(r.end);
+  EncodeTopK(std::vector<uint32_t>(candidates.begin(), candidates.end()), std::move(vals), push);
+  return Status::OK();
+}
+
+void SketchCompressor::OnChanged(uint64_t key_begin, std::span<const uint32_t> keys) {
+  if (config_.sketch().server_momentum()) return;  // FetchSGD: no worker state
+  for (uint32_t i : keys) {
+    residual_[key_begin + i] = 0.0f;
+    velocity_[key_begin + i] = 0.0f;
+  }
+}
+
+std::unique_ptr<Compressor> MakeSketchCompressor(const proto::JobConfig& job, size_t num_params) {
+  return std::make_unique<SketchCompressor>(num_params, job.compression(),
+                                            static_cast<float>(job.train().momentum()));
+}
+
+namespace {
+
+class SketchAggregation final : public ShardAggregation {
+ public:
+  explicit SketchAggregation(const AggregationOptions& o)
+      : options_(o),
+        rows_(o.compression.sketch().rows()),
+        fetch_(o.compression.sketch().server_momentum()),
+        second_round_(o.compression.sketch().second_round() && !fetch_),
+        exact_(o.range.size()) {
+    groups_ = FusionGroups(o.range.size(), o.compression.sketch().fusion_group_size());
+    for (const auto& g : groups_) {
+      group_columns_.push_back(SketchColumns(o.compression, g.size()));
+      columns_ += group_columns_.back();
+    }
+    sum_.assign(size_t{rows_} * columns_, 0.0f);
+    if (fetch_) {
+      momentum_.assign(sum_.size(), 0.0f);
+      error_.assign(sum_.size(), 0.0f);
+    }
+  }
+
+  std::string Refuse(const DecodedPayload& p, uint32_t phase) const override {
+    if (phase == 1) {
+      if (p.encoding != proto::TOPK ||
+          !std::equal(p.indices.begin(), p.indices.end(), candidates_.begin(), candidates_.end())) {
+        return "phase 1 must carry exact values at exactly the candidate keys";
+      }
+      return "";
+    }
+    if (!p.is_sketch()) {
+      return second_round_ ? "phase 0 of the sketch second round must be a sketch"
+                           : "a sketch server takes sketches only (compression.encoding must be "
+                             "the same everywhere)";
+    }
+    if (p.sketch_rows != rows_ || p.sketch_columns != columns_) {
+      return "sketch layout " + std::to_string(p.sketch_rows) + " x " +
+             std::to_string(p.sketch_columns) + " does not match this server's " +
+             std::to_string(rows_) + " x " + std::to_string(columns_) +
+             " (compression.sketch must be the same everywhere)";
+    }
+    return "";
+  }
+
+  void Add(const DecodedPayload& p) override {
+    if (phase_ == 1) {
+      exact_.Add(p);
+    } else {
+      kernels::Axpy(1.0f, p.sketch.data(), sum_.data(), sum_.size());
+    }
+  }
+
+  bool EndPhase() override {
+    if (!second_round_ || phase_ == 1) return true;
+    PickCandidates();
+    phase_ = 1;
+    return false;
+  }
+
+  uint32_t phase() const override { return phase_; }
+  bool second_round() const override { return second_round_; }
+
+  void Candidates(std::vector<uint32_t>* keys, std::vector<float>* estimates) const override {
+    *keys = candidates_;
+    *estimates = candidate_estimates_;
+  }
+
+  void Apply(float scale, std::vector<float>* params, std::vector<uint32_t>* changed,
+             bool* all) override {
+    *all = false;
+    if (second_round_) {
+      ApplyExactCandidates(scale, params, changed);
+    } else {
+      ApplyHeavyHitters(scale, params, changed);
+    }
+  }
+
+ private:
+  // The top candidates_factor * k estimates of each group become the candidates.
+  void PickCandidates() {
+    const float* table = sum_.data();
+    candidates_.clear();
+    candidate_estimates_.clear();
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      const KeyRange& grp = groups_[g];
+      const kernels::CountSketchHash hash(rows_, group_columns_[g],
+                                          options_.compression.sketch().seed());
+      estimates_.resize(grp.size());
+      hash.Estimate(table, options_.range.begin + grp.begin, grp.size(), estimates_.data());
+      table += hash.table_size();
+      const size_t want = std::min<size_t>(
+          grp.size(), static_cast<size_t>(std::ceil(
+                          options_.compression.sketch().candidates_factor() *
+                          static_cast<double>(SketchK(options_.compression, grp.size())))));
+      selected_.resize(want);
+      selected_.resize(kernels::TopKAbs(estimates_.data(), grp.size(), want, selected_.data()));
+      for (uint32_t j : selected_) {
+        candidates_.push_back(static_cast<uint32_t>(grp.begin + j));
+        candidate_estimates_.push_back(estimates_[j]);
+      }
+    }
+    std::fill(sum_.begin(), sum_.end(), 0.0f);
+  }
+
+  // The k largest exact sums per group among the candidates are applied; the rest of the sums
+  // is dropped here because every worker still holds its share in its residual.
+  void ApplyExactCandidates(float scale, std::vector<float>* params,
+                            std::vector<uint32_t>* changed) {
+    changed->clear();
+    auto it = candidates_.begin();
+    std::vector<float> sums;
+    for (const KeyRange& grp : groups_) {
+      auto end = std::lower_bound(it, candidates_.end(), static_cast<uint32_t>(grp.end));
+      sums.clear();
+      for (auto x = it; x != end; ++x) sums.push_back(exact_.at(*x));
+      selected_.resize(std::min(sums.size(), SketchK(options_.compression, grp.size())));
+      selected_.resize(
+          kernels::TopKAbs(sums.data(), sums.size(), selected_.size(), selected_.data()));
+      for (uint32_t j : selected_) {
+        const uint32_t i = *(it + j);
+        if (exact_.at(i) == 0.0f) continue;
+        (*params)[i] += scale * exact_.at(i);
+        changed->push_back(i);
+      }
+      it = end;
+    }
+    exact_.Clear();
+    phase_ = 0;
+  }
+
+  // Heavy hitters per fusion group: the top k of the median estimates of the summed tables; with
+  // FetchSGD of the error sketch S_e, whose cells (and S_u's) under the applied keys are zeroed.
+  void ApplyHeavyHitters(float scale, std::vector<float>* params, std::vector<uint32_t>* changed) {
+    if (fetch_) {
+      const float m = static_cast<float>(options_.momentum);
+      for (size_t x = 0; x < sum_.size(); ++x) {
+        momentum_[x] = m * momentum_[x] + sum_[x];
+        error_[x] += momentum_[x];
+      }
+    }
+    float* table = fetch_ ? error_.data() : sum_.data();
+    changed->clear();
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      const KeyRange& grp = groups_[g];
+      const kernels::CountSketchHash hash(rows_, group_columns_[g],
+                                          options_.compression.sketch().seed());
+      estimates_.resize(grp.size());
+      hash.Estimate(table, options_.range.begin + grp.begin, grp.size(), estimates_.data());
+      selected_.resize(SketchK(options_.compression, grp.size()));
+      selected_.resize(
+          kernels::TopKAbs(estimates_.data(), grp.size(), selected_.size(), selected_.data()));
+      for (uint32_t j : selected_) {
+        if (estimates_[j] == 0.0f) continue;
+        const size_t i = grp.begin + j;
+        (*params)[i] += scale * estimates_[j];
+        changed->push_back(static_cast<uint32_t>(i));
+      }
+      if (fetch_) {
+        const size_t offset = static_cast<size_t>(table - error_.data());
+        for (uint32_t j : selected_) {
+          const uint64_t key = options_.range.begin + grp.begin + j;
+          for (uint32_t r = 0; r < rows_; ++r) {
+            const size_t cell = offset + size_t{r} * hash.columns() + hash.Bucket(r, key);
+            error_[cell] = 0.0f;
+            momentum_[cell] = 0.0f;
+          }
+        }
+      }
+      table += hash.table_size();
+    }
+    std::sort(changed->begin(), changed->end());
+    std::fill(sum_.begin(), sum_.end(), 0.0f);
+  }
+
+  const AggregationOptions options_;
+  const uint32_t rows_;
+  const bool fetch_, second_round_;
+  std::vector<KeyRange> groups_;
+  std::vector<uint32_t> group_columns_;
+  uint64_t columns_ = 0;
+  std::vector<float> sum_;               // this iteration's summed tables, rows x columns_
+  std::vector<float> momentum_, error_;  // FetchSGD's S_u and S_e
+  std::vector<float> estimates_;
+  std::vector<uint32_t> selected_;
+  uint32_t phase_ = 0;                      // second round: 1 while exact values come in
+  std::vector<uint32_t> candidates_;        // increasing, relative to the range
+  std::vector<float> candidate_estimates_;  // same order
+  PairAccumulator exact_;                   // the second round's exact sums
+};
+
+}  // namespace
+
+std::unique_ptr<ShardAggregation> MakeSketchAggregation(const AggregationOptions& options) {
+  return std::make_unique<SketchAggregation>(options);
+}
+
+}  // namespace sparseps
