@@ -18,6 +18,12 @@ permutation dealt by rank). In run.dir it writes metrics-worker-R.csv and (worke
 eval-worker-0.csv with the C++ worker's columns, so deploy/summarize.py and bench/sparseps-compare
 read its runs too.
 
+--ddp trains with torch's DistributedDataParallel over Gloo instead (the baseline that
+torch.distributed users get on CPU; GLOO_SOCKET_IFNAME picks the interface, eth0 on deploy/netns.sh
+hosts): the worker still joins the sparseps job, for its rank and so that the scheduler sees the
+job end, but no gradient goes through sparseps; the optimizer is torch's SGD with momentum
+train.momentum. bench/sparseps-compare runs both (configs/compare_torch_1gbit.yaml).
+
 Models: cnn (two 5x5 conv layers of 16 and 32 filters with 2x2 pooling, a 128-unit head: the C++
 worker's configs/cnn.yaml, 215,370 parameters), resnet18 (torchvision's, for 1x28x28: a 3x3 stem
 without max pooling, 11,172,810 parameters), mlp (model.hidden of the config, ReLU).
@@ -126,6 +132,8 @@ def main():
     ap.add_argument("--model", choices=["cnn", "resnet18", "mlp"], default="cnn")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (1: the workers of a machine share its cores)")
+    ap.add_argument("--ddp", action="store_true",
+                    help="torch DDP over Gloo instead of sparseps (the baseline)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     worker = sparseps.Worker(args.config, overrides=args.set)
@@ -135,8 +143,20 @@ def main():
     model = {"cnn": Cnn, "resnet18": resnet18,
              "mlp": lambda: mlp(get("model.hidden"))}[args.model]()
     n = sum(p.numel() for p in model.parameters())
-    opt = sparseps.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=get("train.lr")),
-                                              worker)
+    if args.ddp:
+        # sparseps only for the rank and the job's end; DDP broadcasts worker 0's parameters.
+        with torch.no_grad():
+            worker.init([p.detach() for p in model.parameters()])
+        import torch.distributed as dist
+        run_dir = get("run.dir") or "."
+        dist.init_process_group("gloo", init_method=f"file://{os.path.abspath(run_dir)}/ddp.init",
+                                rank=worker.rank, world_size=worker.num_workers)
+        model = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(model.parameters(), lr=get("train.lr"),
+                              momentum=get("train.momentum"))
+    else:
+        opt = sparseps.torch.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=get("train.lr")), worker)
     rank, workers = worker.rank, worker.num_workers
 
     x, y = fashion_mnist(get("data.dir"), train=True)
@@ -151,9 +171,10 @@ def main():
     if get("train.max_steps"):
         total = min(total, get("train.max_steps"))
     epochs = (total + steps_per_epoch - 1) // steps_per_epoch
+    method = ("torch DDP (gloo)" if args.ddp else f"{worker.aggregation} " + (
+        get("compression.encoding") if worker.aggregation == "ps" else get("collective.algorithm")))
     log(rank, "info", f"model: torch {args.model}, {n} parameters; {len(shard)} training samples "
-        f"on this worker, {steps_per_epoch} steps per epoch; {worker.aggregation} "
-        f"{get('compression.encoding') if worker.aggregation == 'ps' else get('collective.algorithm')}")
+        f"on this worker, {steps_per_epoch} steps per epoch; {method}")
 
     run_dir = get("run.dir")
     metrics = evals = None
@@ -161,7 +182,8 @@ def main():
         metrics = csv.writer(open(os.path.join(run_dir, f"metrics-worker-{rank}.csv"), "w", newline="",
                                   buffering=1))
         metrics.writerow(["step", "epoch", "loss", "bytes_sent", "bytes_received", "selected",
-                          "compute_ms", "encode_ms", "comm_ms", "wall_s", "applied", "topk_mass"])
+                          "compute_ms", "encode_ms", "comm_ms", "wall_s", "applied", "topk_mass",
+                          "binding_ms"])
         if rank == 0:
             evals = csv.writer(open(os.path.join(run_dir, "eval-worker-0.csv"), "w", newline="",
                                     buffering=1))
@@ -173,7 +195,7 @@ def main():
     def run_eval(epoch):
         nonlocal eval_s, accuracy
         t = time.monotonic()
-        test_loss, accuracy = evaluate(model, xt, yt)
+        test_loss, accuracy = evaluate(getattr(model, "module", model), xt, yt)
         took = time.monotonic() - t
         wall = t + took - start
         if evals:
@@ -199,16 +221,23 @@ def main():
             opt.step()
             t2 = time.monotonic()
             step += 1
-            last_step = worker.last_step
             loss = loss.item()
             epoch_loss, epoch_steps = epoch_loss + loss, epoch_steps + 1
-            if metrics:
-                # comm_ms: push_pull and the optimizer's step less the aggregation's encoding.
+            if metrics and args.ddp:
+                # DDP's allreduce runs inside backward (compute_ms); comm_ms is the SGD step.
+                metrics.writerow([step, epoch + 1, loss, 0, 0, n, 1000 * (t1 - t0), 0,
+                                  1000 * (t2 - t1), t2 - start, n, -1, 0])
+            elif metrics:
+                last_step = worker.last_step
+                # comm_ms: push_pull and the optimizer's step less the aggregation's encoding;
+                # binding_ms: push_pull's time outside the C++ aggregation (tensor intake, the
+                # update's array, the GIL), the cost of being called from Python.
                 comm = 1000 * (t2 - t1) - last_step["encode_ms"]
+                binding = opt.last_push_pull_ms - last_step["encode_ms"] - last_step["comm_ms"]
                 metrics.writerow([step, epoch + 1, loss, last_step["bytes_sent"],
                                   last_step["bytes_received"], last_step["selected"],
                                   1000 * (t1 - t0), last_step["encode_ms"], comm, t2 - start,
-                                  last_step["applied"], -1])
+                                  last_step["applied"], -1, binding])
             progress_loss, progress_steps = progress_loss + loss, progress_steps + 1
             if rank == 0 and t2 - last >= get("run.progress_interval_s"):
                 acc = "n/a" if accuracy < 0 else f"{100 * accuracy:.2f}%"

@@ -32,6 +32,8 @@ aggregated gradient (update / train.lr), so train.lr: 1 is exact.
 
 Only torch is imported here, not linked: any PyTorch with DLPack works (Debian's 1.13 is tested).
 """
+import time
+
 import torch
 
 __all__ = ["DistributedOptimizer", "SparseAllreduceState", "sparse_allreduce_hook"]
@@ -62,6 +64,7 @@ class DistributedOptimizer:
     def __init__(self, optimizer, worker):
         self.optimizer = optimizer
         self.worker = worker
+        self.last_push_pull_ms = 0.0  # wall time of the last push_pull
         self._params = _float32_params(
             [p for group in optimizer.param_groups for p in group["params"]],
             "DistributedOptimizer")
@@ -99,7 +102,9 @@ class DistributedOptimizer:
             with torch.enable_grad():
                 loss = closure()
         self._gather()
+        t = time.monotonic()
         update = torch.from_numpy(self.worker.push_pull(self._flat))
+        self.last_push_pull_ms = 1000 * (time.monotonic() - t)
         with torch.no_grad():
             self._flat.copy_(update.to(self._flat.device, non_blocking=False))
             self._flat.div_(self.worker.lr)
