@@ -26,7 +26,7 @@ train.momentum. bench/sparseps-compare runs both (configs/compare_torch_1gbit.ya
 
 Models: cnn (two 5x5 conv layers of 16 and 32 filters with 2x2 pooling, a 128-unit head: the C++
 worker's configs/cnn.yaml, 215,370 parameters), resnet18 (torchvision's, for 1x28x28: a 3x3 stem
-without max pooling, 11,172,810 parameters), mlp (model.hidden of the config, ReLU).
+without max pooling, 11,172,810 parameters), mlp (model.hidden of the config, ReLU, initialised as the C++ worker's MLP).
 """
 import argparse
 import csv
@@ -104,12 +104,16 @@ def resnet18():
 
 
 def mlp(hidden):
+    """The C++ worker's MLP (worker/mlp.h), initialised as it is: He-uniform weights (bound
+    sqrt(6 / fan_in)) and zero biases, not torch's default (bound 1 / sqrt(fan_in))."""
     layers, width = [nn.Flatten()], 28 * 28
-    for h in hidden:
-        layers += [nn.Linear(width, h), nn.ReLU()]
+    for h in hidden + [10]:
+        linear = nn.Linear(width, h)
+        nn.init.kaiming_uniform_(linear.weight, nonlinearity="relu")
+        nn.init.zeros_(linear.bias)
+        layers += [linear, nn.ReLU()]
         width = h
-    layers.append(nn.Linear(width, 10))
-    return nn.Sequential(*layers)
+    return nn.Sequential(*layers[:-1])
 
 
 def evaluate(model, x, y, batch=1000):
