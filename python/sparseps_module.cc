@@ -331,8 +331,9 @@ class Worker {
 
   // Aggregates `grads` (the same layout as init's params) and returns the update: what to
   // subtract from the parameters to hold the job's new ones (a float32 NumPy array, or a list of
-  // them shaped like grads, views of one array).
-  py::object PushPull(py::object grads) {
+  // them shaped like grads, views of one array); with `sparse`, (keys, update, params): the flat
+  // keys that changed (int64, increasing), the update and the new parameters there.
+  py::object PushPull(py::object grads, bool sparse) {
     if (!session_) Raise(Status::FailedPrecondition("call init(params) before push_pull"));
     Arrays a = Borrow(grads, "grads");
     Aggregator& agg = session_->aggregator();
@@ -375,8 +376,16 @@ class Worker {
     // The update comes into a zeroed array (numpy.zeros: pages the step does not touch stay
     // untouched): the observer copies the old values of the keys about to change, and after the
     // step the new values are subtracted there.
-    py::array_t<float> update = py::module_::import("numpy").attr("zeros")(n, "float32");
-    out_ = update.mutable_data();
+    // Sparse, the old values go to a scratch array that is never cleared: only the keys
+    // announced are read back.
+    py::array_t<float> update;
+    if (sparse) {
+      scratch_.resize(n);
+      out_ = scratch_.data();
+    } else {
+      update = py::module_::import("numpy").attr("zeros")(n, "float32");
+      out_ = update.mutable_data();
+    }
     touched_.clear();
     all_ = false;
     Status s;
@@ -394,6 +403,8 @@ class Worker {
         } else {
           for (uint32_t k : touched_) out_[k] -= now[k];
         }
+        // Replies of several servers arrive in any order.
+        if (sparse && !all_) std::sort(touched_.begin(), touched_.end());
       }
     }
     out_ = nullptr;
@@ -403,6 +414,22 @@ class Worker {
       Raise(s);
     }
     ++steps_;
+    if (sparse) {
+      const size_t m = all_ ? n : touched_.size();
+      py::array_t<int64_t> keys(static_cast<py::ssize_t>(m));
+      py::array_t<float> values(static_cast<py::ssize_t>(m)), now(static_cast<py::ssize_t>(m));
+      int64_t* k = keys.mutable_data();
+      float* v = values.mutable_data();
+      float* p = now.mutable_data();
+      const float* params = agg.host_model_params();
+      for (size_t j = 0; j < m; ++j) {
+        const size_t key = all_ ? j : touched_[j];
+        k[j] = static_cast<int64_t>(key);
+        v[j] = scratch_[key];
+        p[j] = params[key];
+      }
+      return py::make_tuple(keys, values, now);
+    }
     if (!a.listed) return update;
     py::list out;
     size_t offset = 0;
@@ -512,6 +539,7 @@ class Worker {
   std::vector<float> gather_;
   DeviceBuffer gather_d_;
   float* out_ = nullptr;
+  std::vector<float> scratch_;  // sparse push_pull: the old values, then the update, at keys
   std::vector<uint32_t> touched_;
   bool all_ = false;
   uint64_t steps_ = 0;
@@ -546,11 +574,14 @@ Worker(config, rank=None, overrides=())
 Joins the job (registers with the scheduler and waits for every node) with the size of params (a
 float32 tensor or array, or a list of them), and makes the job's starting parameters worker 0's:
 they are written into params in place on every worker.)doc")
-      .def("push_pull", &Worker::PushPull, py::arg("grads"), R"doc(
+      .def("push_pull", &Worker::PushPull, py::arg("grads"), py::arg("sparse") = false, R"doc(
 Aggregates grads (laid out as init's params, or one flat tensor of all of them) with the job's
 encoding or collective, and returns the update: subtract it from the parameters to hold the job's
 new ones (params -= update). A float32 NumPy array, or a list of arrays shaped like grads (views
-of one array). A single tensor is read in place; a list is gathered into one buffer first. Raises ValueError for a gradient with
+of one array). A single tensor is read in place; a list is gathered into one buffer first.
+With sparse=True it returns (keys, update, params) instead: the flat keys whose parameters changed
+(int64, increasing; every key after a dense update), the update there and the new parameters
+there, without a dense array. Raises ValueError for a gradient with
 NaN or Inf (nothing is sent; the job goes on), TimeoutError naming a missing peer.)doc")
       .def("params", &Worker::Params, "The job's parameters as this worker holds them (a copy).")
       .def("residual", &Worker::Residual,

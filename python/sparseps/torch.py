@@ -14,11 +14,11 @@ sparseps) and hands the wrapped optimizer the aggregated gradient:
         opt.step()
     worker.finish(test_accuracy=acc)
 
-The gradient handed to the optimizer is update / train.lr, where update is what the job applied
-(sparseps.Worker.push_pull): with torch.optim.SGD(lr=train.lr) and no torch momentum the model
-follows the job's parameters, as the C++ worker does; train.momentum is then DGC's momentum
-correction inside sparseps. With train.momentum: 0 any optimizer (Adam, SGD with momentum) can
-take the aggregated sparse gradient instead.
+With torch.optim.SGD(lr=train.lr) and no torch momentum the model holds the job's parameters
+after every step, as the C++ worker does (the changed ones are copied, a sparse step; DGC's
+momentum correction, train.momentum, is inside sparseps). Any other optimizer (Adam, SGD with
+momentum, with train.momentum: 0) gets the job's aggregated gradient, update / train.lr (zero
+where nothing changed), as .grad and steps with it.
 
 sparse_allreduce_hook: a torch DDP communication hook that aggregates DDP's gradient buckets with
 a sparse collective of sparseps (topk_allgather, gtopk, spardl, exdyna; collective.algorithm)
@@ -72,14 +72,18 @@ class DistributedOptimizer:
         device = self._params[0].device
         self._flat = torch.zeros(total, dtype=torch.float32, device=device)
         self._views = []
+        starts = []
         offset = 0
         for p in self._params:
+            starts.append(offset)
             view = self._flat[offset:offset + p.numel()].view_as(p)
             if p.grad is not None:
                 view.copy_(p.grad)
             p.grad = view
             self._views.append(view)
             offset += p.numel()
+        # Each parameter's first flat key, and the end: where its keys start in push_pull's list.
+        self._starts = torch.tensor(starts + [offset], dtype=torch.int64, device=device)
         # Every worker starts from worker 0's parameters (written into the model in place).
         with torch.no_grad():
             worker.init([p.detach() for p in self._params])
@@ -94,20 +98,41 @@ class DistributedOptimizer:
                 self._views[i].copy_(p.grad)
             p.grad = self._views[i]
 
+    def _plain_sgd(self):
+        """True when the wrapped optimizer is SGD at train.lr without momentum, weight decay or
+        Nesterov: its step would set the parameters to the job's, so they are copied instead."""
+        if type(self.optimizer) is not torch.optim.SGD:
+            return False
+        return all(g["lr"] == self.worker.lr and not g.get("momentum") and
+                   not g.get("weight_decay") and not g.get("nesterov") and
+                   not g.get("maximize") for g in self.optimizer.param_groups)
+
     def step(self, closure=None):
-        """Aggregates the gradients (sparseps.Worker.push_pull), sets each .grad to the job's
-        aggregated gradient (update / train.lr) and runs the wrapped optimizer's step."""
+        """Aggregates the gradients (sparseps.Worker.push_pull) and applies the result: with plain
+        SGD at train.lr the changed parameters become the job's (a sparse copy; .grad keeps the
+        local gradient); otherwise each .grad becomes the job's aggregated gradient, update /
+        train.lr (zero where nothing changed), and the wrapped optimizer steps."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self._gather()
         t = time.monotonic()
-        update = torch.from_numpy(self.worker.push_pull(self._flat))
+        keys, update, params = self.worker.push_pull(self._flat, sparse=True)
         self.last_push_pull_ms = 1000 * (time.monotonic() - t)
+        device = self._flat.device
+        keys = torch.from_numpy(keys).to(device)
         with torch.no_grad():
-            self._flat.copy_(update.to(self._flat.device, non_blocking=False))
-            self._flat.div_(self.worker.lr)
+            if self._plain_sgd():
+                params = torch.from_numpy(params).to(device)
+                bounds = torch.searchsorted(keys, self._starts).tolist()
+                for p, start, lo, hi in zip(self._params, self._starts.tolist(), bounds[:-1],
+                                            bounds[1:]):
+                    if hi > lo:
+                        p.view(-1).index_copy_(0, keys[lo:hi] - start, params[lo:hi])
+                return loss
+            self._flat.zero_()
+            self._flat.index_put_((keys,), torch.from_numpy(update).to(device) / self.worker.lr)
         self.optimizer.step()
         return loss
 

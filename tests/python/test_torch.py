@@ -63,9 +63,9 @@ def test_distributed_optimizer_starts_every_worker_from_worker_0(cluster):
             opt.zero_grad()
             model(torch.randn(8, 30)).pow(2).mean().backward()
             opt.step()
-        # The model follows the job's parameters (to float rounding of update / lr * lr).
+        # Plain SGD at train.lr: the model holds the job's parameters, exactly.
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
-        np.testing.assert_allclose(flat, opt.worker.params(), rtol=0, atol=1e-6)
+        np.testing.assert_array_equal(flat, opt.worker.params())
         opt.worker.finish()
         return start, flat
 
@@ -120,3 +120,29 @@ def test_bad_tensors_are_clear_exceptions(cluster):
     update = w.push_pull(torch.ones(10, 10))
     assert update.shape == (100,) and np.count_nonzero(update) == 10  # k = 10
     w.finish()
+
+
+def test_distributed_optimizer_hands_other_optimizers_the_aggregated_gradient(cluster):
+    """Adam (train.momentum 0): every worker's .grad is the same sparse aggregated gradient,
+    update / train.lr, so the models stay equal and move only where the job applied."""
+    c = cluster("train: {lr: 0.5, momentum: 0}\ncompression: {encoding: topk, density: 0.1}\n")
+
+    def worker(rank):
+        torch.manual_seed(rank)
+        model = torch.nn.Linear(30, 5)
+        opt = sparseps.torch.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                                  sparseps.Worker(str(c.job), rank=rank,
+                                                                  overrides=c.overrides))
+        nonzero = []
+        for _ in range(5):
+            opt.zero_grad()
+            model(torch.randn(8, 30)).pow(2).mean().backward()
+            opt.step()
+            nonzero.append(sum(int((p.grad != 0).sum()) for p in model.parameters()))
+        opt.worker.finish()
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), nonzero
+
+    (p0, nz0), (p1, nz1) = run_threads([lambda r=r: worker(r) for r in range(2)])
+    assert torch.equal(p0, p1)
+    assert nz0 == nz1
+    assert all(16 <= nz <= 32 for nz in nz0), nz0  # k = 16 of 155 per worker; the union

@@ -76,8 +76,17 @@ def test_push_pull_equals_the_cpp_worker_bitwise(cluster, name):
         before = w.params()
         got = []
         for t in range(STEPS):
-            update = w.push_pull(gradient(rank, t))
-            after = w.params()
+            if t % 2:
+                # The sparse form: the changed keys, the update and the new parameters there.
+                keys, values, now = w.push_pull(gradient(rank, t), sparse=True)
+                after = w.params()
+                assert keys.dtype == np.int64 and np.all(np.diff(keys) > 0)
+                np.testing.assert_array_equal(now, after[keys])
+                update = np.zeros(N, dtype=np.float32)
+                update[keys] = values
+            else:
+                update = w.push_pull(gradient(rank, t))
+                after = w.params()
             got.append((before, update, after))
             before = after
         w.finish()
