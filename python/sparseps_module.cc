@@ -376,9 +376,10 @@ class Worker {
     // The update comes into a zeroed array (numpy.zeros: pages the step does not touch stay
     // untouched): the observer copies the old values of the keys about to change, and after the
     // step the new values are subtracted there.
-    // Sparse, the old values go to a scratch array that is never cleared: only the keys
-    // announced are read back.
+    // Sparse, the old values are kept in the order announced (old_), with their keys; dense,
+    // in a zeroed array at their keys.
     py::array_t<float> update;
+    sparse_ = sparse;
     if (sparse) {
       scratch_.resize(n);
       out_ = scratch_.data();
@@ -387,6 +388,8 @@ class Worker {
       out_ = update.mutable_data();
     }
     touched_.clear();
+    old_.clear();
+    segments_.clear();
     all_ = false;
     Status s;
     {
@@ -400,11 +403,11 @@ class Worker {
         const float* now = agg.host_model_params();
         if (all_) {
           for (size_t i = 0; i < n; ++i) out_[i] -= now[i];
+        } else if (sparse) {
+          OrderTouched();
         } else {
           for (uint32_t k : touched_) out_[k] -= now[k];
         }
-        // Replies of several servers arrive in any order.
-        if (sparse && !all_) std::sort(touched_.begin(), touched_.end());
       }
     }
     out_ = nullptr;
@@ -425,8 +428,8 @@ class Worker {
       for (size_t j = 0; j < m; ++j) {
         const size_t key = all_ ? j : touched_[j];
         k[j] = static_cast<int64_t>(key);
-        v[j] = scratch_[key];
         p[j] = params[key];
+        v[j] = all_ ? scratch_[key] : old_[j] - p[j];
       }
       return py::make_tuple(keys, values, now);
     }
@@ -523,10 +526,45 @@ class Worker {
       std::copy(p, p + session_->aggregator().num_params(), out_);
       return;
     }
+    if (!keys.empty()) segments_.push_back(touched_.size());
     for (uint32_t k : keys) {
       const size_t key = begin + k;
-      out_[key] = p[key];
       touched_.push_back(static_cast<uint32_t>(key));
+      if (sparse_) {
+        old_.push_back(p[key]);
+      } else {
+        out_[key] = p[key];
+      }
+    }
+  }
+
+  // Puts touched_ in increasing order. Each announcement is one key range's keys, increasing, and
+  // the ranges are disjoint, but the servers' replies arrive in any order: the segments are
+  // ordered by their first key (a few per step) instead of sorting every key.
+  void OrderTouched() {
+    const size_t m = segments_.size();
+    bool ordered = true;
+    for (size_t i = 1; i < m && ordered; ++i) {
+      ordered = touched_[segments_[i - 1]] < touched_[segments_[i]];
+    }
+    if (!ordered) {
+      std::vector<size_t> order(m);
+      for (size_t i = 0; i < m; ++i) order[i] = i;
+      std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+        return touched_[segments_[a]] < touched_[segments_[b]];
+      });
+      std::vector<uint32_t> keys;
+      std::vector<float> old;
+      keys.reserve(touched_.size());
+      old.reserve(old_.size());
+      for (size_t i : order) {
+        const auto from = static_cast<std::ptrdiff_t>(segments_[i]);
+        const auto to = static_cast<std::ptrdiff_t>(i + 1 < m ? segments_[i + 1] : touched_.size());
+        keys.insert(keys.end(), touched_.begin() + from, touched_.begin() + to);
+        old.insert(old.end(), old_.begin() + from, old_.begin() + to);
+      }
+      touched_.swap(keys);
+      old_.swap(old);
     }
   }
 
@@ -539,8 +577,11 @@ class Worker {
   std::vector<float> gather_;
   DeviceBuffer gather_d_;
   float* out_ = nullptr;
-  std::vector<float> scratch_;  // sparse push_pull: the old values, then the update, at keys
+  bool sparse_ = false;         // the push_pull in progress returns the sparse form
+  std::vector<float> old_;      // sparse: the old values, in the order of touched_
+  std::vector<float> scratch_;  // sparse after a dense change: the old values, then the update
   std::vector<uint32_t> touched_;
+  std::vector<size_t> segments_;  // where each announcement's keys start in touched_
   bool all_ = false;
   uint64_t steps_ = 0;
   StepStats last_;
