@@ -234,6 +234,17 @@ class SketchAggregation final : public ShardAggregation {
   }
 
  private:
+  // The median estimates of group g's keys from its table (which starts at `table`) into
+  // estimates_; returns the group's hash.
+  kernels::CountSketchHash EstimateGroup(size_t g, const float* table) {
+    const KeyRange& grp = groups_[g];
+    const kernels::CountSketchHash hash(rows_, group_columns_[g],
+                                        options_.compression.sketch().seed());
+    estimates_.resize(grp.size());
+    hash.Estimate(table, options_.range.begin + grp.begin, grp.size(), estimates_.data());
+    return hash;
+  }
+
   // The top candidates_factor * k estimates of each group become the candidates.
   void PickCandidates() {
     const float* table = sum_.data();
@@ -241,10 +252,7 @@ class SketchAggregation final : public ShardAggregation {
     candidate_estimates_.clear();
     for (size_t g = 0; g < groups_.size(); ++g) {
       const KeyRange& grp = groups_[g];
-      const kernels::CountSketchHash hash(rows_, group_columns_[g],
-                                          options_.compression.sketch().seed());
-      estimates_.resize(grp.size());
-      hash.Estimate(table, options_.range.begin + grp.begin, grp.size(), estimates_.data());
+      const kernels::CountSketchHash hash = EstimateGroup(g, table);
       table += hash.table_size();
       const size_t want = std::min<size_t>(
           grp.size(), static_cast<size_t>(std::ceil(
@@ -300,10 +308,7 @@ class SketchAggregation final : public ShardAggregation {
     changed->clear();
     for (size_t g = 0; g < groups_.size(); ++g) {
       const KeyRange& grp = groups_[g];
-      const kernels::CountSketchHash hash(rows_, group_columns_[g],
-                                          options_.compression.sketch().seed());
-      estimates_.resize(grp.size());
-      hash.Estimate(table, options_.range.begin + grp.begin, grp.size(), estimates_.data());
+      const kernels::CountSketchHash hash = EstimateGroup(g, table);
       selected_.resize(SketchK(options_.compression, grp.size()));
       selected_.resize(
           kernels::TopKAbs(estimates_.data(), grp.size(), selected_.size(), selected_.data()));

@@ -23,14 +23,7 @@ while [[ $# -gt 0 ]]; do
     *) args+=("$1"); shift ;;
   esac
 done
-"$here/deploy/install-deps.sh"
-echo "train_torch: building into $here/build (log: ${TMPDIR:-/tmp}/sparseps-build.log)"
-"$here/deploy/build.sh" "$here/build" >"${TMPDIR:-/tmp}/sparseps-build.log" 2>&1 || {
-  tail -n 40 "${TMPDIR:-/tmp}/sparseps-build.log" >&2
-  echo "train_torch: build failed (full log: ${TMPDIR:-/tmp}/sparseps-build.log)" >&2
-  exit 1
-}
-exec "$here/deploy/launch.sh" --build-dir "$here/build" --config "$config" \
-  --set "run.name=torch_$model" \
+# deploy/quickstart.sh installs, builds and passes the rest on to deploy/launch.sh.
+exec "$here/deploy/quickstart.sh" --config "$config" --set "run.name=torch_$model" \
   --worker-command "/usr/bin/python3 $here/examples/fashion_mnist.py --model $model" \
   "${args[@]}"
