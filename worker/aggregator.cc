@@ -188,9 +188,15 @@ class AllreduceAggregator final : public Aggregator {
     return Status::OK();
   }
 
-  // Every worker starts from the same seeded parameters; the collective keeps them equal.
+  // Worker 0's parameters become everyone's (a ring allreduce to which the others add zeros: the
+  // sum is worker 0's values exactly), then the collective keeps them equal. The C++ workers'
+  // seeded parameters are equal already; a Python loop's need not be.
   Status Init(const std::vector<float>& initial) override {
     params_ = initial;
+    if (control_->rank() != 0) std::fill(params_.begin(), params_.end(), 0.0f);
+    SPARSEPS_RETURN_IF_ERROR(
+        RingAllreduce(group_.get(), kInitTag, params_.data(), num_params(),
+                      static_cast<size_t>(config_.collective().segment_bytes() / 4)));
     changed_.AddAll();
     return control_->Barrier("init", proto::WORKER);
   }
@@ -319,6 +325,8 @@ class AllreduceAggregator final : public Aggregator {
   std::vector<float> velocity_, acc_, probe_;
   CollectiveUpdate update_;
   uint64_t probe_tag_ = uint64_t{1} << 63;
+  // The start's broadcast, apart from the collectives' tags (call numbers << 32) and the probe's.
+  static constexpr uint64_t kInitTag = uint64_t{1} << 62;
 };
 
 }  // namespace

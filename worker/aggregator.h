@@ -55,11 +55,10 @@ class Aggregator {
   // of making the collective (e.g. Gloo cannot connect), of device memory.
   virtual Status Connect(ControlClient* control) = 0;
 
-  // Makes every worker start from the same parameters: *initial holds this worker's initial
-  // parameters (num_params() floats; worker 0's count: the same seed gives the same values
-  // everywhere); on return params() holds the job's. PS: worker 0 initialises the servers, every
-  // worker pulls; allreduce: the workers meet at a barrier. Errors: deadlines naming who is
-  // missing.
+  // Makes every worker start from worker 0's parameters: `initial` holds this worker's initial
+  // parameters (num_params() floats); on return params() holds worker 0's. PS: worker 0
+  // initialises the servers, every worker pulls; allreduce: worker 0's are broadcast (a ring).
+  // Errors: deadlines naming who is missing.
   virtual Status Init(const std::vector<float>& initial) = 0;
 
   // Sets the epoch (0-based) for the density warm-up (compression.warmup_epochs).

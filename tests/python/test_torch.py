@@ -49,15 +49,19 @@ def test_example_trains_a_cnn_through_two_servers(tmp_path):
     assert accuracy > 0.75  # 100 steps of 2 x 64 samples; 82.55% when measured
 
 
-def test_distributed_optimizer_starts_every_worker_from_worker_0(cluster):
-    c = cluster("train: {lr: 0.5, momentum: 0}\ncompression: {encoding: topk, density: 0.1}\n")
+@pytest.mark.parametrize("aggregation", ["ps", "allreduce"])
+def test_distributed_optimizer_starts_every_worker_from_worker_0(cluster, aggregation):
+    sets = ["aggregation=allreduce", "collective.algorithm=gtopk"] if aggregation == "allreduce" \
+        else []
+    c = cluster("train: {lr: 0.5, momentum: 0}\ncompression: {encoding: topk, density: 0.1}\n",
+                servers=0 if sets else 2, sets=sets)
 
     def worker(rank):
         torch.manual_seed(rank)  # different models until init
         model = torch.nn.Linear(30, 5)
         opt = sparseps.torch.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.5),
-            sparseps.Worker(str(c.job), rank=rank, overrides=c.overrides))
+            sparseps.Worker(str(c.job), rank=rank, overrides=c.overrides + sets))
         start = [p.detach().clone() for p in model.parameters()]
         for _ in range(5):
             opt.zero_grad()

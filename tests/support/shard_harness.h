@@ -6,9 +6,9 @@
 #include <utility>
 #include <vector>
 
-#include "encodings/dense.h"
 #include "common/key_range.h"
 #include "common/message.h"
+#include "encodings/dense.h"
 #include "server/shard_server.h"
 
 namespace sparseps::testing {

@@ -10,12 +10,12 @@
 #include <string>
 #include <utility>
 
+#include "encodings/cuda/cuda_arrays.h"
+#include "encodings/cuda/cuda_status.h"
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/dense_kernels.h"
 #include "kernels/device.h"
 #include "worker/cnn.h"
-#include "encodings/cuda/cuda_arrays.h"
-#include "encodings/cuda/cuda_status.h"
 #include "worker/cuda/gpu_models.h"
 #include "worker/mlp.h"
 
