@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <csignal>
+#include <mutex>
 
 namespace sparseps {
 namespace {
@@ -65,6 +66,28 @@ void InstallStopHandlers() {
 }
 
 bool StopRequested() { return g_stop.load(); }
+
+namespace {
+std::mutex g_interrupt_mu;
+int g_interrupt_scopes = 0;             // guarded by g_interrupt_mu
+struct sigaction g_saved_interrupt {};  // the host's SIGINT handler while scopes live
+}  // namespace
+
+ScopedStopOnInterrupt::ScopedStopOnInterrupt() {
+  std::lock_guard<std::mutex> lock(g_interrupt_mu);
+  if (g_interrupt_scopes++ > 0) return;
+  g_stop.store(false);
+  struct sigaction sa {};
+  sa.sa_handler = OnStopSignal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, &g_saved_interrupt);
+}
+
+ScopedStopOnInterrupt::~ScopedStopOnInterrupt() {
+  std::lock_guard<std::mutex> lock(g_interrupt_mu);
+  if (--g_interrupt_scopes > 0) return;
+  sigaction(SIGINT, &g_saved_interrupt, nullptr);
+}
 
 double SecondsSince(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();

@@ -49,6 +49,20 @@ void InstallStopHandlers();
 // True once SIGINT or SIGTERM arrived; every daemon loop checks it and ends with Aborted.
 bool StopRequested();
 
+// For a blocking call made from a host program that handles SIGINT itself (the Python module):
+// while one of these lives, SIGINT sets the stop flag (cleared when the first one starts), so
+// Ctrl-C ends the call's waits at once (Aborted) instead of at their deadline; the program's own
+// handler is back when the last one ends. interrupted() tells whether SIGINT came meanwhile.
+// Thread-safety: any number at once, from any threads.
+class ScopedStopOnInterrupt {
+ public:
+  ScopedStopOnInterrupt();
+  ~ScopedStopOnInterrupt();
+  ScopedStopOnInterrupt(const ScopedStopOnInterrupt&) = delete;
+  ScopedStopOnInterrupt& operator=(const ScopedStopOnInterrupt&) = delete;
+  bool interrupted() const { return StopRequested(); }
+};
+
 // Seconds since `start`.
 double SecondsSince(Clock::time_point start);
 

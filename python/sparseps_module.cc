@@ -27,6 +27,7 @@
 
 #include "common/config.h"
 #include "common/status.h"
+#include "common/van.h"
 #include "worker/device_buffer.h"
 #include "worker/session.h"
 
@@ -56,6 +57,12 @@ PyObject* g_error = nullptr;  // sparseps.Error
 
 void Check(const Status& s) {
   if (!s.ok()) Raise(s);
+}
+
+// After a wait that Ctrl-C ended (ScopedStopOnInterrupt): KeyboardInterrupt, as Python would.
+[[noreturn]] void RaiseInterrupt(const Status& s) {
+  PyErr_SetString(PyExc_KeyboardInterrupt, s.message().c_str());
+  throw py::error_already_set();
 }
 
 // One float32 array lent by Python for the length of a call: host or CUDA memory, contiguous.
@@ -304,7 +311,9 @@ class Worker {
       offset += b.size;
     }
     Status s;
+    bool interrupted = false;
     {
+      ScopedStopOnInterrupt stop_on_interrupt;
       py::gil_scoped_release release;
       auto joined = WorkerSession::Join(config_, a.total, cuda_, /*name_log=*/false);
       s = joined.status();
@@ -313,9 +322,11 @@ class Worker {
         s = session_->aggregator().Init(initial);
         if (!s.ok()) session_->ReportFailure(s);
       }
+      interrupted = stop_on_interrupt.interrupted();
     }
     if (!s.ok()) {
       session_.reset();
+      if (interrupted) RaiseInterrupt(s);
       Raise(s);
     }
     Aggregator& agg = session_->aggregator();
@@ -392,7 +403,9 @@ class Worker {
     segments_.clear();
     all_ = false;
     Status s;
+    bool interrupted = false;
     {
+      ScopedStopOnInterrupt stop_on_interrupt;
       py::gil_scoped_release release;
       if (cuda_) {
         auto p = agg.ModelParams();  // the device copy, brought up to date
@@ -409,11 +422,13 @@ class Worker {
           for (uint32_t k : touched_) out_[k] -= now[k];
         }
       }
+      interrupted = stop_on_interrupt.interrupted();
     }
     out_ = nullptr;
     if (!s.ok()) {
       // A bad gradient changes nothing and the job goes on; anything else ends it.
       if (s.code() != StatusCode::kInvalidArgument) session_->ReportFailure(s);
+      if (interrupted) RaiseInterrupt(s);
       Raise(s);
     }
     ++steps_;
@@ -477,9 +492,16 @@ class Worker {
     stats.set_samples_per_s(samples_per_s);
     stats.set_wall_s(train_s);
     Status s;
+    bool interrupted = false;
     {
+      ScopedStopOnInterrupt stop_on_interrupt;
       py::gil_scoped_release release;
       s = session_->Finish(stats);
+      interrupted = stop_on_interrupt.interrupted();
+    }
+    if (!s.ok() && interrupted) {
+      session_.reset();
+      RaiseInterrupt(s);
     }
     session_.reset();
     Check(s);

@@ -2,7 +2,11 @@
 push_pull equals the C++ worker's (tests/python/replay_worker.cc) bitwise for every kind of
 aggregation; nothing is lost between what was applied and the residuals; bad input is a clear
 Python exception that leaves the job running."""
+import os
+import signal
 import subprocess
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -206,3 +210,16 @@ def test_a_missing_scheduler_is_a_timeout_naming_it():
     w = sparseps.Worker("", overrides=["cluster.scheduler_port=1", "cluster.register_timeout_s=0.5"])
     with pytest.raises(TimeoutError, match="membership"):
         w.init(initial())
+
+
+def test_ctrl_c_ends_a_blocking_call_at_once():
+    """SIGINT during a wait (here for a scheduler that never answers, 70 s deadline) ends it at
+    once as KeyboardInterrupt, as it would any Python call."""
+    w = sparseps.Worker("", overrides=["cluster.scheduler_port=1", "cluster.register_timeout_s=60"])
+    timer = threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt, match="stopped by a signal"):
+        w.init(initial())
+    assert time.monotonic() - start < 20
+    timer.join()
