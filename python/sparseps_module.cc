@@ -296,6 +296,14 @@ class Worker {
           "params: on a CUDA device, but this sparseps was built without CUDA (move the "
           "tensors to the CPU, or build where nvcc is found)"));
 #endif
+      // The device SBC compressor trains its local copy on the device, where the update's old
+      // values cannot be read between pushes.
+      if (config_.compression().encoding() == proto::SBC &&
+          config_.compression().local_iterations() > 1) {
+        Raise(Status::InvalidArgument(
+            "params: CUDA tensors with sbc and compression.local_iterations > 1 are not "
+            "supported; use CPU tensors or local_iterations: 1"));
+      }
     }
     listed_ = a.listed;
     for (const auto& b : a.parts) {
