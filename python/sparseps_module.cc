@@ -403,7 +403,8 @@ class Worker {
       scratch_.resize(n);
       out_ = scratch_.data();
     } else {
-      update = py::module_::import("numpy").attr("zeros")(n, "float32");
+      if (!np_zeros_) np_zeros_ = py::module_::import("numpy").attr("zeros");
+      update = np_zeros_(n, "float32");
       out_ = update.mutable_data();
     }
     touched_.clear();
@@ -607,6 +608,7 @@ class Worker {
   std::vector<float> gather_;
   DeviceBuffer gather_d_;
   float* out_ = nullptr;
+  py::object np_zeros_;         // numpy.zeros, looked up once
   bool sparse_ = false;         // the push_pull in progress returns the sparse form
   std::vector<float> old_;      // sparse: the old values, in the order of touched_
   std::vector<float> scratch_;  // sparse after a dense change: the old values, then the update

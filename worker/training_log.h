@@ -17,8 +17,8 @@ namespace sparseps {
 
 class TrainingLog {
  public:
-  // total_steps and epochs: the run's (for the progress lines); samples_per_step: the batch of
-  // one worker.
+  // total_steps and epochs: the run's (for the progress lines); the batch and the number of
+  // workers come from config.train and config.cluster.
   TrainingLog(const proto::JobConfig& config, int rank, uint64_t total_steps, uint32_t epochs);
 
   // Creates the CSV files in run.dir (none when it is empty) and starts the training clock.
@@ -37,7 +37,8 @@ class TrainingLog {
 
   // Seconds since Open(), evaluations included.
   double wall_s() const { return SecondsSince(start_); }
-  // The statistics of the DONE report after `steps` steps and `epochs` epochs.
+  // The statistics of the DONE report after `steps` steps and `epochs` epochs; logs the
+  // "training done" line.
   proto::WorkerStats Stats(uint64_t steps, uint32_t epochs, const Aggregator& aggregator) const;
 
  private:

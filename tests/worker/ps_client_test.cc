@@ -124,6 +124,15 @@ class PsClientTest : public ::testing::Test {
     return std::make_unique<PsClient>(context_, OneServer(port), /*worker_rank=*/0, control_.get(),
                                       timeout_s);
   }
+  // Connects to the server at `port` and pushes and pulls OnePush for iteration `iteration`
+  // into *params (zeros when null).
+  Status PushOnce(uint32_t port, double timeout_s = 10, int64_t iteration = 0,
+                  std::vector<float>* params = nullptr) {
+    auto ps = Connect(port, timeout_s);
+    std::vector<float> zeros(kParams, 0.0f);
+    auto pushes = OnePush();
+    return ps->PushPull(iteration, pushes, params != nullptr ? params->data() : zeros.data());
+  }
   zmq::context_t context_;
   proto::JobConfig config_;
   std::unique_ptr<ControlClient> control_;
@@ -162,10 +171,7 @@ TEST_F(PsClientTest, ServerErrorIsReturnedWithTheServersReason) {
                       o.msg.header.set_error("duplicate PUSH from worker 0 for iteration 0");
                       out->push_back(std::move(o));
                     });
-  auto ps = Connect(server.port(), 10);
-  std::vector<float> params(kParams, 0.0f);
-  auto pushes = OnePush();
-  Status s = ps->PushPull(0, pushes, params.data());
+  Status s = PushOnce(server.port());
   EXPECT_EQ(s.code(), StatusCode::kProtocolError) << s.ToString();
   EXPECT_THAT(s.message(), HasSubstr("server 0 at tcp://127.0.0.1:" +
                                      std::to_string(server.port()) + " rejected our request"));
@@ -175,11 +181,8 @@ TEST_F(PsClientTest, ServerErrorIsReturnedWithTheServersReason) {
 TEST_F(PsClientTest, SilentServerFailsWithinTheTimeoutNamingIt) {
   FakeServer server(context_, [](const std::string&, Result<Message>, std::vector<Outgoing>*) {});
   constexpr double kTimeoutS = 0.5;
-  auto ps = Connect(server.port(), kTimeoutS);
-  std::vector<float> params(kParams, 0.0f);
-  auto pushes = OnePush();
   const auto start = std::chrono::steady_clock::now();
-  Status s = ps->PushPull(7, pushes, params.data());
+  Status s = PushOnce(server.port(), kTimeoutS, 7);
   const double waited =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_EQ(s.code(), StatusCode::kDeadlineExceeded) << s.ToString();
@@ -207,10 +210,8 @@ TEST_F(PsClientTest, SparseReplyForAnotherVersionIsRefused) {
                       EncodeTopK({3}, {9.0f}, &o.msg);
                       out->push_back(std::move(o));
                     });
-  auto ps = Connect(server.port(), 10);
   std::vector<float> params(kParams, 0.0f);
-  auto pushes = OnePush();
-  Status s = ps->PushPull(0, pushes, params.data());
+  Status s = PushOnce(server.port(), 10, 0, &params);
   EXPECT_EQ(s.code(), StatusCode::kProtocolError) << s.ToString();
   EXPECT_THAT(s.message(), HasSubstr("sent a sparse delta for version 5 but we hold -1"));
   EXPECT_EQ(params[3], 0.0f) << "the refused delta was applied";
@@ -226,10 +227,7 @@ TEST_F(PsClientTest, UnexpectedOrMalformedRepliesAreProtocolErrors) {
                         EncodeDense(std::vector<float>(kParams, 1.0f), &o.msg);
                         out->push_back(std::move(o));
                       });
-    auto ps = Connect(server.port(), 10);
-    std::vector<float> params(kParams, 0.0f);
-    auto pushes = OnePush();
-    Status s = ps->PushPull(0, pushes, params.data());
+    Status s = PushOnce(server.port());
     EXPECT_EQ(s.code(), StatusCode::kProtocolError) << s.ToString();
     EXPECT_THAT(s.message(), HasSubstr("unexpected PULL_REPLY from server 0"));
     EXPECT_THAT(s.message(), HasSubstr("(expected PUSH_ACK)"));
