@@ -62,10 +62,24 @@ Status ControlClient::Register(const std::string& host, uint32_t port, uint64_t 
 Status ControlClient::Poll() {
   while (true) {
     if (StopRequested()) return Status::Aborted("stopped by a signal");
+    if (scheduler_lost_) return Status::Aborted(fatal_);
     if (!fatal_.empty()) return Status::Aborted("the scheduler ended the job: " + fatal_);
     auto ready = PollIn({&socket_}, 0);
-    if (!ready[0]) return Status::OK();
+    if (!ready[0]) {
+      // Checked after draining: a node busy for a while finds the heartbeats queued.
+      if (has_membership_ && !shutdown_ &&
+          SecondsSince(last_heard_) > config_.cluster().heartbeat_timeout_s()) {
+        scheduler_lost_ = true;
+        fatal_ = "the scheduler at " + scheduler_endpoint() + " sent nothing for " +
+                 std::to_string(SecondsSince(last_heard_)) + " s (cluster.heartbeat_timeout_s = " +
+                 std::to_string(config_.cluster().heartbeat_timeout_s()) +
+                 "): it is dead or unreachable";
+        return Status::Aborted(fatal_);
+      }
+      return Status::OK();
+    }
     auto msg = RecvMessage(socket_, false, nullptr, nullptr);
+    last_heard_ = Clock::now();
     if (!msg.ok()) {
       spdlog::warn("ignoring a malformed message from the scheduler: {}", msg.status().message());
       continue;
@@ -87,6 +101,8 @@ Status ControlClient::Poll() {
       case proto::SHUTDOWN:
         shutdown_ = true;
         break;
+      case proto::HEARTBEAT:
+        break;  // last_heard_ is set above
       case proto::FATAL:
         fatal_ = h.error().empty() ? "no reason given" : h.error();
         return Status::Aborted("the scheduler ended the job: " + fatal_);
@@ -181,6 +197,14 @@ void ControlClient::ReportFailure(const Status& error) {
     return;
   }
   socket_.set(zmq::sockopt::linger, 1000);  // let the report leave before the socket closes
+}
+
+Status ControlClient::ReportCheckpoint(uint64_t iteration, const proto::CheckpointFile& file) {
+  Message msg;
+  msg.header.set_command(proto::CHECKPOINT_WRITTEN);
+  msg.header.set_iteration(static_cast<int64_t>(iteration));
+  *msg.header.mutable_checkpoint_file() = file;
+  return Send(msg);
 }
 
 Status ControlClient::SendDone(const proto::WorkerStats& stats) {

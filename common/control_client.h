@@ -57,6 +57,9 @@ class ControlClient {
   void StartHeartbeats();
   void StopHeartbeats();
 
+  // Tells the scheduler that this node's file of checkpoint `iteration` is on disk.
+  Status ReportCheckpoint(uint64_t iteration, const proto::CheckpointFile& file);
+
   // Sends DONE with this worker's statistics.
   Status SendDone(const proto::WorkerStats& stats);
 
@@ -65,6 +68,11 @@ class ControlClient {
   // Best effort: does nothing if the failure came from the scheduler itself or if this node never
   // registered; never blocks longer than about 1 s.
   void ReportFailure(const Status& error);
+
+  // True when the scheduler went silent for cluster.heartbeat_timeout_s after the membership (it
+  // sends a HEARTBEAT every heartbeat_interval_s): Poll then fails with Unavailable-like Aborted
+  // naming the scheduler.
+  bool scheduler_lost() const { return scheduler_lost_; }
 
   bool has_membership() const { return has_membership_; }
   const proto::Membership& membership() const { return membership_; }
@@ -84,6 +92,8 @@ class ControlClient {
   bool registered_ = false;
   bool has_membership_ = false;
   bool shutdown_ = false;
+  bool scheduler_lost_ = false;
+  Clock::time_point last_heard_;  // from the scheduler
   std::string fatal_;
   proto::Membership membership_;
   std::map<std::string, uint64_t> barrier_generation_;

@@ -8,6 +8,7 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 
 #include "common/config.h"
 #include "common/metrics.h"
@@ -86,11 +87,31 @@ int DaemonMain(int argc, char** argv, const std::string& name, const std::string
   app.add_option("--get", gets,
                  "Print the resolved value of a config key (e.g. cluster.num_workers), one line "
                  "per key, and exit without starting; for scripts");
+  std::string resume_dir;
+  app.add_option("--resume", resume_dir,
+                 "Resume the job from the newest complete checkpoint in DIR: a run directory (its "
+                 "checkpoints/ folder, unless checkpoint.dir is set; the run writes on into it) or "
+                 "a checkpoint folder (the iter-* folders); every daemon of the job gets it");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     const int rc = app.exit(e);
     return rc == 0 ? 0 : 2;
+  }
+  if (!resume_dir.empty()) {
+    // Before the --set overrides, which win.
+    bool holds_checkpoints = false;
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator(resume_dir, ec)) {
+      if (e.path().filename().string().rfind("iter-", 0) == 0) holds_checkpoints = true;
+    }
+    if (ec) {
+      spdlog::error("--resume {}: {}", resume_dir, ec.message());
+      return 2;
+    }
+    overrides.insert(overrides.begin(),
+                     {"checkpoint.resume=true",
+                      (holds_checkpoints ? "checkpoint.dir=" : "run.dir=") + resume_dir});
   }
 
   SetLogName(name);

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 namespace sparseps {
 
@@ -19,6 +20,37 @@ Status CsvWriter::Open(const std::string& path, const std::vector<std::string>& 
   for (size_t i = 0; i < columns.size(); ++i) out_ << (i ? "," : "") << columns[i];
   out_ << '\n';
   out_.flush();
+  return Status::OK();
+}
+
+Status CsvWriter::OpenResumed(const std::string& path, const std::vector<std::string>& columns,
+                              size_t key_column, double keep_upto) {
+  if (path.empty()) return Open(path, columns);
+  std::ifstream in(path);
+  std::string header, line;
+  std::string expected;
+  for (size_t i = 0; i < columns.size(); ++i) expected += (i ? "," : "") + columns[i];
+  if (!in || !std::getline(in, header) || header != expected) return Open(path, columns);
+  std::string kept = header + "\n";
+  while (std::getline(in, line)) {
+    std::stringstream fields(line);
+    std::string cell;
+    for (size_t i = 0; i <= key_column && std::getline(fields, cell, ','); ++i) {
+    }
+    char* end = nullptr;
+    const double key = std::strtod(cell.c_str(), &end);
+    if (end != cell.c_str() && key <= keep_upto) kept += line + "\n";
+  }
+  in.close();
+  {
+    std::ofstream rewrite(path, std::ios::trunc);
+    rewrite << kept;
+    if (!rewrite) return Status::IoError("cannot rewrite " + path);
+  }
+  columns_ = columns.size();
+  out_.open(path, std::ios::app);
+  if (!out_) return Status::IoError("cannot open " + path);
+  out_.precision(std::numeric_limits<double>::max_digits10 - 2);
   return Status::OK();
 }
 

@@ -18,6 +18,11 @@ class CsvWriter {
   // Creates (truncates) `path` and writes the header row. An empty path makes a writer that
   // discards rows (runs without a run directory). Errors: IoError naming the path.
   Status Open(const std::string& path, const std::vector<std::string>& columns);
+  // For a resumed run: keeps the rows of an existing `path` whose column `key_column` is at most
+  // `keep_upto` (what the run did up to its checkpoint), drops the rest, and appends after them.
+  // Without a readable file with the same header it is Open.
+  Status OpenResumed(const std::string& path, const std::vector<std::string>& columns,
+                     size_t key_column, double keep_upto);
   // Appends one row; numbers are written with enough digits to round-trip.
   void Row(const std::vector<double>& values);
   bool is_open() const { return out_.is_open(); }

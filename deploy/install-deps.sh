@@ -12,7 +12,7 @@ packages=(
   libzmq3-dev cppzmq-dev
   libprotobuf-dev protobuf-compiler
   libyaml-cpp-dev libcli11-dev libspdlog-dev libfmt-dev nlohmann-json3-dev
-  libopenblas-dev zlib1g-dev
+  libopenblas-dev zlib1g-dev libxxhash-dev
   googletest libgtest-dev libgmock-dev libbenchmark-dev
   dataset-fashion-mnist
   clang-format clang libclang-rt-14-dev iproute2 iperf3 procps python3

@@ -5,7 +5,13 @@
 # failing process's log) if one dies, and prints the run directory at the end.
 #
 #   deploy/launch.sh [--config F] [--set key=value ...] [--run-dir D] [--build-dir B] [--quiet]
-#                    [--netns PREFIX] [--worker-command "CMD ARGS"]
+#                    [--netns PREFIX] [--worker-command "CMD ARGS"] [--resume RUN_DIR]
+#
+# --resume RUN_DIR restarts a stopped or crashed job from the newest complete checkpoint in
+# RUN_DIR/checkpoints (checkpoint.every_steps or every_s must have been set): same config and
+# overrides as that run (RUN_DIR/config.yaml, overrides.txt; more --set may follow, e.g. a larger
+# train.epochs), and the run goes on writing into RUN_DIR (logs appended, CSV rows after the
+# checkpoint replaced).
 #
 # --worker-command starts each worker as CMD ARGS --config F --set ... instead of sparseps-worker:
 # a Python training loop that joins the job through the sparseps module (examples/fashion_mnist.py;
@@ -27,11 +33,13 @@ run_dir=""
 quiet=0
 netns=""
 worker_command=""
+resume=""
+config_given=""
 sets=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --config) config="$2"; shift 2 ;;
-    --config=*) config="${1#*=}"; shift ;;
+    --config) config="$2"; config_given=1; shift 2 ;;
+    --config=*) config="${1#*=}"; config_given=1; shift ;;
     --set) sets+=(--set "$2"); shift 2 ;;
     --set=*) sets+=(--set "${1#*=}"); shift ;;
     --run-dir) run_dir="$2"; shift 2 ;;
@@ -39,10 +47,21 @@ while [[ $# -gt 0 ]]; do
     --quiet) quiet=1; shift ;;
     --netns) netns="$2"; shift 2 ;;
     --worker-command) worker_command="$2"; shift 2 ;;
+    --resume) resume="$2"; shift 2 ;;
     -h|--help) awk 'NR == 1 { next } /^#/ { sub(/^# ?/, ""); print; next } { exit }' "$0"; exit 0 ;;
     *) echo "launch.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
+
+if [[ -n "$resume" ]]; then
+  [[ -d "$resume" ]] || { echo "launch.sh: --resume $resume: no such run directory" >&2; exit 2; }
+  run_dir="$resume"
+  [[ -z "$config_given" ]] && config="$resume/config.yaml"
+  if [[ -s "$resume/overrides.txt" ]]; then
+    read -r -a saved_sets <"$resume/overrides.txt"
+    sets=("${saved_sets[@]}" "${sets[@]}")
+  fi
+fi
 
 scheduler_bin="$build_dir/scheduler/sparseps-scheduler"
 server_bin="$build_dir/server/sparseps-server"
@@ -68,8 +87,13 @@ if [[ -z "$run_dir" ]]; then
 fi
 mkdir -p "$run_dir"
 run_dir="$(cd "$run_dir" && pwd)"
-cp "$config" "$run_dir/config.yaml"
-printf '%s\n' "${sets[@]}" | paste -sd' ' > "$run_dir/overrides.txt"
+if [[ -z "$resume" ]]; then
+  cp "$config" "$run_dir/config.yaml"
+  printf '%s\n' "${sets[@]}" | paste -sd' ' > "$run_dir/overrides.txt"
+else
+  rm -f "$run_dir/scheduler.port" "$run_dir/summary.json"
+  echo "sparseps: resuming the job in $run_dir from its newest complete checkpoint"
+fi
 
 # One BLAS thread per process: the processes share the machine's cores.
 export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"
@@ -127,13 +151,19 @@ fi
 
 start() {  # start NAME COMMAND...
   local name="$1"; shift
-  "$@" >"$run_dir/$name.log" 2>&1 &
+  if [[ -n "$resume" ]]; then
+    "$@" >>"$run_dir/$name.log" 2>&1 &
+  else
+    "$@" >"$run_dir/$name.log" 2>&1 &
+  fi
   pids+=("$!")
   names+=("$name")
 }
 
 # shellcheck disable=SC2046
-common=(--config "$config" --set "run.dir=$run_dir" --set cluster.scheduler_port=0
+resume_args=()
+[[ -n "$resume" ]] && resume_args=(--resume "$run_dir")
+common=(--config "$config" "${resume_args[@]}" --set "run.dir=$run_dir" --set cluster.scheduler_port=0
   $(host_set 1 cluster.scheduler_host) "${sets[@]}")
 # shellcheck disable=SC2046
 start scheduler $(on_host 1) "$scheduler_bin" "${common[@]}" $(host_set 1 node.host)

@@ -117,6 +117,10 @@ class PairAggregation final : public ShardAggregation {
 
   const std::vector<float>& residual() const override { return residual_; }
 
+  void State(StateArchive& archive) override {
+    if (resparsify_) archive.Array("server_residual", &residual_);
+  }
+
  private:
   const AggregationOptions options_;
   PairAccumulator sum_;

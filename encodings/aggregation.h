@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "common/checkpoint.h"
 #include "common/key_range.h"
 #include "encodings/codec.h"
 #include "proto/config.pb.h"
@@ -56,6 +57,10 @@ class ShardAggregation {
   // every key may have changed, which sets *all.
   virtual void Apply(float scale, std::vector<float>* params, std::vector<uint32_t>* changed,
                      bool* all) = 0;
+
+  // Saves or restores what the aggregation keeps across iterations (between iterations only; the
+  // per-iteration sums are empty then). Default: nothing.
+  virtual void State(StateArchive& archive) {}
 
   // What the shard holds back across iterations (compression.server_topk's residual), empty
   // when nothing; for tests.

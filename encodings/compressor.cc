@@ -45,6 +45,12 @@ size_t WarmupK(double density, uint32_t warmup_epochs, uint32_t epoch, size_t n)
 Selector::Selector(proto::Selection mode, double sample_ratio, size_t k)
     : mode_(mode), sample_ratio_(sample_ratio), scaled_(k) {}
 
+void Selector::State(StateArchive& archive) {
+  float threshold = scaled_.threshold();
+  archive.Value("scaled_threshold", &threshold);
+  scaled_.set_threshold(threshold);
+}
+
 void Selector::Select(const float* x, size_t n, size_t k, std::vector<uint32_t>* out) {
   switch (mode_) {
     case proto::SAMPLED_THRESHOLD:

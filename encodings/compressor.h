@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "common/checkpoint.h"
 #include "common/key_range.h"
 #include "common/message.h"
 #include "common/status.h"
@@ -57,6 +58,13 @@ class Compressor {
   // residual; zeros when it keeps none (dense). Errors: CUDA's for a device compressor.
   virtual Status ReadResidual(std::vector<float>* out) const = 0;
 
+  // Saves or restores what the compressor keeps across iterations (residual, momentum, selection
+  // state, SBC's local steps) between iterations (common/checkpoint.h). The default refuses:
+  // a compressor that keeps state must say what it is.
+  virtual void State(StateArchive& archive) {
+    archive.Fail("this compressor's state cannot be checkpointed yet");
+  }
+
   // True when Compress takes the gradient in device memory (encodings/cuda/gpu_compressors.h).
   virtual bool on_device() const { return false; }
 
@@ -88,6 +96,8 @@ class Selector {
  public:
   Selector(proto::Selection mode, double sample_ratio, size_t k);
   void Select(const float* x, size_t n, size_t k, std::vector<uint32_t>* out);
+  // Saves or restores the selection's state across calls (the scaled threshold).
+  void State(StateArchive& archive);
 
  private:
   proto::Selection mode_;

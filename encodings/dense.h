@@ -32,6 +32,8 @@ class DenseCompressor final : public Compressor {
     return Status::OK();
   }
 
+  void State(StateArchive& archive) override { archive.Array("velocity", &velocity_); }
+
  private:
   float momentum_;
   std::vector<float> velocity_;

@@ -57,6 +57,19 @@ class SbcCompressor final : public Compressor {
   // The signed value sent in the last Compress.
   float last_value() const { return last_value_; }
 
+  void State(StateArchive& archive) override {
+    archive.Value("local_steps", &local_steps_);
+    archive.Array("velocity", &velocity_);
+    archive.Array("accumulated", &accumulated_);
+    archive.Array("residual", &residual_);
+    {
+      auto scope = archive.Scope("positive_selector");
+      pos_selector_.State(archive);
+    }
+    auto scope = archive.Scope("negative_selector");
+    neg_selector_.State(archive);
+  }
+
  private:
   proto::CompressionConfig config_;
   size_t k_;

@@ -178,6 +178,13 @@ class SketchAggregation final : public ShardAggregation {
     }
   }
 
+  // FetchSGD's S_u and S_e live across iterations; the per-iteration sums are empty between them.
+  void State(StateArchive& archive) override {
+    if (!fetch_) return;
+    archive.Array("sketch_momentum", &momentum_);
+    archive.Array("sketch_error", &error_);
+  }
+
   std::string Refuse(const DecodedPayload& p, uint32_t phase) const override {
     if (phase == 1) {
       if (p.encoding != proto::TOPK ||

@@ -67,6 +67,11 @@ class SketchCompressor final : public Compressor {
 
   const std::vector<float>& residual() const { return residual_; }
 
+  void State(StateArchive& archive) override {
+    archive.Array("velocity", &velocity_);
+    archive.Array("residual", &residual_);
+  }
+
  private:
   proto::CompressionConfig config_;
   float momentum_;

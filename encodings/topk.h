@@ -58,6 +58,13 @@ class TopKCompressor final : public Compressor {
   const std::vector<float>& residual() const { return residual_; }
   const std::vector<float>& velocity() const { return velocity_; }
 
+  void State(StateArchive& archive) override {
+    archive.Array("velocity", &velocity_);
+    archive.Array("residual", &residual_);
+    auto scope = archive.Scope("selector");
+    selector_.State(archive);
+  }
+
  private:
   proto::CompressionConfig config_;
   size_t k_;

@@ -5,7 +5,9 @@
 #include <algorithm>
 #include <fstream>
 #include <sstream>
+#include <tuple>
 
+#include "common/checkpoint.h"
 #include "common/key_range.h"
 #include "common/metrics.h"
 
@@ -108,6 +110,9 @@ void Scheduler::Handle(const std::string& from, const Result<Message>& msg, Cloc
       break;
     case proto::FATAL:
       HandleNodeFailure(from, h, out);
+      break;
+    case proto::CHECKPOINT_WRITTEN:
+      HandleCheckpointWritten(from, h, out);
       break;
     default:
       ++rejected_;
@@ -220,6 +225,7 @@ void Scheduler::BuildMembership(Clock::time_point now, std::vector<Outgoing>* ou
   }
   membership_.set_epoch(1);
   membership_.set_num_params(num_params);
+  if (config_.checkpoint().resume() && !PrepareResume(out)) return;
   std::vector<const Node*> sorted;
   for (const auto& n : nodes_) sorted.push_back(&n);
   std::sort(sorted.begin(), sorted.end(), [](const Node* a, const Node* b) {
@@ -330,6 +336,94 @@ void Scheduler::HandleDone(const std::string& from, const proto::Header& h,
   }
 }
 
+bool Scheduler::PrepareResume(std::vector<Outgoing>* out) {
+  const std::string dir = CheckpointDir(config_);
+  if (dir.empty()) {
+    Abort(
+        "checkpoint.resume is set but there is no checkpoint folder (set run.dir or "
+        "checkpoint.dir)",
+        out);
+    return false;
+  }
+  const auto latest = LatestCheckpoint(dir);
+  if (!latest) {
+    Abort("cannot resume: no complete checkpoint (an iter-* folder with MANIFEST.json) in " + dir,
+          out);
+    return false;
+  }
+  const std::string fingerprint = ConfigFingerprint(config_);
+  if (latest->config_fingerprint != fingerprint) {
+    Abort("cannot resume from " + CheckpointIterationDir(dir, latest->iteration) +
+              ": it was written by a job with another config (fingerprint " +
+              latest->config_fingerprint + ", this job's " + fingerprint +
+              "); model, data, train, compression, aggregation and the cluster's sizes must be "
+              "the same",
+          out);
+    return false;
+  }
+  membership_.set_resume(true);
+  membership_.set_resume_iteration(latest->iteration);
+  for (const auto& f : latest->files) {
+    auto* file = membership_.add_resume_files();
+    file->set_role(f.role);
+    file->set_rank(f.rank);
+    file->set_iteration(latest->iteration);
+    file->set_file(f.file);
+    file->set_bytes(f.bytes);
+    file->set_xxh3(f.xxh3);
+  }
+  last_checkpoint_ = static_cast<int64_t>(latest->iteration);
+  spdlog::info("resuming from checkpoint {} (iteration {}, {} files)",
+               CheckpointIterationDir(dir, latest->iteration), latest->iteration,
+               latest->files.size());
+  return true;
+}
+
+void Scheduler::HandleCheckpointWritten(const std::string& from, const proto::Header& h,
+                                        std::vector<Outgoing>* out) {
+  const int idx = FindNodeByRoutingId(from);
+  if (!membership_sent_ || idx < 0 || !h.has_checkpoint_file()) {
+    ++rejected_;
+    ReplyError(from, "CHECKPOINT_WRITTEN from a node that is not registered, or without a file",
+               out);
+    return;
+  }
+  const Node& node = nodes_[static_cast<size_t>(idx)];
+  proto::CheckpointFile f = h.checkpoint_file();
+  if (f.role() != node.role || f.rank() != node.rank || f.file().empty() ||
+      f.file().find('/') != std::string::npos || h.iteration() < 0) {
+    ++rejected_;
+    ReplyError(from, "CHECKPOINT_WRITTEN for another node or with a bad file name", out);
+    return;
+  }
+  const uint64_t iteration = static_cast<uint64_t>(h.iteration());
+  auto& files = checkpoints_[iteration];
+  files.push_back(f);
+  const size_t expected =
+      expected_servers_ + expected_workers_ + (config_.checkpoint().save_model() ? 1 : 0);
+  if (files.size() < expected) return;
+  CheckpointManifest m;
+  m.iteration = iteration;
+  m.membership_epoch = membership_.epoch();
+  m.config_fingerprint = ConfigFingerprint(config_);
+  for (const auto& x : files) {
+    m.files.push_back({x.role(), x.rank(), x.file(), x.bytes(), x.xxh3()});
+  }
+  std::sort(m.files.begin(), m.files.end(), [](const auto& a, const auto& b) {
+    return std::make_tuple(a.role, a.rank, a.file) < std::make_tuple(b.role, b.rank, b.file);
+  });
+  checkpoints_.erase(checkpoints_.begin(), std::next(checkpoints_.find(iteration)));
+  const std::string dir = CheckpointDir(config_);
+  Status s = WriteCheckpointManifest(CheckpointIterationDir(dir, iteration), m);
+  if (!s.ok()) {
+    spdlog::warn("checkpoint of iteration {} is incomplete: {}", iteration, s.message());
+    return;
+  }
+  last_checkpoint_ = static_cast<int64_t>(iteration);
+  spdlog::info("checkpoint of iteration {} complete ({} files)", iteration, m.files.size());
+  PruneCheckpoints(dir, config_.checkpoint().keep());
+}
+
 void Scheduler::HandleNodeFailure(const std::string& from, const proto::Header& h,
                                   std::vector<Outgoing>* out) {
   const int idx = FindNodeByRoutingId(from);
@@ -374,6 +468,18 @@ void Scheduler::Tick(Clock::time_point now, std::vector<Outgoing>* out) {
     Abort("registration timed out after " + FormatSeconds(c.register_timeout_s()) + ": " + missing,
           out);
     return;
+  }
+  if (std::chrono::duration<double>(now - last_heartbeat_sent_).count() >=
+      c.heartbeat_interval_s()) {
+    // So that every node notices a dead scheduler within its heartbeat timeout.
+    last_heartbeat_sent_ = now;
+    for (const auto& n : nodes_) {
+      Outgoing o{n.routing_id, {}};
+      o.msg.header.set_command(proto::HEARTBEAT);
+      o.msg.header.set_sender_role(proto::SCHEDULER);
+      o.msg.header.set_epoch(membership_.epoch());
+      out->push_back(std::move(o));
+    }
   }
   for (const auto& [key, state] : barriers_) {
     const double waited = std::chrono::duration<double>(now - state.first_arrival).count();

@@ -43,6 +43,8 @@ class Scheduler {
   proto::RunSummary Summary(Clock::time_point now) const;
 
   bool has_membership() const { return membership_sent_; }
+  // The newest checkpoint whose manifest this scheduler wrote (or resumed from); -1: none.
+  int64_t last_checkpoint() const { return last_checkpoint_; }
   uint64_t rejected_messages() const { return rejected_; }
 
  private:
@@ -72,7 +74,11 @@ class Scheduler {
   void HandleDone(const std::string& from, const proto::Header& h, std::vector<Outgoing>* out);
   void HandleNodeFailure(const std::string& from, const proto::Header& h,
                          std::vector<Outgoing>* out);
+  void HandleCheckpointWritten(const std::string& from, const proto::Header& h,
+                               std::vector<Outgoing>* out);
   void BuildMembership(Clock::time_point now, std::vector<Outgoing>* out);
+  // checkpoint.resume: the newest complete checkpoint into membership_, or Abort.
+  bool PrepareResume(std::vector<Outgoing>* out);
   void Broadcast(proto::Command command, const std::string& error, std::vector<Outgoing>* out);
   void ReplyError(const std::string& to, const std::string& error, std::vector<Outgoing>* out);
   int FindNode(proto::Role role, int rank) const;
@@ -92,6 +98,10 @@ class Scheduler {
   std::optional<Status> finished_;
   Clock::time_point finished_at_;
   uint64_t rejected_ = 0;
+  Clock::time_point last_heartbeat_sent_;
+  // Checkpoints being written: iteration -> the files reported so far.
+  std::map<uint64_t, std::vector<proto::CheckpointFile>> checkpoints_;
+  int64_t last_checkpoint_ = -1;
 };
 
 // The scheduler daemon: binds cluster.scheduler_host:scheduler_port (0: a free port, written to

@@ -6,6 +6,7 @@
 #include <memory>
 #include <utility>
 
+#include "common/checkpoint.h"
 #include "common/control_client.h"
 #include "common/daemon.h"
 #include "server/shard_server.h"
@@ -16,6 +17,36 @@ namespace {
 // Requests that arrive before this server has the membership (a worker can get it first) are
 // held, at most this many, and handled once the membership is in; beyond it they are rejected.
 constexpr size_t kMaxEarlyRequests = 4096;
+
+// Writes the shard's state at its version into the checkpoint folder and, when `report`, tells
+// the scheduler (which writes the manifest once every node's file is in).
+Status SaveShard(const proto::JobConfig& config, ShardServer& shard, ControlClient& control,
+                 bool report) {
+  const std::string dir = CheckpointDir(config);
+  if (dir.empty()) return Status::OK();
+  const auto start = Clock::now();
+  const uint64_t iteration = static_cast<uint64_t>(shard.version());
+  StateArchive archive;
+  shard.State(archive);
+  SPARSEPS_RETURN_IF_ERROR(archive.status());
+  CheckpointIdentity id{proto::SERVER, control.rank(), iteration, control.membership().epoch(),
+                        ConfigFingerprint(config)};
+  CheckpointFileInfo info;
+  SPARSEPS_RETURN_IF_ERROR(WriteCheckpointFile(CheckpointIterationDir(dir, iteration),
+                                               CheckpointFileName(proto::SERVER, control.rank()),
+                                               id, archive, &info));
+  spdlog::info("checkpoint of iteration {}: wrote {} ({:.1f} MB) in {:.3f} s", iteration, info.file,
+               info.bytes / 1e6, SecondsSince(start));
+  if (!report) return Status::OK();
+  proto::CheckpointFile f;
+  f.set_role(proto::SERVER);
+  f.set_rank(control.rank());
+  f.set_iteration(iteration);
+  f.set_file(info.file);
+  f.set_bytes(info.bytes);
+  f.set_xxh3(info.xxh3);
+  return control.ReportCheckpoint(iteration, f);
+}
 
 Status Serve(const proto::JobConfig& config, zmq::socket_t& data, uint32_t port,
              ControlClient& control) {
@@ -35,7 +66,15 @@ Status Serve(const proto::JobConfig& config, zmq::socket_t& data, uint32_t port,
     out.clear();
   };
   while (true) {
-    SPARSEPS_RETURN_IF_ERROR(control.Poll());
+    if (Status p = control.Poll(); !p.ok()) {
+      if (control.scheduler_lost() && shard != nullptr && shard->initialized()) {
+        // Keep what this shard has: a file of its own (no manifest: the workers' files of the
+        // same iteration are not guaranteed), for a look or a resume by hand.
+        Status w = SaveShard(config, *shard, control, /*report=*/false);
+        if (!w.ok()) spdlog::warn("could not save the shard: {}", w.message());
+      }
+      return p;
+    }
     if (control.shutdown_requested()) break;
     if (shard == nullptr && control.has_membership()) {
       const auto& m = control.membership();
@@ -45,6 +84,7 @@ Status Serve(const proto::JobConfig& config, zmq::socket_t& data, uint32_t port,
       opts.lr = config.train().lr();
       opts.compression = config.compression();
       opts.momentum = config.train().momentum();
+      opts.checkpoint_every_steps = config.checkpoint().every_steps();
       for (const auto& r : m.ranges()) {
         if (r.server_rank() == control.rank()) opts.range = {r.begin(), r.end()};
       }
@@ -52,11 +92,23 @@ Status Serve(const proto::JobConfig& config, zmq::socket_t& data, uint32_t port,
       spdlog::info("serving key range [{}, {}) ({} parameters) for {} workers", opts.range.begin,
                    opts.range.end, opts.range.size(), opts.num_workers);
       shard = std::make_unique<ShardServer>(opts);
+      if (m.resume()) {
+        auto file = ReadResumeFile(CheckpointDir(config), m, proto::SERVER, control.rank(),
+                                   ConfigFingerprint(config));
+        if (!file.ok()) return file.status();
+        StateArchive archive(&*file);
+        shard->State(archive);
+        SPARSEPS_RETURN_IF_ERROR(archive.status());
+        spdlog::info("resumed the shard from {} at iteration {}", file->path(), shard->version());
+      }
       control.StartHeartbeats();
       if (!early.empty()) spdlog::info("handling {} requests that came first", early.size());
       for (auto& [peer, msg] : early) {
         shard->Handle(peer, Result<Message>(std::move(msg)), &out);
         flush();
+        if (shard->TakeCheckpointDue()) {
+          SPARSEPS_RETURN_IF_ERROR(SaveShard(config, *shard, control, true));
+        }
       }
       early.clear();
     }
@@ -92,7 +144,10 @@ Status Serve(const proto::JobConfig& config, zmq::socket_t& data, uint32_t port,
         }
         out.push_back(std::move(o));
       }
-      flush();
+      flush();  // the pull replies leave before a checkpoint is written
+      if (shard != nullptr && shard->TakeCheckpointDue()) {
+        SPARSEPS_RETURN_IF_ERROR(SaveShard(config, *shard, control, true));
+      }
     }
   }
   control.StopHeartbeats();

@@ -167,6 +167,7 @@ void ShardServer::HandlePush(const std::string& peer, const Message& msg,
   // Validated: accumulate (sparse stays sparse).
   aggregation_->Add(p);
   pushed_[rank] = 1;
+  if (h.checkpoint() && rank == 0) checkpoint_requested_ = true;
   ++counters_.pushes;
   out->push_back(Reply(peer, h, proto::PUSH_ACK));
   if (!std::all_of(pushed_.begin(), pushed_.end(), [](uint8_t b) { return b != 0; })) return;
@@ -217,6 +218,29 @@ void ShardServer::Apply() {
   const float scale = static_cast<float>(-options_.lr / options_.num_workers);
   aggregation_->Apply(scale, &params_, &last_changed_, &last_changed_all_);
   ++version_;
+  const uint64_t every = options_.checkpoint_every_steps;
+  checkpoint_after_last_ =
+      checkpoint_requested_ || (every > 0 && static_cast<uint64_t>(version_) % every == 0);
+  checkpoint_requested_ = false;
+  checkpoint_due_ = checkpoint_after_last_;
+}
+
+void ShardServer::State(StateArchive& archive) {
+  {
+    auto scope = archive.Scope("shard");
+    archive.Array("params", &params_);
+    archive.Value("version", &version_);
+  }
+  {
+    auto scope = archive.Scope("aggregation");
+    aggregation_->State(archive);
+  }
+  if (!archive.saving()) {
+    last_changed_.clear();
+    last_changed_all_ = true;
+    std::fill(pushed_.begin(), pushed_.end(), 0);
+    checkpoint_after_last_ = checkpoint_due_ = checkpoint_requested_ = false;
+  }
 }
 
 void ShardServer::HandlePull(const std::string& peer, const Message& msg,
@@ -241,6 +265,7 @@ Outgoing ShardServer::MakePullReply(const PendingPull& pull) const {
   request.set_iteration(pull.wanted_version - 1);
   request.set_request_id(pull.request_id);
   Outgoing o = Reply(pull.peer, request, proto::PULL_REPLY);
+  if (pull.wanted_version == version_ && checkpoint_after_last_) o.msg.header.set_checkpoint(true);
   // Sparse when the puller holds the previous version and k (index, value) pairs (8 B each) are
   // smaller than the dense shard (4 B per key).
   const bool sparse = !last_changed_all_ && pull.have_version == version_ - 1 &&

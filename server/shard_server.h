@@ -32,6 +32,7 @@
 #include <string>
 #include <vector>
 
+#include "common/checkpoint.h"
 #include "common/key_range.h"
 #include "common/van.h"
 #include "encodings/aggregation.h"
@@ -48,6 +49,9 @@ struct ShardOptions {
   // fusion_group_size, seed) are read from here.
   proto::CompressionConfig compression;
   double momentum = 0.0;  // FetchSGD's server-side momentum (compression.sketch.server_momentum)
+  // A checkpoint is due after every iteration that brings the version to a multiple of this
+  // (0: never by count), and after an iteration whose pushes from worker 0 asked for one.
+  uint64_t checkpoint_every_steps = 0;
 };
 
 struct ShardCounters {
@@ -76,6 +80,20 @@ class ShardServer {
   const std::vector<float>& server_residual() const { return aggregation_->residual(); }
 
   const ShardOptions& options() const { return options_; }
+
+  // True once after an iteration was applied that ends with a checkpoint (the pull replies of that
+  // iteration say so to every worker); the caller then saves State at version(). Clears the flag.
+  bool TakeCheckpointDue() {
+    const bool due = checkpoint_due_;
+    checkpoint_due_ = false;
+    return due;
+  }
+
+  // Saves or restores the shard's state (common/checkpoint.h): parameters, version, the
+  // aggregation's state across iterations (server residual, FetchSGD's sketches). Only between
+  // iterations: a checkpoint is taken right after an Apply, before the next push. Loading checks
+  // the range's size; after it pulls are answered densely.
+  void State(StateArchive& archive);
 
  private:
   struct PendingPull {
@@ -114,6 +132,9 @@ class ShardServer {
   std::vector<PendingPull> candidate_requests_;  // PULL_CANDIDATES waiting for phase 1
   std::vector<PendingPull> pending_pulls_;
   ShardCounters counters_;
+  bool checkpoint_requested_ = false;   // worker 0 asked for one after this iteration
+  bool checkpoint_after_last_ = false;  // the last applied iteration ends with a checkpoint
+  bool checkpoint_due_ = false;
 };
 
 }  // namespace sparseps

@@ -77,6 +77,30 @@ class PsAggregator final : public Aggregator {
     return Status::OK();
   }
 
+  Status Resume(StateArchive& archive) override {
+    SPARSEPS_RETURN_IF_ERROR(control_->Barrier("init", proto::WORKER));
+    SPARSEPS_RETURN_IF_ERROR(ps_->PullInitial(params_.data()));
+    State(archive);
+    SPARSEPS_RETURN_IF_ERROR(archive.status());
+    // A checkpoint is taken after a push: SBC's local copy was the pulled parameters then.
+    if (local_copy_) local_ = params_;
+    changed_.AddAll();
+    return Status::OK();
+  }
+
+  void State(StateArchive& archive) override {
+    if (compressor_->on_device()) {
+      return archive.Fail(
+          "checkpoints of a compressor on the GPU are not supported yet (use train.device: cpu)");
+    }
+    archive.Value("iteration", &iteration_);
+    push_round_ = static_cast<int64_t>(iteration_);
+    auto scope = archive.Scope("compressor");
+    compressor_->State(archive);
+  }
+
+  void RequestCheckpoint() override { ps_->RequestCheckpoint(); }
+
   void SetEpoch(uint32_t epoch) override { compressor_->SetEpoch(epoch); }
   bool takes_device_gradient() const override { return compressor_->on_device(); }
   uint64_t bytes_sent() const override { return ps_->bytes_sent(); }
@@ -91,6 +115,7 @@ class PsAggregator final : public Aggregator {
   Status Aggregate(float* grad, bool on_device, StepStats* stats) override {
     const auto t0 = Clock::now();
     auto t1 = t0;
+    checkpoint_due_ = false;
     // The local copy changes everywhere: the local step, then the pulled parameters.
     if (local_copy_) WillChange(0, {}, true);
     // SBC trains its local copy between pushes: on the device copy with the device compressor.
@@ -109,6 +134,8 @@ class PsAggregator final : public Aggregator {
       } else {
         SPARSEPS_RETURN_IF_ERROR(ps_->PushPull(push_round_++, pushes_, params_.data()));
       }
+      iteration_ = static_cast<uint64_t>(push_round_);
+      checkpoint_due_ = ps_->checkpoint_after_last();
       if (local_copy_) {
         // The pulled parameters replace the local copy (on the device too).
         std::copy(params_.begin(), params_.end(), local_.begin());
@@ -206,6 +233,26 @@ class AllreduceAggregator final : public Aggregator {
     collective_->set_k(WarmupK(c.density(), c.warmup_epochs(), epoch, num_params()));
   }
 
+  Status Resume(StateArchive& archive) override {
+    State(archive);
+    SPARSEPS_RETURN_IF_ERROR(archive.status());
+    changed_.AddAll();
+    return control_->Barrier("init", proto::WORKER);
+  }
+
+  void State(StateArchive& archive) override {
+    if (model_on_device_) {
+      return archive.Fail(
+          "checkpoints of allreduce on the GPU are not supported yet (use train.device: cpu)");
+    }
+    archive.Value("iteration", &iteration_);
+    archive.Array("params", &params_);
+    archive.Array("velocity", &velocity_);
+    archive.Array("accumulated", &acc_);
+    auto scope = archive.Scope("collective");
+    collective_->State(archive);
+  }
+
   Status ReadResidual(std::vector<float>* out) override {
 #if SPARSEPS_HAVE_CUDA
     if (contribution_d_ != nullptr) {
@@ -266,6 +313,9 @@ class AllreduceAggregator final : public Aggregator {
       SPARSEPS_RETURN_IF_ERROR(collective_->Allreduce(&acc_, &update_));
     }
     Apply();
+    ++iteration_;
+    const uint64_t every = config_.checkpoint().every_steps();
+    checkpoint_due_ = every > 0 && iteration_ % every == 0;
     stats->encode_ms = Ms(t0, t1);
     stats->comm_ms = Ms(t1, Clock::now());
     if (measure_quality_) stats->topk_mass = TopKMassShare(probe_, update_);

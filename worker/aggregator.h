@@ -23,6 +23,7 @@
 #include <vector>
 #include <zmq.hpp>
 
+#include "common/checkpoint.h"
 #include "common/control_client.h"
 #include "common/status.h"
 #include "proto/config.pb.h"
@@ -60,6 +61,28 @@ class Aggregator {
   // initialises the servers, every worker pulls; allreduce: worker 0's are broadcast (a ring).
   // Errors: deadlines naming who is missing.
   virtual Status Init(const std::vector<float>& initial) = 0;
+
+  // Instead of Init on a resumed job: restores this worker's state from `archive` (a loading
+  // archive of its checkpoint file) and the job's parameters (PS: pulled from the servers, which
+  // restored theirs; allreduce: from the file). Errors: the archive's (missing or mis-sized
+  // arrays), deadlines as Init's.
+  virtual Status Resume(StateArchive& archive) = 0;
+
+  // Saves or restores what this worker keeps across iterations (compressor or collective state,
+  // the iteration count; allreduce also the parameters and momentum). Between steps only.
+  virtual void State(StateArchive& archive) = 0;
+
+  // Aggregation rounds completed (the servers' version in PS mode): the iteration a checkpoint
+  // taken now is of.
+  uint64_t iteration() const { return iteration_; }
+
+  // Asks for a checkpoint after the next aggregation round (worker 0, checkpoint.every_s; ps mode,
+  // where the servers tell every worker; allreduce ignores it).
+  virtual void RequestCheckpoint() {}
+
+  // True when the last Step ended an iteration after which every node writes a checkpoint
+  // (checkpoint.every_steps, or a request).
+  bool checkpoint_due() const { return checkpoint_due_; }
 
   // Sets the epoch (0-based) for the density warm-up (compression.warmup_epochs).
   virtual void SetEpoch(uint32_t epoch) = 0;
@@ -137,6 +160,8 @@ class Aggregator {
   ChangedKeys changed_;    // what params_d_ lacks of its source
   std::vector<float> grad_h_;  // a device gradient brought to the host
   ChangeObserver observer_;
+  uint64_t iteration_ = 0;       // aggregation rounds completed
+  bool checkpoint_due_ = false;  // set by Aggregate
 };
 
 // The aggregator for config.aggregation, for num_params parameters, the model computing on the

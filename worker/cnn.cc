@@ -43,6 +43,18 @@ Cnn::Cnn(size_t rows, size_t cols, std::vector<size_t> channels, size_t kernel,
   argmax_.resize(convs_.size());
 }
 
+std::vector<TensorLayout> Cnn::Layers() const {
+  std::vector<TensorLayout> out;
+  for (size_t l = 0; l < convs_.size(); ++l) {
+    const Conv& c = convs_[l];
+    const std::string name = "conv" + std::to_string(l);
+    out.push_back({name + ".weight", {c.c_out, kernel_, kernel_, c.c_in}, c.w_offset});
+    out.push_back({name + ".bias", {c.c_out}, c.b_offset});
+  }
+  for (auto& t : head_.Layers(head_offset_)) out.push_back(std::move(t));
+  return out;
+}
+
 std::string Cnn::Describe() const {
   std::string s =
       fmt::format("CNN {}x{}", convs_.empty() ? 0 : convs_[0].h, convs_.empty() ? 0 : convs_[0].w);

@@ -32,6 +32,9 @@ class Cnn final : public Model {
 
   size_t num_params() const override { return num_params_; }
   std::string Describe() const override;
+  // "conv<l>.weight" [c_out x k x k x c_in] and "conv<l>.bias" [c_out] per conv layer, then the
+  // head's "fc<l>.*" (worker/mlp.h).
+  std::vector<TensorLayout> Layers() const override;
 
   // Conv weights He-uniform U(-sqrt(6/fan_in), sqrt(6/fan_in)) with fan_in = k*k*c_in, zero
   // biases, from a generator seeded with `seed`; the head as Mlp::InitParams with seed + 1.

@@ -22,6 +22,16 @@ Mlp::Mlp(size_t inputs, std::vector<size_t> hidden, size_t classes) {
   acts_.resize(num_layers());
 }
 
+std::vector<TensorLayout> Mlp::Layers(uint64_t base) const {
+  std::vector<TensorLayout> out;
+  for (size_t l = 0; l + 1 < sizes_.size(); ++l) {
+    const std::string name = "fc" + std::to_string(l);
+    out.push_back({name + ".weight", {sizes_[l], sizes_[l + 1]}, base + w_offset_[l]});
+    out.push_back({name + ".bias", {sizes_[l + 1]}, base + b_offset_[l]});
+  }
+  return out;
+}
+
 std::string Mlp::Describe() const {
   std::string s = "MLP";
   for (size_t l = 0; l < sizes_.size(); ++l) s += fmt::format("{}{}", l ? "-" : " ", sizes_[l]);

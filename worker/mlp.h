@@ -25,6 +25,10 @@ class Mlp final : public Model {
   size_t num_params() const override { return num_params_; }
   size_t num_layers() const { return sizes_.size() - 1; }
   std::string Describe() const override;
+  // "fc<l>.weight" [inputs x outputs] (row-major; PyTorch's Linear keeps the transpose) and
+  // "fc<l>.bias" [outputs] per layer, offsets shifted by `base` (the CNN's head).
+  std::vector<TensorLayout> Layers() const override { return Layers(0); }
+  std::vector<TensorLayout> Layers(uint64_t base) const;
 
   // He-uniform weights U(-sqrt(6/fan_in), sqrt(6/fan_in)) from a fixed generator seeded with
   // `seed` (identical on every machine), zero biases. params has num_params() elements.

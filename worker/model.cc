@@ -26,6 +26,13 @@ std::pair<double, double> EvaluateInChunks(
   return {loss_sum / n, static_cast<double>(correct) / n};
 }
 
+Result<std::vector<TensorLayout>> ModelLayers(const proto::ModelConfig& config,
+                                              const Dataset& shape) {
+  auto model = MakeModel(config, shape, proto::CPU);
+  if (!model.ok()) return model.status();
+  return (*model)->Layers();
+}
+
 Result<std::unique_ptr<Model>> MakeModel(const proto::ModelConfig& config, const Dataset& shape,
                                          proto::Device device) {
   std::vector<size_t> hidden(config.hidden().begin(), config.hidden().end());

@@ -15,6 +15,7 @@
 #include <utility>
 
 #include "common/status.h"
+#include "common/tensor_layout.h"
 #include "proto/config.pb.h"
 #include "worker/idx_reader.h"
 
@@ -46,6 +47,10 @@ class Model {
   // Mean loss and accuracy (fraction) over the whole dataset.
   virtual std::pair<double, double> Evaluate(const float* params, const Dataset& data) = 0;
 
+  // The tensors of the flat parameter vector by layer, in order (names as "fc0.weight",
+  // "conv1.bias"; docs/user-guide.md "The trained model"), for the model file.
+  virtual std::vector<TensorLayout> Layers() const { return {{"params", {num_params()}, 0}}; }
+
   // The first failure of the device (a GPU model's CUDA or cuBLAS error); OK for CPU models.
   // After a failure ForwardBackward and Evaluate return NaN.
   virtual Status status() const { return Status::OK(); }
@@ -62,6 +67,11 @@ std::pair<double, double> EvaluateInChunks(
 // InvalidArgument naming the key for a shape the model cannot take (a CNN needs
 // model.channels, an odd model.kernel_size and images that survive its poolings);
 // FailedPrecondition for CUDA in a build without CUDA.
+// The layers of `config`'s model for images shaped like `shape` (the CPU model's; a GPU model lays
+// its parameters out the same way).
+Result<std::vector<TensorLayout>> ModelLayers(const proto::ModelConfig& config,
+                                              const Dataset& shape);
+
 Result<std::unique_ptr<Model>> MakeModel(const proto::ModelConfig& config, const Dataset& shape,
                                          proto::Device device);
 

@@ -78,15 +78,18 @@ Status PsClient::PushPull(int64_t iteration, std::vector<Message>& pushes, float
                             std::to_string(pushes.size()) + " for " +
                             std::to_string(peers_.size()));
   }
+  checkpoint_after_last_ = false;
   for (size_t r = 0; r < peers_.size(); ++r) {
     SPARSEPS_RETURN_IF_ERROR(SendPushAndPull(peers_[r], pushes[r], iteration));
   }
+  request_checkpoint_ = false;
   return AwaitAll(iteration, params);
 }
 
 Status PsClient::SendPushAndPull(Peer& p, Message& push, int64_t iteration) {
   push.header.set_command(proto::PUSH);
   push.header.set_iteration(iteration);
+  if (request_checkpoint_) push.header.set_checkpoint(true);
   SPARSEPS_RETURN_IF_ERROR(Send(p, push));
   Message pull = Request(p, proto::PULL, iteration);
   pull.header.set_have_version(p.version);
@@ -101,6 +104,7 @@ Status PsClient::SketchTwoRounds(int64_t iteration, std::vector<Message>& sketch
   if (sketches.size() != peers_.size()) {
     return Status::Internal("SketchTwoRounds needs one sketch per key range");
   }
+  checkpoint_after_last_ = false;
   for (size_t r = 0; r < peers_.size(); ++r) {
     Peer& p = peers_[r];
     sketches[r].header.set_command(proto::PUSH);
@@ -120,6 +124,7 @@ Status PsClient::SketchTwoRounds(int64_t iteration, std::vector<Message>& sketch
     push.header.set_phase(1);
     SPARSEPS_RETURN_IF_ERROR(SendPushAndPull(p, push, iteration));
   }
+  request_checkpoint_ = false;
   return AwaitAll(iteration, params);
 }
 
@@ -203,6 +208,7 @@ Status PsClient::AwaitAll(int64_t iteration, float* params) {
         }
         p.expected.pop_front();
         if (h.command() == proto::PULL_REPLY) {
+          if (h.checkpoint()) checkpoint_after_last_ = true;
           SPARSEPS_RETURN_IF_ERROR(ApplyPullReply(p, *msg, params));
         } else if (h.command() == proto::CANDIDATES) {
           DecodedPayload c;

@@ -57,6 +57,14 @@ class PsClient {
   Status SketchTwoRounds(int64_t iteration, std::vector<Message>& sketches, const ExactPush& exact,
                          float* params);
 
+  // Asks (worker 0, checkpoint.every_s) for a checkpoint after the next iteration pushed: its
+  // pushes carry the request, and the servers answer every worker's pull of that iteration with
+  // it.
+  void RequestCheckpoint() { request_checkpoint_ = true; }
+  // True when a pull reply of the last PushPull / SketchTwoRounds said that a checkpoint is taken
+  // after that iteration.
+  bool checkpoint_after_last() const { return checkpoint_after_last_; }
+
   uint64_t bytes_sent() const { return bytes_sent_; }
   uint64_t bytes_received() const { return bytes_received_; }
   // Parameter version (applied iterations) held for range r.
@@ -89,6 +97,8 @@ class PsClient {
   std::vector<KeyRange> ranges_;
   std::vector<Peer> peers_;
   uint64_t next_request_id_ = 1;
+  bool request_checkpoint_ = false;
+  bool checkpoint_after_last_ = false;
   uint64_t bytes_sent_ = 0;
   uint64_t bytes_received_ = 0;
 };

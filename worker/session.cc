@@ -1,5 +1,7 @@
 #include "worker/session.h"
 
+#include <spdlog/spdlog.h>
+
 #include "common/daemon.h"
 
 namespace sparseps {
@@ -12,6 +14,11 @@ WorkerSession::~WorkerSession() { control_.StopHeartbeats(); }
 Result<std::unique_ptr<WorkerSession>> WorkerSession::Join(const proto::JobConfig& config,
                                                            size_t num_params, bool model_on_device,
                                                            bool name_log) {
+  if (config.checkpoint().every_s() > 0 && config.aggregation() == proto::ALLREDUCE) {
+    return Status::InvalidArgument(
+        "checkpoint.every_s works in ps mode only (the servers tell every worker when); use "
+        "checkpoint.every_steps with aggregation: allreduce");
+  }
   std::unique_ptr<WorkerSession> s(new WorkerSession(config));
   auto made = MakeAggregator(config, s->context_, num_params, model_on_device);
   if (!made.ok()) return made.status();
@@ -31,6 +38,99 @@ Result<std::unique_ptr<WorkerSession>> WorkerSession::Join(const proto::JobConfi
     return st;
   }
   return s;
+}
+
+namespace {
+
+proto::CheckpointFile ToProto(const CheckpointFileInfo& info, uint64_t iteration) {
+  proto::CheckpointFile f;
+  f.set_role(info.role);
+  f.set_rank(info.rank);
+  f.set_iteration(iteration);
+  f.set_file(info.file);
+  f.set_bytes(info.bytes);
+  f.set_xxh3(info.xxh3);
+  return f;
+}
+
+}  // namespace
+
+Status WorkerSession::Resume(const std::function<void(StateArchive&)>& extra) {
+  auto file = ReadResumeFile(CheckpointDir(config_), control_.membership(), proto::WORKER, rank(),
+                             ConfigFingerprint(config_));
+  if (!file.ok()) return file.status();
+  StateArchive archive(&*file);
+  {
+    auto scope = archive.Scope("aggregator");
+    SPARSEPS_RETURN_IF_ERROR(aggregator_->Resume(archive));
+  }
+  {
+    auto scope = archive.Scope("loop");
+    extra(archive);
+  }
+  SPARSEPS_RETURN_IF_ERROR(archive.status());
+  if (aggregator_->iteration() != resume_iteration()) {
+    return Status::FailedPrecondition(file->path() + " holds iteration " +
+                                      std::to_string(aggregator_->iteration()) + ", not " +
+                                      std::to_string(resume_iteration()));
+  }
+  last_checkpoint_ = Clock::now();
+  spdlog::info("resumed from {} at iteration {}", file->path(), resume_iteration());
+  return Status::OK();
+}
+
+Status WorkerSession::SaveModel(const std::string& path, const std::vector<TensorLayout>& layers) {
+  return WriteModelFile(path, aggregator_->params(), layers,
+                        {{"format", "sparseps-model"},
+                         {"iteration", std::to_string(aggregator_->iteration())},
+                         {"config_fingerprint", ConfigFingerprint(config_)}});
+}
+
+Status WorkerSession::AfterStep(const std::function<void(StateArchive&)>& extra,
+                                const std::vector<TensorLayout>& layers) {
+  const auto& cc = config_.checkpoint();
+  const std::string dir = CheckpointDir(config_);
+  if (dir.empty()) return Status::OK();
+  if (aggregator_->checkpoint_due()) {
+    const auto start = Clock::now();
+    const uint64_t iteration = aggregator_->iteration();
+    const std::string iter_dir = CheckpointIterationDir(dir, iteration);
+    StateArchive archive;
+    {
+      auto scope = archive.Scope("aggregator");
+      aggregator_->State(archive);
+    }
+    {
+      auto scope = archive.Scope("loop");
+      extra(archive);
+    }
+    SPARSEPS_RETURN_IF_ERROR(archive.status());
+    CheckpointIdentity id{proto::WORKER, rank(), iteration, control_.membership().epoch(),
+                          ConfigFingerprint(config_)};
+    CheckpointFileInfo info;
+    SPARSEPS_RETURN_IF_ERROR(WriteCheckpointFile(
+        iter_dir, CheckpointFileName(proto::WORKER, rank()), id, archive, &info));
+    SPARSEPS_RETURN_IF_ERROR(control_.ReportCheckpoint(iteration, ToProto(info, iteration)));
+    if (rank() == 0 && cc.save_model()) {
+      const std::string path = iter_dir + "/model.safetensors";
+      SPARSEPS_RETURN_IF_ERROR(SaveModel(path, layers));
+      auto bytes = ReadWholeFile(path);
+      if (!bytes.ok()) return bytes.status();
+      CheckpointFileInfo model{proto::WORKER, 0, "model.safetensors", bytes->size(),
+                               Xxh3Hex(bytes->data(), bytes->size())};
+      SPARSEPS_RETURN_IF_ERROR(control_.ReportCheckpoint(iteration, ToProto(model, iteration)));
+    }
+    spdlog::info("checkpoint of iteration {}: wrote {} ({:.1f} MB) in {:.3f} s", iteration,
+                 info.file, info.bytes / 1e6, SecondsSince(start));
+    last_checkpoint_ = Clock::now();
+    checkpoint_requested_ = false;
+  }
+  if (rank() == 0 && cc.every_s() > 0 && !checkpoint_requested_ &&
+      SecondsSince(last_checkpoint_) >= cc.every_s()) {
+    aggregator_->RequestCheckpoint();
+    checkpoint_requested_ = true;
+  }
+  return Status::OK();
 }
 
 Status WorkerSession::Finish(const proto::WorkerStats& stats) {

@@ -5,9 +5,12 @@
 // Thread-safety: one thread; the heartbeat thread the control client starts touches nothing here.
 #pragma once
 
+#include <functional>
 #include <memory>
+#include <vector>
 #include <zmq.hpp>
 
+#include "common/checkpoint.h"
 #include "common/control_client.h"
 #include "common/status.h"
 #include "proto/config.pb.h"
@@ -37,6 +40,30 @@ class WorkerSession {
   Aggregator& aggregator() { return *aggregator_; }
   ControlClient& control() { return control_; }
 
+  // True when the job resumes from a checkpoint (the membership says which).
+  bool resuming() const { return control_.membership().resume(); }
+  uint64_t resume_iteration() const { return control_.membership().resume_iteration(); }
+
+  // Instead of Aggregator::Init on a resumed job: reads and verifies this worker's file of the
+  // checkpoint (common/checkpoint.h), restores the aggregator (Aggregator::Resume) and lets
+  // `extra` restore the training loop's own values (its data position) from the same archive.
+  // Errors: the file's refusal naming it (missing, truncated, corrupt, another config), the
+  // aggregator's.
+  Status Resume(const std::function<void(StateArchive&)>& extra);
+
+  // After each step: when the aggregator says a checkpoint is due (Aggregator::checkpoint_due),
+  // writes this worker's file with `extra` saving the loop's own values, and on worker 0 the
+  // job's parameters as model.safetensors by `layers` (checkpoint.save_model); reports each file
+  // to the scheduler. On worker 0 in ps mode also asks for one once checkpoint.every_s passed.
+  // Does nothing without a checkpoint folder (common/checkpoint.h CheckpointDir). Errors:
+  // IoError naming the file, the archive's.
+  Status AfterStep(const std::function<void(StateArchive&)>& extra,
+                   const std::vector<TensorLayout>& layers);
+
+  // Writes the job's parameters (the aggregator's) to `path` as a safetensors file by `layers`,
+  // with the iteration and the config's fingerprint in its metadata. Errors: IoError naming it.
+  Status SaveModel(const std::string& path, const std::vector<TensorLayout>& layers);
+
   // Sends DONE with this worker's statistics and waits (cluster.request_timeout_s) for the
   // scheduler's SHUTDOWN, which comes once every worker is done. Stops the heartbeats.
   Status Finish(const proto::WorkerStats& stats);
@@ -51,6 +78,8 @@ class WorkerSession {
   zmq::context_t context_;  // first: outlives every socket below
   ControlClient control_;
   std::unique_ptr<Aggregator> aggregator_;
+  Clock::time_point last_checkpoint_ = Clock::now();
+  bool checkpoint_requested_ = false;
 };
 
 }  // namespace sparseps

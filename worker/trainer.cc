@@ -113,7 +113,15 @@ Status Train(const proto::JobConfig& config, Model& model, const TrainingData& d
   std::vector<float> initial(n);
   model.InitParams(tc.seed(), initial.data());
   const auto init_start = Clock::now();
-  SPARSEPS_RETURN_IF_ERROR(aggregator.Init(initial));
+  uint64_t step = 0;  // steps done: the position in the data
+  // What the loop itself keeps in a checkpoint: its position (the data order follows from the
+  // seed and the epoch).
+  auto loop_state = [&](StateArchive& archive) { archive.Value("step", &step); };
+  if (session.resuming()) {
+    SPARSEPS_RETURN_IF_ERROR(session.Resume(loop_state));
+  } else {
+    SPARSEPS_RETURN_IF_ERROR(aggregator.Init(initial));
+  }
   // The model writes its gradient where it computes.
   const bool on_device = model.on_device();
   std::vector<float> grad_h(on_device ? 0 : n);
@@ -131,14 +139,18 @@ Status Train(const proto::JobConfig& config, Model& model, const TrainingData& d
       model.Describe(), n, data.train.num_samples / static_cast<size_t>(session.num_workers()), spe,
       SecondsSince(init_start));
   TrainingLog log(config, rank, total, epochs);
-  SPARSEPS_RETURN_IF_ERROR(log.Open());
+  SPARSEPS_RETURN_IF_ERROR(session.resuming() ? log.OpenResumed(step) : log.Open());
+  if (session.resuming()) {
+    spdlog::info("resuming at step {} of {} (epoch {}, step {} of it)", step, total, step / spe + 1,
+                 step % spe);
+  }
+  const std::vector<TensorLayout> layers = model.Layers();
   Batches batches(data.train, config, rank);
-  uint64_t step = 0;
-  uint32_t epoch = 0;
+  uint32_t epoch = static_cast<uint32_t>(step / spe);
   for (; epoch < epochs && step < total; ++epoch) {
     batches.StartEpoch(epoch);
     aggregator.SetEpoch(epoch);
-    for (uint64_t s = 0; s < spe && step < total; ++s) {
+    for (uint64_t s = step - uint64_t{epoch} * spe; s < spe && step < total; ++s) {
       const auto t0 = Clock::now();
       batches.Fill(s);
       auto params = aggregator.ModelParams();
@@ -159,6 +171,7 @@ Status Train(const proto::JobConfig& config, Model& model, const TrainingData& d
       }
       ++step;
       log.Step(step, epoch + 1, loss, compute_ms, stats, aggregator);
+      SPARSEPS_RETURN_IF_ERROR(session.AfterStep(loop_state, layers));
       if (rank == 0 && tc.eval_every_steps() > 0 && step % tc.eval_every_steps() == 0 &&
           step < total) {
         SPARSEPS_RETURN_IF_ERROR(Evaluate(model, aggregator, data.test, epoch + 1, step, &log));
@@ -169,8 +182,14 @@ Status Train(const proto::JobConfig& config, Model& model, const TrainingData& d
       SPARSEPS_RETURN_IF_ERROR(Evaluate(model, aggregator, data.test, epoch + 1, step, &log));
     }
   }
-  if (rank == 0)
+  if (rank == 0) {
     SPARSEPS_RETURN_IF_ERROR(Evaluate(model, aggregator, data.test, epoch, step, &log));
+    if (config.checkpoint().save_model() && !config.run().dir().empty()) {
+      const std::string path = config.run().dir() + "/model.safetensors";
+      SPARSEPS_RETURN_IF_ERROR(session.SaveModel(path, layers));
+      spdlog::info("wrote the trained model to {}", path);
+    }
+  }
   return session.Finish(log.Stats(step, epoch, aggregator));
 }
 

@@ -11,16 +11,35 @@ TrainingLog::TrainingLog(const proto::JobConfig& config, int rank, uint64_t tota
                          uint32_t epochs)
     : config_(config), rank_(rank), total_steps_(total_steps), epochs_(epochs) {}
 
+namespace {
+const std::vector<std::string> kMetricColumns = {
+    "step",       "epoch",     "loss",    "bytes_sent", "bytes_received", "selected",
+    "compute_ms", "encode_ms", "comm_ms", "wall_s",     "applied",        "topk_mass"};
+const std::vector<std::string> kEvalColumns = {"epoch",     "step",          "wall_s",
+                                               "test_loss", "test_accuracy", "train_s"};
+}  // namespace
+
 Status TrainingLog::Open() {
   const std::string& dir = config_.run().dir();
   SPARSEPS_RETURN_IF_ERROR(
       metrics_.Open(dir.empty() ? "" : dir + "/metrics-worker-" + std::to_string(rank_) + ".csv",
-                    {"step", "epoch", "loss", "bytes_sent", "bytes_received", "selected",
-                     "compute_ms", "encode_ms", "comm_ms", "wall_s", "applied", "topk_mass"}));
+                    kMetricColumns));
   if (rank_ == 0) {
     SPARSEPS_RETURN_IF_ERROR(
-        evals_.Open(dir.empty() ? "" : dir + "/eval-worker-0.csv",
-                    {"epoch", "step", "wall_s", "test_loss", "test_accuracy", "train_s"}));
+        evals_.Open(dir.empty() ? "" : dir + "/eval-worker-0.csv", kEvalColumns));
+  }
+  start_ = last_progress_ = Clock::now();
+  return Status::OK();
+}
+
+Status TrainingLog::OpenResumed(uint64_t step) {
+  const std::string& dir = config_.run().dir();
+  SPARSEPS_RETURN_IF_ERROR(metrics_.OpenResumed(
+      dir.empty() ? "" : dir + "/metrics-worker-" + std::to_string(rank_) + ".csv", kMetricColumns,
+      0, static_cast<double>(step)));
+  if (rank_ == 0) {
+    SPARSEPS_RETURN_IF_ERROR(evals_.OpenResumed(dir.empty() ? "" : dir + "/eval-worker-0.csv",
+                                                kEvalColumns, 1, static_cast<double>(step)));
   }
   start_ = last_progress_ = Clock::now();
   return Status::OK();

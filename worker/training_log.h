@@ -24,6 +24,8 @@ class TrainingLog {
   // Creates the CSV files in run.dir (none when it is empty) and starts the training clock.
   // Errors: IoError naming the file.
   Status Open();
+  // For a run resumed at `step`: keeps the CSV rows up to that step and appends after them.
+  Status OpenResumed(uint64_t step);
 
   // Step `step` (1-based) of epoch `epoch` (1-based) is done: its loss, its compute time and what
   // the aggregation did; `aggregator` gives the byte totals of the progress line.

@@ -118,6 +118,13 @@ class Collective {
   virtual void set_k(size_t k) { k_ = k; }
   size_t k() const { return k_; }
 
+  // Saves or restores what the collective keeps across calls (the host selection's threshold;
+  // ExDyna's threshold and partitions), between calls (common/checkpoint.h).
+  virtual void State(StateArchive& archive) {
+    auto scope = archive.Scope("selector");
+    selector_.State(archive);
+  }
+
   // Entries this worker contributed in the last call (num_params for the dense ones).
   size_t last_selected() const { return last_selected_; }
 

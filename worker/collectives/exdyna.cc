@@ -51,6 +51,21 @@ void ExDyna::Rebalance() {
   }
 }
 
+void ExDyna::State(StateArchive& archive) {
+  Collective::State(archive);
+  std::vector<uint64_t> bounds(bounds_.begin(), bounds_.end());
+  std::vector<uint64_t> counts(prev_counts_.begin(), prev_counts_.end());
+  archive.Array("partition_bounds", &bounds);
+  archive.Array("previous_counts", &counts);
+  archive.Value("previous_total", &prev_total_);
+  archive.Value("calls", &t_);
+  archive.Value("threshold", &threshold_);
+  if (!archive.saving() && archive.status().ok()) {
+    bounds_.assign(bounds.begin(), bounds.end());
+    prev_counts_.assign(counts.begin(), counts.end());
+  }
+}
+
 Status ExDyna::Allreduce(Contribution* x, CollectiveUpdate* update) {
   const uint64_t tag = NextCall();
   const int p = group_->size(), r = group_->rank();

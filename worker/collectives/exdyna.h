@@ -29,6 +29,7 @@ class ExDyna final : public Collective {
   Status Allreduce(Contribution* x, CollectiveUpdate* update) override;
 
   float threshold() const { return threshold_; }
+  void State(StateArchive& archive) override;
   // Partition boundaries in blocks (P + 1 entries) and the block size in elements.
   const std::vector<size_t>& boundaries() const { return bounds_; }
 

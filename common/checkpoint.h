@@ -1,0 +1,181 @@
+// Checkpoints (checkpoint.* in the config; docs/user-guide.md, "Checkpoints and resume").
+//
+// At one iteration T every server writes its shard's state and every worker its own into
+// <checkpoint.dir>/iter-<T>/ (server-<s>.safetensors, worker-<w>.safetensors, and worker 0 also
+// model.safetensors, the job's parameters by layer). Each node file is a safetensors file
+// (common/safetensors.h) whose metadata holds the format and its version, the role, rank,
+// iteration, membership epoch, the fingerprint of the job's config and an XXH3-64 checksum per
+// array; it is written atomically (temporary file, fsync, rename). Each node then reports the
+// file, its size and its whole-file XXH3 to the scheduler, which writes MANIFEST.json into the
+// iteration's folder once every node's file is in: a folder without a manifest is incomplete and
+// never loaded. On resume the scheduler picks the newest complete checkpoint and hands each node
+// the iteration and its file's size and checksum; a file that differs in any byte is refused
+// naming it.
+//
+// Thread-safety: a StateArchive is used by one thread; the free functions are thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/safetensors.h"
+#include "common/status.h"
+#include "proto/config.pb.h"
+#include "proto/messages.pb.h"
+
+namespace sparseps {
+
+// Version of the node files and the manifest; a file of another version is refused.
+inline constexpr int kCheckpointFormatVersion = 1;
+
+// Saves or restores a component's state with one function per component: the same sequence of
+// named calls saves (each call records its value) and loads (each call replaces the value with
+// the saved one). Names are scoped by Scope(). Loading records the first problem (a missing
+// array, another size) in status() and leaves the value alone; callers check status() once.
+class StateArchive {
+ public:
+  // An archive that records what it is given.
+  StateArchive() : writer_(&own_writer_) {}
+  // An archive that restores from `file` (which must outlive it).
+  explicit StateArchive(const SafetensorsFile* file) : file_(file) {}
+
+  bool saving() const { return file_ == nullptr; }
+
+  // Arrays: loading takes the saved array whole when *v is empty, else it must have v->size()
+  // elements.
+  void Array(std::string_view name, std::vector<float>* v);
+  void Array(std::string_view name, std::vector<uint8_t>* v);
+  void Array(std::string_view name, std::vector<uint32_t>* v);
+  void Array(std::string_view name, std::vector<uint64_t>* v);
+  // Scalars.
+  void Value(std::string_view name, uint64_t* v);
+  void Value(std::string_view name, int64_t* v);
+  void Value(std::string_view name, uint32_t* v);
+  void Value(std::string_view name, double* v);
+  void Value(std::string_view name, float* v);
+  // A size_t scalar (saved as U64).
+  void Size(std::string_view name, size_t* v);
+
+  // Records a load or save failure (the first one is kept).
+  void Fail(const std::string& why);
+  const Status& status() const { return status_; }
+
+  // Names below this scope get "<scope>." in front until the returned guard ends.
+  class [[nodiscard]] ScopeGuard {
+   public:
+    ScopeGuard(StateArchive* a, std::string_view scope);
+    ~ScopeGuard();
+    ScopeGuard(const ScopeGuard&) = delete;
+    ScopeGuard& operator=(const ScopeGuard&) = delete;
+
+   private:
+    StateArchive* a_;
+    size_t old_size_;
+  };
+  ScopeGuard Scope(std::string_view scope) { return ScopeGuard(this, scope); }
+
+  // The recorded arrays (saving).
+  SafetensorsWriter& writer() { return *writer_; }
+
+ private:
+  template <typename T>
+  void ArrayImpl(std::string_view name, DType dtype, std::vector<T>* v);
+  template <typename T>
+  void ScalarImpl(std::string_view name, DType dtype, T* v);
+  std::string Full(std::string_view name) const;
+
+  SafetensorsWriter own_writer_;
+  SafetensorsWriter* writer_ = nullptr;
+  const SafetensorsFile* file_ = nullptr;
+  std::string prefix_;
+  Status status_;
+};
+
+// What identifies a node file.
+struct CheckpointIdentity {
+  proto::Role role = proto::ROLE_UNSPECIFIED;
+  int rank = -1;
+  uint64_t iteration = 0;         // applied iterations the state is at
+  uint64_t membership_epoch = 0;  // the membership it was taken in
+  std::string config_fingerprint;
+};
+
+// A file written, as reported to the scheduler and listed in the manifest.
+struct CheckpointFileInfo {
+  proto::Role role = proto::ROLE_UNSPECIFIED;
+  int rank = -1;
+  std::string file;  // name within the iteration's folder
+  uint64_t bytes = 0;
+  std::string xxh3;  // of the whole file, 16 hex digits
+};
+
+// The iteration's folder: <dir>/iter-<iteration, 10 digits>.
+std::string CheckpointIterationDir(const std::string& dir, uint64_t iteration);
+
+// The checkpoint folder of a job: checkpoint.dir, else <run.dir>/checkpoints, else "" (none).
+std::string CheckpointDir(const proto::JobConfig& config);
+
+// A fingerprint (16 hex digits, XXH3-64) of what defines the job's training: model, data, train
+// (except epochs, max_steps and evaluation), compression, aggregation, collective and the
+// cluster's sizes. A checkpoint is loaded only into a job with the same fingerprint.
+std::string ConfigFingerprint(const proto::JobConfig& config);
+
+// XXH3-64 of bytes as 16 hex digits.
+std::string Xxh3Hex(const void* data, size_t bytes);
+
+// Writes the node file of `archive` (a saving archive) as <iteration dir>/<file> with the
+// identity and a checksum per array in its metadata, atomically. *info gets what to report.
+// Errors: IoError naming the path.
+Status WriteCheckpointFile(const std::string& dir, const std::string& file,
+                           const CheckpointIdentity& id, StateArchive& archive,
+                           CheckpointFileInfo* info);
+
+// The name of a node's file: "server-<rank>.safetensors" or "worker-<rank>.safetensors".
+std::string CheckpointFileName(proto::Role role, int rank);
+
+// Reads and verifies a node file: the whole file against `expected` (size and XXH3, when its
+// xxh3 is not empty), the format and version, every array's checksum, and the identity (role,
+// rank, iteration, config fingerprint). Errors: NotFound, or DataLoss-like FailedPrecondition
+// naming the file and what does not match; nothing is loaded then.
+Result<SafetensorsFile> ReadCheckpointFile(const std::string& path, const CheckpointIdentity& want,
+                                           const CheckpointFileInfo& expected);
+
+// The file of (role, rank) in a resuming membership, or null.
+const proto::CheckpointFile* FindResumeFile(const proto::Membership& membership, proto::Role role,
+                                            int rank, const std::string& file);
+
+// Reads this node's file of the membership's resume checkpoint from `dir` (CheckpointDir) and
+// verifies it against what the manifest says (ReadCheckpointFile). Errors: NotFound naming the
+// path (on a host whose checkpoint folder lacks it), FailedPrecondition when it is refused.
+Result<SafetensorsFile> ReadResumeFile(const std::string& dir, const proto::Membership& membership,
+                                       proto::Role role, int rank,
+                                       const std::string& config_fingerprint);
+
+// A complete checkpoint's manifest.
+struct CheckpointManifest {
+  uint64_t iteration = 0;
+  uint64_t membership_epoch = 0;
+  std::string config_fingerprint;
+  std::vector<CheckpointFileInfo> files;
+};
+
+// Writes <iteration dir>/MANIFEST.json atomically (last: it marks the checkpoint complete).
+Status WriteCheckpointManifest(const std::string& dir, const CheckpointManifest& manifest);
+
+// Reads an iteration folder's manifest. Errors: NotFound (incomplete checkpoint),
+// FailedPrecondition naming the file when it is malformed or of another version.
+Result<CheckpointManifest> ReadCheckpointManifest(const std::string& iteration_dir);
+
+// The newest complete checkpoint in `dir` (newest iteration with a readable manifest), or
+// nullopt when there is none. Folders without a manifest, or whose manifest is unreadable, are
+// skipped (and logged).
+std::optional<CheckpointManifest> LatestCheckpoint(const std::string& dir);
+
+// Deletes the iteration folders of `dir` older than the newest `keep` complete ones (keep 0:
+// none), and incomplete folders older than the newest complete one.
+void PruneCheckpoints(const std::string& dir, uint32_t keep);
+
+}  // namespace sparseps
