@@ -555,6 +555,8 @@ proto::RunSummary Scheduler::Summary(Clock::time_point now) const {
   double samples_per_s = 0.0;
   for (const auto& w : worker_stats_) samples_per_s += w.samples_per_s();
   s.set_cluster_samples_per_s(samples_per_s);
+  s.set_last_checkpoint(last_checkpoint_);
+  s.set_written_by("scheduler");
   return s;
 }
 

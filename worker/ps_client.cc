@@ -184,7 +184,8 @@ Status PsClient::AwaitAll(int64_t iteration, float* params) {
                                       waiting->name);
     }
     auto ready = PollIn(sockets, std::min<int64_t>(200, static_cast<int64_t>(left * 1000) + 1));
-    if (ready.back() || StopRequested()) SPARSEPS_RETURN_IF_ERROR(control_->Poll());
+    // Every round, not only when the scheduler wrote: Poll also notices a scheduler gone silent.
+    SPARSEPS_RETURN_IF_ERROR(control_->Poll());
     for (size_t i = 0; i < peers_.size(); ++i) {
       if (!ready[i]) continue;
       Peer& p = peers_[i];

@@ -6,7 +6,9 @@
 #include <cmath>
 #include <random>
 
+#include "common/metrics.h"
 #include "kernels/device.h"
+#include "proto/summary.pb.h"
 #include "worker/aggregator.h"
 #include "worker/device_buffer.h"
 #include "worker/idx_reader.h"
@@ -241,6 +243,18 @@ Status RunWorker(const proto::JobConfig& config) {
   if (!session.ok()) return session.status();
   Status result = Train(config, **model, *data, **session);
   if (!result.ok()) (*session)->ReportFailure(result);
+  if ((*session)->control().scheduler_lost() && (*session)->rank() == 0 &&
+      !config.run().dir().empty()) {
+    // No scheduler is left to write the job's result: record the failure where users look.
+    proto::RunSummary summary;
+    summary.set_job_name(config.run().name());
+    summary.set_status(result.message());
+    summary.set_num_workers(config.cluster().num_workers());
+    summary.set_last_checkpoint(-1);
+    summary.set_written_by("worker 0");
+    Status w = WriteJson(config.run().dir() + "/summary.json", summary);
+    if (!w.ok()) spdlog::warn("{}", w.message());
+  }
   return result;
 }
 

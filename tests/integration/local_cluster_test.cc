@@ -205,3 +205,51 @@ TEST(LocalClusterFailure, FailingWorkerEndsTheJobAtOnceNamingTheCause) {
 
 }  // namespace
 }  // namespace sparseps
+
+namespace sparseps {
+namespace {
+
+// The scheduler dies (kill -9): every server and worker notices within the heartbeat timeout,
+// exits non-zero naming the scheduler; the servers keep their shard on disk and worker 0 records
+// the failure in summary.json.
+TEST(LocalClusterFailure, DeadSchedulerEndsEveryProcessNamingIt) {
+  if (!std::filesystem::exists(std::string(kData) + "/train-images-idx3-ubyte.gz")) {
+    GTEST_SKIP() << "Fashion-MNIST not installed";
+  }
+  TempDir dir("dead-scheduler");
+  const std::string config = std::string(SPARSEPS_SOURCE_DIR) + "/configs/quickstart.yaml";
+  Cluster c =
+      Start(dir, config, 2, 2,
+            {"model.hidden=[32]", "data.max_train_samples=2048", "data.max_test_samples=500",
+             "train.epochs=100000", "cluster.heartbeat_interval_s=0.2",
+             "cluster.heartbeat_timeout_s=3", "cluster.request_timeout_s=600"});
+  ASSERT_NE(c.scheduler, nullptr);
+  ASSERT_FALSE(testing::WaitForFile(dir.path() + "/metrics-worker-1.csv", 60).empty())
+      << c.nodes.back()->Log();
+  c.scheduler->Signal(SIGKILL);
+  const auto start = std::chrono::steady_clock::now();
+  for (auto& n : c.nodes) {
+    const int rc = n->Wait(60);
+    ASSERT_NE(rc, -1) << "still running 60 s after the scheduler died: " << n->Log();
+    EXPECT_EQ(rc, 1) << n->log_path();
+    const std::string log = n->Log();
+    EXPECT_NE(log.find("the scheduler at tcp://127.0.0.1:"), std::string::npos) << n->log_path();
+    EXPECT_NE(log.find("dead or unreachable"), std::string::npos) << n->log_path();
+  }
+  // Within the timeout (3 s) plus the request timeout that is NOT what ended them (600 s).
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 30.0);
+  const std::string summary = testing::ReadFile(dir.path() + "/summary.json");
+  EXPECT_THAT(summary, ::testing::HasSubstr("dead or unreachable"));
+  EXPECT_THAT(summary, ::testing::HasSubstr("\"written_by\": \"worker 0\""));
+  // Each server saved its shard (no manifest: the workers' state of that iteration is not there).
+  int shard_files = 0;
+  for (const auto& e : std::filesystem::recursive_directory_iterator(dir.path() + "/checkpoints")) {
+    const std::string name = e.path().filename().string();
+    if (name == "server-0.safetensors" || name == "server-1.safetensors") ++shard_files;
+    EXPECT_NE(name, "MANIFEST.json");
+  }
+  EXPECT_EQ(shard_files, 2);
+}
+
+}  // namespace
+}  // namespace sparseps

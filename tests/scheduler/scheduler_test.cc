@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -188,8 +189,15 @@ TEST_F(SchedulerTest, SilentNodeIsDeclaredDead) {
   EXPECT_EQ(s.final_status().code(), StatusCode::kAborted);
   EXPECT_THAT(s.final_status().message(), HasSubstr("worker 1"));
   EXPECT_THAT(s.final_status().message(), HasSubstr("declaring it dead"));
-  ASSERT_EQ(out.size(), 4u);
-  for (auto& o : out) EXPECT_EQ(o.msg.header.command(), proto::FATAL);
+  // FATAL to every node at the end; before it, the scheduler's own heartbeat to every node each
+  // second (cluster.heartbeat_interval_s = 1), so that nodes notice a dead scheduler.
+  std::map<proto::Command, std::map<std::string, int>> sent;
+  for (auto& o : out) ++sent[o.msg.header.command()][o.to];
+  ASSERT_EQ(sent[proto::FATAL].size(), 4u);
+  for (const auto& [to, n] : sent[proto::FATAL]) EXPECT_EQ(n, 1) << to;
+  ASSERT_EQ(sent[proto::HEARTBEAT].size(), 4u);
+  for (const auto& [to, n] : sent[proto::HEARTBEAT]) EXPECT_GE(n, 10) << to;
+  EXPECT_EQ(sent.size(), 2u);
 }
 
 TEST_F(SchedulerTest, AllWorkersDoneShutsDown) {

@@ -387,3 +387,88 @@ TEST(ShardServer, SketchServerRejectsWrongLayoutPhaseAndCandidateKeys) {
 
 }  // namespace
 }  // namespace sparseps
+
+namespace sparseps {
+namespace {
+
+// A shard saved after an iteration and restored into a fresh server continues exactly as the one
+// that was never stopped: same parameters, same server residual, same version; the checkpoint is
+// due at every_steps, and the pull replies of that iteration say so.
+TEST(ShardServer, StateRestoredFromACheckpointContinuesBitwiseEqual) {
+  constexpr size_t kKeys = 400;
+  const KeyRange r{100, 100 + kKeys};
+  ShardOptions o;
+  o.range = r;
+  o.num_workers = 2;
+  o.lr = 0.3;
+  o.compression.set_density(0.05);
+  o.compression.set_server_topk(true);
+  o.checkpoint_every_steps = 3;
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<std::vector<std::vector<float>>> grads(8);  // [iteration][worker]
+  for (auto& it : grads) {
+    for (int w = 0; w < 2; ++w) {
+      std::vector<float> g(kKeys);
+      for (auto& x : g) x = u(rng);
+      it.push_back(g);
+    }
+  }
+  auto run = [&](ShardServer& s, int from, int to) {
+    for (int t = from; t < to; ++t) {
+      for (int w = 0; w < 2; ++w) {
+        std::vector<Outgoing> out;
+        s.Handle("w" + std::to_string(w), Result<Message>(Pull(r, t, w, t)), &out);
+        auto acks = Send(s, DensePush(r, t, w, grads[t][w]), "w" + std::to_string(w));
+        for (auto& x : acks) out.push_back(std::move(x));
+        if (w == 1) {
+          // Both pulls of iteration t are answered now; the checkpoint flag marks t + 1 = 3, 6.
+          int replies = 0;
+          for (const auto& x : out) {
+            if (x.msg.header.command() != proto::PULL_REPLY) continue;
+            ++replies;
+            EXPECT_EQ(x.msg.header.checkpoint(), (t + 1) % 3 == 0) << "iteration " << t;
+          }
+          EXPECT_GE(replies, 1);
+          EXPECT_EQ(s.TakeCheckpointDue(), (t + 1) % 3 == 0) << "iteration " << t;
+        }
+      }
+    }
+  };
+  std::vector<float> init(kKeys);
+  for (auto& x : init) x = u(rng);
+  ShardServer a(o);
+  Send(a, Init(r, init));
+  run(a, 0, 3);
+  StateArchive save;
+  a.State(save);
+  ASSERT_TRUE(save.status().ok());
+  const std::string bytes = save.writer().Serialize();
+  auto file = SafetensorsFile::Parse(bytes, "server-0.safetensors");
+  ASSERT_TRUE(file.ok()) << file.status().ToString();
+
+  ShardServer b(o);  // a replacement: never initialised
+  StateArchive load(&*file);
+  b.State(load);
+  ASSERT_TRUE(load.status().ok()) << load.status().ToString();
+  EXPECT_EQ(b.version(), 3);
+  EXPECT_EQ(b.params(), a.params());
+  EXPECT_EQ(b.server_residual(), a.server_residual());
+  EXPECT_NE(std::count(a.server_residual().begin(), a.server_residual().end(), 0.0f),
+            static_cast<long>(kKeys));  // the residual holds something to restore
+  run(a, 3, 8);
+  run(b, 3, 8);
+  EXPECT_EQ(b.params(), a.params());
+  EXPECT_EQ(b.server_residual(), a.server_residual());
+
+  // A shard of another size refuses the file.
+  ShardOptions other = o;
+  other.range = {100, 100 + kKeys + 1};
+  ShardServer c(other);
+  StateArchive load2(&*file);
+  c.State(load2);
+  EXPECT_FALSE(load2.status().ok());
+}
+
+}  // namespace
+}  // namespace sparseps

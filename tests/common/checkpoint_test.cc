@@ -1,0 +1,248 @@
+// Safetensors files and checkpoint node files: round trips, and every kind of damage refused
+// with the file named (truncation, a flipped bit anywhere, another config, a missing manifest).
+#include "common/checkpoint.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "common/safetensors.h"
+
+namespace sparseps {
+namespace {
+
+using ::testing::HasSubstr;
+
+class CheckpointTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::temp_directory_path() /
+           ("sparseps-ckpt-" + std::to_string(::getpid()) + "-" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    std::filesystem::remove_all(dir_);
+    std::filesystem::create_directories(dir_);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  std::string Path(const std::string& name) const { return (dir_ / name).string(); }
+
+  std::filesystem::path dir_;
+};
+
+std::string Slurp(const std::string& path) { return *ReadWholeFile(path); }
+void Spit(const std::string& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+}
+
+TEST_F(CheckpointTest, SafetensorsRoundTripFollowsTheFormat) {
+  SafetensorsWriter w;
+  const std::vector<float> a = {1.5f, -2.0f, 3.25f, 0.0f, 7.0f, 8.0f};
+  const uint64_t scalar = 123456789012345ull;
+  w.AddF32("layer.weight", {2, 3}, a);
+  w.Add("step", DType::kU64, {}, &scalar, sizeof(scalar));
+  w.SetMetadata("note", "hello");
+  ASSERT_TRUE(w.Write(Path("m.safetensors")).ok());
+
+  const std::string bytes = Slurp(Path("m.safetensors"));
+  // 8-byte little-endian header length, a JSON header padded to 8 bytes, then the data.
+  uint64_t n = 0;
+  std::memcpy(&n, bytes.data(), 8);
+  EXPECT_EQ(n % 8, 0u);
+  EXPECT_EQ(bytes.size(), 8 + n + a.size() * 4 + 8);
+  EXPECT_EQ(bytes[8], '{');
+  EXPECT_THAT(bytes.substr(8, n), HasSubstr("\"dtype\":\"F32\""));
+  EXPECT_THAT(bytes.substr(8, n), HasSubstr("\"shape\":[2,3]"));
+
+  auto f = SafetensorsFile::Read(Path("m.safetensors"));
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  EXPECT_EQ(f->Meta("note"), "hello");
+  const auto* t = f->Find("layer.weight");
+  ASSERT_NE(t, nullptr);
+  EXPECT_EQ(t->shape, (std::vector<uint64_t>{2, 3}));
+  std::vector<float> back(6);
+  std::memcpy(back.data(), f->Data(*t).data(), 24);
+  EXPECT_EQ(back, a);
+  const auto* s = f->Find("step");
+  ASSERT_NE(s, nullptr);
+  EXPECT_TRUE(s->shape.empty());
+  uint64_t got = 0;
+  std::memcpy(&got, f->Data(*s).data(), 8);
+  EXPECT_EQ(got, scalar);
+}
+
+TEST_F(CheckpointTest, MalformedSafetensorsAreRefusedNamingTheFile) {
+  SafetensorsWriter w;
+  w.AddF32("x", {4}, std::vector<float>{1, 2, 3, 4});
+  const std::string good = w.Serialize();
+  for (size_t cut : {size_t{0}, size_t{5}, size_t{12}, good.size() - 1}) {
+    auto f = SafetensorsFile::Parse(good.substr(0, cut), "cut.safetensors");
+    ASSERT_FALSE(f.ok()) << "cut at " << cut;
+    EXPECT_THAT(f.status().message(), HasSubstr("cut.safetensors"));
+  }
+  std::string huge = good;
+  huge[7] = '\x7f';  // a header length beyond the file
+  EXPECT_FALSE(SafetensorsFile::Parse(huge, "h").ok());
+  std::string extra = good + "junk";
+  EXPECT_THAT(SafetensorsFile::Parse(extra, "e").status().message(), HasSubstr("after the last"));
+  EXPECT_EQ(SafetensorsFile::Read(Path("none")).status().code(), StatusCode::kNotFound);
+}
+
+// A component with arrays and scalars, saved and restored through one State function.
+struct Component {
+  std::vector<float> residual;
+  std::vector<uint32_t> keys;
+  uint64_t step = 0;
+  float threshold = 0.0f;
+  void State(StateArchive& a) {
+    auto scope = a.Scope("part");
+    a.Array("residual", &residual);
+    a.Array("keys", &keys);
+    a.Value("step", &step);
+    a.Value("threshold", &threshold);
+  }
+};
+
+CheckpointIdentity Id(uint64_t iteration = 40) {
+  return {proto::WORKER, 1, iteration, 1, "00112233aabbccdd"};
+}
+
+TEST_F(CheckpointTest, NodeFileRoundTripsEveryValueExactly) {
+  Component c{{0.1f, -3e-8f, 5.0f}, {7, 9}, 41, 0.125f};
+  StateArchive save;
+  c.State(save);
+  CheckpointFileInfo info;
+  const std::string iter_dir = CheckpointIterationDir(dir_.string(), 40);
+  ASSERT_TRUE(WriteCheckpointFile(iter_dir, "worker-1.safetensors", Id(), save, &info).ok());
+  EXPECT_EQ(info.bytes, std::filesystem::file_size(iter_dir + "/worker-1.safetensors"));
+  EXPECT_EQ(info.xxh3.size(), 16u);
+  EXPECT_FALSE(std::filesystem::exists(iter_dir + "/worker-1.safetensors.tmp"));
+
+  auto f = ReadCheckpointFile(iter_dir + "/worker-1.safetensors", Id(), info);
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  Component d;
+  d.residual.resize(3);
+  StateArchive load(&*f);
+  d.State(load);
+  ASSERT_TRUE(load.status().ok()) << load.status().ToString();
+  EXPECT_EQ(d.residual, c.residual);
+  EXPECT_EQ(d.keys, c.keys);
+  EXPECT_EQ(d.step, 41u);
+  EXPECT_EQ(d.threshold, 0.125f);
+
+  // Another size than this job's is refused naming the array.
+  Component e;
+  e.residual.resize(4);
+  StateArchive load2(&*f);
+  e.State(load2);
+  EXPECT_THAT(load2.status().message(), HasSubstr("part.residual"));
+}
+
+TEST_F(CheckpointTest, TruncatedOrBitFlippedFilesAreRefusedAndNothingLoaded) {
+  Component c{std::vector<float>(1000, 0.5f), {1, 2, 3}, 7, 1.0f};
+  StateArchive save;
+  c.State(save);
+  CheckpointFileInfo info;
+  const std::string iter_dir = CheckpointIterationDir(dir_.string(), 40);
+  ASSERT_TRUE(WriteCheckpointFile(iter_dir, "w.safetensors", Id(), save, &info).ok());
+  const std::string path = iter_dir + "/w.safetensors";
+  const std::string good = Slurp(path);
+
+  // With the manifest's size and checksum: any change is caught before parsing.
+  Spit(path, good.substr(0, good.size() - 100));
+  auto t = ReadCheckpointFile(path, Id(), info);
+  ASSERT_FALSE(t.ok());
+  EXPECT_THAT(t.status().message(), HasSubstr(path));
+  EXPECT_THAT(t.status().message(), HasSubstr("truncated"));
+  for (size_t pos : {size_t{3}, size_t{40}, good.size() / 2, good.size() - 1}) {
+    std::string bad = good;
+    bad[pos] ^= 0x10;
+    Spit(path, bad);
+    auto r = ReadCheckpointFile(path, Id(), info);
+    ASSERT_FALSE(r.ok()) << "flip at " << pos;
+    EXPECT_THAT(r.status().message(), HasSubstr(path));
+  }
+  // Without a manifest the per-array checksums still catch a flip in the data.
+  std::string bad = good;
+  bad[good.size() - 10] ^= 0x01;
+  Spit(path, bad);
+  auto r = ReadCheckpointFile(path, Id(), CheckpointFileInfo{});
+  ASSERT_FALSE(r.ok());
+  EXPECT_THAT(r.status().message(), HasSubstr("checksum"));
+
+  // Another config, iteration or node.
+  Spit(path, good);
+  CheckpointIdentity other = Id();
+  other.config_fingerprint = "ffffffffffffffff";
+  EXPECT_THAT(ReadCheckpointFile(path, other, info).status().message(),
+              HasSubstr("another config"));
+  EXPECT_THAT(ReadCheckpointFile(path, Id(41), info).status().message(), HasSubstr("iteration 40"));
+  other = Id();
+  other.rank = 0;
+  EXPECT_FALSE(ReadCheckpointFile(path, other, info).ok());
+  EXPECT_TRUE(ReadCheckpointFile(path, Id(), info).ok());
+}
+
+TEST_F(CheckpointTest, OnlyCheckpointsWithAManifestCountAndOldOnesArePruned) {
+  const std::string dir = dir_.string();
+  auto write = [&](uint64_t iteration, bool manifest) {
+    Component c{{1.0f}, {}, iteration, 0.0f};
+    StateArchive save;
+    c.State(save);
+    CheckpointFileInfo info;
+    const std::string d = CheckpointIterationDir(dir, iteration);
+    ASSERT_TRUE(WriteCheckpointFile(d, "w.safetensors", Id(iteration), save, &info).ok());
+    if (manifest) {
+      ASSERT_TRUE(WriteCheckpointManifest(d, {iteration, 1, "00112233aabbccdd", {info}}).ok());
+    }
+  };
+  EXPECT_FALSE(LatestCheckpoint(dir).has_value());
+  write(100, true);
+  write(200, true);
+  write(250, false);  // abandoned before the next complete one
+  write(300, true);
+  write(400, false);  // being written
+  auto latest = LatestCheckpoint(dir);
+  ASSERT_TRUE(latest.has_value());
+  EXPECT_EQ(latest->iteration, 300u);
+  ASSERT_EQ(latest->files.size(), 1u);
+  EXPECT_EQ(latest->files[0].file, "w.safetensors");
+
+  // A manifest that is not JSON makes its folder incomplete.
+  Spit(CheckpointIterationDir(dir, 300) + "/MANIFEST.json", "{not json");
+  EXPECT_EQ(LatestCheckpoint(dir)->iteration, 200u);
+  ASSERT_TRUE(WriteCheckpointManifest(CheckpointIterationDir(dir, 300),
+                                      {300, 1, "00112233aabbccdd", latest->files})
+                  .ok());
+
+  PruneCheckpoints(dir, 2);
+  EXPECT_FALSE(std::filesystem::exists(CheckpointIterationDir(dir, 100)));
+  EXPECT_TRUE(std::filesystem::exists(CheckpointIterationDir(dir, 200)));
+  EXPECT_FALSE(std::filesystem::exists(CheckpointIterationDir(dir, 250)));
+  EXPECT_TRUE(std::filesystem::exists(CheckpointIterationDir(dir, 300)));
+  EXPECT_TRUE(std::filesystem::exists(CheckpointIterationDir(dir, 400)));
+}
+
+TEST(ConfigFingerprint, CoversWhatDefinesTheTrainingOnly) {
+  proto::JobConfig a;
+  a.mutable_train()->set_lr(0.05);
+  proto::JobConfig b = a;
+  b.mutable_train()->set_epochs(9);  // training longer is a resume, not another job
+  b.mutable_run()->set_dir("/elsewhere");
+  b.mutable_node()->set_rank(3);
+  EXPECT_EQ(ConfigFingerprint(a), ConfigFingerprint(b));
+  b.mutable_train()->set_lr(0.1);
+  EXPECT_NE(ConfigFingerprint(a), ConfigFingerprint(b));
+  proto::JobConfig c = a;
+  c.mutable_compression()->set_density(0.02);
+  EXPECT_NE(ConfigFingerprint(a), ConfigFingerprint(c));
+  c = a;
+  c.mutable_cluster()->set_num_workers(3);
+  EXPECT_NE(ConfigFingerprint(a), ConfigFingerprint(c));
+}
+
+}  // namespace
+}  // namespace sparseps

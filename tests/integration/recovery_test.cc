@@ -1,0 +1,127 @@
+// Checkpoints and resume through deploy/launch.sh, as users run them: a job killed with kill -9
+// resumes from its newest complete checkpoint and ends bitwise equal to a job that was never
+// stopped (two workers: the servers' sums of two pushes do not depend on their order, so the
+// runs are deterministic); a corrupt checkpoint is refused naming the file; the model file holds
+// the job's parameters by layer.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include "tests/support/process.h"
+
+namespace sparseps {
+namespace {
+
+using testing::ChildProcess;
+using ::testing::HasSubstr;
+using testing::TempDir;
+
+bool HaveData() {
+  return std::filesystem::exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz");
+}
+
+std::vector<std::string> Launch(const std::string& run_dir, std::vector<std::string> args) {
+  std::vector<std::string> a = {"/bin/bash", std::string(SPARSEPS_SOURCE_DIR) + "/deploy/launch.sh",
+                                "--quiet", "--build-dir", SPARSEPS_BINARY_DIR};
+  if (!run_dir.empty()) {
+    a.push_back("--run-dir");
+    a.push_back(run_dir);
+  }
+  a.insert(a.end(), args.begin(), args.end());
+  return a;
+}
+
+// The pid a daemon logged at its start ("... starting (pid N)").
+pid_t LoggedPid(const std::string& log) {
+  std::smatch m;
+  static const std::regex re("starting \\(pid ([0-9]+)\\)");
+  return std::regex_search(log, m, re) ? static_cast<pid_t>(std::stol(m[1])) : -1;
+}
+
+struct Setting {
+  const char* name;
+  std::vector<std::string> sets;
+};
+
+class ResumeTest : public ::testing::TestWithParam<Setting> {};
+
+TEST_P(ResumeTest, KilledJobResumesBitwiseEqualToAnUninterruptedRun) {
+  if (!HaveData()) GTEST_SKIP() << "Fashion-MNIST not installed";
+  TempDir dir("resume");
+  std::vector<std::string> sets = {
+      "--set", "model.hidden=[64]",          "--set", "data.max_train_samples=6400",
+      "--set", "data.max_test_samples=1000", "--set", "train.max_steps=300",
+      "--set", "checkpoint.every_steps=30",  "--set", "cluster.num_workers=2"};
+  for (const auto& s : GetParam().sets) {
+    sets.push_back("--set");
+    sets.push_back(s);
+  }
+  const std::string whole = dir.path() + "/whole", cut = dir.path() + "/cut";
+  ChildProcess a(Launch(whole, sets), dir.path() + "/whole.log", {}, true);
+  ASSERT_EQ(a.Wait(180), 0) << a.Log();
+
+  // The same job, its worker 1 killed with SIGKILL once a checkpoint is complete.
+  ChildProcess b(Launch(cut, sets), dir.path() + "/cut.log", {}, true);
+  const std::string first = cut + "/checkpoints/iter-0000000030/MANIFEST.json";
+  ASSERT_FALSE(testing::WaitForFile(first, 120).empty()) << b.Log();
+  const pid_t victim = LoggedPid(testing::ReadFile(cut + "/worker-1.log"));
+  ASSERT_GT(victim, 0);
+  ASSERT_EQ(::kill(victim, SIGKILL), 0);
+  ASSERT_EQ(b.Wait(120), 1) << "the job was to be killed before its end:\n" << b.Log();
+  EXPECT_FALSE(std::filesystem::exists(cut + "/model.safetensors"));
+
+  // A corrupt file of the newest checkpoint is refused, naming it; nothing trains.
+  std::string newest;
+  for (const auto& e : std::filesystem::directory_iterator(cut + "/checkpoints")) {
+    if (std::filesystem::exists(e.path() / "MANIFEST.json") && e.path().string() > newest)
+      newest = e.path().string();
+  }
+  ASSERT_FALSE(newest.empty());
+  const std::string victim_file = newest + "/worker-1.safetensors";
+  const std::string good = testing::ReadFile(victim_file);
+  ASSERT_GT(good.size(), 1000u);
+  {
+    std::string bad = good;
+    bad[bad.size() / 2] ^= 0x04;
+    std::ofstream(victim_file, std::ios::binary | std::ios::trunc) << bad;
+  }
+  ChildProcess refused(Launch("", {"--resume", cut}), dir.path() + "/refused.log", {}, true);
+  EXPECT_EQ(refused.Wait(120), 1) << refused.Log();
+  EXPECT_THAT(refused.Log(), HasSubstr(victim_file + " refused"));
+  std::ofstream(victim_file, std::ios::binary | std::ios::trunc) << good;
+
+  ChildProcess c(Launch("", {"--resume", cut}), dir.path() + "/resumed.log", {}, true);
+  ASSERT_EQ(c.Wait(180), 0) << c.Log();
+  EXPECT_THAT(testing::ReadFile(cut + "/worker-0.log"), HasSubstr("resumed from " + newest));
+  EXPECT_EQ(testing::ReadFile(cut + "/model.safetensors"),
+            testing::ReadFile(whole + "/model.safetensors"))
+      << "the resumed job's parameters differ from the uninterrupted job's";
+  std::vector<double> acc_whole, acc_cut, steps;
+  ASSERT_NO_FATAL_FAILURE(
+      testing::CsvColumn(whole + "/eval-worker-0.csv", "test_accuracy", &acc_whole));
+  ASSERT_NO_FATAL_FAILURE(
+      testing::CsvColumn(cut + "/eval-worker-0.csv", "test_accuracy", &acc_cut));
+  EXPECT_EQ(acc_cut.back(), acc_whole.back());
+  // The metrics go on from the checkpoint: every step once, in order.
+  ASSERT_NO_FATAL_FAILURE(testing::CsvColumn(cut + "/metrics-worker-1.csv", "step", &steps));
+  ASSERT_EQ(steps.size(), 300u);
+  for (size_t i = 0; i < steps.size(); ++i) ASSERT_EQ(steps[i], static_cast<double>(i + 1));
+  EXPECT_THAT(testing::ReadFile(cut + "/summary.json"), HasSubstr("\"status\": \"ok\""));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Settings, ResumeTest,
+    ::testing::Values(Setting{"ps_topk_server_topk", {"compression.server_topk=true"}},
+                      Setting{"ps_sbc", {"compression.encoding=sbc"}},
+                      Setting{"allreduce_exdyna",
+                              {"aggregation=allreduce", "collective.algorithm=exdyna"}}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+}  // namespace
+}  // namespace sparseps
