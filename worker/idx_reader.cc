@@ -93,10 +93,9 @@ Result<Dataset> LoadIdx(const std::string& images_path, const std::string& label
                                      " of sample " + std::to_string(i) + " is not in [0, 10)");
     }
   }
-  constexpr float kMean = 0.2860f, kStd = 0.3530f;
   d.images.resize(pixels.size());
   for (size_t i = 0; i < pixels.size(); ++i) {
-    d.images[i] = (static_cast<float>(pixels[i]) / 255.0f - kMean) / kStd;
+    d.images[i] = (static_cast<float>(pixels[i]) / 255.0f - kInputMean) / kInputStd;
   }
   return d;
 }

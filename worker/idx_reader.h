@@ -11,6 +11,11 @@
 
 namespace sparseps {
 
+// The input normalisation of every image: (pixel / 255 - kInputMean) / kInputStd (Fashion-MNIST's
+// mean and standard deviation). Model files record it (worker/session.h SaveModel).
+inline constexpr float kInputMean = 0.2860f;
+inline constexpr float kInputStd = 0.3530f;
+
 // A labelled image set, images as float rows (normalised), labels as class ids.
 struct Dataset {
   size_t num_samples = 0;

@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 
 #include "common/daemon.h"
+#include "worker/idx_reader.h"
 
 namespace sparseps {
 
@@ -83,7 +84,11 @@ Status WorkerSession::SaveModel(const std::string& path, const std::vector<Tenso
   return WriteModelFile(path, aggregator_->params(), layers,
                         {{"format", "sparseps-model"},
                          {"iteration", std::to_string(aggregator_->iteration())},
-                         {"config_fingerprint", ConfigFingerprint(config_)}});
+                         {"config_fingerprint", ConfigFingerprint(config_)},
+                         {"input_normalization", "(pixel / 255 - input_mean) / input_std"},
+                         {"input_mean", std::to_string(kInputMean)},
+                         {"input_std", std::to_string(kInputStd)},
+                         {"layout", "fc<l>.weight is [inputs, outputs]: y = x @ W + b"}});
 }
 
 Status WorkerSession::AfterStep(const std::function<void(StateArchive&)>& extra,

@@ -1,0 +1,60 @@
+// sparseps-eval: evaluates a trained model file on the test set of a job's config.
+//
+//   sparseps-eval --model RUN_DIR/model.safetensors --config configs/quickstart.yaml [--set k=v]
+//
+// Prints one line, "test loss L, test accuracy A% (N samples, iteration T)", or with --json one
+// JSON object. Exit code: 0, 2 for a bad command line, config or model file, 1 otherwise.
+#include <spdlog/spdlog.h>
+
+#include <CLI/CLI.hpp>
+#include <cstdio>
+
+#include "common/config.h"
+#include "common/daemon.h"
+#include "worker/evaluate.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"sparseps-eval: evaluates a trained model file (model.safetensors) on the test set "
+               "of a job's config (model.*, data.*)",
+               "sparseps-eval"};
+  std::string model_path, config_path;
+  std::vector<std::string> overrides;
+  bool json = false;
+  app.add_option("-m,--model", model_path, "The model file (safetensors) a job wrote")
+      ->required()
+      ->check(CLI::ExistingFile);
+  app.add_option("-c,--config", config_path, "The job's YAML config")->check(CLI::ExistingFile);
+  app.add_option("--set", overrides, "Override one config key, e.g. --set data.max_test_samples=500")
+      ->take_all();
+  app.add_flag("--json", json, "Print a JSON object instead of a line");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;
+  }
+  sparseps::SetLogName("sparseps-eval");
+  auto config = sparseps::LoadConfig(config_path, overrides);
+  if (!config.ok()) {
+    spdlog::error("bad configuration: {}", config.status().message());
+    return 2;
+  }
+  auto e = sparseps::EvaluateModelFile(*config, model_path);
+  if (!e.ok()) {
+    spdlog::error("{}", e.status().message());
+    const auto code = e.status().code();
+    return code == sparseps::StatusCode::kInvalidArgument ||
+                   code == sparseps::StatusCode::kProtocolError ||
+                   code == sparseps::StatusCode::kNotFound
+               ? 2
+               : 1;
+  }
+  if (json) {
+    std::printf(
+        "{\"test_loss\": %.6f, \"test_accuracy\": %.6f, \"samples\": %zu, \"iteration\": \"%s\"}\n",
+        e->loss, e->accuracy, e->samples, e->iteration.c_str());
+  } else {
+    std::printf("test loss %.4f, test accuracy %.2f%% (%zu samples, iteration %s)\n", e->loss,
+                100.0 * e->accuracy, e->samples, e->iteration.empty() ? "?" : e->iteration.c_str());
+  }
+  return 0;
+}
