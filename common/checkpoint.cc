@@ -160,7 +160,12 @@ std::string ConfigFingerprint(const proto::JobConfig& config) {
 Status WriteCheckpointFile(const std::string& dir, const std::string& file,
                            const CheckpointIdentity& id, StateArchive& archive,
                            CheckpointFileInfo* info) {
-  SafetensorsWriter& w = archive.writer();
+  return WriteCheckpointFile(dir, file, id, archive.writer(), info);
+}
+
+Status WriteCheckpointFile(const std::string& dir, const std::string& file,
+                           const CheckpointIdentity& id, SafetensorsWriter& w,
+                           CheckpointFileInfo* info) {
   w.SetMetadata("format", kFormat);
   w.SetMetadata("format_version", std::to_string(kCheckpointFormatVersion));
   w.SetMetadata("role", RoleText(id.role));
@@ -169,24 +174,46 @@ Status WriteCheckpointFile(const std::string& dir, const std::string& file,
   w.SetMetadata("membership_epoch", std::to_string(id.membership_epoch));
   w.SetMetadata("config_fingerprint", id.config_fingerprint);
   // Checksums per array: a file read outside a manifest (sparseps-eval) is still checked.
+  w.AddChecksums();
   const std::string bytes = w.Serialize();
-  auto parsed = SafetensorsFile::Parse(bytes, file);
-  if (!parsed.ok()) return Status::Internal(parsed.status().message());
-  for (const auto& name : parsed->names()) {
-    const auto data = parsed->Data(*parsed->Find(name));
-    w.SetMetadata("xxh3." + name, Xxh3Hex(data.data(), data.size()));
-  }
-  const std::string final_bytes = w.Serialize();
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) return Status::IoError("cannot create directory " + dir + ": " + ec.message());
-  SPARSEPS_RETURN_IF_ERROR(WriteFileAtomically(dir + "/" + file, final_bytes));
+  SPARSEPS_RETURN_IF_ERROR(WriteFileAtomically(dir + "/" + file, bytes));
   info->role = id.role;
   info->rank = id.rank;
   info->file = file;
-  info->bytes = final_bytes.size();
-  info->xxh3 = Xxh3Hex(final_bytes.data(), final_bytes.size());
+  info->bytes = bytes.size();
+  info->xxh3 = Xxh3Hex(bytes.data(), bytes.size());
   return Status::OK();
+}
+
+BackgroundCheckpointWriter::~BackgroundCheckpointWriter() {
+  if (running_.valid()) running_.wait();
+}
+
+void BackgroundCheckpointWriter::Collect() {
+  if (!running_.valid()) return;
+  auto r = running_.get();
+  if (!r.ok()) {
+    if (error_.ok()) error_ = r.status();
+    return;
+  }
+  for (auto& f : *r) finished_.push_back(std::move(f));
+}
+
+void BackgroundCheckpointWriter::Submit(Task task) {
+  Collect();  // one batch at a time: the previous one first
+  running_ = std::async(std::launch::async, std::move(task));
+}
+
+Result<std::vector<proto::CheckpointFile>> BackgroundCheckpointWriter::TakeFinished(bool wait) {
+  if (running_.valid() &&
+      (wait || running_.wait_for(std::chrono::seconds(0)) == std::future_status::ready)) {
+    Collect();
+  }
+  if (!error_.ok()) return error_;
+  return std::exchange(finished_, {});
 }
 
 Result<SafetensorsFile> ReadCheckpointFile(const std::string& path, const CheckpointIdentity& want,

@@ -16,6 +16,8 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <future>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -132,6 +134,38 @@ std::string Xxh3Hex(const void* data, size_t bytes);
 Status WriteCheckpointFile(const std::string& dir, const std::string& file,
                            const CheckpointIdentity& id, StateArchive& archive,
                            CheckpointFileInfo* info);
+
+// The same for a writer already filled (its metadata gets the identity and the checksums).
+Status WriteCheckpointFile(const std::string& dir, const std::string& file,
+                           const CheckpointIdentity& id, SafetensorsWriter& writer,
+                           CheckpointFileInfo* info);
+
+// Writes checkpoint files on a thread of its own, one batch at a time, so that training goes on
+// while they reach the disk (CheckFreq's snapshot-then-persist: the caller snapshots the state
+// into the task, the thread serialises, writes and flushes it). Thread-safety: Submit and
+// TakeFinished from one thread.
+class BackgroundCheckpointWriter {
+ public:
+  // Writes files and returns what to report for each (iteration set).
+  using Task = std::function<Result<std::vector<proto::CheckpointFile>>()>;
+  BackgroundCheckpointWriter() = default;
+  ~BackgroundCheckpointWriter();  // waits for the batch in flight
+  BackgroundCheckpointWriter(const BackgroundCheckpointWriter&) = delete;
+  BackgroundCheckpointWriter& operator=(const BackgroundCheckpointWriter&) = delete;
+
+  // Starts `task` once the previous batch is done (whose result TakeFinished then returns).
+  void Submit(Task task);
+  // The files of the batches finished since the last call (waiting for the one in flight when
+  // `wait`), or the first error of one.
+  Result<std::vector<proto::CheckpointFile>> TakeFinished(bool wait);
+  bool busy() const { return running_.valid(); }
+
+ private:
+  void Collect();
+  std::future<Result<std::vector<proto::CheckpointFile>>> running_;
+  std::vector<proto::CheckpointFile> finished_;
+  Status error_;
+};
 
 // The name of a node's file: "server-<rank>.safetensors" or "worker-<rank>.safetensors".
 std::string CheckpointFileName(proto::Role role, int rank);

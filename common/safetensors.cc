@@ -2,9 +2,11 @@
 
 #include <fcntl.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -46,6 +48,15 @@ void SafetensorsWriter::Add(const std::string& name, DType dtype, std::vector<ui
                             const void* data, size_t bytes) {
   Tensor t{dtype, std::move(shape), std::string(static_cast<const char*>(data), bytes)};
   tensors_[name] = std::move(t);
+}
+
+void SafetensorsWriter::AddChecksums() {
+  for (const auto& [name, t] : tensors_) {
+    char hex[17];
+    std::snprintf(hex, sizeof(hex), "%016llx",
+                  static_cast<unsigned long long>(XXH3_64bits(t.data.data(), t.data.size())));
+    metadata_["xxh3." + name] = hex;
+  }
 }
 
 std::string SafetensorsWriter::Serialize() const {
@@ -230,10 +241,8 @@ Result<SafetensorsFile> SafetensorsFile::Parse(std::string bytes, const std::str
   return f;
 }
 
-Status WriteModelFile(const std::string& path, std::span<const float> params,
-                      const std::vector<TensorLayout>& layers,
-                      const std::map<std::string, std::string>& metadata) {
-  SafetensorsWriter w;
+Status BuildModelFile(std::span<const float> params, const std::vector<TensorLayout>& layers,
+                      const std::map<std::string, std::string>& metadata, SafetensorsWriter* w) {
   uint64_t covered = 0;
   for (const auto& l : layers) {
     uint64_t n = 1;
@@ -242,13 +251,21 @@ Status WriteModelFile(const std::string& path, std::span<const float> params,
       return Status::InvalidArgument("layer " + l.name + " runs past the parameters");
     }
     covered += n;
-    w.AddF32(l.name, l.shape, params.subspan(l.offset, n));
+    w->AddF32(l.name, l.shape, params.subspan(l.offset, n));
   }
   if (covered != params.size()) {
     return Status::InvalidArgument("the layers cover " + std::to_string(covered) + " of " +
                                    std::to_string(params.size()) + " parameters");
   }
-  for (const auto& [k, v] : metadata) w.SetMetadata(k, v);
+  for (const auto& [k, v] : metadata) w->SetMetadata(k, v);
+  return Status::OK();
+}
+
+Status WriteModelFile(const std::string& path, std::span<const float> params,
+                      const std::vector<TensorLayout>& layers,
+                      const std::map<std::string, std::string>& metadata) {
+  SafetensorsWriter w;
+  SPARSEPS_RETURN_IF_ERROR(BuildModelFile(params, layers, metadata, &w));
   return w.Write(path);
 }
 

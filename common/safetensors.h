@@ -40,6 +40,8 @@ class SafetensorsWriter {
   void AddF32(const std::string& name, std::vector<uint64_t> shape, std::span<const float> v) {
     Add(name, DType::kF32, std::move(shape), v.data(), v.size_bytes());
   }
+  // Sets metadata "xxh3.<name>" to each tensor's XXH3-64 (16 hex digits).
+  void AddChecksums();
   // Sets a "__metadata__" entry (strings only, as the format requires).
   void SetMetadata(const std::string& key, const std::string& value) { metadata_[key] = value; }
 
@@ -112,6 +114,11 @@ class SafetensorsFile {
 Status WriteModelFile(const std::string& path, std::span<const float> params,
                       const std::vector<TensorLayout>& layers,
                       const std::map<std::string, std::string>& metadata);
+
+// Fills `writer` with what WriteModelFile writes (for writing it later, e.g. on another thread).
+Status BuildModelFile(std::span<const float> params, const std::vector<TensorLayout>& layers,
+                      const std::map<std::string, std::string>& metadata,
+                      SafetensorsWriter* writer);
 
 // Reads a model file back into a flat vector laid out by `layers`. Errors: those of Read;
 // InvalidArgument naming the file and the tensor that is missing or has another shape or dtype.

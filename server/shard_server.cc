@@ -116,6 +116,13 @@ void ShardServer::HandlePush(const std::string& peer, const Message& msg,
     Reject(peer, &h, "PUSH from an unknown worker rank " + std::to_string(h.sender_rank()), out);
     return;
   }
+  if (h.iteration() == version_ - 1 && h.phase() == 0) {
+    // A repeat (a retry) of the iteration just applied, which every worker pushed: idempotent,
+    // the same acknowledgement, counted once.
+    ++counters_.duplicate_pushes;
+    out->push_back(Reply(peer, h, proto::PUSH_ACK));
+    return;
+  }
   if (h.iteration() < version_) {
     ++counters_.stale_pushes;
     Reject(peer, &h,
@@ -132,15 +139,13 @@ void ShardServer::HandlePush(const std::string& peer, const Message& msg,
     return;
   }
   const size_t rank = static_cast<size_t>(h.sender_rank());
-  if (pushed_[rank]) {
+  const uint32_t want_phase = aggregation_->phase();
+  if (pushed_[rank] && h.phase() == want_phase) {
+    // A repeat of this worker's push of this iteration: the same acknowledgement, not added again.
     ++counters_.duplicate_pushes;
-    Reject(peer, &h,
-           "duplicate PUSH from worker " + std::to_string(rank) + " for iteration " +
-               std::to_string(h.iteration()),
-           out);
+    out->push_back(Reply(peer, h, proto::PUSH_ACK));
     return;
   }
-  const uint32_t want_phase = aggregation_->phase();
   if (h.phase() != want_phase) {
     Reject(peer, &h,
            "PUSH for phase " + std::to_string(h.phase()) + " of iteration " +

@@ -2,8 +2,10 @@
 // (docs/algorithms.md §3-4).
 //
 // Protocol per iteration t (version = number of applied iterations):
-//   PUSH(t) from each of the W workers, once each; t must equal the version. A stale (t <
-//   version), future (t > version) or duplicate push is rejected with ERROR and not counted.
+//   PUSH(t) from each of the W workers, once each; t must equal the version. A repeated push (the
+//   same worker's push of t again, or of t - 1 once applied: a retry) is idempotent: PUSH_ACK
+//   again, added once, counted in duplicate_pushes. A stale (t < version - 1) or future
+//   (t > version) push is rejected with ERROR and not added.
 //   When all W pushed, the server applies  w -= lr * (sum of pushes) / W  on the touched keys and
 //   the version becomes t + 1. Encodings: DENSE, TOPK and SBC (sparse pairs, scatter-added), and
 //   SKETCH (count-sketch tables, summed; at apply time each fusion group's k heavy hitters, the top
@@ -56,7 +58,7 @@ struct ShardOptions {
 
 struct ShardCounters {
   uint64_t rejected = 0;          // malformed or invalid messages (any reason)
-  uint64_t duplicate_pushes = 0;  // included in rejected
+  uint64_t duplicate_pushes = 0;  // repeats acknowledged again and not added (not rejected)
   uint64_t stale_pushes = 0;      // included in rejected
   uint64_t pushes = 0;
   uint64_t pulls = 0;

@@ -14,9 +14,10 @@
 #include "worker/evaluate.h"
 
 int main(int argc, char** argv) {
-  CLI::App app{"sparseps-eval: evaluates a trained model file (model.safetensors) on the test set "
-               "of a job's config (model.*, data.*)",
-               "sparseps-eval"};
+  CLI::App app{
+      "sparseps-eval: evaluates a trained model file (model.safetensors) on the test set "
+      "of a job's config (model.*, data.*)",
+      "sparseps-eval"};
   std::string model_path, config_path;
   std::vector<std::string> overrides;
   bool json = false;
@@ -24,7 +25,8 @@ int main(int argc, char** argv) {
       ->required()
       ->check(CLI::ExistingFile);
   app.add_option("-c,--config", config_path, "The job's YAML config")->check(CLI::ExistingFile);
-  app.add_option("--set", overrides, "Override one config key, e.g. --set data.max_test_samples=500")
+  app.add_option("--set", overrides,
+                 "Override one config key, e.g. --set data.max_test_samples=500")
       ->take_all();
   app.add_flag("--json", json, "Print a JSON object instead of a line");
   try {

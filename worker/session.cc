@@ -80,15 +80,27 @@ Status WorkerSession::Resume(const std::function<void(StateArchive&)>& extra) {
   return Status::OK();
 }
 
+std::map<std::string, std::string> WorkerSession::ModelMetadata() const {
+  return {{"format", "sparseps-model"},
+          {"iteration", std::to_string(aggregator_->iteration())},
+          {"config_fingerprint", ConfigFingerprint(config_)},
+          {"input_normalization", "(pixel / 255 - input_mean) / input_std"},
+          {"input_mean", std::to_string(kInputMean)},
+          {"input_std", std::to_string(kInputStd)},
+          {"layout", "fc<l>.weight is [inputs, outputs]: y = x @ W + b"}};
+}
+
 Status WorkerSession::SaveModel(const std::string& path, const std::vector<TensorLayout>& layers) {
-  return WriteModelFile(path, aggregator_->params(), layers,
-                        {{"format", "sparseps-model"},
-                         {"iteration", std::to_string(aggregator_->iteration())},
-                         {"config_fingerprint", ConfigFingerprint(config_)},
-                         {"input_normalization", "(pixel / 255 - input_mean) / input_std"},
-                         {"input_mean", std::to_string(kInputMean)},
-                         {"input_std", std::to_string(kInputStd)},
-                         {"layout", "fc<l>.weight is [inputs, outputs]: y = x @ W + b"}});
+  return WriteModelFile(path, aggregator_->params(), layers, ModelMetadata());
+}
+
+Status WorkerSession::ReportWritten(bool wait) {
+  auto done = writer_.TakeFinished(wait);
+  if (!done.ok()) return done.status();
+  for (const auto& f : *done) {
+    SPARSEPS_RETURN_IF_ERROR(control_.ReportCheckpoint(f.iteration(), f));
+  }
+  return Status::OK();
 }
 
 Status WorkerSession::AfterStep(const std::function<void(StateArchive&)>& extra,
@@ -96,10 +108,11 @@ Status WorkerSession::AfterStep(const std::function<void(StateArchive&)>& extra,
   const auto& cc = config_.checkpoint();
   const std::string dir = CheckpointDir(config_);
   if (dir.empty()) return Status::OK();
+  SPARSEPS_RETURN_IF_ERROR(ReportWritten(false));
   if (aggregator_->checkpoint_due()) {
     const auto start = Clock::now();
     const uint64_t iteration = aggregator_->iteration();
-    const std::string iter_dir = CheckpointIterationDir(dir, iteration);
+    // Snapshot now (a copy of the state), write on the background thread.
     StateArchive archive;
     {
       auto scope = archive.Scope("aggregator");
@@ -110,23 +123,38 @@ Status WorkerSession::AfterStep(const std::function<void(StateArchive&)>& extra,
       extra(archive);
     }
     SPARSEPS_RETURN_IF_ERROR(archive.status());
+    auto state = std::make_shared<SafetensorsWriter>(std::move(archive.writer()));
+    std::shared_ptr<SafetensorsWriter> model;
+    if (rank() == 0 && cc.save_model()) {
+      model = std::make_shared<SafetensorsWriter>();
+      SPARSEPS_RETURN_IF_ERROR(
+          BuildModelFile(aggregator_->params(), layers, ModelMetadata(), model.get()));
+    }
+    const double snapshot_s = SecondsSince(start);
     CheckpointIdentity id{proto::WORKER, rank(), iteration, control_.membership().epoch(),
                           ConfigFingerprint(config_)};
-    CheckpointFileInfo info;
-    SPARSEPS_RETURN_IF_ERROR(WriteCheckpointFile(
-        iter_dir, CheckpointFileName(proto::WORKER, rank()), id, archive, &info));
-    SPARSEPS_RETURN_IF_ERROR(control_.ReportCheckpoint(iteration, ToProto(info, iteration)));
-    if (rank() == 0 && cc.save_model()) {
-      const std::string path = iter_dir + "/model.safetensors";
-      SPARSEPS_RETURN_IF_ERROR(SaveModel(path, layers));
-      auto bytes = ReadWholeFile(path);
-      if (!bytes.ok()) return bytes.status();
-      CheckpointFileInfo model{proto::WORKER, 0, "model.safetensors", bytes->size(),
-                               Xxh3Hex(bytes->data(), bytes->size())};
-      SPARSEPS_RETURN_IF_ERROR(control_.ReportCheckpoint(iteration, ToProto(model, iteration)));
-    }
-    spdlog::info("checkpoint of iteration {}: wrote {} ({:.1f} MB) in {:.3f} s", iteration,
-                 info.file, info.bytes / 1e6, SecondsSince(start));
+    const std::string iter_dir = CheckpointIterationDir(dir, iteration);
+    const std::string name = CheckpointFileName(proto::WORKER, rank());
+    writer_.Submit([=]() -> Result<std::vector<proto::CheckpointFile>> {
+      const auto t0 = Clock::now();
+      std::vector<proto::CheckpointFile> files;
+      CheckpointFileInfo info;
+      SPARSEPS_RETURN_IF_ERROR(WriteCheckpointFile(iter_dir, name, id, *state, &info));
+      files.push_back(ToProto(info, iteration));
+      if (model) {
+        const std::string bytes = model->Serialize();
+        SPARSEPS_RETURN_IF_ERROR(WriteFileAtomically(iter_dir + "/model.safetensors", bytes));
+        CheckpointFileInfo m{proto::WORKER, 0, "model.safetensors", bytes.size(),
+                             Xxh3Hex(bytes.data(), bytes.size())};
+        files.push_back(ToProto(m, iteration));
+      }
+      spdlog::info(
+          "checkpoint of iteration {}: wrote {} ({:.1f} MB){} in {:.3f} s (snapshot "
+          "{:.3f} s)",
+          iteration, name, info.bytes / 1e6, model ? " and model.safetensors" : "",
+          SecondsSince(t0), snapshot_s);
+      return files;
+    });
     last_checkpoint_ = Clock::now();
     checkpoint_requested_ = false;
   }
@@ -139,6 +167,7 @@ Status WorkerSession::AfterStep(const std::function<void(StateArchive&)>& extra,
 }
 
 Status WorkerSession::Finish(const proto::WorkerStats& stats) {
+  SPARSEPS_RETURN_IF_ERROR(ReportWritten(/*wait=*/true));
   SPARSEPS_RETURN_IF_ERROR(control_.SendDone(stats));
   Status s = control_.WaitFor([&] { return control_.shutdown_requested(); },
                               config_.cluster().request_timeout_s(), "SHUTDOWN from the scheduler");

@@ -6,7 +6,9 @@
 #pragma once
 
 #include <functional>
+#include <map>
 #include <memory>
+#include <string>
 #include <vector>
 #include <zmq.hpp>
 
@@ -52,11 +54,12 @@ class WorkerSession {
   Status Resume(const std::function<void(StateArchive&)>& extra);
 
   // After each step: when the aggregator says a checkpoint is due (Aggregator::checkpoint_due),
-  // writes this worker's file with `extra` saving the loop's own values, and on worker 0 the
-  // job's parameters as model.safetensors by `layers` (checkpoint.save_model); reports each file
-  // to the scheduler. On worker 0 in ps mode also asks for one once checkpoint.every_s passed.
-  // Does nothing without a checkpoint folder (common/checkpoint.h CheckpointDir). Errors:
-  // IoError naming the file, the archive's.
+  // snapshots this worker's state (with `extra` saving the loop's own values, and on worker 0 the
+  // job's parameters as model.safetensors by `layers`, checkpoint.save_model) and writes the files
+  // on a background thread while training goes on; reports each written file to the scheduler
+  // (at a later step, or in Finish). On worker 0 in ps mode also asks for one once
+  // checkpoint.every_s passed. Does nothing without a checkpoint folder (common/checkpoint.h
+  // CheckpointDir). Errors: IoError naming the file, the archive's.
   Status AfterStep(const std::function<void(StateArchive&)>& extra,
                    const std::vector<TensorLayout>& layers);
 
@@ -64,7 +67,8 @@ class WorkerSession {
   // with the iteration and the config's fingerprint in its metadata. Errors: IoError naming it.
   Status SaveModel(const std::string& path, const std::vector<TensorLayout>& layers);
 
-  // Sends DONE with this worker's statistics and waits (cluster.request_timeout_s) for the
+  // Waits for checkpoint files still being written and reports them, sends DONE with this
+  // worker's statistics and waits (cluster.request_timeout_s) for the
   // scheduler's SHUTDOWN, which comes once every worker is done. Stops the heartbeats.
   Status Finish(const proto::WorkerStats& stats);
 
@@ -78,7 +82,12 @@ class WorkerSession {
   zmq::context_t context_;  // first: outlives every socket below
   ControlClient control_;
   std::unique_ptr<Aggregator> aggregator_;
+  std::map<std::string, std::string> ModelMetadata() const;
+  // Reports the files the background writer finished (waiting for it when `wait`).
+  Status ReportWritten(bool wait);
+
   Clock::time_point last_checkpoint_ = Clock::now();
+  BackgroundCheckpointWriter writer_;  // last member: its destructor waits for the disk first
   bool checkpoint_requested_ = false;
 };
 

@@ -1,5 +1,5 @@
-// BSP aggregation on one shard: exact sums over several iterations, duplicate and stale pushes
-// rejected without being counted, pull replies sparse when they can be.
+// BSP aggregation on one shard: exact sums over several iterations, repeated pushes acknowledged
+// and added once, stale ones rejected, pull replies sparse when they can be.
 #include "server/shard_server.h"
 
 #include <gtest/gtest.h>
@@ -135,30 +135,35 @@ TEST(ShardServer, DenseAndSparsePushesMix) {
   EXPECT_EQ(s.version(), 1);
 }
 
-TEST(ShardServer, DuplicateAndStalePushesAreRejectedNotCounted) {
+TEST(ShardServer, RepeatedPushesAreIdempotentAndStaleOnesRejected) {
   KeyRange r{0, 3};
   ShardServer s({r, 0, 2, 2.0, {}, 0.0});
   ASSERT_EQ(Only(Send(s, Init(r, {0, 0, 0}))), proto::INIT_ACK);
   ASSERT_EQ(Only(Send(s, Push(r, 0, 0, {0}, {1}))), proto::PUSH_ACK);
-  // The same worker again for the same iteration: rejected, not added.
-  auto dup = Send(s, Push(r, 0, 0, {0}, {100}));
-  ASSERT_EQ(Only(dup), proto::ERROR);
-  EXPECT_NE(dup[0].msg.header.error().find("duplicate"), std::string::npos);
+  // The same worker again for the same iteration (a retry): acknowledged again, added once.
+  ASSERT_EQ(Only(Send(s, Push(r, 0, 0, {0}, {1}))), proto::PUSH_ACK);
+  EXPECT_EQ(s.version(), 0) << "a repeat must not count as the other worker's push";
   ASSERT_EQ(Only(Send(s, Push(r, 0, 1, {1}, {2}))), proto::PUSH_ACK);
   EXPECT_EQ(s.version(), 1);
   EXPECT_EQ(s.params(), (std::vector<float>{-1, -2, 0}));
-  // A push for the finished iteration is stale.
+  // A retry of the iteration just applied: acknowledged, nothing added.
+  ASSERT_EQ(Only(Send(s, Push(r, 0, 1, {1}, {2}))), proto::PUSH_ACK);
+  EXPECT_EQ(s.params(), (std::vector<float>{-1, -2, 0}));
+  ASSERT_EQ(Only(Send(s, Push(r, 1, 0, {2}, {1}))), proto::PUSH_ACK);
+  ASSERT_EQ(Only(Send(s, Push(r, 1, 1, {2}, {1}))), proto::PUSH_ACK);
+  EXPECT_EQ(s.version(), 2);
+  // Two iterations back is stale.
   auto stale = Send(s, Push(r, 0, 1, {2}, {100}));
   ASSERT_EQ(Only(stale), proto::ERROR);
   EXPECT_NE(stale[0].msg.header.error().find("stale"), std::string::npos);
   // A push from the future and from an unknown rank.
   EXPECT_EQ(Only(Send(s, Push(r, 5, 0, {2}, {100}))), proto::ERROR);
-  EXPECT_EQ(Only(Send(s, Push(r, 1, 7, {2}, {100}))), proto::ERROR);
-  EXPECT_EQ(s.params(), (std::vector<float>{-1, -2, 0}));
-  EXPECT_EQ(s.counters().duplicate_pushes, 1u);
+  EXPECT_EQ(Only(Send(s, Push(r, 2, 7, {2}, {100}))), proto::ERROR);
+  EXPECT_EQ(s.params(), (std::vector<float>{-1, -2, -2}));
+  EXPECT_EQ(s.counters().duplicate_pushes, 2u);
   EXPECT_EQ(s.counters().stale_pushes, 1u);
-  EXPECT_EQ(s.counters().rejected, 4u);
-  EXPECT_EQ(s.counters().pushes, 2u);
+  EXPECT_EQ(s.counters().rejected, 3u);
+  EXPECT_EQ(s.counters().pushes, 4u);
 }
 
 TEST(ShardServer, InvalidPushesAreRejectedAndLoseNothing) {
