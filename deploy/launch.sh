@@ -6,6 +6,12 @@
 #
 #   deploy/launch.sh [--config F] [--set key=value ...] [--run-dir D] [--build-dir B] [--quiet]
 #                    [--netns PREFIX] [--worker-command "CMD ARGS"] [--resume RUN_DIR]
+#                    [--max-restarts N]
+#
+# --max-restarts N supervises the job as torchrun's elastic agent does: when a process dies, every
+# process is stopped and the whole job restarts from its newest complete checkpoint (from the
+# start when there is none yet), at most N times; each restart is printed and logged to
+# RUN_DIR/restarts.log. With checkpoint.every_steps set, a crash costs at most that many steps.
 #
 # --resume RUN_DIR restarts a stopped or crashed job from the newest complete checkpoint in
 # RUN_DIR/checkpoints (checkpoint.every_steps or every_s must have been set): same config and
@@ -35,6 +41,7 @@ netns=""
 worker_command=""
 resume=""
 config_given=""
+max_restarts=0
 sets=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -48,6 +55,7 @@ while [[ $# -gt 0 ]]; do
     --netns) netns="$2"; shift 2 ;;
     --worker-command) worker_command="$2"; shift 2 ;;
     --resume) resume="$2"; shift 2 ;;
+    --max-restarts) max_restarts="$2"; shift 2 ;;
     -h|--help) awk 'NR == 1 { next } /^#/ { sub(/^# ?/, ""); print; next } { exit }' "$0"; exit 0 ;;
     *) echo "launch.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
@@ -74,11 +82,12 @@ done
 # Read the resolved settings through the daemons' own strict loader (bad configs fail here).
 if ! resolved="$("$worker_bin" --config "$config" "${sets[@]}" \
       --get cluster.num_servers --get cluster.num_workers --get run.name \
-      --get aggregation 2>&1)"; then
+      --get aggregation --get checkpoint.dir 2>&1)"; then
   echo "$resolved" >&2
   exit 2
 fi
-{ read -r num_servers; read -r num_workers; read -r job_name; read -r aggregation; } <<<"$resolved"
+{ read -r num_servers; read -r num_workers; read -r job_name; read -r aggregation; read -r checkpoint_dir; } <<<"$resolved"
+[[ "$max_restarts" =~ ^[0-9]+$ ]] || { echo "launch.sh: --max-restarts needs a number" >&2; exit 2; }
 # With allreduce the workers aggregate among themselves: no servers.
 [[ "$aggregation" == "allreduce" ]] && num_servers=0
 
@@ -149,9 +158,11 @@ if [[ -n "$netns" ]]; then
   done
 fi
 
+append_logs=""
+[[ -n "$resume" ]] && append_logs=1
 start() {  # start NAME COMMAND...
   local name="$1"; shift
-  if [[ -n "$resume" ]]; then
+  if [[ -n "$append_logs" ]]; then
     "$@" >>"$run_dir/$name.log" 2>&1 &
   else
     "$@" >"$run_dir/$name.log" 2>&1 &
@@ -160,64 +171,97 @@ start() {  # start NAME COMMAND...
   names+=("$name")
 }
 
-# shellcheck disable=SC2046
-resume_args=()
-[[ -n "$resume" ]] && resume_args=(--resume "$run_dir")
-common=(--config "$config" "${resume_args[@]}" --set "run.dir=$run_dir" --set cluster.scheduler_port=0
-  $(host_set 1 cluster.scheduler_host) "${sets[@]}")
-# shellcheck disable=SC2046
-start scheduler $(on_host 1) "$scheduler_bin" "${common[@]}" $(host_set 1 node.host)
-# The scheduler binds a free port and writes it to the run directory.
-for _ in $(seq 300); do
-  [[ -s "$run_dir/scheduler.port" ]] && break
-  kill -0 "${pids[0]}" 2>/dev/null || break
-  sleep 0.1
-done
-if [[ ! -s "$run_dir/scheduler.port" ]]; then
-  echo "launch.sh: the scheduler did not start; its log ($run_dir/scheduler.log):" >&2
-  tail -n 30 "$run_dir/scheduler.log" >&2
-  exit 1
-fi
-port="$(cat "$run_dir/scheduler.port")"
-for ((s = 0; s < num_servers; s++)); do
+run_job() {  # starts every process, waits; sets $failed to the name of a process that failed
+  failed=""
   # shellcheck disable=SC2046
-  start "server-$s" $(on_host $((1 + s))) "$server_bin" "${common[@]}" \
-    --set "cluster.scheduler_port=$port" --set "node.rank=$s" $(host_set $((1 + s)) node.host)
-done
-for ((w = 0; w < num_workers; w++)); do
-  h=$((num_servers + 1 + w))
+  resume_args=()
+  [[ -n "$resume" ]] && resume_args=(--resume "$run_dir")
+  common=(--config "$config" "${resume_args[@]}" --set "run.dir=$run_dir" --set cluster.scheduler_port=0
+    $(host_set 1 cluster.scheduler_host) "${sets[@]}")
   # shellcheck disable=SC2046
-  start "worker-$w" $(on_host $h) "${worker_argv[@]}" "${common[@]}" \
-    --set "cluster.scheduler_port=$port" --set "node.rank=$w" $(host_set $h node.host)
-done
-echo "sparseps: ${job_name}: 1 scheduler (port $port), $num_servers servers, $num_workers workers; logs in $run_dir"
-
-if [[ $quiet -eq 0 ]]; then
-  tail -n +1 -F "$run_dir/worker-0.log" 2>/dev/null > >(
-    grep --line-buffered -E "\] progress epoch|\] eval epoch|\] training done|\[error\]" |
-      sed -u -E 's/^\[[^]]*\] \[[^]]*\] \[[a-z]*\] //') &
-  tail_pid=$!
-fi
-
-failed=""
-# Poll rather than `wait -n`: bash 5.2's `wait -n PID...` can miss children that exit together.
-declare -A exited=()
-while [[ ${#exited[@]} -lt ${#pids[@]} && -z "$failed" ]]; do
-  for i in "${!pids[@]}"; do
-    p="${pids[$i]}"
-    [[ -n "${exited[$p]:-}" ]] && continue
-    kill -0 "$p" 2>/dev/null && continue
-    wait "$p"
-    rc=$?
-    exited[$p]=$rc
-    if [[ $rc -ne 0 ]]; then
-      failed="${names[$i]}"
-      echo "launch.sh: ${names[$i]} exited with code $rc; its log ($run_dir/${names[$i]}.log):" >&2
-      tail -n 30 "$run_dir/${names[$i]}.log" >&2
-      break
-    fi
+  start scheduler $(on_host 1) "$scheduler_bin" "${common[@]}" $(host_set 1 node.host)
+  # The scheduler binds a free port and writes it to the run directory.
+  for _ in $(seq 300); do
+    [[ -s "$run_dir/scheduler.port" ]] && break
+    kill -0 "${pids[0]}" 2>/dev/null || break
+    sleep 0.1
   done
-  [[ -z "$failed" && ${#exited[@]} -lt ${#pids[@]} ]] && sleep 0.2
+  if [[ ! -s "$run_dir/scheduler.port" ]]; then
+    echo "launch.sh: the scheduler did not start; its log ($run_dir/scheduler.log):" >&2
+    tail -n 30 "$run_dir/scheduler.log" >&2
+    exit 1
+  fi
+  port="$(cat "$run_dir/scheduler.port")"
+  for ((s = 0; s < num_servers; s++)); do
+    # shellcheck disable=SC2046
+    start "server-$s" $(on_host $((1 + s))) "$server_bin" "${common[@]}" \
+      --set "cluster.scheduler_port=$port" --set "node.rank=$s" $(host_set $((1 + s)) node.host)
+  done
+  for ((w = 0; w < num_workers; w++)); do
+    h=$((num_servers + 1 + w))
+    # shellcheck disable=SC2046
+    start "worker-$w" $(on_host $h) "${worker_argv[@]}" "${common[@]}" \
+      --set "cluster.scheduler_port=$port" --set "node.rank=$w" $(host_set $h node.host)
+  done
+  echo "sparseps: ${job_name}: 1 scheduler (port $port), $num_servers servers, $num_workers workers; logs in $run_dir"
+
+  if [[ $quiet -eq 0 ]]; then
+    tail -n +1 -F "$run_dir/worker-0.log" 2>/dev/null > >(
+      grep --line-buffered -E "\] progress epoch|\] eval epoch|\] training done|\[error\]" |
+        sed -u -E 's/^\[[^]]*\] \[[^]]*\] \[[a-z]*\] //') &
+    tail_pid=$!
+  fi
+
+  failed=""
+  # Poll rather than `wait -n`: bash 5.2's `wait -n PID...` can miss children that exit together.
+  declare -A exited=()
+  while [[ ${#exited[@]} -lt ${#pids[@]} && -z "$failed" ]]; do
+    for i in "${!pids[@]}"; do
+      p="${pids[$i]}"
+      [[ -n "${exited[$p]:-}" ]] && continue
+      kill -0 "$p" 2>/dev/null && continue
+      wait "$p"
+      rc=$?
+      exited[$p]=$rc
+      if [[ $rc -ne 0 ]]; then
+        failed="${names[$i]}"
+        echo "launch.sh: ${names[$i]} exited with code $rc; its log ($run_dir/${names[$i]}.log):" >&2
+        tail -n 30 "$run_dir/${names[$i]}.log" >&2
+        break
+      fi
+    done
+    [[ -z "$failed" && ${#exited[@]} -lt ${#pids[@]} ]] && sleep 0.2
+  done
+}
+
+# The newest checkpoint folder with a manifest, if any.
+have_checkpoint() {
+  local dir="${checkpoint_dir:-$run_dir/checkpoints}"
+  compgen -G "$dir/iter-*/MANIFEST.json" >/dev/null
+}
+
+restarts=0
+while true; do
+  run_job
+  [[ -z "$failed" || $restarts -ge $max_restarts ]] && break
+  restarts=$((restarts + 1))
+  echo "launch.sh: stopping the other processes" >&2
+  cleanup
+  pids=()
+  names=()
+  tail_pid=""
+  rm -f "$run_dir/scheduler.port" "$run_dir/summary.json"
+  append_logs=1
+  if have_checkpoint; then
+    resume="$run_dir"
+    what="from the newest complete checkpoint"
+  else
+    resume=""
+    what="from the start (no complete checkpoint yet)"
+  fi
+  msg="$(date '+%F %T') restart $restarts of $max_restarts after $failed failed: the whole job, $what"
+  echo "launch.sh: $msg" >&2
+  echo "$msg" >>"$run_dir/restarts.log"
 done
 sleep 0.3  # let the progress stream print its last lines
 if [[ -n "$failed" ]]; then

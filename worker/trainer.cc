@@ -149,6 +149,9 @@ Status Train(const proto::JobConfig& config, Model& model, const TrainingData& d
   const std::vector<TensorLayout> layers = model.Layers();
   Batches batches(data.train, config, rank);
   uint32_t epoch = static_cast<uint32_t>(step / spe);
+  // Each epoch reshuffles the previous epoch's order: a resumed run replays the earlier shuffles
+  // to get its data order back.
+  for (uint32_t e = 0; e < epoch; ++e) batches.StartEpoch(e);
   for (; epoch < epochs && step < total; ++epoch) {
     batches.StartEpoch(epoch);
     aggregator.SetEpoch(epoch);
