@@ -287,9 +287,13 @@ class Worker {
 
   // Joins the job with `params`' size, makes the job's starting parameters (worker 0's) and
   // writes them into params in place.
-  void Init(py::object params) {
+  void Init(py::object params, std::optional<std::vector<std::string>> names) {
     if (session_) Raise(Status::FailedPrecondition("init was called already"));
     Arrays a = Borrow(params, "params");
+    if (names && names->size() != a.parts.size()) {
+      Raise(Status::InvalidArgument("names: " + std::to_string(names->size()) + " names for " +
+                                    std::to_string(a.parts.size()) + " tensors"));
+    }
     if (a.cuda) {
 #if !SPARSEPS_HAVE_CUDA
       Raise(Status::InvalidArgument(
@@ -306,9 +310,18 @@ class Worker {
       }
     }
     listed_ = a.listed;
-    for (const auto& b : a.parts) {
+    uint64_t first = 0;
+    for (size_t i = 0; i < a.parts.size(); ++i) {
+      const auto& b = a.parts[i];
       sizes_.push_back(b.size);
       shapes_.push_back(b.shape);
+      // The model file's tensors: one per tensor of params, named as given.
+      std::vector<uint64_t> shape(b.shape.begin(), b.shape.end());
+      layers_.push_back({names      ? (*names)[i]
+                         : a.listed ? "param" + std::to_string(i)
+                                    : "params",
+                         shape, first});
+      first += b.size;
     }
     cuda_ = a.cuda;
     device_ = a.device;
@@ -327,7 +340,10 @@ class Worker {
       s = joined.status();
       if (s.ok()) {
         session_ = std::move(*joined);
-        s = session_->aggregator().Init(initial);
+        // A resumed job: the aggregator's state and the parameters come from the checkpoint
+        // (PS: from the servers), and the step count; the loop's own state is the loop's.
+        s = session_->resuming() ? session_->Resume(LoopState())
+                                 : session_->aggregator().Init(initial);
         if (!s.ok()) session_->ReportFailure(s);
       }
       interrupted = stop_on_interrupt.interrupted();
@@ -441,6 +457,7 @@ class Worker {
       Raise(s);
     }
     ++steps_;
+    Check(session_->AfterStep(LoopState(), layers_));
     if (sparse) {
       const size_t m = all_ ? n : touched_.size();
       py::array_t<int64_t> keys(static_cast<py::ssize_t>(m));
@@ -490,6 +507,11 @@ class Worker {
 
   // Tells the scheduler this worker is done (DONE with its statistics) and waits until every
   // worker is (SHUTDOWN). test_accuracy: a fraction, -1 when this worker did not evaluate.
+  // The loop's position in a checkpoint: the steps done.
+  std::function<void(StateArchive&)> LoopState() {
+    return [this](StateArchive& archive) { archive.Value("step", &steps_); };
+  }
+
   void Finish(double test_accuracy, double train_loss, double samples_per_s, double train_s) {
     if (!session_) Raise(Status::FailedPrecondition("call init(params) first"));
     proto::WorkerStats stats;
@@ -505,7 +527,12 @@ class Worker {
     {
       ScopedStopOnInterrupt stop_on_interrupt;
       py::gil_scoped_release release;
-      s = session_->Finish(stats);
+      // The trained model, as the C++ worker 0 writes it (checkpoint.save_model).
+      if (session_->rank() == 0 && config_.checkpoint().save_model() &&
+          !config_.run().dir().empty()) {
+        s = session_->SaveModel(config_.run().dir() + "/model.safetensors", layers_);
+      }
+      if (s.ok()) s = session_->Finish(stats);
       interrupted = stop_on_interrupt.interrupted();
     }
     if (!s.ok() && interrupted) {
@@ -537,6 +564,9 @@ class Worker {
     return d;
   }
 
+  uint64_t step() const { return steps_; }
+  bool resumed() const { return session_ && session_->resuming(); }
+  bool checkpoint_due() const { return session_ && session_->aggregator().checkpoint_due(); }
   int rank() const { return session_ ? session_->rank() : config_.node().rank(); }
   int num_workers() const { return static_cast<int>(config_.cluster().num_workers()); }
   size_t num_params() const { return session_ ? session_->aggregator().num_params() : 0; }
@@ -616,6 +646,7 @@ class Worker {
   std::vector<size_t> segments_;  // where each announcement's keys start in touched_
   bool all_ = false;
   uint64_t steps_ = 0;
+  std::vector<TensorLayout> layers_;  // the model file's tensors (init's params)
   StepStats last_;
 };
 
@@ -643,10 +674,13 @@ Worker(config, rank=None, overrides=())
       .def(py::init<const std::string&, std::optional<int>, const std::vector<std::string>&>(),
            py::arg("config"), py::arg("rank") = py::none(),
            py::arg("overrides") = std::vector<std::string>())
-      .def("init", &Worker::Init, py::arg("params"), R"doc(
+      .def("init", &Worker::Init, py::arg("params"), py::arg("names") = py::none(), R"doc(
 Joins the job (registers with the scheduler and waits for every node) with the size of params (a
 float32 tensor or array, or a list of them), and makes the job's starting parameters worker 0's:
-they are written into params in place on every worker.)doc")
+they are written into params in place on every worker. names (one per tensor) name the tensors of
+the model file (model.safetensors; default param0, param1, ...). When the job resumes from a
+checkpoint (--resume), params get the checkpoint's parameters instead, and `step` the steps done
+then: the loop goes on from there (its own optimizer state it restores itself).)doc")
       .def("push_pull", &Worker::PushPull, py::arg("grads"), py::arg("sparse") = false, R"doc(
 Aggregates grads (laid out as init's params, or one flat tensor of all of them) with the job's
 encoding or collective, and returns the update: subtract it from the parameters to hold the job's
@@ -673,6 +707,13 @@ here), train_loss (the last epoch's mean), samples_per_s (this worker's), train_
       .def_property_readonly("config", &Worker::Config,
                              "Every key of the job's resolved config: {'train.lr': '0.05', ...} "
                              "(values as `sparseps-worker --get` prints them; Worker.get parses)")
+      .def_property_readonly("step", &Worker::step,
+                             "Steps (push_pull calls) done, from the checkpoint's on a resumed job")
+      .def_property_readonly("resumed", &Worker::resumed,
+                             "True when the job resumed from a checkpoint (after init)")
+      .def_property_readonly("checkpoint_due", &Worker::checkpoint_due,
+                             "True when the last push_pull ended an iteration of which every node "
+                             "writes a checkpoint (save your own optimizer state then)")
       .def_property_readonly("rank", &Worker::rank)
       .def_property_readonly("num_workers", &Worker::num_workers)
       .def_property_readonly("num_params", &Worker::num_params)

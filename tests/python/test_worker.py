@@ -223,3 +223,57 @@ def test_ctrl_c_ends_a_blocking_call_at_once():
         w.init(initial())
     assert time.monotonic() - start < 20
     timer.join()
+
+
+@pytest.mark.parametrize("aggregation", ["ps", "allreduce"])
+def test_a_python_loop_resumes_from_a_checkpoint_bitwise(cluster, aggregation):
+    """Three workers with integer-valued gradients (sums exact in any order): a job stopped after
+    9 steps and resumed from its newest complete checkpoint ends with the parameters and residuals
+    of a job never stopped; worker 0 writes the model file with the tensors' names."""
+    _resume_case(cluster, aggregation)
+
+
+def _resume_case(cluster, aggregation):
+    # momentum 0 and lr = W: every value an integer in float, exact whatever the order of the sums.
+    sets = ["train.momentum=0", "train.lr=3", "checkpoint.every_steps=4", "checkpoint.keep=0"]
+    if aggregation == "allreduce":
+        sets += ["aggregation=allreduce", "collective.algorithm=topk_allgather"]
+    servers = servers_for(sets)
+    total = 12
+
+    def run(c, extra, stop_after=None):
+        def worker(rank):
+            w = sparseps.Worker(str(c.job), rank=rank, overrides=c.overrides + sets + extra)
+            w.init([np.zeros(N - 10, dtype=np.float32), np.zeros(10, dtype=np.float32)],
+                   names=["layer.weight", "layer.bias"])
+            start = w.step
+            for t in range(start, total):
+                w.push_pull([gradient(rank, t)[:N - 10], gradient(rank, t)[N - 10:]])
+                if stop_after is not None and t + 1 == stop_after:
+                    return start, None, None  # the process "dies": no finish
+            out = (start, w.params(), w.residual())
+            w.finish()
+            return out
+        return run_threads([lambda r=r: worker(r) for r in range(3)])
+
+    whole = cluster(BASE, servers=servers, workers=3, sets=sets)
+    a = run(whole, [])
+    cut = cluster(BASE, servers=servers, workers=3, sets=sets)
+    run(cut, [], stop_after=9)
+    cut.stop()
+    manifests = sorted((cut.run_dir / "checkpoints").glob("iter-*/MANIFEST.json"))
+    assert manifests, "no complete checkpoint after 9 steps"
+    newest = int(manifests[-1].parent.name[5:])
+    resume = [f"checkpoint.dir={cut.run_dir / 'checkpoints'}", "checkpoint.resume=true"]
+    again = cluster(BASE, servers=servers, workers=3, sets=sets + resume)
+    b = run(again, resume)
+    for r in range(3):
+        assert b[r][0] == newest  # w.step after init: the checkpoint's
+        np.testing.assert_array_equal(b[r][1], a[r][1])
+        np.testing.assert_array_equal(b[r][2], a[r][2])
+    model = again.run_dir / "model.safetensors"
+    raw = model.read_bytes()
+    header = __import__("json").loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+    assert header["layer.weight"]["shape"] == [N - 10]
+    assert header["layer.bias"]["shape"] == [10]
+    assert header["__metadata__"]["iteration"] == str(total)
