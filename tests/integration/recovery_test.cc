@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -118,10 +119,13 @@ TEST_P(ResumeTest, KilledJobResumesBitwiseEqualToAnUninterruptedRun) {
   EXPECT_THAT(testing::ReadFile(cut + "/summary.json"), HasSubstr("\"status\": \"ok\""));
 }
 
-// --max-restarts: a worker killed with kill -9 mid-run; the launcher restarts the whole job from
-// its newest complete checkpoint and the job completes, every step once in the metrics, the same
-// parameters as a run never stopped, and little work lost.
-TEST(Supervision, MaxRestartsResumesTheJobAfterAKilledWorker) {
+// --max-restarts: a worker or a server killed with kill -9 mid-run; the launcher restarts the whole
+// job from its newest complete checkpoint and the job completes, every step once in the metrics,
+// the same parameters as a run never stopped, and little work lost.
+class Supervision : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(Supervision, MaxRestartsResumesTheJobAfterAKilledProcess) {
+  const std::string victim_name = GetParam();
   if (!HaveData()) GTEST_SKIP() << "Fashion-MNIST not installed";
   TempDir dir("restarts");
   const std::vector<std::string> sets = {
@@ -139,14 +143,14 @@ TEST(Supervision, MaxRestartsResumesTheJobAfterAKilledWorker) {
   ASSERT_FALSE(
       testing::WaitForFile(run + "/checkpoints/iter-0000000100/MANIFEST.json", 120).empty())
       << b.Log();
-  const pid_t victim = LoggedPid(testing::ReadFile(run + "/worker-1.log"));
+  const pid_t victim = LoggedPid(testing::ReadFile(run + "/" + victim_name + ".log"));
   ASSERT_GT(victim, 0);
   ASSERT_EQ(::kill(victim, SIGKILL), 0);
-  // Worker 0 cannot get past the iteration that waits for worker 1's push.
+  // Worker 0 cannot get past the iteration that waits for the victim (a push or a pull reply).
   std::vector<double> done_steps;
   ASSERT_NO_FATAL_FAILURE(testing::CsvColumn(run + "/metrics-worker-0.csv", "step", &done_steps));
   ASSERT_EQ(b.Wait(240), 0) << b.Log();
-  EXPECT_THAT(b.Log(), HasSubstr("restart 1 of 1 after worker-1 failed"));
+  EXPECT_THAT(b.Log(), HasSubstr("restart 1 of 1 after " + victim_name + " failed"));
   EXPECT_THAT(testing::ReadFile(run + "/restarts.log"), HasSubstr("restart 1 of 1"));
   std::smatch m;
   const std::string log0 = testing::ReadFile(run + "/worker-0.log");
@@ -154,7 +158,8 @@ TEST(Supervision, MaxRestartsResumesTheJobAfterAKilledWorker) {
       << log0;
   const double resumed = std::stod(m[1]);
   const double lost = done_steps.size() - resumed;
-  std::printf("[ lost     ] %.0f iterations redone after the kill (checkpoint every 50)\n", lost);
+  std::printf("[ lost     ] %.0f iterations redone after the kill of %s (checkpoint every 50)\n",
+              lost, victim_name.c_str());
   EXPECT_GE(lost, 0);
   // The newest complete checkpoint is at most one interval behind, plus the steps a background
   // write of the next one was still in flight.
@@ -166,6 +171,13 @@ TEST(Supervision, MaxRestartsResumesTheJobAfterAKilledWorker) {
   EXPECT_EQ(testing::ReadFile(run + "/model.safetensors"),
             testing::ReadFile(whole + "/model.safetensors"));
 }
+
+INSTANTIATE_TEST_SUITE_P(Victims, Supervision, ::testing::Values("worker-1", "server-0"),
+                         [](const auto& info) {
+                           std::string n = info.param;
+                           n.erase(std::remove(n.begin(), n.end(), '-'), n.end());
+                           return n;
+                         });
 
 INSTANTIATE_TEST_SUITE_P(
     Settings, ResumeTest,
