@@ -158,7 +158,6 @@ class BackgroundCheckpointWriter {
   // The files of the batches finished since the last call (waiting for the one in flight when
   // `wait`), or the first error of one.
   Result<std::vector<proto::CheckpointFile>> TakeFinished(bool wait);
-  bool busy() const { return running_.valid(); }
 
  private:
   void Collect();
