@@ -1,7 +1,6 @@
 #include "common/checkpoint.h"
 
 #include <spdlog/spdlog.h>
-#include <xxhash.h>
 
 #include <algorithm>
 #include <cinttypes>
@@ -105,6 +104,21 @@ StateArchive::ScopeGuard::ScopeGuard(StateArchive* a, std::string_view scope)
 }
 StateArchive::ScopeGuard::~ScopeGuard() { a_->prefix_.resize(old_size_); }
 
+proto::CheckpointFile ToProto(const CheckpointFileInfo& info, uint64_t iteration) {
+  proto::CheckpointFile f;
+  f.set_role(info.role);
+  f.set_rank(info.rank);
+  f.set_iteration(iteration);
+  f.set_file(info.file);
+  f.set_bytes(info.bytes);
+  f.set_xxh3(info.xxh3);
+  return f;
+}
+
+CheckpointFileInfo FromProto(const proto::CheckpointFile& f) {
+  return {f.role(), f.rank(), f.file(), f.bytes(), f.xxh3()};
+}
+
 // ---- names, fingerprints, checksums ----
 
 std::string CheckpointIterationDir(const std::string& dir, uint64_t iteration) {
@@ -121,12 +135,6 @@ std::string CheckpointDir(const proto::JobConfig& config) {
 
 std::string CheckpointFileName(proto::Role role, int rank) {
   return RoleText(role) + "-" + std::to_string(rank) + ".safetensors";
-}
-
-std::string Xxh3Hex(const void* data, size_t bytes) {
-  char hex[17];
-  std::snprintf(hex, sizeof(hex), "%016" PRIx64, static_cast<uint64_t>(XXH3_64bits(data, bytes)));
-  return hex;
 }
 
 std::string ConfigFingerprint(const proto::JobConfig& config) {
@@ -286,8 +294,7 @@ Result<SafetensorsFile> ReadResumeFile(const std::string& dir, const proto::Memb
         " lists no file for " + RoleText(role) + " " + std::to_string(rank));
   }
   CheckpointIdentity want{role, rank, membership.resume_iteration(), 0, config_fingerprint};
-  CheckpointFileInfo expected{role, rank, f->file(), f->bytes(), f->xxh3()};
-  return ReadCheckpointFile(path, want, expected);
+  return ReadCheckpointFile(path, want, FromProto(*f));
 }
 
 // ---- manifests ----

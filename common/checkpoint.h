@@ -114,6 +114,10 @@ struct CheckpointFileInfo {
   std::string xxh3;  // of the whole file, 16 hex digits
 };
 
+// A file as reported to the scheduler and handed out on resume, and back.
+proto::CheckpointFile ToProto(const CheckpointFileInfo& info, uint64_t iteration);
+CheckpointFileInfo FromProto(const proto::CheckpointFile& file);
+
 // The iteration's folder: <dir>/iter-<iteration, 10 digits>.
 std::string CheckpointIterationDir(const std::string& dir, uint64_t iteration);
 
@@ -124,9 +128,6 @@ std::string CheckpointDir(const proto::JobConfig& config);
 // (except epochs, max_steps and evaluation), compression, aggregation, collective and the
 // cluster's sizes. A checkpoint is loaded only into a job with the same fingerprint.
 std::string ConfigFingerprint(const proto::JobConfig& config);
-
-// XXH3-64 of bytes as 16 hex digits.
-std::string Xxh3Hex(const void* data, size_t bytes);
 
 // Writes the node file of `archive` (a saving archive) as <iteration dir>/<file> with the
 // identity and a checksum per array in its metadata, atomically. *info gets what to report.

@@ -50,12 +50,16 @@ void SafetensorsWriter::Add(const std::string& name, DType dtype, std::vector<ui
   tensors_[name] = std::move(t);
 }
 
+std::string Xxh3Hex(const void* data, size_t bytes) {
+  char hex[17];
+  std::snprintf(hex, sizeof(hex), "%016llx",
+                static_cast<unsigned long long>(XXH3_64bits(data, bytes)));
+  return hex;
+}
+
 void SafetensorsWriter::AddChecksums() {
   for (const auto& [name, t] : tensors_) {
-    char hex[17];
-    std::snprintf(hex, sizeof(hex), "%016llx",
-                  static_cast<unsigned long long>(XXH3_64bits(t.data.data(), t.data.size())));
-    metadata_["xxh3." + name] = hex;
+    metadata_["xxh3." + name] = Xxh3Hex(t.data.data(), t.data.size());
   }
 }
 
@@ -86,10 +90,8 @@ std::string SafetensorsWriter::Serialize() const {
   return out;
 }
 
-Status SafetensorsWriter::Write(const std::string& path, uint64_t* bytes) const {
-  const std::string data = Serialize();
-  if (bytes != nullptr) *bytes = data.size();
-  return WriteFileAtomically(path, data);
+Status SafetensorsWriter::Write(const std::string& path) const {
+  return WriteFileAtomically(path, Serialize());
 }
 
 Status WriteFileAtomically(const std::string& path, const std::string& bytes) {

@@ -46,9 +46,9 @@ class SafetensorsWriter {
   void SetMetadata(const std::string& key, const std::string& value) { metadata_[key] = value; }
 
   // Writes the file: to `path`.tmp, fsync, rename over `path`, fsync of the directory, so that
-  // `path` is either the old file or the whole new one after a crash. Returns the file's size in
-  // bytes through *bytes when not null. Errors: IoError naming the path.
-  Status Write(const std::string& path, uint64_t* bytes = nullptr) const;
+  // `path` is either the old file or the whole new one after a crash. Errors: IoError naming the
+  // path.
+  Status Write(const std::string& path) const;
 
   // The file's bytes (what Write writes).
   std::string Serialize() const;
@@ -124,6 +124,9 @@ Status BuildModelFile(std::span<const float> params, const std::vector<TensorLay
 // InvalidArgument naming the file and the tensor that is missing or has another shape or dtype.
 Result<std::vector<float>> ReadModelFile(const std::string& path,
                                          const std::vector<TensorLayout>& layers);
+
+// XXH3-64 of bytes as 16 hex digits (the checksums of model and checkpoint files).
+std::string Xxh3Hex(const void* data, size_t bytes);
 
 // Writes `bytes` to `path` atomically (temporary file, fsync, rename, fsync of the directory).
 // Errors: IoError naming the path.

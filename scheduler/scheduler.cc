@@ -364,13 +364,7 @@ bool Scheduler::PrepareResume(std::vector<Outgoing>* out) {
   membership_.set_resume(true);
   membership_.set_resume_iteration(latest->iteration);
   for (const auto& f : latest->files) {
-    auto* file = membership_.add_resume_files();
-    file->set_role(f.role);
-    file->set_rank(f.rank);
-    file->set_iteration(latest->iteration);
-    file->set_file(f.file);
-    file->set_bytes(f.bytes);
-    file->set_xxh3(f.xxh3);
+    *membership_.add_resume_files() = ToProto(f, latest->iteration);
   }
   last_checkpoint_ = static_cast<int64_t>(latest->iteration);
   spdlog::info("resuming from checkpoint {} (iteration {}, {} files)",
@@ -406,9 +400,7 @@ void Scheduler::HandleCheckpointWritten(const std::string& from, const proto::He
   m.iteration = iteration;
   m.membership_epoch = membership_.epoch();
   m.config_fingerprint = ConfigFingerprint(config_);
-  for (const auto& x : files) {
-    m.files.push_back({x.role(), x.rank(), x.file(), x.bytes(), x.xxh3()});
-  }
+  for (const auto& x : files) m.files.push_back(FromProto(x));
   std::sort(m.files.begin(), m.files.end(), [](const auto& a, const auto& b) {
     return std::make_tuple(a.role, a.rank, a.file) < std::make_tuple(b.role, b.rank, b.file);
   });

@@ -38,14 +38,7 @@ Status SaveShard(const proto::JobConfig& config, ShardServer& shard, ControlClie
   spdlog::info("checkpoint of iteration {}: wrote {} ({:.1f} MB) in {:.3f} s", iteration, info.file,
                info.bytes / 1e6, SecondsSince(start));
   if (!report) return Status::OK();
-  proto::CheckpointFile f;
-  f.set_role(proto::SERVER);
-  f.set_rank(control.rank());
-  f.set_iteration(iteration);
-  f.set_file(info.file);
-  f.set_bytes(info.bytes);
-  f.set_xxh3(info.xxh3);
-  return control.ReportCheckpoint(iteration, f);
+  return control.ReportCheckpoint(iteration, ToProto(info, iteration));
 }
 
 Status Serve(const proto::JobConfig& config, zmq::socket_t& data, uint32_t port,

@@ -41,21 +41,6 @@ Result<std::unique_ptr<WorkerSession>> WorkerSession::Join(const proto::JobConfi
   return s;
 }
 
-namespace {
-
-proto::CheckpointFile ToProto(const CheckpointFileInfo& info, uint64_t iteration) {
-  proto::CheckpointFile f;
-  f.set_role(info.role);
-  f.set_rank(info.rank);
-  f.set_iteration(iteration);
-  f.set_file(info.file);
-  f.set_bytes(info.bytes);
-  f.set_xxh3(info.xxh3);
-  return f;
-}
-
-}  // namespace
-
 Status WorkerSession::Resume(const std::function<void(StateArchive&)>& extra) {
   auto file = ReadResumeFile(CheckpointDir(config_), control_.membership(), proto::WORKER, rank(),
                              ConfigFingerprint(config_));
