@@ -378,6 +378,12 @@ Status ValidateConfig(const proto::JobConfig& config, const ConfigSources& sourc
     return Status::InvalidArgument(SourceOf(sources, "cluster.scheduler_host") +
                                    ": key 'cluster.scheduler_host' is empty");
   }
+  if (c.min_workers() > c.num_workers()) {
+    return Status::InvalidArgument(
+        SourceOf(sources, "cluster.min_workers") + ": key 'cluster.min_workers' (" +
+        std::to_string(c.min_workers()) + ") is larger than 'cluster.num_workers' (" +
+        std::to_string(c.num_workers()) + ")");
+  }
   if (config.node().host().empty()) {
     return Status::InvalidArgument(SourceOf(sources, "node.host") + ": key 'node.host' is empty");
   }

@@ -87,7 +87,10 @@ Status ControlClient::Poll() {
     const auto& h = msg->header;
     switch (h.command()) {
       case proto::MEMBERSHIP:
+        if (has_membership_ && h.membership().epoch() <= membership_.epoch()) break;
+        if (has_membership_) updates_.push_back(h);
         membership_ = h.membership();
+        memberships_.push_back(membership_);
         has_membership_ = true;
         spdlog::info("membership epoch {}: rank {}, {} nodes, {} key ranges over {} parameters",
                      membership_.epoch(), membership_.your_rank(), membership_.nodes_size(),
@@ -103,6 +106,9 @@ Status ControlClient::Poll() {
         break;
       case proto::HEARTBEAT:
         break;  // last_heard_ is set above
+      case proto::WORKER_LOST:
+        updates_.push_back(h);
+        break;
       case proto::FATAL:
         fatal_ = h.error().empty() ? "no reason given" : h.error();
         return Status::Aborted("the scheduler ended the job: " + fatal_);
@@ -130,6 +136,20 @@ Status ControlClient::WaitFor(const std::function<bool()>& done, double timeout_
     }
     PollIn({&socket_}, std::min<int64_t>(100, static_cast<int64_t>(left * 1000) + 1));
   }
+}
+
+std::vector<proto::Header> ControlClient::TakeUpdates() {
+  std::vector<proto::Header> updates;
+  updates.swap(updates_);
+  return updates;
+}
+
+Status ControlClient::WaitForEpoch(uint64_t epoch) {
+  if (membership_.epoch() >= epoch) return Status::OK();
+  return WaitFor([this, epoch] { return membership_.epoch() >= epoch; },
+                 config_.cluster().barrier_timeout_s(),
+                 "membership epoch " + std::to_string(epoch) + " from the scheduler at " +
+                     scheduler_endpoint());
 }
 
 Status ControlClient::WaitForMembership() {

@@ -13,6 +13,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 #include <zmq.hpp>
 
 #include "common/message.h"
@@ -75,7 +76,21 @@ class ControlClient {
   bool scheduler_lost() const { return scheduler_lost_; }
 
   bool has_membership() const { return has_membership_; }
+  // The newest membership epoch received.
   const proto::Membership& membership() const { return membership_; }
+  // Every membership epoch received, oldest first (a worker's data split follows them).
+  const std::vector<proto::Membership>& memberships() const { return memberships_; }
+
+  // What the owner acts on, in arrival order: each MEMBERSHIP after the first (a worker left the
+  // job: header.membership.cut) and the scheduler's WORKER_LOST questions to servers. Clears them.
+  std::vector<proto::Header> TakeUpdates();
+
+  // Polls until the membership of `epoch` (or a newer one) is in: a server's reply stamped with an
+  // epoch this node has not seen yet. Errors: as WaitFor's, naming the epoch.
+  Status WaitForEpoch(uint64_t epoch);
+
+  // Sends msg to the scheduler with this node's role, rank and epoch in the header.
+  Status SendToScheduler(Message& msg) { return Send(msg); }
   int rank() const { return membership_.your_rank(); }
   bool shutdown_requested() const { return shutdown_; }
   zmq::socket_t& socket() { return socket_; }
@@ -96,6 +111,8 @@ class ControlClient {
   Clock::time_point last_heard_;  // from the scheduler
   std::string fatal_;
   proto::Membership membership_;
+  std::vector<proto::Membership> memberships_;
+  std::vector<proto::Header> updates_;
   std::map<std::string, uint64_t> barrier_generation_;
   std::map<std::string, uint64_t> barrier_released_;  // name -> highest released generation + 1
 

@@ -94,6 +94,11 @@ Status SendMessage(zmq::socket_t& socket, Message& msg, const std::string* routi
       }
     }
   } catch (const zmq::error_t& e) {
+    if (e.num() == EHOSTUNREACH) {
+      // A ROUTER (mandatory routing) with no connection for that routing id: the peer is gone.
+      return Status::NotFound(std::string("send ") + CommandName(msg.header.command()) +
+                              " failed: the peer's connection is gone (" + e.what() + ")");
+    }
     return Status::IoError(std::string("send ") + CommandName(msg.header.command()) +
                            " failed: " + e.what());
   }

@@ -76,7 +76,8 @@ void AddFrameCopy(Message* msg, proto::ElemType type, const T* data, size_t n) {
 
 // Sends msg on `socket` (header frame first). For a ROUTER socket pass the peer's routing id.
 // Payload frames are moved out of msg. On success adds the bytes sent to *bytes (if not null).
-// Errors: IoError when ZeroMQ refuses (e.g. unknown peer on a ROUTER_MANDATORY socket).
+// Errors: NotFound when a ROUTER_MANDATORY socket has no connection for the routing id (the peer
+// is gone), IoError when ZeroMQ refuses otherwise.
 Status SendMessage(zmq::socket_t& socket, Message& msg, const std::string* routing_id = nullptr,
                    uint64_t* bytes = nullptr);
 

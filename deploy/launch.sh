@@ -29,6 +29,11 @@
 # PREFIX` (needs S + W hosts): server s on host 1+s, worker w on host S+1+w, the scheduler on
 # host 1; every process binds and advertises its host's address.
 #
+# A worker killed by a signal (kill -9, a crash) in ps mode with cluster.on_worker_failure: continue
+# (the default) does not end the job: the scheduler drops it and the others go on (without
+# --max-restarts; with it, the whole job restarts as above). A worker that exits with an error
+# (bad data, a diverging loss) ends the job as before.
+#
 # Exit code: 0 when the job finished, 2 for a bad config, 1 when a process failed.
 set -uo pipefail
 
@@ -82,11 +87,11 @@ done
 # Read the resolved settings through the daemons' own strict loader (bad configs fail here).
 if ! resolved="$("$worker_bin" --config "$config" "${sets[@]}" \
       --get cluster.num_servers --get cluster.num_workers --get run.name \
-      --get aggregation --get checkpoint.dir 2>&1)"; then
+      --get aggregation --get checkpoint.dir --get cluster.on_worker_failure 2>&1)"; then
   echo "$resolved" >&2
   exit 2
 fi
-{ read -r num_servers; read -r num_workers; read -r job_name; read -r aggregation; read -r checkpoint_dir; } <<<"$resolved"
+{ read -r num_servers; read -r num_workers; read -r job_name; read -r aggregation; read -r checkpoint_dir; read -r on_worker_failure; } <<<"$resolved"
 [[ "$max_restarts" =~ ^[0-9]+$ ]] || { echo "launch.sh: --max-restarts needs a number" >&2; exit 2; }
 # With allreduce the workers aggregate among themselves: no servers.
 [[ "$aggregation" == "allreduce" ]] && num_servers=0
@@ -223,6 +228,14 @@ run_job() {  # starts every process, waits; sets $failed to the name of a proces
       wait "$p"
       rc=$?
       exited[$p]=$rc
+      if [[ $rc -gt 128 && ${names[$i]} == worker-* && $aggregation != allreduce &&
+            $on_worker_failure == continue && $max_restarts -eq 0 ]]; then
+        # Killed by a signal: the scheduler drops it and the others go on (it ends the job below
+        # min_workers). A worker that exits with an error reports it, and that ends the job.
+        echo "launch.sh: ${names[$i]} exited with code $rc; the job goes on without it" \
+          "(cluster.on_worker_failure: continue)" >&2
+        continue
+      fi
       if [[ $rc -ne 0 ]]; then
         failed="${names[$i]}"
         echo "launch.sh: ${names[$i]} exited with code $rc; its log ($run_dir/${names[$i]}.log):" >&2

@@ -528,7 +528,7 @@ class Worker {
       ScopedStopOnInterrupt stop_on_interrupt;
       py::gil_scoped_release release;
       // The trained model, as the C++ worker 0 writes it (checkpoint.save_model).
-      if (session_->rank() == 0 && config_.checkpoint().save_model() &&
+      if (session_->is_leader() && config_.checkpoint().save_model() &&
           !config_.run().dir().empty()) {
         s = session_->SaveModel(config_.run().dir() + "/model.safetensors", layers_);
       }

@@ -30,7 +30,23 @@ Scheduler::Scheduler(const proto::JobConfig& config, Clock::time_point start)
       expected_servers_(config.aggregation() == proto::ALLREDUCE ? 0
                                                                  : config.cluster().num_servers()),
       expected_workers_(config.cluster().num_workers()),
-      worker_stats_(config.cluster().num_workers()) {}
+      worker_stats_(config.cluster().num_workers()),
+      continue_on_worker_failure_(config.aggregation() != proto::ALLREDUCE &&
+                                  config.cluster().on_worker_failure() == proto::CONTINUE) {}
+
+size_t Scheduler::LiveWorkers() const {
+  return static_cast<size_t>(std::count_if(nodes_.begin(), nodes_.end(), [](const Node& n) {
+    return n.role == proto::WORKER && !n.dead;
+  }));
+}
+
+int Scheduler::Leader() const {
+  int leader = -1;
+  for (const auto& n : nodes_) {
+    if (n.role == proto::WORKER && !n.dead && (leader < 0 || n.rank < leader)) leader = n.rank;
+  }
+  return leader;
+}
 
 std::string Scheduler::Describe(const Node& n) const {
   std::string s = RoleName(n.role);
@@ -41,7 +57,9 @@ std::string Scheduler::Describe(const Node& n) const {
 
 int Scheduler::FindNode(proto::Role role, int rank) const {
   for (size_t i = 0; i < nodes_.size(); ++i) {
-    if (nodes_[i].role == role && nodes_[i].rank == rank) return static_cast<int>(i);
+    if (nodes_[i].role == role && nodes_[i].rank == rank && !nodes_[i].dead) {
+      return static_cast<int>(i);
+    }
   }
   return -1;
 }
@@ -65,6 +83,7 @@ void Scheduler::ReplyError(const std::string& to, const std::string& error,
 void Scheduler::Broadcast(proto::Command command, const std::string& error,
                           std::vector<Outgoing>* out) {
   for (const auto& n : nodes_) {
+    if (n.dead) continue;
     Outgoing o{n.routing_id, {}};
     o.msg.header.set_command(command);
     o.msg.header.set_sender_role(proto::SCHEDULER);
@@ -94,7 +113,27 @@ void Scheduler::Handle(const std::string& from, const Result<Message>& msg, Cloc
   const proto::Header& h = msg->header;
   if (membership_sent_) {
     const int idx = FindNode(h.sender_role(), h.sender_rank());
-    if (idx >= 0) nodes_[static_cast<size_t>(idx)].last_seen = now;
+    if (idx >= 0) {
+      nodes_[static_cast<size_t>(idx)].last_seen = now;
+      nodes_[static_cast<size_t>(idx)].unreachable_since.reset();
+    } else {
+      for (auto& n : nodes_) {
+        if (!n.dead || n.role != h.sender_role() || n.rank != h.sender_rank()) continue;
+        // A removed worker speaks again (it was slow, not dead): it is out of the job for good.
+        if (!n.told_dead) {
+          n.told_dead = true;
+          Outgoing o{n.routing_id, {}};
+          o.msg.header.set_command(proto::FATAL);
+          o.msg.header.set_sender_role(proto::SCHEDULER);
+          o.msg.header.set_epoch(membership_.epoch());
+          o.msg.header.set_error(Describe(n) +
+                                 " was declared dead and removed from the job; the others went "
+                                 "on without it");
+          out->push_back(std::move(o));
+        }
+        return;
+      }
+    }
   }
   switch (h.command()) {
     case proto::REGISTER:
@@ -114,10 +153,22 @@ void Scheduler::Handle(const std::string& from, const Result<Message>& msg, Cloc
     case proto::CHECKPOINT_WRITTEN:
       HandleCheckpointWritten(from, h, out);
       break;
+    case proto::POSITION:
+      HandlePosition(from, h, out);
+      break;
     default:
       ++rejected_;
       ReplyError(from, "the scheduler does not handle " + CommandName(h.command()), out);
   }
+}
+
+bool Scheduler::Unreachable(const std::string& to, Clock::time_point now) {
+  const int idx = FindNodeByRoutingId(to);
+  if (idx < 0) return false;
+  Node& n = nodes_[static_cast<size_t>(idx)];
+  if (n.dead || n.unreachable_since) return false;
+  n.unreachable_since = now;
+  return true;
 }
 
 void Scheduler::HandleRegister(const std::string& from, const proto::Header& h,
@@ -226,11 +277,30 @@ void Scheduler::BuildMembership(Clock::time_point now, std::vector<Outgoing>* ou
   membership_.set_epoch(1);
   membership_.set_num_params(num_params);
   if (config_.checkpoint().resume() && !PrepareResume(out)) return;
+  const auto ranges = SplitKeyRanges(num_params, expected_servers_);
+  for (size_t s = 0; s < ranges.size(); ++s) {
+    auto* r = membership_.add_ranges();
+    r->set_begin(ranges[s].begin);
+    r->set_end(ranges[s].end);
+    r->set_server_rank(static_cast<int>(s));
+  }
+  for (auto& n : nodes_) n.last_seen = now;
+  SendMembership(out);
+  membership_sent_ = true;
+  spdlog::info("membership epoch {}: {} servers, {} workers, {} parameters in {} key ranges",
+               membership_.epoch(), expected_servers_, expected_workers_, num_params,
+               ranges.size());
+}
+
+void Scheduler::SendMembership(std::vector<Outgoing>* out) {
   std::vector<const Node*> sorted;
-  for (const auto& n : nodes_) sorted.push_back(&n);
+  for (const auto& n : nodes_) {
+    if (!n.dead) sorted.push_back(&n);
+  }
   std::sort(sorted.begin(), sorted.end(), [](const Node* a, const Node* b) {
     return std::make_pair(a->role, a->rank) < std::make_pair(b->role, b->rank);
   });
+  membership_.clear_nodes();
   for (const Node* n : sorted) {
     auto* info = membership_.add_nodes();
     info->set_role(n->role);
@@ -240,35 +310,65 @@ void Scheduler::BuildMembership(Clock::time_point now, std::vector<Outgoing>* ou
     info->set_hostname(n->hostname);
     info->set_pid(n->pid);
   }
-  const auto ranges = SplitKeyRanges(num_params, expected_servers_);
-  for (size_t s = 0; s < ranges.size(); ++s) {
-    auto* r = membership_.add_ranges();
-    r->set_begin(ranges[s].begin);
-    r->set_end(ranges[s].end);
-    r->set_server_rank(static_cast<int>(s));
-  }
-  for (auto& n : nodes_) {
-    n.last_seen = now;
-    Outgoing o{n.routing_id, {}};
+  for (const Node* n : sorted) {
+    Outgoing o{n->routing_id, {}};
     o.msg.header.set_command(proto::MEMBERSHIP);
     o.msg.header.set_sender_role(proto::SCHEDULER);
     o.msg.header.set_epoch(membership_.epoch());
     *o.msg.header.mutable_membership() = membership_;
-    o.msg.header.mutable_membership()->set_your_rank(n.rank);
+    o.msg.header.mutable_membership()->set_your_rank(n->rank);
     out->push_back(std::move(o));
   }
-  membership_sent_ = true;
-  spdlog::info("membership epoch {}: {} servers, {} workers, {} parameters in {} key ranges",
-               membership_.epoch(), expected_servers_, expected_workers_, num_params,
-               ranges.size());
 }
 
 std::vector<size_t> Scheduler::BarrierMembers(proto::Role group) const {
   std::vector<size_t> members;
   for (size_t i = 0; i < nodes_.size(); ++i) {
+    if (nodes_[i].dead) continue;
     if (group == proto::ROLE_UNSPECIFIED || nodes_[i].role == group) members.push_back(i);
   }
   return members;
+}
+
+void Scheduler::ReleaseBarrier(const std::pair<std::string, uint64_t>& key,
+                               std::vector<Outgoing>* out) {
+  auto it = barriers_.find(key);
+  if (it == barriers_.end()) return;
+  const auto members = BarrierMembers(it->second.group);
+  for (size_t m : members) {
+    Outgoing o{nodes_[m].routing_id, {}};
+    o.msg.header.set_command(proto::BARRIER_RELEASE);
+    o.msg.header.set_sender_role(proto::SCHEDULER);
+    o.msg.header.set_epoch(membership_.epoch());
+    o.msg.header.mutable_barrier()->set_name(key.first);
+    o.msg.header.mutable_barrier()->set_generation(key.second);
+    o.msg.header.mutable_barrier()->set_group(it->second.group);
+    out->push_back(std::move(o));
+  }
+  spdlog::debug("barrier '{}' generation {} released ({} members)", key.first, key.second,
+                members.size());
+  barriers_.erase(it);
+}
+
+void Scheduler::CheckWaits(std::vector<Outgoing>* out) {
+  std::vector<std::pair<std::string, uint64_t>> ready;
+  for (const auto& [key, state] : barriers_) {
+    const auto members = BarrierMembers(state.group);
+    if (std::all_of(members.begin(), members.end(),
+                    [&](size_t m) { return state.arrived.count(m) > 0; })) {
+      ready.push_back(key);
+    }
+  }
+  for (const auto& key : ready) ReleaseBarrier(key, out);
+  if (!membership_sent_ || finished_) return;
+  const size_t live = LiveWorkers();
+  const size_t done = static_cast<size_t>(
+      std::count_if(nodes_.begin(), nodes_.end(), [](const Node& x) { return x.done && !x.dead; }));
+  if (live > 0 && done == live && stop_reason_.empty()) {
+    finished_ = Status::OK();
+    finished_at_ = Clock::now();
+    Broadcast(proto::SHUTDOWN, "", out);
+  }
 }
 
 void Scheduler::HandleBarrier(const std::string& from, const proto::Header& h,
@@ -301,18 +401,10 @@ void Scheduler::HandleBarrier(const std::string& from, const proto::Header& h,
   }
   it->second.arrived.insert(static_cast<size_t>(idx));
   const auto members = BarrierMembers(b.group());
-  if (it->second.arrived.size() < members.size()) return;
-  for (size_t m : members) {
-    Outgoing o{nodes_[m].routing_id, {}};
-    o.msg.header.set_command(proto::BARRIER_RELEASE);
-    o.msg.header.set_sender_role(proto::SCHEDULER);
-    o.msg.header.set_epoch(membership_.epoch());
-    *o.msg.header.mutable_barrier() = b;
-    out->push_back(std::move(o));
+  if (std::all_of(members.begin(), members.end(),
+                  [&](size_t m) { return it->second.arrived.count(m) > 0; })) {
+    ReleaseBarrier(key, out);
   }
-  spdlog::debug("barrier '{}' generation {} released ({} members)", b.name(), b.generation(),
-                members.size());
-  barriers_.erase(it);
 }
 
 void Scheduler::HandleDone(const std::string& from, const proto::Header& h,
@@ -327,13 +419,9 @@ void Scheduler::HandleDone(const std::string& from, const proto::Header& h,
   n.done = true;
   worker_stats_[static_cast<size_t>(n.rank)] = h.done().stats();
   const size_t done = static_cast<size_t>(
-      std::count_if(nodes_.begin(), nodes_.end(), [](const Node& x) { return x.done; }));
-  spdlog::info("{} is done ({} of {} workers)", Describe(n), done, expected_workers_);
-  if (done == expected_workers_) {
-    finished_ = Status::OK();
-    finished_at_ = Clock::now();
-    Broadcast(proto::SHUTDOWN, "", out);
-  }
+      std::count_if(nodes_.begin(), nodes_.end(), [](const Node& x) { return x.done && !x.dead; }));
+  spdlog::info("{} is done ({} of {} workers)", Describe(n), done, LiveWorkers());
+  CheckWaits(out);
 }
 
 bool Scheduler::PrepareResume(std::vector<Outgoing>* out) {
@@ -393,9 +481,14 @@ void Scheduler::HandleCheckpointWritten(const std::string& from, const proto::He
   const uint64_t iteration = static_cast<uint64_t>(h.iteration());
   auto& files = checkpoints_[iteration];
   files.push_back(f);
-  const size_t expected =
-      expected_servers_ + expected_workers_ + (config_.checkpoint().save_model() ? 1 : 0);
-  if (files.size() < expected) return;
+  // Complete once every live node's file is in (a worker lost since may have written one too:
+  // it is listed, not waited for).
+  const size_t expected = expected_servers_ + LiveWorkers() +
+                          (config_.checkpoint().save_model() && LiveWorkers() > 0 ? 1 : 0);
+  const size_t from_live = static_cast<size_t>(std::count_if(
+      files.begin(), files.end(),
+      [&](const proto::CheckpointFile& x) { return FindNode(x.role(), x.rank()) >= 0; }));
+  if (from_live < expected) return;
   CheckpointManifest m;
   m.iteration = iteration;
   m.membership_epoch = membership_.epoch();
@@ -414,6 +507,125 @@ void Scheduler::HandleCheckpointWritten(const std::string& from, const proto::He
   last_checkpoint_ = static_cast<int64_t>(iteration);
   spdlog::info("checkpoint of iteration {} complete ({} files)", iteration, m.files.size());
   PruneCheckpoints(dir, config_.checkpoint().keep());
+  if (!stop_reason_.empty() && static_cast<int64_t>(iteration) >= stop_iteration_) {
+    Abort(stop_reason_ + "; the checkpoint of iteration " + std::to_string(iteration) + " (" +
+              CheckpointIterationDir(dir, iteration) +
+              ") is complete: resume from it with --resume",
+          out);
+  }
+}
+
+void Scheduler::RemoveWorker(size_t idx, const std::string& reason, Clock::time_point now,
+                             std::vector<Outgoing>* out) {
+  Node& n = nodes_[idx];
+  if (n.dead) return;
+  n.dead = true;  // no longer waited for at barriers, the end, or heartbeats
+  spdlog::warn("{}; on_worker_failure is continue: removing it ({} workers left)", reason,
+               LiveWorkers());
+  if (LiveWorkers() == 0) {
+    Abort(reason + "; no worker is left", out);
+    return;
+  }
+  if (removal_) {
+    queued_removals_.emplace_back(idx, reason);
+    return;
+  }
+  removal_ = Removal{idx, reason, now, {}};
+  for (const auto& s : nodes_) {
+    if (s.role != proto::SERVER || s.dead) continue;
+    Outgoing o{s.routing_id, {}};
+    o.msg.header.set_command(proto::WORKER_LOST);
+    o.msg.header.set_sender_role(proto::SCHEDULER);
+    o.msg.header.set_epoch(membership_.epoch());
+    o.msg.header.mutable_position()->set_worker_rank(n.rank);
+    out->push_back(std::move(o));
+  }
+  CheckWaits(out);
+}
+
+void Scheduler::HandlePosition(const std::string& from, const proto::Header& h,
+                               std::vector<Outgoing>* out) {
+  const int idx = FindNodeByRoutingId(from);
+  if (idx < 0 || nodes_[static_cast<size_t>(idx)].role != proto::SERVER || !h.has_position() ||
+      !removal_ || h.position().worker_rank() != nodes_[removal_->node].rank) {
+    ++rejected_;
+    ReplyError(from, "POSITION from a node that is not a server, or for no worker being removed",
+               out);
+    return;
+  }
+  removal_->positions[nodes_[static_cast<size_t>(idx)].rank] = h.position();
+  if (removal_->positions.size() == expected_servers_) FinishRemoval(Clock::now(), out);
+}
+
+void Scheduler::FinishRemoval(Clock::time_point now, std::vector<Outgoing>* out) {
+  const Node& dead = nodes_[removal_->node];
+  // The iteration and phase in progress at the slowest server. The worker's push of it reached
+  // every server exactly when some server committed it or went past it (a commit is sent once
+  // every server acknowledged the push): then it counts everywhere, otherwise nowhere.
+  auto position = [](const proto::Position& p) { return std::make_pair(p.version(), p.phase()); };
+  auto slowest = position(removal_->positions.begin()->second);
+  for (const auto& [rank, p] : removal_->positions) slowest = std::min(slowest, position(p));
+  bool include = false;
+  for (const auto& [rank, p] : removal_->positions) {
+    if (position(p) > slowest || p.worker_state() == 2) include = true;
+  }
+  if (include) {
+    for (const auto& [rank, p] : removal_->positions) {
+      if (position(p) == slowest && p.worker_state() == 0) {
+        Abort("cannot remove " + Describe(dead) + " consistently: server " + std::to_string(rank) +
+                  " lacks its push of iteration " + std::to_string(slowest.first) +
+                  ", which another server counted",
+              out);
+        return;
+      }
+    }
+  }
+  membership_.set_epoch(membership_.epoch() + 1);
+  auto* cut = membership_.mutable_cut();
+  cut->set_worker_rank(dead.rank);
+  cut->set_iteration(slowest.first);
+  cut->set_phase(slowest.second);
+  cut->set_include(include);
+  const size_t live = LiveWorkers();
+  const uint32_t min_workers = config_.cluster().min_workers();
+  const bool stop = live < min_workers;
+  membership_.set_checkpoint_and_stop(stop);
+  proto::LostWorker lost;
+  lost.set_rank(dead.rank);
+  lost.set_reason(removal_->reason);
+  lost.set_iteration(slowest.first);
+  lost.set_included(include);
+  lost.set_membership_epoch(membership_.epoch());
+  lost_workers_.push_back(lost);
+  spdlog::warn(
+      "membership epoch {}: {} removed; its push of iteration {} {}; {} workers go on (took "
+      "{:.3f} s)",
+      membership_.epoch(), Describe(dead), slowest.first,
+      include ? "counts on every server" : "is dropped on every server", live,
+      std::chrono::duration<double>(now - removal_->started).count());
+  SendMembership(out);
+  removal_.reset();
+  if (stop) {
+    stop_reason_ =
+        "only " + std::to_string(live) +
+        " live workers, fewer than cluster.min_workers = " + std::to_string(min_workers) +
+        " (lost: " + Describe(dead) + ")";
+    if (CheckpointDir(config_).empty()) {
+      Abort(stop_reason_ + "; no checkpoint was written (set run.dir or checkpoint.dir)", out);
+      return;
+    }
+    stop_iteration_ = slowest.first + 1;
+    stop_started_ = now;
+    spdlog::warn("{}: the job ends after the checkpoint of iteration {}", stop_reason_,
+                 stop_iteration_);
+    return;
+  }
+  if (!queued_removals_.empty()) {
+    auto [idx, reason] = queued_removals_.front();
+    queued_removals_.erase(queued_removals_.begin());
+    nodes_[idx].dead = false;  // RemoveWorker marks it again
+    RemoveWorker(idx, reason, now, out);
+  }
 }
 
 void Scheduler::HandleNodeFailure(const std::string& from, const proto::Header& h,
@@ -424,6 +636,7 @@ void Scheduler::HandleNodeFailure(const std::string& from, const proto::Header& 
     ReplyError(from, "FATAL from a node that is not registered", out);
     return;
   }
+  if (nodes_[static_cast<size_t>(idx)].dead) return;  // removed already; the job goes on
   Abort(Describe(nodes_[static_cast<size_t>(idx)]) +
             " failed: " + (h.error().empty() ? std::string("no reason given") : h.error()),
         out);
@@ -466,6 +679,7 @@ void Scheduler::Tick(Clock::time_point now, std::vector<Outgoing>* out) {
     // So that every node notices a dead scheduler within its heartbeat timeout.
     last_heartbeat_sent_ = now;
     for (const auto& n : nodes_) {
+      if (n.dead) continue;
       Outgoing o{n.routing_id, {}};
       o.msg.header.set_command(proto::HEARTBEAT);
       o.msg.header.set_sender_role(proto::SCHEDULER);
@@ -486,16 +700,51 @@ void Scheduler::Tick(Clock::time_point now, std::vector<Outgoing>* out) {
           out);
     return;
   }
-  for (const auto& n : nodes_) {
-    if (n.done) continue;
-    const double silent = std::chrono::duration<double>(now - n.last_seen).count();
-    if (silent > c.heartbeat_timeout_s()) {
-      Abort(Describe(n) + " sent no heartbeat for " + FormatSeconds(silent) +
-                " (cluster.heartbeat_timeout_s = " + FormatSeconds(c.heartbeat_timeout_s()) +
-                "); declaring it dead",
-            out);
-      return;
+  if (removal_ &&
+      std::chrono::duration<double>(now - removal_->started).count() > c.barrier_timeout_s()) {
+    std::string missing;
+    for (const auto& n : nodes_) {
+      if (n.role == proto::SERVER && !removal_->positions.count(n.rank)) {
+        missing += (missing.empty() ? "" : ", ") + Describe(n);
+      }
     }
+    Abort("removing " + Describe(nodes_[removal_->node]) + ": no answer after " +
+              FormatSeconds(c.barrier_timeout_s()) + " from " + missing,
+          out);
+    return;
+  }
+  if (!stop_reason_.empty() &&
+      std::chrono::duration<double>(now - stop_started_).count() > c.barrier_timeout_s()) {
+    Abort(stop_reason_ + "; the checkpoint of iteration " + std::to_string(stop_iteration_) +
+              " did not complete within " + FormatSeconds(c.barrier_timeout_s()),
+          out);
+    return;
+  }
+  for (size_t i = 0; i < nodes_.size(); ++i) {
+    const Node& n = nodes_[i];
+    if (n.done || n.dead) continue;
+    const double silent = std::chrono::duration<double>(now - n.last_seen).count();
+    const double broken =
+        n.unreachable_since ? std::chrono::duration<double>(now - *n.unreachable_since).count()
+                            : 0.0;
+    std::string reason;
+    if (silent > c.heartbeat_timeout_s()) {
+      reason = Describe(n) + " sent no heartbeat for " + FormatSeconds(silent) +
+               " (cluster.heartbeat_timeout_s = " + FormatSeconds(c.heartbeat_timeout_s()) +
+               "); declaring it dead";
+    } else if (n.unreachable_since && broken > 2 * c.heartbeat_interval_s()) {
+      reason = Describe(n) + ": its connection to the scheduler is gone (for " +
+               FormatSeconds(broken) + "); declaring it dead";
+    } else {
+      continue;
+    }
+    if (n.role == proto::WORKER && continue_on_worker_failure_) {
+      RemoveWorker(i, reason, now, out);
+      if (finished_) return;
+      continue;
+    }
+    Abort(reason, out);
+    return;
   }
 }
 
@@ -538,8 +787,10 @@ proto::RunSummary Scheduler::Summary(Clock::time_point now) const {
     s.set_bytes_sent_per_worker_per_step(sent / static_cast<double>(reporting));
     s.set_bytes_received_per_worker_per_step(received / static_cast<double>(reporting));
   }
+  const int leader = Leader();
   if (!worker_stats_.empty()) {
-    const auto& w0 = worker_stats_[0];
+    // The leader evaluated: worker 0, or the lowest rank left after losing workers.
+    const auto& w0 = worker_stats_[static_cast<size_t>(std::max(leader, 0))];
     s.set_final_test_accuracy(w0.final_test_accuracy());
     s.set_train_s(w0.wall_s());
     s.set_steps(w0.steps());
@@ -549,6 +800,7 @@ proto::RunSummary Scheduler::Summary(Clock::time_point now) const {
   s.set_cluster_samples_per_s(samples_per_s);
   s.set_last_checkpoint(last_checkpoint_);
   s.set_written_by("scheduler");
+  for (const auto& lost : lost_workers_) *s.add_lost_workers() = lost;
   return s;
 }
 
@@ -580,7 +832,11 @@ Status RunScheduler(const proto::JobConfig& config) {
   auto flush = [&] {
     for (auto& o : out) {
       Status s = SendMessage(socket, o.msg, &o.to);
-      if (!s.ok()) spdlog::warn("could not send to {}: {}", o.to, s.message());
+      // A peer whose connection is gone: logged once, and declared dead soon (Unreachable).
+      if (!s.ok() &&
+          (s.code() != StatusCode::kNotFound || scheduler.Unreachable(o.to, Clock::now()))) {
+        spdlog::warn("could not send to {}: {}", o.to, s.message());
+      }
     }
     out.clear();
   };

@@ -28,13 +28,25 @@ class Scheduler {
               std::vector<Outgoing>* out);
 
   // Checks the deadlines (registration, barriers, heartbeats) at time `now`; a missed deadline
-  // ends the job with FATAL to every registered node, naming the missing ones.
+  // ends the job with FATAL to every registered node, naming the missing ones. A silent worker
+  // with cluster.on_worker_failure: continue (ps mode) is removed instead: every server is asked
+  // where it is (WORKER_LOST), and from the answers (POSITION) the scheduler decides whether the
+  // worker's push of the iteration in progress counts everywhere or nowhere and publishes the next
+  // membership epoch without it (Membership.cut). Below cluster.min_workers that epoch asks for a
+  // checkpoint, after which the job ends.
   void Tick(Clock::time_point now, std::vector<Outgoing>* out);
 
   // True once the job ended: every worker reported DONE (status OK), or a deadline or error
   // ended it (status says why).
   bool finished() const { return finished_.has_value(); }
   const Status& final_status() const { return *finished_; }
+
+  // A send to the node with routing id `to` failed because its connection is gone (ZeroMQ's
+  // EHOSTUNREACH: the process died and its socket closed). A node still unreachable after two
+  // heartbeat intervals is declared dead at the next Tick, without waiting for the heartbeat
+  // timeout; anything received from it clears the mark. Returns true the first time for a node
+  // (so the caller logs once).
+  bool Unreachable(const std::string& to, Clock::time_point now);
 
   // Ends the job now: FATAL with `reason` to every registered node; final_status() is Aborted.
   void Abort(const std::string& reason, std::vector<Outgoing>* out);
@@ -43,6 +55,7 @@ class Scheduler {
   proto::RunSummary Summary(Clock::time_point now) const;
 
   bool has_membership() const { return membership_sent_; }
+  const proto::Membership& membership() const { return membership_; }
   // The newest checkpoint whose manifest this scheduler wrote (or resumed from); -1: none.
   int64_t last_checkpoint() const { return last_checkpoint_; }
   uint64_t rejected_messages() const { return rejected_; }
@@ -60,6 +73,16 @@ class Scheduler {
     uint64_t num_params = 0;
     Clock::time_point last_seen;
     bool done = false;
+    bool dead = false;       // removed from the job (on_worker_failure: continue)
+    bool told_dead = false;  // a FATAL went to it after it spoke again
+    std::optional<Clock::time_point> unreachable_since;  // its connection is gone
+  };
+  // A worker being removed: the servers' answers so far.
+  struct Removal {
+    size_t node = 0;
+    std::string reason;
+    Clock::time_point started;
+    std::map<int, proto::Position> positions;  // server rank -> answer
   };
   struct BarrierState {
     Clock::time_point first_arrival;
@@ -76,7 +99,21 @@ class Scheduler {
                          std::vector<Outgoing>* out);
   void HandleCheckpointWritten(const std::string& from, const proto::Header& h,
                                std::vector<Outgoing>* out);
+  void HandlePosition(const std::string& from, const proto::Header& h, std::vector<Outgoing>* out);
   void BuildMembership(Clock::time_point now, std::vector<Outgoing>* out);
+  // Starts removing worker node `idx` (or queues it behind the removal in progress).
+  void RemoveWorker(size_t idx, const std::string& reason, Clock::time_point now,
+                    std::vector<Outgoing>* out);
+  // Every server answered: the cut, the next membership epoch.
+  void FinishRemoval(Clock::time_point now, std::vector<Outgoing>* out);
+  // Fills membership_.nodes with the live nodes and sends it to each.
+  void SendMembership(std::vector<Outgoing>* out);
+  void ReleaseBarrier(const std::pair<std::string, uint64_t>& key, std::vector<Outgoing>* out);
+  // After a removal: barriers and the end of the job may no longer wait on the dead worker.
+  void CheckWaits(std::vector<Outgoing>* out);
+  size_t LiveWorkers() const;
+  // The lowest live worker rank (the one that evaluates and writes the model); -1: none.
+  int Leader() const;
   // checkpoint.resume: the newest complete checkpoint into membership_, or Abort.
   bool PrepareResume(std::vector<Outgoing>* out);
   void Broadcast(proto::Command command, const std::string& error, std::vector<Outgoing>* out);
@@ -102,6 +139,15 @@ class Scheduler {
   // Checkpoints being written: iteration -> the files reported so far.
   std::map<uint64_t, std::vector<proto::CheckpointFile>> checkpoints_;
   int64_t last_checkpoint_ = -1;
+  // Losing workers (cluster.on_worker_failure: continue, ps mode).
+  const bool continue_on_worker_failure_;
+  std::optional<Removal> removal_;
+  std::vector<std::pair<size_t, std::string>> queued_removals_;
+  std::vector<proto::LostWorker> lost_workers_;
+  // Below cluster.min_workers: the job ends once the checkpoint of stop_iteration_ is complete.
+  std::string stop_reason_;
+  int64_t stop_iteration_ = -1;
+  Clock::time_point stop_started_;
 };
 
 // The scheduler daemon: binds cluster.scheduler_host:scheduler_port (0: a free port, written to

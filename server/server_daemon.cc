@@ -2,6 +2,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <deque>
 #include <memory>
 #include <utility>
@@ -78,6 +79,7 @@ Status Serve(const proto::JobConfig& config, zmq::socket_t& data, uint32_t port,
       opts.compression = config.compression();
       opts.momentum = config.train().momentum();
       opts.checkpoint_every_steps = config.checkpoint().every_steps();
+      opts.commit_on_pull = config.cluster().on_worker_failure() == proto::CONTINUE;
       for (const auto& r : m.ranges()) {
         if (r.server_rank() == control.rank()) opts.range = {r.begin(), r.end()};
       }
@@ -105,6 +107,35 @@ Status Serve(const proto::JobConfig& config, zmq::socket_t& data, uint32_t port,
       }
       early.clear();
     }
+    if (shard != nullptr) {
+      for (const auto& u : control.TakeUpdates()) {
+        if (u.command() == proto::WORKER_LOST) {
+          // Where this shard is, for the scheduler's cut.
+          Message reply;
+          reply.header.set_command(proto::POSITION);
+          *reply.header.mutable_position() = shard->Position(u.position().worker_rank());
+          SPARSEPS_RETURN_IF_ERROR(control.SendToScheduler(reply));
+          continue;
+        }
+        const auto& m = u.membership();
+        if (!m.has_cut()) continue;
+        const auto& cut = m.cut();
+        spdlog::warn(
+            "membership epoch {}: worker {} left the job; its push of iteration {} {} on every "
+            "server; {} workers go on{}",
+            m.epoch(), cut.worker_rank(), cut.iteration(), cut.include() ? "counts" : "is dropped",
+            std::count_if(m.nodes().begin(), m.nodes().end(),
+                          [](const auto& n) { return n.role() == proto::WORKER; }),
+            m.checkpoint_and_stop() ? " until the checkpoint after that iteration" : "");
+        const std::string problem = shard->Cut(cut, m.epoch(), m.checkpoint_and_stop(), &out);
+        if (!problem.empty())
+          return Status::Internal("membership epoch " + std::to_string(m.epoch()) + ": " + problem);
+        flush();
+        if (shard->TakeCheckpointDue()) {
+          SPARSEPS_RETURN_IF_ERROR(SaveShard(config, *shard, control, true));
+        }
+      }
+    }
     if (shard == nullptr && SecondsSince(start) > membership_deadline_s) {
       return Status::DeadlineExceeded("no membership from the scheduler at " +
                                       control.scheduler_endpoint() + " after " +
@@ -119,7 +150,7 @@ Status Serve(const proto::JobConfig& config, zmq::socket_t& data, uint32_t port,
       auto msg = RecvMessage(data, true, &peer, &bytes_in);
       if (!msg.ok() && msg.status().code() == StatusCode::kIoError) break;
       if (shard != nullptr) {
-        shard->Handle(peer, msg, &out);
+        shard->Handle(peer, std::move(msg), &out);
       } else if (msg.ok() && msg->header.command() != proto::PING &&
                  early.size() < kMaxEarlyRequests) {
         early.emplace_back(std::move(peer), std::move(*msg));

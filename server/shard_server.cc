@@ -16,7 +16,24 @@ ShardServer::ShardServer(const ShardOptions& options)
       params_(options.range.size(), 0.0f),
       aggregation_(MakeShardAggregation(
           AggregationOptions{options.range, options.compression, options.momentum})),
-      pushed_(static_cast<size_t>(options.num_workers), 0) {}
+      pushed_(static_cast<size_t>(options.num_workers), kNone),
+      stored_(static_cast<size_t>(options.num_workers)),
+      active_(static_cast<size_t>(options.num_workers), 1) {}
+
+int ShardServer::leader() const {
+  for (size_t r = 0; r < active_.size(); ++r) {
+    if (active_[r]) return static_cast<int>(r);
+  }
+  return -1;
+}
+
+int ShardServer::ActiveWorker(const proto::Header& h) const {
+  if (h.sender_role() != proto::WORKER || h.sender_rank() < 0 ||
+      h.sender_rank() >= options_.num_workers || !active_[static_cast<size_t>(h.sender_rank())]) {
+    return -1;
+  }
+  return h.sender_rank();
+}
 
 Outgoing ShardServer::Reply(const std::string& peer, const proto::Header& request,
                             proto::Command command) const {
@@ -30,6 +47,7 @@ Outgoing ShardServer::Reply(const std::string& peer, const proto::Header& reques
   h.set_key_begin(options_.range.begin);
   h.set_key_end(options_.range.end);
   h.set_version(version_);
+  h.set_epoch(epoch_);
   return o;
 }
 
@@ -43,8 +61,7 @@ void ShardServer::Reject(const std::string& peer, const proto::Header* h, const 
   out->push_back(std::move(o));
 }
 
-void ShardServer::Handle(const std::string& peer, const Result<Message>& msg,
-                         std::vector<Outgoing>* out) {
+void ShardServer::Handle(const std::string& peer, Result<Message> msg, std::vector<Outgoing>* out) {
   if (!msg.ok()) {
     Reject(peer, nullptr, msg.status().message(), out);
     return;
@@ -75,7 +92,7 @@ void ShardServer::Handle(const std::string& peer, const Result<Message>& msg,
   if (h.command() == proto::INIT) {
     HandleInit(peer, *msg, out);
   } else if (h.command() == proto::PUSH) {
-    HandlePush(peer, *msg, out);
+    HandlePush(peer, std::move(*msg), out);
   } else if (h.command() == proto::PULL_CANDIDATES) {
     HandlePullCandidates(peer, *msg, out);
   } else {
@@ -104,8 +121,7 @@ void ShardServer::HandleInit(const std::string& peer, const Message& msg,
   AnswerReadyPulls(out);
 }
 
-void ShardServer::HandlePush(const std::string& peer, const Message& msg,
-                             std::vector<Outgoing>* out) {
+void ShardServer::HandlePush(const std::string& peer, Message msg, std::vector<Outgoing>* out) {
   const proto::Header& h = msg.header;
   if (!initialized()) {
     Reject(peer, &h, "PUSH before the shard was initialised", out);
@@ -114,6 +130,14 @@ void ShardServer::HandlePush(const std::string& peer, const Message& msg,
   if (h.sender_role() != proto::WORKER || h.sender_rank() < 0 ||
       h.sender_rank() >= options_.num_workers) {
     Reject(peer, &h, "PUSH from an unknown worker rank " + std::to_string(h.sender_rank()), out);
+    return;
+  }
+  const size_t rank = static_cast<size_t>(h.sender_rank());
+  if (!active_[rank]) {
+    Reject(peer, &h,
+           "PUSH from worker " + std::to_string(rank) +
+               ", which the scheduler removed from the job (declared dead)",
+           out);
     return;
   }
   if (h.iteration() == version_ - 1 && h.phase() == 0) {
@@ -138,9 +162,8 @@ void ShardServer::HandlePush(const std::string& peer, const Message& msg,
            out);
     return;
   }
-  const size_t rank = static_cast<size_t>(h.sender_rank());
   const uint32_t want_phase = aggregation_->phase();
-  if (pushed_[rank] && h.phase() == want_phase) {
+  if (pushed_[rank] != kNone && h.phase() == want_phase) {
     // A repeat of this worker's push of this iteration: the same acknowledgement, not added again.
     ++counters_.duplicate_pushes;
     out->push_back(Reply(peer, h, proto::PUSH_ACK));
@@ -159,30 +182,96 @@ void ShardServer::HandlePush(const std::string& peer, const Message& msg,
     Reject(peer, &h, "PUSH with unknown encoding " + std::to_string(h.encoding()), out);
     return;
   }
-  DecodedPayload p;
-  Status s = codec->Decode(msg, options_.range.size(), &p);
+  // The payload views the message's frames: a held push keeps its message where it will stay.
+  auto held = std::make_unique<StoredPush>();
+  held->msg = std::move(msg);
+  const proto::Header& hh = held->msg.header;
+  Status s = codec->Decode(held->msg, options_.range.size(), &held->payload);
   if (!s.ok()) {
-    Reject(peer, &h, "PUSH: " + s.message(), out);
+    Reject(peer, &hh, "PUSH: " + s.message(), out);
     return;
   }
-  if (const std::string why = aggregation_->Refuse(p, want_phase); !why.empty()) {
-    Reject(peer, &h, "PUSH: " + why, out);
+  if (const std::string why = aggregation_->Refuse(held->payload, want_phase); !why.empty()) {
+    Reject(peer, &hh, "PUSH: " + why, out);
     return;
   }
-  // Validated: accumulate (sparse stays sparse).
-  aggregation_->Add(p);
-  pushed_[rank] = 1;
-  if (h.checkpoint() && rank == 0) checkpoint_requested_ = true;
+  if (hh.checkpoint() && static_cast<int>(rank) == leader()) checkpoint_requested_ = true;
   ++counters_.pushes;
-  out->push_back(Reply(peer, h, proto::PUSH_ACK));
-  if (!std::all_of(pushed_.begin(), pushed_.end(), [](uint8_t b) { return b != 0; })) return;
-  std::fill(pushed_.begin(), pushed_.end(), 0);
+  out->push_back(Reply(peer, hh, proto::PUSH_ACK));
+  stored_[rank] = std::move(held);
+  pushed_[rank] = kStored;
+  if (options_.commit_on_pull) return;  // added at the worker's next request
+  Commit(static_cast<int>(rank));
+  MaybeEndPhase(out);
+}
+
+void ShardServer::Commit(int rank) {
+  const size_t r = static_cast<size_t>(rank);
+  if (pushed_[r] != kStored) return;
+  // Validated: accumulate (sparse stays sparse).
+  aggregation_->Add(stored_[r]->payload);
+  stored_[r].reset();
+  pushed_[r] = kAdded;
+  ++added_;
+}
+
+void ShardServer::MaybeEndPhase(std::vector<Outgoing>* out) {
+  if (!initialized() || added_ == 0) return;
+  for (size_t r = 0; r < pushed_.size(); ++r) {
+    if (active_[r] && pushed_[r] != kAdded) return;
+  }
+  std::fill(pushed_.begin(), pushed_.end(), kNone);
+  for (auto& held : stored_) held.reset();
   if (!aggregation_->EndPhase()) {
+    added_ = 0;
     AnswerCandidateRequests(out);  // another phase follows: the candidates are out
     return;
   }
   Apply();
   AnswerReadyPulls(out);
+}
+
+proto::Position ShardServer::Position(int worker) const {
+  proto::Position p;
+  p.set_worker_rank(worker);
+  p.set_version(version_);
+  p.set_phase(aggregation_->phase());
+  if (worker >= 0 && worker < options_.num_workers) {
+    p.set_worker_state(pushed_[static_cast<size_t>(worker)]);
+  }
+  return p;
+}
+
+std::string ShardServer::Cut(const proto::WorkerCut& cut, uint64_t epoch, bool checkpoint,
+                             std::vector<Outgoing>* out) {
+  const int w = cut.worker_rank();
+  if (w < 0 || w >= options_.num_workers) return "cut of an unknown worker " + std::to_string(w);
+  const size_t r = static_cast<size_t>(w);
+  epoch_ = std::max(epoch_, epoch);
+  std::string problem;
+  const bool at_cut = version_ == cut.iteration() && aggregation_->phase() == cut.phase();
+  if (at_cut && cut.include() && pushed_[r] == kNone) {
+    problem = "the cut counts worker " + std::to_string(w) + "'s push of iteration " +
+              std::to_string(cut.iteration()) + ", which this server never received";
+  } else if (at_cut && cut.include()) {
+    Commit(w);
+  } else if (pushed_[r] == kAdded) {
+    problem = "the cut drops worker " + std::to_string(w) + "'s push of iteration " +
+              std::to_string(version_) + ", which this server already added";
+  } else {
+    stored_[r].reset();
+    pushed_[r] = kNone;
+  }
+  active_[r] = 0;
+  if (checkpoint) {
+    if (version_ > cut.iteration()) {
+      checkpoint_due_ = true;  // the cut's iteration is applied here already: save now
+    } else {
+      checkpoint_requested_ = true;
+    }
+  }
+  MaybeEndPhase(out);
+  return problem;
 }
 
 void ShardServer::HandlePullCandidates(const std::string& peer, const Message& msg,
@@ -200,6 +289,9 @@ void ShardServer::HandlePullCandidates(const std::string& peer, const Message& m
     return;
   }
   candidate_requests_.push_back({peer, h.iteration(), -1, h.request_id()});
+  // commit_on_pull: the request commits the worker's sketch (phase 0).
+  if (const int w = ActiveWorker(h); w >= 0 && aggregation_->phase() == 0) Commit(w);
+  MaybeEndPhase(out);
   AnswerCandidateRequests(out);
 }
 
@@ -220,7 +312,8 @@ void ShardServer::AnswerCandidateRequests(std::vector<Outgoing>* out) {
 }
 
 void ShardServer::Apply() {
-  const float scale = static_cast<float>(-options_.lr / options_.num_workers);
+  const float scale = static_cast<float>(-options_.lr / added_);
+  added_ = 0;
   aggregation_->Apply(scale, &params_, &last_changed_, &last_changed_all_);
   ++version_;
   const uint64_t every = options_.checkpoint_every_steps;
@@ -243,7 +336,9 @@ void ShardServer::State(StateArchive& archive) {
   if (!archive.saving()) {
     last_changed_.clear();
     last_changed_all_ = true;
-    std::fill(pushed_.begin(), pushed_.end(), 0);
+    std::fill(pushed_.begin(), pushed_.end(), kNone);
+    for (auto& held : stored_) held.reset();
+    added_ = 0;
     checkpoint_after_last_ = checkpoint_due_ = checkpoint_requested_ = false;
   }
 }
@@ -262,6 +357,10 @@ void ShardServer::HandlePull(const std::string& peer, const Message& msg,
   }
   ++counters_.pulls;
   pending_pulls_.push_back({peer, h.iteration() + 1, h.have_version(), h.request_id()});
+  // commit_on_pull: the pull of the iteration in progress commits the worker's push.
+  const bool last_phase = !aggregation_->second_round() || aggregation_->phase() == 1;
+  if (const int w = ActiveWorker(h); w >= 0 && h.iteration() == version_ && last_phase) Commit(w);
+  MaybeEndPhase(out);
   AnswerReadyPulls(out);
 }
 

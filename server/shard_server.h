@@ -7,21 +7,25 @@
 //   again, added once, counted in duplicate_pushes. A stale (t < version - 1) or future
 //   (t > version) push is rejected with ERROR and not added.
 //   When all W pushed, the server applies  w -= lr * (sum of pushes) / W  on the touched keys and
-//   the version becomes t + 1. Encodings: DENSE, TOPK and SBC (sparse pairs, scatter-added), and
-//   SKETCH (count-sketch tables, summed; at apply time each fusion group's k heavy hitters, the top
-//   k of the median estimates, are the update).
-//   Sketch second round (compression.sketch.second_round): once all W sketches of t are in, the
-//   server picks candidates (top candidates_factor * k estimates per group) instead of applying;
-//   PULL_CANDIDATES(t) is answered with them (CANDIDATES); each worker then pushes its exact values
-//   at exactly those keys (PUSH phase 1, TOPK); once all W are in, the k largest exact sums per
-//   group are applied and the version becomes t + 1.
-//   With compression.server_topk, sparse aggregates go through a server residual r: r += sum;
-//   only the top density * (range size) entries of r are applied and zeroed in r, so pull replies
-//   stay at that many entries; applied + r = everything pushed.
-//   PULL(t) is answered once version >= t + 1 (PULL with t = -1: once initialised): TOPK with the
-//   changed keys' new values if the puller holds version t (have_version) and that is smaller than
-//   the dense shard, DENSE otherwise.
-//   INIT (dense values) sets the initial parameters once, before any push.
+//   the version becomes t + 1 (W: the workers whose push of t was added).
+//   With commit_on_pull (cluster.on_worker_failure: continue) a push is held, validated, and added
+//   only when the same worker's next request of that iteration arrives (PULL, or PULL_CANDIDATES
+//   in the sketch's first phase), which it sends once every server acknowledged its pushes: a push
+//   counts once it reached every server. Then a dead worker's last push can be counted on every
+//   server or dropped on every server (Cut), never applied on some key ranges only. Encodings:
+//   DENSE, TOPK and SBC (sparse pairs, scatter-added), and SKETCH (count-sketch tables, summed; at
+//   apply time each fusion group's k heavy hitters, the top k of the median estimates, are the
+//   update). Sketch second round (compression.sketch.second_round): once all W sketches of t are
+//   in, the server picks candidates (top candidates_factor * k estimates per group) instead of
+//   applying; PULL_CANDIDATES(t) is answered with them (CANDIDATES); each worker then pushes its
+//   exact values at exactly those keys (PUSH phase 1, TOPK); once all W are in, the k largest exact
+//   sums per group are applied and the version becomes t + 1. With compression.server_topk, sparse
+//   aggregates go through a server residual r: r += sum; only the top density * (range size)
+//   entries of r are applied and zeroed in r, so pull replies stay at that many entries; applied +
+//   r = everything pushed. PULL(t) is answered once version >= t + 1 (PULL with t = -1: once
+//   initialised): TOPK with the changed keys' new values if the puller holds version t
+//   (have_version) and that is smaller than the dense shard, DENSE otherwise. INIT (dense values)
+//   sets the initial parameters once, before any push.
 // Every received payload is validated (codec) before any state changes. What differs between the
 // encodings (how pushes add up and what is applied) is the encoding's ShardAggregation, made from
 // the table of encodings (encodings/registry.h).
@@ -54,6 +58,8 @@ struct ShardOptions {
   // A checkpoint is due after every iteration that brings the version to a multiple of this
   // (0: never by count), and after an iteration whose pushes from worker 0 asked for one.
   uint64_t checkpoint_every_steps = 0;
+  // Add a push at its worker's commit (the next request of the iteration), not on arrival.
+  bool commit_on_pull = false;
 };
 
 struct ShardCounters {
@@ -72,7 +78,24 @@ class ShardServer {
 
   // Handles one data-plane message (or a receive error) from `peer`; appends replies, possibly to
   // other peers whose pulls became ready. Never fails: bad input is answered with ERROR.
-  void Handle(const std::string& peer, const Result<Message>& msg, std::vector<Outgoing>* out);
+  void Handle(const std::string& peer, Result<Message> msg, std::vector<Outgoing>* out);
+
+  // What this shard holds of worker `worker` in the iteration and phase it is in (the scheduler's
+  // WORKER_LOST question).
+  proto::Position Position(int worker) const;
+
+  // Removes a dead worker from membership epoch `epoch` on (the scheduler's decision from every
+  // server's Position): its push of (cut.iteration, cut.phase) is added if cut.include, dropped
+  // otherwise; later phases complete without it, and its later messages are rejected. With
+  // `checkpoint` a checkpoint follows the cut's iteration (TakeCheckpointDue at once when this
+  // shard applied it already). May complete the phase: appends the pull replies that became ready.
+  // Returns an error message when the cut contradicts what this shard holds (it adds nothing
+  // then), empty otherwise.
+  std::string Cut(const proto::WorkerCut& cut, uint64_t epoch, bool checkpoint,
+                  std::vector<Outgoing>* out);
+
+  // The lowest worker rank still in the job: the one whose pushes may ask for a checkpoint.
+  int leader() const;
 
   const std::vector<float>& params() const { return params_; }
   int64_t version() const { return version_; }
@@ -105,8 +128,21 @@ class ShardServer {
     uint64_t request_id;
   };
 
+  // A push held until its worker commits it (commit_on_pull); the payload views msg's frames.
+  struct StoredPush {
+    Message msg;
+    DecodedPayload payload;
+  };
+  enum PushState : uint8_t { kNone = 0, kStored = 1, kAdded = 2 };
+
   void HandleInit(const std::string& peer, const Message& msg, std::vector<Outgoing>* out);
-  void HandlePush(const std::string& peer, const Message& msg, std::vector<Outgoing>* out);
+  void HandlePush(const std::string& peer, Message msg, std::vector<Outgoing>* out);
+  // The worker behind a request, if it is an active worker of this job; -1 otherwise.
+  int ActiveWorker(const proto::Header& h) const;
+  // commit_on_pull: adds worker `rank`'s held push of this phase, if any.
+  void Commit(int rank);
+  // Ends the phase once every active worker's push is added: candidates or Apply, replies.
+  void MaybeEndPhase(std::vector<Outgoing>* out);
   void HandlePull(const std::string& peer, const Message& msg, std::vector<Outgoing>* out);
   void HandlePullCandidates(const std::string& peer, const Message& msg,
                             std::vector<Outgoing>* out);
@@ -125,7 +161,11 @@ class ShardServer {
 
   // The encoding's side of the iteration (encodings/aggregation.h): sums the pushes, applies.
   std::unique_ptr<ShardAggregation> aggregation_;
-  std::vector<uint8_t> pushed_;  // per worker rank, for this phase of this iteration
+  std::vector<uint8_t> pushed_;  // PushState per worker rank, for this phase of this iteration
+  std::vector<std::unique_ptr<StoredPush>> stored_;  // per worker rank (commit_on_pull)
+  std::vector<uint8_t> active_;                      // per worker rank: still in the job
+  uint32_t added_ = 0;                               // pushes added in this phase
+  uint64_t epoch_ = 1;                               // membership epoch, in every reply
 
   // What the last applied iteration changed (sorted keys), for sparse pull replies.
   std::vector<uint32_t> last_changed_;

@@ -45,8 +45,10 @@ class PsAggregator final : public Aggregator {
 
   Status Connect(ControlClient* control) override {
     control_ = control;
-    ps_ = std::make_unique<PsClient>(context_, control->membership(), control->rank(), control,
-                                     config_.cluster().request_timeout_s());
+    ps_ = std::make_unique<PsClient>(
+        context_, control->membership(), control->rank(), control,
+        config_.cluster().request_timeout_s(),
+        /*commit_after_ack=*/config_.cluster().on_worker_failure() == proto::CONTINUE);
     if (model_on_device_) {
       auto made = MakeGpuCompressor(config_, num_params());  // null: the encoding has none
       if (!made.ok()) return made.status();
@@ -83,6 +85,16 @@ class PsAggregator final : public Aggregator {
     State(archive);
     SPARSEPS_RETURN_IF_ERROR(archive.status());
     // A checkpoint is taken after a push: SBC's local copy was the pulled parameters then.
+    if (local_copy_) local_ = params_;
+    changed_.AddAll();
+    return Status::OK();
+  }
+
+  Status ResumeFresh(uint64_t iteration) override {
+    SPARSEPS_RETURN_IF_ERROR(control_->Barrier("init", proto::WORKER));
+    SPARSEPS_RETURN_IF_ERROR(ps_->PullInitial(params_.data()));
+    iteration_ = iteration;
+    push_round_ = static_cast<int64_t>(iteration);
     if (local_copy_) local_ = params_;
     changed_.AddAll();
     return Status::OK();

@@ -68,6 +68,14 @@ class Aggregator {
   // arrays), deadlines as Init's.
   virtual Status Resume(StateArchive& archive) = 0;
 
+  // Instead of Resume for a worker the checkpoint has no file of (it was lost before it): the
+  // job's parameters as Resume gets them, at `iteration`, with this worker's own state (residuals,
+  // momentum) empty. PS mode only; allreduce: FailedPrecondition.
+  virtual Status ResumeFresh(uint64_t iteration) {
+    return Status::FailedPrecondition("a worker without a checkpoint file cannot resume in "
+                                      "allreduce mode");
+  }
+
   // Saves or restores what this worker keeps across iterations (compressor or collective state,
   // the iteration count; allreduce also the parameters and momentum). Between steps only.
   virtual void State(StateArchive& archive) = 0;

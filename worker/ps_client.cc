@@ -10,8 +10,11 @@
 namespace sparseps {
 
 PsClient::PsClient(zmq::context_t& context, const proto::Membership& membership, int worker_rank,
-                   ControlClient* control, double request_timeout_s)
-    : control_(control), worker_rank_(worker_rank), request_timeout_s_(request_timeout_s) {
+                   ControlClient* control, double request_timeout_s, bool commit_after_ack)
+    : control_(control),
+      worker_rank_(worker_rank),
+      request_timeout_s_(request_timeout_s),
+      commit_after_ack_(commit_after_ack) {
   std::vector<proto::RangeInfo> infos(membership.ranges().begin(), membership.ranges().end());
   std::sort(infos.begin(), infos.end(),
             [](const auto& a, const auto& b) { return a.begin() < b.begin(); });
@@ -79,22 +82,36 @@ Status PsClient::PushPull(int64_t iteration, std::vector<Message>& pushes, float
                             std::to_string(peers_.size()));
   }
   checkpoint_after_last_ = false;
+  return PushThenPull(iteration, pushes, params);
+}
+
+Status PsClient::PushThenPull(int64_t iteration, std::vector<Message>& pushes, float* params) {
   for (size_t r = 0; r < peers_.size(); ++r) {
-    SPARSEPS_RETURN_IF_ERROR(SendPushAndPull(peers_[r], pushes[r], iteration));
+    SPARSEPS_RETURN_IF_ERROR(SendPush(peers_[r], pushes[r], iteration));
+    if (!commit_after_ack_) SPARSEPS_RETURN_IF_ERROR(SendPull(peers_[r], iteration));
   }
   request_checkpoint_ = false;
+  if (commit_after_ack_) {
+    // Every server holds this worker's push: the pulls commit it.
+    SPARSEPS_RETURN_IF_ERROR(AwaitAll(iteration, params));
+    for (auto& p : peers_) SPARSEPS_RETURN_IF_ERROR(SendPull(p, iteration));
+  }
   return AwaitAll(iteration, params);
 }
 
-Status PsClient::SendPushAndPull(Peer& p, Message& push, int64_t iteration) {
+Status PsClient::SendPush(Peer& p, Message& push, int64_t iteration) {
   push.header.set_command(proto::PUSH);
   push.header.set_iteration(iteration);
   if (request_checkpoint_) push.header.set_checkpoint(true);
   SPARSEPS_RETURN_IF_ERROR(Send(p, push));
+  p.expected.push_back(proto::PUSH_ACK);
+  return Status::OK();
+}
+
+Status PsClient::SendPull(Peer& p, int64_t iteration) {
   Message pull = Request(p, proto::PULL, iteration);
   pull.header.set_have_version(p.version);
   SPARSEPS_RETURN_IF_ERROR(Send(p, pull));
-  p.expected.push_back(proto::PUSH_ACK);
   p.expected.push_back(proto::PULL_REPLY);
   return Status::OK();
 }
@@ -106,26 +123,25 @@ Status PsClient::SketchTwoRounds(int64_t iteration, std::vector<Message>& sketch
   }
   checkpoint_after_last_ = false;
   for (size_t r = 0; r < peers_.size(); ++r) {
-    Peer& p = peers_[r];
-    sketches[r].header.set_command(proto::PUSH);
-    sketches[r].header.set_iteration(iteration);
     sketches[r].header.set_phase(0);
-    SPARSEPS_RETURN_IF_ERROR(Send(p, sketches[r]));
+    SPARSEPS_RETURN_IF_ERROR(SendPush(peers_[r], sketches[r], iteration));
+  }
+  // The candidate requests commit the sketches: with commit_after_ack, once all are acknowledged.
+  if (commit_after_ack_) SPARSEPS_RETURN_IF_ERROR(AwaitAll(iteration, params));
+  for (auto& p : peers_) {
     Message ask = Request(p, proto::PULL_CANDIDATES, iteration);
     SPARSEPS_RETURN_IF_ERROR(Send(p, ask));
-    p.expected.push_back(proto::PUSH_ACK);
     p.expected.push_back(proto::CANDIDATES);
   }
   SPARSEPS_RETURN_IF_ERROR(AwaitAll(iteration, params));
+  std::vector<Message> pushes(peers_.size());
   for (size_t r = 0; r < peers_.size(); ++r) {
     Peer& p = peers_[r];
-    Message push = Request(p, proto::PUSH, iteration);
-    SPARSEPS_RETURN_IF_ERROR(exact(r, p.candidates, &push));
-    push.header.set_phase(1);
-    SPARSEPS_RETURN_IF_ERROR(SendPushAndPull(p, push, iteration));
+    pushes[r] = Request(p, proto::PUSH, iteration);
+    SPARSEPS_RETURN_IF_ERROR(exact(r, p.candidates, &pushes[r]));
+    pushes[r].header.set_phase(1);
   }
-  request_checkpoint_ = false;
-  return AwaitAll(iteration, params);
+  return PushThenPull(iteration, pushes, params);
 }
 
 Status PsClient::ApplyPullReply(Peer& peer, const Message& msg, float* params) {
@@ -197,6 +213,11 @@ Status PsClient::AwaitAll(int64_t iteration, float* params) {
                                        msg.status().message());
         }
         const auto& h = msg->header;
+        // A reply from a newer membership epoch (a worker left the job): this worker learns of it
+        // before it goes on, so every worker re-splits the data at the same epoch.
+        if (control_->has_membership() && h.epoch() > control_->membership().epoch()) {
+          SPARSEPS_RETURN_IF_ERROR(control_->WaitForEpoch(h.epoch()));
+        }
         if (h.command() == proto::ERROR) {
           return Status::ProtocolError(p.name + " rejected our request (iteration " +
                                        std::to_string(h.iteration()) + "): " + h.error());

@@ -22,9 +22,12 @@ namespace sparseps {
 
 class PsClient {
  public:
-  // Connects to every server in the membership. `control` is polled during waits.
+  // Connects to every server in the membership. `control` is polled during waits. With
+  // commit_after_ack (cluster.on_worker_failure: continue) the pulls of an iteration leave only
+  // once every server acknowledged this worker's push (the servers add a push at its pull: see
+  // server/shard_server.h); otherwise push and pull leave together.
   PsClient(zmq::context_t& context, const proto::Membership& membership, int worker_rank,
-           ControlClient* control, double request_timeout_s);
+           ControlClient* control, double request_timeout_s, bool commit_after_ack = false);
 
   // The key ranges, sorted (one per server).
   const std::vector<KeyRange>& ranges() const { return ranges_; }
@@ -84,9 +87,14 @@ class PsClient {
   Status Send(Peer& peer, Message& msg);
   Message Request(const Peer& peer, proto::Command command, int64_t iteration);
   Status AwaitAll(int64_t iteration, float* params);
-  // Sends `push` (command and iteration set here) and, at once, the PULL of that iteration (the
-  // server answers it when the iteration is applied); expects PUSH_ACK then PULL_REPLY.
-  Status SendPushAndPull(Peer& peer, Message& push, int64_t iteration);
+  // Sends `push` (command and iteration set here); expects PUSH_ACK.
+  Status SendPush(Peer& peer, Message& push, int64_t iteration);
+  // Sends the PULL of `iteration` (the server answers it when the iteration is applied); expects
+  // PULL_REPLY.
+  Status SendPull(Peer& peer, int64_t iteration);
+  // Pushes pushes[r] to range r and pulls the iteration: the pulls once every push is
+  // acknowledged (commit_after_ack), or right behind the pushes.
+  Status PushThenPull(int64_t iteration, std::vector<Message>& pushes, float* params);
   Status ApplyPullReply(Peer& peer, const Message& msg, float* params);
 
   ChangedCallback on_changed_;
@@ -94,6 +102,7 @@ class PsClient {
   ControlClient* control_;
   const int worker_rank_;
   const double request_timeout_s_;
+  const bool commit_after_ack_;
   std::vector<KeyRange> ranges_;
   std::vector<Peer> peers_;
   uint64_t next_request_id_ = 1;

@@ -12,6 +12,14 @@ WorkerSession::WorkerSession(const proto::JobConfig& config)
 
 WorkerSession::~WorkerSession() { control_.StopHeartbeats(); }
 
+bool WorkerSession::is_leader() const {
+  int leader = -1;
+  for (const auto& n : control_.membership().nodes()) {
+    if (n.role() == proto::WORKER && (leader < 0 || n.rank() < leader)) leader = n.rank();
+  }
+  return leader == rank();
+}
+
 Result<std::unique_ptr<WorkerSession>> WorkerSession::Join(const proto::JobConfig& config,
                                                            size_t num_params, bool model_on_device,
                                                            bool name_log) {
@@ -42,6 +50,11 @@ Result<std::unique_ptr<WorkerSession>> WorkerSession::Join(const proto::JobConfi
 }
 
 Status WorkerSession::Resume(const std::function<void(StateArchive&)>& extra) {
+  const auto& m = control_.membership();
+  if (FindResumeFile(m, proto::WORKER, rank(), CheckpointFileName(proto::WORKER, rank())) ==
+      nullptr) {
+    return ResumeWithoutFile(extra);
+  }
   auto file = ReadResumeFile(CheckpointDir(config_), control_.membership(), proto::WORKER, rank(),
                              ConfigFingerprint(config_));
   if (!file.ok()) return file.status();
@@ -62,6 +75,41 @@ Status WorkerSession::Resume(const std::function<void(StateArchive&)>& extra) {
   }
   last_checkpoint_ = Clock::now();
   spdlog::info("resumed from {} at iteration {}", file->path(), resume_iteration());
+  return Status::OK();
+}
+
+Status WorkerSession::ResumeWithoutFile(const std::function<void(StateArchive&)>& extra) {
+  // The checkpoint was taken after this rank was lost: the job's parameters come from the
+  // servers, the loop's position from the lowest-ranked worker's file (all workers are at the
+  // same one), and this worker starts with empty residuals.
+  const auto& m = control_.membership();
+  int other = -1;
+  for (const auto& f : m.resume_files()) {
+    if (f.role() == proto::WORKER && f.file() == CheckpointFileName(proto::WORKER, f.rank()) &&
+        (other < 0 || f.rank() < other)) {
+      other = f.rank();
+    }
+  }
+  if (other < 0 || config_.aggregation() == proto::ALLREDUCE) {
+    return Status::FailedPrecondition("the manifest of checkpoint " +
+                                      std::to_string(m.resume_iteration()) +
+                                      " lists no file for worker " + std::to_string(rank()));
+  }
+  auto file = ReadResumeFile(CheckpointDir(config_), m, proto::WORKER, other,
+                             ConfigFingerprint(config_));
+  if (!file.ok()) return file.status();
+  StateArchive archive(&*file);
+  {
+    auto scope = archive.Scope("loop");
+    extra(archive);
+  }
+  SPARSEPS_RETURN_IF_ERROR(archive.status());
+  SPARSEPS_RETURN_IF_ERROR(aggregator_->ResumeFresh(m.resume_iteration()));
+  last_checkpoint_ = Clock::now();
+  spdlog::warn(
+      "checkpoint {} has no file of worker {} (lost before it): resuming with empty residuals at "
+      "iteration {}, at worker {}'s position in the data",
+      m.resume_iteration(), rank(), m.resume_iteration(), other);
   return Status::OK();
 }
 
@@ -110,7 +158,7 @@ Status WorkerSession::AfterStep(const std::function<void(StateArchive&)>& extra,
     SPARSEPS_RETURN_IF_ERROR(archive.status());
     auto state = std::make_shared<SafetensorsWriter>(std::move(archive.writer()));
     std::shared_ptr<SafetensorsWriter> model;
-    if (rank() == 0 && cc.save_model()) {
+    if (is_leader() && cc.save_model()) {
       model = std::make_shared<SafetensorsWriter>();
       SPARSEPS_RETURN_IF_ERROR(
           BuildModelFile(aggregator_->params(), layers, ModelMetadata(), model.get()));
@@ -129,7 +177,7 @@ Status WorkerSession::AfterStep(const std::function<void(StateArchive&)>& extra,
       if (model) {
         const std::string bytes = model->Serialize();
         SPARSEPS_RETURN_IF_ERROR(WriteFileAtomically(iter_dir + "/model.safetensors", bytes));
-        CheckpointFileInfo m{proto::WORKER, 0, "model.safetensors", bytes.size(),
+        CheckpointFileInfo m{proto::WORKER, id.rank, "model.safetensors", bytes.size(),
                              Xxh3Hex(bytes.data(), bytes.size())};
         files.push_back(ToProto(m, iteration));
       }
@@ -143,7 +191,7 @@ Status WorkerSession::AfterStep(const std::function<void(StateArchive&)>& extra,
     last_checkpoint_ = Clock::now();
     checkpoint_requested_ = false;
   }
-  if (rank() == 0 && cc.every_s() > 0 && !checkpoint_requested_ &&
+  if (is_leader() && cc.every_s() > 0 && !checkpoint_requested_ &&
       SecondsSince(last_checkpoint_) >= cc.every_s()) {
     aggregator_->RequestCheckpoint();
     checkpoint_requested_ = true;

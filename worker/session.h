@@ -38,6 +38,9 @@ class WorkerSession {
   WorkerSession& operator=(const WorkerSession&) = delete;
 
   int rank() const { return control_.rank(); }
+  // True when this worker is the lowest worker rank of the current membership: worker 0, or the
+  // one that took over evaluating and writing the model after worker 0 was lost.
+  bool is_leader() const;
   int num_workers() const { return static_cast<int>(config_.cluster().num_workers()); }
   Aggregator& aggregator() { return *aggregator_; }
   ControlClient& control() { return control_; }
@@ -49,9 +52,12 @@ class WorkerSession {
   // Instead of Aggregator::Init on a resumed job: reads and verifies this worker's file of the
   // checkpoint (common/checkpoint.h), restores the aggregator (Aggregator::Resume) and lets
   // `extra` restore the training loop's own values (its data position) from the same archive.
-  // Errors: the file's refusal naming it (missing, truncated, corrupt, another config), the
-  // aggregator's.
+  // A worker the checkpoint has no file of (it was lost before the checkpoint; ps mode) starts
+  // with empty residuals at the loop position of the lowest-ranked worker's file. Errors: the
+  // file's refusal naming it (truncated, corrupt, another config), the aggregator's.
   Status Resume(const std::function<void(StateArchive&)>& extra);
+  // Resume for a worker the checkpoint has no file of (it was lost before; ps mode).
+  Status ResumeWithoutFile(const std::function<void(StateArchive&)>& extra);
 
   // After each step: when the aggregator says a checkpoint is due (Aggregator::checkpoint_due),
   // snapshots this worker's state (with `extra` saving the loop's own values, and on worker 0 the

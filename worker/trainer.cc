@@ -53,19 +53,23 @@ Result<TrainingData> LoadData(const proto::JobConfig& config) {
   return d;
 }
 
-// A worker's mini-batches: its shard of the training set (ShardIndices), reshuffled every epoch
-// with a seed of its own.
+// A worker's mini-batches: its shard of the training set (ShardIndices: shard `index` of
+// `count`), reshuffled every epoch with a seed of its own.
 class Batches {
  public:
-  Batches(const Dataset& data, const proto::JobConfig& config, int rank)
+  Batches(const Dataset& data, const proto::JobConfig& config, int rank, int index, int count)
       : data_(data),
         seed_(config.train().seed()),
         rank_(rank),
         batch_(config.train().batch_size()),
-        shard_(ShardIndices(data.num_samples, seed_, rank,
-                            static_cast<int>(config.cluster().num_workers()))),
+        shard_(ShardIndices(data.num_samples, seed_, index, count)),
         x_(batch_ * data.num_features),
         y_(batch_) {}
+
+  // Takes shard `index` of `count` instead (the live workers re-split the data).
+  void Reshard(int index, int count) {
+    shard_ = ShardIndices(data_.num_samples, seed_, index, count);
+  }
 
   void StartEpoch(uint32_t epoch) {
     Shuffle(&shard_, seed_ ^ (0x9e3779b97f4a7c15ULL * (epoch + 1)) ^ static_cast<uint64_t>(rank_));
@@ -92,6 +96,34 @@ class Batches {
   std::vector<float> x_;
   std::vector<uint8_t> y_;
 };
+
+// This worker's share of the data: shard `index` of `count`.
+struct Split {
+  int index = 0;
+  int count = 1;
+  bool operator==(const Split&) const = default;
+};
+
+// The split an epoch beginning after `iteration` aggregation rounds uses: that of the newest
+// membership whose cut (a worker leaving) came before it. Every worker has that membership by
+// then (a server's reply of the cut's iteration carries its epoch: worker/ps_client.h), so all of
+// them re-split at the same epoch.
+Split SplitAt(const ControlClient& control, int rank, uint64_t iteration) {
+  const proto::Membership* use = nullptr;
+  for (const auto& m : control.memberships()) {
+    if (!m.has_cut() || m.cut().iteration() < static_cast<int64_t>(iteration)) use = &m;
+  }
+  Split split;
+  if (use == nullptr) return split;
+  std::vector<int> ranks;
+  for (const auto& n : use->nodes()) {
+    if (n.role() == proto::WORKER) ranks.push_back(n.rank());
+  }
+  std::sort(ranks.begin(), ranks.end());
+  split.count = static_cast<int>(ranks.size());
+  split.index = static_cast<int>(std::find(ranks.begin(), ranks.end(), rank) - ranks.begin());
+  return split;
+}
 
 // Evaluates the job's parameters on the test set (worker 0) and logs it.
 Status Evaluate(Model& model, Aggregator& aggregator, const Dataset& test, uint32_t epoch,
@@ -131,10 +163,10 @@ Status Train(const proto::JobConfig& config, Model& model, const TrainingData& d
   if (on_device) SPARSEPS_RETURN_IF_ERROR(grad_d.Allocate(n));
   float* grad = on_device ? grad_d.data() : grad_h.data();
 
-  const uint64_t spe = data.steps_per_epoch;
-  const uint64_t total = tc.max_steps() > 0 ? std::min<uint64_t>(tc.epochs() * spe, tc.max_steps())
-                                            : tc.epochs() * spe;
-  const uint32_t epochs = static_cast<uint32_t>((total + spe - 1) / spe);
+  uint64_t spe = data.steps_per_epoch;
+  uint64_t total = tc.max_steps() > 0 ? std::min<uint64_t>(tc.epochs() * spe, tc.max_steps())
+                                      : tc.epochs() * spe;
+  uint32_t epochs = static_cast<uint32_t>((total + spe - 1) / spe);
   spdlog::info(
       "model: {}, {} parameters; {} training samples on this worker, {} steps per epoch; "
       "initialised in {:.2f} s",
@@ -147,15 +179,31 @@ Status Train(const proto::JobConfig& config, Model& model, const TrainingData& d
                  step % spe);
   }
   const std::vector<TensorLayout> layers = model.Layers();
-  Batches batches(data.train, config, rank);
+  const int workers = session.num_workers();
+  Split split{rank, workers};
+  Batches batches(data.train, config, rank, split.index, split.count);
   uint32_t epoch = static_cast<uint32_t>(step / spe);
+  uint64_t epoch_begin = uint64_t{epoch} * spe;  // steps done when this epoch began
   // Each epoch reshuffles the previous epoch's order: a resumed run replays the earlier shuffles
   // to get its data order back.
   for (uint32_t e = 0; e < epoch; ++e) batches.StartEpoch(e);
   for (; epoch < epochs && step < total; ++epoch) {
+    if (const Split now = SplitAt(session.control(), rank, aggregator.iteration());
+        step == epoch_begin && !(now == split)) {
+      // Workers were lost: the live ones share the data from this epoch on.
+      split = now;
+      batches.Reshard(split.index, split.count);
+      spe = StepsPerEpoch(data.train.num_samples, split.count, tc.batch_size());
+      total = step + (tc.epochs() - epoch) * spe;
+      if (tc.max_steps() > 0) total = std::min<uint64_t>(total, tc.max_steps());
+      epochs = epoch + static_cast<uint32_t>((total - step + spe - 1) / spe);
+      log.SetPlan(total, epochs, static_cast<uint32_t>(split.count));
+      spdlog::info("epoch {}: the data is re-split among the {} live workers ({} steps per epoch)",
+                   epoch + 1, split.count, spe);
+    }
     batches.StartEpoch(epoch);
     aggregator.SetEpoch(epoch);
-    for (uint64_t s = step - uint64_t{epoch} * spe; s < spe && step < total; ++s) {
+    for (uint64_t s = step - epoch_begin; s < spe && step < total; ++s) {
       const auto t0 = Clock::now();
       batches.Fill(s);
       auto params = aggregator.ModelParams();
@@ -177,17 +225,22 @@ Status Train(const proto::JobConfig& config, Model& model, const TrainingData& d
       ++step;
       log.Step(step, epoch + 1, loss, compute_ms, stats, aggregator);
       SPARSEPS_RETURN_IF_ERROR(session.AfterStep(loop_state, layers));
-      if (rank == 0 && tc.eval_every_steps() > 0 && step % tc.eval_every_steps() == 0 &&
+      if (!log.leader() && session.is_leader()) {
+        spdlog::warn("the workers before this one were lost: this worker evaluates from now on");
+        SPARSEPS_RETURN_IF_ERROR(log.BecomeLeader());
+      }
+      if (log.leader() && tc.eval_every_steps() > 0 && step % tc.eval_every_steps() == 0 &&
           step < total) {
         SPARSEPS_RETURN_IF_ERROR(Evaluate(model, aggregator, data.test, epoch + 1, step, &log));
       }
     }
+    epoch_begin = step;
     const uint32_t every = tc.eval_every_epochs();
-    if (rank == 0 && every > 0 && (epoch + 1) % every == 0 && step < total) {
+    if (log.leader() && every > 0 && (epoch + 1) % every == 0 && step < total) {
       SPARSEPS_RETURN_IF_ERROR(Evaluate(model, aggregator, data.test, epoch + 1, step, &log));
     }
   }
-  if (rank == 0) {
+  if (log.leader()) {
     SPARSEPS_RETURN_IF_ERROR(Evaluate(model, aggregator, data.test, epoch, step, &log));
     if (config.checkpoint().save_model() && !config.run().dir().empty()) {
       const std::string path = config.run().dir() + "/model.safetensors";
@@ -246,7 +299,7 @@ Status RunWorker(const proto::JobConfig& config) {
   if (!session.ok()) return session.status();
   Status result = Train(config, **model, *data, **session);
   if (!result.ok()) (*session)->ReportFailure(result);
-  if ((*session)->control().scheduler_lost() && (*session)->rank() == 0 &&
+  if ((*session)->control().scheduler_lost() && (*session)->is_leader() &&
       !config.run().dir().empty()) {
     // No scheduler is left to write the job's result: record the failure where users look.
     proto::RunSummary summary;

@@ -9,7 +9,12 @@ namespace sparseps {
 
 TrainingLog::TrainingLog(const proto::JobConfig& config, int rank, uint64_t total_steps,
                          uint32_t epochs)
-    : config_(config), rank_(rank), total_steps_(total_steps), epochs_(epochs) {}
+    : config_(config),
+      rank_(rank),
+      leader_(rank == 0),
+      total_steps_(total_steps),
+      epochs_(epochs),
+      workers_(config.cluster().num_workers()) {}
 
 namespace {
 const std::vector<std::string> kMetricColumns = {
@@ -30,6 +35,13 @@ Status TrainingLog::Open() {
   }
   start_ = last_progress_ = Clock::now();
   return Status::OK();
+}
+
+Status TrainingLog::BecomeLeader() {
+  leader_ = true;
+  const std::string& dir = config_.run().dir();
+  if (evals_.is_open() || dir.empty()) return Status::OK();
+  return evals_.Open(dir + "/eval-worker-" + std::to_string(rank_) + ".csv", kEvalColumns);
 }
 
 Status TrainingLog::OpenResumed(uint64_t step) {
@@ -64,11 +76,11 @@ void TrainingLog::Step(uint64_t step, uint32_t epoch, double loss, double comput
   progress_loss_ += loss;
   ++progress_steps_;
   const double since = std::chrono::duration<double>(now - last_progress_).count();
-  if (rank_ != 0 || since < config_.run().progress_interval_s()) return;
+  if (!leader_ || since < config_.run().progress_interval_s()) return;
   // loss: the mean since the previous line; test_acc: the last evaluation's; samples/s: the
   // cluster's since the previous line; MB: this worker's totals so far.
-  const double samples = static_cast<double>(progress_steps_ * config_.train().batch_size() *
-                                             config_.cluster().num_workers());
+  const double samples =
+      static_cast<double>(progress_steps_ * config_.train().batch_size() * workers_);
   spdlog::info(
       "progress epoch {}/{} step {}/{} loss {:.4f} test_acc {} cluster {:.0f} samples/s, "
       "this worker sent {:.2f} MB and received {:.2f} MB in all",
@@ -112,7 +124,7 @@ proto::WorkerStats TrainingLog::Stats(uint64_t steps, uint32_t epochs,
       "received {:.0f} B/step{}",
       steps, train_s_, stats.samples_per_s(), static_cast<double>(stats.bytes_sent()) * per_step,
       static_cast<double>(stats.bytes_received()) * per_step,
-      rank_ == 0 ? fmt::format(", final test accuracy {:.2f}%", 100 * test_accuracy_) : "");
+      leader_ ? fmt::format(", final test accuracy {:.2f}%", 100 * test_accuracy_) : "");
   return stats;
 }
 

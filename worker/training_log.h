@@ -32,6 +32,20 @@ class TrainingLog {
   void Step(uint64_t step, uint32_t epoch, double loss, double compute_ms, const StepStats& stats,
             const Aggregator& aggregator);
 
+  // This worker evaluates and prints the progress lines from now on: worker 0 from the start, the
+  // lowest live rank after worker 0 was lost (its evaluations go to eval-worker-<rank>.csv).
+  // Errors: IoError naming the file.
+  Status BecomeLeader();
+  bool leader() const { return leader_; }
+
+  // The run's plan changed (the data was re-split among fewer workers): total steps, epochs and
+  // the number of workers the progress line's samples/s counts.
+  void SetPlan(uint64_t total_steps, uint32_t epochs, uint32_t workers) {
+    total_steps_ = total_steps;
+    epochs_ = epochs;
+    workers_ = workers;
+  }
+
   // Marks the start of an evaluation: its time is left out of train_s.
   void BeginEval() { eval_start_ = Clock::now(); }
   // The evaluation begun last ran in epoch `epoch` (1-based) after `steps` steps.
@@ -46,8 +60,10 @@ class TrainingLog {
  private:
   const proto::JobConfig& config_;
   const int rank_;
-  const uint64_t total_steps_;
-  const uint32_t epochs_;
+  bool leader_;
+  uint64_t total_steps_;
+  uint32_t epochs_;
+  uint32_t workers_;
   CsvWriter metrics_, evals_;
   Clock::time_point start_, last_progress_, eval_start_;
   double eval_s_ = 0.0;   // time spent evaluating

@@ -8,11 +8,13 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <regex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "tests/support/process.h"
@@ -56,10 +58,13 @@ class ResumeTest : public ::testing::TestWithParam<Setting> {};
 TEST_P(ResumeTest, KilledJobResumesBitwiseEqualToAnUninterruptedRun) {
   if (!HaveData()) GTEST_SKIP() << "Fashion-MNIST not installed";
   TempDir dir("resume");
-  std::vector<std::string> sets = {
-      "--set", "model.hidden=[64]",          "--set", "data.max_train_samples=6400",
-      "--set", "data.max_test_samples=1000", "--set", "train.max_steps=300",
-      "--set", "checkpoint.every_steps=30",  "--set", "cluster.num_workers=2"};
+  std::vector<std::string> sets = {"--set", "model.hidden=[64]",
+                                   "--set", "data.max_train_samples=6400",
+                                   "--set", "data.max_test_samples=1000",
+                                   "--set", "train.max_steps=300",
+                                   "--set", "checkpoint.every_steps=30",
+                                   "--set", "cluster.num_workers=2",
+                                   "--set", "cluster.on_worker_failure=abort"};
   for (const auto& s : GetParam().sets) {
     sets.push_back("--set");
     sets.push_back(s);
@@ -117,6 +122,54 @@ TEST_P(ResumeTest, KilledJobResumesBitwiseEqualToAnUninterruptedRun) {
   ASSERT_EQ(steps.size(), 300u);
   for (size_t i = 0; i < steps.size(); ++i) ASSERT_EQ(steps[i], static_cast<double>(i + 1));
   EXPECT_THAT(testing::ReadFile(cut + "/summary.json"), HasSubstr("\"status\": \"ok\""));
+}
+
+// cluster.min_workers: three workers, at least three needed. Worker 2 killed with kill -9: the
+// job ends after a checkpoint of the iteration following the cut, naming the reason; resumed with
+// all three, worker 2 (which has no file in that checkpoint) starts with empty residuals at the
+// others' position, and the job completes.
+TEST(WorkerLoss, BelowMinWorkersEndsWithACheckpointThatResumes) {
+  if (!HaveData()) GTEST_SKIP() << "Fashion-MNIST not installed";
+  TempDir dir("min-workers");
+  const std::vector<std::string> sets = {
+      "--set", "model.hidden=[64]",           "--set", "data.max_train_samples=6400",
+      "--set", "data.max_test_samples=1000",  "--set", "train.max_steps=300",
+      "--set", "checkpoint.every_steps=1000", "--set", "cluster.num_workers=3",
+      "--set", "cluster.min_workers=3",       "--set", "cluster.heartbeat_interval_s=0.25"};
+  const std::string run = dir.path() + "/run";
+  ChildProcess b(Launch(run, sets), dir.path() + "/run.log", {}, true);
+  const std::string csv = run + "/metrics-worker-2.csv";
+  ASSERT_FALSE(testing::WaitForFile(csv, 120).empty()) << b.Log();
+  for (int i = 0; i < 600; ++i) {
+    const std::string text = testing::ReadFile(csv);
+    if (std::count(text.begin(), text.end(), '\n') > 40) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  const pid_t victim = LoggedPid(testing::ReadFile(run + "/worker-2.log"));
+  ASSERT_GT(victim, 0);
+  ASSERT_EQ(::kill(victim, SIGKILL), 0);
+  ASSERT_EQ(b.Wait(120), 1) << b.Log();
+  const std::string scheduler = testing::ReadFile(run + "/scheduler.log");
+  EXPECT_THAT(scheduler, HasSubstr("only 2 live workers, fewer than cluster.min_workers = 3"));
+  EXPECT_THAT(scheduler, HasSubstr("is complete: resume from it with --resume"));
+  std::string newest;
+  for (const auto& e : std::filesystem::directory_iterator(run + "/checkpoints")) {
+    if (std::filesystem::exists(e.path() / "MANIFEST.json") && e.path().string() > newest)
+      newest = e.path().string();
+  }
+  ASSERT_FALSE(newest.empty()) << scheduler;
+  EXPECT_TRUE(std::filesystem::exists(newest + "/worker-1.safetensors"));
+  EXPECT_FALSE(std::filesystem::exists(newest + "/worker-2.safetensors"));
+
+  ChildProcess c(Launch("", {"--resume", run}), dir.path() + "/resumed.log", {}, true);
+  ASSERT_EQ(c.Wait(180), 0) << c.Log();
+  EXPECT_THAT(testing::ReadFile(run + "/worker-2.log"),
+              HasSubstr("has no file of worker 2 (lost before it): resuming with empty residuals"));
+  std::vector<double> steps;
+  ASSERT_NO_FATAL_FAILURE(testing::CsvColumn(run + "/metrics-worker-0.csv", "step", &steps));
+  ASSERT_FALSE(steps.empty());
+  EXPECT_EQ(steps.back(), 198.0);  // 6 epochs of 6400 / 3 / 64 = 33 steps, all with three workers
+  EXPECT_THAT(testing::ReadFile(run + "/summary.json"), HasSubstr("\"status\": \"ok\""));
 }
 
 // --max-restarts: a worker or a server killed with kill -9 mid-run; the launcher restarts the whole

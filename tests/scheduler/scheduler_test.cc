@@ -6,7 +6,9 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <filesystem>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -170,6 +172,7 @@ TEST_F(SchedulerTest, BarrierTimeoutNamesWhoIsMissing) {
 }
 
 TEST_F(SchedulerTest, SilentNodeIsDeclaredDead) {
+  config_.mutable_cluster()->set_on_worker_failure(proto::ABORT);
   Scheduler s(config_, t0_);
   RegisterAll(s);
   std::vector<Outgoing> out;
@@ -231,6 +234,233 @@ TEST_F(SchedulerTest, MalformedMessageIsCountedAndAnswered) {
   ASSERT_EQ(out.size(), 1u);
   EXPECT_EQ(out[0].msg.header.command(), proto::ERROR);
   EXPECT_EQ(s.rejected_messages(), 1u);
+}
+
+// cluster.on_worker_failure: continue (the default). Worker 1 goes silent; the scheduler asks
+// both servers where they are, decides from their answers whether its last push counts, and sends
+// membership epoch 2 without it to the three live nodes.
+class WorkerLossTest : public SchedulerTest {
+ protected:
+  // Heartbeats from everyone but worker 1 for 12 s; returns what the scheduler sent.
+  std::vector<Outgoing> SilenceWorker1(Scheduler& s) {
+    std::vector<Outgoing> out;
+    for (int i = 1; i <= 12; ++i) {
+      for (auto [who, role, rank] : {std::tuple{"w-a", proto::WORKER, 0},
+                                     {"s-a", proto::SERVER, 0},
+                                     {"s-b", proto::SERVER, 1}}) {
+        Message hb;
+        hb.header.set_command(proto::HEARTBEAT);
+        hb.header.set_sender_role(role);
+        hb.header.set_sender_rank(rank);
+        Send(s, who, std::move(hb), t0_ + seconds(i));
+      }
+      s.Tick(t0_ + seconds(i), &out);
+    }
+    return out;
+  }
+  Message PositionMsg(int server, int64_t version, uint32_t state) {
+    Message m;
+    m.header.set_command(proto::POSITION);
+    m.header.set_sender_role(proto::SERVER);
+    m.header.set_sender_rank(server);
+    auto* p = m.header.mutable_position();
+    p->set_worker_rank(1);
+    p->set_version(version);
+    p->set_worker_state(state);
+    return m;
+  }
+  static std::map<std::string, proto::Membership> Memberships(const std::vector<Outgoing>& out) {
+    std::map<std::string, proto::Membership> m;
+    for (const auto& o : out) {
+      if (o.msg.header.command() == proto::MEMBERSHIP) m[o.to] = o.msg.header.membership();
+    }
+    return m;
+  }
+};
+
+TEST_F(WorkerLossTest, DeadWorkerWhosePushDidNotReachEveryServerIsDroppedEverywhere) {
+  Scheduler s(config_, t0_);
+  RegisterAll(s);
+  // worker 0 waits at a workers' barrier that worker 1 will never enter
+  Send(s, "w-a", BarrierMsg(proto::WORKER, 0, "epoch", 0, proto::WORKER), t0_);
+  auto out = SilenceWorker1(s);
+  ASSERT_FALSE(s.finished());
+  std::set<std::string> asked;
+  bool released = false;
+  for (const auto& o : out) {
+    if (o.msg.header.command() == proto::WORKER_LOST) {
+      asked.insert(o.to);
+      EXPECT_EQ(o.msg.header.position().worker_rank(), 1);
+    }
+    if (o.msg.header.command() == proto::BARRIER_RELEASE) released = o.to == "w-a";
+  }
+  EXPECT_EQ(asked, (std::set<std::string>{"s-a", "s-b"}));
+  EXPECT_TRUE(released) << "a barrier must not wait for a removed worker";
+  // Server 0 holds the push of iteration 7, uncommitted; server 1 never got it: dropped.
+  EXPECT_TRUE(Memberships(Send(s, "s-a", PositionMsg(0, 7, 1), t0_ + seconds(13))).empty());
+  auto m = Memberships(Send(s, "s-b", PositionMsg(1, 7, 0), t0_ + seconds(13)));
+  ASSERT_EQ(m.size(), 3u);
+  ASSERT_FALSE(m.count("w-b"));
+  const auto& epoch2 = m["s-a"];
+  EXPECT_EQ(epoch2.epoch(), 2u);
+  EXPECT_EQ(epoch2.nodes_size(), 3);
+  EXPECT_EQ(epoch2.cut().worker_rank(), 1);
+  EXPECT_EQ(epoch2.cut().iteration(), 7);
+  EXPECT_FALSE(epoch2.cut().include());
+  EXPECT_FALSE(epoch2.checkpoint_and_stop());
+  // The lost worker speaks again: told once that it is out, and the job goes on.
+  Message hb;
+  hb.header.set_command(proto::HEARTBEAT);
+  hb.header.set_sender_role(proto::WORKER);
+  hb.header.set_sender_rank(1);
+  auto told = Send(s, "w-b-hb", std::move(hb), t0_ + seconds(14));
+  ASSERT_EQ(told.size(), 1u);
+  EXPECT_EQ(told[0].to, "w-b");
+  EXPECT_EQ(told[0].msg.header.command(), proto::FATAL);
+  Message fatal;
+  fatal.header.set_command(proto::FATAL);
+  fatal.header.set_sender_role(proto::WORKER);
+  fatal.header.set_sender_rank(1);
+  EXPECT_TRUE(Send(s, "w-b", std::move(fatal), t0_ + seconds(14)).empty());
+  ASSERT_FALSE(s.finished());
+  // The one live worker's DONE ends the job.
+  Message d0;
+  d0.header.set_command(proto::DONE);
+  d0.header.mutable_done()->mutable_stats()->set_steps(50);
+  Send(s, "w-a", std::move(d0), t0_ + seconds(15));
+  ASSERT_TRUE(s.finished());
+  EXPECT_TRUE(s.final_status().ok()) << s.final_status().message();
+  const auto summary = s.Summary(t0_ + seconds(15));
+  ASSERT_EQ(summary.lost_workers_size(), 1);
+  EXPECT_EQ(summary.lost_workers(0).rank(), 1);
+  EXPECT_EQ(summary.lost_workers(0).iteration(), 7);
+  EXPECT_THAT(summary.lost_workers(0).reason(), HasSubstr("declaring it dead"));
+}
+
+TEST_F(WorkerLossTest, BrokenConnectionIsNoticedBeforeTheHeartbeatTimeout) {
+  Scheduler s(config_, t0_);
+  RegisterAll(s);
+  // A send to worker 1 fails: its connection is gone (kill -9 closes its sockets).
+  EXPECT_TRUE(s.Unreachable("w-b", t0_ + seconds(1)));
+  EXPECT_FALSE(s.Unreachable("w-b", t0_ + seconds(1))) << "reported once";
+  std::vector<Outgoing> out;
+  s.Tick(t0_ + seconds(2), &out);  // within two heartbeat intervals: not yet
+  for (const auto& o : out) EXPECT_NE(o.msg.header.command(), proto::WORKER_LOST);
+  out.clear();
+  s.Tick(t0_ + seconds(4), &out);  // 3 s > 2 heartbeat intervals, 4 s < heartbeat_timeout_s
+  size_t asked = 0;
+  for (const auto& o : out) asked += o.msg.header.command() == proto::WORKER_LOST;
+  EXPECT_EQ(asked, 2u);
+  // A node that speaks again clears the mark.
+  EXPECT_TRUE(s.Unreachable("w-a", t0_ + seconds(4)));
+  Message hb;
+  hb.header.set_command(proto::HEARTBEAT);
+  hb.header.set_sender_role(proto::WORKER);
+  hb.header.set_sender_rank(0);
+  Send(s, "w-a-hb", std::move(hb), t0_ + seconds(5));
+  out.clear();
+  s.Tick(t0_ + seconds(8), &out);
+  EXPECT_FALSE(s.finished());
+  EXPECT_EQ(s.Summary(t0_ + seconds(8)).lost_workers_size(), 0)
+      << "worker 1 is still being removed";
+}
+
+TEST_F(WorkerLossTest, DeadWorkerWhosePushReachedEveryServerCountsEverywhere) {
+  Scheduler s(config_, t0_);
+  RegisterAll(s);
+  SilenceWorker1(s);
+  // Server 0 applied iteration 7 already (with worker 1's push), server 1 holds the push.
+  Send(s, "s-a", PositionMsg(0, 8, 0), t0_ + seconds(13));
+  auto m = Memberships(Send(s, "s-b", PositionMsg(1, 7, 1), t0_ + seconds(13)));
+  ASSERT_EQ(m.size(), 3u);
+  EXPECT_EQ(m["w-a"].cut().iteration(), 7);
+  EXPECT_TRUE(m["w-a"].cut().include());
+}
+
+TEST_F(WorkerLossTest, ContradictingServersEndTheJob) {
+  Scheduler s(config_, t0_);
+  RegisterAll(s);
+  SilenceWorker1(s);
+  // Server 0 has the push committed, server 1 at the same iteration never got it: no consistent
+  // cut exists (the protocol rules it out), so the job ends saying why.
+  Send(s, "s-a", PositionMsg(0, 7, 2), t0_ + seconds(13));
+  Send(s, "s-b", PositionMsg(1, 7, 0), t0_ + seconds(13));
+  ASSERT_TRUE(s.finished());
+  EXPECT_THAT(s.final_status().message(), HasSubstr("cannot remove worker 1"));
+}
+
+TEST_F(WorkerLossTest, ServerThatDoesNotAnswerIsNamed) {
+  Scheduler s(config_, t0_);
+  RegisterAll(s);
+  SilenceWorker1(s);
+  Send(s, "s-a", PositionMsg(0, 7, 0), t0_ + seconds(13));
+  std::vector<Outgoing> out;
+  for (int i = 13; i < 40 && !s.finished(); ++i) {
+    for (auto [who, role, rank] : {std::tuple{"w-a", proto::WORKER, 0},
+                                   {"s-a", proto::SERVER, 0},
+                                   {"s-b", proto::SERVER, 1}}) {
+      Message hb;
+      hb.header.set_command(proto::HEARTBEAT);
+      hb.header.set_sender_role(role);
+      hb.header.set_sender_rank(rank);
+      Send(s, who, std::move(hb), t0_ + seconds(i));
+    }
+    s.Tick(t0_ + seconds(i), &out);
+  }
+  ASSERT_TRUE(s.finished());
+  EXPECT_THAT(s.final_status().message(), HasSubstr("no answer"));
+  EXPECT_THAT(s.final_status().message(), HasSubstr("server 1"));
+}
+
+TEST_F(WorkerLossTest, BelowMinWorkersWithoutCheckpointFolderEndsAtOnce) {
+  config_.mutable_cluster()->set_min_workers(2);
+  Scheduler s(config_, t0_);
+  RegisterAll(s);
+  SilenceWorker1(s);
+  Send(s, "s-a", PositionMsg(0, 7, 0), t0_ + seconds(13));
+  Send(s, "s-b", PositionMsg(1, 7, 0), t0_ + seconds(13));
+  ASSERT_TRUE(s.finished());
+  EXPECT_THAT(s.final_status().message(), HasSubstr("fewer than cluster.min_workers = 2"));
+  EXPECT_THAT(s.final_status().message(), HasSubstr("no checkpoint was written"));
+}
+
+TEST_F(WorkerLossTest, BelowMinWorkersEndsAfterTheCheckpoint) {
+  config_.mutable_cluster()->set_min_workers(2);
+  const std::string dir = ::testing::TempDir() + "/worker_loss_checkpoint";
+  std::filesystem::remove_all(dir);
+  config_.mutable_checkpoint()->set_dir(dir);
+  config_.mutable_checkpoint()->set_save_model(false);
+  Scheduler s(config_, t0_);
+  RegisterAll(s);
+  SilenceWorker1(s);
+  Send(s, "s-a", PositionMsg(0, 7, 0), t0_ + seconds(13));
+  auto m = Memberships(Send(s, "s-b", PositionMsg(1, 7, 0), t0_ + seconds(13)));
+  ASSERT_EQ(m.size(), 3u);
+  EXPECT_TRUE(m["w-a"].checkpoint_and_stop());
+  ASSERT_FALSE(s.finished());
+  // Every live node reports its file of iteration 8: the manifest, then the end.
+  for (auto [who, role, rank] : {std::tuple{"s-a", proto::SERVER, 0},
+                                 {"s-b", proto::SERVER, 1},
+                                 {"w-a", proto::WORKER, 0}}) {
+    ASSERT_FALSE(s.finished());
+    Message c;
+    c.header.set_command(proto::CHECKPOINT_WRITTEN);
+    c.header.set_sender_role(role);
+    c.header.set_sender_rank(rank);
+    c.header.set_iteration(8);
+    auto* f = c.header.mutable_checkpoint_file();
+    f->set_role(role);
+    f->set_rank(rank);
+    f->set_iteration(8);
+    f->set_file(std::string(role == proto::SERVER ? "server-" : "worker-") + std::to_string(rank) +
+                ".safetensors");
+    Send(s, who, std::move(c), t0_ + seconds(14));
+  }
+  ASSERT_TRUE(s.finished());
+  EXPECT_THAT(s.final_status().message(), HasSubstr("fewer than cluster.min_workers = 2"));
+  EXPECT_THAT(s.final_status().message(), HasSubstr("checkpoint of iteration 8"));
+  EXPECT_EQ(s.last_checkpoint(), 8);
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

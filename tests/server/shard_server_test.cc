@@ -477,3 +477,119 @@ TEST(ShardServer, StateRestoredFromACheckpointContinuesBitwiseEqual) {
 
 }  // namespace
 }  // namespace sparseps
+
+namespace sparseps {
+namespace {
+
+// cluster.on_worker_failure: continue. A push is held until its worker's pull (sent once every
+// server acknowledged it) and only then added; a dead worker's push of the iteration in progress
+// is added or dropped as the scheduler's cut says, and the update is the mean over the pushes that
+// were added.
+class CommitOnPull : public ::testing::Test {
+ protected:
+  CommitOnPull() {
+    ShardOptions o;
+    o.range = r_;
+    o.num_workers = 3;
+    o.lr = 1.0;
+    o.commit_on_pull = true;
+    shard_ = std::make_unique<ShardServer>(o);
+    EXPECT_EQ(Only(Send(*shard_, Init(r_, {10, 20, 30, 40}))), proto::INIT_ACK);
+  }
+  // Worker w's push of iteration t: key 1 gets (w + 1) * 6 (so every mean is an integer).
+  std::vector<Outgoing> PushFrom(int w, int64_t t) {
+    return Send(*shard_, Push(r_, t, w, {1}, {static_cast<float>((w + 1) * 6)}),
+                "w" + std::to_string(w));
+  }
+  std::vector<Outgoing> PullFrom(int w, int64_t t) {
+    return Send(*shard_, Pull(r_, t, w, t), "w" + std::to_string(w));
+  }
+  proto::WorkerCut CutOf(int w, int64_t t, bool include) {
+    proto::WorkerCut c;
+    c.set_worker_rank(w);
+    c.set_iteration(t);
+    c.set_include(include);
+    return c;
+  }
+  const KeyRange r_{0, 4};
+  std::unique_ptr<ShardServer> shard_;
+};
+
+TEST_F(CommitOnPull, PushesCountOnlyOnceTheirWorkersPull) {
+  for (int w = 0; w < 3; ++w) EXPECT_EQ(Only(PushFrom(w, 0)), proto::PUSH_ACK);
+  EXPECT_EQ(shard_->Position(2).worker_state(), 1u);  // held, not added
+  EXPECT_TRUE(PullFrom(0, 0).empty());
+  EXPECT_TRUE(PullFrom(1, 0).empty());
+  EXPECT_EQ(shard_->version(), 0);
+  EXPECT_EQ(shard_->Position(0).worker_state(), 2u);
+  auto replies = PullFrom(2, 0);
+  EXPECT_EQ(replies.size(), 3u);  // every pull answered
+  EXPECT_EQ(shard_->version(), 1);
+  EXPECT_EQ(shard_->params()[1], 20.0f - (6 + 12 + 18) / 3.0f);
+}
+
+TEST_F(CommitOnPull, DroppedPushOfTheDeadWorkerIsNotAdded) {
+  for (int w = 0; w < 3; ++w) PushFrom(w, 0);
+  PullFrom(0, 0);
+  PullFrom(1, 0);
+  // Worker 2 pushed here but died before every server had its push: the cut drops it.
+  std::vector<Outgoing> out;
+  EXPECT_EQ(shard_->Cut(CutOf(2, 0, false), 2, false, &out), "");
+  EXPECT_EQ(shard_->version(), 1);
+  EXPECT_EQ(out.size(), 2u);  // the two live workers' pulls
+  for (const auto& o : out) EXPECT_EQ(o.msg.header.epoch(), 2u);
+  EXPECT_EQ(shard_->params()[1], 20.0f - (6 + 12) / 2.0f);
+  // From now on two pushes make an iteration, and the dead worker's are refused.
+  auto late = PushFrom(2, 1);
+  ASSERT_EQ(Only(late), proto::ERROR);
+  EXPECT_NE(late[0].msg.header.error().find("removed from the job"), std::string::npos);
+  PushFrom(0, 1);
+  PushFrom(1, 1);
+  PullFrom(0, 1);
+  PullFrom(1, 1);
+  EXPECT_EQ(shard_->version(), 2);
+  EXPECT_EQ(shard_->params()[1], 20.0f - 9 - 9);
+}
+
+TEST_F(CommitOnPull, IncludedPushOfTheDeadWorkerIsAddedOnce) {
+  for (int w = 0; w < 3; ++w) PushFrom(w, 0);
+  PullFrom(0, 0);
+  // Worker 2's pull reached another server: its push counts here too.
+  std::vector<Outgoing> out;
+  EXPECT_EQ(shard_->Cut(CutOf(2, 0, true), 2, false, &out), "");
+  EXPECT_EQ(shard_->version(), 0);  // worker 1 has not committed yet
+  PullFrom(1, 0);
+  EXPECT_EQ(shard_->version(), 1);
+  EXPECT_EQ(shard_->params()[1], 20.0f - (6 + 12 + 18) / 3.0f);
+}
+
+TEST_F(CommitOnPull, CutThatContradictsTheShardIsRefused) {
+  PushFrom(0, 0);
+  PushFrom(1, 0);
+  std::vector<Outgoing> out;
+  // Counting a push this shard never received cannot be done.
+  EXPECT_NE(shard_->Cut(CutOf(2, 0, true), 2, false, &out).find("never received"),
+            std::string::npos);
+  PullFrom(0, 0);
+  // Dropping a push this shard already added cannot be done either.
+  EXPECT_NE(shard_->Cut(CutOf(0, 0, false), 3, false, &out).find("already added"),
+            std::string::npos);
+}
+
+TEST_F(CommitOnPull, CutWithCheckpointMakesTheNextIterationACheckpoint) {
+  for (int w = 0; w < 3; ++w) PushFrom(w, 0);
+  PullFrom(0, 0);
+  PullFrom(1, 0);
+  std::vector<Outgoing> out;
+  EXPECT_EQ(shard_->Cut(CutOf(2, 0, false), 2, /*checkpoint=*/true, &out), "");
+  EXPECT_TRUE(shard_->TakeCheckpointDue());
+  ASSERT_EQ(out.size(), 2u);
+  for (const auto& o : out) EXPECT_TRUE(o.msg.header.checkpoint());
+  // A shard that applied the cut's iteration already saves at once.
+  std::vector<Outgoing> none;
+  EXPECT_EQ(shard_->Cut(CutOf(1, 0, false), 3, true, &none), "");
+  EXPECT_TRUE(shard_->TakeCheckpointDue());
+}
+
+}  // namespace
+}  // namespace sparseps

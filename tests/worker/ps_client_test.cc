@@ -144,7 +144,7 @@ TEST_F(PsClientTest, WorksAgainstARealShard) {
   FakeServer server(context_,
                     [&](const std::string& peer, Result<Message> msg, std::vector<Outgoing>* out) {
                       std::lock_guard<std::mutex> lock(mu);
-                      shard.Handle(peer, msg, out);
+                      shard.Handle(peer, std::move(msg), out);
                     });
   auto ps = Connect(server.port(), 10);
   std::vector<float> params = {1, 2, 3, 4, 5, 6, 7, 8};
