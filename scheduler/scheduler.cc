@@ -724,9 +724,9 @@ void Scheduler::Tick(Clock::time_point now, std::vector<Outgoing>* out) {
     const Node& n = nodes_[i];
     if (n.done || n.dead) continue;
     const double silent = std::chrono::duration<double>(now - n.last_seen).count();
-    const double broken =
-        n.unreachable_since ? std::chrono::duration<double>(now - *n.unreachable_since).count()
-                            : 0.0;
+    const double broken = n.unreachable_since
+                              ? std::chrono::duration<double>(now - *n.unreachable_since).count()
+                              : 0.0;
     std::string reason;
     if (silent > c.heartbeat_timeout_s()) {
       reason = Describe(n) + " sent no heartbeat for " + FormatSeconds(silent) +

@@ -72,8 +72,9 @@ class Aggregator {
   // job's parameters as Resume gets them, at `iteration`, with this worker's own state (residuals,
   // momentum) empty. PS mode only; allreduce: FailedPrecondition.
   virtual Status ResumeFresh(uint64_t iteration) {
-    return Status::FailedPrecondition("a worker without a checkpoint file cannot resume in "
-                                      "allreduce mode");
+    return Status::FailedPrecondition(
+        "a worker without a checkpoint file cannot resume in "
+        "allreduce mode");
   }
 
   // Saves or restores what this worker keeps across iterations (compressor or collective state,

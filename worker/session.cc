@@ -95,8 +95,8 @@ Status WorkerSession::ResumeWithoutFile(const std::function<void(StateArchive&)>
                                       std::to_string(m.resume_iteration()) +
                                       " lists no file for worker " + std::to_string(rank()));
   }
-  auto file = ReadResumeFile(CheckpointDir(config_), m, proto::WORKER, other,
-                             ConfigFingerprint(config_));
+  auto file =
+      ReadResumeFile(CheckpointDir(config_), m, proto::WORKER, other, ConfigFingerprint(config_));
   if (!file.ok()) return file.status();
   StateArchive archive(&*file);
   {
