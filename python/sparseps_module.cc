@@ -569,6 +569,18 @@ class Worker {
   bool checkpoint_due() const { return session_ && session_->aggregator().checkpoint_due(); }
   int rank() const { return session_ ? session_->rank() : config_.node().rank(); }
   int num_workers() const { return static_cast<int>(config_.cluster().num_workers()); }
+  // The ranks of the workers still in the job (cluster.on_worker_failure: continue drops dead
+  // ones).
+  std::vector<int> live_workers() const {
+    std::vector<int> ranks;
+    if (!session_) return ranks;
+    for (const auto& n : session_->control().membership().nodes()) {
+      if (n.role() == proto::WORKER) ranks.push_back(n.rank());
+    }
+    std::sort(ranks.begin(), ranks.end());
+    return ranks;
+  }
+  bool is_leader() const { return session_ && session_->is_leader(); }
   size_t num_params() const { return session_ ? session_->aggregator().num_params() : 0; }
   double lr() const { return config_.train().lr(); }
   uint64_t bytes_sent() const { return session_ ? session_->aggregator().bytes_sent() : 0; }
@@ -716,6 +728,13 @@ here), train_loss (the last epoch's mean), samples_per_s (this worker's), train_
                              "writes a checkpoint (save your own optimizer state then)")
       .def_property_readonly("rank", &Worker::rank)
       .def_property_readonly("num_workers", &Worker::num_workers)
+      .def_property_readonly("live_workers", &Worker::live_workers,
+                             "sorted ranks of the workers still in the job: a worker lost under "
+                             "cluster.on_worker_failure: continue is gone from it (re-split your "
+                             "data among these at your next epoch, as sparseps-worker does)")
+      .def_property_readonly("is_leader", &Worker::is_leader,
+                             "true on the lowest live rank: worker 0, or the one that took over "
+                             "evaluating and writing the model after worker 0 was lost")
       .def_property_readonly("num_params", &Worker::num_params)
       .def_property_readonly("lr", &Worker::lr, "train.lr of the job")
       .def_property_readonly("aggregation", &Worker::aggregation, "'ps' or 'allreduce'")

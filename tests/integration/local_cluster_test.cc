@@ -191,7 +191,7 @@ TEST(LocalClusterFailure, DeadWorkerIsDroppedAndTheOthersFinishTheJob) {
   TempDir dir("lost-worker");
   const std::string config = std::string(SPARSEPS_SOURCE_DIR) + "/configs/quickstart.yaml";
   Cluster c = Start(dir, config, 2, 2,
-                    {"cluster.heartbeat_interval_s=0.25", "cluster.heartbeat_timeout_s=4",
+                    {"cluster.heartbeat_interval_s=0.25", "cluster.heartbeat_timeout_s=10",
                      "cluster.request_timeout_s=120"});
   ASSERT_NE(c.scheduler, nullptr);
   ChildProcess& victim = *c.nodes.back();  // worker 1

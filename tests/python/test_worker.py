@@ -118,6 +118,8 @@ def test_sbc_update_moves_the_local_copy(cluster):
         w = sparseps.Worker(str(c.job), rank=rank, overrides=c.overrides + sets)
         model = initial()
         w.init(model)
+        assert w.live_workers == [0, 1]
+        assert w.is_leader == (rank == 0)
         for t in range(4):
             model = model - w.push_pull(gradient(rank, t))
             if t % 2 == 1:  # a push: the model holds the job's parameters again (to rounding)
