@@ -143,6 +143,10 @@ Status WorkerSession::AfterStep(const std::function<void(StateArchive&)>& extra,
   if (dir.empty()) return Status::OK();
   SPARSEPS_RETURN_IF_ERROR(ReportWritten(false));
   if (aggregator_->checkpoint_due()) {
+    // At most one checkpoint in flight: the previous one is reported before the next is taken (it
+    // is long written unless checkpoints come every few milliseconds), so a worker that dies
+    // after its checkpoint of T leaves the one before T complete.
+    SPARSEPS_RETURN_IF_ERROR(ReportWritten(/*wait=*/true));
     const auto start = Clock::now();
     const uint64_t iteration = aggregator_->iteration();
     // Snapshot now (a copy of the state), write on the background thread.
