@@ -57,6 +57,20 @@ class SchedulerTest : public ::testing::Test {
     b->set_group(group);
     return m;
   }
+  // Heartbeats at t0 + `second` from the nodes named (routing id, role, rank), then a Tick; what
+  // the scheduler sent goes to *out.
+  using Sender = std::tuple<const char*, proto::Role, int>;
+  void HeartbeatsThenTick(Scheduler& s, int second, const std::vector<Sender>& from,
+                          std::vector<Outgoing>* out) {
+    for (auto [who, role, rank] : from) {
+      Message hb;
+      hb.header.set_command(proto::HEARTBEAT);
+      hb.header.set_sender_role(role);
+      hb.header.set_sender_rank(rank);
+      Send(s, who, std::move(hb), t0_ + seconds(second));
+    }
+    s.Tick(t0_ + seconds(second), out);
+  }
   // Registers 2 servers and 2 workers (worker num_params 101) and returns the MEMBERSHIP sent.
   std::vector<Outgoing> RegisterAll(Scheduler& s) {
     Send(s, "s-a", Register(proto::SERVER, -1, 0, 5001), t0_);
@@ -154,17 +168,12 @@ TEST_F(SchedulerTest, BarrierTimeoutNamesWhoIsMissing) {
   std::vector<Outgoing> out;
   // Keep everyone alive through heartbeats so only the barrier can time out.
   for (int i = 1; i <= 21; ++i) {
-    for (auto [who, role, rank] : {std::tuple{"w-a", proto::WORKER, 0},
-                                   {"w-b", proto::WORKER, 1},
-                                   {"s-a", proto::SERVER, 0},
-                                   {"s-b", proto::SERVER, 1}}) {
-      Message hb;
-      hb.header.set_command(proto::HEARTBEAT);
-      hb.header.set_sender_role(role);
-      hb.header.set_sender_rank(rank);
-      Send(s, who, std::move(hb), t0_ + seconds(i));
-    }
-    s.Tick(t0_ + seconds(i), &out);
+    HeartbeatsThenTick(s, i,
+                       {{"w-a", proto::WORKER, 0},
+                        {"w-b", proto::WORKER, 1},
+                        {"s-a", proto::SERVER, 0},
+                        {"s-b", proto::SERVER, 1}},
+                       &out);
   }
   ASSERT_TRUE(s.finished());
   EXPECT_THAT(s.final_status().message(), HasSubstr("barrier 'init'"));
@@ -177,16 +186,9 @@ TEST_F(SchedulerTest, SilentNodeIsDeclaredDead) {
   RegisterAll(s);
   std::vector<Outgoing> out;
   for (int i = 1; i <= 12; ++i) {
-    for (auto [who, role, rank] : {std::tuple{"w-a", proto::WORKER, 0},
-                                   {"s-a", proto::SERVER, 0},
-                                   {"s-b", proto::SERVER, 1}}) {
-      Message hb;
-      hb.header.set_command(proto::HEARTBEAT);
-      hb.header.set_sender_role(role);
-      hb.header.set_sender_rank(rank);
-      Send(s, who, std::move(hb), t0_ + seconds(i));
-    }
-    s.Tick(t0_ + seconds(i), &out);
+    HeartbeatsThenTick(
+        s, i, {{"w-a", proto::WORKER, 0}, {"s-a", proto::SERVER, 0}, {"s-b", proto::SERVER, 1}},
+        &out);
   }
   ASSERT_TRUE(s.finished());
   EXPECT_EQ(s.final_status().code(), StatusCode::kAborted);
@@ -245,16 +247,9 @@ class WorkerLossTest : public SchedulerTest {
   std::vector<Outgoing> SilenceWorker1(Scheduler& s) {
     std::vector<Outgoing> out;
     for (int i = 1; i <= 12; ++i) {
-      for (auto [who, role, rank] : {std::tuple{"w-a", proto::WORKER, 0},
-                                     {"s-a", proto::SERVER, 0},
-                                     {"s-b", proto::SERVER, 1}}) {
-        Message hb;
-        hb.header.set_command(proto::HEARTBEAT);
-        hb.header.set_sender_role(role);
-        hb.header.set_sender_rank(rank);
-        Send(s, who, std::move(hb), t0_ + seconds(i));
-      }
-      s.Tick(t0_ + seconds(i), &out);
+      HeartbeatsThenTick(
+          s, i, {{"w-a", proto::WORKER, 0}, {"s-a", proto::SERVER, 0}, {"s-b", proto::SERVER, 1}},
+          &out);
     }
     return out;
   }
@@ -396,16 +391,9 @@ TEST_F(WorkerLossTest, ServerThatDoesNotAnswerIsNamed) {
   Send(s, "s-a", PositionMsg(0, 7, 0), t0_ + seconds(13));
   std::vector<Outgoing> out;
   for (int i = 13; i < 40 && !s.finished(); ++i) {
-    for (auto [who, role, rank] : {std::tuple{"w-a", proto::WORKER, 0},
-                                   {"s-a", proto::SERVER, 0},
-                                   {"s-b", proto::SERVER, 1}}) {
-      Message hb;
-      hb.header.set_command(proto::HEARTBEAT);
-      hb.header.set_sender_role(role);
-      hb.header.set_sender_rank(rank);
-      Send(s, who, std::move(hb), t0_ + seconds(i));
-    }
-    s.Tick(t0_ + seconds(i), &out);
+    HeartbeatsThenTick(
+        s, i, {{"w-a", proto::WORKER, 0}, {"s-a", proto::SERVER, 0}, {"s-b", proto::SERVER, 1}},
+        &out);
   }
   ASSERT_TRUE(s.finished());
   EXPECT_THAT(s.final_status().message(), HasSubstr("no answer"));
