@@ -526,10 +526,16 @@ void Scheduler::RemoveWorker(size_t idx, const std::string& reason, Clock::time_
     Abort(reason + "; no worker is left", out);
     return;
   }
+  CheckWaits(out);
   if (removal_) {
     queued_removals_.emplace_back(idx, reason);
     return;
   }
+  StartRemoval(idx, reason, now, out);
+}
+
+void Scheduler::StartRemoval(size_t idx, const std::string& reason, Clock::time_point now,
+                             std::vector<Outgoing>* out) {
   removal_ = Removal{idx, reason, now, {}};
   for (const auto& s : nodes_) {
     if (s.role != proto::SERVER || s.dead) continue;
@@ -537,10 +543,9 @@ void Scheduler::RemoveWorker(size_t idx, const std::string& reason, Clock::time_
     o.msg.header.set_command(proto::WORKER_LOST);
     o.msg.header.set_sender_role(proto::SCHEDULER);
     o.msg.header.set_epoch(membership_.epoch());
-    o.msg.header.mutable_position()->set_worker_rank(n.rank);
+    o.msg.header.mutable_position()->set_worker_rank(nodes_[idx].rank);
     out->push_back(std::move(o));
   }
-  CheckWaits(out);
 }
 
 void Scheduler::HandlePosition(const std::string& from, const proto::Header& h,
@@ -623,8 +628,7 @@ void Scheduler::FinishRemoval(Clock::time_point now, std::vector<Outgoing>* out)
   if (!queued_removals_.empty()) {
     auto [idx, reason] = queued_removals_.front();
     queued_removals_.erase(queued_removals_.begin());
-    nodes_[idx].dead = false;  // RemoveWorker marks it again
-    RemoveWorker(idx, reason, now, out);
+    StartRemoval(idx, reason, now, out);
   }
 }
 

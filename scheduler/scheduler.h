@@ -101,8 +101,12 @@ class Scheduler {
                                std::vector<Outgoing>* out);
   void HandlePosition(const std::string& from, const proto::Header& h, std::vector<Outgoing>* out);
   void BuildMembership(Clock::time_point now, std::vector<Outgoing>* out);
-  // Starts removing worker node `idx` (or queues it behind the removal in progress).
+  // Marks worker node `idx` dead (barriers and the end stop waiting for it) and starts its
+  // removal, or queues it behind the removal in progress.
   void RemoveWorker(size_t idx, const std::string& reason, Clock::time_point now,
+                    std::vector<Outgoing>* out);
+  // Asks every server where it is for the removal of dead worker node `idx`.
+  void StartRemoval(size_t idx, const std::string& reason, Clock::time_point now,
                     std::vector<Outgoing>* out);
   // Every server answered: the cut, the next membership epoch.
   void FinishRemoval(Clock::time_point now, std::vector<Outgoing>* out);

@@ -264,6 +264,13 @@ class WorkerLossTest : public SchedulerTest {
     p->set_worker_state(state);
     return m;
   }
+  // Server 0 and server 1 answer the question about worker 1 at t0 + 13 s with (version, state);
+  // returns what the scheduler sent after the second answer.
+  std::vector<Outgoing> BothServersAnswer(Scheduler& s, int64_t version0, uint32_t state0,
+                                          int64_t version1, uint32_t state1) {
+    Send(s, "s-a", PositionMsg(0, version0, state0), t0_ + seconds(13));
+    return Send(s, "s-b", PositionMsg(1, version1, state1), t0_ + seconds(13));
+  }
   static std::map<std::string, proto::Membership> Memberships(const std::vector<Outgoing>& out) {
     std::map<std::string, proto::Membership> m;
     for (const auto& o : out) {
@@ -365,8 +372,7 @@ TEST_F(WorkerLossTest, DeadWorkerWhosePushReachedEveryServerCountsEverywhere) {
   RegisterAll(s);
   SilenceWorker1(s);
   // Server 0 applied iteration 7 already (with worker 1's push), server 1 holds the push.
-  Send(s, "s-a", PositionMsg(0, 8, 0), t0_ + seconds(13));
-  auto m = Memberships(Send(s, "s-b", PositionMsg(1, 7, 1), t0_ + seconds(13)));
+  auto m = Memberships(BothServersAnswer(s, 8, 0, 7, 1));
   ASSERT_EQ(m.size(), 3u);
   EXPECT_EQ(m["w-a"].cut().iteration(), 7);
   EXPECT_TRUE(m["w-a"].cut().include());
@@ -378,8 +384,7 @@ TEST_F(WorkerLossTest, ContradictingServersEndTheJob) {
   SilenceWorker1(s);
   // Server 0 has the push committed, server 1 at the same iteration never got it: no consistent
   // cut exists (the protocol rules it out), so the job ends saying why.
-  Send(s, "s-a", PositionMsg(0, 7, 2), t0_ + seconds(13));
-  Send(s, "s-b", PositionMsg(1, 7, 0), t0_ + seconds(13));
+  BothServersAnswer(s, 7, 2, 7, 0);
   ASSERT_TRUE(s.finished());
   EXPECT_THAT(s.final_status().message(), HasSubstr("cannot remove worker 1"));
 }
@@ -405,8 +410,7 @@ TEST_F(WorkerLossTest, BelowMinWorkersWithoutCheckpointFolderEndsAtOnce) {
   Scheduler s(config_, t0_);
   RegisterAll(s);
   SilenceWorker1(s);
-  Send(s, "s-a", PositionMsg(0, 7, 0), t0_ + seconds(13));
-  Send(s, "s-b", PositionMsg(1, 7, 0), t0_ + seconds(13));
+  BothServersAnswer(s, 7, 0, 7, 0);
   ASSERT_TRUE(s.finished());
   EXPECT_THAT(s.final_status().message(), HasSubstr("fewer than cluster.min_workers = 2"));
   EXPECT_THAT(s.final_status().message(), HasSubstr("no checkpoint was written"));
@@ -421,8 +425,7 @@ TEST_F(WorkerLossTest, BelowMinWorkersEndsAfterTheCheckpoint) {
   Scheduler s(config_, t0_);
   RegisterAll(s);
   SilenceWorker1(s);
-  Send(s, "s-a", PositionMsg(0, 7, 0), t0_ + seconds(13));
-  auto m = Memberships(Send(s, "s-b", PositionMsg(1, 7, 0), t0_ + seconds(13)));
+  auto m = Memberships(BothServersAnswer(s, 7, 0, 7, 0));
   ASSERT_EQ(m.size(), 3u);
   EXPECT_TRUE(m["w-a"].checkpoint_and_stop());
   ASSERT_FALSE(s.finished());
