@@ -3,8 +3,10 @@
 # a job that goes on without a killed worker ends with. Runs the same job REPEATS times each with
 # on_worker_failure abort (push and pull pipelined) and continue (pulls once every push is
 # acknowledged), alternating so that the machine's noise hits both, then once more with continue
-# and worker W-1 killed with SIGKILL after KILL_AT steps. Prints each run's training time
-# (summary.json train_s), steps and final accuracy, and the continue/abort ratio of the medians.
+# and worker W-1 killed with SIGKILL after KILL_AT steps, and once with it killed and replaced
+# (deploy/launch.sh --max-restarts 1 starts a replacement with --rejoin). Prints each run's training
+# time (summary.json train_s), steps and final accuracy, and the continue/abort ratio of the
+# medians.
 #
 #   bench/worker_loss.sh [--repeats N] [--kill-at STEPS] -- LAUNCH_ARGS...
 #   bench/worker_loss.sh --repeats 3 --kill-at 800 -- --config configs/quickstart.yaml
@@ -40,26 +42,30 @@ ma="$(echo "${times[abort]}" | median)" mc="$(echo "${times[continue]}" | median
 printf 'median train_s: abort %.2f, continue %.2f, continue / abort = %.3f\n' "$ma" "$mc" \
   "$(awk -v a="$ma" -v c="$mc" 'BEGIN { print c / a }')"
 
-# The killed run.
-dir="$out/killed"
-"$here/deploy/launch.sh" --quiet --run-dir "$dir" "$@" --set cluster.on_worker_failure=continue \
-  >"$dir.out" 2>&1 &
-launcher=$!
+# The killed run, then the killed-and-replaced one.
 workers="$("$here/build/scheduler/sparseps-scheduler" "${@:1}" --get cluster.num_workers 2>/dev/null |
   tail -n 1)"
 victim=$((${workers:-2} - 1))
-csv="$dir/metrics-worker-$victim.csv"
-while kill -0 "$launcher" 2>/dev/null; do
-  [[ -f "$csv" && $(wc -l <"$csv") -gt $kill_at ]] && break
-  sleep 0.05
+for run in killed replaced; do
+  dir="$out/$run"
+  extra=()
+  [[ $run == replaced ]] && extra=(--max-restarts 1)
+  "$here/deploy/launch.sh" --quiet --run-dir "$dir" "${extra[@]}" "$@" \
+    --set cluster.on_worker_failure=continue >"$dir.out" 2>&1 &
+  launcher=$!
+  csv="$dir/metrics-worker-$victim.csv"
+  while kill -0 "$launcher" 2>/dev/null; do
+    [[ -f "$csv" && $(wc -l <"$csv") -gt $kill_at ]] && break
+    sleep 0.05
+  done
+  pid="$(grep -o 'starting (pid [0-9]*' "$dir/worker-$victim.log" | head -n 1 | grep -o '[0-9]*$')"
+  kill -9 "$pid"
+  killed_at=$(($(wc -l <"$csv") - 1))
+  wait "$launcher"
+  echo "$run run: killed worker $victim at its step $killed_at: launcher exit $?"
+  grep -h "removed; its push\|joined: it pushes" "$dir/scheduler.log" | sed 's/^.*\] //'
+  printf '%s run: train_s %.2f, %s steps of worker 0, accuracy %.4f\n' "$run" \
+    "$(field "$dir/summary.json" train_s)" "$(field "$dir/summary.json" steps)" \
+    "$(field "$dir/summary.json" final_test_accuracy)"
 done
-pid="$(grep -o 'starting (pid [0-9]*' "$dir/worker-$victim.log" | grep -o '[0-9]*$')"
-kill -9 "$pid"
-killed_at=$(($(wc -l <"$csv") - 1))
-wait "$launcher"
-echo "killed worker $victim at its step $killed_at: launcher exit $?"
-grep -h "removed; its push" "$dir/scheduler.log" | sed 's/^.*\] //'
-printf 'killed run: train_s %.2f, %s steps of worker 0, accuracy %.4f\n' \
-  "$(field "$dir/summary.json" train_s)" "$(field "$dir/summary.json" steps)" \
-  "$(field "$dir/summary.json" final_test_accuracy)"
 echo "runs in $out"

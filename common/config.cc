@@ -387,6 +387,13 @@ Status ValidateConfig(const proto::JobConfig& config, const ConfigSources& sourc
   if (config.node().host().empty()) {
     return Status::InvalidArgument(SourceOf(sources, "node.host") + ": key 'node.host' is empty");
   }
+  if (config.node().rejoin() &&
+      (config.aggregation() == proto::ALLREDUCE || c.on_worker_failure() != proto::CONTINUE)) {
+    return Status::InvalidArgument(
+        SourceOf(sources, "node.rejoin") +
+        ": key 'node.rejoin' (--rejoin): a replacement worker joins a ps job with "
+        "'cluster.on_worker_failure: continue' only");
+  }
   const auto& m = config.model();
   if (m.type() == proto::CNN && m.channels_size() == 0) {
     return Status::InvalidArgument(SourceOf(sources, "model.type") +

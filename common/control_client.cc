@@ -49,6 +49,7 @@ Status ControlClient::Register(const std::string& host, uint32_t port, uint64_t 
   reg->set_port(port);
   reg->set_requested_rank(config_.node().rank());
   reg->set_num_params(num_params);
+  reg->set_rejoin(config_.node().rejoin());
   char hostname[256] = {0};
   gethostname(hostname, sizeof(hostname) - 1);
   reg->set_hostname(hostname);
@@ -107,6 +108,7 @@ Status ControlClient::Poll() {
       case proto::HEARTBEAT:
         break;  // last_heard_ is set above
       case proto::WORKER_LOST:
+      case proto::WORKER_JOIN:
         updates_.push_back(h);
         break;
       case proto::FATAL:

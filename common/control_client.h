@@ -82,7 +82,8 @@ class ControlClient {
   const std::vector<proto::Membership>& memberships() const { return memberships_; }
 
   // What the owner acts on, in arrival order: each MEMBERSHIP after the first (a worker left the
-  // job: header.membership.cut) and the scheduler's WORKER_LOST questions to servers. Clears them.
+  // job: header.membership.cut, or joined: .join) and the scheduler's WORKER_LOST and WORKER_JOIN
+  // questions to servers. Clears them.
   std::vector<proto::Header> TakeUpdates();
 
   // Polls until the membership of `epoch` (or a newer one) is in: a server's reply stamped with an

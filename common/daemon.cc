@@ -92,6 +92,10 @@ int DaemonMain(int argc, char** argv, const std::string& name, const std::string
                  "Resume the job from the newest complete checkpoint in DIR: a run directory (its "
                  "checkpoints/ folder, unless checkpoint.dir is set; the run writes on into it) or "
                  "a checkpoint folder (the iter-* folders); every daemon of the job gets it");
+  bool rejoin = false;
+  app.add_flag("--rejoin", rejoin,
+               "Join the running job as the replacement of a lost worker (node.rank, or the lowest "
+               "lost rank): it gets the current parameters and pushes from the next iteration on");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -114,6 +118,7 @@ int DaemonMain(int argc, char** argv, const std::string& name, const std::string
                       (holds_checkpoints ? "checkpoint.dir=" : "run.dir=") + resume_dir});
   }
 
+  if (rejoin) overrides.insert(overrides.begin(), "node.rejoin=true");
   SetLogName(name);
   ConfigSources sources;
   auto config = LoadConfig(config_path, overrides, nullptr, &sources);

@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
 # Runs a whole local cluster for one config: 1 scheduler, S servers, W workers (S and W from the
-# config), each a process of its own with its log in the run directory. Streams worker 0's
-# progress lines, stops every process it started on exit or Ctrl-C, fails fast (showing the
+# config), each a process of its own with its log in the run directory. Streams the leading
+# worker's progress lines, stops every process it started on exit or Ctrl-C, fails fast (showing the
 # failing process's log) if one dies, and prints the run directory at the end.
 #
 #   deploy/launch.sh [--config F] [--set key=value ...] [--run-dir D] [--build-dir B] [--quiet]
 #                    [--netns PREFIX] [--worker-command "CMD ARGS"] [--resume RUN_DIR]
 #                    [--max-restarts N]
 #
-# --max-restarts N supervises the job as torchrun's elastic agent does: when a process dies, every
-# process is stopped and the whole job restarts from its newest complete checkpoint (from the
-# start when there is none yet), at most N times; each restart is printed and logged to
-# RUN_DIR/restarts.log. With checkpoint.every_steps set, a crash costs at most that many steps.
+# --max-restarts N supervises the job as torchrun's elastic agent does, at most N restarts in all,
+# each printed and logged to RUN_DIR/restarts.log: a worker killed by a signal in ps mode with
+# cluster.on_worker_failure: continue (the default) is started again with --rejoin (the others go
+# on meanwhile; the replacement gets the current parameters and joins at the next iteration);
+# when any other process dies, every process is stopped and the whole job restarts from its
+# newest complete checkpoint (from the start when there is none yet). With
+# checkpoint.every_steps set, such a crash costs at most that many steps.
 #
 # --resume RUN_DIR restarts a stopped or crashed job from the newest complete checkpoint in
 # RUN_DIR/checkpoints (checkpoint.every_steps or every_s must have been set): same config and
@@ -30,9 +33,9 @@
 # host 1; every process binds and advertises its host's address.
 #
 # A worker killed by a signal (kill -9, a crash) in ps mode with cluster.on_worker_failure: continue
-# (the default) does not end the job: the scheduler drops it and the others go on (without
-# --max-restarts; with it, the whole job restarts as above). A worker that exits with an error
-# (bad data, a diverging loss) ends the job as before.
+# (the default) does not end the job: the scheduler drops it and the others go on (with
+# --max-restarts, a replacement joins as above). A worker that exits with an error (bad data, a
+# diverging loss) ends the job as before.
 #
 # Exit code: 0 when the job finished, 2 for a bad config, 1 when a process failed.
 set -uo pipefail
@@ -176,6 +179,14 @@ start() {  # start NAME COMMAND...
   names+=("$name")
 }
 
+start_worker() {  # start_worker RANK COMMON_ARGS...
+  local w="$1"; shift
+  local h=$((num_servers + 1 + w))
+  # shellcheck disable=SC2046
+  start "worker-$w" $(on_host $h) "${worker_argv[@]}" "$@" \
+    --set "cluster.scheduler_port=$port" --set "node.rank=$w" $(host_set $h node.host)
+}
+
 run_job() {  # starts every process, waits; sets $failed to the name of a process that failed
   failed=""
   # shellcheck disable=SC2046
@@ -203,16 +214,17 @@ run_job() {  # starts every process, waits; sets $failed to the name of a proces
       --set "cluster.scheduler_port=$port" --set "node.rank=$s" $(host_set $((1 + s)) node.host)
   done
   for ((w = 0; w < num_workers; w++)); do
-    h=$((num_servers + 1 + w))
-    # shellcheck disable=SC2046
-    start "worker-$w" $(on_host $h) "${worker_argv[@]}" "${common[@]}" \
-      --set "cluster.scheduler_port=$port" --set "node.rank=$w" $(host_set $h node.host)
+    start_worker "$w" "${common[@]}"
   done
   echo "sparseps: ${job_name}: 1 scheduler (port $port), $num_servers servers, $num_workers workers; logs in $run_dir"
 
   if [[ $quiet -eq 0 ]]; then
-    tail -n +1 -F "$run_dir/worker-0.log" 2>/dev/null > >(
-      grep --line-buffered -E "\] progress epoch|\] eval epoch|\] training done|\[error\]" |
+    # Every worker's log: only the leader (worker 0, or the one that took over when it was lost)
+    # prints progress and evaluations. An appended log is followed from its end.
+    worker_logs=()
+    for ((w = 0; w < num_workers; w++)); do worker_logs+=("$run_dir/worker-$w.log"); done
+    tail -n "$([[ -n "$append_logs" ]] && echo 0 || echo +1)" -F "${worker_logs[@]}" 2>/dev/null > >(
+      grep --line-buffered -E "\] progress epoch|\] eval epoch|\] training done.*final test|\[error\]" |
         sed -u -E 's/^\[[^]]*\] \[[^]]*\] \[[a-z]*\] //') &
     tail_pid=$!
   fi
@@ -229,11 +241,25 @@ run_job() {  # starts every process, waits; sets $failed to the name of a proces
       rc=$?
       exited[$p]=$rc
       if [[ $rc -gt 128 && ${names[$i]} == worker-* && $aggregation != allreduce &&
-            $on_worker_failure == continue && $max_restarts -eq 0 ]]; then
+            $on_worker_failure == continue ]]; then
         # Killed by a signal: the scheduler drops it and the others go on (it ends the job below
         # min_workers). A worker that exits with an error reports it, and that ends the job.
-        echo "launch.sh: ${names[$i]} exited with code $rc; the job goes on without it" \
-          "(cluster.on_worker_failure: continue)" >&2
+        if [[ $restarts -lt $max_restarts ]]; then
+          restarts=$((restarts + 1))
+          msg="$(date '+%F %T') restart $restarts of $max_restarts: ${names[$i]} exited with code $rc; a replacement joins the running job (--rejoin)"
+          echo "launch.sh: $msg" >&2
+          echo "$msg" >>"$run_dir/restarts.log"
+          # shellcheck disable=SC2046
+          rejoin_common=(--config "$config" --rejoin --set "run.dir=$run_dir"
+            $(host_set 1 cluster.scheduler_host) "${sets[@]}")
+          saved_append="$append_logs"
+          append_logs=1
+          start_worker "${names[$i]#worker-}" "${rejoin_common[@]}"
+          append_logs="$saved_append"
+        else
+          echo "launch.sh: ${names[$i]} exited with code $rc; the job goes on without it" \
+            "(cluster.on_worker_failure: continue)" >&2
+        fi
         continue
       fi
       if [[ $rc -ne 0 ]]; then

@@ -338,7 +338,16 @@ class Worker {
       py::gil_scoped_release release;
       auto joined = WorkerSession::Join(config_, a.total, cuda_, /*name_log=*/false);
       s = joined.status();
-      if (s.ok()) {
+      if (s.ok() && *joined == nullptr) {
+        s = Status::Aborted("the job finished before this replacement worker could join");
+      } else if (s.ok() && (*joined)->rejoining()) {
+        // The C++ worker runs through its loop to the others' position; a Python loop would have
+        // to do the same with its own data order.
+        s = Status::FailedPrecondition(
+            "--rejoin: a Python training loop cannot join a running job yet; replacements are "
+            "sparseps-worker processes");
+        // Not reported: the scheduler removes this worker again once its connection is gone.
+      } else if (s.ok()) {
         session_ = std::move(*joined);
         // A resumed job: the aggregator's state and the parameters come from the checkpoint
         // (PS: from the servers), and the step count; the loop's own state is the loop's.

@@ -36,16 +36,25 @@ Scheduler::Scheduler(const proto::JobConfig& config, Clock::time_point start)
 
 size_t Scheduler::LiveWorkers() const {
   return static_cast<size_t>(std::count_if(nodes_.begin(), nodes_.end(), [](const Node& n) {
-    return n.role == proto::WORKER && !n.dead;
+    return n.role == proto::WORKER && !n.dead && !n.joining;
   }));
 }
 
-int Scheduler::Leader() const {
-  int leader = -1;
+size_t Scheduler::CheckpointWorkers(uint64_t iteration) const {
+  return static_cast<size_t>(std::count_if(nodes_.begin(), nodes_.end(), [&](const Node& n) {
+    return n.role == proto::WORKER && !n.dead && !n.joining &&
+           (n.joined_at < 0 || n.joined_at < static_cast<int64_t>(iteration));
+  }));
+}
+
+int Scheduler::LowestLiveWorker() const {
+  int lowest = -1;
   for (const auto& n : nodes_) {
-    if (n.role == proto::WORKER && !n.dead && (leader < 0 || n.rank < leader)) leader = n.rank;
+    if (n.role == proto::WORKER && !n.dead && !n.joining && (lowest < 0 || n.rank < lowest)) {
+      lowest = n.rank;
+    }
   }
-  return leader;
+  return lowest;
 }
 
 std::string Scheduler::Describe(const Node& n) const {
@@ -57,7 +66,7 @@ std::string Scheduler::Describe(const Node& n) const {
 
 int Scheduler::FindNode(proto::Role role, int rank) const {
   for (size_t i = 0; i < nodes_.size(); ++i) {
-    if (nodes_[i].role == role && nodes_[i].rank == rank && !nodes_[i].dead) {
+    if (nodes_[i].role == role && nodes_[i].rank == rank && !nodes_[i].dead && !nodes_[i].joining) {
       return static_cast<int>(i);
     }
   }
@@ -112,27 +121,35 @@ void Scheduler::Handle(const std::string& from, const Result<Message>& msg, Cloc
   if (finished_) return;
   const proto::Header& h = msg->header;
   if (membership_sent_) {
-    const int idx = FindNode(h.sender_role(), h.sender_rank());
-    if (idx >= 0) {
-      nodes_[static_cast<size_t>(idx)].last_seen = now;
-      nodes_[static_cast<size_t>(idx)].unreachable_since.reset();
-    } else {
-      for (auto& n : nodes_) {
-        if (!n.dead || n.role != h.sender_role() || n.rank != h.sender_rank()) continue;
-        // A removed worker speaks again (it was slow, not dead): it is out of the job for good.
-        if (!n.told_dead) {
-          n.told_dead = true;
-          Outgoing o{n.routing_id, {}};
-          o.msg.header.set_command(proto::FATAL);
-          o.msg.header.set_sender_role(proto::SCHEDULER);
-          o.msg.header.set_epoch(membership_.epoch());
-          o.msg.header.set_error(Describe(n) +
-                                 " was declared dead and removed from the job; the others went "
-                                 "on without it");
-          out->push_back(std::move(o));
+    // A removed worker that speaks again (it was slow, not dead) is out of the job for good: known
+    // by its control socket, or by its rank while no live node (a replacement) has it.
+    const int own = FindNodeByRoutingId(from);
+    Node* zombie = own >= 0 && nodes_[static_cast<size_t>(own)].dead
+                       ? &nodes_[static_cast<size_t>(own)]
+                       : nullptr;
+    if (zombie == nullptr) {
+      if (const int idx = FindNode(h.sender_role(), h.sender_rank()); idx >= 0) {
+        nodes_[static_cast<size_t>(idx)].last_seen = now;
+        nodes_[static_cast<size_t>(idx)].unreachable_since.reset();
+      } else if (own < 0) {
+        for (auto& n : nodes_) {
+          if (n.dead && n.role == h.sender_role() && n.rank == h.sender_rank()) zombie = &n;
         }
-        return;
       }
+    }
+    if (zombie != nullptr) {
+      if (!zombie->told_dead) {
+        zombie->told_dead = true;
+        Outgoing o{zombie->routing_id, {}};
+        o.msg.header.set_command(proto::FATAL);
+        o.msg.header.set_sender_role(proto::SCHEDULER);
+        o.msg.header.set_epoch(membership_.epoch());
+        o.msg.header.set_error(Describe(*zombie) +
+                               " was declared dead and removed from the job; the others went on "
+                               "without it");
+        out->push_back(std::move(o));
+      }
+      return;
     }
   }
   switch (h.command()) {
@@ -155,6 +172,9 @@ void Scheduler::Handle(const std::string& from, const Result<Message>& msg, Cloc
       break;
     case proto::POSITION:
       HandlePosition(from, h, out);
+      break;
+    case proto::JOINED:
+      HandleJoined(from, h, now, out);
       break;
     default:
       ++rejected_;
@@ -181,8 +201,23 @@ void Scheduler::HandleRegister(const std::string& from, const proto::Header& h,
   const proto::Register& r = h.register_();
   if (FindNodeByRoutingId(from) >= 0) return;  // a repeated registration changes nothing
   if (membership_sent_) {
+    if (r.rejoin()) {
+      HandleRejoin(from, r, now, out);
+      return;
+    }
     ++rejected_;
-    ReplyError(from, "registration is closed: the job already has all its nodes", out);
+    ReplyError(from,
+               "registration is closed: the job already has all its nodes (a replacement for a "
+               "lost worker starts with --rejoin)",
+               out);
+    return;
+  }
+  if (r.rejoin()) {
+    ++rejected_;
+    ReplyError(from,
+               "--rejoin: the job has not started yet; start this node without --rejoin, or wait "
+               "until the job runs",
+               out);
     return;
   }
   if (r.role() != proto::SERVER && r.role() != proto::WORKER) {
@@ -276,6 +311,7 @@ void Scheduler::BuildMembership(Clock::time_point now, std::vector<Outgoing>* ou
   }
   membership_.set_epoch(1);
   membership_.set_num_params(num_params);
+  membership_.set_leader(leader_);
   if (config_.checkpoint().resume() && !PrepareResume(out)) return;
   const auto ranges = SplitKeyRanges(num_params, expected_servers_);
   for (size_t s = 0; s < ranges.size(); ++s) {
@@ -292,10 +328,20 @@ void Scheduler::BuildMembership(Clock::time_point now, std::vector<Outgoing>* ou
                ranges.size());
 }
 
+void Scheduler::SendMembershipTo(const Node& n, std::vector<Outgoing>* out) {
+  Outgoing o{n.routing_id, {}};
+  o.msg.header.set_command(proto::MEMBERSHIP);
+  o.msg.header.set_sender_role(proto::SCHEDULER);
+  o.msg.header.set_epoch(membership_.epoch());
+  *o.msg.header.mutable_membership() = membership_;
+  o.msg.header.mutable_membership()->set_your_rank(n.rank);
+  out->push_back(std::move(o));
+}
+
 void Scheduler::SendMembership(std::vector<Outgoing>* out) {
   std::vector<const Node*> sorted;
   for (const auto& n : nodes_) {
-    if (!n.dead) sorted.push_back(&n);
+    if (!n.dead && (!n.joining || n.joined_at >= 0)) sorted.push_back(&n);
   }
   std::sort(sorted.begin(), sorted.end(), [](const Node* a, const Node* b) {
     return std::make_pair(a->role, a->rank) < std::make_pair(b->role, b->rank);
@@ -311,20 +357,14 @@ void Scheduler::SendMembership(std::vector<Outgoing>* out) {
     info->set_pid(n->pid);
   }
   for (const Node* n : sorted) {
-    Outgoing o{n->routing_id, {}};
-    o.msg.header.set_command(proto::MEMBERSHIP);
-    o.msg.header.set_sender_role(proto::SCHEDULER);
-    o.msg.header.set_epoch(membership_.epoch());
-    *o.msg.header.mutable_membership() = membership_;
-    o.msg.header.mutable_membership()->set_your_rank(n->rank);
-    out->push_back(std::move(o));
+    if (!n->joining) SendMembershipTo(*n, out);
   }
 }
 
 std::vector<size_t> Scheduler::BarrierMembers(proto::Role group) const {
   std::vector<size_t> members;
   for (size_t i = 0; i < nodes_.size(); ++i) {
-    if (nodes_[i].dead) continue;
+    if (nodes_[i].dead || nodes_[i].joining) continue;
     if (group == proto::ROLE_UNSPECIFIED || nodes_[i].role == group) members.push_back(i);
   }
   return members;
@@ -483,11 +523,17 @@ void Scheduler::HandleCheckpointWritten(const std::string& from, const proto::He
   files.push_back(f);
   // Complete once every live node's file is in (a worker lost since may have written one too:
   // it is listed, not waited for).
-  const size_t expected = expected_servers_ + LiveWorkers() +
-                          (config_.checkpoint().save_model() && LiveWorkers() > 0 ? 1 : 0);
-  const size_t from_live = static_cast<size_t>(std::count_if(
-      files.begin(), files.end(),
-      [&](const proto::CheckpointFile& x) { return FindNode(x.role(), x.rank()) >= 0; }));
+  const size_t writers = CheckpointWorkers(iteration);
+  const size_t expected =
+      expected_servers_ + writers + (config_.checkpoint().save_model() && writers > 0 ? 1 : 0);
+  // Files of the nodes expected (not of a lost worker whose rank a replacement took since).
+  const size_t from_live = static_cast<size_t>(
+      std::count_if(files.begin(), files.end(), [&](const proto::CheckpointFile& x) {
+        const int idx = FindNode(x.role(), x.rank());
+        if (idx < 0) return false;
+        const int64_t joined = nodes_[static_cast<size_t>(idx)].joined_at;
+        return joined < 0 || joined < static_cast<int64_t>(iteration);
+      }));
   if (from_live < expected) return;
   CheckpointManifest m;
   m.iteration = iteration;
@@ -527,11 +573,24 @@ void Scheduler::RemoveWorker(size_t idx, const std::string& reason, Clock::time_
     return;
   }
   CheckWaits(out);
-  if (removal_) {
+  if (removal_ || (!joins_.empty() && joins_.front().started)) {
     queued_removals_.emplace_back(idx, reason);
     return;
   }
   StartRemoval(idx, reason, now, out);
+}
+
+void Scheduler::AddSplit(int64_t iteration) {
+  auto* split = membership_.add_splits();
+  split->set_from_iteration(iteration);
+  std::vector<int> ranks;
+  for (const auto& n : nodes_) {
+    if (n.role == proto::WORKER && !n.dead && (!n.joining || n.joined_at >= 0)) {
+      ranks.push_back(n.rank);
+    }
+  }
+  std::sort(ranks.begin(), ranks.end());
+  for (int r : ranks) split->add_ranks(r);
 }
 
 void Scheduler::StartRemoval(size_t idx, const std::string& reason, Clock::time_point now,
@@ -551,6 +610,14 @@ void Scheduler::StartRemoval(size_t idx, const std::string& reason, Clock::time_
 void Scheduler::HandlePosition(const std::string& from, const proto::Header& h,
                                std::vector<Outgoing>* out) {
   const int idx = FindNodeByRoutingId(from);
+  if (idx >= 0 && nodes_[static_cast<size_t>(idx)].role == proto::SERVER && h.has_position() &&
+      !joins_.empty() && joins_.front().started && joins_.front().iteration < 0 &&
+      h.position().worker_rank() == nodes_[joins_.front().node].rank) {
+    Join& j = joins_.front();
+    j.positions[nodes_[static_cast<size_t>(idx)].rank] = h.position();
+    if (j.positions.size() == expected_servers_) PublishJoin(out);
+    return;
+  }
   if (idx < 0 || nodes_[static_cast<size_t>(idx)].role != proto::SERVER || !h.has_position() ||
       !removal_ || h.position().worker_rank() != nodes_[removal_->node].rank) {
     ++rejected_;
@@ -586,6 +653,10 @@ void Scheduler::FinishRemoval(Clock::time_point now, std::vector<Outgoing>* out)
     }
   }
   membership_.set_epoch(membership_.epoch() + 1);
+  membership_.clear_join();
+  if (dead.rank == leader_) leader_ = LowestLiveWorker();
+  membership_.set_leader(leader_);
+  AddSplit(slowest.first);
   auto* cut = membership_.mutable_cut();
   cut->set_worker_rank(dead.rank);
   cut->set_iteration(slowest.first);
@@ -629,7 +700,168 @@ void Scheduler::FinishRemoval(Clock::time_point now, std::vector<Outgoing>* out)
     auto [idx, reason] = queued_removals_.front();
     queued_removals_.erase(queued_removals_.begin());
     StartRemoval(idx, reason, now, out);
+    return;
   }
+  MaybeStartJoin(now, out);
+}
+
+void Scheduler::HandleRejoin(const std::string& from, const proto::Register& r,
+                             Clock::time_point now, std::vector<Outgoing>* out) {
+  auto refuse = [&](const std::string& why) {
+    ++rejected_;
+    spdlog::warn("refused a replacement {} from {} (pid {}): {}", RoleName(r.role()), r.hostname(),
+                 r.pid(), why);
+    ReplyError(from, "--rejoin refused: " + why, out);
+  };
+  if (r.role() != proto::WORKER) {
+    refuse("a replacement " + RoleName(r.role()) +
+           " cannot join a running job yet; restart the job from its newest checkpoint "
+           "(deploy/launch.sh --resume RUN_DIR)");
+    return;
+  }
+  if (!continue_on_worker_failure_) {
+    refuse("a replacement worker joins a ps job with cluster.on_worker_failure: continue only");
+    return;
+  }
+  if (!stop_reason_.empty()) {
+    refuse("the job is ending: " + stop_reason_);
+    return;
+  }
+  if (r.num_params() != membership_.num_params()) {
+    refuse("its model has " + std::to_string(r.num_params()) + " parameters, the job's " +
+           std::to_string(membership_.num_params()) + "; does it run the same config?");
+    return;
+  }
+  for (const auto& n : nodes_) {
+    if (n.role == proto::WORKER && n.done && !n.dead) {
+      refuse("the job's workers are finishing (" + Describe(n) + " is done)");
+      return;
+    }
+  }
+  auto taken_by_replacement = [&](int rank) {
+    for (const auto& n : nodes_) {
+      if (n.joining && !n.dead && n.rank == rank) return &n;
+    }
+    return static_cast<const Node*>(nullptr);
+  };
+  int rank = r.requested_rank();
+  if (rank >= static_cast<int>(expected_workers_)) {
+    refuse("worker rank " + std::to_string(rank) + " is out of range [0, " +
+           std::to_string(expected_workers_) + ")");
+    return;
+  }
+  if (rank < 0) {
+    for (int w = 0; w < static_cast<int>(expected_workers_) && rank < 0; ++w) {
+      if (FindNode(proto::WORKER, w) < 0 && taken_by_replacement(w) == nullptr) rank = w;
+    }
+    if (rank < 0) {
+      refuse("no worker rank is free: all " + std::to_string(expected_workers_) +
+             " workers are in the job");
+      return;
+    }
+  } else if (const Node* other = taken_by_replacement(rank); other != nullptr) {
+    refuse("worker rank " + std::to_string(rank) + " is already being replaced by " +
+           Describe(*other));
+    return;
+  }
+  Node n;
+  n.role = proto::WORKER;
+  n.rank = rank;
+  n.requested_rank = rank;
+  n.routing_id = from;
+  n.host = r.host();
+  n.port = r.port();
+  n.hostname = r.hostname();
+  n.pid = r.pid();
+  n.num_params = r.num_params();
+  n.last_seen = now;
+  n.joining = true;
+  spdlog::info("a replacement for worker {} registered ({}, pid {}); it joins {}", rank,
+               r.hostname(), r.pid(),
+               FindNode(proto::WORKER, rank) >= 0
+                   ? "once the scheduler declared the worker it replaces dead"
+                   : "at the next iteration");
+  nodes_.push_back(std::move(n));
+  Join j;
+  j.node = nodes_.size() - 1;
+  j.registered = now;
+  joins_.push_back(std::move(j));
+  MaybeStartJoin(now, out);
+}
+
+void Scheduler::MaybeStartJoin(Clock::time_point now, std::vector<Outgoing>* out) {
+  if (finished_ || removal_ || joins_.empty() || joins_.front().started) return;
+  Join& j = joins_.front();
+  const Node& n = nodes_[j.node];
+  if (FindNode(proto::WORKER, n.rank) >= 0) return;  // the worker it replaces is still in
+  j.started = true;
+  j.started_at = now;
+  for (const auto& s : nodes_) {
+    if (s.role != proto::SERVER || s.dead) continue;
+    Outgoing o{s.routing_id, {}};
+    o.msg.header.set_command(proto::WORKER_JOIN);
+    o.msg.header.set_sender_role(proto::SCHEDULER);
+    o.msg.header.set_epoch(membership_.epoch());
+    o.msg.header.mutable_position()->set_worker_rank(n.rank);
+    out->push_back(std::move(o));
+  }
+}
+
+void Scheduler::PublishJoin(std::vector<Outgoing>* out) {
+  Join& j = joins_.front();
+  Node& n = nodes_[j.node];
+  // Each server is held at the iteration after its own: none ended the iteration after the
+  // fastest one's, and no worker is past it (a worker's iteration needs every server's previous).
+  int64_t fastest = -1;
+  for (const auto& [rank, p] : j.positions) fastest = std::max(fastest, p.version());
+  j.iteration = fastest + 1;
+  n.joined_at = j.iteration;
+  membership_.set_epoch(membership_.epoch() + 1);
+  membership_.clear_cut();
+  membership_.set_checkpoint_and_stop(false);
+  membership_.mutable_join()->set_worker_rank(n.rank);
+  membership_.mutable_join()->set_iteration(j.iteration);
+  membership_.set_leader(leader_);
+  AddSplit(j.iteration);
+  spdlog::info("membership epoch {}: {} joins at iteration {}", membership_.epoch(), Describe(n),
+               j.iteration);
+  SendMembership(out);  // to every node but the replacement, which waits for the servers
+}
+
+void Scheduler::HandleJoined(const std::string& from, const proto::Header& h, Clock::time_point now,
+                             std::vector<Outgoing>* out) {
+  const int idx = FindNodeByRoutingId(from);
+  if (idx < 0 || nodes_[static_cast<size_t>(idx)].role != proto::SERVER || joins_.empty() ||
+      joins_.front().iteration < 0 || h.iteration() != joins_.front().iteration) {
+    ++rejected_;
+    ReplyError(from, "JOINED from a node that is not a server, or for no join in progress", out);
+    return;
+  }
+  Join& j = joins_.front();
+  j.ready.insert(nodes_[static_cast<size_t>(idx)].rank);
+  if (j.ready.size() < expected_servers_) return;
+  Node& n = nodes_[j.node];
+  n.joining = false;
+  n.last_seen = now;
+  SendMembershipTo(n, out);
+  proto::JoinedWorker joined;
+  joined.set_rank(n.rank);
+  joined.set_iteration(j.iteration);
+  joined.set_membership_epoch(membership_.epoch());
+  joined.set_host(n.hostname.empty() ? n.host : n.hostname);
+  joined.set_pid(n.pid);
+  joined_workers_.push_back(joined);
+  spdlog::info("{} joined: it pushes from iteration {} on ({} workers; took {:.3f} s)", Describe(n),
+               j.iteration, LiveWorkers(),
+               std::chrono::duration<double>(now - j.started_at).count());
+  joins_.pop_front();
+  if (!queued_removals_.empty()) {
+    auto [next, reason] = queued_removals_.front();
+    queued_removals_.erase(queued_removals_.begin());
+    StartRemoval(next, reason, now, out);
+    return;
+  }
+  MaybeStartJoin(now, out);
 }
 
 void Scheduler::HandleNodeFailure(const std::string& from, const proto::Header& h,
@@ -717,6 +949,46 @@ void Scheduler::Tick(Clock::time_point now, std::vector<Outgoing>* out) {
           out);
     return;
   }
+  MaybeStartJoin(now, out);  // e.g. once the worker it replaces was declared dead
+  if (!joins_.empty() && joins_.front().started &&
+      std::chrono::duration<double>(now - joins_.front().started_at).count() >
+          c.barrier_timeout_s()) {
+    const Join& j = joins_.front();
+    std::string missing;
+    for (const auto& n : nodes_) {
+      if (n.role == proto::SERVER && !n.dead &&
+          !(j.iteration < 0 ? j.positions.count(n.rank) : j.ready.count(n.rank))) {
+        missing += (missing.empty() ? "" : ", ") + Describe(n);
+      }
+    }
+    Abort("adding " + Describe(nodes_[j.node]) + ": no answer after " +
+              FormatSeconds(c.barrier_timeout_s()) + " from " + missing,
+          out);
+    return;
+  }
+  for (auto& j : joins_) {
+    Node& n = nodes_[j.node];
+    const double waited = std::chrono::duration<double>(now - j.registered).count();
+    if (j.started || n.dead) continue;
+    std::string why;
+    if (!stop_reason_.empty()) {
+      why = "the job is ending: " + stop_reason_;
+    } else if (waited > c.heartbeat_timeout_s() + 10.0 && FindNode(proto::WORKER, n.rank) >= 0) {
+      // The worker it replaces is alive and in the job.
+      why = "worker " + std::to_string(n.rank) + " is still in the job after " +
+            FormatSeconds(waited) + "; a replacement joins once the scheduler declared it dead";
+    } else {
+      continue;
+    }
+    n.dead = true;
+    n.joining = false;
+    n.told_dead = true;
+    ++rejected_;
+    ReplyError(n.routing_id, "--rejoin refused: " + why, out);
+    spdlog::warn("turned away the replacement {}: worker {} is still in the job", Describe(n),
+                 n.rank);
+  }
+  std::erase_if(joins_, [&](const Join& j) { return !j.started && nodes_[j.node].dead; });
   if (!stop_reason_.empty() &&
       std::chrono::duration<double>(now - stop_started_).count() > c.barrier_timeout_s()) {
     Abort(stop_reason_ + "; the checkpoint of iteration " + std::to_string(stop_iteration_) +
@@ -726,7 +998,7 @@ void Scheduler::Tick(Clock::time_point now, std::vector<Outgoing>* out) {
   }
   for (size_t i = 0; i < nodes_.size(); ++i) {
     const Node& n = nodes_[i];
-    if (n.done || n.dead) continue;
+    if (n.done || n.dead || n.joining) continue;
     const double silent = std::chrono::duration<double>(now - n.last_seen).count();
     const double broken = n.unreachable_since
                               ? std::chrono::duration<double>(now - *n.unreachable_since).count()
@@ -782,19 +1054,20 @@ proto::RunSummary Scheduler::Summary(Clock::time_point now) const {
   size_t reporting = 0;
   for (const auto& w : worker_stats_) {
     *s.add_workers() = w;
-    if (w.steps() == 0) continue;
-    sent += static_cast<double>(w.bytes_sent()) / static_cast<double>(w.steps());
-    received += static_cast<double>(w.bytes_received()) / static_cast<double>(w.steps());
+    // Bytes are of the last process of the rank: over the steps it ran.
+    const uint64_t run = w.steps_run() > 0 ? w.steps_run() : w.steps();
+    if (run == 0) continue;
+    sent += static_cast<double>(w.bytes_sent()) / static_cast<double>(run);
+    received += static_cast<double>(w.bytes_received()) / static_cast<double>(run);
     ++reporting;
   }
   if (reporting > 0) {
     s.set_bytes_sent_per_worker_per_step(sent / static_cast<double>(reporting));
     s.set_bytes_received_per_worker_per_step(received / static_cast<double>(reporting));
   }
-  const int leader = Leader();
   if (!worker_stats_.empty()) {
-    // The leader evaluated: worker 0, or the lowest rank left after losing workers.
-    const auto& w0 = worker_stats_[static_cast<size_t>(std::max(leader, 0))];
+    // The leader evaluated: worker 0, or the lowest rank left after losing worker 0.
+    const auto& w0 = worker_stats_[static_cast<size_t>(std::max(leader_, 0))];
     s.set_final_test_accuracy(w0.final_test_accuracy());
     s.set_train_s(w0.wall_s());
     s.set_steps(w0.steps());
@@ -805,6 +1078,7 @@ proto::RunSummary Scheduler::Summary(Clock::time_point now) const {
   s.set_last_checkpoint(last_checkpoint_);
   s.set_written_by("scheduler");
   for (const auto& lost : lost_workers_) *s.add_lost_workers() = lost;
+  for (const auto& joined : joined_workers_) *s.add_joined_workers() = joined;
   return s;
 }
 

@@ -3,6 +3,7 @@
 // Thread-safety: a Scheduler is used by one thread.
 #pragma once
 
+#include <deque>
 #include <map>
 #include <optional>
 #include <set>
@@ -33,7 +34,9 @@ class Scheduler {
   // where it is (WORKER_LOST), and from the answers (POSITION) the scheduler decides whether the
   // worker's push of the iteration in progress counts everywhere or nowhere and publishes the next
   // membership epoch without it (Membership.cut). Below cluster.min_workers that epoch asks for a
-  // checkpoint, after which the job ends.
+  // checkpoint, after which the job ends. Also ends the wait of a replacement (--rejoin) whose
+  // rank is still in the job after cluster.heartbeat_timeout_s + 10 s, and the job when a server
+  // does not answer a join within cluster.barrier_timeout_s.
   void Tick(Clock::time_point now, std::vector<Outgoing>* out);
 
   // True once the job ended: every worker reported DONE (status OK), or a deadline or error
@@ -76,6 +79,21 @@ class Scheduler {
     bool dead = false;       // removed from the job (on_worker_failure: continue)
     bool told_dead = false;  // a FATAL went to it after it spoke again
     std::optional<Clock::time_point> unreachable_since;  // its connection is gone
+    bool joining = false;    // a replacement (--rejoin) not yet told its membership
+    int64_t joined_at = -1;  // a replacement's first iteration
+  };
+  // A replacement worker joining (--rejoin), in three steps: it waits until its rank was removed;
+  // every server is asked where it is (WORKER_JOIN, which holds it at its next iteration) and the
+  // join iteration is picked from the answers; the membership with the join goes to every node
+  // but the replacement, and once every server applied it (JOINED) to the replacement.
+  struct Join {
+    size_t node = 0;
+    Clock::time_point registered;
+    bool started = false;  // WORKER_JOIN sent
+    Clock::time_point started_at;
+    std::map<int, proto::Position> positions;  // server rank -> answer
+    int64_t iteration = -1;                    // picked once every server answered
+    std::set<int> ready;                       // servers that sent JOINED
   };
   // A worker being removed: the servers' answers so far.
   struct Removal {
@@ -100,6 +118,17 @@ class Scheduler {
   void HandleCheckpointWritten(const std::string& from, const proto::Header& h,
                                std::vector<Outgoing>* out);
   void HandlePosition(const std::string& from, const proto::Header& h, std::vector<Outgoing>* out);
+  // A replacement worker's REGISTER after the membership (Register.rejoin).
+  void HandleRejoin(const std::string& from, const proto::Register& r, Clock::time_point now,
+                    std::vector<Outgoing>* out);
+  void HandleJoined(const std::string& from, const proto::Header& h, Clock::time_point now,
+                    std::vector<Outgoing>* out);
+  // Starts the first queued join once no removal or join is in progress and its rank is removed.
+  void MaybeStartJoin(Clock::time_point now, std::vector<Outgoing>* out);
+  // Every server answered WORKER_JOIN: the join iteration, the next membership epoch.
+  void PublishJoin(std::vector<Outgoing>* out);
+  // Records the live workers from `iteration` on in membership_.splits.
+  void AddSplit(int64_t iteration);
   void BuildMembership(Clock::time_point now, std::vector<Outgoing>* out);
   // Marks worker node `idx` dead (barriers and the end stop waiting for it) and starts its
   // removal, or queues it behind the removal in progress.
@@ -110,14 +139,19 @@ class Scheduler {
                     std::vector<Outgoing>* out);
   // Every server answered: the cut, the next membership epoch.
   void FinishRemoval(Clock::time_point now, std::vector<Outgoing>* out);
-  // Fills membership_.nodes with the live nodes and sends it to each.
+  // Fills membership_.nodes with the live nodes (a joining replacement included) and sends it to
+  // each but the joining ones.
   void SendMembership(std::vector<Outgoing>* out);
+  void SendMembershipTo(const Node& n, std::vector<Outgoing>* out);
   void ReleaseBarrier(const std::pair<std::string, uint64_t>& key, std::vector<Outgoing>* out);
   // After a removal: barriers and the end of the job may no longer wait on the dead worker.
   void CheckWaits(std::vector<Outgoing>* out);
   size_t LiveWorkers() const;
-  // The lowest live worker rank (the one that evaluates and writes the model); -1: none.
-  int Leader() const;
+  // The lowest live worker rank; -1: none.
+  int LowestLiveWorker() const;
+  // Live workers that write a file of the checkpoint of `iteration` (a replacement does from the
+  // iteration after its first on).
+  size_t CheckpointWorkers(uint64_t iteration) const;
   // checkpoint.resume: the newest complete checkpoint into membership_, or Abort.
   bool PrepareResume(std::vector<Outgoing>* out);
   void Broadcast(proto::Command command, const std::string& error, std::vector<Outgoing>* out);
@@ -148,6 +182,9 @@ class Scheduler {
   std::optional<Removal> removal_;
   std::vector<std::pair<size_t, std::string>> queued_removals_;
   std::vector<proto::LostWorker> lost_workers_;
+  std::deque<Join> joins_;  // the front one is in progress once started
+  std::vector<proto::JoinedWorker> joined_workers_;
+  int leader_ = 0;  // Membership.leader
   // Below cluster.min_workers: the job ends once the checkpoint of stop_iteration_ is complete.
   std::string stop_reason_;
   int64_t stop_iteration_ = -1;

@@ -87,6 +87,7 @@ Status Serve(const proto::JobConfig& config, zmq::socket_t& data, uint32_t port,
       spdlog::info("serving key range [{}, {}) ({} parameters) for {} workers", opts.range.begin,
                    opts.range.end, opts.range.size(), opts.num_workers);
       shard = std::make_unique<ShardServer>(opts);
+      shard->set_leader(m.leader());
       if (m.resume()) {
         auto file = ReadResumeFile(CheckpointDir(config), m, proto::SERVER, control.rank(),
                                    ConfigFingerprint(config));
@@ -109,15 +110,36 @@ Status Serve(const proto::JobConfig& config, zmq::socket_t& data, uint32_t port,
     }
     if (shard != nullptr) {
       for (const auto& u : control.TakeUpdates()) {
-        if (u.command() == proto::WORKER_LOST) {
-          // Where this shard is, for the scheduler's cut.
+        if (u.command() == proto::WORKER_LOST || u.command() == proto::WORKER_JOIN) {
+          // Where this shard is, for the scheduler's cut or join (a join holds the shard at the
+          // next iteration until the membership with it arrives).
           Message reply;
           reply.header.set_command(proto::POSITION);
-          *reply.header.mutable_position() = shard->Position(u.position().worker_rank());
+          const int w = u.position().worker_rank();
+          *reply.header.mutable_position() =
+              u.command() == proto::WORKER_JOIN ? shard->PrepareJoin(w) : shard->Position(w);
           SPARSEPS_RETURN_IF_ERROR(control.SendToScheduler(reply));
           continue;
         }
         const auto& m = u.membership();
+        shard->set_leader(m.leader());
+        if (m.has_join()) {
+          spdlog::info("membership epoch {}: worker {} joins the job at iteration {}", m.epoch(),
+                       m.join().worker_rank(), m.join().iteration());
+          const std::string problem = shard->Join(m.join(), m.epoch(), &out);
+          if (!problem.empty())
+            return Status::Internal("membership epoch " + std::to_string(m.epoch()) + ": " +
+                                    problem);
+          flush();
+          Message joined;
+          joined.header.set_command(proto::JOINED);
+          joined.header.set_iteration(m.join().iteration());
+          SPARSEPS_RETURN_IF_ERROR(control.SendToScheduler(joined));
+          if (shard->TakeCheckpointDue()) {
+            SPARSEPS_RETURN_IF_ERROR(SaveShard(config, *shard, control, true));
+          }
+          continue;
+        }
         if (!m.has_cut()) continue;
         const auto& cut = m.cut();
         spdlog::warn(

@@ -18,14 +18,8 @@ ShardServer::ShardServer(const ShardOptions& options)
           AggregationOptions{options.range, options.compression, options.momentum})),
       pushed_(static_cast<size_t>(options.num_workers), kNone),
       stored_(static_cast<size_t>(options.num_workers)),
-      active_(static_cast<size_t>(options.num_workers), 1) {}
-
-int ShardServer::leader() const {
-  for (size_t r = 0; r < active_.size(); ++r) {
-    if (active_[r]) return static_cast<int>(r);
-  }
-  return -1;
-}
+      active_(static_cast<size_t>(options.num_workers), 1),
+      join_at_(static_cast<size_t>(options.num_workers), -1) {}
 
 int ShardServer::ActiveWorker(const proto::Header& h) const {
   if (h.sender_role() != proto::WORKER || h.sender_rank() < 0 ||
@@ -217,6 +211,7 @@ void ShardServer::Commit(int rank) {
 
 void ShardServer::MaybeEndPhase(std::vector<Outgoing>* out) {
   if (!initialized() || added_ == 0) return;
+  if (hold_at_ >= 0 && version_ >= hold_at_) return;  // a replacement may join here
   for (size_t r = 0; r < pushed_.size(); ++r) {
     if (active_[r] && pushed_[r] != kAdded) return;
   }
@@ -263,11 +258,46 @@ std::string ShardServer::Cut(const proto::WorkerCut& cut, uint64_t epoch, bool c
     pushed_[r] = kNone;
   }
   active_[r] = 0;
+  join_at_[r] = -1;
+  hold_at_ = -1;
   if (checkpoint) {
     if (version_ > cut.iteration()) {
       checkpoint_due_ = true;  // the cut's iteration is applied here already: save now
     } else {
       checkpoint_requested_ = true;
+    }
+  }
+  MaybeEndPhase(out);
+  return problem;
+}
+
+proto::Position ShardServer::PrepareJoin(int worker) {
+  hold_at_ = version_ + 1;
+  return Position(worker);
+}
+
+std::string ShardServer::Join(const proto::WorkerJoin& join, uint64_t epoch,
+                              std::vector<Outgoing>* out) {
+  hold_at_ = -1;
+  const int w = join.worker_rank();
+  std::string problem;
+  if (w < 0 || w >= options_.num_workers) {
+    problem = "join of an unknown worker " + std::to_string(w);
+  } else if (active_[static_cast<size_t>(w)]) {
+    problem = "worker " + std::to_string(w) + " joins but is still in the job here";
+  } else if (join.iteration() < version_) {
+    problem = "worker " + std::to_string(w) + " joins at iteration " +
+              std::to_string(join.iteration()) + ", which this server applied already (version " +
+              std::to_string(version_) + ")";
+  } else {
+    epoch_ = std::max(epoch_, epoch);
+    const size_t r = static_cast<size_t>(w);
+    pushed_[r] = kNone;
+    stored_[r].reset();
+    if (join.iteration() == version_) {
+      active_[r] = 1;  // no phase of this iteration ended yet (the hold)
+    } else {
+      join_at_[r] = join.iteration();
     }
   }
   MaybeEndPhase(out);
@@ -316,6 +346,12 @@ void ShardServer::Apply() {
   added_ = 0;
   aggregation_->Apply(scale, &params_, &last_changed_, &last_changed_all_);
   ++version_;
+  for (size_t r = 0; r < join_at_.size(); ++r) {
+    if (join_at_[r] == version_) {
+      active_[r] = 1;  // a replacement counts from this iteration on
+      join_at_[r] = -1;
+    }
+  }
   const uint64_t every = options_.checkpoint_every_steps;
   checkpoint_after_last_ =
       checkpoint_requested_ || (every > 0 && static_cast<uint64_t>(version_) % every == 0);
@@ -348,7 +384,12 @@ void ShardServer::HandlePull(const std::string& peer, const Message& msg,
   const proto::Header& h = msg.header;
   // BSP: a worker pulls iteration t only after pushing t, so nothing beyond version + 1 can be
   // legitimately waited for; refusing it keeps hostile pulls from piling up.
-  if (h.iteration() < -1 || h.iteration() + 1 > version_ + 1) {
+  // A replacement's first pull is of the iteration before it joins, which this shard may not
+  // have begun.
+  const bool joining = h.sender_role() == proto::WORKER && h.sender_rank() >= 0 &&
+                       h.sender_rank() < options_.num_workers &&
+                       join_at_[static_cast<size_t>(h.sender_rank())] == h.iteration() + 1;
+  if (h.iteration() < -1 || (h.iteration() + 1 > version_ + 1 && !joining)) {
     Reject(peer, &h,
            "PULL for iteration " + std::to_string(h.iteration()) + "; the server is at iteration " +
                std::to_string(version_),

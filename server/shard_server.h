@@ -94,8 +94,23 @@ class ShardServer {
   std::string Cut(const proto::WorkerCut& cut, uint64_t epoch, bool checkpoint,
                   std::vector<Outgoing>* out);
 
-  // The lowest worker rank still in the job: the one whose pushes may ask for a checkpoint.
-  int leader() const;
+  // A replacement for worker `worker` wants to join (the scheduler's WORKER_JOIN): returns where
+  // this shard is, and from now on ends no phase of an iteration after the one in progress (the
+  // version), so that no iteration the scheduler picks from every server's answer (the fastest
+  // one's version + 1) is ended without the replacement. Join or Cut lifts the hold.
+  proto::Position PrepareJoin(int worker);
+
+  // Adds worker join.worker_rank from membership epoch `epoch` on: it counts from iteration
+  // join.iteration (at once when this shard is there, else when it gets there), and may pull
+  // join.iteration - 1 before this shard applied it. Lifts the hold of PrepareJoin; may end the
+  // phase then (appends the pull replies that became ready). Returns an error message when the
+  // join cannot be kept (the worker is still in the job, or this shard ended that iteration
+  // already), empty otherwise.
+  std::string Join(const proto::WorkerJoin& join, uint64_t epoch, std::vector<Outgoing>* out);
+
+  // The worker whose pushes may ask for a checkpoint (Membership.leader).
+  int leader() const { return leader_; }
+  void set_leader(int rank) { leader_ = rank; }
 
   const std::vector<float>& params() const { return params_; }
   int64_t version() const { return version_; }
@@ -164,8 +179,11 @@ class ShardServer {
   std::vector<uint8_t> pushed_;  // PushState per worker rank, for this phase of this iteration
   std::vector<std::unique_ptr<StoredPush>> stored_;  // per worker rank (commit_on_pull)
   std::vector<uint8_t> active_;                      // per worker rank: still in the job
-  uint32_t added_ = 0;                               // pushes added in this phase
-  uint64_t epoch_ = 1;                               // membership epoch, in every reply
+  std::vector<int64_t> join_at_;  // per worker rank: a replacement counts from this iteration; -1
+  int64_t hold_at_ = -1;          // PrepareJoin: end no phase of this iteration or later; -1: none
+  int leader_ = 0;
+  uint32_t added_ = 0;  // pushes added in this phase
+  uint64_t epoch_ = 1;  // membership epoch, in every reply
 
   // What the last applied iteration changed (sorted keys), for sparse pull replies.
   std::vector<uint32_t> last_changed_;

@@ -100,6 +100,15 @@ class PsAggregator final : public Aggregator {
     return Status::OK();
   }
 
+  Status Rejoin(uint64_t iteration) override {
+    SPARSEPS_RETURN_IF_ERROR(ps_->PullDense(static_cast<int64_t>(iteration), params_.data()));
+    iteration_ = iteration;
+    push_round_ = static_cast<int64_t>(iteration);
+    if (local_copy_) local_ = params_;
+    changed_.AddAll();
+    return Status::OK();
+  }
+
   void State(StateArchive& archive) override {
     if (compressor_->on_device()) {
       return archive.Fail(

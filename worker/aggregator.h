@@ -77,6 +77,13 @@ class Aggregator {
         "allreduce mode");
   }
 
+  // Instead of Init for a replacement worker (--rejoin) that pushes from `iteration` on: the job's
+  // parameters once the servers applied the iterations before it, this worker's own state empty.
+  // PS mode only; allreduce: FailedPrecondition.
+  virtual Status Rejoin(uint64_t iteration) {
+    return Status::FailedPrecondition("a replacement worker cannot join in allreduce mode");
+  }
+
   // Saves or restores what this worker keeps across iterations (compressor or collective state,
   // the iteration count; allreduce also the parameters and momentum). Between steps only.
   virtual void State(StateArchive& archive) = 0;

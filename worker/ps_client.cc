@@ -65,14 +65,14 @@ Status PsClient::Init(const float* params) {
   return AwaitAll(-1, nullptr);
 }
 
-Status PsClient::PullInitial(float* params) {
+Status PsClient::PullDense(int64_t version, float* params) {
   for (auto& p : peers_) {
-    Message m = Request(p, proto::PULL, -1);
+    Message m = Request(p, proto::PULL, version - 1);
     m.header.set_have_version(-1);
     SPARSEPS_RETURN_IF_ERROR(Send(p, m));
     p.expected.push_back(proto::PULL_REPLY);
   }
-  return AwaitAll(-1, params);
+  return AwaitAll(version - 1, params);
 }
 
 Status PsClient::PushPull(int64_t iteration, std::vector<Message>& pushes, float* params) {

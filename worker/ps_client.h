@@ -37,7 +37,11 @@ class PsClient {
   Status Init(const float* params);
 
   // Pulls every range densely once the servers are initialised (version 0) into params.
-  Status PullInitial(float* params);
+  Status PullInitial(float* params) { return PullDense(0, params); }
+
+  // Pulls every range densely at version `version` (once the servers applied that many
+  // iterations) into params: a replacement worker's start (--rejoin).
+  Status PullDense(int64_t version, float* params);
 
   // Pushes pushes[r] (one Message per range, as a Compressor makes them) for `iteration`, then
   // pulls the result of that iteration into params: the changed entries, or the dense range.

@@ -12,14 +12,6 @@ WorkerSession::WorkerSession(const proto::JobConfig& config)
 
 WorkerSession::~WorkerSession() { control_.StopHeartbeats(); }
 
-bool WorkerSession::is_leader() const {
-  int leader = -1;
-  for (const auto& n : control_.membership().nodes()) {
-    if (n.role() == proto::WORKER && (leader < 0 || n.rank() < leader)) leader = n.rank();
-  }
-  return leader == rank();
-}
-
 Result<std::unique_ptr<WorkerSession>> WorkerSession::Join(const proto::JobConfig& config,
                                                            size_t num_params, bool model_on_device,
                                                            bool name_log) {
@@ -38,13 +30,26 @@ Result<std::unique_ptr<WorkerSession>> WorkerSession::Join(const proto::JobConfi
   if (!st.ok()) return st;
   st = [&]() -> Status {
     SPARSEPS_RETURN_IF_ERROR(s->control_.WaitForMembership());
+    if (const auto& m = s->control_.membership();
+        m.has_join() && m.join().worker_rank() == m.your_rank()) {
+      s->rejoin_iteration_ = m.join().iteration();
+    }
     if (name_log) SetLogName("worker-" + std::to_string(s->rank()));
     s->control_.StartHeartbeats();
     return s->aggregator_->Connect(&s->control_);
   }();
   if (!st.ok()) {
+    if (config.node().rejoin() && s->control_.shutdown_requested() &&
+        !s->control_.has_membership()) {
+      spdlog::info("the job finished before this replacement worker could join");
+      return std::unique_ptr<WorkerSession>();
+    }
     s->control_.ReportFailure(st);
     return st;
+  }
+  if (s->rejoining()) {
+    spdlog::info("joined the running job as worker {}: pushing from iteration {} on", s->rank(),
+                 s->rejoin_iteration());
   }
   return s;
 }

@@ -29,7 +29,8 @@ class WorkerSession {
   // heartbeats and connects the aggregator to the servers or the other workers. A failure after
   // registering is reported to the scheduler (which ends the job naming this worker) before it is
   // returned. Errors: those of each step (a deadline naming who is missing, Aborted on FATAL,
-  // IoError binding a port).
+  // IoError binding a port). A replacement (node.rejoin, --rejoin) waits until the scheduler let it
+  // in (rejoining()); when the job ended normally before that, Join returns a null session.
   static Result<std::unique_ptr<WorkerSession>> Join(const proto::JobConfig& config,
                                                      size_t num_params, bool model_on_device,
                                                      bool name_log = true);
@@ -38,15 +39,19 @@ class WorkerSession {
   WorkerSession& operator=(const WorkerSession&) = delete;
 
   int rank() const { return control_.rank(); }
-  // True when this worker is the lowest worker rank of the current membership: worker 0, or the
-  // one that took over evaluating and writing the model after worker 0 was lost.
-  bool is_leader() const;
+  // True when this worker is the membership's leader: worker 0, or the one that took over
+  // evaluating and writing the model after worker 0 was lost.
+  bool is_leader() const { return control_.membership().leader() == rank(); }
   int num_workers() const { return static_cast<int>(config_.cluster().num_workers()); }
   Aggregator& aggregator() { return *aggregator_; }
   ControlClient& control() { return control_; }
 
   // True when the job resumes from a checkpoint (the membership says which).
-  bool resuming() const { return control_.membership().resume(); }
+  bool resuming() const { return control_.membership().resume() && !rejoining(); }
+  // True for a replacement worker let into a running job (--rejoin): it starts with
+  // Aggregator::Rejoin(rejoin_iteration()) and its first step is of that iteration.
+  bool rejoining() const { return rejoin_iteration_ >= 0; }
+  uint64_t rejoin_iteration() const { return static_cast<uint64_t>(rejoin_iteration_); }
   uint64_t resume_iteration() const { return control_.membership().resume_iteration(); }
 
   // Instead of Aggregator::Init on a resumed job: reads and verifies this worker's file of the
@@ -93,6 +98,7 @@ class WorkerSession {
   Status ReportWritten(bool wait);
 
   Clock::time_point last_checkpoint_ = Clock::now();
+  int64_t rejoin_iteration_ = -1;      // a replacement's first iteration; -1 otherwise
   BackgroundCheckpointWriter writer_;  // last member: its destructor waits for the disk first
   bool checkpoint_requested_ = false;
 };

@@ -104,24 +104,19 @@ struct Split {
   bool operator==(const Split&) const = default;
 };
 
-// The split an epoch beginning after `iteration` aggregation rounds uses: that of the newest
-// membership whose cut (a worker leaving) came before it. Every worker has that membership by
-// then (a server's reply of the cut's iteration carries its epoch: worker/ps_client.h), so all of
-// them re-split at the same epoch.
-Split SplitAt(const ControlClient& control, int rank, uint64_t iteration) {
-  const proto::Membership* use = nullptr;
-  for (const auto& m : control.memberships()) {
-    if (!m.has_cut() || m.cut().iteration() < static_cast<int64_t>(iteration)) use = &m;
+// The split an epoch beginning after `iteration` aggregation rounds uses: that of the newest set
+// of live workers (Membership.splits: a worker left, or a replacement joined) whose change came
+// before it; all workers while there is none. Every worker has the membership with it by then (a
+// server's reply of the change's iteration carries its epoch: worker/ps_client.h; a replacement
+// gets it when it joins), so all of them re-split at the same epoch.
+Split SplitAt(const ControlClient& control, int rank, int num_workers, uint64_t iteration) {
+  Split split{rank, num_workers};
+  for (const auto& set : control.membership().splits()) {
+    if (set.from_iteration() >= static_cast<int64_t>(iteration)) continue;
+    const auto& ranks = set.ranks();
+    split.count = ranks.size();
+    split.index = static_cast<int>(std::find(ranks.begin(), ranks.end(), rank) - ranks.begin());
   }
-  Split split;
-  if (use == nullptr) return split;
-  std::vector<int> ranks;
-  for (const auto& n : use->nodes()) {
-    if (n.role() == proto::WORKER) ranks.push_back(n.rank());
-  }
-  std::sort(ranks.begin(), ranks.end());
-  split.count = static_cast<int>(ranks.size());
-  split.index = static_cast<int>(std::find(ranks.begin(), ranks.end(), rank) - ranks.begin());
   return split;
 }
 
@@ -151,7 +146,12 @@ Status Train(const proto::JobConfig& config, Model& model, const TrainingData& d
   // What the loop itself keeps in a checkpoint: its position (the data order follows from the
   // seed and the epoch).
   auto loop_state = [&](StateArchive& archive) { archive.Value("step", &step); };
-  if (session.resuming()) {
+  // A replacement (--rejoin) runs through the loop without computing until its first iteration:
+  // so it gets the others' epoch, data split and order, and the same number of steps.
+  const uint64_t first_step = session.rejoining() ? session.rejoin_iteration() : 0;
+  if (session.rejoining()) {
+    SPARSEPS_RETURN_IF_ERROR(aggregator.Rejoin(first_step));
+  } else if (session.resuming()) {
     SPARSEPS_RETURN_IF_ERROR(session.Resume(loop_state));
   } else {
     SPARSEPS_RETURN_IF_ERROR(aggregator.Init(initial));
@@ -172,9 +172,13 @@ Status Train(const proto::JobConfig& config, Model& model, const TrainingData& d
       "initialised in {:.2f} s",
       model.Describe(), n, data.train.num_samples / static_cast<size_t>(session.num_workers()), spe,
       SecondsSince(init_start));
-  TrainingLog log(config, rank, total, epochs);
-  SPARSEPS_RETURN_IF_ERROR(session.resuming() ? log.OpenResumed(step) : log.Open());
-  if (session.resuming()) {
+  TrainingLog log(config, rank, total, epochs, session.is_leader());
+  SPARSEPS_RETURN_IF_ERROR(session.resuming()    ? log.OpenResumed(step)
+                           : session.rejoining() ? log.OpenResumed(first_step)
+                                                 : log.Open());
+  if (session.rejoining()) {
+    spdlog::info("a replacement: joining at step {} of {}", first_step + 1, total);
+  } else if (session.resuming()) {
     spdlog::info("resuming at step {} of {} (epoch {}, step {} of it)", step, total, step / spe + 1,
                  step % spe);
   }
@@ -188,7 +192,7 @@ Status Train(const proto::JobConfig& config, Model& model, const TrainingData& d
   // to get its data order back.
   for (uint32_t e = 0; e < epoch; ++e) batches.StartEpoch(e);
   for (; epoch < epochs && step < total; ++epoch) {
-    if (const Split now = SplitAt(session.control(), rank, aggregator.iteration());
+    if (const Split now = SplitAt(session.control(), rank, workers, step);
         step == epoch_begin && !(now == split)) {
       // Workers were lost: the live ones share the data from this epoch on.
       split = now;
@@ -204,6 +208,10 @@ Status Train(const proto::JobConfig& config, Model& model, const TrainingData& d
     batches.StartEpoch(epoch);
     aggregator.SetEpoch(epoch);
     for (uint64_t s = step - epoch_begin; s < spe && step < total; ++s) {
+      if (step < first_step) {
+        ++step;  // a replacement, before its first iteration
+        continue;
+      }
       const auto t0 = Clock::now();
       batches.Fill(s);
       auto params = aggregator.ModelParams();
@@ -297,6 +305,7 @@ Status RunWorker(const proto::JobConfig& config) {
   if (!model.ok()) return model.status();
   auto session = WorkerSession::Join(config, (*model)->num_params(), (*model)->on_device());
   if (!session.ok()) return session.status();
+  if (*session == nullptr) return Status::OK();  // a replacement for a job that finished first
   Status result = Train(config, **model, *data, **session);
   if (!result.ok()) (*session)->ReportFailure(result);
   if ((*session)->control().scheduler_lost() && (*session)->is_leader() &&

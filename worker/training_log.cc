@@ -8,10 +8,10 @@
 namespace sparseps {
 
 TrainingLog::TrainingLog(const proto::JobConfig& config, int rank, uint64_t total_steps,
-                         uint32_t epochs)
+                         uint32_t epochs, bool leader)
     : config_(config),
       rank_(rank),
-      leader_(rank == 0),
+      leader_(leader),
       total_steps_(total_steps),
       epochs_(epochs),
       workers_(config.cluster().num_workers()) {}
@@ -29,9 +29,9 @@ Status TrainingLog::Open() {
   SPARSEPS_RETURN_IF_ERROR(
       metrics_.Open(dir.empty() ? "" : dir + "/metrics-worker-" + std::to_string(rank_) + ".csv",
                     kMetricColumns));
-  if (rank_ == 0) {
-    SPARSEPS_RETURN_IF_ERROR(
-        evals_.Open(dir.empty() ? "" : dir + "/eval-worker-0.csv", kEvalColumns));
+  if (leader_) {
+    SPARSEPS_RETURN_IF_ERROR(evals_.Open(
+        dir.empty() ? "" : dir + "/eval-worker-" + std::to_string(rank_) + ".csv", kEvalColumns));
   }
   start_ = last_progress_ = Clock::now();
   return Status::OK();
@@ -49,11 +49,13 @@ Status TrainingLog::OpenResumed(uint64_t step) {
   SPARSEPS_RETURN_IF_ERROR(metrics_.OpenResumed(
       dir.empty() ? "" : dir + "/metrics-worker-" + std::to_string(rank_) + ".csv", kMetricColumns,
       0, static_cast<double>(step)));
-  if (rank_ == 0) {
-    SPARSEPS_RETURN_IF_ERROR(evals_.OpenResumed(dir.empty() ? "" : dir + "/eval-worker-0.csv",
-                                                kEvalColumns, 1, static_cast<double>(step)));
+  if (leader_) {
+    SPARSEPS_RETURN_IF_ERROR(evals_.OpenResumed(
+        dir.empty() ? "" : dir + "/eval-worker-" + std::to_string(rank_) + ".csv", kEvalColumns, 1,
+        static_cast<double>(step)));
   }
   start_ = last_progress_ = Clock::now();
+  first_step_ = step;
   return Status::OK();
 }
 
@@ -109,6 +111,9 @@ proto::WorkerStats TrainingLog::Stats(uint64_t steps, uint32_t epochs,
   proto::WorkerStats stats;
   stats.set_steps(steps);
   stats.set_epochs(epochs);
+  // Since this process opened the log: a resumed or replacement worker began at first_step_.
+  const uint64_t run = steps - std::min(steps, first_step_);
+  stats.set_steps_run(run);
   stats.set_bytes_sent(aggregator.bytes_sent());
   stats.set_bytes_received(aggregator.bytes_received());
   stats.set_final_test_accuracy(test_accuracy_);
@@ -116,13 +121,14 @@ proto::WorkerStats TrainingLog::Stats(uint64_t steps, uint32_t epochs,
   stats.set_final_train_loss(epoch_steps_ > 0 ? epoch_loss_ / static_cast<double>(epoch_steps_)
                                               : last_epoch_loss_);
   stats.set_wall_s(train_s_);
-  stats.set_samples_per_s(static_cast<double>(steps * config_.train().batch_size()) /
+  stats.set_samples_per_s(static_cast<double>(run * config_.train().batch_size()) /
                           std::max(train_s_, 1e-9));
-  const double per_step = steps ? 1.0 / static_cast<double>(steps) : 0.0;
+  const double per_step = run ? 1.0 / static_cast<double>(run) : 0.0;
   spdlog::info(
-      "training done: {} steps in {:.1f} s, {:.0f} samples/s on this worker, sent {:.0f} B/step, "
+      "training done: {} steps{} in {:.1f} s, {:.0f} samples/s on this worker, sent {:.0f} B/step, "
       "received {:.0f} B/step{}",
-      steps, train_s_, stats.samples_per_s(), static_cast<double>(stats.bytes_sent()) * per_step,
+      steps, run == steps ? std::string() : fmt::format(" ({} in this process)", run), train_s_,
+      stats.samples_per_s(), static_cast<double>(stats.bytes_sent()) * per_step,
       static_cast<double>(stats.bytes_received()) * per_step,
       leader_ ? fmt::format(", final test accuracy {:.2f}%", 100 * test_accuracy_) : "");
   return stats;

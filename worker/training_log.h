@@ -18,8 +18,11 @@ namespace sparseps {
 class TrainingLog {
  public:
   // total_steps and epochs: the run's (for the progress lines); the batch and the number of
-  // workers come from config.train and config.cluster.
-  TrainingLog(const proto::JobConfig& config, int rank, uint64_t total_steps, uint32_t epochs);
+  // workers come from config.train and config.cluster. `leader`: this worker evaluates and prints
+  // the progress from the start (the membership's leader; not a replacement of worker 0 that
+  // joined after another worker took over).
+  TrainingLog(const proto::JobConfig& config, int rank, uint64_t total_steps, uint32_t epochs,
+              bool leader);
 
   // Creates the CSV files in run.dir (none when it is empty) and starts the training clock.
   // Errors: IoError naming the file.
@@ -69,6 +72,7 @@ class TrainingLog {
   double eval_s_ = 0.0;   // time spent evaluating
   double train_s_ = 0.0;  // the training time when the last step ended
   uint64_t progress_steps_ = 0;
+  uint64_t first_step_ = 0;  // the step Open (0) or OpenResumed began at
   double progress_loss_ = 0.0;
   uint32_t loss_epoch_ = 0;  // the epoch epoch_loss_ sums
   uint64_t epoch_steps_ = 0;

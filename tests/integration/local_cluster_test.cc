@@ -225,6 +225,81 @@ TEST(LocalClusterFailure, DeadWorkerIsDroppedAndTheOthersFinishTheJob) {
   EXPECT_GT(summary.steps(), 2808u);
 }
 
+// kill -9 worker 0 of the quickstart at a random step of its first two epochs and start a
+// replacement with --rejoin at once (as deploy/launch.sh --max-restarts does): it waits until the
+// scheduler removed worker 0, gets the current parameters, and joins at the next iteration; both
+// workers end at the same iteration, every process exits 0, worker 1 (which took over evaluating)
+// writes the model, and the quickstart still reaches 85%.
+TEST(LocalClusterFailure, KilledWorkerIsReplacedAndBothFinish) {
+#if defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "a whole quickstart run: in the plain build only";
+#endif
+  if (!std::filesystem::exists(std::string(kData) + "/train-images-idx3-ubyte.gz")) {
+    GTEST_SKIP() << "Fashion-MNIST not installed";
+  }
+  TempDir dir("rejoin");
+  const std::string config = std::string(SPARSEPS_SOURCE_DIR) + "/configs/quickstart.yaml";
+  const std::vector<std::string> extra = {"cluster.heartbeat_interval_s=0.25",
+                                          "cluster.heartbeat_timeout_s=10",
+                                          "cluster.request_timeout_s=120"};
+  Cluster c = Start(dir, config, 2, 2, extra);
+  ASSERT_NE(c.scheduler, nullptr);
+  ChildProcess& victim = *c.nodes[2];  // worker 0
+  std::mt19937 rng(std::random_device{}());
+  const size_t kill_at = 20 + rng() % 900;  // 468 steps per epoch
+  const std::string csv = dir.path() + "/metrics-worker-0.csv";
+  ASSERT_FALSE(testing::WaitForFile(csv, 120).empty()) << victim.Log();
+  for (int i = 0; i < 3000; ++i) {
+    const std::string text = testing::ReadFile(csv);
+    if (static_cast<size_t>(std::count(text.begin(), text.end(), '\n')) > kill_at) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  victim.Signal(SIGKILL);
+  victim.Wait(30);
+  std::vector<std::string> argv = {
+      testing::BinaryPath("worker/sparseps-worker"),
+      "--config",
+      config,
+      "--rejoin",
+      "--set",
+      "run.dir=" + dir.path(),
+      "--set",
+      "cluster.num_servers=2",
+      "--set",
+      "cluster.num_workers=2",
+      "--set",
+      "cluster.scheduler_port=" + testing::ReadFile(dir.path() + "/scheduler.port"),
+      "--set",
+      "node.rank=0"};
+  for (const auto& e : extra) {
+    argv.push_back("--set");
+    argv.push_back(e);
+  }
+  ChildProcess replacement(argv, dir.path() + "/worker-0-replacement.log",
+                           {"OPENBLAS_NUM_THREADS=1"});
+  ASSERT_EQ(c.scheduler->Wait(600), 0) << "killed at step " << kill_at << ":\n"
+                                       << c.scheduler->Log();
+  for (size_t i = 0; i < 2; ++i) EXPECT_EQ(c.nodes[i]->Wait(60), 0) << c.nodes[i]->Log();
+  EXPECT_EQ(c.nodes[3]->Wait(60), 0) << c.nodes[3]->Log();
+  EXPECT_EQ(replacement.Wait(60), 0) << replacement.Log();
+  EXPECT_THAT(replacement.Log(), ::testing::HasSubstr("joined the running job as worker 0"));
+  EXPECT_THAT(c.scheduler->Log(), ::testing::HasSubstr("joined: it pushes from iteration"));
+  proto::RunSummary summary;
+  const std::string json = testing::ReadFile(dir.path() + "/summary.json");
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(json, &summary).ok()) << json;
+  EXPECT_EQ(summary.status(), "ok");
+  ASSERT_EQ(summary.lost_workers_size(), 1) << json;
+  ASSERT_EQ(summary.joined_workers_size(), 1) << json;
+  EXPECT_EQ(summary.joined_workers(0).rank(), 0);
+  EXPECT_GT(summary.joined_workers(0).iteration(), summary.lost_workers(0).iteration());
+  ASSERT_EQ(summary.workers_size(), 2);
+  EXPECT_EQ(summary.workers(0).steps(), summary.workers(1).steps()) << json;
+  EXPECT_LT(summary.workers(0).steps_run(), summary.workers(0).steps());
+  EXPECT_GE(summary.final_test_accuracy(), 0.85) << "killed at step " << kill_at;
+  EXPECT_TRUE(std::filesystem::exists(dir.path() + "/model.safetensors"));
+  EXPECT_TRUE(std::filesystem::exists(dir.path() + "/eval-worker-1.csv"));
+}
+
 // A worker that fails on its own (here: the loss diverges) tells the scheduler, which ends the
 // job at once naming the worker and the cause, long before the heartbeat timeout.
 TEST(LocalClusterFailure, FailingWorkerEndsTheJobAtOnceNamingTheCause) {

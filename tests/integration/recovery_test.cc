@@ -4,6 +4,7 @@
 // runs are deterministic); a corrupt checkpoint is refused naming the file; the model file holds
 // the job's parameters by layer.
 #include <gmock/gmock.h>
+#include <google/protobuf/util/json_util.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 
@@ -17,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "proto/summary.pb.h"
 #include "tests/support/process.h"
 
 namespace sparseps {
@@ -172,9 +174,10 @@ TEST(WorkerLoss, BelowMinWorkersEndsWithACheckpointThatResumes) {
   EXPECT_THAT(testing::ReadFile(run + "/summary.json"), HasSubstr("\"status\": \"ok\""));
 }
 
-// --max-restarts: a worker or a server killed with kill -9 mid-run; the launcher restarts the whole
-// job from its newest complete checkpoint and the job completes, every step once in the metrics,
-// the same parameters as a run never stopped, and little work lost.
+// --max-restarts: a worker (cluster.on_worker_failure: abort) or a server killed with kill -9
+// mid-run; the launcher restarts the whole job from its newest complete checkpoint and the job
+// completes, every step once in the metrics, the same parameters as a run never stopped, and
+// little work lost.
 class Supervision : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(Supervision, MaxRestartsResumesTheJobAfterAKilledProcess) {
@@ -184,7 +187,7 @@ TEST_P(Supervision, MaxRestartsResumesTheJobAfterAKilledProcess) {
   const std::vector<std::string> sets = {
       "--set", "model.hidden=[64]",          "--set", "data.max_train_samples=6400",
       "--set", "data.max_test_samples=1000", "--set", "train.max_steps=300",
-      "--set", "checkpoint.every_steps=50"};
+      "--set", "checkpoint.every_steps=50",  "--set", "cluster.on_worker_failure=abort"};
   const std::string whole = dir.path() + "/whole", run = dir.path() + "/run";
   ChildProcess a(Launch(whole, sets), dir.path() + "/whole.log", {}, true);
   ASSERT_EQ(a.Wait(180), 0) << a.Log();
@@ -223,6 +226,52 @@ TEST_P(Supervision, MaxRestartsResumesTheJobAfterAKilledProcess) {
   for (size_t i = 0; i < steps.size(); ++i) ASSERT_EQ(steps[i], static_cast<double>(i + 1));
   EXPECT_EQ(testing::ReadFile(run + "/model.safetensors"),
             testing::ReadFile(whole + "/model.safetensors"));
+}
+
+// --max-restarts with cluster.on_worker_failure: continue (the default): a worker killed with
+// kill -9 is started again with --rejoin while the other goes on; nothing is redone, both end at
+// the job's last iteration, and the replacement's metrics continue the lost worker's.
+TEST(SupervisionRejoin, MaxRestartsReplacesAKilledWorker) {
+  if (!HaveData()) GTEST_SKIP() << "Fashion-MNIST not installed";
+  TempDir dir("rejoin-restart");
+  const std::string run = dir.path() + "/run";
+  ChildProcess b(Launch(run, {"--set", "model.hidden=[64]", "--set", "data.max_train_samples=6400",
+                              "--set", "data.max_test_samples=1000", "--set", "train.max_steps=300",
+                              "--set", "checkpoint.every_steps=50", "--max-restarts", "1"}),
+                 dir.path() + "/run.log", {}, true);
+  ASSERT_FALSE(
+      testing::WaitForFile(run + "/checkpoints/iter-0000000100/MANIFEST.json", 120).empty())
+      << b.Log();
+  const pid_t victim = LoggedPid(testing::ReadFile(run + "/worker-1.log"));
+  ASSERT_GT(victim, 0);
+  ASSERT_EQ(::kill(victim, SIGKILL), 0);
+  ASSERT_EQ(b.Wait(240), 0) << b.Log();
+  EXPECT_THAT(b.Log(), HasSubstr("restart 1 of 1: worker-1 exited with code 137; a replacement "
+                                 "joins the running job (--rejoin)"));
+  EXPECT_THAT(testing::ReadFile(run + "/restarts.log"), HasSubstr("a replacement joins"));
+  const std::string log1 = testing::ReadFile(run + "/worker-1.log");
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(log1, m, std::regex("pushing from iteration ([0-9]+) on"))) << log1;
+  const double joined = std::stod(m[1]);
+  std::vector<double> steps0, steps1;
+  ASSERT_NO_FATAL_FAILURE(testing::CsvColumn(run + "/metrics-worker-0.csv", "step", &steps0));
+  ASSERT_NO_FATAL_FAILURE(testing::CsvColumn(run + "/metrics-worker-1.csv", "step", &steps1));
+  // Worker 0 never stopped: every step once.
+  ASSERT_EQ(steps0.size(), 300u);
+  for (size_t i = 0; i < steps0.size(); ++i) ASSERT_EQ(steps0[i], static_cast<double>(i + 1));
+  // Worker 1: the lost one's steps, then the replacement's from its join on, to the end.
+  ASSERT_FALSE(steps1.empty());
+  EXPECT_EQ(steps1.back(), 300.0);
+  for (size_t i = 1; i < steps1.size(); ++i) ASSERT_GT(steps1[i], steps1[i - 1]);
+  EXPECT_NE(std::find(steps1.begin(), steps1.end(), joined + 1), steps1.end());
+  proto::RunSummary summary;
+  const std::string json = testing::ReadFile(run + "/summary.json");
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(json, &summary).ok()) << json;
+  EXPECT_EQ(summary.status(), "ok");
+  ASSERT_EQ(summary.joined_workers_size(), 1) << json;
+  EXPECT_EQ(summary.joined_workers(0).iteration(), static_cast<int64_t>(joined));
+  EXPECT_EQ(summary.workers(1).steps(), 300u);
+  EXPECT_EQ(summary.workers(1).steps_run(), 300u - static_cast<uint64_t>(joined));
 }
 
 INSTANTIATE_TEST_SUITE_P(Victims, Supervision, ::testing::Values("worker-1", "server-0"),

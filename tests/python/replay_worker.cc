@@ -40,6 +40,7 @@ int Run(int argc, char** argv) {
     std::fprintf(stderr, "replay_worker: %s\n", session.status().ToString().c_str());
     return 1;
   }
+  if (*session == nullptr) return 0;  // a replacement for a job that finished first
   WorkerSession& s = **session;
   Aggregator& agg = s.aggregator();
   std::vector<float> initial(n), grad(n);

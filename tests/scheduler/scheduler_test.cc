@@ -454,5 +454,170 @@ TEST_F(WorkerLossTest, BelowMinWorkersEndsAfterTheCheckpoint) {
   std::filesystem::remove_all(dir);
 }
 
+// A replacement worker (--rejoin) for a lost one.
+class RejoinTest : public WorkerLossTest {
+ protected:
+  Message Rejoin(int rank, uint64_t num_params = 101, proto::Role role = proto::WORKER) {
+    Message m = Register(role, rank, num_params, 0);
+    m.header.mutable_register_()->set_rejoin(true);
+    m.header.mutable_register_()->set_pid(4242);
+    return m;
+  }
+  Message JoinPosition(int server, int64_t version) {
+    Message m = PositionMsg(server, version, 0);
+    return m;
+  }
+  Message Joined(int server, int64_t iteration) {
+    Message m;
+    m.header.set_command(proto::JOINED);
+    m.header.set_sender_role(proto::SERVER);
+    m.header.set_sender_rank(server);
+    m.header.set_iteration(iteration);
+    return m;
+  }
+  static std::set<std::string> To(const std::vector<Outgoing>& out, proto::Command command) {
+    std::set<std::string> to;
+    for (const auto& o : out) {
+      if (o.msg.header.command() == command) to.insert(o.to);
+    }
+    return to;
+  }
+  static std::string ErrorTo(const std::vector<Outgoing>& out, const std::string& who) {
+    for (const auto& o : out) {
+      if (o.to == who && o.msg.header.command() == proto::ERROR) return o.msg.header.error();
+    }
+    return "";
+  }
+};
+
+TEST_F(RejoinTest, ReplacementJoinsAfterTheLostWorkerIsRemoved) {
+  Scheduler s(config_, t0_);
+  RegisterAll(s);
+  // The replacement comes before the scheduler noticed that worker 1 died: it waits.
+  auto early = Send(s, "w-c", Rejoin(1), t0_ + seconds(1));
+  EXPECT_TRUE(early.empty());
+  auto out = SilenceWorker1(s);
+  EXPECT_TRUE(To(out, proto::WORKER_JOIN).empty());
+  // Removing worker 1 (dropped at iteration 7), then at once asking the servers about the join.
+  out = BothServersAnswer(s, 7, 0, 7, 0);
+  EXPECT_EQ(Memberships(out).size(), 3u);
+  EXPECT_EQ(To(out, proto::WORKER_JOIN), (std::set<std::string>{"s-a", "s-b"}));
+  for (const auto& o : out) {
+    if (o.msg.header.command() == proto::WORKER_JOIN) {
+      EXPECT_EQ(o.msg.header.position().worker_rank(), 1);
+    }
+  }
+  // Server 0 is in iteration 9, server 1 in 8: the replacement joins at 10. Every node but the
+  // replacement gets the epoch first.
+  EXPECT_TRUE(Send(s, "s-a", JoinPosition(0, 9), t0_ + seconds(14)).empty());
+  auto m = Memberships(Send(s, "s-b", JoinPosition(1, 8), t0_ + seconds(14)));
+  ASSERT_EQ(m.size(), 3u);
+  ASSERT_FALSE(m.count("w-c"));
+  const auto& epoch3 = m["s-a"];
+  EXPECT_EQ(epoch3.epoch(), 3u);
+  EXPECT_EQ(epoch3.nodes_size(), 4);
+  EXPECT_FALSE(epoch3.has_cut());
+  EXPECT_EQ(epoch3.join().worker_rank(), 1);
+  EXPECT_EQ(epoch3.join().iteration(), 10);
+  EXPECT_EQ(epoch3.leader(), 0);
+  ASSERT_EQ(epoch3.splits_size(), 2);
+  EXPECT_EQ(epoch3.splits(0).from_iteration(), 7);
+  EXPECT_THAT(epoch3.splits(0).ranks(), ::testing::ElementsAre(0));
+  EXPECT_EQ(epoch3.splits(1).from_iteration(), 10);
+  EXPECT_THAT(epoch3.splits(1).ranks(), ::testing::ElementsAre(0, 1));
+  // Once both servers applied it, the replacement is told, as worker 1.
+  EXPECT_TRUE(Send(s, "s-a", Joined(0, 10), t0_ + seconds(14)).empty());
+  m = Memberships(Send(s, "s-b", Joined(1, 10), t0_ + seconds(14)));
+  ASSERT_EQ(m.size(), 1u);
+  EXPECT_EQ(m["w-c"].your_rank(), 1);
+  EXPECT_EQ(m["w-c"].join().iteration(), 10);
+  // It is a member now: a workers' barrier waits for it, and the job ends with both DONE.
+  Send(s, "w-a", BarrierMsg(proto::WORKER, 0, "b", 0, proto::WORKER), t0_ + seconds(15));
+  EXPECT_TRUE(
+      To(Send(s, "w-a", BarrierMsg(proto::WORKER, 0, "b", 0, proto::WORKER), t0_ + seconds(15)),
+         proto::BARRIER_RELEASE)
+          .empty());
+  EXPECT_EQ(
+      To(Send(s, "w-c", BarrierMsg(proto::WORKER, 1, "b", 0, proto::WORKER), t0_ + seconds(15)),
+         proto::BARRIER_RELEASE),
+      (std::set<std::string>{"w-a", "w-c"}));
+  for (const char* who : {"w-a", "w-c"}) {
+    ASSERT_FALSE(s.finished());
+    Message d;
+    d.header.set_command(proto::DONE);
+    d.header.set_sender_role(proto::WORKER);
+    d.header.set_sender_rank(who == std::string("w-a") ? 0 : 1);
+    d.header.mutable_done()->mutable_stats()->set_steps(50);
+    Send(s, who, std::move(d), t0_ + seconds(16));
+  }
+  ASSERT_TRUE(s.finished());
+  EXPECT_TRUE(s.final_status().ok()) << s.final_status().message();
+  const auto summary = s.Summary(t0_ + seconds(16));
+  ASSERT_EQ(summary.joined_workers_size(), 1);
+  EXPECT_EQ(summary.joined_workers(0).rank(), 1);
+  EXPECT_EQ(summary.joined_workers(0).iteration(), 10);
+  EXPECT_EQ(summary.joined_workers(0).pid(), 4242);
+  EXPECT_EQ(summary.lost_workers_size(), 1);
+}
+
+TEST_F(RejoinTest, ReplacementsThatCannotJoinAreToldWhy) {
+  Scheduler s(config_, t0_);
+  // Before the job runs.
+  EXPECT_THAT(ErrorTo(Send(s, "x", Rejoin(1), t0_), "x"), HasSubstr("has not started"));
+  RegisterAll(s);
+  EXPECT_THAT(ErrorTo(Send(s, "x1", Rejoin(0, 101, proto::SERVER), t0_), "x1"),
+              HasSubstr("cannot join a running job yet"));
+  EXPECT_THAT(ErrorTo(Send(s, "x2", Rejoin(5), t0_), "x2"), HasSubstr("out of range"));
+  EXPECT_THAT(ErrorTo(Send(s, "x3", Rejoin(-1), t0_), "x3"), HasSubstr("no worker rank is free"));
+  EXPECT_THAT(ErrorTo(Send(s, "x4", Rejoin(1, 7), t0_), "x4"), HasSubstr("7 parameters"));
+  // Without --rejoin, registration stays closed.
+  EXPECT_THAT(ErrorTo(Send(s, "x5", Register(proto::WORKER, 1, 101, 0), t0_), "x5"),
+              HasSubstr("--rejoin"));
+  // A replacement for a worker that stays alive is turned away after heartbeat_timeout_s + 10 s.
+  EXPECT_TRUE(Send(s, "w-c", Rejoin(1), t0_).empty());
+  EXPECT_THAT(ErrorTo(Send(s, "x6", Rejoin(1), t0_), "x6"), HasSubstr("already being replaced"));
+  std::vector<Outgoing> out;
+  for (int i = 1; i <= 22; ++i) {
+    HeartbeatsThenTick(s, i,
+                       {{"w-a", proto::WORKER, 0},
+                        {"w-b", proto::WORKER, 1},
+                        {"s-a", proto::SERVER, 0},
+                        {"s-b", proto::SERVER, 1}},
+                       &out);
+  }
+  EXPECT_THAT(ErrorTo(out, "w-c"), HasSubstr("worker 1 is still in the job"));
+  EXPECT_FALSE(s.finished());
+  EXPECT_EQ(s.membership().epoch(), 1u);
+  EXPECT_EQ(s.rejected_messages(), 8u);
+}
+
+TEST_F(RejoinTest, AbortModeRefusesReplacements) {
+  config_.mutable_cluster()->set_on_worker_failure(proto::ABORT);
+  Scheduler s(config_, t0_);
+  RegisterAll(s);
+  EXPECT_THAT(ErrorTo(Send(s, "x", Rejoin(1), t0_), "x"),
+              HasSubstr("cluster.on_worker_failure: continue"));
+}
+
+TEST_F(RejoinTest, ServerThatDoesNotAnswerAJoinIsNamed) {
+  Scheduler s(config_, t0_);
+  RegisterAll(s);
+  SilenceWorker1(s);
+  BothServersAnswer(s, 7, 0, 7, 0);
+  Send(s, "w-c", Rejoin(1), t0_ + seconds(13));
+  Send(s, "s-a", JoinPosition(0, 8), t0_ + seconds(13));
+  std::vector<Outgoing> out;
+  for (int i = 14; i < 45 && !s.finished(); ++i) {
+    HeartbeatsThenTick(
+        s, i, {{"w-a", proto::WORKER, 0}, {"s-a", proto::SERVER, 0}, {"s-b", proto::SERVER, 1}},
+        &out);
+  }
+  ASSERT_TRUE(s.finished());
+  EXPECT_THAT(s.final_status().message(), HasSubstr("adding worker 1"));
+  EXPECT_THAT(s.final_status().message(), HasSubstr("no answer"));
+  EXPECT_THAT(s.final_status().message(), HasSubstr("server 1"));
+  EXPECT_THAT(To(out, proto::FATAL), ::testing::Contains("w-c"));
+}
+
 }  // namespace
 }  // namespace sparseps

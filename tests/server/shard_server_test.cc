@@ -591,5 +591,96 @@ TEST_F(CommitOnPull, CutWithCheckpointMakesTheNextIterationACheckpoint) {
   EXPECT_TRUE(shard_->TakeCheckpointDue());
 }
 
+// A replacement (--rejoin): PrepareJoin holds the shard at the iteration after the one in progress;
+// Join lifts the hold and counts the replacement from its join iteration on.
+proto::WorkerJoin JoinOf(int w, int64_t t) {
+  proto::WorkerJoin j;
+  j.set_worker_rank(w);
+  j.set_iteration(t);
+  return j;
+}
+
+TEST_F(CommitOnPull, ReplacementCountsFromItsJoinIteration) {
+  for (int w = 0; w < 3; ++w) PushFrom(w, 0);
+  PullFrom(0, 0);
+  PullFrom(1, 0);
+  std::vector<Outgoing> out;
+  ASSERT_EQ(shard_->Cut(CutOf(2, 0, false), 2, false, &out), "");
+  ASSERT_EQ(shard_->params()[1], 20.0f - 9);  // 11
+  // A replacement for worker 2 registers: this shard is in iteration 1 and may end it, not 2.
+  EXPECT_EQ(shard_->PrepareJoin(2).version(), 1);
+  PushFrom(0, 1);
+  PushFrom(1, 1);
+  PullFrom(0, 1);
+  EXPECT_EQ(PullFrom(1, 1).size(), 2u);  // iteration 1 ends: both pulls answered
+  ASSERT_EQ(shard_->version(), 2);
+  EXPECT_EQ(shard_->params()[1], 11.0f - 9);  // 2
+  PushFrom(0, 2);
+  PushFrom(1, 2);
+  PullFrom(0, 2);
+  EXPECT_TRUE(PullFrom(1, 2).empty()) << "the hold keeps iteration 2 open";
+  EXPECT_EQ(shard_->version(), 2);
+  // The scheduler picked iteration 2 (every server was in iteration 1 when asked).
+  out.clear();
+  ASSERT_EQ(shard_->Join(JoinOf(2, 2), 3, &out), "");
+  EXPECT_TRUE(out.empty()) << "iteration 2 now waits for the replacement's push";
+  // The replacement pulls the parameters before its first iteration (version 2), densely.
+  auto first = Send(*shard_, Pull(r_, 1, 2, -1), "w2");
+  ASSERT_EQ(Only(first), proto::PULL_REPLY);
+  EXPECT_EQ(first[0].msg.header.version(), 2);
+  EXPECT_EQ(first[0].msg.header.encoding(), proto::DENSE);
+  EXPECT_EQ(Only(PushFrom(2, 2)), proto::PUSH_ACK);
+  EXPECT_EQ(PullFrom(2, 2).size(), 3u);
+  ASSERT_EQ(shard_->version(), 3);
+  EXPECT_EQ(shard_->params()[1], 2.0f - (6 + 12 + 18) / 3.0f);
+  // From now on three pushes make an iteration.
+  PushFrom(0, 3);
+  PushFrom(1, 3);
+  PullFrom(0, 3);
+  EXPECT_TRUE(PullFrom(1, 3).empty());
+  PushFrom(2, 3);
+  EXPECT_EQ(PullFrom(2, 3).size(), 3u);
+  EXPECT_EQ(shard_->params()[1], 2.0f - 12 - 12);
+}
+
+TEST_F(CommitOnPull, ReplacementJoiningAheadOfThisShardStartsThere) {
+  for (int w = 0; w < 3; ++w) PushFrom(w, 0);
+  PullFrom(0, 0);
+  PullFrom(1, 0);
+  std::vector<Outgoing> out;
+  ASSERT_EQ(shard_->Cut(CutOf(2, 0, false), 2, false, &out), "");
+  EXPECT_EQ(shard_->PrepareJoin(2).version(), 1);
+  // Another server was one iteration ahead: the replacement joins at 3, and its first pull (of
+  // iteration 2, which this shard has not begun) waits instead of being refused as a future one.
+  out.clear();
+  ASSERT_EQ(shard_->Join(JoinOf(2, 3), 3, &out), "");
+  EXPECT_TRUE(Send(*shard_, Pull(r_, 2, 2, -1), "w2").empty());
+  EXPECT_EQ(Only(PushFrom(2, 1)), proto::ERROR) << "it does not count before iteration 3";
+  for (int64_t t = 1; t <= 2; ++t) {  // two iterations of the two live workers
+    PushFrom(0, t);
+    PushFrom(1, t);
+    PullFrom(0, t);
+    PullFrom(1, t);
+  }
+  ASSERT_EQ(shard_->version(), 3);
+  EXPECT_EQ(shard_->params()[1], 20.0f - 9 - 9 - 9);
+  // From iteration 3 on it counts.
+  EXPECT_EQ(Only(PushFrom(2, 3)), proto::PUSH_ACK);
+  PushFrom(0, 3);
+  PushFrom(1, 3);
+  PullFrom(0, 3);
+  PullFrom(1, 3);
+  EXPECT_EQ(shard_->version(), 3) << "iteration 3 waits for the replacement";
+  PullFrom(2, 3);
+  EXPECT_EQ(shard_->version(), 4);
+  EXPECT_EQ(shard_->params()[1], 20.0f - 27 - 12);
+}
+
+TEST_F(CommitOnPull, JoinOfAWorkerStillInTheJobIsRefused) {
+  std::vector<Outgoing> out;
+  EXPECT_NE(shard_->Join(JoinOf(1, 0), 2, &out).find("still in the job"), std::string::npos);
+  EXPECT_NE(shard_->Join(JoinOf(7, 0), 2, &out).find("unknown worker"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace sparseps
