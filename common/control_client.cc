@@ -54,6 +54,7 @@ Status ControlClient::Register(const std::string& host, uint32_t port, uint64_t 
   gethostname(hostname, sizeof(hostname) - 1);
   reg->set_hostname(hostname);
   reg->set_pid(getpid());
+  register_ = *reg;
   SPARSEPS_RETURN_IF_ERROR(Send(msg));
   registered_ = true;
   spdlog::info("registering with the scheduler at {}", scheduler_endpoint());
@@ -155,9 +156,27 @@ Status ControlClient::WaitForEpoch(uint64_t epoch) {
 }
 
 Status ControlClient::WaitForMembership() {
-  return WaitFor([this] { return has_membership_; }, config_.cluster().register_timeout_s() + 10.0,
-                 "the membership from the scheduler at " + scheduler_endpoint() +
-                     " (is it running, and are all nodes started?)");
+  const double total = config_.cluster().register_timeout_s() + 10.0;
+  const double retry = config_.cluster().retry_interval_s();
+  const std::string what = "the membership from the scheduler at " + scheduler_endpoint() +
+                           " (is it running, and are all nodes started?)";
+  const auto start = Clock::now();
+  while (true) {
+    const double left = total - SecondsSince(start);
+    Status s = WaitFor([this] { return has_membership_; },
+                       std::max(0.0, retry > 0 ? std::min(retry, left) : left), what);
+    if (s.code() != StatusCode::kDeadlineExceeded) return s;
+    if (SecondsSince(start) >= total) {
+      return Status::DeadlineExceeded("timed out after " + std::to_string(total) +
+                                      " s waiting for " + what);
+    }
+    // The registration may have been lost (a connection that broke): again, which the scheduler
+    // takes as the same one.
+    Message msg;
+    msg.header.set_command(proto::REGISTER);
+    *msg.header.mutable_register_() = register_;
+    SPARSEPS_RETURN_IF_ERROR(Send(msg));
+  }
 }
 
 Status ControlClient::Barrier(const std::string& name, proto::Role group) {

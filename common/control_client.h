@@ -46,7 +46,8 @@ class ControlClient {
   // SHUTDOWN if done() is still false.
   Status WaitFor(const std::function<bool()>& done, double timeout_s, const std::string& what);
 
-  // Waits for the membership; the deadline is the registration timeout plus a margin.
+  // Waits for the membership; the deadline is the registration timeout plus a margin. Sends the
+  // registration again every cluster.retry_interval_s meanwhile (the scheduler ignores a repeat).
   Status WaitForMembership();
 
   // Enters barrier `name` for `group` (WORKER or ROLE_UNSPECIFIED for all nodes) and waits for
@@ -106,6 +107,7 @@ class ControlClient {
   const proto::Role role_;
   zmq::socket_t socket_;
   bool registered_ = false;
+  proto::Register register_;  // what Register sent
   bool has_membership_ = false;
   bool shutdown_ = false;
   bool scheduler_lost_ = false;

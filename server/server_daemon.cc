@@ -181,7 +181,9 @@ Status Serve(const proto::JobConfig& config, zmq::socket_t& data, uint32_t port,
         const bool ping = msg.ok() && msg->header.command() == proto::PING;
         o.msg.header.set_command(ping ? proto::PONG : proto::ERROR);
         o.msg.header.set_sender_role(proto::SERVER);
+        if (msg.ok()) o.msg.header.set_request_id(msg->header.request_id());
         if (!ping) {
+          o.msg.header.set_retryable(msg.ok());  // once the membership is in, it will be served
           ++early_rejects;
           o.msg.header.set_error(msg.ok() ? "server not ready: waiting for the membership, and " +
                                                 std::to_string(kMaxEarlyRequests) +

@@ -97,15 +97,21 @@ void ShardServer::Handle(const std::string& peer, Result<Message> msg, std::vect
 void ShardServer::HandleInit(const std::string& peer, const Message& msg,
                              std::vector<Outgoing>* out) {
   const proto::Header& h = msg.header;
-  if (initialized()) {
-    Reject(peer, &h,
-           "INIT after the shard was initialised (version " + std::to_string(version_) + ")", out);
-    return;
-  }
   DecodedPayload p;
   Status s = DenseCodec().Decode(msg, options_.range.size(), &p);
   if (!s.ok()) {
     Reject(peer, &h, "INIT: " + s.message(), out);
+    return;
+  }
+  if (initialized()) {
+    if (version_ == 0 && std::equal(p.dense.begin(), p.dense.end(), params_.begin())) {
+      // A repeat (a retry) of the INIT that set these values: acknowledged again.
+      ++counters_.duplicate_requests;
+      out->push_back(Reply(peer, h, proto::INIT_ACK));
+      return;
+    }
+    Reject(peer, &h,
+           "INIT after the shard was initialised (version " + std::to_string(version_) + ")", out);
     return;
   }
   std::copy(p.dense.begin(), p.dense.end(), params_.begin());
@@ -271,6 +277,17 @@ std::string ShardServer::Cut(const proto::WorkerCut& cut, uint64_t epoch, bool c
   return problem;
 }
 
+bool ShardServer::IsRepeat(const std::vector<PendingPull>& waiting, const std::string& peer,
+                           const proto::Header& h) {
+  for (const auto& w : waiting) {
+    if (w.peer == peer && w.request_id == h.request_id() && h.request_id() != 0) {
+      ++counters_.duplicate_requests;  // a retry of a request still waiting: answered once
+      return true;
+    }
+  }
+  return false;
+}
+
 proto::Position ShardServer::PrepareJoin(int worker) {
   hold_at_ = version_ + 1;
   return Position(worker);
@@ -318,6 +335,7 @@ void ShardServer::HandlePullCandidates(const std::string& peer, const Message& m
            out);
     return;
   }
+  if (IsRepeat(candidate_requests_, peer, h)) return;
   candidate_requests_.push_back({peer, h.iteration(), -1, h.request_id()});
   // commit_on_pull: the request commits the worker's sketch (phase 0).
   if (const int w = ActiveWorker(h); w >= 0 && aggregation_->phase() == 0) Commit(w);
@@ -396,6 +414,7 @@ void ShardServer::HandlePull(const std::string& peer, const Message& msg,
            out);
     return;
   }
+  if (IsRepeat(pending_pulls_, peer, h)) return;
   ++counters_.pulls;
   pending_pulls_.push_back({peer, h.iteration() + 1, h.have_version(), h.request_id()});
   // commit_on_pull: the pull of the iteration in progress commits the worker's push.

@@ -25,7 +25,10 @@
 //   r = everything pushed. PULL(t) is answered once version >= t + 1 (PULL with t = -1: once
 //   initialised): TOPK with the changed keys' new values if the puller holds version t
 //   (have_version) and that is smaller than the dense shard, DENSE otherwise. INIT (dense values)
-//   sets the initial parameters once, before any push.
+//   sets the initial parameters once, before any push. Every request is idempotent, so that a
+//   worker may send it again when a reply is late (cluster.retry_interval_s): a repeated INIT of
+//   the same values is acknowledged again, a repeated PULL or PULL_CANDIDATES (same peer and
+//   request id) still waiting is answered once, and one answered already is answered again.
 // Every received payload is validated (codec) before any state changes. What differs between the
 // encodings (how pushes add up and what is applied) is the encoding's ShardAggregation, made from
 // the table of encodings (encodings/registry.h).
@@ -65,7 +68,10 @@ struct ShardOptions {
 struct ShardCounters {
   uint64_t rejected = 0;          // malformed or invalid messages (any reason)
   uint64_t duplicate_pushes = 0;  // repeats acknowledged again and not added (not rejected)
-  uint64_t stale_pushes = 0;      // included in rejected
+  // Repeats (retries) of an INIT (acknowledged again) or of a PULL or PULL_CANDIDATES still
+  // waiting (answered once); a repeat of one answered already is answered again.
+  uint64_t duplicate_requests = 0;
+  uint64_t stale_pushes = 0;  // included in rejected
   uint64_t pushes = 0;
   uint64_t pulls = 0;
   uint64_t sparse_pull_replies = 0;
@@ -162,6 +168,9 @@ class ShardServer {
   void HandlePullCandidates(const std::string& peer, const Message& msg,
                             std::vector<Outgoing>* out);
   void AnswerCandidateRequests(std::vector<Outgoing>* out);
+  // True (and counted) when `waiting` holds peer's request h.request_id() already: a retry.
+  bool IsRepeat(const std::vector<PendingPull>& waiting, const std::string& peer,
+                const proto::Header& h);
   void Apply();
   void AnswerReadyPulls(std::vector<Outgoing>* out);
   Outgoing MakePullReply(const PendingPull& pull) const;

@@ -48,7 +48,8 @@ class PsAggregator final : public Aggregator {
     ps_ = std::make_unique<PsClient>(
         context_, control->membership(), control->rank(), control,
         config_.cluster().request_timeout_s(),
-        /*commit_after_ack=*/config_.cluster().on_worker_failure() == proto::CONTINUE);
+        /*commit_after_ack=*/config_.cluster().on_worker_failure() == proto::CONTINUE,
+        config_.cluster().retry_interval_s());
     if (model_on_device_) {
       auto made = MakeGpuCompressor(config_, num_params());  // null: the encoding has none
       if (!made.ok()) return made.status();

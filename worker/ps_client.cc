@@ -1,5 +1,7 @@
 #include "worker/ps_client.h"
 
+#include <spdlog/spdlog.h>
+
 #include <algorithm>
 #include <cmath>
 
@@ -10,11 +12,13 @@
 namespace sparseps {
 
 PsClient::PsClient(zmq::context_t& context, const proto::Membership& membership, int worker_rank,
-                   ControlClient* control, double request_timeout_s, bool commit_after_ack)
+                   ControlClient* control, double request_timeout_s, bool commit_after_ack,
+                   double retry_interval_s)
     : control_(control),
       worker_rank_(worker_rank),
       request_timeout_s_(request_timeout_s),
-      commit_after_ack_(commit_after_ack) {
+      commit_after_ack_(commit_after_ack),
+      retry_interval_s_(retry_interval_s) {
   std::vector<proto::RangeInfo> infos(membership.ranges().begin(), membership.ranges().end());
   std::sort(infos.begin(), infos.end(),
             [](const auto& a, const auto& b) { return a.begin() < b.begin(); });
@@ -44,14 +48,59 @@ Message PsClient::Request(const Peer& peer, proto::Command command, int64_t iter
   return m;
 }
 
-Status PsClient::Send(Peer& peer, Message& msg) {
+namespace {
+
+// A copy of `msg` whose frames share their buffers with msg's (ZeroMQ's reference-counted copy):
+// what is sent, so that msg stays whole for a resend.
+Message WireCopy(Message& msg) {
+  Message wire;
+  wire.header = msg.header;
+  for (auto& f : msg.frames) {
+    zmq::message_t copy;
+    copy.copy(f);
+    wire.frames.push_back(std::move(copy));
+  }
+  return wire;
+}
+
+}  // namespace
+
+Status PsClient::Send(Peer& peer, Message& msg, proto::Command expected) {
   auto& h = msg.header;
   h.set_sender_role(proto::WORKER);
   h.set_sender_rank(worker_rank_);
   h.set_epoch(control_->membership().epoch());
   h.set_request_id(next_request_id_++);
-  Status s = SendMessage(peer.socket, msg, nullptr, &bytes_sent_);
-  if (!s.ok()) return Status::IoError("sending to " + peer.name + ": " + s.message());
+  Pending p{expected,
+            {},
+            Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                               std::chrono::duration<double>(retry_interval_s_))};
+  if (retry_interval_s_ > 0) {
+    Message wire = WireCopy(msg);
+    Status s = SendMessage(peer.socket, wire, nullptr, &bytes_sent_);
+    if (!s.ok()) return Status::IoError("sending to " + peer.name + ": " + s.message());
+    p.request = std::move(msg);
+  } else {
+    // Never sent again: only the header is kept (the reply is matched by its request id).
+    p.request.header = h;
+    Status s = SendMessage(peer.socket, msg, nullptr, &bytes_sent_);
+    if (!s.ok()) return Status::IoError("sending to " + peer.name + ": " + s.message());
+  }
+  peer.pending.push_back(std::move(p));
+  return Status::OK();
+}
+
+Status PsClient::Resend(Peer& peer, Pending& p) {
+  p.request.header.set_epoch(control_->membership().epoch());
+  Message wire = WireCopy(p.request);
+  ++resent_;
+  spdlog::warn("no reply from {} to {} (iteration {}) yet: sending it again (request {})",
+               peer.name, CommandName(p.request.header.command()), p.request.header.iteration(),
+               p.request.header.request_id());
+  p.resend_at = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                   std::chrono::duration<double>(retry_interval_s_));
+  Status s = SendMessage(peer.socket, wire, nullptr, &bytes_sent_);
+  if (!s.ok()) return Status::IoError("sending to " + peer.name + " again: " + s.message());
   return Status::OK();
 }
 
@@ -59,8 +108,7 @@ Status PsClient::Init(const float* params) {
   for (auto& p : peers_) {
     Message m = Request(p, proto::INIT, -1);
     EncodeDense(std::vector<float>(params + p.range.begin, params + p.range.end), &m);
-    SPARSEPS_RETURN_IF_ERROR(Send(p, m));
-    p.expected.push_back(proto::INIT_ACK);
+    SPARSEPS_RETURN_IF_ERROR(Send(p, m, proto::INIT_ACK));
   }
   return AwaitAll(-1, nullptr);
 }
@@ -69,8 +117,7 @@ Status PsClient::PullDense(int64_t version, float* params) {
   for (auto& p : peers_) {
     Message m = Request(p, proto::PULL, version - 1);
     m.header.set_have_version(-1);
-    SPARSEPS_RETURN_IF_ERROR(Send(p, m));
-    p.expected.push_back(proto::PULL_REPLY);
+    SPARSEPS_RETURN_IF_ERROR(Send(p, m, proto::PULL_REPLY));
   }
   return AwaitAll(version - 1, params);
 }
@@ -103,17 +150,13 @@ Status PsClient::SendPush(Peer& p, Message& push, int64_t iteration) {
   push.header.set_command(proto::PUSH);
   push.header.set_iteration(iteration);
   if (request_checkpoint_) push.header.set_checkpoint(true);
-  SPARSEPS_RETURN_IF_ERROR(Send(p, push));
-  p.expected.push_back(proto::PUSH_ACK);
-  return Status::OK();
+  return Send(p, push, proto::PUSH_ACK);
 }
 
 Status PsClient::SendPull(Peer& p, int64_t iteration) {
   Message pull = Request(p, proto::PULL, iteration);
   pull.header.set_have_version(p.version);
-  SPARSEPS_RETURN_IF_ERROR(Send(p, pull));
-  p.expected.push_back(proto::PULL_REPLY);
-  return Status::OK();
+  return Send(p, pull, proto::PULL_REPLY);
 }
 
 Status PsClient::SketchTwoRounds(int64_t iteration, std::vector<Message>& sketches,
@@ -130,8 +173,7 @@ Status PsClient::SketchTwoRounds(int64_t iteration, std::vector<Message>& sketch
   if (commit_after_ack_) SPARSEPS_RETURN_IF_ERROR(AwaitAll(iteration, params));
   for (auto& p : peers_) {
     Message ask = Request(p, proto::PULL_CANDIDATES, iteration);
-    SPARSEPS_RETURN_IF_ERROR(Send(p, ask));
-    p.expected.push_back(proto::CANDIDATES);
+    SPARSEPS_RETURN_IF_ERROR(Send(p, ask, proto::CANDIDATES));
   }
   SPARSEPS_RETURN_IF_ERROR(AwaitAll(iteration, params));
   std::vector<Message> pushes(peers_.size());
@@ -186,7 +228,7 @@ Status PsClient::AwaitAll(int64_t iteration, float* params) {
   while (true) {
     const Peer* waiting = nullptr;
     for (const auto& p : peers_) {
-      if (!p.expected.empty()) {
+      if (!p.pending.empty()) {
         waiting = &p;
         break;
       }
@@ -194,10 +236,18 @@ Status PsClient::AwaitAll(int64_t iteration, float* params) {
     if (waiting == nullptr) return Status::OK();
     const double left = request_timeout_s_ - SecondsSince(start);
     if (left <= 0) {
-      return Status::DeadlineExceeded("timed out after " + std::to_string(request_timeout_s_) +
-                                      " s waiting for " + CommandName(waiting->expected.front()) +
-                                      " (iteration " + std::to_string(iteration) + ") from " +
-                                      waiting->name);
+      return Status::DeadlineExceeded(
+          "timed out after " + std::to_string(request_timeout_s_) + " s waiting for " +
+          CommandName(waiting->pending.front().expected) + " (iteration " +
+          std::to_string(iteration) + ") from " + waiting->name);
+    }
+    if (retry_interval_s_ > 0) {
+      const auto now = Clock::now();
+      for (auto& p : peers_) {
+        for (auto& q : p.pending) {
+          if (now >= q.resend_at) SPARSEPS_RETURN_IF_ERROR(Resend(p, q));
+        }
+      }
     }
     auto ready = PollIn(sockets, std::min<int64_t>(200, static_cast<int64_t>(left * 1000) + 1));
     // Every round, not only when the scheduler wrote: Poll also notices a scheduler gone silent.
@@ -218,17 +268,32 @@ Status PsClient::AwaitAll(int64_t iteration, float* params) {
         if (control_->has_membership() && h.epoch() > control_->membership().epoch()) {
           SPARSEPS_RETURN_IF_ERROR(control_->WaitForEpoch(h.epoch()));
         }
+        // The request this answers; none when it was answered already (a reply to a resend).
+        auto it = std::find_if(p.pending.begin(), p.pending.end(), [&](const Pending& q) {
+          return q.request.header.request_id() == h.request_id();
+        });
+        if (it == p.pending.end() && h.request_id() > 0 && h.request_id() < next_request_id_) {
+          ++duplicate_replies_;
+          continue;
+        }
         if (h.command() == proto::ERROR) {
+          if (h.retryable() && it != p.pending.end() && retry_interval_s_ > 0) {
+            // Not ready yet (e.g. still waiting for the membership): again after a short wait.
+            it->resend_at =
+                Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                   std::chrono::duration<double>(std::min(retry_interval_s_, 0.5)));
+            continue;
+          }
           return Status::ProtocolError(p.name + " rejected our request (iteration " +
                                        std::to_string(h.iteration()) + "): " + h.error());
         }
-        if (p.expected.empty() || h.command() != p.expected.front()) {
+        if (it == p.pending.end()) it = p.pending.begin();  // no id: the oldest request
+        if (it == p.pending.end() || h.command() != it->expected) {
           return Status::ProtocolError(
               "unexpected " + CommandName(h.command()) + " from " + p.name + " (expected " +
-              (p.expected.empty() ? std::string("nothing") : CommandName(p.expected.front())) +
-              ")");
+              (it == p.pending.end() ? std::string("nothing") : CommandName(it->expected)) + ")");
         }
-        p.expected.pop_front();
+        p.pending.erase(it);
         if (h.command() == proto::PULL_REPLY) {
           if (h.checkpoint()) checkpoint_after_last_ = true;
           SPARSEPS_RETURN_IF_ERROR(ApplyPullReply(p, *msg, params));

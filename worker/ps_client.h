@@ -1,7 +1,11 @@
 // The worker's key-value client of the parameter servers (ps-lite's KVWorker, BSP flavour).
 //
 // One DEALER socket per server. Every wait has a deadline (cluster.request_timeout_s) and an
-// error names the server; a FATAL from the scheduler ends any wait at once.
+// error names the server; a FATAL from the scheduler ends any wait at once. Every request carries
+// an id that its reply echoes; one without a reply after cluster.retry_interval_s (a message lost
+// with a broken connection) is sent again with the same id, as is one a server refused as not yet
+// ready (ERROR with retryable), until the deadline. The servers answer repeats as the first
+// (server/shard_server.h); a reply to a request answered already is dropped and counted.
 //
 // Thread-safety: used by one thread.
 #pragma once
@@ -26,8 +30,10 @@ class PsClient {
   // commit_after_ack (cluster.on_worker_failure: continue) the pulls of an iteration leave only
   // once every server acknowledged this worker's push (the servers add a push at its pull: see
   // server/shard_server.h); otherwise push and pull leave together.
+  // retry_interval_s: seconds before a request without a reply is sent again (0: never).
   PsClient(zmq::context_t& context, const proto::Membership& membership, int worker_rank,
-           ControlClient* control, double request_timeout_s, bool commit_after_ack = false);
+           ControlClient* control, double request_timeout_s, bool commit_after_ack = false,
+           double retry_interval_s = 0.0);
 
   // The key ranges, sorted (one per server).
   const std::vector<KeyRange>& ranges() const { return ranges_; }
@@ -72,23 +78,39 @@ class PsClient {
   // after that iteration.
   bool checkpoint_after_last() const { return checkpoint_after_last_; }
 
+  // Requests sent again (no reply within retry_interval_s, or refused as not ready), and replies
+  // dropped because their request was answered already.
+  uint64_t resent_requests() const { return resent_; }
+  uint64_t duplicate_replies() const { return duplicate_replies_; }
+
   uint64_t bytes_sent() const { return bytes_sent_; }
   uint64_t bytes_received() const { return bytes_received_; }
   // Parameter version (applied iterations) held for range r.
   int64_t version(size_t r) const { return peers_[r].version; }
 
  private:
+  // A request waiting for its reply; its frames share their buffers with what was sent, for a
+  // resend.
+  struct Pending {
+    proto::Command expected;  // the reply's command
+    Message request;
+    Clock::time_point resend_at;
+  };
   struct Peer {
     KeyRange range;
     int server_rank = 0;
     std::string name;  // "server 1 at tcp://host:port"
     zmq::socket_t socket;
     int64_t version = -1;
-    std::deque<proto::Command> expected;  // replies still to come, in order
-    std::vector<uint32_t> candidates;     // the last CANDIDATES reply (relative keys)
+    std::deque<Pending> pending;       // requests still to be answered, in the order sent
+    std::vector<uint32_t> candidates;  // the last CANDIDATES reply (relative keys)
   };
 
-  Status Send(Peer& peer, Message& msg);
+  // Sends `msg` (role, rank, epoch and a new request id set here) and waits for `expected` from
+  // the peer in the next AwaitAll.
+  Status Send(Peer& peer, Message& msg, proto::Command expected);
+  // Sends p.request again (a copy sharing its frames).
+  Status Resend(Peer& peer, Pending& p);
   Message Request(const Peer& peer, proto::Command command, int64_t iteration);
   Status AwaitAll(int64_t iteration, float* params);
   // Sends `push` (command and iteration set here); expects PUSH_ACK.
@@ -107,6 +129,9 @@ class PsClient {
   const int worker_rank_;
   const double request_timeout_s_;
   const bool commit_after_ack_;
+  const double retry_interval_s_;
+  uint64_t resent_ = 0;
+  uint64_t duplicate_replies_ = 0;
   std::vector<KeyRange> ranges_;
   std::vector<Peer> peers_;
   uint64_t next_request_id_ = 1;

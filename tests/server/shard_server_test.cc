@@ -135,6 +135,41 @@ TEST(ShardServer, DenseAndSparsePushesMix) {
   EXPECT_EQ(s.version(), 1);
 }
 
+// Every request may come twice (a worker sends it again when a reply is late): an INIT of the same
+// values is acknowledged again, a PULL still waiting is answered once, one answered already again.
+TEST(ShardServer, RepeatedRequestsAreAnsweredAsTheFirst) {
+  KeyRange r{0, 3};
+  ShardServer s({r, 0, 2, 2.0, {}, 0.0});
+  ASSERT_EQ(Only(Send(s, Init(r, {5, 5, 5}))), proto::INIT_ACK);
+  ASSERT_EQ(Only(Send(s, Init(r, {5, 5, 5}))), proto::INIT_ACK);
+  EXPECT_EQ(Only(Send(s, Init(r, {5, 6, 5}))), proto::ERROR) << "other values are not a repeat";
+  EXPECT_EQ(s.params(), (std::vector<float>{5, 5, 5}));
+  auto pull = [&](uint64_t id, const std::string& peer) {
+    Message m = Pull(r, 0, peer == "a" ? 0 : 1, 0);
+    m.header.set_request_id(id);
+    return Send(s, std::move(m), peer);
+  };
+  EXPECT_TRUE(pull(7, "a").empty());
+  EXPECT_TRUE(pull(7, "a").empty()) << "the repeat waits with the first";
+  EXPECT_TRUE(pull(9, "b").empty());
+  ASSERT_EQ(Only(Send(s, Push(r, 0, 0, {0}, {1}), "a")), proto::PUSH_ACK);
+  auto out = Send(s, Push(r, 0, 1, {1}, {1}), "b");
+  // The push's ack and one reply to each pull: not two to "a".
+  ASSERT_EQ(out.size(), 3u);
+  std::map<std::string, int> replies;
+  for (const auto& o : out) {
+    if (o.msg.header.command() == proto::PULL_REPLY) ++replies[o.to];
+  }
+  EXPECT_EQ(replies, (std::map<std::string, int>{{"a", 1}, {"b", 1}}));
+  // Its reply lost, "a" asks once more: answered again, with the same version.
+  auto again = pull(7, "a");
+  ASSERT_EQ(Only(again), proto::PULL_REPLY);
+  EXPECT_EQ(again[0].msg.header.version(), 1);
+  EXPECT_EQ(again[0].msg.header.request_id(), 7u);
+  EXPECT_EQ(s.counters().duplicate_requests, 2u);
+  EXPECT_EQ(s.params(), (std::vector<float>{4, 4, 5}));
+}
+
 TEST(ShardServer, RepeatedPushesAreIdempotentAndStaleOnesRejected) {
   KeyRange r{0, 3};
   ShardServer s({r, 0, 2, 2.0, {}, 0.0});

@@ -104,6 +104,14 @@ Outgoing ReplyTo(const std::string& peer, const Message& request, proto::Command
   return o;
 }
 
+// A copy of msg with copies of its frames.
+Message WireCopyForTest(const Message& msg) {
+  Message copy;
+  copy.header = msg.header;
+  for (const auto& f : msg.frames) copy.frames.emplace_back(f.data(), f.size());
+  return copy;
+}
+
 // One top-k push of key 3, as a compressor makes it (the client sets command and iteration).
 std::vector<Message> OnePush() {
   std::vector<Message> pushes(1);
@@ -119,10 +127,10 @@ class PsClientTest : public ::testing::Test {
     // No scheduler answers: the control socket stays silent (the client polls it, finds nothing).
     config_.mutable_cluster()->set_scheduler_port(1);
   }
-  std::unique_ptr<PsClient> Connect(uint32_t port, double timeout_s) {
+  std::unique_ptr<PsClient> Connect(uint32_t port, double timeout_s, double retry_s = 0.0) {
     control_ = std::make_unique<ControlClient>(context_, config_, proto::WORKER);
     return std::make_unique<PsClient>(context_, OneServer(port), /*worker_rank=*/0, control_.get(),
-                                      timeout_s);
+                                      timeout_s, /*commit_after_ack=*/false, retry_s);
   }
   // Connects to the server at `port` and pushes and pulls OnePush for iteration `iteration`
   // into *params (zeros when null).
@@ -248,6 +256,114 @@ TEST_F(PsClientTest, UnexpectedOrMalformedRepliesAreProtocolErrors) {
     EXPECT_THAT(s.message(), HasSubstr("bad PULL_REPLY from server 0"));
     EXPECT_EQ(params, std::vector<float>(kParams, 0.0f));
   }
+}
+
+// cluster.retry_interval_s: a request whose message or reply was lost is sent again with the same
+// request id, and the real shard answers the repeat as the first: the push counts once and the
+// parameters are those of a run where nothing was lost.
+TEST_F(PsClientTest, LostRequestAndLostReplyAreSentAgainAndCountOnce) {
+  ShardServer shard({kRange, 0, 1, 1.0, {}, 0.0});
+  std::mutex mu;
+  bool dropped_push = false, dropped_reply = false;
+  FakeServer server(context_,
+                    [&](const std::string& peer, Result<Message> msg, std::vector<Outgoing>* out) {
+                      std::lock_guard<std::mutex> lock(mu);
+                      ASSERT_TRUE(msg.ok());
+                      if (msg->header.command() == proto::PUSH && !dropped_push) {
+                        dropped_push = true;  // lost on the way in
+                        return;
+                      }
+                      std::vector<Outgoing> replies;
+                      shard.Handle(peer, std::move(msg), &replies);
+                      for (auto& o : replies) {
+                        if (o.msg.header.command() == proto::PULL_REPLY &&
+                            o.msg.header.iteration() == 0 && !dropped_reply) {
+                          dropped_reply = true;  // lost on the way out
+                          continue;
+                        }
+                        out->push_back(std::move(o));
+                      }
+                    });
+  auto ps = Connect(server.port(), 20, /*retry_s=*/0.2);
+  std::vector<float> params = {1, 2, 3, 4, 5, 6, 7, 8};
+  ASSERT_TRUE(ps->Init(params.data()).ok());
+  ASSERT_TRUE(ps->PullInitial(params.data()).ok());
+  auto pushes = OnePush();
+  Status s = ps->PushPull(0, pushes, params.data());
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  EXPECT_TRUE(dropped_push);
+  EXPECT_TRUE(dropped_reply);
+  EXPECT_EQ(params, (std::vector<float>{1, 2, 3, 3, 5, 6, 7, 8}));  // 4 - lr * 1 / W, once
+  EXPECT_EQ(ps->version(0), 1);
+  EXPECT_GE(ps->resent_requests(), 2u);
+  std::lock_guard<std::mutex> lock(mu);
+  EXPECT_EQ(shard.counters().pushes, 1u);
+  EXPECT_EQ(shard.params()[3], 3.0f);
+}
+
+// Every reply arrives twice (a reply to a resend, or a network that duplicates): the second is
+// dropped and counted, never taken for the answer to a later request.
+TEST_F(PsClientTest, DuplicatedRepliesAreDropped) {
+  ShardServer shard({kRange, 0, 1, 1.0, {}, 0.0});
+  std::mutex mu;
+  FakeServer server(context_,
+                    [&](const std::string& peer, Result<Message> msg, std::vector<Outgoing>* out) {
+                      std::lock_guard<std::mutex> lock(mu);
+                      std::vector<Outgoing> replies;
+                      shard.Handle(peer, std::move(msg), &replies);
+                      for (auto& o : replies) {
+                        Outgoing twin{o.to, {}};
+                        twin.msg = WireCopyForTest(o.msg);
+                        out->push_back(std::move(o));
+                        out->push_back(std::move(twin));
+                      }
+                    });
+  auto ps = Connect(server.port(), 10, /*retry_s=*/5);
+  std::vector<float> params = {1, 2, 3, 4, 5, 6, 7, 8};
+  ASSERT_TRUE(ps->Init(params.data()).ok());
+  ASSERT_TRUE(ps->PullInitial(params.data()).ok());
+  for (int64_t t = 0; t < 3; ++t) {
+    auto pushes = OnePush();
+    Status s = ps->PushPull(t, pushes, params.data());
+    ASSERT_TRUE(s.ok()) << "iteration " << t << ": " << s.ToString();
+  }
+  EXPECT_EQ(params[3], 1.0f);  // 4 - 3 * lr * 1
+  EXPECT_EQ(ps->version(0), 3);
+  // Every duplicate that arrived while a later request waited was dropped (the last ones may
+  // still be on their way).
+  EXPECT_GE(ps->duplicate_replies(), 4u);
+}
+
+// A server not ready yet (ERROR with retryable: it has no membership) is asked again; without
+// retries the refusal ends the request.
+TEST_F(PsClientTest, NotReadyServerIsAskedAgain) {
+  ShardServer shard({kRange, 0, 1, 1.0, {}, 0.0});
+  std::atomic<int> refused{0};
+  FakeServer server(context_,
+                    [&](const std::string& peer, Result<Message> msg, std::vector<Outgoing>* out) {
+                      ASSERT_TRUE(msg.ok());
+                      if (refused < 2) {
+                        ++refused;
+                        Outgoing o = ReplyTo(peer, *msg, proto::ERROR, -1);
+                        o.msg.header.set_error("server not ready: waiting for the membership");
+                        o.msg.header.set_retryable(true);
+                        out->push_back(std::move(o));
+                        return;
+                      }
+                      shard.Handle(peer, std::move(msg), out);
+                    });
+  auto ps = Connect(server.port(), 10, /*retry_s=*/0.1);
+  std::vector<float> params = {1, 2, 3, 4, 5, 6, 7, 8};
+  Status s = ps->Init(params.data());
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  EXPECT_EQ(refused, 2);
+  EXPECT_EQ(ps->resent_requests(), 2u);
+  EXPECT_EQ(shard.params(), params);
+  refused = 0;
+  auto once = Connect(server.port(), 10, /*retry_s=*/0);
+  s = once->PullInitial(params.data());
+  EXPECT_EQ(s.code(), StatusCode::kProtocolError) << s.ToString();
+  EXPECT_THAT(s.message(), HasSubstr("server not ready"));
 }
 
 }  // namespace
