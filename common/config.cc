@@ -387,12 +387,11 @@ Status ValidateConfig(const proto::JobConfig& config, const ConfigSources& sourc
   if (config.node().host().empty()) {
     return Status::InvalidArgument(SourceOf(sources, "node.host") + ": key 'node.host' is empty");
   }
-  if (config.node().rejoin() &&
-      (config.aggregation() == proto::ALLREDUCE || c.on_worker_failure() != proto::CONTINUE)) {
+  if (config.node().rejoin() && config.aggregation() == proto::ALLREDUCE) {
     return Status::InvalidArgument(
         SourceOf(sources, "node.rejoin") +
-        ": key 'node.rejoin' (--rejoin): a replacement worker joins a ps job with "
-        "'cluster.on_worker_failure: continue' only");
+        ": key 'node.rejoin' (--rejoin): replacements join ps jobs only; an allreduce job restarts "
+        "whole (deploy/launch.sh --max-restarts)");
   }
   const auto& m = config.model();
   if (m.type() == proto::CNN && m.channels_size() == 0) {

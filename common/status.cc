@@ -31,6 +31,9 @@ std::string Status::ToString() const {
     case StatusCode::kInternal:
       name = "internal error";
       break;
+    case StatusCode::kUnavailable:
+      name = "unavailable";
+      break;
   }
   return std::string(name) + ": " + message_;
 }

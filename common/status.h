@@ -17,7 +17,8 @@ enum class StatusCode {
   kIoError,
   kProtocolError,  // a malformed or unexpected message
   kFailedPrecondition,
-  kAborted,  // the job was ended by the scheduler (FATAL) or by a signal
+  kAborted,      // the job was ended by the scheduler (FATAL) or by a signal
+  kUnavailable,  // a server died: the work in progress is void until the job rolls back
   kInternal,
 };
 
@@ -41,6 +42,7 @@ class [[nodiscard]] Status {
   }
   static Status Aborted(std::string m) { return {StatusCode::kAborted, std::move(m)}; }
   static Status Internal(std::string m) { return {StatusCode::kInternal, std::move(m)}; }
+  static Status Unavailable(std::string m) { return {StatusCode::kUnavailable, std::move(m)}; }
 
   bool ok() const { return code_ == StatusCode::kOk; }
   StatusCode code() const { return code_; }

@@ -12,9 +12,11 @@
 # each printed and logged to RUN_DIR/restarts.log: a worker killed by a signal in ps mode with
 # cluster.on_worker_failure: continue (the default) is started again with --rejoin (the others go
 # on meanwhile; the replacement gets the current parameters and joins at the next iteration);
-# when any other process dies, every process is stopped and the whole job restarts from its
-# newest complete checkpoint (from the start when there is none yet). With
-# checkpoint.every_steps set, such a crash costs at most that many steps.
+# a server killed by a signal in ps mode is started again with --rejoin: it takes the dead one's key
+# range and every node goes back to the newest complete checkpoint (with checkpoint.every_steps
+# set, that costs at most that many steps); when any other process dies, or the job cannot roll
+# back, every process is stopped and the whole job restarts from its newest complete checkpoint
+# (from the start when there is none yet).
 #
 # --resume RUN_DIR restarts a stopped or crashed job from the newest complete checkpoint in
 # RUN_DIR/checkpoints (checkpoint.every_steps or every_s must have been set): same config and
@@ -179,6 +181,13 @@ start() {  # start NAME COMMAND...
   names+=("$name")
 }
 
+start_server() {  # start_server RANK COMMON_ARGS...
+  local s="$1"; shift
+  # shellcheck disable=SC2046
+  start "server-$s" $(on_host $((1 + s))) "$server_bin" "$@" \
+    --set "cluster.scheduler_port=$port" --set "node.rank=$s" $(host_set $((1 + s)) node.host)
+}
+
 start_worker() {  # start_worker RANK COMMON_ARGS...
   local w="$1"; shift
   local h=$((num_servers + 1 + w))
@@ -209,9 +218,7 @@ run_job() {  # starts every process, waits; sets $failed to the name of a proces
   fi
   port="$(cat "$run_dir/scheduler.port")"
   for ((s = 0; s < num_servers; s++)); do
-    # shellcheck disable=SC2046
-    start "server-$s" $(on_host $((1 + s))) "$server_bin" "${common[@]}" \
-      --set "cluster.scheduler_port=$port" --set "node.rank=$s" $(host_set $((1 + s)) node.host)
+    start_server "$s" "${common[@]}"
   done
   for ((w = 0; w < num_workers; w++)); do
     start_worker "$w" "${common[@]}"
@@ -240,6 +247,23 @@ run_job() {  # starts every process, waits; sets $failed to the name of a proces
       wait "$p"
       rc=$?
       exited[$p]=$rc
+      if [[ $rc -gt 128 && ${names[$i]} == server-* && $restarts -lt $max_restarts ]]; then
+        # Killed by a signal: a replacement takes its key range and the job rolls back to its
+        # newest complete checkpoint (the scheduler ends the job if it cannot, and then the
+        # whole job restarts below).
+        restarts=$((restarts + 1))
+        msg="$(date '+%F %T') restart $restarts of $max_restarts: ${names[$i]} exited with code $rc; a replacement takes its key range and the job rolls back to its newest checkpoint (--rejoin)"
+        echo "launch.sh: $msg" >&2
+        echo "$msg" >>"$run_dir/restarts.log"
+        # shellcheck disable=SC2046
+        rejoin_common=(--config "$config" --rejoin --set "run.dir=$run_dir"
+          $(host_set 1 cluster.scheduler_host) "${sets[@]}")
+        saved_append="$append_logs"
+        append_logs=1
+        start_server "${names[$i]#server-}" "${rejoin_common[@]}"
+        append_logs="$saved_append"
+        continue
+      fi
       if [[ $rc -gt 128 && ${names[$i]} == worker-* && $aggregation != allreduce &&
             $on_worker_failure == continue ]]; then
         # Killed by a signal: the scheduler drops it and the others go on (it ends the job below

@@ -176,6 +176,9 @@ void Scheduler::Handle(const std::string& from, const Result<Message>& msg, Cloc
     case proto::JOINED:
       HandleJoined(from, h, now, out);
       break;
+    case proto::ROLLED_BACK:
+      HandleRolledBack(from, h, now, out);
+      break;
     default:
       ++rejected_;
       ReplyError(from, "the scheduler does not handle " + CommandName(h.command()), out);
@@ -338,7 +341,7 @@ void Scheduler::SendMembershipTo(const Node& n, std::vector<Outgoing>* out) {
   out->push_back(std::move(o));
 }
 
-void Scheduler::SendMembership(std::vector<Outgoing>* out) {
+void Scheduler::SendMembership(std::vector<Outgoing>* out, proto::Role only) {
   std::vector<const Node*> sorted;
   for (const auto& n : nodes_) {
     if (!n.dead && (!n.joining || n.joined_at >= 0)) sorted.push_back(&n);
@@ -357,7 +360,9 @@ void Scheduler::SendMembership(std::vector<Outgoing>* out) {
     info->set_pid(n->pid);
   }
   for (const Node* n : sorted) {
-    if (!n->joining) SendMembershipTo(*n, out);
+    if (!n->joining && (only == proto::ROLE_UNSPECIFIED || n->role == only)) {
+      SendMembershipTo(*n, out);
+    }
   }
 }
 
@@ -520,6 +525,10 @@ void Scheduler::HandleCheckpointWritten(const std::string& from, const proto::He
   }
   const uint64_t iteration = static_cast<uint64_t>(h.iteration());
   auto& files = checkpoints_[iteration];
+  // A node writes a file of an iteration again after a rollback: the newer one replaces it.
+  std::erase_if(files, [&](const proto::CheckpointFile& x) {
+    return x.role() == f.role() && x.rank() == f.rank() && x.file() == f.file();
+  });
   files.push_back(f);
   // Complete once every live node's file is in (a worker lost since may have written one too:
   // it is listed, not waited for).
@@ -573,6 +582,10 @@ void Scheduler::RemoveWorker(size_t idx, const std::string& reason, Clock::time_
     return;
   }
   CheckWaits(out);
+  if (server_loss_ || rollback_) {
+    Abort(reason + ", while the job waits for a replacement of a dead server", out);
+    return;
+  }
   if (removal_ || (!joins_.empty() && joins_.front().started)) {
     queued_removals_.emplace_back(idx, reason);
     return;
@@ -705,6 +718,114 @@ void Scheduler::FinishRemoval(Clock::time_point now, std::vector<Outgoing>* out)
   MaybeStartJoin(now, out);
 }
 
+void Scheduler::LoseServer(size_t idx, const std::string& reason, Clock::time_point now,
+                           std::vector<Outgoing>* out) {
+  Node& n = nodes_[idx];
+  const double timeout = config_.cluster().server_replacement_timeout_s();
+  std::string why_not;
+  if (timeout <= 0) {
+    why_not = "cluster.server_replacement_timeout_s is 0";
+  } else if (server_loss_ || rollback_) {
+    why_not = "another server is being replaced";
+  } else if (removal_ || (!joins_.empty() && joins_.front().started)) {
+    why_not = "a worker is being removed or added";
+  } else if (!stop_reason_.empty()) {
+    why_not = "the job is ending";
+  } else if (last_checkpoint_ < 0 || CheckpointDir(config_).empty()) {
+    why_not = "no checkpoint is complete to roll back to (set checkpoint.every_steps)";
+  } else {
+    for (const auto& w : nodes_) {
+      if (w.role == proto::WORKER && w.done && !w.dead) why_not = Describe(w) + " is done";
+    }
+  }
+  if (!why_not.empty()) {
+    Abort(reason + " (not replaced: " + why_not + ")", out);
+    return;
+  }
+  n.dead = true;
+  server_loss_ = ServerLossState{idx, reason, now};
+  membership_.set_epoch(membership_.epoch() + 1);
+  membership_.clear_cut();
+  membership_.clear_join();
+  membership_.set_checkpoint_and_stop(false);
+  membership_.set_rollback(false);
+  membership_.mutable_server_lost()->set_server_rank(n.rank);
+  membership_.mutable_server_lost()->set_reason(reason);
+  spdlog::warn(
+      "{}; membership epoch {}: the job pauses for up to {} for a replacement (sparseps-server "
+      "--rejoin --set node.rank={}), then every node goes back to the checkpoint of iteration {}",
+      reason, membership_.epoch(), FormatSeconds(timeout), n.rank, last_checkpoint_);
+  SendMembership(out);
+  if (waiting_server_ && nodes_[*waiting_server_].rank == n.rank) {
+    const size_t replacement = *waiting_server_;
+    waiting_server_.reset();
+    StartRollback(replacement, now, out);
+  }
+}
+
+void Scheduler::StartRollback(size_t idx, Clock::time_point now, std::vector<Outgoing>* out) {
+  const std::string dir = CheckpointDir(config_);
+  const auto latest = LatestCheckpoint(dir);
+  if (!latest) {
+    Abort(server_loss_->reason + "; no complete checkpoint is left in " + dir + " to roll back to",
+          out);
+    return;
+  }
+  const Node& dead = nodes_[server_loss_->node];
+  nodes_[idx].joining = false;
+  nodes_[idx].last_seen = now;
+  const Node& n = nodes_[idx];
+  RollbackState r;
+  r.started = now;
+  r.record.set_rank(n.rank);
+  r.record.set_reason(server_loss_->reason);
+  r.record.set_rollback_iteration(latest->iteration);
+  r.record.set_host(n.hostname.empty() ? n.host : n.hostname);
+  r.record.set_pid(n.pid);
+  r.record.set_waited_s(std::chrono::duration<double>(now - server_loss_->since).count());
+  membership_.set_epoch(membership_.epoch() + 1);
+  membership_.clear_server_lost();
+  membership_.set_rollback(true);
+  membership_.set_resume(true);
+  membership_.set_resume_iteration(latest->iteration);
+  membership_.clear_resume_files();
+  for (const auto& f : latest->files) {
+    *membership_.add_resume_files() = ToProto(f, latest->iteration);
+  }
+  r.record.set_membership_epoch(membership_.epoch());
+  // Files of later iterations can no longer complete: each node writes them again.
+  checkpoints_.clear();
+  spdlog::warn(
+      "membership epoch {}: {} replaces {}; every node goes back to the checkpoint of iteration "
+      "{} (the servers first)",
+      membership_.epoch(), Describe(n), Describe(dead), latest->iteration);
+  rollback_ = std::move(r);
+  server_loss_.reset();
+  SendMembership(out, proto::SERVER);
+}
+
+void Scheduler::HandleRolledBack(const std::string& from, const proto::Header& h,
+                                 Clock::time_point now, std::vector<Outgoing>* out) {
+  const int idx = FindNodeByRoutingId(from);
+  if (idx < 0 || nodes_[static_cast<size_t>(idx)].role != proto::SERVER || !rollback_ ||
+      h.iteration() != static_cast<int64_t>(rollback_->record.rollback_iteration())) {
+    ++rejected_;
+    ReplyError(from, "ROLLED_BACK from a node that is not a server, or for no rollback", out);
+    return;
+  }
+  rollback_->ready.insert(nodes_[static_cast<size_t>(idx)].rank);
+  if (rollback_->ready.size() < expected_servers_) return;
+  spdlog::info(
+      "every server holds the checkpoint of iteration {}; the workers go back to it ({:.3f} "
+      "s after the rollback began)",
+      rollback_->record.rollback_iteration(),
+      std::chrono::duration<double>(now - rollback_->started).count());
+  replaced_servers_.push_back(rollback_->record);
+  rollback_.reset();
+  for (auto& w : nodes_) w.last_seen = std::max(w.last_seen, now);
+  SendMembership(out, proto::WORKER);
+}
+
 void Scheduler::HandleRejoin(const std::string& from, const proto::Register& r,
                              Clock::time_point now, std::vector<Outgoing>* out) {
   auto refuse = [&](const std::string& why) {
@@ -713,10 +834,53 @@ void Scheduler::HandleRejoin(const std::string& from, const proto::Register& r,
                  r.pid(), why);
     ReplyError(from, "--rejoin refused: " + why, out);
   };
+  if (r.role() == proto::SERVER) {
+    if (rollback_ || waiting_server_) {
+      refuse("another replacement server is joining");
+      return;
+    }
+    int rank = r.requested_rank();
+    if (server_loss_) {
+      const Node& dead = nodes_[server_loss_->node];
+      if (rank >= 0 && rank != dead.rank) {
+        refuse("server " + std::to_string(dead.rank) + " is the one lost, not server " +
+               std::to_string(rank));
+        return;
+      }
+      rank = dead.rank;
+    } else if (rank < 0 || rank >= static_cast<int>(expected_servers_) ||
+               config_.cluster().server_replacement_timeout_s() <= 0) {
+      refuse(
+          "no server of the job is lost (a replacement server takes a dead one's key range; "
+          "name it with node.rank, and keep cluster.server_replacement_timeout_s above 0)");
+      return;
+    }
+    Node n;
+    n.role = proto::SERVER;
+    n.rank = rank;
+    n.requested_rank = rank;
+    n.routing_id = from;
+    n.host = r.host();
+    n.port = r.port();
+    n.hostname = r.hostname();
+    n.pid = r.pid();
+    n.last_seen = now;
+    n.joining = !server_loss_;
+    nodes_.push_back(std::move(n));
+    if (!server_loss_) {
+      // Started at once after a kill: it waits until the scheduler declared that server dead.
+      waiting_server_ = nodes_.size() - 1;
+      spdlog::info(
+          "a replacement for server {} registered ({}, pid {}); it takes over once that "
+          "server is declared dead",
+          rank, r.hostname(), r.pid());
+      return;
+    }
+    StartRollback(nodes_.size() - 1, now, out);
+    return;
+  }
   if (r.role() != proto::WORKER) {
-    refuse("a replacement " + RoleName(r.role()) +
-           " cannot join a running job yet; restart the job from its newest checkpoint "
-           "(deploy/launch.sh --resume RUN_DIR)");
+    refuse("only servers and workers join a running job");
     return;
   }
   if (!continue_on_worker_failure_) {
@@ -790,7 +954,10 @@ void Scheduler::HandleRejoin(const std::string& from, const proto::Register& r,
 }
 
 void Scheduler::MaybeStartJoin(Clock::time_point now, std::vector<Outgoing>* out) {
-  if (finished_ || removal_ || joins_.empty() || joins_.front().started) return;
+  if (finished_ || removal_ || server_loss_ || rollback_ || joins_.empty() ||
+      joins_.front().started) {
+    return;
+  }
   Join& j = joins_.front();
   const Node& n = nodes_[j.node];
   if (FindNode(proto::WORKER, n.rank) >= 0) return;  // the worker it replaces is still in
@@ -949,6 +1116,28 @@ void Scheduler::Tick(Clock::time_point now, std::vector<Outgoing>* out) {
           out);
     return;
   }
+  if (server_loss_ && std::chrono::duration<double>(now - server_loss_->since).count() >
+                          c.server_replacement_timeout_s()) {
+    Abort(server_loss_->reason + "; no replacement registered within " +
+              FormatSeconds(c.server_replacement_timeout_s()) +
+              " (cluster.server_replacement_timeout_s; start one with sparseps-server --rejoin, "
+              "or resume the job with --resume)",
+          out);
+    return;
+  }
+  if (rollback_ &&
+      std::chrono::duration<double>(now - rollback_->started).count() > c.barrier_timeout_s()) {
+    std::string missing;
+    for (const auto& n : nodes_) {
+      if (n.role == proto::SERVER && !n.dead && !rollback_->ready.count(n.rank)) {
+        missing += (missing.empty() ? "" : ", ") + Describe(n);
+      }
+    }
+    Abort("rolling back to checkpoint " + std::to_string(rollback_->record.rollback_iteration()) +
+              ": no answer after " + FormatSeconds(c.barrier_timeout_s()) + " from " + missing,
+          out);
+    return;
+  }
   MaybeStartJoin(now, out);  // e.g. once the worker it replaces was declared dead
   if (!joins_.empty() && joins_.front().started &&
       std::chrono::duration<double>(now - joins_.front().started_at).count() >
@@ -989,6 +1178,24 @@ void Scheduler::Tick(Clock::time_point now, std::vector<Outgoing>* out) {
                  n.rank);
   }
   std::erase_if(joins_, [&](const Join& j) { return !j.started && nodes_[j.node].dead; });
+  if (waiting_server_ && !server_loss_) {
+    Node& n = nodes_[*waiting_server_];
+    const double waited = std::chrono::duration<double>(now - n.last_seen).count();
+    if (waited > c.heartbeat_timeout_s() + 10.0) {
+      n.dead = true;
+      n.joining = false;
+      n.told_dead = true;
+      ++rejected_;
+      ReplyError(n.routing_id,
+                 "--rejoin refused: server " + std::to_string(n.rank) +
+                     " is still in the job after " + FormatSeconds(waited) +
+                     "; a replacement takes over once the scheduler declared it dead",
+                 out);
+      spdlog::warn("turned away the replacement {}: server {} is still in the job", Describe(n),
+                   n.rank);
+      waiting_server_.reset();
+    }
+  }
   if (!stop_reason_.empty() &&
       std::chrono::duration<double>(now - stop_started_).count() > c.barrier_timeout_s()) {
     Abort(stop_reason_ + "; the checkpoint of iteration " + std::to_string(stop_iteration_) +
@@ -1016,6 +1223,11 @@ void Scheduler::Tick(Clock::time_point now, std::vector<Outgoing>* out) {
     }
     if (n.role == proto::WORKER && continue_on_worker_failure_) {
       RemoveWorker(i, reason, now, out);
+      if (finished_) return;
+      continue;
+    }
+    if (n.role == proto::SERVER) {
+      LoseServer(i, reason, now, out);
       if (finished_) return;
       continue;
     }
@@ -1079,6 +1291,7 @@ proto::RunSummary Scheduler::Summary(Clock::time_point now) const {
   s.set_written_by("scheduler");
   for (const auto& lost : lost_workers_) *s.add_lost_workers() = lost;
   for (const auto& joined : joined_workers_) *s.add_joined_workers() = joined;
+  for (const auto& replaced : replaced_servers_) *s.add_replaced_servers() = replaced;
   return s;
 }
 

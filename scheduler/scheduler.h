@@ -36,7 +36,11 @@ class Scheduler {
   // membership epoch without it (Membership.cut). Below cluster.min_workers that epoch asks for a
   // checkpoint, after which the job ends. Also ends the wait of a replacement (--rejoin) whose
   // rank is still in the job after cluster.heartbeat_timeout_s + 10 s, and the job when a server
-  // does not answer a join within cluster.barrier_timeout_s.
+  // does not answer a join within cluster.barrier_timeout_s. A dead server (ps mode, a complete
+  // checkpoint, cluster.server_replacement_timeout_s > 0) pauses the job (Membership.server_lost)
+  // until a replacement registers with --rejoin; then every server, the replacement included, goes
+  // back to the newest complete checkpoint (Membership.rollback; ROLLED_BACK), then every worker.
+  // No replacement within the timeout ends the job naming the server.
   void Tick(Clock::time_point now, std::vector<Outgoing>* out);
 
   // True once the job ended: every worker reported DONE (status OK), or a deadline or error
@@ -123,6 +127,14 @@ class Scheduler {
                     std::vector<Outgoing>* out);
   void HandleJoined(const std::string& from, const proto::Header& h, Clock::time_point now,
                     std::vector<Outgoing>* out);
+  // A server was declared dead: pauses the job for a replacement, or ends it (why not, in the
+  // reason) when the job cannot roll back.
+  void LoseServer(size_t idx, const std::string& reason, Clock::time_point now,
+                  std::vector<Outgoing>* out);
+  // A replacement server registered (Register.rejoin): the rollback epoch to every server.
+  void StartRollback(size_t idx, Clock::time_point now, std::vector<Outgoing>* out);
+  void HandleRolledBack(const std::string& from, const proto::Header& h, Clock::time_point now,
+                        std::vector<Outgoing>* out);
   // Starts the first queued join once no removal or join is in progress and its rank is removed.
   void MaybeStartJoin(Clock::time_point now, std::vector<Outgoing>* out);
   // Every server answered WORKER_JOIN: the join iteration, the next membership epoch.
@@ -141,7 +153,7 @@ class Scheduler {
   void FinishRemoval(Clock::time_point now, std::vector<Outgoing>* out);
   // Fills membership_.nodes with the live nodes (a joining replacement included) and sends it to
   // each but the joining ones.
-  void SendMembership(std::vector<Outgoing>* out);
+  void SendMembership(std::vector<Outgoing>* out, proto::Role only = proto::ROLE_UNSPECIFIED);
   void SendMembershipTo(const Node& n, std::vector<Outgoing>* out);
   void ReleaseBarrier(const std::pair<std::string, uint64_t>& key, std::vector<Outgoing>* out);
   // After a removal: barriers and the end of the job may no longer wait on the dead worker.
@@ -185,6 +197,22 @@ class Scheduler {
   std::deque<Join> joins_;  // the front one is in progress once started
   std::vector<proto::JoinedWorker> joined_workers_;
   int leader_ = 0;  // Membership.leader
+  // A dead server waiting for its replacement, then the rollback in progress.
+  struct ServerLossState {
+    size_t node = 0;  // the dead server
+    std::string reason;
+    Clock::time_point since;
+  };
+  std::optional<ServerLossState> server_loss_;
+  struct RollbackState {
+    proto::ReplacedServer record;
+    Clock::time_point started;
+    std::set<int> ready;  // servers that sent ROLLED_BACK
+  };
+  std::optional<RollbackState> rollback_;
+  // A replacement server registered before the one it replaces was declared dead.
+  std::optional<size_t> waiting_server_;
+  std::vector<proto::ReplacedServer> replaced_servers_;
   // Below cluster.min_workers: the job ends once the checkpoint of stop_iteration_ is complete.
   std::string stop_reason_;
   int64_t stop_iteration_ = -1;

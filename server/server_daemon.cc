@@ -49,6 +49,42 @@ Status Serve(const proto::JobConfig& config, zmq::socket_t& data, uint32_t port,
   const double membership_deadline_s = config.cluster().register_timeout_s() + 10.0;
 
   std::unique_ptr<ShardServer> shard;
+  // Makes the shard for membership m: from the checkpoint it names when the job resumes or rolls
+  // back (then tells the scheduler that this shard holds it).
+  auto make_shard = [&](const proto::Membership& m) -> Status {
+    ShardOptions opts;
+    opts.server_rank = control.rank();
+    opts.num_workers = static_cast<int>(config.cluster().num_workers());
+    opts.lr = config.train().lr();
+    opts.compression = config.compression();
+    opts.momentum = config.train().momentum();
+    opts.checkpoint_every_steps = config.checkpoint().every_steps();
+    opts.commit_on_pull = config.cluster().on_worker_failure() == proto::CONTINUE;
+    for (const auto& r : m.ranges()) {
+      if (r.server_rank() == control.rank()) opts.range = {r.begin(), r.end()};
+    }
+    if (shard == nullptr) {
+      SetLogName("server-" + std::to_string(control.rank()));
+      spdlog::info("serving key range [{}, {}) ({} parameters) for {} workers", opts.range.begin,
+                   opts.range.end, opts.range.size(), opts.num_workers);
+    }
+    shard = std::make_unique<ShardServer>(opts);
+    shard->SetMembership(m);
+    if (!m.resume()) return Status::OK();
+    auto file = ReadResumeFile(CheckpointDir(config), m, proto::SERVER, control.rank(),
+                               ConfigFingerprint(config));
+    if (!file.ok()) return file.status();
+    StateArchive archive(&*file);
+    shard->State(archive);
+    SPARSEPS_RETURN_IF_ERROR(archive.status());
+    spdlog::info("{} the shard from {} at iteration {}", m.rollback() ? "rolled back" : "resumed",
+                 file->path(), shard->version());
+    if (!m.rollback()) return Status::OK();
+    Message done;
+    done.header.set_command(proto::ROLLED_BACK);
+    done.header.set_iteration(shard->version());
+    return control.SendToScheduler(done);
+  };
   uint64_t bytes_in = 0, bytes_out = 0, early_rejects = 0;
   std::deque<std::pair<std::string, Message>> early;  // (peer, request) held until the membership
   std::vector<Outgoing> out;
@@ -71,32 +107,7 @@ Status Serve(const proto::JobConfig& config, zmq::socket_t& data, uint32_t port,
     }
     if (control.shutdown_requested()) break;
     if (shard == nullptr && control.has_membership()) {
-      const auto& m = control.membership();
-      ShardOptions opts;
-      opts.server_rank = control.rank();
-      opts.num_workers = static_cast<int>(config.cluster().num_workers());
-      opts.lr = config.train().lr();
-      opts.compression = config.compression();
-      opts.momentum = config.train().momentum();
-      opts.checkpoint_every_steps = config.checkpoint().every_steps();
-      opts.commit_on_pull = config.cluster().on_worker_failure() == proto::CONTINUE;
-      for (const auto& r : m.ranges()) {
-        if (r.server_rank() == control.rank()) opts.range = {r.begin(), r.end()};
-      }
-      SetLogName("server-" + std::to_string(control.rank()));
-      spdlog::info("serving key range [{}, {}) ({} parameters) for {} workers", opts.range.begin,
-                   opts.range.end, opts.range.size(), opts.num_workers);
-      shard = std::make_unique<ShardServer>(opts);
-      shard->set_leader(m.leader());
-      if (m.resume()) {
-        auto file = ReadResumeFile(CheckpointDir(config), m, proto::SERVER, control.rank(),
-                                   ConfigFingerprint(config));
-        if (!file.ok()) return file.status();
-        StateArchive archive(&*file);
-        shard->State(archive);
-        SPARSEPS_RETURN_IF_ERROR(archive.status());
-        spdlog::info("resumed the shard from {} at iteration {}", file->path(), shard->version());
-      }
+      SPARSEPS_RETURN_IF_ERROR(make_shard(control.membership()));
       control.StartHeartbeats();
       if (!early.empty()) spdlog::info("handling {} requests that came first", early.size());
       for (auto& [peer, msg] : early) {
@@ -123,6 +134,16 @@ Status Serve(const proto::JobConfig& config, zmq::socket_t& data, uint32_t port,
         }
         const auto& m = u.membership();
         shard->set_leader(m.leader());
+        if (m.has_server_lost()) {
+          spdlog::warn("membership epoch {}: server {} is lost ({}); waiting for its replacement",
+                       m.epoch(), m.server_lost().server_rank(), m.server_lost().reason());
+          continue;
+        }
+        if (m.rollback()) {
+          // Everything since the checkpoint is void: pushes held, pulls waiting, the parameters.
+          SPARSEPS_RETURN_IF_ERROR(make_shard(m));
+          continue;
+        }
         if (m.has_join()) {
           spdlog::info("membership epoch {}: worker {} joins the job at iteration {}", m.epoch(),
                        m.join().worker_rank(), m.join().iteration());

@@ -288,6 +288,18 @@ bool ShardServer::IsRepeat(const std::vector<PendingPull>& waiting, const std::s
   return false;
 }
 
+void ShardServer::SetMembership(const proto::Membership& m) {
+  std::fill(active_.begin(), active_.end(), 0);
+  std::fill(join_at_.begin(), join_at_.end(), -1);
+  for (const auto& n : m.nodes()) {
+    if (n.role() == proto::WORKER && n.rank() >= 0 && n.rank() < options_.num_workers) {
+      active_[static_cast<size_t>(n.rank())] = 1;
+    }
+  }
+  leader_ = m.leader();
+  epoch_ = m.epoch();
+}
+
 proto::Position ShardServer::PrepareJoin(int worker) {
   hold_at_ = version_ + 1;
   return Position(worker);

@@ -114,6 +114,10 @@ class ShardServer {
   // already), empty otherwise.
   std::string Join(const proto::WorkerJoin& join, uint64_t epoch, std::vector<Outgoing>* out);
 
+  // Takes the workers, the leader and the epoch of membership `m` (a shard made for a resumed or
+  // rolled-back job, where workers may have been lost before).
+  void SetMembership(const proto::Membership& m);
+
   // The worker whose pushes may ask for a checkpoint (Membership.leader).
   int leader() const { return leader_; }
   void set_leader(int rank) { leader_ = rank; }

@@ -37,6 +37,12 @@ double TopKMassShare(const std::vector<float>& sum, const CollectiveUpdate& upda
   return best > 0.0 ? applied / best : 1.0;
 }
 
+// The workers' barrier before the first step: named by the membership epoch, so that a worker
+// that joined later (and never entered the first) meets the others at a rollback's.
+std::string InitBarrier(const ControlClient& control) {
+  return "init-" + std::to_string(control.membership().epoch());
+}
+
 // Push to the servers, pull the new parameters (PS mode).
 class PsAggregator final : public Aggregator {
  public:
@@ -74,14 +80,14 @@ class PsAggregator final : public Aggregator {
 
   Status Init(const std::vector<float>& initial) override {
     if (control_->rank() == 0) SPARSEPS_RETURN_IF_ERROR(ps_->Init(initial.data()));
-    SPARSEPS_RETURN_IF_ERROR(control_->Barrier("init", proto::WORKER));
+    SPARSEPS_RETURN_IF_ERROR(control_->Barrier(InitBarrier(*control_), proto::WORKER));
     SPARSEPS_RETURN_IF_ERROR(ps_->PullInitial(params_.data()));
     if (local_copy_) local_ = params_;
     return Status::OK();
   }
 
   Status Resume(StateArchive& archive) override {
-    SPARSEPS_RETURN_IF_ERROR(control_->Barrier("init", proto::WORKER));
+    SPARSEPS_RETURN_IF_ERROR(control_->Barrier(InitBarrier(*control_), proto::WORKER));
     SPARSEPS_RETURN_IF_ERROR(ps_->PullInitial(params_.data()));
     State(archive);
     SPARSEPS_RETURN_IF_ERROR(archive.status());
@@ -92,7 +98,7 @@ class PsAggregator final : public Aggregator {
   }
 
   Status ResumeFresh(uint64_t iteration) override {
-    SPARSEPS_RETURN_IF_ERROR(control_->Barrier("init", proto::WORKER));
+    SPARSEPS_RETURN_IF_ERROR(control_->Barrier(InitBarrier(*control_), proto::WORKER));
     SPARSEPS_RETURN_IF_ERROR(ps_->PullInitial(params_.data()));
     iteration_ = iteration;
     push_round_ = static_cast<int64_t>(iteration);
@@ -247,7 +253,7 @@ class AllreduceAggregator final : public Aggregator {
         RingAllreduce(group_.get(), kInitTag, params_.data(), num_params(),
                       static_cast<size_t>(config_.collective().segment_bytes() / 4)));
     changed_.AddAll();
-    return control_->Barrier("init", proto::WORKER);
+    return control_->Barrier(InitBarrier(*control_), proto::WORKER);
   }
 
   void SetEpoch(uint32_t epoch) override {
@@ -259,7 +265,7 @@ class AllreduceAggregator final : public Aggregator {
     State(archive);
     SPARSEPS_RETURN_IF_ERROR(archive.status());
     changed_.AddAll();
-    return control_->Barrier("init", proto::WORKER);
+    return control_->Barrier(InitBarrier(*control_), proto::WORKER);
   }
 
   void State(StateArchive& archive) override {

@@ -252,6 +252,11 @@ Status PsClient::AwaitAll(int64_t iteration, float* params) {
     auto ready = PollIn(sockets, std::min<int64_t>(200, static_cast<int64_t>(left * 1000) + 1));
     // Every round, not only when the scheduler wrote: Poll also notices a scheduler gone silent.
     SPARSEPS_RETURN_IF_ERROR(control_->Poll());
+    if (const auto& m = control_->membership(); m.has_server_lost()) {
+      return Status::Unavailable("server " + std::to_string(m.server_lost().server_rank()) +
+                                 " is lost (" + m.server_lost().reason() + "): iteration " +
+                                 std::to_string(iteration) + " is void until the job rolls back");
+    }
     for (size_t i = 0; i < peers_.size(); ++i) {
       if (!ready[i]) continue;
       Peer& p = peers_[i];

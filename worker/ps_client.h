@@ -52,7 +52,8 @@ class PsClient {
   // Pushes pushes[r] (one Message per range, as a Compressor makes them) for `iteration`, then
   // pulls the result of that iteration into params: the changed entries, or the dense range.
   // Errors: ProtocolError when a server rejects a push or replies wrongly (the server's reason
-  // included), DeadlineExceeded naming the server, Aborted on FATAL.
+  // included), DeadlineExceeded naming the server, Aborted on FATAL, Unavailable once the
+  // membership says a server is lost (every wait ends then: the job rolls back).
   Status PushPull(int64_t iteration, std::vector<Message>& pushes, float* params);
 
   // Called for every pull reply with the range's first key and the keys (relative to it) whose

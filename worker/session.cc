@@ -21,6 +21,7 @@ Result<std::unique_ptr<WorkerSession>> WorkerSession::Join(const proto::JobConfi
         "checkpoint.every_steps with aggregation: allreduce");
   }
   std::unique_ptr<WorkerSession> s(new WorkerSession(config));
+  s->model_on_device_ = model_on_device;
   auto made = MakeAggregator(config, s->context_, num_params, model_on_device);
   if (!made.ok()) return made.status();
   s->aggregator_ = std::move(*made);
@@ -116,6 +117,31 @@ Status WorkerSession::ResumeWithoutFile(const std::function<void(StateArchive&)>
       "iteration {}, at worker {}'s position in the data",
       m.resume_iteration(), rank(), m.resume_iteration(), other);
   return Status::OK();
+}
+
+Status WorkerSession::AwaitRollback() {
+  SPARSEPS_RETURN_IF_ERROR(ReportWritten(/*wait=*/true));
+  const uint64_t lost_epoch = control_.membership().epoch();
+  const auto& c = config_.cluster();
+  SPARSEPS_RETURN_IF_ERROR(control_.WaitFor(
+      [&] {
+        return control_.membership().rollback() && control_.membership().epoch() > lost_epoch;
+      },
+      c.server_replacement_timeout_s() + c.barrier_timeout_s(),
+      "the replacement of a lost server and the rollback"));
+  const auto& m = control_.membership();
+  spdlog::warn("membership epoch {}: going back to the checkpoint of iteration {}", m.epoch(),
+               m.resume_iteration());
+  const size_t n = aggregator_->num_params();
+  const bool on_device = model_on_device_;
+  aggregator_.reset();
+  auto made = MakeAggregator(config_, context_, n, on_device);
+  if (!made.ok()) return made.status();
+  aggregator_ = std::move(*made);
+  rejoin_iteration_ = -1;
+  checkpoint_requested_ = false;
+  last_checkpoint_ = Clock::now();
+  return aggregator_->Connect(&control_);
 }
 
 std::map<std::string, std::string> WorkerSession::ModelMetadata() const {

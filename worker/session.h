@@ -83,6 +83,14 @@ class WorkerSession {
   // scheduler's SHUTDOWN, which comes once every worker is done. Stops the heartbeats.
   Status Finish(const proto::WorkerStats& stats);
 
+  // After a step failed with Unavailable (a server is lost): waits for the rollback epoch
+  // (cluster.server_replacement_timeout_s plus barrier_timeout_s), then makes a fresh aggregator
+  // connected to the servers it names; the training loop then starts again as on a resumed job
+  // (resuming() is true, Resume reads this worker's file of that checkpoint). Checkpoint files
+  // still being written are reported first. Errors: the wait's (Aborted when the scheduler ends
+  // the job, DeadlineExceeded), the aggregator's.
+  Status AwaitRollback();
+
   // Tells the scheduler that this worker failed with `error` (best effort, about 1 s at most).
   void ReportFailure(const Status& error) { control_.ReportFailure(error); }
 
@@ -98,7 +106,8 @@ class WorkerSession {
   Status ReportWritten(bool wait);
 
   Clock::time_point last_checkpoint_ = Clock::now();
-  int64_t rejoin_iteration_ = -1;      // a replacement's first iteration; -1 otherwise
+  int64_t rejoin_iteration_ = -1;  // a replacement's first iteration; -1 otherwise
+  bool model_on_device_ = false;
   BackgroundCheckpointWriter writer_;  // last member: its destructor waits for the disk first
   bool checkpoint_requested_ = false;
 };

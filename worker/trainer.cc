@@ -307,6 +307,12 @@ Status RunWorker(const proto::JobConfig& config) {
   if (!session.ok()) return session.status();
   if (*session == nullptr) return Status::OK();  // a replacement for a job that finished first
   Status result = Train(config, **model, *data, **session);
+  while (result.code() == StatusCode::kUnavailable) {
+    // A server died: once its replacement holds the checkpoint, every worker goes back to it.
+    spdlog::warn("{}", result.message());
+    result = (*session)->AwaitRollback();
+    if (result.ok()) result = Train(config, **model, *data, **session);
+  }
   if (!result.ok()) (*session)->ReportFailure(result);
   if ((*session)->control().scheduler_lost() && (*session)->is_leader() &&
       !config.run().dir().empty()) {

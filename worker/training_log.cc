@@ -111,7 +111,7 @@ proto::WorkerStats TrainingLog::Stats(uint64_t steps, uint32_t epochs,
   proto::WorkerStats stats;
   stats.set_steps(steps);
   stats.set_epochs(epochs);
-  // Since this process opened the log: a resumed or replacement worker began at first_step_.
+  // Since the log was opened: a resumed, rolled-back or replacement worker began at first_step_.
   const uint64_t run = steps - std::min(steps, first_step_);
   stats.set_steps_run(run);
   stats.set_bytes_sent(aggregator.bytes_sent());
@@ -127,8 +127,8 @@ proto::WorkerStats TrainingLog::Stats(uint64_t steps, uint32_t epochs,
   spdlog::info(
       "training done: {} steps{} in {:.1f} s, {:.0f} samples/s on this worker, sent {:.0f} B/step, "
       "received {:.0f} B/step{}",
-      steps, run == steps ? std::string() : fmt::format(" ({} in this process)", run), train_s_,
-      stats.samples_per_s(), static_cast<double>(stats.bytes_sent()) * per_step,
+      steps, run == steps ? std::string() : fmt::format(" ({} since step {})", run, first_step_),
+      train_s_, stats.samples_per_s(), static_cast<double>(stats.bytes_sent()) * per_step,
       static_cast<double>(stats.bytes_received()) * per_step,
       leader_ ? fmt::format(", final test accuracy {:.2f}%", 100 * test_accuracy_) : "");
   return stats;

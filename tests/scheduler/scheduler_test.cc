@@ -565,8 +565,8 @@ TEST_F(RejoinTest, ReplacementsThatCannotJoinAreToldWhy) {
   // Before the job runs.
   EXPECT_THAT(ErrorTo(Send(s, "x", Rejoin(1), t0_), "x"), HasSubstr("has not started"));
   RegisterAll(s);
-  EXPECT_THAT(ErrorTo(Send(s, "x1", Rejoin(0, 101, proto::SERVER), t0_), "x1"),
-              HasSubstr("cannot join a running job yet"));
+  EXPECT_THAT(ErrorTo(Send(s, "x1", Rejoin(-1, 101, proto::SERVER), t0_), "x1"),
+              HasSubstr("no server of the job is lost"));
   EXPECT_THAT(ErrorTo(Send(s, "x2", Rejoin(5), t0_), "x2"), HasSubstr("out of range"));
   EXPECT_THAT(ErrorTo(Send(s, "x3", Rejoin(-1), t0_), "x3"), HasSubstr("no worker rank is free"));
   EXPECT_THAT(ErrorTo(Send(s, "x4", Rejoin(1, 7), t0_), "x4"), HasSubstr("7 parameters"));
@@ -617,6 +617,154 @@ TEST_F(RejoinTest, ServerThatDoesNotAnswerAJoinIsNamed) {
   EXPECT_THAT(s.final_status().message(), HasSubstr("no answer"));
   EXPECT_THAT(s.final_status().message(), HasSubstr("server 1"));
   EXPECT_THAT(To(out, proto::FATAL), ::testing::Contains("w-c"));
+}
+
+// A dead server: the job pauses until a replacement registers (--rejoin), then every server, then
+// every worker goes back to the newest complete checkpoint.
+class ServerLossTest : public RejoinTest {
+ protected:
+  ServerLossTest() {
+    // One folder per test: ctest runs them side by side.
+    dir_ = ::testing::TempDir() + "/server_loss_" +
+           ::testing::UnitTest::GetInstance()->current_test_info()->name();
+    std::filesystem::remove_all(dir_);
+    config_.mutable_checkpoint()->set_dir(dir_);
+    config_.mutable_checkpoint()->set_save_model(false);
+    config_.mutable_cluster()->set_server_replacement_timeout_s(30);
+  }
+  ~ServerLossTest() override { std::filesystem::remove_all(dir_); }
+  // Every node reports its file of checkpoint `iteration`: the manifest is written.
+  void CompleteCheckpoint(Scheduler& s, uint64_t iteration) {
+    for (auto [who, role, rank] : {std::tuple{"s-a", proto::SERVER, 0},
+                                   {"s-b", proto::SERVER, 1},
+                                   {"w-a", proto::WORKER, 0},
+                                   {"w-b", proto::WORKER, 1}}) {
+      Message c;
+      c.header.set_command(proto::CHECKPOINT_WRITTEN);
+      c.header.set_sender_role(role);
+      c.header.set_sender_rank(rank);
+      c.header.set_iteration(static_cast<int64_t>(iteration));
+      auto* f = c.header.mutable_checkpoint_file();
+      f->set_role(role);
+      f->set_rank(rank);
+      f->set_iteration(iteration);
+      f->set_file(std::string(role == proto::SERVER ? "server-" : "worker-") +
+                  std::to_string(rank) + ".safetensors");
+      Send(s, who, std::move(c), t0_);
+    }
+  }
+  // Heartbeats from everyone but server 1 from second `from` to `to`; what the scheduler sent.
+  std::vector<Outgoing> SilenceServer1(Scheduler& s, int from, int to) {
+    std::vector<Outgoing> out;
+    for (int i = from; i <= to && !s.finished(); ++i) {
+      HeartbeatsThenTick(
+          s, i, {{"w-a", proto::WORKER, 0}, {"w-b", proto::WORKER, 1}, {"s-a", proto::SERVER, 0}},
+          &out);
+    }
+    return out;
+  }
+  Message RolledBack(int server, int64_t iteration) {
+    Message m;
+    m.header.set_command(proto::ROLLED_BACK);
+    m.header.set_sender_role(proto::SERVER);
+    m.header.set_sender_rank(server);
+    m.header.set_iteration(iteration);
+    return m;
+  }
+  std::string dir_;
+};
+
+TEST_F(ServerLossTest, ReplacementTakesTheKeyRangeAndEveryNodeRollsBack) {
+  Scheduler s(config_, t0_);
+  RegisterAll(s);
+  CompleteCheckpoint(s, 50);
+  ASSERT_EQ(s.last_checkpoint(), 50);
+  auto m = Memberships(SilenceServer1(s, 1, 12));
+  ASSERT_FALSE(s.finished()) << s.final_status().message();
+  // The pause: every live node learns that server 1 is lost.
+  EXPECT_EQ(m.size(), 3u);
+  ASSERT_TRUE(m.count("w-a"));
+  EXPECT_EQ(m["w-a"].epoch(), 2u);
+  EXPECT_EQ(m["w-a"].server_lost().server_rank(), 1);
+  EXPECT_THAT(m["w-a"].server_lost().reason(), HasSubstr("server 1"));
+  // The replacement registers: the servers first get the rollback epoch, with the checkpoint.
+  Message reg = Rejoin(1, 0, proto::SERVER);
+  reg.header.mutable_register_()->set_port(6001);
+  m = Memberships(Send(s, "s-c", std::move(reg), t0_ + seconds(13)));
+  ASSERT_EQ(m.size(), 2u);
+  ASSERT_TRUE(m.count("s-a") && m.count("s-c"));
+  const auto& epoch3 = m["s-c"];
+  EXPECT_EQ(epoch3.epoch(), 3u);
+  EXPECT_EQ(epoch3.your_rank(), 1);
+  EXPECT_TRUE(epoch3.rollback());
+  EXPECT_TRUE(epoch3.resume());
+  EXPECT_EQ(epoch3.resume_iteration(), 50u);
+  EXPECT_EQ(epoch3.resume_files_size(), 4);
+  EXPECT_FALSE(epoch3.has_server_lost());
+  bool listed = false;
+  for (const auto& n : epoch3.nodes()) {
+    if (n.role() == proto::SERVER && n.rank() == 1) listed = n.port() == 6001;
+  }
+  EXPECT_TRUE(listed) << "the workers connect to the replacement";
+  // Once both servers hold the checkpoint, the workers get the epoch.
+  EXPECT_TRUE(Send(s, "s-a", RolledBack(0, 50), t0_ + seconds(13)).empty());
+  EXPECT_THAT(ErrorTo(Send(s, "s-c", RolledBack(1, 49), t0_ + seconds(13)), "s-c"),
+              HasSubstr("for no rollback"));
+  m = Memberships(Send(s, "s-c", RolledBack(1, 50), t0_ + seconds(13)));
+  EXPECT_EQ(m.size(), 2u);
+  ASSERT_TRUE(m.count("w-a") && m.count("w-b"));
+  EXPECT_TRUE(m["w-b"].rollback());
+  // The job goes on to its end.
+  for (const char* who : {"w-a", "w-b"}) {
+    Message d;
+    d.header.set_command(proto::DONE);
+    d.header.set_sender_role(proto::WORKER);
+    d.header.set_sender_rank(who == std::string("w-a") ? 0 : 1);
+    Send(s, who, std::move(d), t0_ + seconds(14));
+  }
+  ASSERT_TRUE(s.finished());
+  EXPECT_TRUE(s.final_status().ok()) << s.final_status().message();
+  const auto summary = s.Summary(t0_ + seconds(14));
+  ASSERT_EQ(summary.replaced_servers_size(), 1);
+  EXPECT_EQ(summary.replaced_servers(0).rank(), 1);
+  EXPECT_EQ(summary.replaced_servers(0).rollback_iteration(), 50u);
+  EXPECT_EQ(summary.replaced_servers(0).pid(), 4242);
+  EXPECT_GT(summary.replaced_servers(0).waited_s(), 0.0);
+}
+
+TEST_F(ServerLossTest, ReplacementStartedBeforeTheDeathWaitsForIt) {
+  Scheduler s(config_, t0_);
+  RegisterAll(s);
+  CompleteCheckpoint(s, 50);
+  EXPECT_TRUE(Send(s, "s-c", Rejoin(1, 0, proto::SERVER), t0_).empty());
+  auto m = Memberships(SilenceServer1(s, 1, 12));
+  // The pause and, at once, the rollback to the servers.
+  ASSERT_TRUE(m.count("s-c"));
+  EXPECT_TRUE(m["s-c"].rollback());
+  EXPECT_EQ(m["w-a"].epoch(), 2u) << "the workers have the pause, not yet the rollback";
+}
+
+TEST_F(ServerLossTest, NoReplacementEndsTheJobNamingTheServer) {
+  Scheduler s(config_, t0_);
+  RegisterAll(s);
+  CompleteCheckpoint(s, 50);
+  SilenceServer1(s, 1, 50);
+  ASSERT_TRUE(s.finished());
+  EXPECT_THAT(s.final_status().message(), HasSubstr("server 1"));
+  EXPECT_THAT(s.final_status().message(), HasSubstr("no replacement registered within 30 s"));
+}
+
+TEST_F(ServerLossTest, WithoutACompleteCheckpointTheJobEndsAtOnce) {
+  Scheduler s(config_, t0_);
+  RegisterAll(s);
+  SilenceServer1(s, 1, 12);
+  ASSERT_TRUE(s.finished());
+  EXPECT_THAT(s.final_status().message(), HasSubstr("no checkpoint is complete to roll back to"));
+  // And a replacement for a server that is alive is refused without a rank to wait for.
+  Scheduler t(config_, t0_);
+  RegisterAll(t);
+  EXPECT_THAT(ErrorTo(Send(t, "x", Rejoin(-1, 0, proto::SERVER), t0_), "x"),
+              HasSubstr("no server of the job is lost"));
 }
 
 }  // namespace
