@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Chaos run: a job under `deploy/launch.sh --max-restarts`, a random process (scheduler, a server
 # or a worker) killed with SIGKILL every MIN..MAX seconds until the job ends; then the same job
-# without faults. Prints kills, restarts, the iterations redone after each kill (steps done at the
+# without faults. The launcher replaces a killed worker (--rejoin: nothing redone) or server
+# (--rejoin and a rollback to the newest checkpoint), and restarts the whole job after the
+# scheduler. Prints kills, restarts, the iterations redone after each kill (steps done at the
 # kill minus the iteration resumed from), the wall-clock times and both final accuracies.
 #
 #   bench/chaos.sh [--min S] [--max S] [--restarts N] -- LAUNCH_ARGS...
@@ -44,17 +46,27 @@ while kill -0 "$launcher" 2>/dev/null; do
   [[ -n "$pid" ]] && kill -0 "$pid" 2>/dev/null || continue
   done_steps=$(($(wc -l <"$out/chaos/metrics-worker-0.csv") - 1))
   resumes_before=$(grep -c "resumed from" "$out/chaos/worker-0.log")
+  joins_before=$(grep -c "joined: it pushes" "$out/chaos/scheduler.log")
   kill -9 "$pid" && kills=$((kills + 1))
   echo "kill $kills: ${victim%.log} (pid $pid) at step $done_steps"
-  # Wait for the restart to resume, then count what was redone.
+  # Wait for the job to go back to a checkpoint (a whole restart, or a rollback after a server's
+  # replacement), or for a worker's replacement to join (nothing redone); then count.
+  resumed=0
   for _ in $(seq 600); do
-    [[ $(grep -c "resumed from" "$out/chaos/worker-0.log") -gt $resumes_before ]] && break
+    [[ $(grep -c "resumed from" "$out/chaos/worker-0.log") -gt $resumes_before ]] && resumed=1 && break
+    [[ $(grep -c "joined: it pushes" "$out/chaos/scheduler.log") -gt $joins_before ]] && break
     grep -q "from the start" "$out/chaos/restarts.log" 2>/dev/null && break
     kill -0 "$launcher" 2>/dev/null || break
     sleep 0.1
   done
-  at="$(grep -o 'resumed from .* at iteration [0-9]*' "$out/chaos/worker-0.log" | tail -n 1 | grep -o '[0-9]*$')"
-  [[ -n "$at" ]] && lost+=($((done_steps - at))) && echo "  resumed at iteration $at: $((done_steps - at)) iterations redone"
+  if [[ $resumed -eq 1 ]]; then
+    at="$(grep -o 'resumed from .* at iteration [0-9]*' "$out/chaos/worker-0.log" | tail -n 1 | grep -o '[0-9]*$')"
+    lost+=($((done_steps - at)))
+    echo "  resumed at iteration $at: $((done_steps - at)) iterations redone"
+  elif [[ $(grep -c "joined: it pushes" "$out/chaos/scheduler.log") -gt $joins_before ]]; then
+    lost+=(0)
+    echo "  a replacement joined: nothing redone"
+  fi
 done
 wait "$launcher"
 rc=$?

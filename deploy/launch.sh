@@ -196,6 +196,26 @@ start_worker() {  # start_worker RANK COMMON_ARGS...
     --set "cluster.scheduler_port=$port" --set "node.rank=$w" $(host_set $h node.host)
 }
 
+restart_with_rejoin() {  # restart_with_rejoin INDEX RC WHAT: starts names[INDEX] again, --rejoin
+  local name="${names[$1]}"
+  restarts=$((restarts + 1))
+  local msg
+  msg="$(date '+%F %T') restart $restarts of $max_restarts: $name exited with code $2; $3 (--rejoin)"
+  echo "launch.sh: $msg" >&2
+  echo "$msg" >>"$run_dir/restarts.log"
+  # shellcheck disable=SC2046
+  local args=(--config "$config" --rejoin --set "run.dir=$run_dir"
+    $(host_set 1 cluster.scheduler_host) "${sets[@]}")
+  local saved_append="$append_logs"
+  append_logs=1
+  if [[ $name == server-* ]]; then
+    start_server "${name#server-}" "${args[@]}"
+  else
+    start_worker "${name#worker-}" "${args[@]}"
+  fi
+  append_logs="$saved_append"
+}
+
 run_job() {  # starts every process, waits; sets $failed to the name of a process that failed
   failed=""
   # shellcheck disable=SC2046
@@ -251,17 +271,8 @@ run_job() {  # starts every process, waits; sets $failed to the name of a proces
         # Killed by a signal: a replacement takes its key range and the job rolls back to its
         # newest complete checkpoint (the scheduler ends the job if it cannot, and then the
         # whole job restarts below).
-        restarts=$((restarts + 1))
-        msg="$(date '+%F %T') restart $restarts of $max_restarts: ${names[$i]} exited with code $rc; a replacement takes its key range and the job rolls back to its newest checkpoint (--rejoin)"
-        echo "launch.sh: $msg" >&2
-        echo "$msg" >>"$run_dir/restarts.log"
-        # shellcheck disable=SC2046
-        rejoin_common=(--config "$config" --rejoin --set "run.dir=$run_dir"
-          $(host_set 1 cluster.scheduler_host) "${sets[@]}")
-        saved_append="$append_logs"
-        append_logs=1
-        start_server "${names[$i]#server-}" "${rejoin_common[@]}"
-        append_logs="$saved_append"
+        restart_with_rejoin "$i" "$rc" \
+          "a replacement takes its key range and the job rolls back to its newest checkpoint"
         continue
       fi
       if [[ $rc -gt 128 && ${names[$i]} == worker-* && $aggregation != allreduce &&
@@ -269,17 +280,7 @@ run_job() {  # starts every process, waits; sets $failed to the name of a proces
         # Killed by a signal: the scheduler drops it and the others go on (it ends the job below
         # min_workers). A worker that exits with an error reports it, and that ends the job.
         if [[ $restarts -lt $max_restarts ]]; then
-          restarts=$((restarts + 1))
-          msg="$(date '+%F %T') restart $restarts of $max_restarts: ${names[$i]} exited with code $rc; a replacement joins the running job (--rejoin)"
-          echo "launch.sh: $msg" >&2
-          echo "$msg" >>"$run_dir/restarts.log"
-          # shellcheck disable=SC2046
-          rejoin_common=(--config "$config" --rejoin --set "run.dir=$run_dir"
-            $(host_set 1 cluster.scheduler_host) "${sets[@]}")
-          saved_append="$append_logs"
-          append_logs=1
-          start_worker "${names[$i]#worker-}" "${rejoin_common[@]}"
-          append_logs="$saved_append"
+          restart_with_rejoin "$i" "$rc" "a replacement joins the running job"
         else
           echo "launch.sh: ${names[$i]} exited with code $rc; the job goes on without it" \
             "(cluster.on_worker_failure: continue)" >&2

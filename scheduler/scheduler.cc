@@ -593,6 +593,25 @@ void Scheduler::RemoveWorker(size_t idx, const std::string& reason, Clock::time_
   StartRemoval(idx, reason, now, out);
 }
 
+void Scheduler::TurnAway(Node& n, const std::string& why, std::vector<Outgoing>* out) {
+  n.dead = true;
+  n.joining = false;
+  n.told_dead = true;  // its later messages get no FATAL: it was told here
+  ++rejected_;
+  ReplyError(n.routing_id, "--rejoin refused: " + why, out);
+  spdlog::warn("turned away the replacement {}: {}", Describe(n), why);
+}
+
+void Scheduler::NextEpoch() {
+  membership_.set_epoch(membership_.epoch() + 1);
+  membership_.clear_cut();
+  membership_.clear_join();
+  membership_.clear_server_lost();
+  membership_.set_rollback(false);
+  membership_.set_checkpoint_and_stop(false);
+  membership_.set_leader(leader_);
+}
+
 void Scheduler::AddSplit(int64_t iteration) {
   auto* split = membership_.add_splits();
   split->set_from_iteration(iteration);
@@ -665,8 +684,7 @@ void Scheduler::FinishRemoval(Clock::time_point now, std::vector<Outgoing>* out)
       }
     }
   }
-  membership_.set_epoch(membership_.epoch() + 1);
-  membership_.clear_join();
+  NextEpoch();
   if (dead.rank == leader_) leader_ = LowestLiveWorker();
   membership_.set_leader(leader_);
   AddSplit(slowest.first);
@@ -744,11 +762,7 @@ void Scheduler::LoseServer(size_t idx, const std::string& reason, Clock::time_po
   }
   n.dead = true;
   server_loss_ = ServerLossState{idx, reason, now};
-  membership_.set_epoch(membership_.epoch() + 1);
-  membership_.clear_cut();
-  membership_.clear_join();
-  membership_.set_checkpoint_and_stop(false);
-  membership_.set_rollback(false);
+  NextEpoch();
   membership_.mutable_server_lost()->set_server_rank(n.rank);
   membership_.mutable_server_lost()->set_reason(reason);
   spdlog::warn(
@@ -783,8 +797,7 @@ void Scheduler::StartRollback(size_t idx, Clock::time_point now, std::vector<Out
   r.record.set_host(n.hostname.empty() ? n.host : n.hostname);
   r.record.set_pid(n.pid);
   r.record.set_waited_s(std::chrono::duration<double>(now - server_loss_->since).count());
-  membership_.set_epoch(membership_.epoch() + 1);
-  membership_.clear_server_lost();
+  NextEpoch();
   membership_.set_rollback(true);
   membership_.set_resume(true);
   membership_.set_resume_iteration(latest->iteration);
@@ -983,9 +996,7 @@ void Scheduler::PublishJoin(std::vector<Outgoing>* out) {
   for (const auto& [rank, p] : j.positions) fastest = std::max(fastest, p.version());
   j.iteration = fastest + 1;
   n.joined_at = j.iteration;
-  membership_.set_epoch(membership_.epoch() + 1);
-  membership_.clear_cut();
-  membership_.set_checkpoint_and_stop(false);
+  NextEpoch();
   membership_.mutable_join()->set_worker_rank(n.rank);
   membership_.mutable_join()->set_iteration(j.iteration);
   membership_.set_leader(leader_);
@@ -1169,30 +1180,18 @@ void Scheduler::Tick(Clock::time_point now, std::vector<Outgoing>* out) {
     } else {
       continue;
     }
-    n.dead = true;
-    n.joining = false;
-    n.told_dead = true;
-    ++rejected_;
-    ReplyError(n.routing_id, "--rejoin refused: " + why, out);
-    spdlog::warn("turned away the replacement {}: worker {} is still in the job", Describe(n),
-                 n.rank);
+    TurnAway(n, why, out);
   }
   std::erase_if(joins_, [&](const Join& j) { return !j.started && nodes_[j.node].dead; });
   if (waiting_server_ && !server_loss_) {
     Node& n = nodes_[*waiting_server_];
     const double waited = std::chrono::duration<double>(now - n.last_seen).count();
     if (waited > c.heartbeat_timeout_s() + 10.0) {
-      n.dead = true;
-      n.joining = false;
-      n.told_dead = true;
-      ++rejected_;
-      ReplyError(n.routing_id,
-                 "--rejoin refused: server " + std::to_string(n.rank) +
-                     " is still in the job after " + FormatSeconds(waited) +
-                     "; a replacement takes over once the scheduler declared it dead",
-                 out);
-      spdlog::warn("turned away the replacement {}: server {} is still in the job", Describe(n),
-                   n.rank);
+      TurnAway(n,
+               "server " + std::to_string(n.rank) + " is still in the job after " +
+                   FormatSeconds(waited) +
+                   "; a replacement takes over once the scheduler declared it dead",
+               out);
       waiting_server_.reset();
     }
   }

@@ -139,6 +139,11 @@ class Scheduler {
   void MaybeStartJoin(Clock::time_point now, std::vector<Outgoing>* out);
   // Every server answered WORKER_JOIN: the join iteration, the next membership epoch.
   void PublishJoin(std::vector<Outgoing>* out);
+  // A waiting replacement (--rejoin) is refused with `why` and leaves the job's books.
+  void TurnAway(Node& n, const std::string& why, std::vector<Outgoing>* out);
+  // Numbers the next membership epoch and clears what belongs to one epoch only (cut, join,
+  // server_lost, rollback, checkpoint_and_stop): each change sets its own after this.
+  void NextEpoch();
   // Records the live workers from `iteration` on in membership_.splits.
   void AddSplit(int64_t iteration);
   void BuildMembership(Clock::time_point now, std::vector<Outgoing>* out);
