@@ -194,6 +194,21 @@ bool Scheduler::Unreachable(const std::string& to, Clock::time_point now) {
   return true;
 }
 
+Scheduler::Node Scheduler::NodeFrom(const std::string& from, const proto::Register& r,
+                                    Clock::time_point now) {
+  Node n;
+  n.role = r.role();
+  n.requested_rank = r.requested_rank();
+  n.routing_id = from;
+  n.host = r.host();
+  n.port = r.port();
+  n.hostname = r.hostname();
+  n.pid = r.pid();
+  n.num_params = r.num_params();
+  n.last_seen = now;
+  return n;
+}
+
 void Scheduler::HandleRegister(const std::string& from, const proto::Header& h,
                                Clock::time_point now, std::vector<Outgoing>* out) {
   if (!h.has_register_()) {
@@ -264,16 +279,7 @@ void Scheduler::HandleRegister(const std::string& from, const proto::Header& h,
     ReplyError(from, "a worker must report its model size (num_params > 0)", out);
     return;
   }
-  Node n;
-  n.role = r.role();
-  n.requested_rank = r.requested_rank();
-  n.routing_id = from;
-  n.host = r.host();
-  n.port = r.port();
-  n.hostname = r.hostname();
-  n.pid = r.pid();
-  n.num_params = r.num_params();
-  n.last_seen = now;
+  Node n = NodeFrom(from, r, now);
   spdlog::info("registered {} at {}:{} ({} of {})", Describe(n), n.host, n.port, have + 1,
                expected);
   nodes_.push_back(std::move(n));
@@ -868,16 +874,8 @@ void Scheduler::HandleRejoin(const std::string& from, const proto::Register& r,
           "name it with node.rank, and keep cluster.server_replacement_timeout_s above 0)");
       return;
     }
-    Node n;
-    n.role = proto::SERVER;
-    n.rank = rank;
-    n.requested_rank = rank;
-    n.routing_id = from;
-    n.host = r.host();
-    n.port = r.port();
-    n.hostname = r.hostname();
-    n.pid = r.pid();
-    n.last_seen = now;
+    Node n = NodeFrom(from, r, now);
+    n.rank = n.requested_rank = rank;
     n.joining = !server_loss_;
     nodes_.push_back(std::move(n));
     if (!server_loss_) {
@@ -941,17 +939,8 @@ void Scheduler::HandleRejoin(const std::string& from, const proto::Register& r,
            Describe(*other));
     return;
   }
-  Node n;
-  n.role = proto::WORKER;
-  n.rank = rank;
-  n.requested_rank = rank;
-  n.routing_id = from;
-  n.host = r.host();
-  n.port = r.port();
-  n.hostname = r.hostname();
-  n.pid = r.pid();
-  n.num_params = r.num_params();
-  n.last_seen = now;
+  Node n = NodeFrom(from, r, now);
+  n.rank = n.requested_rank = rank;
   n.joining = true;
   spdlog::info("a replacement for worker {} registered ({}, pid {}); it joins {}", rank,
                r.hostname(), r.pid(),

@@ -112,6 +112,8 @@ class Scheduler {
     std::set<size_t> arrived;  // indices into nodes_
   };
 
+  // The node that registered with `r` from routing id `from` (no rank yet).
+  static Node NodeFrom(const std::string& from, const proto::Register& r, Clock::time_point now);
   void HandleRegister(const std::string& from, const proto::Header& h, Clock::time_point now,
                       std::vector<Outgoing>* out);
   void HandleBarrier(const std::string& from, const proto::Header& h, Clock::time_point now,

@@ -467,13 +467,17 @@ class RejoinTest : public WorkerLossTest {
     Message m = PositionMsg(server, version, 0);
     return m;
   }
-  Message Joined(int server, int64_t iteration) {
+  // A server's JOINED or ROLLED_BACK of `iteration`.
+  static Message ServerDone(proto::Command command, int server, int64_t iteration) {
     Message m;
-    m.header.set_command(proto::JOINED);
+    m.header.set_command(command);
     m.header.set_sender_role(proto::SERVER);
     m.header.set_sender_rank(server);
     m.header.set_iteration(iteration);
     return m;
+  }
+  Message Joined(int server, int64_t iteration) {
+    return ServerDone(proto::JOINED, server, iteration);
   }
   static std::set<std::string> To(const std::vector<Outgoing>& out, proto::Command command) {
     std::set<std::string> to;
@@ -664,12 +668,7 @@ class ServerLossTest : public RejoinTest {
     return out;
   }
   Message RolledBack(int server, int64_t iteration) {
-    Message m;
-    m.header.set_command(proto::ROLLED_BACK);
-    m.header.set_sender_role(proto::SERVER);
-    m.header.set_sender_rank(server);
-    m.header.set_iteration(iteration);
-    return m;
+    return ServerDone(proto::ROLLED_BACK, server, iteration);
   }
   std::string dir_;
 };
