@@ -416,10 +416,12 @@ void ShardServer::HandlePull(const std::string& peer, const Message& msg,
   // legitimately waited for; refusing it keeps hostile pulls from piling up.
   // A replacement's first pull is of the iteration before it joins, which this shard may not
   // have begun.
-  const bool joining = h.sender_role() == proto::WORKER && h.sender_rank() >= 0 &&
+  // The bounds come first: iteration + 1 of a hostile INT64_MAX would overflow.
+  const bool in_range = h.iteration() >= -1 && h.iteration() <= version_ + 1;
+  const bool joining = in_range && h.sender_role() == proto::WORKER && h.sender_rank() >= 0 &&
                        h.sender_rank() < options_.num_workers &&
                        join_at_[static_cast<size_t>(h.sender_rank())] == h.iteration() + 1;
-  if (h.iteration() < -1 || (h.iteration() + 1 > version_ + 1 && !joining)) {
+  if (!in_range || (h.iteration() > version_ && !joining)) {
     Reject(peer, &h,
            "PULL for iteration " + std::to_string(h.iteration()) + "; the server is at iteration " +
                std::to_string(version_),

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <random>
 #include <set>
@@ -168,6 +169,19 @@ TEST(ShardServer, RepeatedRequestsAreAnsweredAsTheFirst) {
   EXPECT_EQ(again[0].msg.header.request_id(), 7u);
   EXPECT_EQ(s.counters().duplicate_requests, 2u);
   EXPECT_EQ(s.params(), (std::vector<float>{4, 4, 5}));
+}
+
+// Iterations at the ends of int64 are refused without arithmetic that overflows (UBSan runs this).
+TEST(ShardServer, PullsAtTheEndsOfTheIterationRangeAreRefused) {
+  KeyRange r{0, 3};
+  ShardServer s({r, 0, 2, 2.0, {}, 0.0});
+  ASSERT_EQ(Only(Send(s, Init(r, {5, 5, 5}))), proto::INIT_ACK);
+  for (int64_t it : {std::numeric_limits<int64_t>::max(), std::numeric_limits<int64_t>::min(),
+                     int64_t{-2}, int64_t{1}}) {
+    EXPECT_EQ(Only(Send(s, Pull(r, it, 0, -1))), proto::ERROR) << it;
+  }
+  EXPECT_EQ(s.counters().rejected, 4u);
+  EXPECT_EQ(s.counters().pulls, 0u);
 }
 
 TEST(ShardServer, RepeatedPushesAreIdempotentAndStaleOnesRejected) {
