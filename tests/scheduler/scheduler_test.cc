@@ -243,16 +243,19 @@ TEST_F(SchedulerTest, MalformedMessageIsCountedAndAnswered) {
 // membership epoch 2 without it to the three live nodes.
 class WorkerLossTest : public SchedulerTest {
  protected:
-  // Heartbeats from everyone but worker 1 for 12 s; returns what the scheduler sent.
-  std::vector<Outgoing> SilenceWorker1(Scheduler& s) {
+  // Heartbeats from everyone but worker 1 at t0 + `from` .. `to` - 1 s, until the job ends;
+  // returns what the scheduler sent.
+  std::vector<Outgoing> WithoutWorker1(Scheduler& s, int from, int to) {
     std::vector<Outgoing> out;
-    for (int i = 1; i <= 12; ++i) {
+    for (int i = from; i < to && !s.finished(); ++i) {
       HeartbeatsThenTick(
           s, i, {{"w-a", proto::WORKER, 0}, {"s-a", proto::SERVER, 0}, {"s-b", proto::SERVER, 1}},
           &out);
     }
     return out;
   }
+  // The same for 12 s: worker 1 is declared dead.
+  std::vector<Outgoing> SilenceWorker1(Scheduler& s) { return WithoutWorker1(s, 1, 13); }
   Message PositionMsg(int server, int64_t version, uint32_t state) {
     Message m;
     m.header.set_command(proto::POSITION);
@@ -394,12 +397,7 @@ TEST_F(WorkerLossTest, ServerThatDoesNotAnswerIsNamed) {
   RegisterAll(s);
   SilenceWorker1(s);
   Send(s, "s-a", PositionMsg(0, 7, 0), t0_ + seconds(13));
-  std::vector<Outgoing> out;
-  for (int i = 13; i < 40 && !s.finished(); ++i) {
-    HeartbeatsThenTick(
-        s, i, {{"w-a", proto::WORKER, 0}, {"s-a", proto::SERVER, 0}, {"s-b", proto::SERVER, 1}},
-        &out);
-  }
+  WithoutWorker1(s, 13, 40);
   ASSERT_TRUE(s.finished());
   EXPECT_THAT(s.final_status().message(), HasSubstr("no answer"));
   EXPECT_THAT(s.final_status().message(), HasSubstr("server 1"));
@@ -610,12 +608,7 @@ TEST_F(RejoinTest, ServerThatDoesNotAnswerAJoinIsNamed) {
   BothServersAnswer(s, 7, 0, 7, 0);
   Send(s, "w-c", Rejoin(1), t0_ + seconds(13));
   Send(s, "s-a", JoinPosition(0, 8), t0_ + seconds(13));
-  std::vector<Outgoing> out;
-  for (int i = 14; i < 45 && !s.finished(); ++i) {
-    HeartbeatsThenTick(
-        s, i, {{"w-a", proto::WORKER, 0}, {"s-a", proto::SERVER, 0}, {"s-b", proto::SERVER, 1}},
-        &out);
-  }
+  auto out = WithoutWorker1(s, 14, 45);
   ASSERT_TRUE(s.finished());
   EXPECT_THAT(s.final_status().message(), HasSubstr("adding worker 1"));
   EXPECT_THAT(s.final_status().message(), HasSubstr("no answer"));
