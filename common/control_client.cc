@@ -92,7 +92,6 @@ Status ControlClient::Poll() {
         if (has_membership_ && h.membership().epoch() <= membership_.epoch()) break;
         if (has_membership_) updates_.push_back(h);
         membership_ = h.membership();
-        memberships_.push_back(membership_);
         has_membership_ = true;
         spdlog::info("membership epoch {}: rank {}, {} nodes, {} key ranges over {} parameters",
                      membership_.epoch(), membership_.your_rank(), membership_.nodes_size(),

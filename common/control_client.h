@@ -79,8 +79,6 @@ class ControlClient {
   bool has_membership() const { return has_membership_; }
   // The newest membership epoch received.
   const proto::Membership& membership() const { return membership_; }
-  // Every membership epoch received, oldest first (a worker's data split follows them).
-  const std::vector<proto::Membership>& memberships() const { return memberships_; }
 
   // What the owner acts on, in arrival order: each MEMBERSHIP after the first (a worker left the
   // job: header.membership.cut, or joined: .join) and the scheduler's WORKER_LOST and WORKER_JOIN
@@ -114,7 +112,6 @@ class ControlClient {
   Clock::time_point last_heard_;  // from the scheduler
   std::string fatal_;
   proto::Membership membership_;
-  std::vector<proto::Membership> memberships_;
   std::vector<proto::Header> updates_;
   std::map<std::string, uint64_t> barrier_generation_;
   std::map<std::string, uint64_t> barrier_released_;  // name -> highest released generation + 1

@@ -36,13 +36,13 @@ Scheduler::Scheduler(const proto::JobConfig& config, Clock::time_point start)
 
 size_t Scheduler::LiveWorkers() const {
   return static_cast<size_t>(std::count_if(nodes_.begin(), nodes_.end(), [](const Node& n) {
-    return n.role == proto::WORKER && !n.dead && !n.joining;
+    return n.role == proto::WORKER && InJob(n);
   }));
 }
 
 size_t Scheduler::CheckpointWorkers(uint64_t iteration) const {
   return static_cast<size_t>(std::count_if(nodes_.begin(), nodes_.end(), [&](const Node& n) {
-    return n.role == proto::WORKER && !n.dead && !n.joining &&
+    return n.role == proto::WORKER && InJob(n) &&
            (n.joined_at < 0 || n.joined_at < static_cast<int64_t>(iteration));
   }));
 }
@@ -50,7 +50,7 @@ size_t Scheduler::CheckpointWorkers(uint64_t iteration) const {
 int Scheduler::LowestLiveWorker() const {
   int lowest = -1;
   for (const auto& n : nodes_) {
-    if (n.role == proto::WORKER && !n.dead && !n.joining && (lowest < 0 || n.rank < lowest)) {
+    if (n.role == proto::WORKER && InJob(n) && (lowest < 0 || n.rank < lowest)) {
       lowest = n.rank;
     }
   }
@@ -66,7 +66,7 @@ std::string Scheduler::Describe(const Node& n) const {
 
 int Scheduler::FindNode(proto::Role role, int rank) const {
   for (size_t i = 0; i < nodes_.size(); ++i) {
-    if (nodes_[i].role == role && nodes_[i].rank == rank && !nodes_[i].dead && !nodes_[i].joining) {
+    if (nodes_[i].role == role && nodes_[i].rank == rank && InJob(nodes_[i])) {
       return static_cast<int>(i);
     }
   }
@@ -350,7 +350,7 @@ void Scheduler::SendMembershipTo(const Node& n, std::vector<Outgoing>* out) {
 void Scheduler::SendMembership(std::vector<Outgoing>* out, proto::Role only) {
   std::vector<const Node*> sorted;
   for (const auto& n : nodes_) {
-    if (!n.dead && (!n.joining || n.joined_at >= 0)) sorted.push_back(&n);
+    if (Listed(n)) sorted.push_back(&n);
   }
   std::sort(sorted.begin(), sorted.end(), [](const Node* a, const Node* b) {
     return std::make_pair(a->role, a->rank) < std::make_pair(b->role, b->rank);
@@ -375,7 +375,7 @@ void Scheduler::SendMembership(std::vector<Outgoing>* out, proto::Role only) {
 std::vector<size_t> Scheduler::BarrierMembers(proto::Role group) const {
   std::vector<size_t> members;
   for (size_t i = 0; i < nodes_.size(); ++i) {
-    if (nodes_[i].dead || nodes_[i].joining) continue;
+    if (!InJob(nodes_[i])) continue;
     if (group == proto::ROLE_UNSPECIFIED || nodes_[i].role == group) members.push_back(i);
   }
   return members;
@@ -623,7 +623,7 @@ void Scheduler::AddSplit(int64_t iteration) {
   split->set_from_iteration(iteration);
   std::vector<int> ranks;
   for (const auto& n : nodes_) {
-    if (n.role == proto::WORKER && !n.dead && (!n.joining || n.joined_at >= 0)) {
+    if (n.role == proto::WORKER && Listed(n)) {
       ranks.push_back(n.rank);
     }
   }

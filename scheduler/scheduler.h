@@ -86,6 +86,11 @@ class Scheduler {
     bool joining = false;    // a replacement (--rejoin) not yet told its membership
     int64_t joined_at = -1;  // a replacement's first iteration
   };
+  // A node the job counts on: alive, and not a replacement still joining.
+  static bool InJob(const Node& n) { return !n.dead && !n.joining; }
+  // A node the membership lists: those in the job, and a replacement whose join was published.
+  static bool Listed(const Node& n) { return !n.dead && (!n.joining || n.joined_at >= 0); }
+
   // A replacement worker joining (--rejoin), in three steps: it waits until its rank was removed;
   // every server is asked where it is (WORKER_JOIN, which holds it at its next iteration) and the
   // join iteration is picked from the answers; the membership with the join goes to every node

@@ -99,12 +99,7 @@ class PsAggregator final : public Aggregator {
 
   Status ResumeFresh(uint64_t iteration) override {
     SPARSEPS_RETURN_IF_ERROR(control_->Barrier(InitBarrier(*control_), proto::WORKER));
-    SPARSEPS_RETURN_IF_ERROR(ps_->PullInitial(params_.data()));
-    iteration_ = iteration;
-    push_round_ = static_cast<int64_t>(iteration);
-    if (local_copy_) local_ = params_;
-    changed_.AddAll();
-    return Status::OK();
+    return Rejoin(iteration);  // the servers restored that iteration
   }
 
   Status Rejoin(uint64_t iteration) override {

@@ -50,6 +50,12 @@ Message PsClient::Request(const Peer& peer, proto::Command command, int64_t iter
 
 namespace {
 
+// The time `seconds` from now.
+Clock::time_point Later(double seconds) {
+  return Clock::now() +
+         std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+}
+
 // A copy of `msg` whose frames share their buffers with msg's (ZeroMQ's reference-counted copy):
 // what is sent, so that msg stays whole for a resend.
 Message WireCopy(Message& msg) {
@@ -71,10 +77,7 @@ Status PsClient::Send(Peer& peer, Message& msg, proto::Command expected) {
   h.set_sender_rank(worker_rank_);
   h.set_epoch(control_->membership().epoch());
   h.set_request_id(next_request_id_++);
-  Pending p{expected,
-            {},
-            Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                               std::chrono::duration<double>(retry_interval_s_))};
+  Pending p{expected, {}, Later(retry_interval_s_)};
   if (retry_interval_s_ > 0) {
     Message wire = WireCopy(msg);
     Status s = SendMessage(peer.socket, wire, nullptr, &bytes_sent_);
@@ -97,8 +100,7 @@ Status PsClient::Resend(Peer& peer, Pending& p) {
   spdlog::warn("no reply from {} to {} (iteration {}) yet: sending it again (request {})",
                peer.name, CommandName(p.request.header.command()), p.request.header.iteration(),
                p.request.header.request_id());
-  p.resend_at = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                   std::chrono::duration<double>(retry_interval_s_));
+  p.resend_at = Later(retry_interval_s_);
   Status s = SendMessage(peer.socket, wire, nullptr, &bytes_sent_);
   if (!s.ok()) return Status::IoError("sending to " + peer.name + " again: " + s.message());
   return Status::OK();
@@ -284,9 +286,7 @@ Status PsClient::AwaitAll(int64_t iteration, float* params) {
         if (h.command() == proto::ERROR) {
           if (h.retryable() && it != p.pending.end() && retry_interval_s_ > 0) {
             // Not ready yet (e.g. still waiting for the membership): again after a short wait.
-            it->resend_at =
-                Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                   std::chrono::duration<double>(std::min(retry_interval_s_, 0.5)));
+            it->resend_at = Later(std::min(retry_interval_s_, 0.5));
             continue;
           }
           return Status::ProtocolError(p.name + " rejected our request (iteration " +

@@ -194,7 +194,7 @@ Status Train(const proto::JobConfig& config, Model& model, const TrainingData& d
   for (; epoch < epochs && step < total; ++epoch) {
     if (const Split now = SplitAt(session.control(), rank, workers, step);
         step == epoch_begin && !(now == split)) {
-      // Workers were lost: the live ones share the data from this epoch on.
+      // Workers were lost or joined: the live ones share the data from this epoch on.
       split = now;
       batches.Reshard(split.index, split.count);
       spe = StepsPerEpoch(data.train.num_samples, split.count, tc.batch_size());

@@ -71,6 +71,18 @@ class SchedulerTest : public ::testing::Test {
     }
     s.Tick(t0_ + seconds(second), out);
   }
+  // Heartbeats from all four nodes of RegisterAll at t0 + `from` .. `to` s, each round followed by
+  // a Tick.
+  void AllAlive(Scheduler& s, int from, int to, std::vector<Outgoing>* out) {
+    for (int i = from; i <= to; ++i) {
+      HeartbeatsThenTick(s, i,
+                         {{"w-a", proto::WORKER, 0},
+                          {"w-b", proto::WORKER, 1},
+                          {"s-a", proto::SERVER, 0},
+                          {"s-b", proto::SERVER, 1}},
+                         out);
+    }
+  }
   // Registers 2 servers and 2 workers (worker num_params 101) and returns the MEMBERSHIP sent.
   std::vector<Outgoing> RegisterAll(Scheduler& s) {
     Send(s, "s-a", Register(proto::SERVER, -1, 0, 5001), t0_);
@@ -167,14 +179,7 @@ TEST_F(SchedulerTest, BarrierTimeoutNamesWhoIsMissing) {
   Send(s, "w-b", BarrierMsg(proto::WORKER, 1, "init", 0, proto::WORKER), t0_);
   std::vector<Outgoing> out;
   // Keep everyone alive through heartbeats so only the barrier can time out.
-  for (int i = 1; i <= 21; ++i) {
-    HeartbeatsThenTick(s, i,
-                       {{"w-a", proto::WORKER, 0},
-                        {"w-b", proto::WORKER, 1},
-                        {"s-a", proto::SERVER, 0},
-                        {"s-b", proto::SERVER, 1}},
-                       &out);
-  }
+  AllAlive(s, 1, 21, &out);
   ASSERT_TRUE(s.finished());
   EXPECT_THAT(s.final_status().message(), HasSubstr("barrier 'init'"));
   EXPECT_THAT(s.final_status().message(), HasSubstr("missing worker 0"));
@@ -579,14 +584,7 @@ TEST_F(RejoinTest, ReplacementsThatCannotJoinAreToldWhy) {
   EXPECT_TRUE(Send(s, "w-c", Rejoin(1), t0_).empty());
   EXPECT_THAT(ErrorTo(Send(s, "x6", Rejoin(1), t0_), "x6"), HasSubstr("already being replaced"));
   std::vector<Outgoing> out;
-  for (int i = 1; i <= 22; ++i) {
-    HeartbeatsThenTick(s, i,
-                       {{"w-a", proto::WORKER, 0},
-                        {"w-b", proto::WORKER, 1},
-                        {"s-a", proto::SERVER, 0},
-                        {"s-b", proto::SERVER, 1}},
-                       &out);
-  }
+  AllAlive(s, 1, 22, &out);
   EXPECT_THAT(ErrorTo(out, "w-c"), HasSubstr("worker 1 is still in the job"));
   EXPECT_FALSE(s.finished());
   EXPECT_EQ(s.membership().epoch(), 1u);
