@@ -2,13 +2,16 @@
 
 #include <google/protobuf/descriptor.h>
 #include <google/protobuf/reflection.h>
+#include <xxhash.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
 #include <cctype>
 #include <charconv>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <limits>
 #include <map>
@@ -393,6 +396,15 @@ Status ValidateConfig(const proto::JobConfig& config, const ConfigSources& sourc
         ": key 'node.rejoin' (--rejoin): replacements join ps jobs only; an allreduce job restarts "
         "whole (deploy/launch.sh --max-restarts)");
   }
+  if (config.security().curve() && config.aggregation() == proto::ALLREDUCE &&
+      config.collective().algorithm() == proto::GLOO) {
+    return Status::InvalidArgument(
+        SourceOf(sources, "collective.algorithm") +
+        ": key 'collective.algorithm' is gloo but 'security.curve' is on: Gloo's TCP transport is "
+        "neither authenticated nor encrypted, and Debian's Gloo is built without its TLS transport "
+        "(GLOO_HAVE_TRANSPORT_TCP_TLS 0); use ring (dense, over our CURVE sockets) or turn CURVE "
+        "off");
+  }
   const auto& m = config.model();
   if (m.type() == proto::CNN && m.channels_size() == 0) {
     return Status::InvalidArgument(SourceOf(sources, "model.type") +
@@ -465,6 +477,10 @@ Result<proto::JobConfig> LoadConfig(const std::string& path,
     config.mutable_node()->set_host(s);
     sources["node.host"] = "env SPARSEPS_HOST";
   }
+  if (const char* s = env("SPARSEPS_BIND_HOST"); s != nullptr && *s) {
+    config.mutable_node()->set_bind_host(s);
+    sources["node.bind_host"] = "env SPARSEPS_BIND_HOST";
+  }
   if (config.node().rank() < 0) {
     for (const char* name : {"SPARSEPS_RANK", "RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"}) {
       const char* s = env(name);
@@ -489,6 +505,61 @@ Result<proto::JobConfig> LoadConfig(const std::string& path,
 std::vector<std::string> DescribeConfig(const proto::JobConfig& config) {
   std::vector<std::string> out;
   Describe(config, "", &out);
+  return out;
+}
+
+std::string CanonicalJobConfig(const proto::JobConfig& config) {
+  static const char* const kJobSections[] = {
+      "model.", "data.", "train.", "compression.", "collective.", "checkpoint.", "aggregation "};
+  static const char* const kJobKeys[] = {"cluster.num_servers ", "cluster.num_workers ",
+                                         "cluster.on_worker_failure ", "cluster.min_workers ",
+                                         "security.curve "};
+  static const char* const kPerHost[] = {"data.dir ", "train.device ", "checkpoint.dir ",
+                                         "checkpoint.resume "};
+  auto starts = [](const std::string& line, const char* prefix) {
+    return line.compare(0, std::strlen(prefix), prefix) == 0;
+  };
+  std::string text;
+  for (const std::string& line : DescribeConfig(config)) {
+    bool keep = false;
+    for (const char* p : kJobSections) keep = keep || starts(line, p);
+    for (const char* p : kJobKeys) keep = keep || starts(line, p);
+    for (const char* p : kPerHost) keep = keep && !starts(line, p);
+    if (keep) text += line + "\n";
+  }
+  return text;
+}
+
+std::string ConfigHash(const std::string& text) {
+  char hex[17];
+  std::snprintf(hex, sizeof(hex), "%016llx",
+                static_cast<unsigned long long>(XXH3_64bits(text.data(), text.size())));
+  return hex;
+}
+
+std::vector<std::string> ConfigDifferences(const std::string& ours, const std::string& theirs) {
+  auto parse = [](const std::string& text) {
+    std::map<std::string, std::string> kv;
+    std::istringstream in(text);
+    std::string line;
+    while (std::getline(in, line)) {
+      const auto eq = line.find(" = ");
+      if (eq == std::string::npos) continue;
+      kv[line.substr(0, eq)] = line.substr(eq + 3);
+    }
+    return kv;
+  };
+  const auto a = parse(ours);
+  const auto b = parse(theirs);
+  std::vector<std::string> out;
+  for (const auto& [key, value] : a) {
+    auto it = b.find(key);
+    const std::string other = it == b.end() ? "(absent)" : it->second;
+    if (other != value) out.push_back(key + ": " + value + " vs " + other);
+  }
+  for (const auto& [key, value] : b) {
+    if (!a.count(key)) out.push_back(key + ": (absent) vs " + value);
+  }
   return out;
 }
 

@@ -51,4 +51,19 @@ Status ValidateConfig(const proto::JobConfig& config, const ConfigSources& sourc
 // Every key with its resolved value ("train.lr = 0.1"), defaults included, in schema order.
 std::vector<std::string> DescribeConfig(const proto::JobConfig& config);
 
+// The job-defining part of a config, one "key = value" line per key in schema order: model, data,
+// train, compression, collective, checkpoint and aggregation, the cluster's sizes and failure
+// policy, and security.curve. Left out as per host or per process: node.*, run.*, the other
+// security keys, the cluster's addresses and timeouts, data.dir (the same data may live under
+// another path), train.device (a job may mix CPU and GPU workers), checkpoint.dir and
+// checkpoint.resume. Two nodes whose texts are equal train the same job.
+std::string CanonicalJobConfig(const proto::JobConfig& config);
+
+// XXH3-64 of `text` as 16 hex digits.
+std::string ConfigHash(const std::string& text);
+
+// The keys whose lines differ between two CanonicalJobConfig texts, each as
+// "key: ours vs theirs" (a key missing on one side reads "(absent)"). Empty when they agree.
+std::vector<std::string> ConfigDifferences(const std::string& ours, const std::string& theirs);
+
 }  // namespace sparseps

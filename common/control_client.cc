@@ -3,6 +3,9 @@
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
+#include "common/config.h"
+#include "common/security.h"
+
 namespace sparseps {
 
 std::string MakeRoutingId(proto::Role role, const std::string& tag) {
@@ -11,16 +14,25 @@ std::string MakeRoutingId(proto::Role role, const std::string& tag) {
          std::to_string(counter.fetch_add(1));
 }
 
+namespace {
+std::string SchedulerKey(const zmq::context_t& context) {
+  const CurveContext* curve = CurveContext::For(context);
+  return curve == nullptr ? std::string() : curve->scheduler_public_key();
+}
+}  // namespace
+
 ControlClient::ControlClient(zmq::context_t& context, const proto::JobConfig& config,
                              proto::Role role)
     : context_(context),
       config_(config),
       role_(role),
+      heartbeat_routing_id_(MakeRoutingId(role, "hb")),
+      data_routing_id_(MakeRoutingId(role, "data")),
       socket_(ConnectDealer(context, config.cluster().scheduler_host(),
                             config.cluster().scheduler_port() == 0
                                 ? 1  // placeholder; Register() refuses port 0 with a clear error
                                 : config.cluster().scheduler_port(),
-                            MakeRoutingId(role, "ctl"))) {}
+                            MakeRoutingId(role, "ctl"), SchedulerKey(context))) {}
 
 ControlClient::~ControlClient() { StopHeartbeats(); }
 
@@ -54,6 +66,10 @@ Status ControlClient::Register(const std::string& host, uint32_t port, uint64_t 
   gethostname(hostname, sizeof(hostname) - 1);
   reg->set_hostname(hostname);
   reg->set_pid(getpid());
+  reg->set_heartbeat_routing_id(heartbeat_routing_id_);
+  reg->set_data_routing_id(data_routing_id_);
+  reg->set_config_text(CanonicalJobConfig(config_));
+  reg->set_config_hash(ConfigHash(reg->config_text()));
   register_ = *reg;
   SPARSEPS_RETURN_IF_ERROR(Send(msg));
   registered_ = true;
@@ -210,7 +226,8 @@ void ControlClient::StopHeartbeats() {
 
 void ControlClient::HeartbeatLoop(int rank, uint64_t epoch) {
   zmq::socket_t hb = ConnectDealer(context_, config_.cluster().scheduler_host(),
-                                   config_.cluster().scheduler_port(), MakeRoutingId(role_, "hb"));
+                                   config_.cluster().scheduler_port(), heartbeat_routing_id_,
+                                   SchedulerKey(context_));
   hb.set(zmq::sockopt::linger, 0);
   const auto interval = std::chrono::duration<double>(config_.cluster().heartbeat_interval_s());
   std::unique_lock<std::mutex> lock(heartbeat_mu_);

@@ -95,6 +95,9 @@ class ControlClient {
   bool shutdown_requested() const { return shutdown_; }
   zmq::socket_t& socket() { return socket_; }
   std::string scheduler_endpoint() const;
+  // The routing id this node's push/pull socket must use (a worker's PsClient): registered with
+  // the scheduler and told to the servers, which accept the worker's data messages from it only.
+  const std::string& data_routing_id() const { return data_routing_id_; }
 
  private:
   Status Send(Message& msg);
@@ -103,6 +106,8 @@ class ControlClient {
   zmq::context_t& context_;
   const proto::JobConfig config_;
   const proto::Role role_;
+  const std::string heartbeat_routing_id_;
+  const std::string data_routing_id_;
   zmq::socket_t socket_;
   bool registered_ = false;
   proto::Register register_;  // what Register sent

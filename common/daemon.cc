@@ -1,5 +1,6 @@
 #include "common/daemon.h"
 
+#include <google/protobuf/stubs/logging.h>
 #include <malloc.h>
 #include <spdlog/sinks/stdout_sinks.h>
 #include <spdlog/spdlog.h>
@@ -158,6 +159,17 @@ int DaemonMain(int argc, char** argv, const std::string& name, const std::string
     }
   }
   InstallStopHandlers();
+  // protobuf logs each header it cannot parse (e.g. a string field with invalid UTF-8) to stderr
+  // itself; the receiver already rejects and counts such a message with a rate-limited line, so
+  // that a flood of them cannot flood the log as well. protobuf's fatal errors still show.
+  google::protobuf::SetLogHandler(
+      [](google::protobuf::LogLevel level, const char* file, int line, const std::string& msg) {
+        if (level >= google::protobuf::LOGLEVEL_FATAL) {
+          spdlog::critical("protobuf {}:{}: {}", file, line, msg);
+        } else {
+          spdlog::debug("protobuf {}:{}: {}", file, line, msg);
+        }
+      });
   // Before the body starts any thread (ZeroMQ's, OpenBLAS's); after --get, whose output scripts
   // read, so that a warning never lands in it.
   KeepFreedMessageBuffers();

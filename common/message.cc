@@ -77,8 +77,12 @@ Status SendMessage(zmq::socket_t& socket, Message& msg, const std::string* routi
   uint64_t total = header.size();
   try {
     if (routing_id != nullptr) {
-      if (!socket.send(zmq::buffer(*routing_id), zmq::send_flags::sndmore)) {
-        return Status::IoError("send would block (routing id)");
+      // A ROUTER with ROUTER_MANDATORY would block on a peer with kSocketHwm messages queued (one
+      // that does not read its replies): the reply is refused instead, so that no peer can stall
+      // a daemon. The check is made at the first frame; the rest of the message then goes through.
+      if (!socket.send(zmq::buffer(*routing_id),
+                       zmq::send_flags::sndmore | zmq::send_flags::dontwait)) {
+        return Status::IoError("the peer's queue is full (it does not read what it is sent)");
       }
     }
     const bool more = !msg.frames.empty();
@@ -109,10 +113,23 @@ Status SendMessage(zmq::socket_t& socket, Message& msg, const std::string* routi
 
 Result<Message> RecvMessage(zmq::socket_t& socket, bool router, std::string* routing_id,
                             uint64_t* bytes) {
+  // Parts are received one at a time so that a message with more parts than any legitimate one is
+  // drained without keeping the surplus (each part is bounded by the socket's ZMQ_MAXMSGSIZE).
+  const size_t max_parts = kMaxPayloadFrames + 2;  // routing id, header, payload frames
   std::vector<zmq::message_t> parts;
+  size_t received = 0;
   try {
-    auto got = zmq::recv_multipart(socket, std::back_inserter(parts), zmq::recv_flags::dontwait);
-    if (!got) return Status::IoError("no message ready");
+    for (;;) {
+      zmq::message_t part;
+      if (!socket.recv(part, received == 0 ? zmq::recv_flags::dontwait : zmq::recv_flags::none)) {
+        return Status::IoError("no message ready");
+      }
+      ++received;
+      if (bytes != nullptr && (!router || received > 1)) *bytes += part.size();
+      const bool more = part.more();
+      if (parts.size() < max_parts) parts.push_back(std::move(part));
+      if (!more) break;
+    }
   } catch (const zmq::error_t& e) {
     return Status::IoError(std::string("receive failed: ") + e.what());
   }
@@ -122,12 +139,9 @@ Result<Message> RecvMessage(zmq::socket_t& socket, bool router, std::string* rou
     if (routing_id != nullptr) *routing_id = parts[0].to_string();
     first = 1;
   }
-  if (bytes != nullptr) {
-    for (size_t i = first; i < parts.size(); ++i) *bytes += parts[i].size();
-  }
-  if (parts.size() <= first) return Status::ProtocolError("message has no header frame");
-  if (parts.size() - first - 1 > kMaxPayloadFrames) {
-    return Status::ProtocolError("message has " + std::to_string(parts.size() - first - 1) +
+  if (received <= first) return Status::ProtocolError("message has no header frame");
+  if (received - first - 1 > kMaxPayloadFrames) {
+    return Status::ProtocolError("message has " + std::to_string(received - first - 1) +
                                  " payload frames; at most " + std::to_string(kMaxPayloadFrames) +
                                  " are allowed");
   }
@@ -140,6 +154,10 @@ Result<Message> RecvMessage(zmq::socket_t& socket, bool router, std::string* rou
   if (!msg.header.ParseFromArray(head.data(), static_cast<int>(head.size()))) {
     return Status::ProtocolError("header frame (" + std::to_string(head.size()) +
                                  " bytes) is not a valid Header");
+  }
+  // With CURVE the ZAP handler's User-Id is the sender's public key (common/security.h).
+  if (const char* user = zmq_msg_gets(parts[first].handle(), "User-Id"); user != nullptr) {
+    msg.peer_key = user;
   }
   for (size_t i = first + 1; i < parts.size(); ++i) msg.frames.push_back(std::move(parts[i]));
   SPARSEPS_RETURN_IF_ERROR(ValidateFrames(msg));

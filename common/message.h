@@ -35,6 +35,9 @@ struct Message {
 
   proto::Header header;
   std::vector<zmq::message_t> frames;  // payload frames, described in order by header.frames()
+  // Received with security.curve on: the sender's CURVE public key (Z85) that the ZAP handler
+  // authorized (ZeroMQ's User-Id property). Empty otherwise.
+  std::string peer_key;
 
   // Typed read-only view of payload frame i. Errors (ProtocolError) when i is out of range, the
   // declared element type is not `type`, or the size is not a multiple of sizeof(T). A frame whose
@@ -77,7 +80,8 @@ void AddFrameCopy(Message* msg, proto::ElemType type, const T* data, size_t n) {
 // Sends msg on `socket` (header frame first). For a ROUTER socket pass the peer's routing id.
 // Payload frames are moved out of msg. On success adds the bytes sent to *bytes (if not null).
 // Errors: NotFound when a ROUTER_MANDATORY socket has no connection for the routing id (the peer
-// is gone), IoError when ZeroMQ refuses otherwise.
+// is gone), IoError when the peer's queue is full (a ROUTER never blocks on one peer) or ZeroMQ
+// refuses otherwise.
 Status SendMessage(zmq::socket_t& socket, Message& msg, const std::string* routing_id = nullptr,
                    uint64_t* bytes = nullptr);
 

@@ -1,8 +1,13 @@
 #include "common/van.h"
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <csignal>
 #include <mutex>
+#include <stdexcept>
+
+#include "common/security.h"
 
 namespace sparseps {
 namespace {
@@ -14,14 +19,17 @@ std::string Endpoint(const std::string& host, uint32_t port) {
   return "tcp://" + host + ":" + std::to_string(port);
 }
 
-Result<BoundRouter> BindRouter(zmq::context_t& context, const std::string& host, uint32_t port) {
+Result<BoundRouter> BindRouter(zmq::context_t& context, const std::string& host, uint32_t port,
+                               int64_t max_frame_bytes) {
   BoundRouter out{zmq::socket_t(context, zmq::socket_type::router), 0};
   const std::string ep = port == 0 ? "tcp://" + host + ":*" : Endpoint(host, port);
   try {
     out.socket.set(zmq::sockopt::router_mandatory, 1);
-    out.socket.set(zmq::sockopt::sndhwm, 0);
-    out.socket.set(zmq::sockopt::rcvhwm, 0);
+    out.socket.set(zmq::sockopt::sndhwm, kSocketHwm);
+    out.socket.set(zmq::sockopt::rcvhwm, kSocketHwm);
+    out.socket.set(zmq::sockopt::maxmsgsize, max_frame_bytes);
     out.socket.set(zmq::sockopt::linger, 2000);
+    if (const CurveContext* curve = CurveContext::For(context)) curve->MakeServer(out.socket);
     out.socket.bind(ep);
     const std::string bound = out.socket.get(zmq::sockopt::last_endpoint);
     out.port = static_cast<uint32_t>(std::stoul(bound.substr(bound.rfind(':') + 1)));
@@ -32,14 +40,48 @@ Result<BoundRouter> BindRouter(zmq::context_t& context, const std::string& host,
 }
 
 zmq::socket_t ConnectDealer(zmq::context_t& context, const std::string& host, uint32_t port,
-                            const std::string& routing_id) {
+                            const std::string& routing_id, const std::string& server_key,
+                            int64_t max_frame_bytes) {
   zmq::socket_t s(context, zmq::socket_type::dealer);
   s.set(zmq::sockopt::routing_id, routing_id);
-  s.set(zmq::sockopt::sndhwm, 0);
-  s.set(zmq::sockopt::rcvhwm, 0);
+  s.set(zmq::sockopt::sndhwm, kSocketHwm);
+  s.set(zmq::sockopt::rcvhwm, kSocketHwm);
+  s.set(zmq::sockopt::maxmsgsize, max_frame_bytes);
   s.set(zmq::sockopt::linger, 2000);
+  if (const CurveContext* curve = CurveContext::For(context)) {
+    if (server_key.empty()) {
+      throw std::invalid_argument("CURVE is on but no server key was given for " +
+                                  Endpoint(host, port));
+    }
+    curve->MakeClient(s, server_key);
+  }
   s.connect(Endpoint(host, port));
   return s;
+}
+
+void SetMaxFrameBytes(zmq::socket_t& socket, int64_t max_frame_bytes) {
+  socket.set(zmq::sockopt::maxmsgsize, max_frame_bytes);
+}
+
+int64_t JobMaxFrameBytes(const proto::JobConfig& config, uint64_t num_params) {
+  constexpr uint64_t kCap = uint64_t{1} << 62;
+  auto mul = [&](uint64_t a, uint64_t b) { return b != 0 && a > kCap / b ? kCap : a * b; };
+  uint64_t largest = mul(num_params, 8);  // top-k with every index: U32 index + F32 value
+  if (config.compression().encoding() == proto::SKETCH) {
+    // Tables of every fusion group: rows x columns F32, columns = ceil(columns_per_k * k) of the
+    // group, at least 16 (encodings/sketch.cc SketchColumns).
+    const auto& sk = config.compression().sketch();
+    const double n = static_cast<double>(num_params);
+    const double groups = sk.fusion_group_size() == 0
+                              ? 1.0
+                              : std::ceil(n / static_cast<double>(sk.fusion_group_size()));
+    const double cols = sk.columns_per_k() * config.compression().density() * n + 17.0 * groups;
+    const double bytes = 4.0 * sk.rows() * cols;
+    largest = std::max<uint64_t>(
+        largest, bytes >= static_cast<double>(kCap) ? kCap : static_cast<uint64_t>(bytes));
+  }
+  largest = std::min(kCap, largest + static_cast<uint64_t>(kControlMaxFrameBytes));
+  return static_cast<int64_t>(largest);
 }
 
 std::vector<bool> PollIn(const std::vector<zmq::socket_t*>& sockets, int64_t timeout_ms) {

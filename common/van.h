@@ -13,6 +13,7 @@
 
 #include "common/message.h"
 #include "common/status.h"
+#include "proto/config.pb.h"
 
 namespace sparseps {
 
@@ -27,18 +28,41 @@ struct Outgoing {
 // "tcp://host:port".
 std::string Endpoint(const std::string& host, uint32_t port);
 
-// A ROUTER socket bound to tcp://host:port; port 0 binds a free port. The socket refuses to send
-// to unknown peers (ROUTER_MANDATORY) instead of dropping silently, and queues without limit
-// (BSP bounds what is in flight). Errors: IoError naming the endpoint.
+// Messages queued per peer and direction before ZeroMQ pushes back (ZMQ_SNDHWM / ZMQ_RCVHWM; a
+// ROUTER's are per peer). BSP keeps a few messages per peer in flight, so this bounds what a
+// flooding peer can queue in our memory to kSocketHwm times the largest frame.
+inline constexpr int kSocketHwm = 1024;
+// The largest frame any socket accepts before the job's sizes are known (ZMQ_MAXMSGSIZE): a peer
+// declaring a bigger frame is disconnected by libzmq before anything is allocated. Control
+// messages (header frames) are at most kMaxHeaderBytes.
+inline constexpr int64_t kControlMaxFrameBytes = int64_t{2} << 20;
+
+// A ROUTER socket bound to tcp://host:port (host "0.0.0.0" binds every interface); port 0 binds a
+// free port. The socket refuses to send to unknown peers (ROUTER_MANDATORY) instead of dropping
+// silently; a send to a peer with kSocketHwm messages queued fails (IoError in SendMessage). Frames
+// over max_frame_bytes disconnect the peer. With a CurveContext on `context` (common/security.h)
+// the socket is a CURVE server. Errors: IoError naming the endpoint.
 struct BoundRouter {
   zmq::socket_t socket;
   uint32_t port = 0;
 };
-Result<BoundRouter> BindRouter(zmq::context_t& context, const std::string& host, uint32_t port);
+Result<BoundRouter> BindRouter(zmq::context_t& context, const std::string& host, uint32_t port,
+                               int64_t max_frame_bytes = kControlMaxFrameBytes);
 
 // A DEALER socket connected to tcp://host:port with the given routing id (unique per process).
+// With a CurveContext on `context` it is a CURVE client of the server whose public key is
+// `server_key` (Z85; std::invalid_argument when empty then: the caller's bug).
 zmq::socket_t ConnectDealer(zmq::context_t& context, const std::string& host, uint32_t port,
-                            const std::string& routing_id);
+                            const std::string& routing_id, const std::string& server_key = "",
+                            int64_t max_frame_bytes = kControlMaxFrameBytes);
+
+// Raises or lowers the largest frame `socket` accepts from connections made from now on.
+void SetMaxFrameBytes(zmq::socket_t& socket, int64_t max_frame_bytes);
+
+// The largest frame of a job whose flat parameter vector has num_params elements: a dense range
+// (4 bytes an element), a top-k payload with every index (8 bytes an element), or the count-sketch
+// tables, plus kControlMaxFrameBytes. Saturates instead of overflowing.
+int64_t JobMaxFrameBytes(const proto::JobConfig& config, uint64_t num_params);
 
 // Polls `sockets` for input for at most timeout_ms. Returns a readable flag per socket. A signal
 // interrupting the poll returns all false (callers then check StopRequested()).

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what the tests need, builds with tests and runs them with ctest, then runs the suite
 # again under AddressSanitizer + UndefinedBehaviorSanitizer in a second build directory, then
-# builds the decoders' libFuzzer targets with clang in a third and runs each for a bounded time.
+# builds the libFuzzer targets (decoders, state machines) with clang in a third and runs each for a
+# bounded time.
 # The first build compiles the CUDA code when nvcc is there (/usr/local/cuda); the sanitizer and
 # fuzz builds are configured with -DSPARSEPS_CUDA=OFF, so CI also builds and tests the project as
 # a machine without nvcc gets it.
@@ -39,15 +40,16 @@ if [[ "${SPARSEPS_TEST_SANITIZE:-1}" != 0 ]]; then
   (cd "$here/build-asan" && ctest --output-on-failure --timeout 600 -j "$jobs" "$@")
 fi
 if [[ "${SPARSEPS_TEST_FUZZ:-1}" != 0 ]]; then
-  # One libFuzzer target per decoder, built with clang (+ ASan/UBSan), each run for a bounded time.
+  # One libFuzzer target per decoder and per state machine (shard server, scheduler, peer group), built with
+  # clang (+ ASan/UBSan), each run for a bounded time.
   fuzz_s="${SPARSEPS_FUZZ_SECONDS:-20}"
   echo "== build (build-fuzz/, clang, libFuzzer) =="
   CC=clang CXX=clang++ cmake -S "$here" -B "$here/build-fuzz" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     -DSPARSEPS_BUILD_FUZZ=ON -DSPARSEPS_BUILD_TESTS=OFF -DSPARSEPS_BUILD_BENCH=OFF \
     -DSPARSEPS_SANITIZE=address,undefined -DSPARSEPS_CUDA=OFF >/dev/null
-  targets=(dense topk sbc sketch golomb varint)
+  targets=(dense topk sbc sketch golomb varint shard_server scheduler peer_group)
   cmake --build "$here/build-fuzz" -j "$jobs" --target "${targets[@]/#/fuzz_}"
-  echo "== fuzz (${fuzz_s} s per decoder) =="
+  echo "== fuzz (${fuzz_s} s per target) =="
   for t in "${targets[@]}"; do
     corpus="$here/build-fuzz/corpus/$t"
     mkdir -p "$corpus"

@@ -8,8 +8,10 @@
 #include <tuple>
 
 #include "common/checkpoint.h"
+#include "common/config.h"
 #include "common/key_range.h"
 #include "common/metrics.h"
+#include "common/security.h"
 
 namespace sparseps {
 namespace {
@@ -31,6 +33,8 @@ Scheduler::Scheduler(const proto::JobConfig& config, Clock::time_point start)
                                                                  : config.cluster().num_servers()),
       expected_workers_(config.cluster().num_workers()),
       worker_stats_(config.cluster().num_workers()),
+      config_text_(CanonicalJobConfig(config)),
+      config_hash_(ConfigHash(config_text_)),
       continue_on_worker_failure_(config.aggregation() != proto::ALLREDUCE &&
                                   config.cluster().on_worker_failure() == proto::CONTINUE) {}
 
@@ -75,9 +79,19 @@ int Scheduler::FindNode(proto::Role role, int rank) const {
 
 int Scheduler::FindNodeByRoutingId(const std::string& routing_id) const {
   for (size_t i = 0; i < nodes_.size(); ++i) {
-    if (nodes_[i].routing_id == routing_id) return static_cast<int>(i);
+    if (nodes_[i].routing_id == routing_id ||
+        (!nodes_[i].heartbeat_routing_id.empty() && nodes_[i].heartbeat_routing_id == routing_id)) {
+      return static_cast<int>(i);
+    }
   }
   return -1;
+}
+
+void Scheduler::Reject(const std::string& from, const std::string& why,
+                       std::vector<Outgoing>* out) {
+  ++rejected_;
+  reject_log_.Warn(from, why, "rejected a message ");
+  ReplyError(from, why, out);
 }
 
 void Scheduler::ReplyError(const std::string& to, const std::string& error,
@@ -113,48 +127,56 @@ void Scheduler::Abort(const std::string& reason, std::vector<Outgoing>* out) {
 void Scheduler::Handle(const std::string& from, const Result<Message>& msg, Clock::time_point now,
                        std::vector<Outgoing>* out) {
   if (!msg.ok()) {
-    ++rejected_;
-    spdlog::warn("rejected a malformed message from {}: {}", from, msg.status().message());
-    ReplyError(from, msg.status().message(), out);
+    Reject(from, msg.status().message(), out);
     return;
   }
   if (finished_) return;
   const proto::Header& h = msg->header;
+  // Identity: a registered node's messages come from its own sockets (control or heartbeat) and,
+  // with CURVE, under the key it registered with; once the membership is out, no one else speaks.
+  const int own = FindNodeByRoutingId(from);
+  if (own >= 0 && nodes_[static_cast<size_t>(own)].public_key != msg->peer_key) {
+    ++impostors_;
+    Reject(from,
+           "this routing id belongs to " + Describe(nodes_[static_cast<size_t>(own)]) +
+               ", which registered with another key",
+           out);
+    return;
+  }
   if (membership_sent_) {
-    // A removed worker that speaks again (it was slow, not dead) is out of the job for good: known
-    // by its control socket, or by its rank while no live node (a replacement) has it.
-    const int own = FindNodeByRoutingId(from);
-    Node* zombie = own >= 0 && nodes_[static_cast<size_t>(own)].dead
-                       ? &nodes_[static_cast<size_t>(own)]
-                       : nullptr;
-    if (zombie == nullptr) {
-      if (const int idx = FindNode(h.sender_role(), h.sender_rank()); idx >= 0) {
-        nodes_[static_cast<size_t>(idx)].last_seen = now;
-        nodes_[static_cast<size_t>(idx)].unreachable_since.reset();
-      } else if (own < 0) {
-        for (auto& n : nodes_) {
-          if (n.dead && n.role == h.sender_role() && n.rank == h.sender_rank()) zombie = &n;
-        }
-      }
-    }
-    if (zombie != nullptr) {
-      if (!zombie->told_dead) {
-        zombie->told_dead = true;
-        Outgoing o{zombie->routing_id, {}};
-        o.msg.header.set_command(proto::FATAL);
-        o.msg.header.set_sender_role(proto::SCHEDULER);
-        o.msg.header.set_epoch(membership_.epoch());
-        o.msg.header.set_error(Describe(*zombie) +
-                               " was declared dead and removed from the job; the others went on "
-                               "without it");
-        out->push_back(std::move(o));
-      }
+    if (own < 0 && !(h.command() == proto::REGISTER && h.register_().rejoin())) {
+      ++impostors_;
+      Reject(from,
+             CommandName(h.command()) + " from a peer that is not in the job (claims " +
+                 RoleName(h.sender_role()) + " " + std::to_string(h.sender_rank()) +
+                 "); only a replacement registers now (--rejoin)",
+             out);
       return;
+    }
+    if (own >= 0) {
+      Node& n = nodes_[static_cast<size_t>(own)];
+      if (n.dead) {
+        // A removed worker that speaks again (it was slow, not dead) is out of the job for good.
+        if (!n.told_dead) {
+          n.told_dead = true;
+          Outgoing o{n.routing_id, {}};
+          o.msg.header.set_command(proto::FATAL);
+          o.msg.header.set_sender_role(proto::SCHEDULER);
+          o.msg.header.set_epoch(membership_.epoch());
+          o.msg.header.set_error(Describe(n) +
+                                 " was declared dead and removed from the job; the others went on "
+                                 "without it");
+          out->push_back(std::move(o));
+        }
+        return;
+      }
+      n.last_seen = now;
+      n.unreachable_since.reset();
     }
   }
   switch (h.command()) {
     case proto::REGISTER:
-      HandleRegister(from, h, now, out);
+      HandleRegister(from, *msg, now, out);
       break;
     case proto::HEARTBEAT:
       break;  // last_seen updated above
@@ -180,8 +202,7 @@ void Scheduler::Handle(const std::string& from, const Result<Message>& msg, Cloc
       HandleRolledBack(from, h, now, out);
       break;
     default:
-      ++rejected_;
-      ReplyError(from, "the scheduler does not handle " + CommandName(h.command()), out);
+      Reject(from, "the scheduler does not handle " + CommandName(h.command()), out);
   }
 }
 
@@ -194,9 +215,10 @@ bool Scheduler::Unreachable(const std::string& to, Clock::time_point now) {
   return true;
 }
 
-Scheduler::Node Scheduler::NodeFrom(const std::string& from, const proto::Register& r,
-                                    Clock::time_point now) {
+Scheduler::Node Scheduler::NodeFrom(const std::string& from, const std::string& key,
+                                    const proto::Register& r, Clock::time_point now) {
   Node n;
+  n.public_key = key;
   n.role = r.role();
   n.requested_rank = r.requested_rank();
   n.routing_id = from;
@@ -205,12 +227,15 @@ Scheduler::Node Scheduler::NodeFrom(const std::string& from, const proto::Regist
   n.hostname = r.hostname();
   n.pid = r.pid();
   n.num_params = r.num_params();
+  n.heartbeat_routing_id = r.heartbeat_routing_id();
+  n.data_routing_id = r.data_routing_id();
   n.last_seen = now;
   return n;
 }
 
-void Scheduler::HandleRegister(const std::string& from, const proto::Header& h,
-                               Clock::time_point now, std::vector<Outgoing>* out) {
+void Scheduler::HandleRegister(const std::string& from, const Message& msg, Clock::time_point now,
+                               std::vector<Outgoing>* out) {
+  const proto::Header& h = msg.header;
   if (!h.has_register_()) {
     ++rejected_;
     ReplyError(from, "REGISTER without a register body", out);
@@ -218,9 +243,33 @@ void Scheduler::HandleRegister(const std::string& from, const proto::Header& h,
   }
   const proto::Register& r = h.register_();
   if (FindNodeByRoutingId(from) >= 0) return;  // a repeated registration changes nothing
+  if (r.config_hash() != config_hash_) {
+    std::string why = RoleName(r.role()) + " on " + r.hostname() + " (pid " +
+                      std::to_string(r.pid()) + ") runs another job config than the scheduler";
+    const auto diff = ConfigDifferences(config_text_, r.config_text());
+    if (!r.config_text().empty() && !diff.empty()) {
+      why += "; differing keys (scheduler's vs the node's):";
+      for (const auto& d : diff) why += " " + d + ";";
+      why.pop_back();
+    } else {
+      why += " (config hash " + config_hash_ + " vs " +
+             (r.config_hash().empty() ? std::string("none") : r.config_hash()) + ")";
+    }
+    Reject(from, why, out);
+    return;
+  }
+  for (const auto& n : nodes_) {
+    for (const std::string* id : {&r.heartbeat_routing_id(), &r.data_routing_id()}) {
+      if (!id->empty() && (*id == n.routing_id || *id == n.heartbeat_routing_id ||
+                           *id == n.data_routing_id || *id == from)) {
+        Reject(from, "registration names a routing id that " + Describe(n) + " uses", out);
+        return;
+      }
+    }
+  }
   if (membership_sent_) {
     if (r.rejoin()) {
-      HandleRejoin(from, r, now, out);
+      HandleRejoin(from, msg.peer_key, r, now, out);
       return;
     }
     ++rejected_;
@@ -279,7 +328,14 @@ void Scheduler::HandleRegister(const std::string& from, const proto::Header& h,
     ReplyError(from, "a worker must report its model size (num_params > 0)", out);
     return;
   }
-  Node n = NodeFrom(from, r, now);
+  if (r.num_params() > kMaxNumParams) {
+    Reject(from,
+           "num_params " + std::to_string(r.num_params()) + " is over the limit of " +
+               std::to_string(kMaxNumParams) + " (keys are 32-bit within a key range)",
+           out);
+    return;
+  }
+  Node n = NodeFrom(from, msg.peer_key, r, now);
   spdlog::info("registered {} at {}:{} ({} of {})", Describe(n), n.host, n.port, have + 1,
                expected);
   nodes_.push_back(std::move(n));
@@ -364,6 +420,8 @@ void Scheduler::SendMembership(std::vector<Outgoing>* out, proto::Role only) {
     info->set_port(n->port);
     info->set_hostname(n->hostname);
     info->set_pid(n->pid);
+    info->set_data_routing_id(n->data_routing_id);
+    info->set_public_key(n->public_key);
   }
   for (const Node* n : sorted) {
     if (!n->joining && (only == proto::ROLE_UNSPECIFIED || n->role == only)) {
@@ -405,8 +463,9 @@ void Scheduler::CheckWaits(std::vector<Outgoing>* out) {
   std::vector<std::pair<std::string, uint64_t>> ready;
   for (const auto& [key, state] : barriers_) {
     const auto members = BarrierMembers(state.group);
+    const auto& arrived = state.arrived;  // (clang cannot capture a structured binding)
     if (std::all_of(members.begin(), members.end(),
-                    [&](size_t m) { return state.arrived.count(m) > 0; })) {
+                    [&](size_t m) { return arrived.count(m) > 0; })) {
       ready.push_back(key);
     }
   }
@@ -452,8 +511,9 @@ void Scheduler::HandleBarrier(const std::string& from, const proto::Header& h,
   }
   it->second.arrived.insert(static_cast<size_t>(idx));
   const auto members = BarrierMembers(b.group());
+  const auto& arrived = it->second.arrived;  // (clang cannot capture a structured binding)
   if (std::all_of(members.begin(), members.end(),
-                  [&](size_t m) { return it->second.arrived.count(m) > 0; })) {
+                  [&](size_t m) { return arrived.count(m) > 0; })) {
     ReleaseBarrier(key, out);
   }
 }
@@ -845,8 +905,9 @@ void Scheduler::HandleRolledBack(const std::string& from, const proto::Header& h
   SendMembership(out, proto::WORKER);
 }
 
-void Scheduler::HandleRejoin(const std::string& from, const proto::Register& r,
-                             Clock::time_point now, std::vector<Outgoing>* out) {
+void Scheduler::HandleRejoin(const std::string& from, const std::string& key,
+                             const proto::Register& r, Clock::time_point now,
+                             std::vector<Outgoing>* out) {
   auto refuse = [&](const std::string& why) {
     ++rejected_;
     spdlog::warn("refused a replacement {} from {} (pid {}): {}", RoleName(r.role()), r.hostname(),
@@ -874,7 +935,7 @@ void Scheduler::HandleRejoin(const std::string& from, const proto::Register& r,
           "name it with node.rank, and keep cluster.server_replacement_timeout_s above 0)");
       return;
     }
-    Node n = NodeFrom(from, r, now);
+    Node n = NodeFrom(from, key, r, now);
     n.rank = n.requested_rank = rank;
     n.joining = !server_loss_;
     nodes_.push_back(std::move(n));
@@ -939,7 +1000,7 @@ void Scheduler::HandleRejoin(const std::string& from, const proto::Register& r,
            Describe(*other));
     return;
   }
-  Node n = NodeFrom(from, r, now);
+  Node n = NodeFrom(from, key, r, now);
   n.rank = n.requested_rank = rank;
   n.joining = true;
   spdlog::info("a replacement for worker {} registered ({}, pid {}); it joins {}", rank,
@@ -1285,13 +1346,15 @@ proto::RunSummary Scheduler::Summary(Clock::time_point now) const {
 
 Status RunScheduler(const proto::JobConfig& config) {
   zmq::context_t context(1);
-  auto bound =
-      BindRouter(context, config.cluster().scheduler_host(), config.cluster().scheduler_port());
+  auto curve = StartCurveIfOn(context, config);
+  if (!curve.ok()) return curve.status();
+  const std::string bind_host = BindHost(config, config.cluster().scheduler_host());
+  auto bound = BindRouter(context, bind_host, config.cluster().scheduler_port());
   if (!bound.ok()) return bound.status();
   zmq::socket_t& socket = bound->socket;
   spdlog::info("scheduler listening on {} for {} servers and {} workers",
-               Endpoint(config.cluster().scheduler_host(), bound->port),
-               config.cluster().num_servers(), config.cluster().num_workers());
+               Endpoint(bind_host, bound->port), config.cluster().num_servers(),
+               config.cluster().num_workers());
   const std::string& dir = config.run().dir();
   if (!dir.empty()) {
     SPARSEPS_RETURN_IF_ERROR(EnsureDirectory(dir));
@@ -1308,20 +1371,25 @@ Status RunScheduler(const proto::JobConfig& config) {
 
   Scheduler scheduler(config, Clock::now());
   std::vector<Outgoing> out;
+  RateLimitedLog send_log(10.0);
   auto flush = [&] {
     for (auto& o : out) {
       Status s = SendMessage(socket, o.msg, &o.to);
-      // A peer whose connection is gone: logged once, and declared dead soon (Unreachable).
+      // A peer whose connection is gone: logged once, and declared dead soon (Unreachable). A
+      // peer that does not read its replies (kSocketHwm queued) loses them.
       if (!s.ok() &&
           (s.code() != StatusCode::kNotFound || scheduler.Unreachable(o.to, Clock::now()))) {
-        spdlog::warn("could not send to {}: {}", o.to, s.message());
+        send_log.Warn(o.to, "could not send: " + s.message());
       }
     }
     out.clear();
   };
   while (!scheduler.finished()) {
     auto ready = PollIn({&socket}, 50);
-    while (ready[0]) {
+    // At most kDrainBudget messages between two flushes and ticks: a flood neither starves the
+    // deadlines nor piles up replies.
+    constexpr int kDrainBudget = 256;
+    for (int budget = 0; ready[0] && budget < kDrainBudget; ++budget) {
       std::string from;
       auto msg = RecvMessage(socket, true, &from, nullptr);
       if (!msg.ok() && msg.status().code() == StatusCode::kIoError) break;

@@ -10,12 +10,16 @@
 #include <string>
 #include <vector>
 
+#include "common/log_limit.h"
 #include "common/status.h"
 #include "common/van.h"
 #include "proto/config.pb.h"
 #include "proto/summary.pb.h"
 
 namespace sparseps {
+
+// The largest model a worker may register (elements): a key range's keys are 32-bit on the wire.
+inline constexpr uint64_t kMaxNumParams = uint64_t{1} << 32;
 
 class Scheduler {
  public:
@@ -66,13 +70,18 @@ class Scheduler {
   // The newest checkpoint whose manifest this scheduler wrote (or resumed from); -1: none.
   int64_t last_checkpoint() const { return last_checkpoint_; }
   uint64_t rejected_messages() const { return rejected_; }
+  // Of those, messages that claimed to be a node they are not (identity, issue 19).
+  uint64_t impostor_messages() const { return impostors_; }
 
  private:
   struct Node {
     proto::Role role = proto::ROLE_UNSPECIFIED;
     int rank = -1;  // assigned rank; -1 until the membership is built
     int requested_rank = -1;
-    std::string routing_id;  // the node's control socket
+    std::string routing_id;            // the node's control socket
+    std::string heartbeat_routing_id;  // its heartbeat socket (Register.heartbeat_routing_id)
+    std::string data_routing_id;       // a worker's push/pull socket, told to the servers
+    std::string public_key;            // its CURVE key (security.curve); every message carries it
     std::string host;
     uint32_t port = 0;
     std::string hostname;
@@ -118,8 +127,10 @@ class Scheduler {
   };
 
   // The node that registered with `r` from routing id `from` (no rank yet).
-  static Node NodeFrom(const std::string& from, const proto::Register& r, Clock::time_point now);
-  void HandleRegister(const std::string& from, const proto::Header& h, Clock::time_point now,
+  // `key`: the CURVE key it registered with (empty without CURVE).
+  static Node NodeFrom(const std::string& from, const std::string& key, const proto::Register& r,
+                       Clock::time_point now);
+  void HandleRegister(const std::string& from, const Message& msg, Clock::time_point now,
                       std::vector<Outgoing>* out);
   void HandleBarrier(const std::string& from, const proto::Header& h, Clock::time_point now,
                      std::vector<Outgoing>* out);
@@ -130,8 +141,8 @@ class Scheduler {
                                std::vector<Outgoing>* out);
   void HandlePosition(const std::string& from, const proto::Header& h, std::vector<Outgoing>* out);
   // A replacement worker's REGISTER after the membership (Register.rejoin).
-  void HandleRejoin(const std::string& from, const proto::Register& r, Clock::time_point now,
-                    std::vector<Outgoing>* out);
+  void HandleRejoin(const std::string& from, const std::string& key, const proto::Register& r,
+                    Clock::time_point now, std::vector<Outgoing>* out);
   void HandleJoined(const std::string& from, const proto::Header& h, Clock::time_point now,
                     std::vector<Outgoing>* out);
   // A server was declared dead: pauses the job for a replacement, or ends it (why not, in the
@@ -181,7 +192,10 @@ class Scheduler {
   void Broadcast(proto::Command command, const std::string& error, std::vector<Outgoing>* out);
   void ReplyError(const std::string& to, const std::string& error, std::vector<Outgoing>* out);
   int FindNode(proto::Role role, int rank) const;
+  // The node whose control or heartbeat socket has `routing_id`; -1: none.
   int FindNodeByRoutingId(const std::string& routing_id) const;
+  // Counts a rejected message and answers ERROR `why`; the log gets one line per peer per 10 s.
+  void Reject(const std::string& from, const std::string& why, std::vector<Outgoing>* out);
   std::string Describe(const Node& n) const;
   std::vector<size_t> BarrierMembers(proto::Role group) const;
 
@@ -197,6 +211,11 @@ class Scheduler {
   std::optional<Status> finished_;
   Clock::time_point finished_at_;
   uint64_t rejected_ = 0;
+  uint64_t impostors_ = 0;  // messages from a registered node's routing id with another key, or
+                            // from a peer that is not in the job once the membership is out
+  const std::string config_text_;  // CanonicalJobConfig of this scheduler's config
+  const std::string config_hash_;
+  RateLimitedLog reject_log_{10.0};
   Clock::time_point last_heartbeat_sent_;
   // Checkpoints being written: iteration -> the files reported so far.
   std::map<uint64_t, std::vector<proto::CheckpointFile>> checkpoints_;

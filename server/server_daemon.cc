@@ -5,19 +5,33 @@
 #include <algorithm>
 #include <deque>
 #include <memory>
+#include <optional>
+#include <thread>
 #include <utility>
 
 #include "common/checkpoint.h"
 #include "common/control_client.h"
 #include "common/daemon.h"
+#include "common/log_limit.h"
+#include "common/metrics.h"
+#include "common/security.h"
 #include "server/shard_server.h"
 
 namespace sparseps {
 namespace {
 
-// Requests that arrive before this server has the membership (a worker can get it first) are
-// held, at most this many, and handled once the membership is in; beyond it they are rejected.
-constexpr size_t kMaxEarlyRequests = 4096;
+// Binds the data socket on the reserved port once the membership says how large the job's frames
+// are (ZMQ_MAXMSGSIZE is fixed when a socket binds). The reservation's listener closes in
+// ZeroMQ's I/O thread, so the port may still be busy for a moment.
+Result<BoundRouter> BindDataSocket(zmq::context_t& context, const std::string& host, uint32_t port,
+                                   int64_t max_frame_bytes) {
+  const auto deadline = Clock::now() + std::chrono::seconds(10);
+  for (;;) {
+    auto bound = BindRouter(context, host, port, max_frame_bytes);
+    if (bound.ok() || Clock::now() > deadline) return bound;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
 
 // Writes the shard's state at its version into the checkpoint folder and, when `report`, tells
 // the scheduler (which writes the manifest once every node's file is in).
@@ -42,8 +56,8 @@ Status SaveShard(const proto::JobConfig& config, ShardServer& shard, ControlClie
   return control.ReportCheckpoint(iteration, ToProto(info, iteration));
 }
 
-Status Serve(const proto::JobConfig& config, zmq::socket_t& data, uint32_t port,
-             ControlClient& control) {
+Status Serve(const proto::JobConfig& config, zmq::context_t& context, const std::string& bind_host,
+             uint32_t port, ControlClient& control) {
   SPARSEPS_RETURN_IF_ERROR(control.Register(config.node().host(), port, 0));
   const auto start = Clock::now();
   const double membership_deadline_s = config.cluster().register_timeout_s() + 10.0;
@@ -85,13 +99,33 @@ Status Serve(const proto::JobConfig& config, zmq::socket_t& data, uint32_t port,
     done.header.set_iteration(shard->version());
     return control.SendToScheduler(done);
   };
-  uint64_t bytes_in = 0, bytes_out = 0, early_rejects = 0;
-  std::deque<std::pair<std::string, Message>> early;  // (peer, request) held until the membership
+  uint64_t bytes_in = 0, bytes_out = 0, unsent = 0;
+  std::optional<BoundRouter> data;  // bound once the membership is in
+  // Every kQueueRowInterval, a row of what this server holds and has turned away (run.dir's
+  // queues-server-S.csv): a soak shows whether anything grows (bench/soak.sh).
+  constexpr double kQueueRowInterval = 10.0;
+  CsvWriter queues;
+  auto last_queue_row = Clock::now();
+  auto queue_row = [&] {
+    if (!queues.is_open() || SecondsSince(last_queue_row) < kQueueRowInterval) return;
+    last_queue_row = Clock::now();
+    const auto& c = shard->counters();
+    queues.Row({SecondsSince(start), static_cast<double>(shard->version()),
+                static_cast<double>(shard->waiting_pulls()),
+                static_cast<double>(shard->waiting_candidate_requests()),
+                static_cast<double>(shard->stored_pushes()), static_cast<double>(c.rejected),
+                static_cast<double>(c.impostors), static_cast<double>(unsent),
+                static_cast<double>(bytes_in), static_cast<double>(bytes_out)});
+  };
+  RateLimitedLog send_log(10.0);
   std::vector<Outgoing> out;
   auto flush = [&] {
     for (auto& o : out) {
-      Status s = SendMessage(data, o.msg, &o.to, &bytes_out);
-      if (!s.ok()) spdlog::warn("could not reply to {}: {}", o.to, s.message());
+      Status s = SendMessage(data->socket, o.msg, &o.to, &bytes_out);
+      if (!s.ok()) {
+        ++unsent;
+        send_log.Warn(o.to, "could not reply: " + s.message());
+      }
     }
     out.clear();
   };
@@ -108,16 +142,19 @@ Status Serve(const proto::JobConfig& config, zmq::socket_t& data, uint32_t port,
     if (control.shutdown_requested()) break;
     if (shard == nullptr && control.has_membership()) {
       SPARSEPS_RETURN_IF_ERROR(make_shard(control.membership()));
-      control.StartHeartbeats();
-      if (!early.empty()) spdlog::info("handling {} requests that came first", early.size());
-      for (auto& [peer, msg] : early) {
-        shard->Handle(peer, Result<Message>(std::move(msg)), &out);
-        flush();
-        if (shard->TakeCheckpointDue()) {
-          SPARSEPS_RETURN_IF_ERROR(SaveShard(config, *shard, control, true));
-        }
+      const int64_t max_frame = JobMaxFrameBytes(config, control.membership().num_params());
+      auto bound = BindDataSocket(context, bind_host, port, max_frame);
+      if (!bound.ok()) return bound.status();
+      data = std::move(*bound);
+      if (!config.run().dir().empty() && !queues.is_open()) {
+        SPARSEPS_RETURN_IF_ERROR(queues.Open(
+            config.run().dir() + "/queues-server-" + std::to_string(control.rank()) + ".csv",
+            {"time_s", "version", "waiting_pulls", "waiting_candidate_requests", "stored_pushes",
+             "rejected", "impostors", "unsent_replies", "bytes_in", "bytes_out"}));
       }
-      early.clear();
+      spdlog::info("data socket on {} (advertised as {}), frames up to {} bytes",
+                   Endpoint(bind_host, port), Endpoint(config.node().host(), port), max_frame);
+      control.StartHeartbeats();
     }
     if (shard != nullptr) {
       for (const auto& u : control.TakeUpdates()) {
@@ -134,6 +171,7 @@ Status Serve(const proto::JobConfig& config, zmq::socket_t& data, uint32_t port,
         }
         const auto& m = u.membership();
         shard->set_leader(m.leader());
+        shard->SetIdentities(m);  // a replacement worker comes with its own socket and key
         if (m.has_server_lost()) {
           spdlog::warn("membership epoch {}: server {} is lost ({}); waiting for its replacement",
                        m.epoch(), m.server_lost().server_rank(), m.server_lost().reason());
@@ -184,37 +222,22 @@ Status Serve(const proto::JobConfig& config, zmq::socket_t& data, uint32_t port,
                                       control.scheduler_endpoint() + " after " +
                                       std::to_string(membership_deadline_s) + " s");
     }
-    auto ready = PollIn({&data, &control.socket()}, 100);
+    if (!data) {
+      PollIn({&control.socket()}, 100);
+      continue;
+    }
+    queue_row();
+    auto ready = PollIn({&data->socket, &control.socket()}, 100);
     if (!ready[0]) continue;
     // Drain what is queued on the data socket before polling again.
     for (int budget = 0; budget < 1024; ++budget) {
-      if (budget > 0 && !PollIn({&data}, 0)[0]) break;
+      if (budget > 0 && !PollIn({&data->socket}, 0)[0]) break;
       std::string peer;
-      auto msg = RecvMessage(data, true, &peer, &bytes_in);
+      auto msg = RecvMessage(data->socket, true, &peer, &bytes_in);
       if (!msg.ok() && msg.status().code() == StatusCode::kIoError) break;
-      if (shard != nullptr) {
-        shard->Handle(peer, std::move(msg), &out);
-      } else if (msg.ok() && msg->header.command() != proto::PING &&
-                 early.size() < kMaxEarlyRequests) {
-        early.emplace_back(std::move(peer), std::move(*msg));
-      } else {
-        Outgoing o{peer, {}};
-        const bool ping = msg.ok() && msg->header.command() == proto::PING;
-        o.msg.header.set_command(ping ? proto::PONG : proto::ERROR);
-        o.msg.header.set_sender_role(proto::SERVER);
-        if (msg.ok()) o.msg.header.set_request_id(msg->header.request_id());
-        if (!ping) {
-          o.msg.header.set_retryable(msg.ok());  // once the membership is in, it will be served
-          ++early_rejects;
-          o.msg.header.set_error(msg.ok() ? "server not ready: waiting for the membership, and " +
-                                                std::to_string(kMaxEarlyRequests) +
-                                                " requests are already waiting"
-                                          : msg.status().message());
-        }
-        out.push_back(std::move(o));
-      }
+      shard->Handle(peer, std::move(msg), &out);
       flush();  // the pull replies leave before a checkpoint is written
-      if (shard != nullptr && shard->TakeCheckpointDue()) {
+      if (shard->TakeCheckpointDue()) {
         SPARSEPS_RETURN_IF_ERROR(SaveShard(config, *shard, control, true));
       }
     }
@@ -224,9 +247,10 @@ Status Serve(const proto::JobConfig& config, zmq::socket_t& data, uint32_t port,
     const auto& c = shard->counters();
     spdlog::info(
         "served {} iterations: {} pushes, {} pulls ({} sparse, {} dense replies), {} rejected "
-        "messages ({} duplicate, {} stale pushes), {:.1f} MB in, {:.1f} MB out",
+        "messages ({} duplicate, {} stale pushes, {} from peers that are not in the job), {} "
+        "replies not sent, {:.1f} MB in, {:.1f} MB out",
         shard->version(), c.pushes, c.pulls, c.sparse_pull_replies, c.dense_pull_replies,
-        c.rejected + early_rejects, c.duplicate_pushes, c.stale_pushes, bytes_in / 1e6,
+        c.rejected, c.duplicate_pushes, c.stale_pushes, c.impostors, unsent, bytes_in / 1e6,
         bytes_out / 1e6);
   }
   return Status::OK();
@@ -236,11 +260,19 @@ Status Serve(const proto::JobConfig& config, zmq::socket_t& data, uint32_t port,
 
 Status RunServer(const proto::JobConfig& config) {
   zmq::context_t context(1);
-  auto bound = BindRouter(context, config.node().host(), config.node().port());
-  if (!bound.ok()) return bound.status();
-  spdlog::info("server data socket on {}", Endpoint(config.node().host(), bound->port));
+  auto curve = StartCurveIfOn(context, config);
+  if (!curve.ok()) return curve.status();
+  const std::string bind_host = BindHost(config, config.node().host());
+  // The data port is reserved now (node.port, or a free one) and registered; the socket is bound
+  // again on it once the membership gives the job's largest frame.
+  uint32_t port = 0;
+  {
+    auto reserved = BindRouter(context, bind_host, config.node().port());
+    if (!reserved.ok()) return reserved.status();
+    port = reserved->port;
+  }
   ControlClient control(context, config, proto::SERVER);
-  Status result = Serve(config, bound->socket, bound->port, control);
+  Status result = Serve(config, context, bind_host, port, control);
   control.ReportFailure(result);
   return result;
 }

@@ -48,7 +48,8 @@ Outgoing ShardServer::Reply(const std::string& peer, const proto::Header& reques
 void ShardServer::Reject(const std::string& peer, const proto::Header* h, const std::string& why,
                          std::vector<Outgoing>* out) {
   ++counters_.rejected;
-  spdlog::warn("server {}: rejected a message from {}: {}", options_.server_rank, peer, why);
+  reject_log_.Warn(peer, why,
+                   "server " + std::to_string(options_.server_rank) + ": rejected a message ");
   proto::Header empty;
   Outgoing o = Reply(peer, h != nullptr ? *h : empty, proto::ERROR);
   o.msg.header.set_error(why);
@@ -74,6 +75,11 @@ void ShardServer::Handle(const std::string& peer, Result<Message> msg, std::vect
     default:
       Reject(peer, &h, "a server does not handle " + CommandName(h.command()), out);
       return;
+  }
+  if (std::string why = CheckIdentity(peer, *msg); !why.empty()) {
+    ++counters_.impostors;
+    Reject(peer, &h, why, out);
+    return;
   }
   if (h.key_begin() != options_.range.begin || h.key_end() != options_.range.end) {
     Reject(peer, &h,
@@ -288,7 +294,56 @@ bool ShardServer::IsRepeat(const std::vector<PendingPull>& waiting, const std::s
   return false;
 }
 
+bool ShardServer::TooManyWaiting(const std::string& peer, const proto::Header* h,
+                                 std::vector<Outgoing>* out) {
+  size_t waiting = 0;
+  for (const auto* list : {&pending_pulls_, &candidate_requests_}) {
+    for (const auto& p : *list) waiting += p.peer == peer ? 1 : 0;
+  }
+  if (waiting < kMaxWaitingPerWorker) return false;
+  ++counters_.over_limit;
+  Reject(peer, h,
+         CommandName(h->command()) + ": " + std::to_string(waiting) +
+             " requests of this peer are already waiting (at most " +
+             std::to_string(kMaxWaitingPerWorker) + ")",
+         out);
+  return true;
+}
+
+std::string ShardServer::CheckIdentity(const std::string& peer, const Message& msg) const {
+  const proto::Header& h = msg.header;
+  if (h.sender_role() != proto::WORKER || h.sender_rank() < 0 ||
+      h.sender_rank() >= options_.num_workers) {
+    return CommandName(h.command()) + " from " + RoleName(h.sender_role()) + " " +
+           std::to_string(h.sender_rank()) + ": only the job's workers send data messages";
+  }
+  const size_t w = static_cast<size_t>(h.sender_rank());
+  // The worker's clients use its registered id plus "/N" (worker/ps_client.cc).
+  if (w < data_ids_.size() && !data_ids_[w].empty() && peer != data_ids_[w] &&
+      peer.compare(0, data_ids_[w].size() + 1, data_ids_[w] + "/") != 0) {
+    return CommandName(h.command()) + " claims worker " + std::to_string(w) +
+           " but comes from another socket than that worker registered";
+  }
+  if (w < keys_.size() && keys_[w] != msg.peer_key) {
+    return CommandName(h.command()) + " claims worker " + std::to_string(w) +
+           " but comes with another CURVE key than that worker registered";
+  }
+  return "";
+}
+
+void ShardServer::SetIdentities(const proto::Membership& m) {
+  data_ids_.assign(static_cast<size_t>(options_.num_workers), "");
+  keys_.assign(static_cast<size_t>(options_.num_workers), "");
+  for (const auto& n : m.nodes()) {
+    if (n.role() == proto::WORKER && n.rank() >= 0 && n.rank() < options_.num_workers) {
+      data_ids_[static_cast<size_t>(n.rank())] = n.data_routing_id();
+      keys_[static_cast<size_t>(n.rank())] = n.public_key();
+    }
+  }
+}
+
 void ShardServer::SetMembership(const proto::Membership& m) {
+  SetIdentities(m);
   std::fill(active_.begin(), active_.end(), 0);
   std::fill(join_at_.begin(), join_at_.end(), -1);
   for (const auto& n : m.nodes()) {
@@ -348,6 +403,7 @@ void ShardServer::HandlePullCandidates(const std::string& peer, const Message& m
     return;
   }
   if (IsRepeat(candidate_requests_, peer, h)) return;
+  if (TooManyWaiting(peer, &h, out)) return;
   candidate_requests_.push_back({peer, h.iteration(), -1, h.request_id()});
   // commit_on_pull: the request commits the worker's sketch (phase 0).
   if (const int w = ActiveWorker(h); w >= 0 && aggregation_->phase() == 0) Commit(w);
@@ -429,6 +485,7 @@ void ShardServer::HandlePull(const std::string& peer, const Message& msg,
     return;
   }
   if (IsRepeat(pending_pulls_, peer, h)) return;
+  if (TooManyWaiting(peer, &h, out)) return;
   ++counters_.pulls;
   pending_pulls_.push_back({peer, h.iteration() + 1, h.have_version(), h.request_id()});
   // commit_on_pull: the pull of the iteration in progress commits the worker's push.

@@ -43,6 +43,7 @@
 
 #include "common/checkpoint.h"
 #include "common/key_range.h"
+#include "common/log_limit.h"
 #include "common/van.h"
 #include "encodings/aggregation.h"
 #include "proto/config.pb.h"
@@ -72,6 +73,12 @@ struct ShardCounters {
   // waiting (answered once); a repeat of one answered already is answered again.
   uint64_t duplicate_requests = 0;
   uint64_t stale_pushes = 0;  // included in rejected
+  // Data messages from a peer that is not the worker it claims (another routing id than the one
+  // the worker registered, or with CURVE another key); included in rejected.
+  uint64_t impostors = 0;
+  // Pulls and candidate requests refused because their worker already has kMaxWaitingPerWorker
+  // waiting; included in rejected.
+  uint64_t over_limit = 0;
   uint64_t pushes = 0;
   uint64_t pulls = 0;
   uint64_t sparse_pull_replies = 0;
@@ -115,8 +122,18 @@ class ShardServer {
   std::string Join(const proto::WorkerJoin& join, uint64_t epoch, std::vector<Outgoing>* out);
 
   // Takes the workers, the leader and the epoch of membership `m` (a shard made for a resumed or
-  // rolled-back job, where workers may have been lost before).
+  // rolled-back job, where workers may have been lost before), and the workers' identities.
   void SetMembership(const proto::Membership& m);
+
+  // Takes each worker's identity from membership `m` (NodeInfo.data_routing_id and public_key):
+  // from then on a data message claiming worker w is accepted only from w's routing id (or that id
+  // followed by "/N": each of the worker's clients has its own) and, with CURVE, under w's key. A
+  // shard that was never told identities (unit tests) checks the claimed rank only.
+  void SetIdentities(const proto::Membership& m);
+
+  // Pulls plus candidate requests one worker may have waiting at once (a worker has one of each
+  // per iteration in flight; retries of a waiting one are answered once, not queued again).
+  static constexpr size_t kMaxWaitingPerWorker = 8;
 
   // The worker whose pushes may ask for a checkpoint (Membership.leader).
   int leader() const { return leader_; }
@@ -126,6 +143,15 @@ class ShardServer {
   int64_t version() const { return version_; }
   bool initialized() const { return version_ >= 0; }
   const ShardCounters& counters() const { return counters_; }
+  // What this shard holds for later: pulls waiting for their iteration, candidate requests waiting
+  // for phase 1, and pushes stored until their worker's commit (commit_on_pull).
+  size_t waiting_pulls() const { return pending_pulls_.size(); }
+  size_t waiting_candidate_requests() const { return candidate_requests_.size(); }
+  size_t stored_pushes() const {
+    size_t n = 0;
+    for (const auto& p : stored_) n += p != nullptr;
+    return n;
+  }
   // The server residual of re-sparsification (empty unless compression.server_topk).
   const std::vector<float>& server_residual() const { return aggregation_->residual(); }
 
@@ -201,6 +227,16 @@ class ShardServer {
   // What the last applied iteration changed (sorted keys), for sparse pull replies.
   std::vector<uint32_t> last_changed_;
   bool last_changed_all_ = true;
+
+  // Per worker rank: the routing id and CURVE key its data messages must come from (empty: not
+  // told, any).
+  std::vector<std::string> data_ids_;
+  std::vector<std::string> keys_;
+  RateLimitedLog reject_log_{10.0};
+  // Rejects (true) a request of `peer` that already has kMaxWaitingPerWorker waiting.
+  bool TooManyWaiting(const std::string& peer, const proto::Header* h, std::vector<Outgoing>* out);
+  // Why a data message claiming a worker cannot be from it; empty when it can.
+  std::string CheckIdentity(const std::string& peer, const Message& msg) const;
 
   std::vector<PendingPull> candidate_requests_;  // PULL_CANDIDATES waiting for phase 1
   std::vector<PendingPull> pending_pulls_;

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "common/security.h"
 #include "encodings/registry.h"
 #include "kernels/error_feedback.h"
 #include "worker/collectives/collective.h"
@@ -209,7 +210,7 @@ class AllreduceAggregator final : public Aggregator {
     std::vector<PeerGroup::PeerAddress> peers(static_cast<size_t>(workers));
     for (const auto& node : control->membership().nodes()) {
       if (node.role() == proto::WORKER && node.rank() >= 0 && node.rank() < workers) {
-        peers[static_cast<size_t>(node.rank())] = {node.host(), node.port()};
+        peers[static_cast<size_t>(node.rank())] = {node.host(), node.port(), node.public_key()};
       }
     }
     group_->Connect(control->rank(), peers);
@@ -461,8 +462,12 @@ Result<std::unique_ptr<Aggregator>> MakeAggregator(const proto::JobConfig& confi
                                                    zmq::context_t& context, size_t num_params,
                                                    bool model_on_device) {
   if (config.aggregation() == proto::ALLREDUCE) {
-    auto group = PeerGroup::Bind(context, config.node().host(), config.collective().port(),
-                                 config.cluster().request_timeout_s());
+    const int64_t max_frame = std::max<int64_t>(
+        JobMaxFrameBytes(config, num_params),
+        static_cast<int64_t>(config.collective().segment_bytes()) + kControlMaxFrameBytes);
+    auto group =
+        PeerGroup::Bind(context, BindHost(config, config.node().host()), config.collective().port(),
+                        config.cluster().request_timeout_s(), max_frame);
     if (!group.ok()) return group.status();
     return std::unique_ptr<Aggregator>(
         new AllreduceAggregator(config, std::move(*group), num_params, model_on_device));

@@ -41,9 +41,11 @@ class DeviceBuffer {
  private:
   float* data_ = nullptr;
   size_t size_ = 0;
-  uint32_t* scratch_ = nullptr;  // device: keys, then values (UploadKeys)
-  uint32_t* staging_ = nullptr;  // pinned host: the same
-  size_t scratch_cap_ = 0, staging_cap_ = 0;
+  // Used by the CUDA build only (device_buffer.cc without CUDA never touches them).
+  [[maybe_unused]] uint32_t* scratch_ = nullptr;  // device: keys, then values (UploadKeys)
+  [[maybe_unused]] uint32_t* staging_ = nullptr;  // pinned host: the same
+  [[maybe_unused]] size_t scratch_cap_ = 0;
+  [[maybe_unused]] size_t staging_cap_ = 0;
 };
 
 // y += a * x over n floats of device memory; synchronous. Errors: FailedPrecondition (CUDA's, or

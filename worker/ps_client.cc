@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 
 #include "encodings/codec.h"
@@ -19,6 +20,16 @@ PsClient::PsClient(zmq::context_t& context, const proto::Membership& membership,
       request_timeout_s_(request_timeout_s),
       commit_after_ack_(commit_after_ack),
       retry_interval_s_(retry_interval_s) {
+  // One routing id for every server (each has its own ROUTER): the one registered, which the
+  // servers accept this worker's messages from, plus "/N" for the N-th client of this process: a
+  // client made after a rollback must not reuse the id of the old one, whose connection a server's
+  // ROUTER may still hold (it would refuse the new one).
+  static std::atomic<uint64_t> incarnation{0};
+  const std::string routing_id =
+      (control != nullptr ? control->data_routing_id() : MakeRoutingId(proto::WORKER, "ps")) + "/" +
+      std::to_string(incarnation.fetch_add(1));
+  // Servers send parameters (dense, or top-k with indices), never sketch tables.
+  const int64_t max_frame = JobMaxFrameBytes(proto::JobConfig(), membership.num_params());
   std::vector<proto::RangeInfo> infos(membership.ranges().begin(), membership.ranges().end());
   std::sort(infos.begin(), infos.end(),
             [](const auto& a, const auto& b) { return a.begin() < b.begin(); });
@@ -33,7 +44,8 @@ PsClient::PsClient(zmq::context_t& context, const proto::Membership& membership,
     const std::string host = server ? server->host() : "?";
     const uint32_t port = server ? server->port() : 0;
     p.name = "server " + std::to_string(r.server_rank()) + " at " + Endpoint(host, port);
-    p.socket = ConnectDealer(context, host, port, MakeRoutingId(proto::WORKER, "ps"));
+    p.socket = ConnectDealer(context, host, port, routing_id, server ? server->public_key() : "",
+                             max_frame);
     ranges_.push_back(p.range);
     peers_.push_back(std::move(p));
   }

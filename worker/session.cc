@@ -7,8 +7,23 @@
 
 namespace sparseps {
 
+namespace {
+std::unique_ptr<CurveContext> StartCurve(zmq::context_t& context, const proto::JobConfig& config,
+                                         Status* status) {
+  auto curve = StartCurveIfOn(context, config);
+  if (!curve.ok()) {
+    *status = curve.status();
+    return nullptr;
+  }
+  return std::move(*curve);
+}
+}  // namespace
+
 WorkerSession::WorkerSession(const proto::JobConfig& config)
-    : config_(config), context_(1), control_(context_, config_, proto::WORKER) {}
+    : config_(config),
+      context_(1),
+      curve_(StartCurve(context_, config_, &curve_status_)),
+      control_(context_, config_, proto::WORKER) {}
 
 WorkerSession::~WorkerSession() { control_.StopHeartbeats(); }
 
@@ -21,6 +36,7 @@ Result<std::unique_ptr<WorkerSession>> WorkerSession::Join(const proto::JobConfi
         "checkpoint.every_steps with aggregation: allreduce");
   }
   std::unique_ptr<WorkerSession> s(new WorkerSession(config));
+  if (!s->curve_status_.ok()) return s->curve_status_;
   s->model_on_device_ = model_on_device;
   auto made = MakeAggregator(config, s->context_, num_params, model_on_device);
   if (!made.ok()) return made.status();

@@ -14,6 +14,7 @@
 
 #include "common/checkpoint.h"
 #include "common/control_client.h"
+#include "common/security.h"
 #include "common/status.h"
 #include "proto/config.pb.h"
 #include "worker/aggregator.h"
@@ -99,6 +100,8 @@ class WorkerSession {
 
   const proto::JobConfig config_;
   zmq::context_t context_;  // first: outlives every socket below
+  Status curve_status_;     // CURVE's start (security.curve); Join returns it when not OK
+  std::unique_ptr<CurveContext> curve_;  // before every socket: they are made with it
   ControlClient control_;
   std::unique_ptr<Aggregator> aggregator_;
   std::map<std::string, std::string> ModelMetadata() const;

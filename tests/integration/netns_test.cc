@@ -119,7 +119,7 @@ TEST(EmulatedNetwork, LaunchPlacesEachProcessOnItsHost) {
     EXPECT_NE(testing::ReadFile(run + "/summary.json").find("\"status\": \"ok\""),
               std::string::npos);
     const std::string server = testing::ReadFile(run + "/server-0.log");
-    EXPECT_NE(server.find("server data socket on tcp://10.77.0.1:"), std::string::npos) << server;
+    EXPECT_NE(server.find("data socket on tcp://10.77.0.1:"), std::string::npos) << server;
     const std::string scheduler = testing::ReadFile(run + "/scheduler.log");
     EXPECT_NE(scheduler.find("scheduler listening on tcp://10.77.0.1:"), std::string::npos)
         << scheduler;

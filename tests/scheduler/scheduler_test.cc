@@ -12,6 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "common/config.h"
+
 namespace sparseps {
 namespace {
 
@@ -27,8 +29,13 @@ class SchedulerTest : public ::testing::Test {
     config_.mutable_cluster()->set_barrier_timeout_s(20);
     config_.mutable_cluster()->set_heartbeat_timeout_s(10);
   }
+  // A REGISTER from `from` declares `from`-hb as its heartbeat socket, as ControlClient does.
   std::vector<Outgoing> Send(Scheduler& s, const std::string& from, Message m,
                              Clock::time_point now) {
+    if (m.header.command() == proto::REGISTER &&
+        m.header.register_().heartbeat_routing_id().empty()) {
+      m.header.mutable_register_()->set_heartbeat_routing_id(from + "-hb");
+    }
     std::vector<Outgoing> out;
     s.Handle(from, Result<Message>(std::move(m)), now, &out);
     return out;
@@ -43,6 +50,8 @@ class SchedulerTest : public ::testing::Test {
     r->set_requested_rank(requested_rank);
     r->set_num_params(num_params);
     r->set_pid(1000 + static_cast<int>(port));
+    r->set_config_text(CanonicalJobConfig(config_));
+    r->set_config_hash(ConfigHash(r->config_text()));
     return m;
   }
   Message BarrierMsg(proto::Role sender, int rank, const std::string& name, uint64_t gen,

@@ -96,7 +96,8 @@ TEST_F(MalformedMessageTest, ServerRejectsGarbageAndKeepsServing) {
     if (n.role() == proto::SERVER) server_node = &n;
   }
   ASSERT_NE(server_node, nullptr);
-  data_ = ConnectDealer(ctx_, server_node->host(), server_node->port(), "test-worker");
+  // The worker's registered data socket: the server accepts worker 0's messages from it only.
+  data_ = ConnectDealer(ctx_, server_node->host(), server_node->port(), control.data_routing_id());
 
   // 1. Random bytes.
   std::mt19937 rng(3);

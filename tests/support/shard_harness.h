@@ -21,10 +21,12 @@ inline std::vector<Outgoing> Deliver(ShardServer& shard, Message msg,
   return out;
 }
 
-// INIT of range r with `values` (dense).
+// INIT of range r with `values` (dense), from worker 0 as PsClient sends it.
 inline Message InitMessage(const KeyRange& r, std::vector<float> values) {
   Message m;
   m.header.set_command(proto::INIT);
+  m.header.set_sender_role(proto::WORKER);
+  m.header.set_sender_rank(0);
   m.header.set_key_begin(r.begin);
   m.header.set_key_end(r.end);
   EncodeDense(std::move(values), &m);
@@ -38,10 +40,13 @@ inline void FromWorker(Message* msg, int rank, int64_t iteration) {
   msg->header.set_iteration(iteration);
 }
 
-// PULL of range r after `iteration`, from a worker holding version `iteration`.
+// PULL of range r after `iteration`, from a worker holding version `iteration` (worker 0 unless
+// FromWorker says otherwise).
 inline Message PullMessage(const KeyRange& r, int64_t iteration) {
   Message m;
   m.header.set_command(proto::PULL);
+  m.header.set_sender_role(proto::WORKER);
+  m.header.set_sender_rank(0);
   m.header.set_key_begin(r.begin);
   m.header.set_key_end(r.end);
   m.header.set_iteration(iteration);

@@ -12,11 +12,12 @@ std::string RoutingId(int rank) { return "w" + std::to_string(rank); }
 }  // namespace
 
 Result<std::unique_ptr<PeerGroup>> PeerGroup::Bind(zmq::context_t& context, const std::string& host,
-                                                   uint32_t port, double timeout_s) {
-  auto bound = BindRouter(context, host, port);
+                                                   uint32_t port, double timeout_s,
+                                                   int64_t max_frame_bytes) {
+  auto bound = BindRouter(context, host, port, max_frame_bytes);
   if (!bound.ok()) return bound.status();
   return std::unique_ptr<PeerGroup>(
-      new PeerGroup(context, std::move(bound->socket), bound->port, timeout_s));
+      new PeerGroup(context, std::move(bound->socket), bound->port, timeout_s, max_frame_bytes));
 }
 
 void PeerGroup::Connect(int rank, const std::vector<PeerAddress>& peers) {
@@ -32,7 +33,8 @@ void PeerGroup::Connect(int rank, const std::vector<PeerAddress>& peers) {
       dealers_.emplace_back();
       continue;
     }
-    dealers_.push_back(ConnectDealer(context_, peers[i].host, peers[i].port, RoutingId(rank)));
+    dealers_.push_back(ConnectDealer(context_, peers[i].host, peers[i].port, RoutingId(rank),
+                                     peers[i].public_key, max_frame_bytes_));
   }
 }
 
@@ -71,15 +73,26 @@ Status PeerGroup::Pump(int64_t timeout_ms) {
     auto msg = RecvMessage(router_, true, &id, &bytes_received_);
     if (!msg.ok() && msg.status().code() == StatusCode::kIoError) break;
     auto it = rank_of_id_.find(id);
-    const std::string from =
-        it == rank_of_id_.end() ? "an unknown peer '" + id + "'" : PeerName(it->second);
+    if (it == rank_of_id_.end() ||
+        (msg.ok() && msg->peer_key != peers_[static_cast<size_t>(it->second)].public_key)) {
+      // Not a peer of this group: dropped, so that a stranger cannot end the job.
+      ++rejected_;
+      ++strangers_;
+      stranger_log_.Warn(id,
+                         it == rank_of_id_.end() ? "not a peer of this group; dropped"
+                                                 : "a peer's routing id with another CURVE key; "
+                                                   "dropped",
+                         "collective: ");
+      continue;
+    }
+    const std::string from = PeerName(it->second);
     if (!msg.ok()) {
       ++rejected_;
       return Status::ProtocolError("malformed collective message from " + from + ": " +
                                    msg.status().message());
     }
     const auto& h = msg->header;
-    if (it == rank_of_id_.end() || h.sender_rank() != it->second ||
+    if (h.sender_rank() != it->second ||
         (h.command() != proto::COLLECTIVE && h.command() != proto::STORE_SET)) {
       ++rejected_;
       return Status::ProtocolError("unexpected " + CommandName(h.command()) + " (sender rank " +

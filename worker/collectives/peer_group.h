@@ -5,9 +5,11 @@
 // a per-source queue until asked for.
 //
 // Every wait has a deadline that names the missing peer; a FATAL from the scheduler (through the
-// poll hook) ends a wait at once. Malformed messages (bad frames, an unknown sender, a sender rank
-// that does not match its socket, a duplicate tag) are rejected, counted and reported as
-// ProtocolError naming the peer; they never crash the worker.
+// poll hook) ends a wait at once. A message from a peer that is not in the group (an unknown
+// routing id or, with CURVE, another key than the peer's) is dropped and counted, so a stranger
+// cannot end the job. Malformed messages from a peer of the group (bad frames, a sender rank that
+// does not match its socket, a duplicate tag) are rejected, counted and reported as ProtocolError
+// naming the peer; they never crash the worker.
 //
 // Thread-safety: used by one thread.
 #pragma once
@@ -20,6 +22,7 @@
 #include <vector>
 #include <zmq.hpp>
 
+#include "common/log_limit.h"
 #include "common/message.h"
 #include "common/status.h"
 #include "common/van.h"
@@ -28,9 +31,11 @@ namespace sparseps {
 
 class PeerGroup {
  public:
-  // Binds the ROUTER on host:port (0: a free port). Errors: IoError naming the endpoint.
+  // Binds the ROUTER on host:port (0: a free port); frames over max_frame_bytes disconnect their
+  // peer. Errors: IoError naming the endpoint.
   static Result<std::unique_ptr<PeerGroup>> Bind(zmq::context_t& context, const std::string& host,
-                                                 uint32_t port, double timeout_s);
+                                                 uint32_t port, double timeout_s,
+                                                 int64_t max_frame_bytes = kControlMaxFrameBytes);
 
   // The bound data port (what the worker registers with the scheduler).
   uint32_t port() const { return port_; }
@@ -38,6 +43,7 @@ class PeerGroup {
   struct PeerAddress {
     std::string host;
     uint32_t port = 0;
+    std::string public_key;  // CURVE (Z85); empty without CURVE
   };
   // Connects to every peer; peers[i] is worker i's address, `rank` is this worker's index in it.
   // REQUIRES: 0 <= rank < peers.size().
@@ -75,10 +81,17 @@ class PeerGroup {
   uint64_t bytes_received() const { return bytes_received_; }
   // Messages rejected as malformed since the start.
   uint64_t rejected() const { return rejected_; }
+  // Messages dropped because their sender is not in the group (included in rejected()).
+  uint64_t strangers() const { return strangers_; }
 
  private:
-  PeerGroup(zmq::context_t& context, zmq::socket_t router, uint32_t port, double timeout_s)
-      : context_(context), router_(std::move(router)), port_(port), timeout_s_(timeout_s) {}
+  PeerGroup(zmq::context_t& context, zmq::socket_t router, uint32_t port, double timeout_s,
+            int64_t max_frame_bytes)
+      : context_(context),
+        router_(std::move(router)),
+        port_(port),
+        timeout_s_(timeout_s),
+        max_frame_bytes_(max_frame_bytes) {}
 
   // Receives whatever is ready (waiting at most timeout_ms) into the queues. Errors:
   // ProtocolError for a malformed message, or the poll hook's status.
@@ -89,6 +102,7 @@ class PeerGroup {
   zmq::socket_t router_;
   uint32_t port_;
   double timeout_s_;
+  int64_t max_frame_bytes_;
   int rank_ = 0;
   std::vector<PeerAddress> peers_;
   std::vector<zmq::socket_t> dealers_;  // dealers_[i] connects to peer i (none for our rank)
@@ -100,6 +114,8 @@ class PeerGroup {
   uint64_t bytes_sent_ = 0;
   uint64_t bytes_received_ = 0;
   uint64_t rejected_ = 0;
+  uint64_t strangers_ = 0;
+  RateLimitedLog stranger_log_{10.0};
 };
 
 }  // namespace sparseps

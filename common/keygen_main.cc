@@ -1,0 +1,30 @@
+// sparseps-keygen: makes a node's CURVE keypair for security.curve (common/security.h).
+#include <CLI/CLI.hpp>
+#include <cstdio>
+
+#include "common/security.h"
+
+int main(int argc, char** argv) {
+  CLI::App app(
+      "sparseps-keygen: writes a CURVE keypair into DIR: public.key (give it to the other nodes' "
+      "security.authorized_keys_dir, as NAME.key) and secret.key (mode 0600, stays on this "
+      "host). Set security.key_dir=DIR on this node.",
+      "sparseps-keygen");
+  std::string dir;
+  app.add_option("DIR", dir, "directory to write public.key and secret.key into")->required();
+  CLI11_PARSE(app, argc, argv);
+  auto keys = sparseps::GenerateCurveKeypair();
+  if (!keys.ok()) {
+    std::fprintf(stderr, "sparseps-keygen: %s\n", keys.status().message().c_str());
+    return 1;
+  }
+  sparseps::Status s = sparseps::WriteCurveKeypair(dir, *keys);
+  if (!s.ok()) {
+    std::fprintf(stderr, "sparseps-keygen: %s\n", s.message().c_str());
+    return 1;
+  }
+  std::printf("%s\n", keys->public_key.c_str());
+  std::fprintf(stderr, "sparseps-keygen: wrote %s/public.key and %s/secret.key\n", dir.c_str(),
+               dir.c_str());
+  return 0;
+}
