@@ -512,8 +512,7 @@ void Scheduler::HandleBarrier(const std::string& from, const proto::Header& h,
   it->second.arrived.insert(static_cast<size_t>(idx));
   const auto members = BarrierMembers(b.group());
   const auto& arrived = it->second.arrived;  // (clang cannot capture a structured binding)
-  if (std::all_of(members.begin(), members.end(),
-                  [&](size_t m) { return arrived.count(m) > 0; })) {
+  if (std::all_of(members.begin(), members.end(), [&](size_t m) { return arrived.count(m) > 0; })) {
     ReleaseBarrier(key, out);
   }
 }

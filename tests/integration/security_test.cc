@@ -421,6 +421,18 @@ TEST(HostileClient, JobCompletesUnchangedUnderAMillionMessagesPerDaemon) {
     EXPECT_GE(sent[i], kMessages) << names[i] << ": the job ended before the flood did";
     EXPECT_LT(peak[i], kMaxRssBytes) << names[i];
   }
+  // What the flood cost the job: its training time against the undisturbed run's.
+  auto train_s = [](const std::string& run) {
+    static const std::regex re("\"train_s\": ([0-9.eE+-]+)");
+    const std::string summary = testing::ReadFile(run + "/summary.json");
+    std::smatch m;
+    return std::regex_search(summary, m, re) ? std::stod(m[1]) : 0.0;
+  };
+  const double calm_s = train_s(calm), flooded_s = train_s(flooded);
+  std::printf(
+      "hostile client: the job trained %d steps in %.1f s under the flood, %.1f s "
+      "undisturbed (%.2fx)\n",
+      kSteps, flooded_s, calm_s, flooded_s / std::max(calm_s, 1e-9));
   EXPECT_EQ(testing::ReadFile(flooded + "/model.safetensors"),
             testing::ReadFile(calm + "/model.safetensors"))
       << "the flooded job's parameters differ from the undisturbed run's";
