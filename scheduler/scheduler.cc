@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <limits>
 #include <sstream>
 #include <tuple>
 
@@ -707,6 +708,13 @@ void Scheduler::StartRemoval(size_t idx, const std::string& reason, Clock::time_
 void Scheduler::HandlePosition(const std::string& from, const proto::Header& h,
                                std::vector<Outgoing>* out) {
   const int idx = FindNodeByRoutingId(from);
+  // The join and stop iterations are a version + 1: a version off the range a shard can be at
+  // (from -1, before INIT) is refused before any arithmetic.
+  if (h.has_position() && (h.position().version() < -1 ||
+                           h.position().version() >= std::numeric_limits<int64_t>::max() - 1)) {
+    Reject(from, "POSITION with version " + std::to_string(h.position().version()), out);
+    return;
+  }
   if (idx >= 0 && nodes_[static_cast<size_t>(idx)].role == proto::SERVER && h.has_position() &&
       !joins_.empty() && joins_.front().started && joins_.front().iteration < 0 &&
       h.position().worker_rank() == nodes_[joins_.front().node].rank) {

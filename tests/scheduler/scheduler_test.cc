@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <set>
 #include <string>
@@ -296,6 +297,26 @@ class WorkerLossTest : public SchedulerTest {
     return m;
   }
 };
+
+// A version at the end of int64 (a join or stop iteration is a version + 1) is refused before any
+// arithmetic, and the removal still completes with the servers' real answers.
+TEST_F(WorkerLossTest, PositionAtTheEndOfInt64IsRefused) {
+  Scheduler s(config_, t0_);
+  RegisterAll(s);
+  SilenceWorker1(s);
+  ASSERT_FALSE(s.finished());
+  const uint64_t rejected = s.rejected_messages();
+  for (int64_t v : {std::numeric_limits<int64_t>::max(), std::numeric_limits<int64_t>::min()}) {
+    auto out = Send(s, "s-a", PositionMsg(0, v, 2), t0_ + seconds(13));
+    ASSERT_EQ(out.size(), 1u);
+    EXPECT_EQ(out[0].msg.header.command(), proto::ERROR);
+  }
+  EXPECT_EQ(s.rejected_messages(), rejected + 2);
+  EXPECT_TRUE(Memberships(Send(s, "s-a", PositionMsg(0, 7, 1), t0_ + seconds(13))).empty());
+  auto m = Memberships(Send(s, "s-b", PositionMsg(1, 7, 0), t0_ + seconds(13)));
+  ASSERT_EQ(m.size(), 3u);
+  EXPECT_EQ(m["s-a"].cut().iteration(), 7);
+}
 
 TEST_F(WorkerLossTest, DeadWorkerWhosePushDidNotReachEveryServerIsDroppedEverywhere) {
   Scheduler s(config_, t0_);
