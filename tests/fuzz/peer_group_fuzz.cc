@@ -7,6 +7,7 @@
 #include <fuzzer/FuzzedDataProvider.h>
 #include <spdlog/spdlog.h>
 
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -21,8 +22,8 @@ using sparseps::PeerGroup;
 namespace proto = sparseps::proto;
 
 [[noreturn]] void Fail(const char* what) {
+  std::fprintf(stderr, "invariant broken: %s\n", what);
   __builtin_trap();
-  (void)what;
 }
 
 struct Groups {

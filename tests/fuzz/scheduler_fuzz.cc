@@ -8,6 +8,7 @@
 #include <fuzzer/FuzzedDataProvider.h>
 #include <spdlog/spdlog.h>
 
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -23,8 +24,8 @@ using sparseps::Result;
 namespace proto = sparseps::proto;
 
 [[noreturn]] void Fail(const char* what) {
+  std::fprintf(stderr, "invariant broken: %s\n", what);
   __builtin_trap();
-  (void)what;
 }
 
 }  // namespace
@@ -48,6 +49,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   sparseps::Scheduler s(config, now);
   const std::vector<std::string> ids = {"n0", "n1", "n2", "n3", "n4", "n5"};
   std::vector<Outgoing> out;
+  bool stranger_joined = false;  // a stranger's rejoin may replace a lost node
   while (in.remaining_bytes() > 0 && !s.finished()) {
     const int op = in.ConsumeIntegralInRange<int>(0, 5);
     if (op == 0) {
@@ -60,11 +62,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       s.Unreachable(ids[in.ConsumeIntegralInRange<size_t>(0, ids.size() - 1)], now);
       continue;
     }
-    const bool stranger = op == 2;
-    const std::string from =
-        stranger ? "stranger" : ids[in.ConsumeIntegralInRange<size_t>(0, ids.size() - 1)];
+    // Before the membership is out, anyone may register (without CURVE): what the stranger
+    // sends then comes from "early", which may join; "stranger" itself only speaks afterwards.
+    const bool stranger = op == 2 && s.has_membership() && !stranger_joined;
+    const std::string from = stranger  ? "stranger"
+                             : op == 2 ? "early"
+                                       : ids[in.ConsumeIntegralInRange<size_t>(0, ids.size() - 1)];
     Result<Message> msg = Message();
-    if (op == 3 || stranger) {  // a registration
+    if (op == 3 || op == 2) {  // a registration
       msg->header.set_command(proto::REGISTER);
       auto* r = msg->header.mutable_register_();
       r->set_role(in.ConsumeBool() ? proto::SERVER : proto::WORKER);
@@ -72,12 +77,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       r->set_port(in.ConsumeIntegralInRange<uint32_t>(0, 3));
       r->set_requested_rank(in.ConsumeIntegralInRange<int>(-1, 3));
       r->set_num_params(in.ConsumeIntegralInRange<uint64_t>(0, 40));
-      r->set_rejoin(!stranger && in.ConsumeBool());
+      r->set_rejoin(op == 3 && in.ConsumeBool());
       r->set_heartbeat_routing_id(from + "-hb");
       r->set_config_text(text);
       r->set_config_hash(in.ConsumeIntegralInRange<int>(0, 15) == 0 ? "0" : hash);
     }
-    if (op >= 4 || (stranger && in.ConsumeBool())) {  // anything at all
+    if (op >= 4 || (op == 2 && in.ConsumeBool())) {  // anything at all
       proto::Header h;
       if (!h.ParseFromString(in.ConsumeRandomLengthString(256))) {
         msg = sparseps::Status::ProtocolError("header does not parse");
@@ -85,10 +90,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         msg->header = h;
       }
     }
-    if (msg.ok() && msg->header.command() == proto::REGISTER && stranger) {
-      msg->header.mutable_register_()->set_heartbeat_routing_id("stranger-hb");
+    if (msg.ok() && msg->header.command() == proto::REGISTER && op == 2) {
+      msg->header.mutable_register_()->set_heartbeat_routing_id(from + "-hb");
     }
-    const bool had_membership = s.has_membership();
     const uint64_t epoch = s.membership().epoch();
     const uint64_t rejected = s.rejected_messages();
     out.clear();
@@ -96,7 +100,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     // (Without CURVE anyone may offer itself as a replacement: a rejoin is not a stranger's.)
     const bool rejoin =
         msg.ok() && msg->header.command() == proto::REGISTER && msg->header.register_().rejoin();
-    if (stranger && had_membership && !rejoin) {
+    if (stranger && rejoin) stranger_joined = true;
+    if (stranger && !rejoin) {
       if (s.finished()) Fail("a stranger ended the job");
       if (s.membership().epoch() != epoch) Fail("a stranger changed the membership");
       if (s.rejected_messages() == rejected) Fail("a stranger's message was not rejected");

@@ -9,6 +9,7 @@
 #include <fuzzer/FuzzedDataProvider.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -28,8 +29,8 @@ using sparseps::ShardServer;
 namespace proto = sparseps::proto;
 
 [[noreturn]] void Fail(const char* what) {
+  std::fprintf(stderr, "invariant broken: %s\n", what);
   __builtin_trap();
-  (void)what;
 }
 
 std::string Peer(int w) { return "w" + std::to_string(w); }
