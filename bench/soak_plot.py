@@ -5,10 +5,10 @@ of the warm-up to the end.
 
     bench/soak_plot.py SOAK_CSV RUN_DIR WARMUP_S OUT_PNG
 """
+import argparse
 import csv
 import glob
 import os
-import sys
 
 import matplotlib
 
@@ -17,7 +17,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def main():
-    soak_csv, run_dir, warmup, out_png = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("soak_csv", help="soak.csv written by bench/soak.sh")
+    p.add_argument("run_dir", help="the job's run directory (holds queues-server-S.csv)")
+    p.add_argument("warmup_s", type=float, help="seconds after the start excluded from the growth")
+    p.add_argument("out_png", help="where to write the plot")
+    a = p.parse_args()
+    soak_csv, run_dir, warmup, out_png = a.soak_csv, a.run_dir, a.warmup_s, a.out_png
     series = {}
     with open(soak_csv) as f:
         for row in csv.DictReader(f):
