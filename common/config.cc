@@ -448,7 +448,8 @@ Status ValidateConfig(const proto::JobConfig& config, const ConfigSources& sourc
 
 Result<proto::JobConfig> LoadConfig(const std::string& path,
                                     const std::vector<std::string>& overrides,
-                                    const EnvLookup& env_in, ConfigSources* sources_out) {
+                                    const EnvLookup& env_in, ConfigSources* sources_out,
+                                    RankEnv rank_env) {
   proto::JobConfig config;
   ConfigSources sources;
   if (!path.empty()) {
@@ -482,7 +483,9 @@ Result<proto::JobConfig> LoadConfig(const std::string& path,
     sources["node.bind_host"] = "env SPARSEPS_BIND_HOST";
   }
   if (config.node().rank() < 0) {
-    for (const char* name : {"SPARSEPS_RANK", "RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"}) {
+    std::vector<const char*> names = {"SPARSEPS_RANK"};
+    if (rank_env == RankEnv::kSparsepsRankOrRank) names.push_back("RANK");
+    for (const char* name : names) {
       const char* s = env(name);
       if (s == nullptr || !*s) continue;
       int32_t rank;
@@ -500,6 +503,23 @@ Result<proto::JobConfig> LoadConfig(const std::string& path,
   SPARSEPS_RETURN_IF_ERROR(ValidateConfig(config, sources));
   if (sources_out != nullptr) *sources_out = std::move(sources);
   return config;
+}
+
+std::vector<std::string> EnvironmentHelp(RankEnv rank_env) {
+  std::vector<std::string> lines = {
+      "SPARSEPS_SCHEDULER=host:port  the scheduler's address (cluster.scheduler_host, "
+      "cluster.scheduler_port)",
+      "SPARSEPS_HOST=addr            the address this node binds and announces (node.host)",
+      "SPARSEPS_BIND_HOST=addr       the address it binds when peers use another one "
+      "(node.bind_host)",
+      "SPARSEPS_RANK=r               this node's rank within its role (node.rank)"};
+  if (rank_env == RankEnv::kSparsepsRankOrRank) {
+    lines.push_back(
+        "RANK=r                        a worker's rank as torchrun sets it, when SPARSEPS_RANK is "
+        "unset");
+  }
+  lines.push_back("The config file and --set win over the environment.");
+  return lines;
 }
 
 std::vector<std::string> DescribeConfig(const proto::JobConfig& config) {

@@ -1,8 +1,8 @@
 // Job configuration: YAML files mapped strictly onto proto::JobConfig (proto/config.proto).
 //
 // Precedence, lowest first: the schema's defaults, the YAML file, the environment that launchers
-// set (SPARSEPS_SCHEDULER=host:port, SPARSEPS_HOST, and the rank from the first of SPARSEPS_RANK,
-// RANK, SLURM_PROCID, OMPI_COMM_WORLD_RANK that is set, when node.rank is -1), then
+// set (SPARSEPS_SCHEDULER=host:port, SPARSEPS_HOST, SPARSEPS_BIND_HOST, and when node.rank is -1
+// the rank from SPARSEPS_RANK, or for a worker from RANK as torchrun sets it; see RankEnv), then
 // `--set key=value` overrides. A key given twice in one YAML mapping is an error naming both.
 //
 // Every error is InvalidArgument and names where the bad value came from: "file:line:col: key"
@@ -27,6 +27,19 @@ using ConfigSources = std::map<std::string, std::string>;
 // Reads `getenv`-style variables; returns nullptr when unset. Tests pass their own.
 using EnvLookup = std::function<const char*(const char*)>;
 
+// Which environment variables may give this node its rank (node.rank -1 only). SPARSEPS_RANK is
+// the rank within the node's role, for every role. RANK is a worker's rank among the workers as
+// torchrun and torch.distributed set it, so only a worker takes it. SLURM_PROCID and
+// OMPI_COMM_WORLD_RANK number every task of a job whatever its role, so no node takes them as its
+// rank: deploy/slurm/sparseps-task.sh derives each task's role and SPARSEPS_RANK from them.
+enum class RankEnv {
+  kSparsepsRank,        // SPARSEPS_RANK only (scheduler, server, tools)
+  kSparsepsRankOrRank,  // SPARSEPS_RANK, else RANK (a worker)
+};
+
+// The environment variables LoadConfig reads, one line each ("NAME  meaning"), for --help.
+std::vector<std::string> EnvironmentHelp(RankEnv rank_env);
+
 // Loads `path` (empty: defaults only), applies the environment and the `overrides`
 // ("a.b=c" each, the value parsed as YAML, so lists work: model.hidden=[256,128]), and
 // validates the result. Errors: InvalidArgument naming file, line and key; IoError when the
@@ -34,7 +47,8 @@ using EnvLookup = std::function<const char*(const char*)>;
 Result<proto::JobConfig> LoadConfig(const std::string& path,
                                     const std::vector<std::string>& overrides,
                                     const EnvLookup& env = nullptr,
-                                    ConfigSources* sources = nullptr);
+                                    ConfigSources* sources = nullptr,
+                                    RankEnv rank_env = RankEnv::kSparsepsRank);
 
 // Merges one YAML document (already parsed from `text`) into config. `origin` names the text in
 // errors (a file name). Exposed for tests.

@@ -78,6 +78,12 @@ int ExitCodeFor(const Status& status) {
 int DaemonMain(int argc, char** argv, const std::string& name, const std::string& description,
                const std::function<Status(const proto::JobConfig&)>& body) {
   CLI::App app{description, name};
+  const RankEnv rank_env =
+      name == "sparseps-worker" ? RankEnv::kSparsepsRankOrRank : RankEnv::kSparsepsRank;
+  std::string footer = "\nEnvironment:";
+  for (const auto& line : EnvironmentHelp(rank_env)) footer += "\n  " + line;
+  app.footer(footer);
+  app.set_version_flag("--version", std::string(name) + " " + SPARSEPS_VERSION);
   std::string config_path;
   std::vector<std::string> overrides;
   app.add_option("-c,--config", config_path, "YAML job config (schema: proto/config.proto)")
@@ -122,7 +128,7 @@ int DaemonMain(int argc, char** argv, const std::string& name, const std::string
   if (rejoin) overrides.insert(overrides.begin(), "node.rejoin=true");
   SetLogName(name);
   ConfigSources sources;
-  auto config = LoadConfig(config_path, overrides, nullptr, &sources);
+  auto config = LoadConfig(config_path, overrides, nullptr, &sources, rank_env);
   if (!config.ok()) {
     spdlog::error("bad configuration: {}", config.status().message());
     return 2;

@@ -275,7 +275,7 @@ class Worker {
          const std::vector<std::string>& overrides) {
     std::vector<std::string> sets = overrides;
     if (rank) sets.push_back("node.rank=" + std::to_string(*rank));
-    auto config = LoadConfig(config_path, sets);
+    auto config = LoadConfig(config_path, sets, nullptr, nullptr, RankEnv::kSparsepsRankOrRank);
     Check(config.status());
     config_ = std::move(*config);
     if (config_.train().weight_decay() > 0) {
@@ -690,7 +690,7 @@ One worker of a sparseps job, driven by a Python training loop.
 Worker(config, rank=None, overrides=())
   config: path of the job's YAML config (proto/config.proto; "" for the defaults). The scheduler's
   address comes from it or from SPARSEPS_SCHEDULER=host:port; overrides are "key=value" strings
-  as --set takes them; rank (or SPARSEPS_RANK, RANK, ...) requests this worker's rank.
+  as --set takes them; rank (or SPARSEPS_RANK, else RANK as torchrun sets it) requests this worker's rank.
 )doc")
       .def(py::init<const std::string&, std::optional<int>, const std::vector<std::string>&>(),
            py::arg("config"), py::arg("rank") = py::none(),

@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <limits>
 #include <sstream>
@@ -12,6 +13,7 @@
 #include "common/config.h"
 #include "common/key_range.h"
 #include "common/metrics.h"
+#include "common/prometheus.h"
 #include "common/security.h"
 
 namespace sparseps {
@@ -1351,6 +1353,75 @@ proto::RunSummary Scheduler::Summary(Clock::time_point now) const {
   return s;
 }
 
+std::vector<Scheduler::NodeLiveness> Scheduler::Liveness(Clock::time_point now) const {
+  std::vector<NodeLiveness> out;
+  for (const auto& n : nodes_) {
+    NodeLiveness l;
+    l.name = n.role == proto::SERVER ? "server" : "worker";
+    if (n.rank >= 0) l.name += "-" + std::to_string(n.rank);
+    l.silent_s = std::chrono::duration<double>(now - n.last_seen).count();
+    l.dead = n.dead;
+    out.push_back(std::move(l));
+  }
+  return out;
+}
+
+namespace {
+
+// The scheduler's series (docs/user-guide.md, "Live metrics"), refreshed once per loop.
+class SchedulerMetrics {
+ public:
+  explicit SchedulerMetrics(const proto::JobConfig& config)
+      : registry_("scheduler", 0),
+        heartbeat_interval_s_(config.cluster().heartbeat_interval_s()),
+        epoch_(registry_.Gauge("sparseps_scheduler_membership_epoch",
+                               "Epoch of the membership last published (0: none yet)")),
+        registered_(registry_.Gauge("sparseps_scheduler_registered_nodes",
+                                    "Servers and workers registered and not removed")),
+        lost_(registry_.Counter("sparseps_scheduler_lost_workers_total",
+                                "Workers removed from the job after they died")),
+        impostors_(registry_.Counter("sparseps_scheduler_rejected_messages_total",
+                                     "Messages rejected, by reason", {{"reason", "impostor"}})),
+        malformed_(registry_.Counter("sparseps_scheduler_rejected_messages_total",
+                                     "Messages rejected, by reason",
+                                     {{"reason", "malformed_or_unexpected"}})) {}
+
+  Status Start(const proto::JobConfig& config) { return registry_.StartFromConfig(config); }
+
+  void Update(const Scheduler& s, Clock::time_point now) {
+    epoch_.Set(static_cast<double>(s.has_membership() ? s.membership().epoch() : 0));
+    AdvanceTo(lost_, static_cast<double>(s.lost_workers()));
+    AdvanceTo(impostors_, static_cast<double>(s.impostor_messages()));
+    AdvanceTo(malformed_, static_cast<double>(s.rejected_messages() - s.impostor_messages()));
+    size_t alive = 0;
+    for (const auto& n : s.Liveness(now)) {
+      if (n.dead) continue;
+      ++alive;
+      auto& silent =
+          registry_.Gauge("sparseps_scheduler_node_silent_seconds",
+                          "Seconds since anything was heard from the node", {{"node", n.name}});
+      silent.Set(n.silent_s);
+      // Heartbeats are due every heartbeat_interval_s: how many in a row did not come.
+      registry_
+          .Gauge("sparseps_scheduler_missed_heartbeats",
+                 "Heartbeat intervals since anything was heard from the node", {{"node", n.name}})
+          .Set(heartbeat_interval_s_ > 0 ? std::floor(n.silent_s / heartbeat_interval_s_) : 0);
+    }
+    registered_.Set(static_cast<double>(alive));
+  }
+
+ private:
+  MetricsRegistry registry_;
+  const double heartbeat_interval_s_;
+  prometheus::Gauge& epoch_;
+  prometheus::Gauge& registered_;
+  prometheus::Counter& lost_;
+  prometheus::Counter& impostors_;
+  prometheus::Counter& malformed_;
+};
+
+}  // namespace
+
 Status RunScheduler(const proto::JobConfig& config) {
   zmq::context_t context(1);
   auto curve = StartCurveIfOn(context, config);
@@ -1377,6 +1448,8 @@ Status RunScheduler(const proto::JobConfig& config) {
   }
 
   Scheduler scheduler(config, Clock::now());
+  SchedulerMetrics metrics(config);
+  SPARSEPS_RETURN_IF_ERROR(metrics.Start(config));
   std::vector<Outgoing> out;
   RateLimitedLog send_log(10.0);
   auto flush = [&] {
@@ -1410,6 +1483,7 @@ Status RunScheduler(const proto::JobConfig& config) {
     }
     scheduler.Tick(Clock::now(), &out);
     flush();
+    metrics.Update(scheduler, Clock::now());
   }
   flush();
   Status result = scheduler.final_status();

@@ -72,6 +72,18 @@ class Scheduler {
   uint64_t rejected_messages() const { return rejected_; }
   // Of those, messages that claimed to be a node they are not (identity, issue 19).
   uint64_t impostor_messages() const { return impostors_; }
+  // Workers removed from the job so far (cluster.on_worker_failure: continue).
+  size_t lost_workers() const { return lost_workers_.size(); }
+
+  // What the scheduler knows of one registered node, for the metrics: its name ("server-1",
+  // "worker-0"; the role alone before ranks are assigned), seconds since anything was heard from
+  // it, and whether it was removed from the job.
+  struct NodeLiveness {
+    std::string name;
+    double silent_s = 0.0;
+    bool dead = false;
+  };
+  std::vector<NodeLiveness> Liveness(Clock::time_point now) const;
 
  private:
   struct Node {

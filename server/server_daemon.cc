@@ -14,6 +14,7 @@
 #include "common/daemon.h"
 #include "common/log_limit.h"
 #include "common/metrics.h"
+#include "common/prometheus.h"
 #include "common/security.h"
 #include "server/shard_server.h"
 
@@ -55,6 +56,66 @@ Status SaveShard(const proto::JobConfig& config, ShardServer& shard, ControlClie
   if (!report) return Status::OK();
   return control.ReportCheckpoint(iteration, ToProto(info, iteration));
 }
+
+// A server's series (docs/user-guide.md, "Live metrics"), refreshed once per loop.
+class ServerMetrics {
+ public:
+  explicit ServerMetrics(int rank)
+      : r_("server", rank),
+        iteration_(
+            r_.Gauge("sparseps_server_iteration", "Iterations completed (the shard's version)")),
+        epoch_(r_.Gauge("sparseps_server_membership_epoch", "Membership epoch in force")),
+        waiting_pulls_(r_.Gauge("sparseps_server_waiting_pulls",
+                                "Pulls held until their iteration is complete")),
+        waiting_candidates_(r_.Gauge("sparseps_server_waiting_candidate_requests",
+                                     "Candidate requests held (sketch second round)")),
+        stored_pushes_(r_.Gauge("sparseps_server_stored_pushes",
+                                "Pushes held for an iteration not yet complete")),
+        pushes_(r_.Counter("sparseps_server_pushes_total", "Pushes added")),
+        pulls_(r_.Counter("sparseps_server_pulls_total", "Pulls answered")),
+        impostor_(Rejected("impostor")),
+        over_limit_(Rejected("over_limit")),
+        stale_(Rejected("stale_push")),
+        other_(Rejected("malformed_or_unexpected")),
+        in_(r_.Counter("sparseps_server_received_bytes_total",
+                       "Bytes received on the data socket")),
+        out_(r_.Counter("sparseps_server_sent_bytes_total", "Bytes sent on the data socket")),
+        unsent_(r_.Counter("sparseps_server_unsent_replies_total",
+                           "Replies that could not be sent (the peer is gone or does not read)")) {}
+
+  Status Start(const proto::JobConfig& config) { return r_.StartFromConfig(config); }
+
+  void Update(const ShardServer& shard, uint64_t epoch, uint64_t bytes_in, uint64_t bytes_out,
+              uint64_t unsent) {
+    const auto& c = shard.counters();
+    iteration_.Set(static_cast<double>(shard.version()));
+    epoch_.Set(static_cast<double>(epoch));
+    waiting_pulls_.Set(static_cast<double>(shard.waiting_pulls()));
+    waiting_candidates_.Set(static_cast<double>(shard.waiting_candidate_requests()));
+    stored_pushes_.Set(static_cast<double>(shard.stored_pushes()));
+    AdvanceTo(pushes_, static_cast<double>(c.pushes));
+    AdvanceTo(pulls_, static_cast<double>(c.pulls));
+    AdvanceTo(impostor_, static_cast<double>(c.impostors));
+    AdvanceTo(over_limit_, static_cast<double>(c.over_limit));
+    AdvanceTo(stale_, static_cast<double>(c.stale_pushes));
+    AdvanceTo(other_,
+              static_cast<double>(c.rejected - c.impostors - c.over_limit - c.stale_pushes));
+    AdvanceTo(in_, static_cast<double>(bytes_in));
+    AdvanceTo(out_, static_cast<double>(bytes_out));
+    AdvanceTo(unsent_, static_cast<double>(unsent));
+  }
+
+ private:
+  prometheus::Counter& Rejected(const std::string& reason) {
+    return r_.Counter("sparseps_server_rejected_messages_total", "Messages rejected, by reason",
+                      {{"reason", reason}});
+  }
+
+  MetricsRegistry r_;
+  prometheus::Gauge &iteration_, &epoch_, &waiting_pulls_, &waiting_candidates_, &stored_pushes_;
+  prometheus::Counter &pushes_, &pulls_, &impostor_, &over_limit_, &stale_, &other_, &in_, &out_,
+      &unsent_;
+};
 
 Status Serve(const proto::JobConfig& config, zmq::context_t& context, const std::string& bind_host,
              uint32_t port, ControlClient& control) {
@@ -117,6 +178,8 @@ Status Serve(const proto::JobConfig& config, zmq::context_t& context, const std:
                 static_cast<double>(c.impostors), static_cast<double>(unsent),
                 static_cast<double>(bytes_in), static_cast<double>(bytes_out)});
   };
+  // The live metrics (metrics.port), made once the rank is known.
+  std::unique_ptr<ServerMetrics> metrics;
   RateLimitedLog send_log(10.0);
   std::vector<Outgoing> out;
   auto flush = [&] {
@@ -154,6 +217,8 @@ Status Serve(const proto::JobConfig& config, zmq::context_t& context, const std:
       }
       spdlog::info("data socket on {} (advertised as {}), frames up to {} bytes",
                    Endpoint(bind_host, port), Endpoint(config.node().host(), port), max_frame);
+      metrics = std::make_unique<ServerMetrics>(control.rank());
+      SPARSEPS_RETURN_IF_ERROR(metrics->Start(config));
       control.StartHeartbeats();
     }
     if (shard != nullptr) {
@@ -227,6 +292,7 @@ Status Serve(const proto::JobConfig& config, zmq::context_t& context, const std:
       continue;
     }
     queue_row();
+    metrics->Update(*shard, control.membership().epoch(), bytes_in, bytes_out, unsent);
     auto ready = PollIn({&data->socket, &control.socket()}, 100);
     if (!ready[0]) continue;
     // Drain what is queued on the data socket before polling again.

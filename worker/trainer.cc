@@ -176,6 +176,7 @@ Status Train(const proto::JobConfig& config, Model& model, const TrainingData& d
   SPARSEPS_RETURN_IF_ERROR(session.resuming()    ? log.OpenResumed(step)
                            : session.rejoining() ? log.OpenResumed(first_step)
                                                  : log.Open());
+  SPARSEPS_RETURN_IF_ERROR(log.StartMetrics());
   if (session.rejoining()) {
     spdlog::info("a replacement: joining at step {} of {}", first_step + 1, total);
   } else if (session.resuming()) {
@@ -232,6 +233,7 @@ Status Train(const proto::JobConfig& config, Model& model, const TrainingData& d
       }
       ++step;
       log.Step(step, epoch + 1, loss, compute_ms, stats, aggregator);
+      SPARSEPS_RETURN_IF_ERROR(log.SampleResidual(aggregator));
       SPARSEPS_RETURN_IF_ERROR(session.AfterStep(loop_state, layers));
       if (!log.leader() && session.is_leader()) {
         spdlog::warn("the workers before this one were lost: this worker evaluates from now on");

@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <cmath>
 #include <string>
 
 namespace sparseps {
@@ -59,10 +60,77 @@ Status TrainingLog::OpenResumed(uint64_t step) {
   return Status::OK();
 }
 
+TrainingLog::Live::Live(int rank)
+    : registry("worker", rank),
+      iteration(registry.Gauge("sparseps_worker_iteration", "Steps done (1-based)")),
+      epoch(registry.Gauge("sparseps_worker_epoch", "Epoch in progress (1-based)")),
+      loss(registry.Gauge("sparseps_worker_loss", "Training loss of the last step")),
+      selected_density(registry.Gauge(
+          "sparseps_worker_selected_density",
+          "Fraction of the parameters this worker selected in the last step (1: dense)")),
+      applied_density(registry.Gauge(
+          "sparseps_worker_applied_density",
+          "Allreduce: fraction of the parameters the last update changed; -1 in ps mode")),
+      residual_norm(registry.Gauge("sparseps_worker_residual_norm",
+                                   "L2 norm of what this worker holds back (error feedback), "
+                                   "sampled at most once per second")),
+      test_accuracy(registry.Gauge("sparseps_worker_test_accuracy",
+                                   "Test accuracy of the last evaluation (leader only; -1: none)")),
+      step_s(registry.Histogram("sparseps_worker_step_seconds",
+                                "Time of one step: compute, encode and communication",
+                                MetricsRegistry::SecondsBuckets())),
+      compute_s(registry.Histogram("sparseps_worker_compute_seconds",
+                                   "Forward and backward of one step",
+                                   MetricsRegistry::SecondsBuckets())),
+      encode_s(registry.Histogram("sparseps_worker_encode_seconds",
+                                  "Compression of one step's gradient (ps) or the collective's "
+                                  "preparation (allreduce)",
+                                  MetricsRegistry::SecondsBuckets())),
+      comm_s(registry.Histogram("sparseps_worker_push_pull_seconds",
+                                "Communication of one step: push and pull (ps) or the "
+                                "collective (allreduce), applying the update included",
+                                MetricsRegistry::SecondsBuckets())),
+      steps(registry.Counter("sparseps_worker_steps_total", "Steps done by this process")),
+      sent(registry.Counter("sparseps_worker_sent_bytes_total", "Bytes sent for aggregation")),
+      received(registry.Counter("sparseps_worker_received_bytes_total",
+                                "Bytes received for aggregation")) {}
+
+Status TrainingLog::StartMetrics() {
+  if (config_.metrics().port() == 0 || live_ != nullptr) return Status::OK();
+  live_ = std::make_unique<Live>(rank_);
+  live_->test_accuracy.Set(test_accuracy_);
+  return live_->registry.StartFromConfig(config_);
+}
+
+Status TrainingLog::SampleResidual(Aggregator& aggregator) {
+  if (live_ == nullptr || SecondsSince(last_residual_) < 1.0) return Status::OK();
+  last_residual_ = Clock::now();
+  SPARSEPS_RETURN_IF_ERROR(aggregator.ReadResidual(&residual_));
+  double sum = 0.0;
+  for (float v : residual_) sum += static_cast<double>(v) * v;
+  live_->residual_norm.Set(std::sqrt(sum));
+  return Status::OK();
+}
+
 void TrainingLog::Step(uint64_t step, uint32_t epoch, double loss, double compute_ms,
                        const StepStats& s, const Aggregator& aggregator) {
   const auto now = Clock::now();
   train_s_ = SecondsSince(start_);
+  if (live_ != nullptr) {
+    const double n = std::max<double>(1.0, static_cast<double>(aggregator.num_params()));
+    live_->iteration.Set(static_cast<double>(step));
+    live_->epoch.Set(epoch);
+    live_->loss.Set(loss);
+    live_->selected_density.Set(static_cast<double>(s.selected) / n);
+    live_->applied_density.Set(s.applied < 0 ? -1.0 : static_cast<double>(s.applied) / n);
+    live_->step_s.Observe((compute_ms + s.encode_ms + s.comm_ms) / 1e3);
+    live_->compute_s.Observe(compute_ms / 1e3);
+    live_->encode_s.Observe(s.encode_ms / 1e3);
+    live_->comm_s.Observe(s.comm_ms / 1e3);
+    live_->steps.Increment();
+    live_->sent.Increment(static_cast<double>(s.bytes_sent));
+    live_->received.Increment(static_cast<double>(s.bytes_received));
+  }
   metrics_.Row({static_cast<double>(step), static_cast<double>(epoch), loss,
                 static_cast<double>(s.bytes_sent), static_cast<double>(s.bytes_received),
                 static_cast<double>(s.selected), compute_ms, s.encode_ms, s.comm_ms, train_s_,
@@ -99,6 +167,7 @@ void TrainingLog::EndEval(uint32_t epoch, uint64_t steps, double test_loss, doub
   const double took = SecondsSince(eval_start_);
   const double wall = SecondsSince(start_);
   test_accuracy_ = test_accuracy;
+  if (live_ != nullptr) live_->test_accuracy.Set(test_accuracy);
   evals_.Row({static_cast<double>(epoch), static_cast<double>(steps), wall, test_loss,
               test_accuracy, wall - eval_s_ - took});
   eval_s_ += took;

@@ -6,8 +6,11 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
+#include <vector>
 
 #include "common/metrics.h"
+#include "common/prometheus.h"
 #include "common/status.h"
 #include "common/van.h"
 #include "proto/config.pb.h"
@@ -34,6 +37,14 @@ class TrainingLog {
   // the aggregation did; `aggregator` gives the byte totals of the progress line.
   void Step(uint64_t step, uint32_t epoch, double loss, double compute_ms, const StepStats& stats,
             const Aggregator& aggregator);
+
+  // Serves this worker's live metrics when metrics.port is set (docs/user-guide.md, "Live
+  // metrics"): iteration, loss, step/compute/encode/communication time histograms, bytes,
+  // selected and applied density, residual norm. Errors: IoError when the port cannot be bound.
+  Status StartMetrics();
+  // Samples the L2 norm of what `aggregator` holds back (its residual) for the metrics, at most
+  // once per second (reading it copies num_params() floats). Errors: the aggregator's.
+  Status SampleResidual(Aggregator& aggregator);
 
   // This worker evaluates and prints the progress lines from now on: worker 0 from the start, the
   // lowest live rank after worker 0 was lost (its evaluations go to eval-worker-<rank>.csv).
@@ -68,6 +79,19 @@ class TrainingLog {
   uint32_t epochs_;
   uint32_t workers_;
   CsvWriter metrics_, evals_;
+  // The live metrics: the series are made with the registry.
+  struct Live {
+    explicit Live(int rank);
+    MetricsRegistry registry;
+    prometheus::Gauge &iteration, &epoch, &loss, &selected_density, &applied_density,
+        &residual_norm, &test_accuracy;
+    prometheus::Histogram &step_s, &compute_s, &encode_s, &comm_s;
+    prometheus::Counter &steps, &sent, &received;
+  };
+  std::unique_ptr<Live> live_;
+  double num_params_ = 0.0;  // for the densities; set by StartMetrics
+  Clock::time_point last_residual_;
+  std::vector<float> residual_;
   Clock::time_point start_, last_progress_, eval_start_;
   double eval_s_ = 0.0;   // time spent evaluating
   double train_s_ = 0.0;  // the training time when the last step ended

@@ -13,6 +13,7 @@ namespace sparseps {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 class ConfigTest : public ::testing::Test {
  protected:
@@ -188,8 +189,9 @@ TEST_F(ConfigTest, KeyGivenTwiceInASectionNamesBothLines) {
   EXPECT_EQ(ok->train().seed(), 2u);
 }
 
-// node.rank -1 takes the first of SPARSEPS_RANK, RANK, SLURM_PROCID, OMPI_COMM_WORLD_RANK that is
-// set; a rank in the config or on the command line wins over the environment.
+// node.rank -1 takes SPARSEPS_RANK, and for a worker RANK (torchrun's) when SPARSEPS_RANK is
+// unset; SLURM_PROCID and OMPI_COMM_WORLD_RANK number every task of a job, whatever its role, and
+// are never a rank. A rank in the config or on the command line wins over the environment.
 TEST_F(ConfigTest, RankFromTheEnvironment) {
   auto path = Write("cluster:\n  num_workers: 4\n");
   std::map<std::string, std::string> env;
@@ -197,29 +199,37 @@ TEST_F(ConfigTest, RankFromTheEnvironment) {
     auto it = env.find(name);
     return it == env.end() ? nullptr : it->second.c_str();
   };
+  constexpr auto kServer = RankEnv::kSparsepsRank;
+  constexpr auto kWorker = RankEnv::kSparsepsRankOrRank;
   ConfigSources sources;
-  auto c = LoadConfig(path, {}, lookup, &sources);
+  auto c = LoadConfig(path, {}, lookup, &sources, kWorker);
   ASSERT_TRUE(c.ok()) << c.status().ToString();
   EXPECT_EQ(c->node().rank(), -1);
 
-  env = {{"OMPI_COMM_WORLD_RANK", "3"}};
-  c = LoadConfig(path, {}, lookup, &sources);
-  ASSERT_TRUE(c.ok());
-  EXPECT_EQ(c->node().rank(), 3);
-  EXPECT_EQ(sources["node.rank"], "env OMPI_COMM_WORLD_RANK");
-  env["SLURM_PROCID"] = "2";
-  EXPECT_EQ(LoadConfig(path, {}, lookup)->node().rank(), 2);
+  // One srun over all roles: the task ids are not ranks of any role.
+  env = {{"OMPI_COMM_WORLD_RANK", "3"}, {"SLURM_PROCID", "2"}};
+  EXPECT_EQ(LoadConfig(path, {}, lookup, nullptr, kWorker)->node().rank(), -1);
+  EXPECT_EQ(LoadConfig(path, {}, lookup, nullptr, kServer)->node().rank(), -1);
+
+  // torchrun's RANK is a worker's rank, not a server's.
   env["RANK"] = "1";
-  EXPECT_EQ(LoadConfig(path, {}, lookup)->node().rank(), 1);
+  c = LoadConfig(path, {}, lookup, &sources, kWorker);
+  EXPECT_EQ(c->node().rank(), 1);
+  EXPECT_EQ(sources["node.rank"], "env RANK");
+  EXPECT_EQ(LoadConfig(path, {}, lookup, nullptr, kServer)->node().rank(), -1);
+
   env["SPARSEPS_RANK"] = "0";
-  c = LoadConfig(path, {}, lookup, &sources);
-  EXPECT_EQ(c->node().rank(), 0);
-  EXPECT_EQ(sources["node.rank"], "env SPARSEPS_RANK");
+  for (RankEnv role : {kServer, kWorker}) {
+    c = LoadConfig(path, {}, lookup, &sources, role);
+    EXPECT_EQ(c->node().rank(), 0);
+    EXPECT_EQ(sources["node.rank"], "env SPARSEPS_RANK");
+  }
 
   env = {{"RANK", "-1"}};
-  auto bad = LoadConfig(path, {}, lookup);
+  auto bad = LoadConfig(path, {}, lookup, nullptr, kWorker);
   ASSERT_FALSE(bad.ok());
   EXPECT_THAT(bad.status().message(), HasSubstr("env RANK='-1'"));
+  EXPECT_TRUE(LoadConfig(path, {}, lookup, nullptr, kServer).ok());  // not read at all
   env = {{"SPARSEPS_RANK", "one"}};
   EXPECT_THAT(LoadConfig(path, {}, lookup).status().message(), HasSubstr("env SPARSEPS_RANK"));
 
@@ -228,6 +238,25 @@ TEST_F(ConfigTest, RankFromTheEnvironment) {
   EXPECT_EQ(LoadConfig(path, {"node.rank=3"}, lookup)->node().rank(), 3);
   path = Write("node:\n  rank: 2\n");
   EXPECT_EQ(LoadConfig(path, {}, lookup)->node().rank(), 2);
+}
+
+// --help lists exactly the variables LoadConfig reads: RANK for a worker only.
+TEST(EnvironmentHelp, NamesWhatIsRead) {
+  auto joined = [](const std::vector<std::string>& lines) {
+    std::string s;
+    for (const auto& l : lines) s += l + "\n";
+    return s;
+  };
+  const std::string server = joined(EnvironmentHelp(RankEnv::kSparsepsRank));
+  const std::string worker = joined(EnvironmentHelp(RankEnv::kSparsepsRankOrRank));
+  for (const char* v :
+       {"SPARSEPS_SCHEDULER", "SPARSEPS_HOST", "SPARSEPS_BIND_HOST", "SPARSEPS_RANK"}) {
+    EXPECT_THAT(server, HasSubstr(v));
+    EXPECT_THAT(worker, HasSubstr(v));
+  }
+  EXPECT_THAT(server, Not(HasSubstr("\nRANK")));
+  EXPECT_THAT(worker, HasSubstr("\nRANK=r"));
+  EXPECT_THAT(worker, Not(HasSubstr("SLURM_PROCID")));
 }
 
 TEST_F(ConfigTest, LogLevelIsChecked) {

@@ -1,0 +1,141 @@
+"""deploy/slurm/sparseps.sbatch on a real Slurm: deploy/slurm/local-slurm.sh starts munged,
+slurmctld and three slurmd nodes (each an emulated host in a network namespace; one node on
+127.0.0.1 where ip netns does not work here), the quickstart is submitted with sbatch and waited
+for with a deadline; the accuracy comes from the job's summary.json, the state and exit code from
+scontrol. Skips, saying why, only where slurmctld cannot start (not root, Slurm not installed).
+Run by ctest with Debian's python3 -m pytest."""
+import json
+import os
+import pathlib
+import re
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BUILD = pathlib.Path(os.environ.get("SPARSEPS_BUILD_DIR", ROOT / "build"))
+LOCAL_SLURM = ROOT / "deploy" / "slurm" / "local-slurm.sh"
+SBATCH = ROOT / "deploy" / "slurm" / "sparseps.sbatch"
+QUICKSTART = ROOT / "configs" / "quickstart.yaml"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Slurm:
+    def __init__(self, tmp):
+        self.dir = pathlib.Path(tmp) / "slurm"
+        netns = subprocess.run([str(ROOT / "deploy" / "netns.sh"), "check"],
+                               capture_output=True, text=True).returncode == 0
+        self.nodes = 3 if netns else 1
+        # A prefix and subnet of this test's own (the process id keeps two runs apart).
+        self.args = ["--dir", str(self.dir), "--nodes", str(self.nodes), "--cpus", "2",
+                     "--prefix", f"spsl{os.getpid() % 100000}",
+                     "--subnet", f"10.{100 + os.getpid() % 100}.0"]
+
+    def up(self):
+        return subprocess.run([str(LOCAL_SLURM), "up", *self.args], capture_output=True,
+                              text=True, timeout=120)
+
+    def down(self):
+        subprocess.run([str(LOCAL_SLURM), "down", *self.args], capture_output=True, timeout=120)
+
+    def run(self, *cmd, env=None, timeout=60):
+        return subprocess.run([str(LOCAL_SLURM), "run", "--dir", str(self.dir), *cmd],
+                              capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+    def submit(self, ntasks, *args):
+        env = dict(os.environ, SPARSEPS_BUILD_DIR=str(BUILD),
+                   SPARSEPS_SCHEDULER_PORT=str(free_port()))
+        r = self.run("sbatch", "--parsable", f"--ntasks={ntasks}",
+                     f"--output={self.dir}/job-%j.out", str(SBATCH), *args, env=env)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.strip().split(";")[0]
+
+    def wait(self, job, deadline_s=400):
+        """The job's JobState and ExitCode once it has ended; fails naming the state it was
+        left in when the deadline passes."""
+        end = time.time() + deadline_s
+        state = "?"
+        while time.time() < end:
+            out = self.run("scontrol", "show", "job", "-o", job).stdout
+            m = re.search(r"JobState=(\S+)", out)
+            state = m.group(1) if m else "?"
+            if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
+                         "OUT_OF_MEMORY"):
+                return state, re.search(r"ExitCode=(\S+)", out).group(1)
+            time.sleep(1)
+        pytest.fail(f"job {job} still {state} after {deadline_s} s:\n{self.output(job)}")
+
+    def output(self, job):
+        p = self.dir / f"job-{job}.out"
+        return p.read_text() if p.exists() else "(no output file)"
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    if os.geteuid() != 0:
+        pytest.skip("slurmctld cannot start: Slurm's daemons need root here")
+    for b in ("slurmctld", "slurmd", "munged", "sbatch"):
+        if shutil.which(b) is None:
+            pytest.skip(f"slurmctld cannot start: {b} is not installed (deploy/install-deps.sh)")
+    # munged wants every directory above its socket searchable by all, which pytest's own
+    # temporary directories (mode 0700) are not.
+    top = tempfile.mkdtemp(prefix="sparseps-slurm-")
+    os.chmod(top, 0o755)
+    s = Slurm(top)
+    try:
+        r = s.up()
+        assert r.returncode == 0, f"local-slurm.sh up failed:\n{r.stdout}\n{r.stderr}"
+        yield s
+    finally:
+        s.down()
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def test_quickstart_trains_across_nodes(slurm, tmp_path):
+    run_dir = tmp_path / "run"
+    job = slurm.submit(5, "--config", str(QUICKSTART), "--set", "train.epochs=1",
+                       "--run-dir", str(run_dir))
+    state, code = slurm.wait(job)
+    out = slurm.output(job)
+    assert (state, code) == ("COMPLETED", "0:0"), out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "ok"
+    assert summary["final_test_accuracy"] >= 0.83, summary
+    # Every process's log in the one run directory, and worker 0's progress in the job output.
+    for name in ("scheduler", "server-0", "server-1", "worker-0", "worker-1"):
+        assert (run_dir / f"{name}.log").stat().st_size > 0, name
+    assert "final test accuracy" in out
+    # Each task bound its own node's address: with three nodes, three distinct hosts.
+    hosts = set()
+    for name in ("scheduler", "server-0", "server-1", "worker-0", "worker-1"):
+        m = re.search(r'node\.host = "([^"]+)"', (run_dir / f"{name}.log").read_text())
+        assert m, name
+        hosts.add(m.group(1))
+    assert len(hosts) == slurm.nodes, hosts
+
+
+def test_a_failing_training_fails_the_job_with_its_exit_code(slurm, tmp_path):
+    # A learning rate that makes the loss NaN within a few steps: the worker exits with 1.
+    job = slurm.submit(5, "--config", str(QUICKSTART), "--set", "train.epochs=1",
+                       "--set", "train.lr=900", "--run-dir", str(tmp_path / "run"))
+    state, code = slurm.wait(job)
+    out = slurm.output(job)
+    assert (state, code) == ("FAILED", "1:0"), out
+    assert "NaN" in out and "the job failed (exit 1)" in out, out
+
+
+def test_a_task_count_that_does_not_match_the_config_is_refused(slurm, tmp_path):
+    job = slurm.submit(4, "--config", str(QUICKSTART), "--run-dir", str(tmp_path / "run"))
+    state, code = slurm.wait(job, deadline_s=60)
+    out = slurm.output(job)
+    assert (state, code) == ("FAILED", "2:0"), out
+    assert "sbatch --ntasks=5" in out, out
