@@ -89,7 +89,6 @@ class TrainingLog {
     prometheus::Counter &steps, &sent, &received;
   };
   std::unique_ptr<Live> live_;
-  double num_params_ = 0.0;  // for the densities; set by StartMetrics
   Clock::time_point last_residual_;
   std::vector<float> residual_;
   Clock::time_point start_, last_progress_, eval_start_;
