@@ -5,8 +5,9 @@
 
 Columns: run (the directory's name), method (ps/ENCODING or allreduce/COLLECTIVE), density,
 workers (W), servers (S), status, final test accuracy, wall-clock seconds, training seconds,
-steps, bytes sent and received per worker per step, and the cluster's training samples per
-second. docs/user-guide.md ("What a run writes") documents each field of summary.json.
+steps, bytes sent and received per worker per step, the cluster's training samples per second,
+and the messages the servers rejected (the sum of their `servers` counters; "-" when none
+reported, as with allreduce). docs/user-guide.md ("What a run writes") documents each field of summary.json.
 
 Exit code: 0, or 1 when a directory has no readable summary.json (named on stderr).
 """
@@ -15,7 +16,7 @@ import os
 import sys
 
 HEADER = ("| run | method | density | W | S | status | test acc | wall s | train s | steps "
-          "| sent B/worker/step | recv B/worker/step | samples/s (cluster) |")
+          "| sent B/worker/step | recv B/worker/step | samples/s (cluster) | rejected (servers) |")
 
 
 def method(s):
@@ -23,6 +24,14 @@ def method(s):
     if s.get("aggregation") == "allreduce":
         return "allreduce/" + s.get("collective", "")
     return "ps/" + str(s.get("encoding", "")).lower()
+
+
+def rejected(s):
+    """The servers' rejected messages, summed; '-' when no server reported its counters."""
+    servers = s.get("servers") or []
+    if not servers:
+        return "-"
+    return str(sum(int(x.get("rejected", 0)) for x in servers))
 
 
 def row(name, s):
@@ -34,7 +43,7 @@ def row(name, s):
             f"| {int(s.get('steps', 0))} "
             f"| {float(s.get('bytes_sent_per_worker_per_step', 0)):.0f} "
             f"| {float(s.get('bytes_received_per_worker_per_step', 0)):.0f} "
-            f"| {float(samples):.0f} |")
+            f"| {float(samples):.0f} | {rejected(s)} |")
 
 
 def main(argv):

@@ -36,6 +36,7 @@ Scheduler::Scheduler(const proto::JobConfig& config, Clock::time_point start)
                                                                  : config.cluster().num_servers()),
       expected_workers_(config.cluster().num_workers()),
       worker_stats_(config.cluster().num_workers()),
+      server_stats_(config.aggregation() == proto::ALLREDUCE ? 0 : config.cluster().num_servers()),
       config_text_(CanonicalJobConfig(config)),
       config_hash_(ConfigHash(config_text_)),
       continue_on_worker_failure_(config.aggregation() != proto::ALLREDUCE &&
@@ -535,6 +536,35 @@ void Scheduler::HandleDone(const std::string& from, const proto::Header& h,
       std::count_if(nodes_.begin(), nodes_.end(), [](const Node& x) { return x.done && !x.dead; }));
   spdlog::info("{} is done ({} of {} workers)", Describe(n), done, LiveWorkers());
   CheckWaits(out);
+}
+
+bool Scheduler::HandleServerReport(const std::string& from, const Result<Message>& msg) {
+  if (!finished_ || !finished_->ok() || !msg.ok()) return ServersNotReported().empty();
+  const int idx = FindNodeByRoutingId(from);
+  if (idx < 0) return ServersNotReported().empty();
+  const Node& n = nodes_[static_cast<size_t>(idx)];
+  const auto& h = msg->header;
+  if (n.role == proto::SERVER && !n.dead && n.public_key == msg->peer_key &&
+      h.command() == proto::DONE && h.has_done() && h.done().has_server_stats() && n.rank >= 0 &&
+      static_cast<size_t>(n.rank) < server_stats_.size()) {
+    server_stats_[static_cast<size_t>(n.rank)] = h.done().server_stats();
+    server_stats_[static_cast<size_t>(n.rank)]->set_rank(n.rank);
+  }
+  return ServersNotReported().empty();
+}
+
+std::vector<int> Scheduler::ServersNotReported() const {
+  std::vector<int> missing;
+  for (const auto& n : nodes_) {
+    if (n.role != proto::SERVER || n.dead || n.rank < 0) continue;
+    if (static_cast<size_t>(n.rank) >= server_stats_.size() ||
+        !server_stats_[static_cast<size_t>(n.rank)]) {
+      missing.push_back(n.rank);
+    }
+  }
+  std::sort(missing.begin(), missing.end());
+  missing.erase(std::unique(missing.begin(), missing.end()), missing.end());
+  return missing;
 }
 
 bool Scheduler::PrepareResume(std::vector<Outgoing>* out) {
@@ -1350,6 +1380,11 @@ proto::RunSummary Scheduler::Summary(Clock::time_point now) const {
   for (const auto& lost : lost_workers_) *s.add_lost_workers() = lost;
   for (const auto& joined : joined_workers_) *s.add_joined_workers() = joined;
   for (const auto& replaced : replaced_servers_) *s.add_replaced_servers() = replaced;
+  for (size_t r = 0; r < server_stats_.size(); ++r) {
+    proto::ServerStats stats = server_stats_[r].value_or(proto::ServerStats());
+    stats.set_rank(static_cast<int32_t>(r));
+    *s.add_servers() = stats;
+  }
   return s;
 }
 
@@ -1487,6 +1522,24 @@ Status RunScheduler(const proto::JobConfig& config) {
   }
   flush();
   Status result = scheduler.final_status();
+  if (result.ok() && !scheduler.ServersNotReported().empty()) {
+    // The servers answer SHUTDOWN with their counters (DONE): wait a little for them, so that
+    // summary.json holds every server's too.
+    constexpr double kServerReportWait = 3.0;
+    const auto wait_start = Clock::now();
+    bool all = false;
+    while (!all && SecondsSince(wait_start) < kServerReportWait) {
+      if (!PollIn({&socket}, 50)[0]) continue;
+      std::string from;
+      auto msg = RecvMessage(socket, true, &from, nullptr);
+      if (!msg.ok() && msg.status().code() == StatusCode::kIoError) continue;
+      all = scheduler.HandleServerReport(from, msg);
+    }
+    for (int r : scheduler.ServersNotReported()) {
+      spdlog::warn("server {} did not report its counters within {} s; summary.json lacks them", r,
+                   kServerReportWait);
+    }
+  }
   if (!dir.empty()) {
     Status w = WriteJson(dir + "/summary.json", scheduler.Summary(Clock::now()));
     if (!w.ok())

@@ -62,6 +62,13 @@ class Scheduler {
   // Ends the job now: FATAL with `reason` to every registered node; final_status() is Aborted.
   void Abort(const std::string& reason, std::vector<Outgoing>* out);
 
+  // Once the job ended normally (SHUTDOWN sent): a server's DONE with its counters, accepted only
+  // from that server's own control socket and key, for summary.json's `servers`. Anything else is
+  // ignored. Returns true once every server in the job has reported.
+  bool HandleServerReport(const std::string& from, const Result<Message>& msg);
+  // The ranks of the servers in the job that have not reported their counters yet.
+  std::vector<int> ServersNotReported() const;
+
   // The run's summary (valid once workers reported; partial otherwise).
   proto::RunSummary Summary(Clock::time_point now) const;
 
@@ -220,6 +227,7 @@ class Scheduler {
   proto::Membership membership_;
   std::map<std::pair<std::string, uint64_t>, BarrierState> barriers_;
   std::vector<proto::WorkerStats> worker_stats_;
+  std::vector<std::optional<proto::ServerStats>> server_stats_;  // index = server rank
   std::optional<Status> finished_;
   Clock::time_point finished_at_;
   uint64_t rejected_ = 0;

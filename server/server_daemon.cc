@@ -311,6 +311,27 @@ Status Serve(const proto::JobConfig& config, zmq::context_t& context, const std:
   control.StopHeartbeats();
   if (shard != nullptr) {
     const auto& c = shard->counters();
+    // The job ended normally: this server's counters go into the scheduler's summary.json.
+    Message done;
+    done.header.set_command(proto::DONE);
+    proto::ServerStats* st = done.header.mutable_done()->mutable_server_stats();
+    st->set_rank(control.rank());
+    st->set_iterations(shard->version() < 0 ? 0 : static_cast<uint64_t>(shard->version()));
+    st->set_pushes(c.pushes);
+    st->set_pulls(c.pulls);
+    st->set_sparse_pull_replies(c.sparse_pull_replies);
+    st->set_dense_pull_replies(c.dense_pull_replies);
+    st->set_rejected(c.rejected);
+    st->set_duplicate_pushes(c.duplicate_pushes);
+    st->set_stale_pushes(c.stale_pushes);
+    st->set_impostors(c.impostors);
+    st->set_over_limit(c.over_limit);
+    st->set_unsent_replies(unsent);
+    st->set_bytes_in(bytes_in);
+    st->set_bytes_out(bytes_out);
+    if (Status s = control.SendToScheduler(done); !s.ok()) {
+      spdlog::warn("could not report the counters to the scheduler: {}", s.message());
+    }
     spdlog::info(
         "served {} iterations: {} pushes, {} pulls ({} sparse, {} dense replies), {} rejected "
         "messages ({} duplicate, {} stale pushes, {} from peers that are not in the job), {} "

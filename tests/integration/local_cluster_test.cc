@@ -134,6 +134,21 @@ TEST_P(LocalClusterTest, TrainsAndEveryProcessExitsZero) {
   EXPECT_EQ(summary.steps(), 40u);
   EXPECT_EQ(summary.workers_size(), 2);
   EXPECT_GT(summary.final_test_accuracy(), 0.5);  // 40 steps of a 64-unit MLP: well above 10%
+  // Every server's counters, reported at SHUTDOWN: one push per worker and iteration, nothing
+  // rejected, and every byte a worker sent arrived at a server.
+  ASSERT_EQ(summary.servers_size(), 2) << json;
+  uint64_t server_in = 0, worker_out = 0;
+  for (int s = 0; s < 2; ++s) {
+    const auto& st = summary.servers(s);
+    EXPECT_EQ(st.rank(), s);
+    EXPECT_EQ(st.iterations(), 40u) << json;
+    EXPECT_EQ(st.pushes(), 2u * 40u) << json;
+    EXPECT_EQ(st.rejected(), 0u) << json;
+    EXPECT_GT(st.bytes_out(), 0u);
+    server_in += st.bytes_in();
+  }
+  for (const auto& w : summary.workers()) worker_out += w.bytes_sent();
+  EXPECT_EQ(server_in, worker_out) << json;
   EXPECT_GT(summary.bytes_sent_per_worker_per_step(), 0);
   if (GetParam() == "topk" || GetParam() == "sbc") {
     // Top-k / SBC at 1%: far fewer bytes than the dense model (4 bytes per parameter).
