@@ -6,6 +6,7 @@
 #include <cmath>
 #include <fstream>
 #include <limits>
+#include <set>
 #include <sstream>
 #include <tuple>
 
@@ -1428,10 +1429,15 @@ class SchedulerMetrics {
     AdvanceTo(lost_, static_cast<double>(s.lost_workers()));
     AdvanceTo(impostors_, static_cast<double>(s.impostor_messages()));
     AdvanceTo(malformed_, static_cast<double>(s.rejected_messages() - s.impostor_messages()));
-    size_t alive = 0;
-    for (const auto& n : s.Liveness(now)) {
-      if (n.dead) continue;
-      ++alive;
+    // Per node once it has a rank (before the membership the names would not last); a removed
+    // node's silence keeps growing unless a replacement took its name.
+    const auto nodes = s.Liveness(now);
+    std::set<std::string> live;
+    for (const auto& n : nodes) {
+      if (!n.dead) live.insert(n.name);
+    }
+    for (const auto& n : nodes) {
+      if (n.name.find('-') == std::string::npos || (n.dead && live.count(n.name))) continue;
       auto& silent =
           registry_.Gauge("sparseps_scheduler_node_silent_seconds",
                           "Seconds since anything was heard from the node", {{"node", n.name}});
@@ -1442,7 +1448,8 @@ class SchedulerMetrics {
                  "Heartbeat intervals since anything was heard from the node", {{"node", n.name}})
           .Set(heartbeat_interval_s_ > 0 ? std::floor(n.silent_s / heartbeat_interval_s_) : 0);
     }
-    registered_.Set(static_cast<double>(alive));
+    registered_.Set(static_cast<double>(
+        std::count_if(nodes.begin(), nodes.end(), [](const auto& n) { return !n.dead; })));
   }
 
  private:

@@ -99,6 +99,10 @@ def test_every_daemon_serves_its_metrics_while_the_job_trains(tmp_path):
         assert value(sched, "sparseps_scheduler_registered_nodes") == 4
         for node in ("server-0", "server-1", "worker-0", "worker-1"):
             assert value(sched, "sparseps_scheduler_missed_heartbeats", node=node) < 3, node
+        # One series per node of the job: none for a node before it had a rank.
+        nodes = sorted(dict(ls)["node"] for (n, ls) in sched
+                       if n == "sparseps_scheduler_missed_heartbeats")
+        assert nodes == ["server-0", "server-1", "worker-0", "worker-1"], nodes
         assert value(sched, "sparseps_scheduler_rejected_messages_total", reason="impostor") == 0
 
         for i in (3, 4):
@@ -106,11 +110,12 @@ def test_every_daemon_serves_its_metrics_while_the_job_trains(tmp_path):
             it0 = value(w0, "sparseps_worker_iteration")
             it1 = value(w1, "sparseps_worker_iteration")
             assert it1 > it0, "the iteration did not move"
-            # One histogram observation and one steps_total per step of this process.
+            # One histogram observation and one steps_total per step of this process (a scrape
+            # is not one instant across series: the step in progress may show in some only).
             steps = value(w1, "sparseps_worker_steps_total")
-            assert value(w1, "sparseps_worker_step_seconds_count") == steps
-            assert value(w1, "sparseps_worker_push_pull_seconds_count") == steps
-            assert steps == it1  # a fresh run: every step was this process's
+            assert abs(value(w1, "sparseps_worker_step_seconds_count") - steps) <= 1
+            assert abs(value(w1, "sparseps_worker_push_pull_seconds_count") - steps) <= 1
+            assert abs(steps - it1) <= 1  # a fresh run: every step was this process's
             assert value(w1, "sparseps_worker_step_seconds_sum") > 0
             assert value(w1, "sparseps_worker_sent_bytes_total") > 0
             # Top-k at density 0.01 of 235146 parameters: 2351 selected each step.
@@ -123,9 +128,10 @@ def test_every_daemon_serves_its_metrics_while_the_job_trains(tmp_path):
             s = now[i]
             version = value(s, "sparseps_server_iteration")
             assert version > 0
-            # Two workers push once per iteration; the iteration in progress may hold one push.
+            # Two workers push once per iteration; the iteration in progress may hold their
+            # pushes, and the scrape may read the two series an iteration apart.
             pushes = value(s, "sparseps_server_pushes_total")
-            assert 2 * version <= pushes <= 2 * version + 2, (version, pushes)
+            assert 2 * (version - 1) <= pushes <= 2 * (version + 2), (version, pushes)
             assert value(s, "sparseps_server_received_bytes_total") > 0
             for reason in ("impostor", "over_limit", "stale_push", "malformed_or_unexpected"):
                 assert value(s, "sparseps_server_rejected_messages_total", reason=reason) == 0
