@@ -265,7 +265,10 @@ TEST(SupervisionRejoin, MaxRestartsReplacesAKilledWorker) {
   for (size_t i = 0; i < steps0.size(); ++i) ASSERT_EQ(steps0[i], static_cast<double>(i + 1));
   // Worker 1: the lost one's steps, then the replacement's from its join on, to the end.
   ASSERT_FALSE(steps1.empty());
-  EXPECT_EQ(steps1.back(), 300.0);
+  EXPECT_EQ(steps1.back(), 300.0) << "launcher:\n"
+                                  << b.Log() << "\nworker-1.log (both processes):\n"
+                                  << log1 << "\nscheduler.log:\n"
+                                  << testing::ReadFile(run + "/scheduler.log");
   for (size_t i = 1; i < steps1.size(); ++i) ASSERT_GT(steps1[i], steps1[i - 1]);
   EXPECT_NE(std::find(steps1.begin(), steps1.end(), joined + 1), steps1.end());
   proto::RunSummary summary;
