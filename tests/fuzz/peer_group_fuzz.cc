@@ -7,12 +7,12 @@
 #include <fuzzer/FuzzedDataProvider.h>
 #include <spdlog/spdlog.h>
 
-#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "tests/fuzz/invariant.h"
 #include "worker/collectives/peer_group.h"
 
 namespace {
@@ -21,10 +21,7 @@ using sparseps::Message;
 using sparseps::PeerGroup;
 namespace proto = sparseps::proto;
 
-[[noreturn]] void Fail(const char* what) {
-  std::fprintf(stderr, "invariant broken: %s\n", what);
-  __builtin_trap();
-}
+using sparseps::fuzz::Fail;
 
 struct Groups {
   zmq::context_t context{1};

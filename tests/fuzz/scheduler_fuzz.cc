@@ -8,12 +8,12 @@
 #include <fuzzer/FuzzedDataProvider.h>
 #include <spdlog/spdlog.h>
 
-#include <cstdio>
 #include <string>
 #include <vector>
 
 #include "common/config.h"
 #include "scheduler/scheduler.h"
+#include "tests/fuzz/invariant.h"
 
 namespace {
 
@@ -23,10 +23,7 @@ using sparseps::Outgoing;
 using sparseps::Result;
 namespace proto = sparseps::proto;
 
-[[noreturn]] void Fail(const char* what) {
-  std::fprintf(stderr, "invariant broken: %s\n", what);
-  __builtin_trap();
-}
+using sparseps::fuzz::Fail;
 
 }  // namespace
 

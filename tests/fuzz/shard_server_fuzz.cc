@@ -9,7 +9,6 @@
 #include <fuzzer/FuzzedDataProvider.h>
 
 #include <algorithm>
-#include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -19,6 +18,7 @@
 #include "encodings/sketch.h"
 #include "encodings/topk.h"
 #include "server/shard_server.h"
+#include "tests/fuzz/invariant.h"
 
 namespace {
 
@@ -28,10 +28,7 @@ using sparseps::Result;
 using sparseps::ShardServer;
 namespace proto = sparseps::proto;
 
-[[noreturn]] void Fail(const char* what) {
-  std::fprintf(stderr, "invariant broken: %s\n", what);
-  __builtin_trap();
-}
+using sparseps::fuzz::Fail;
 
 std::string Peer(int w) { return "w" + std::to_string(w); }
 
