@@ -46,6 +46,8 @@ class MetricsRegistry {
   Status StartFromConfig(const proto::JobConfig& config);
   // The address served on ("host:port"); empty when not serving.
   const std::string& address() const { return address_; }
+  // Whether /metrics is served: callers may skip refreshing series nobody can read.
+  bool serving() const { return !address_.empty(); }
 
   // A series of the family `name` (created on first use, with `help`) with `labels` on top of role
   // and rank. References stay valid for the registry's lifetime.

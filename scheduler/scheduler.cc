@@ -1425,6 +1425,7 @@ class SchedulerMetrics {
   Status Start(const proto::JobConfig& config) { return registry_.StartFromConfig(config); }
 
   void Update(const Scheduler& s, Clock::time_point now) {
+    if (!registry_.serving()) return;  // metrics.port 0: no per-node strings every loop
     epoch_.Set(static_cast<double>(s.has_membership() ? s.membership().epoch() : 0));
     AdvanceTo(lost_, static_cast<double>(s.lost_workers()));
     AdvanceTo(impostors_, static_cast<double>(s.impostor_messages()));

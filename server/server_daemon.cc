@@ -87,6 +87,7 @@ class ServerMetrics {
 
   void Update(const ShardServer& shard, uint64_t epoch, uint64_t bytes_in, uint64_t bytes_out,
               uint64_t unsent) {
+    if (!r_.serving()) return;
     const auto& c = shard.counters();
     iteration_.Set(static_cast<double>(shard.version()));
     epoch_.Set(static_cast<double>(epoch));
