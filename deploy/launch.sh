@@ -7,6 +7,30 @@
 #   deploy/launch.sh [--config F] [--set key=value ...] [--run-dir D] [--build-dir B] [--quiet]
 #                    [--netns PREFIX] [--worker-command "CMD ARGS"] [--resume RUN_DIR]
 #                    [--max-restarts N]
+#   deploy/launch.sh --hosts FILE [--ssh "ssh OPTIONS"] [--remote-dir D] [--remote-bin-dir D]
+#                    [-x NAME[=VALUE] ...] [--config F] [--set key=value ...] [--run-dir D]
+#
+# --hosts FILE starts each process on a host of its own over OpenSSH. One line per host: how ssh
+# reaches it ([user@]host[:port]), then its roles, each `scheduler`, `server` or `worker`, with an
+# optional count (`worker:2`), and optionally `addr=A`, the address the other hosts reach it at
+# (default: the host name resolved here); '#' starts a comment:
+#     10.0.0.1   scheduler server
+#     10.0.0.2   server worker
+#     alice@gpu3:2222   worker:2   addr=192.168.1.3
+# Ranks follow the order of the file; the counts must be the config's (1 scheduler, S servers,
+# W workers; no servers with allreduce). Every host needs the daemons (at the paths of this build,
+# or in --remote-bin-dir, e.g. /usr/bin for the Debian package) and the data at the config's path;
+# the config goes to each host with the job. Each process runs in --remote-dir (default
+# /tmp/sparseps-runs/<run directory name>) with its log streamed live into the local run
+# directory; worker 0's progress is printed here; a process that fails, or Ctrl-C, stops every
+# process on every host (a host that loses its ssh connection stops its own processes); at the
+# end every host's files (logs, metrics CSVs, summary.json, the model) are copied into the local
+# run directory. ssh runs with BatchMode (keys or an agent, never a password prompt) and
+# keep-alives (a host that does not answer for 30 s fails the job); --ssh gives the command and
+# its options (default: $SPARSEPS_SSH, else ssh), e.g. --ssh "ssh -F cluster/ssh_config".
+# -x NAME=VALUE (or -x NAME, this shell's value) sets a variable for every remote process, as
+# mpirun -x does. The remote login shell must be a POSIX sh. deploy/ssh/local-ssh.sh starts
+# emulated hosts with an sshd each to try it on one machine.
 #
 # --max-restarts N supervises the job as torchrun's elastic agent does, at most N restarts in all,
 # each printed and logged to RUN_DIR/restarts.log: a worker killed by a signal in ps mode with
@@ -52,6 +76,11 @@ worker_command=""
 resume=""
 config_given=""
 max_restarts=0
+hosts_file=""
+ssh_cmd="${SPARSEPS_SSH:-ssh}"
+remote_dir=""
+remote_bin_dir=""
+remote_env=()
 sets=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -66,6 +95,15 @@ while [[ $# -gt 0 ]]; do
     --worker-command) worker_command="$2"; shift 2 ;;
     --resume) resume="$2"; shift 2 ;;
     --max-restarts) max_restarts="$2"; shift 2 ;;
+    --hosts) hosts_file="$2"; shift 2 ;;
+    --ssh) ssh_cmd="$2"; shift 2 ;;
+    --remote-dir) remote_dir="$2"; shift 2 ;;
+    --remote-bin-dir) remote_bin_dir="$2"; shift 2 ;;
+    -x|--env)
+      if [[ "$2" == *=* ]]; then remote_env+=("$2")
+      elif [[ -v "$2" ]]; then remote_env+=("$2=${!2}")
+      else echo "launch.sh: -x $2: not set here (give -x $2=VALUE)" >&2; exit 2; fi
+      shift 2 ;;
     -h|--help) awk 'NR == 1 { next } /^#/ { sub(/^# ?/, ""); print; next } { exit }' "$0"; exit 0 ;;
     *) echo "launch.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
@@ -81,9 +119,16 @@ if [[ -n "$resume" ]]; then
   fi
 fi
 
-scheduler_bin="$build_dir/scheduler/sparseps-scheduler"
-server_bin="$build_dir/server/sparseps-server"
-worker_bin="$build_dir/worker/sparseps-worker"
+# The daemons: SPARSEPS_BIN_DIR, else this build tree, else PATH (an installed package).
+daemon_path() {  # daemon_path scheduler|server|worker
+  if [[ -n "${SPARSEPS_BIN_DIR:-}" ]]; then echo "$SPARSEPS_BIN_DIR/sparseps-$1"
+  elif [[ ! -x "$build_dir/$1/sparseps-$1" ]] && command -v "sparseps-$1" >/dev/null; then
+    command -v "sparseps-$1"
+  else echo "$build_dir/$1/sparseps-$1"; fi
+}
+scheduler_bin="$(daemon_path scheduler)"
+server_bin="$(daemon_path server)"
+worker_bin="$(daemon_path worker)"
 for b in "$scheduler_bin" "$server_bin" "$worker_bin"; do
   [[ -x "$b" ]] || { echo "launch.sh: $b not found; build first (deploy/quickstart.sh does)" >&2; exit 1; }
 done
@@ -101,8 +146,19 @@ fi
 # With allreduce the workers aggregate among themselves: no servers.
 [[ "$aggregation" == "allreduce" ]] && num_servers=0
 
+if [[ -n "$hosts_file" ]]; then
+  [[ -z "$netns" && -z "$resume" && "$max_restarts" == 0 ]] ||
+    { echo "launch.sh: --hosts does not go with --netns, --resume or --max-restarts" >&2; exit 2; }
+  # shellcheck source=deploy/lib/remote.sh
+  source "$here/deploy/lib/remote.sh"
+  parse_hosts "$hosts_file" || exit 2
+fi
+
 if [[ -z "$run_dir" ]]; then
-  run_dir="$here/runs/${job_name}-$(date +%Y%m%d-%H%M%S)-$$"
+  runs="$here/runs"
+  # An installed launcher (/usr/share/sparseps) writes under the current directory.
+  [[ -w "$here" ]] || runs="$PWD/runs"
+  run_dir="$runs/${job_name}-$(date +%Y%m%d-%H%M%S)-$$"
 fi
 mkdir -p "$run_dir"
 run_dir="$(cd "$run_dir" && pwd)"
@@ -118,6 +174,20 @@ fi
 export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"
 # The Python module, for --worker-command.
 export PYTHONPATH="$build_dir/python${PYTHONPATH:+:$PYTHONPATH}"
+# What the processes are started with: this machine's paths, or with --hosts the hosts' (the
+# daemons at the same paths or in --remote-bin-dir, the config and run directory in --remote-dir).
+job_config="$config"
+job_dir="$run_dir"
+if [[ -n "$hosts_file" ]]; then
+  [[ -n "$remote_dir" ]] || remote_dir="/tmp/sparseps-runs/$(basename "$run_dir")"
+  job_config="$remote_dir/config.yaml"
+  job_dir="$remote_dir"
+  if [[ -n "$remote_bin_dir" ]]; then
+    scheduler_bin="$remote_bin_dir/sparseps-scheduler"
+    server_bin="$remote_bin_dir/sparseps-server"
+    worker_bin="$remote_bin_dir/sparseps-worker"
+  fi
+fi
 worker_argv=("$worker_bin")
 if [[ -n "$worker_command" ]]; then
   read -r -a worker_argv <<<"$worker_command"
@@ -131,18 +201,21 @@ stop_all() {
   for p in "${pids[@]}"; do kill -"$sig" "$p" 2>/dev/null; done
 }
 cleanup() {
-  stop_all TERM
-  # Give the processes up to 5 s to exit, then kill what is left.
-  for _ in $(seq 50); do
+  # With --hosts the remote processes are signalled, and their ssh ends when they have.
+  if [[ -n "$hosts_file" ]]; then remote_signal TERM; else stop_all TERM; fi
+  # Give the processes up to 5 s to exit (10 s on remote hosts), then kill what is left.
+  for _ in $(seq "$([[ -n "$hosts_file" ]] && echo 100 || echo 50)"); do
     local alive=0
     for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
     [[ $alive -eq 0 ]] && break
     sleep 0.1
   done
+  [[ -n "$hosts_file" ]] && remote_signal KILL
   stop_all KILL
   # Ending tail closes the pipe, so the filter behind it ends too.
   [[ -n "$tail_pid" ]] && kill "$tail_pid" 2>/dev/null
   for p in "${pids[@]}" $tail_pid; do wait "$p" 2>/dev/null; done
+  [[ -n "$hosts_file" ]] && remote_collect
 }
 on_signal() {
   echo "launch.sh: interrupted; stopping every process" >&2
@@ -152,12 +225,35 @@ on_signal() {
 trap on_signal INT TERM
 trap cleanup EXIT
 
-# Host placement: on_host N prints the command prefix that runs on emulated host N ('' without
-# --netns); host_addr N its address.
+# Host placement: proc_host NAME prints where process NAME (scheduler, server-S, worker-W) runs:
+# its emulated host's number with --netns (the scheduler on 1, server s on 1 + s, worker w on
+# S + 1 + w), its host's index in the hosts file with --hosts, nothing on this machine.
 netns_sh="$here/deploy/netns.sh"
-on_host() { [[ -z "$netns" ]] || echo "ip netns exec ${netns}-h$1"; }
-# host_set N KEY: "--set KEY=<host N's address>" with --netns, nothing without (the config's).
-host_set() { [[ -z "$netns" ]] || echo "--set $2=$("$netns_sh" addr --prefix "$netns" "$1")"; }
+proc_host() {
+  local name="$1" rank="${1#*-}"
+  if [[ -n "$hosts_file" ]]; then
+    case "$name" in
+      scheduler) echo "$sched_on" ;;
+      server-*) echo "${server_on[$rank]}" ;;
+      worker-*) echo "${worker_on[$rank]}" ;;
+    esac
+  elif [[ -n "$netns" ]]; then
+    case "$name" in
+      scheduler) echo 1 ;;
+      server-*) echo $((1 + rank)) ;;
+      worker-*) echo $((num_servers + 1 + rank)) ;;
+    esac
+  fi
+}
+# host_set NAME KEY: "--set KEY=<the address of NAME's host>" with --netns or --hosts, nothing
+# without (the config's).
+host_set() {
+  local h
+  h="$(proc_host "$1")"
+  [[ -z "$h" ]] && return
+  if [[ -n "$hosts_file" ]]; then echo "--set $2=${host_addr[$h]}"
+  else echo "--set $2=$("$netns_sh" addr --prefix "$netns" "$h")"; fi
+}
 if [[ -n "$netns" ]]; then
   need=$((num_servers + num_workers))
   for ((h = 1; h <= need; h++)); do
@@ -167,11 +263,19 @@ if [[ -n "$netns" ]]; then
     }
   done
 fi
+# With --hosts: each host reached, given the config, and checked for the daemons before anything
+# starts.
+[[ -n "$hosts_file" ]] && { remote_prepare || exit 1; }
 
 append_logs=""
 [[ -n "$resume" ]] && append_logs=1
-start() {  # start NAME COMMAND...
+start() {  # start NAME COMMAND...: runs COMMAND where proc_host NAME says
   local name="$1"; shift
+  if [[ -n "$hosts_file" ]]; then
+    remote_start "$(proc_host "$name")" "$name" "$@"
+    return
+  fi
+  [[ -n "$netns" ]] && set -- ip netns exec "${netns}-h$(proc_host "$name")" "$@"
   if [[ -n "$append_logs" ]]; then
     "$@" >>"$run_dir/$name.log" 2>&1 &
   else
@@ -184,16 +288,15 @@ start() {  # start NAME COMMAND...
 start_server() {  # start_server RANK COMMON_ARGS...
   local s="$1"; shift
   # shellcheck disable=SC2046
-  start "server-$s" $(on_host $((1 + s))) "$server_bin" "$@" \
-    --set "cluster.scheduler_port=$port" --set "node.rank=$s" $(host_set $((1 + s)) node.host)
+  start "server-$s" "$server_bin" "$@" \
+    --set "cluster.scheduler_port=$port" --set "node.rank=$s" $(host_set "server-$s" node.host)
 }
 
 start_worker() {  # start_worker RANK COMMON_ARGS...
   local w="$1"; shift
-  local h=$((num_servers + 1 + w))
   # shellcheck disable=SC2046
-  start "worker-$w" $(on_host $h) "${worker_argv[@]}" "$@" \
-    --set "cluster.scheduler_port=$port" --set "node.rank=$w" $(host_set $h node.host)
+  start "worker-$w" "${worker_argv[@]}" "$@" \
+    --set "cluster.scheduler_port=$port" --set "node.rank=$w" $(host_set "worker-$w" node.host)
 }
 
 restart_with_rejoin() {  # restart_with_rejoin INDEX RC WHAT: starts names[INDEX] again, --rejoin
@@ -204,8 +307,8 @@ restart_with_rejoin() {  # restart_with_rejoin INDEX RC WHAT: starts names[INDEX
   echo "launch.sh: $msg" >&2
   echo "$msg" >>"$run_dir/restarts.log"
   # shellcheck disable=SC2046
-  local args=(--config "$config" --rejoin --set "run.dir=$run_dir"
-    $(host_set 1 cluster.scheduler_host) "${sets[@]}")
+  local args=(--config "$job_config" --rejoin --set "run.dir=$job_dir"
+    $(host_set scheduler cluster.scheduler_host) "${sets[@]}")
   local saved_append="$append_logs"
   append_logs=1
   if [[ $name == server-* ]]; then
@@ -221,22 +324,25 @@ run_job() {  # starts every process, waits; sets $failed to the name of a proces
   # shellcheck disable=SC2046
   resume_args=()
   [[ -n "$resume" ]] && resume_args=(--resume "$run_dir")
-  common=(--config "$config" "${resume_args[@]}" --set "run.dir=$run_dir" --set cluster.scheduler_port=0
-    $(host_set 1 cluster.scheduler_host) "${sets[@]}")
+  common=(--config "$job_config" "${resume_args[@]}" --set "run.dir=$job_dir"
+    --set cluster.scheduler_port=0 $(host_set scheduler cluster.scheduler_host) "${sets[@]}")
   # shellcheck disable=SC2046
-  start scheduler $(on_host 1) "$scheduler_bin" "${common[@]}" $(host_set 1 node.host)
-  # The scheduler binds a free port and writes it to the run directory.
-  for _ in $(seq 300); do
-    [[ -s "$run_dir/scheduler.port" ]] && break
+  start scheduler "$scheduler_bin" "${common[@]}" $(host_set scheduler node.host)
+  # The scheduler binds a free port and writes it to the run directory (deadline 30 s).
+  port=""
+  local deadline=$((SECONDS + 30))
+  while ((SECONDS < deadline)); do
+    if [[ -n "$hosts_file" ]]; then port="$(remote_read "$sched_on" scheduler.port)"
+    else port="$(cat "$run_dir/scheduler.port" 2>/dev/null)"; fi
+    [[ -n "$port" ]] && break
     kill -0 "${pids[0]}" 2>/dev/null || break
     sleep 0.1
   done
-  if [[ ! -s "$run_dir/scheduler.port" ]]; then
+  if [[ -z "$port" ]]; then
     echo "launch.sh: the scheduler did not start; its log ($run_dir/scheduler.log):" >&2
     tail -n 30 "$run_dir/scheduler.log" >&2
     exit 1
   fi
-  port="$(cat "$run_dir/scheduler.port")"
   for ((s = 0; s < num_servers; s++)); do
     start_server "$s" "${common[@]}"
   done
@@ -244,13 +350,15 @@ run_job() {  # starts every process, waits; sets $failed to the name of a proces
     start_worker "$w" "${common[@]}"
   done
   echo "sparseps: ${job_name}: 1 scheduler (port $port), $num_servers servers, $num_workers workers; logs in $run_dir"
+  [[ -n "$hosts_file" ]] && echo "sparseps: on ${#host_target[@]} hosts over ssh: $(hosts_summary)"
 
   if [[ $quiet -eq 0 ]]; then
     # Every worker's log: only the leader (worker 0, or the one that took over when it was lost)
-    # prints progress and evaluations. An appended log is followed from its end.
+    # prints progress and evaluations. An appended log is followed from its end. --pid: it ends
+    # with this script, even when that is killed with SIGKILL.
     worker_logs=()
     for ((w = 0; w < num_workers; w++)); do worker_logs+=("$run_dir/worker-$w.log"); done
-    tail -n "$([[ -n "$append_logs" ]] && echo 0 || echo +1)" -F "${worker_logs[@]}" 2>/dev/null > >(
+    tail --pid=$$ -n "$([[ -n "$append_logs" ]] && echo 0 || echo +1)" -F "${worker_logs[@]}" 2>/dev/null > >(
       grep --line-buffered -E "\] progress epoch|\] eval epoch|\] training done.*final test|\[error\]" |
         sed -u -E 's/^\[[^]]*\] \[[^]]*\] \[[a-z]*\] //') &
     tail_pid=$!
@@ -328,10 +436,10 @@ while true; do
   echo "$msg" >>"$run_dir/restarts.log"
 done
 sleep 0.3  # let the progress stream print its last lines
-if [[ -n "$failed" ]]; then
-  echo "launch.sh: stopping the other processes" >&2
-  exit 1
-fi
+[[ -n "$failed" ]] && echo "launch.sh: stopping the other processes" >&2
+# With --hosts: every host's files (summary.json among them) into the run directory now.
+[[ -n "$hosts_file" ]] && cleanup
+[[ -n "$failed" ]] && exit 1
 acc="$(grep -o '"final_test_accuracy": *[0-9.eE+-]*' "$run_dir/summary.json" 2>/dev/null | grep -o '[0-9.eE+-]*$')"
 wall="$(grep -o '"wall_clock_s": *[0-9.eE+-]*' "$run_dir/summary.json" 2>/dev/null | grep -o '[0-9.eE+-]*$')"
 if [[ -n "$acc" ]]; then

@@ -1,0 +1,216 @@
+"""deploy/launch.sh --hosts over real OpenSSH: deploy/ssh/local-ssh.sh starts three emulated
+hosts (network namespaces), each with an sshd of its own (Debian's openssh-server) and keys made
+for the test, and the launcher runs on host 1 as on a login node. Checked: the quickstart trains
+across the hosts with every process on its host's address, worker 0's progress streamed and every
+host's files copied back; a failing worker, a SIGTERM and a SIGKILL of the launcher each leave no
+process of the job on any host; a bad hosts file is refused naming its line. Skips, saying why,
+only where sshd cannot start (not root, openssh-server missing). With no network namespaces here
+the one host is 127.0.0.1. Run by ctest with Debian's python3 -m pytest."""
+import json
+import os
+import pathlib
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BUILD = pathlib.Path(os.environ.get("SPARSEPS_BUILD_DIR", ROOT / "build"))
+LOCAL_SSH = ROOT / "deploy" / "ssh" / "local-ssh.sh"
+LAUNCH = ROOT / "deploy" / "launch.sh"
+QUICKSTART = ROOT / "configs" / "quickstart.yaml"
+NAMES = ("scheduler", "server-0", "server-1", "worker-0", "worker-1")
+
+
+class Hosts:
+    def __init__(self, tmp):
+        self.dir = pathlib.Path(tmp) / "ssh"
+        netns = subprocess.run([str(ROOT / "deploy" / "netns.sh"), "check"],
+                               capture_output=True, text=True).returncode == 0
+        self.count = 3 if netns else 1
+        # A prefix and subnet of this test's own (the process id keeps two runs apart).
+        self.args = ["--dir", str(self.dir), "--hosts", str(self.count),
+                     "--prefix", f"spss{os.getpid() % 100000}",
+                     "--subnet", f"10.{150 + os.getpid() % 100}.0"]
+
+    def up(self):
+        r = subprocess.run([str(LOCAL_SSH), "up", *self.args], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, f"local-ssh.sh up failed:\n{r.stdout}\n{r.stderr}"
+        self.dests = (self.dir / "hosts").read_text().split()
+
+    def down(self):
+        subprocess.run([str(LOCAL_SSH), "down", *self.args], capture_output=True, timeout=120)
+
+    def hosts_file(self, path, lines=None):
+        """The quickstart's layout: scheduler and server 0 on host 1, server 1 and worker 0 on
+        host 2, worker 1 on host 3 (all on the one host without namespaces)."""
+        if lines is None:
+            d = self.dests if self.count == 3 else self.dests * 3
+            lines = [f"{d[0]} scheduler server   # the login node",
+                     f"{d[1]} server worker", "", f"{d[2]} worker"]
+        path.write_text("\n".join(lines) + "\n")
+        return path
+
+    def launch(self, hosts, run_dir, *sets, wait=True):
+        cmd = [str(LOCAL_SSH), "run", "--dir", str(self.dir), str(LAUNCH), "--hosts", str(hosts),
+               "--config", str(QUICKSTART), "--run-dir", str(run_dir),
+               "--remote-dir", str(run_dir) + "-remote"]
+        for s in sets:
+            cmd += ["--set", s]
+        env = dict(os.environ, SPARSEPS_BUILD_DIR=str(BUILD))
+        if not wait:
+            return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True, env=env, cwd=ROOT)
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env, cwd=ROOT)
+
+
+def job_processes(marker):
+    """Pids of the processes whose command line names MARKER (the job's remote directory): the
+    daemons, the remote shells and the ssh clients of one job."""
+    found = []
+    for p in pathlib.Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            cmdline = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmdline:
+            found.append((int(p.name), cmdline[:120]))
+    return found
+
+
+def assert_none_left(marker, deadline_s=30):
+    end = time.time() + deadline_s
+    left = job_processes(marker)
+    while left and time.time() < end:
+        time.sleep(0.2)
+        left = job_processes(marker)
+    assert not left, f"still running {deadline_s} s after the job ended: {left}"
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    if os.geteuid() != 0:
+        pytest.skip("sshd cannot start: it needs root here")
+    if not os.access("/usr/sbin/sshd", os.X_OK) or shutil.which("ssh") is None:
+        pytest.skip("sshd cannot start: openssh-server / openssh-client not installed "
+                    "(deploy/install-deps.sh)")
+    top = tempfile.mkdtemp(prefix="sparseps-ssh-")
+    h = Hosts(top)
+    try:
+        h.up()
+        yield h
+    finally:
+        h.down()
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def test_quickstart_trains_across_hosts(hosts, tmp_path):
+    run_dir = tmp_path / "run"
+    r = hosts.launch(hosts.hosts_file(tmp_path / "hosts"), run_dir, "train.epochs=1")
+    assert r.returncode == 0, r.stdout + r.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "ok"
+    assert summary["final_test_accuracy"] >= 0.83, summary
+    # Worker 0's progress here; every process's log and the metrics copied back.
+    assert re.search(r"eval epoch 1 step \d+: .*test accuracy", r.stdout), r.stdout
+    assert "final test accuracy" in r.stdout
+    for name in NAMES:
+        assert "membership epoch 1" in (run_dir / f"{name}.log").read_text(), name
+    for f in ("metrics-worker-0.csv", "metrics-worker-1.csv", "queues-server-1.csv",
+              "model.safetensors"):
+        assert (run_dir / f).stat().st_size > 0, f
+    assert len(summary["servers"]) == 2 and all(s["pushes"] > 0 for s in summary["servers"])
+    # Each process bound the address of the host the file put it on.
+    addr = {}
+    for name in NAMES:
+        m = re.search(r'node\.host = "([^"]+)"', (run_dir / f"{name}.log").read_text())
+        assert m, name
+        addr[name] = m.group(1)
+    if hosts.count == 3:
+        assert addr["scheduler"] == addr["server-0"] != addr["server-1"] == addr["worker-0"]
+        assert len(set(addr.values())) == 3, addr
+    # The hosts keep nothing of the job.
+    assert not (tmp_path / "run-remote").exists()
+
+
+def test_a_failing_worker_stops_every_host(hosts, tmp_path):
+    run_dir = tmp_path / "run"
+    r = hosts.launch(hosts.hosts_file(tmp_path / "hosts"), run_dir, "train.epochs=1",
+                     "train.lr=900")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "NaN" in r.stdout + r.stderr
+    assert_none_left(str(run_dir) + "-remote")
+    for name in NAMES:
+        assert (run_dir / f"{name}.log").exists(), name
+    assert json.loads((run_dir / "summary.json").read_text())["status"] != "ok"
+
+
+def wait_for_training(proc, run_dir, deadline_s=120):
+    end = time.time() + deadline_s
+    log = run_dir / "worker-1.log"
+    while time.time() < end:
+        if log.exists() and "membership epoch 1" in log.read_text():
+            return
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.2)
+    pytest.fail(f"no training after {deadline_s} s")
+
+
+def test_sigterm_stops_every_host_and_copies_the_logs(hosts, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = hosts.launch(hosts.hosts_file(tmp_path / "hosts"), run_dir, "train.epochs=50",
+                        wait=False)
+    wait_for_training(proc, run_dir)
+    proc.send_signal(signal.SIGTERM)  # what Ctrl-C does (SIGINT) takes the same path
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    assert "interrupted; stopping every process" in out
+    assert_none_left(str(run_dir) + "-remote")
+    assert "stopped by a signal" in (run_dir / "worker-1.log").read_text()
+    assert (run_dir / "metrics-worker-1.csv").exists()
+    assert not (tmp_path / "run-remote").exists()
+
+
+def test_a_killed_launcher_leaves_nothing_running(hosts, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = hosts.launch(hosts.hosts_file(tmp_path / "hosts"), run_dir, "train.epochs=50",
+                        wait=False)
+    wait_for_training(proc, run_dir)
+    proc.kill()
+    # Reaped at once, as a shell would: the progress stream's `tail --pid` follows the launcher
+    # until then, holding our end of the pipe.
+    proc.wait(timeout=60)
+    proc.communicate(timeout=60)
+    # Each ssh gets SIGTERM as its parent dies; each host then stops its processes.
+    assert_none_left(str(run_dir) + "-remote")
+
+
+def test_a_bad_hosts_file_is_refused_naming_the_line(hosts, tmp_path):
+    d = hosts.dests * 3
+    cases = [
+        ([f"{d[0]} scheduler server:2", f"{d[1]} wrker worker"],
+         r"hosts:2: 'wrker' is neither a role"),
+        ([f"{d[0]} scheduler server:2 worker"],
+         r"lists 2 server\(s\) and 1 worker\(s\); the config has 2 and 2"),
+        ([f"{d[0]} scheduler", f"{d[1]} scheduler server:2 worker:2"],
+         r"hosts:2: a second scheduler \(the first is on line 1\)"),
+        ([f"{d[0]} scheduler server:0 worker:2"], r"the count after ':' must be a positive"),
+    ]
+    for lines, message in cases:
+        r = hosts.launch(hosts.hosts_file(tmp_path / "hosts", lines), tmp_path / "run")
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert re.search(message, r.stderr), r.stderr
+    # A host that does not answer ssh (nothing listens on port 2): named, before anything starts.
+    host = d[1].split(":")[0]
+    r = hosts.launch(hosts.hosts_file(tmp_path / "hosts", [
+        f"{d[0]} scheduler server:2 worker", f"{host}:2 worker"]), tmp_path / "run")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert f"host {host}:2 (" in r.stderr and "refused" in r.stderr, r.stderr
+    assert not (tmp_path / "run" / "scheduler.log").exists()
