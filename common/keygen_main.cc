@@ -11,6 +11,7 @@ int main(int argc, char** argv) {
       "host). Set security.key_dir=DIR on this node.",
       "sparseps-keygen");
   std::string dir;
+  app.set_version_flag("--version", std::string("sparseps-keygen ") + SPARSEPS_VERSION);
   app.add_option("DIR", dir, "directory to write public.key and secret.key into")->required();
   CLI11_PARSE(app, argc, argv);
   auto keys = sparseps::GenerateCurveKeypair();

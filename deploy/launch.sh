@@ -66,7 +66,8 @@
 # Exit code: 0 when the job finished, 2 for a bad config, 1 when a process failed.
 set -uo pipefail
 
-here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# (Through a link too: the package's /usr/bin/sparseps-launch.)
+here="$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/.." && pwd)"
 config="$here/configs/quickstart.yaml"
 build_dir="${SPARSEPS_BUILD_DIR:-$here/build}"
 run_dir=""
@@ -156,8 +157,8 @@ fi
 
 if [[ -z "$run_dir" ]]; then
   runs="$here/runs"
-  # An installed launcher (/usr/share/sparseps) writes under the current directory.
-  [[ -w "$here" ]] || runs="$PWD/runs"
+  # An installed launcher (/usr/share/sparseps, no source tree) writes under the current directory.
+  [[ -f "$here/CMakeLists.txt" && -w "$here" ]] || runs="$PWD/runs"
   run_dir="$runs/${job_name}-$(date +%Y%m%d-%H%M%S)-$$"
 fi
 mkdir -p "$run_dir"

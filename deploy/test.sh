@@ -9,7 +9,7 @@
 #
 #   deploy/test.sh                 # both builds (what CI runs)
 #   SPARSEPS_TEST_SANITIZE=0 deploy/test.sh   # skip the sanitizer build
-#   SPARSEPS_TEST_FUZZ=0 deploy/test.sh       # skip the libFuzzer targets (SPARSEPS_FUZZ_SECONDS=20 each)
+#   SPARSEPS_TEST_FUZZ=0 deploy/test.sh       # skip the libFuzzer targets (SPARSEPS_FUZZ_SECONDS=15 each)
 #   deploy/test.sh -R Codec        # extra arguments go to ctest
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -42,7 +42,7 @@ fi
 if [[ "${SPARSEPS_TEST_FUZZ:-1}" != 0 ]]; then
   # One libFuzzer target per decoder and per state machine (shard server, scheduler, peer group), built with
   # clang (+ ASan/UBSan), each run for a bounded time.
-  fuzz_s="${SPARSEPS_FUZZ_SECONDS:-20}"
+  fuzz_s="${SPARSEPS_FUZZ_SECONDS:-15}"
   echo "== build (build-fuzz/, clang, libFuzzer) =="
   CC=clang CXX=clang++ cmake -S "$here" -B "$here/build-fuzz" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     -DSPARSEPS_BUILD_FUZZ=ON -DSPARSEPS_BUILD_TESTS=OFF -DSPARSEPS_BUILD_BENCH=OFF \

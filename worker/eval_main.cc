@@ -21,6 +21,7 @@ int main(int argc, char** argv) {
   std::string model_path, config_path;
   std::vector<std::string> overrides;
   bool json = false;
+  app.set_version_flag("--version", std::string("sparseps-eval ") + SPARSEPS_VERSION);
   app.add_option("-m,--model", model_path, "The model file (safetensors) a job wrote")
       ->required()
       ->check(CLI::ExistingFile);

@@ -1,0 +1,104 @@
+// sparseps client library: a C++ training loop joins a sparseps job as one of its workers.
+//
+// The job's scheduler and servers run as the usual daemons (sparseps-scheduler, sparseps-server,
+// started by hand, deploy/launch.sh, Slurm or systemd); this process registers with the
+// scheduler as a worker, and each PushPull aggregates a gradient with the job's encoding
+// (top-k, SBC, count sketch, dense), error feedback and aggregation (parameter server or
+// allreduce) exactly as sparseps-worker does, and returns the job's new parameters.
+//
+// Build against it with CMake:
+//   find_package(sparseps REQUIRED)
+//   target_link_libraries(my_trainer PRIVATE sparseps::client)
+// The library is libsparseps_client.so; this header is all of its interface (C++20, no other
+// sparseps header, protobuf or ZeroMQ needed).
+//
+// Errors: every call throws sparseps::client::Error, whose code() says which kind.
+// Thread-safety: a Worker belongs to one thread at a time; different Workers are independent.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace sparseps::client {
+
+/// What kind of error an Error is.
+enum class ErrorCode {
+  kInvalidArgument,   ///< bad input or config (the message names the key, file or size)
+  kDeadlineExceeded,  ///< a wait ran past its deadline (the message names who is missing)
+  kFailed,            ///< anything else: the job ended, a peer failed, I/O
+};
+
+/// The exception every call throws; what() is the cause, in words.
+class Error : public std::runtime_error {
+ public:
+  Error(ErrorCode code, const std::string& message) : std::runtime_error(message), code_(code) {}
+  ErrorCode code() const { return code_; }
+
+ private:
+  ErrorCode code_;
+};
+
+/// The library's version ("0.1.0"), the same as the daemons' --version.
+std::string Version();
+
+/// One worker of a sparseps job.
+class Worker {
+ public:
+  /// Loads the job's config (the same YAML file as every daemon's) with `overrides` applied
+  /// ("key=value", as the daemons' --set), and the rank: `rank` when >= 0, else node.rank of the
+  /// config, else SPARSEPS_RANK or RANK from the environment, else the scheduler assigns one.
+  /// Throws Error(kInvalidArgument) naming the file, line and key of a bad config.
+  explicit Worker(const std::string& config_path, const std::vector<std::string>& overrides = {},
+                  int rank = -1);
+  ~Worker();
+  Worker(Worker&&) noexcept;
+  Worker& operator=(Worker&&) noexcept;
+  Worker(const Worker&) = delete;
+  Worker& operator=(const Worker&) = delete;
+
+  /// Joins the job with params.size() parameters (float32, host memory): registers with the
+  /// scheduler and waits (cluster.register_timeout_s) for every node. On return `params` holds
+  /// the job's starting parameters (worker 0's, or a checkpoint's when the job resumes; then
+  /// step() is the steps done). Throws kDeadlineExceeded naming who did not register.
+  void Init(std::span<float> params);
+
+  /// One training step: aggregates `grad` (num_params() elements) with the other workers and
+  /// writes the job's new parameters into `params` (num_params() elements). `grad` is used in
+  /// place, without a copy, and its contents are changed (the residual is added to it). A
+  /// gradient with NaN or Inf throws kInvalidArgument and changes nothing (the job goes on).
+  void PushPull(std::span<float> grad, std::span<float> params);
+
+  /// The job's parameters as this worker holds them (num_params() elements), valid until the
+  /// next call.
+  std::span<const float> params() const;
+
+  /// Tells the job which epoch the loop is in (for the logs and the metrics).
+  void SetEpoch(uint32_t epoch);
+
+  /// Ends this worker's part: worker 0 saves the model (run.dir/model.safetensors, when
+  /// checkpoint.save_model), sends its statistics to the scheduler (summary.json) and waits until
+  /// every worker is done. test_accuracy is a fraction (-1: not evaluated here), train_loss the
+  /// last epoch's mean, samples_per_s this worker's rate, train_s its seconds of training.
+  void Finish(double test_accuracy = -1.0, double train_loss = 0.0, double samples_per_s = 0.0,
+              double train_s = 0.0);
+
+  int rank() const;                 ///< this worker's rank (after Init: the one the scheduler gave)
+  int num_workers() const;          ///< cluster.num_workers
+  bool is_leader() const;           ///< whether this worker is the one that evaluates and saves
+  size_t num_params() const;        ///< elements (0 before Init)
+  uint64_t step() const;            ///< steps done (PushPull calls, plus a checkpoint's)
+  double lr() const;                ///< train.lr
+  uint64_t bytes_sent() const;      ///< bytes this worker sent so far
+  uint64_t bytes_received() const;  ///< bytes it received
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace sparseps::client
