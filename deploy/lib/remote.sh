@@ -172,7 +172,7 @@ remote_start() {
   [[ -z "$append_logs" ]] && truncate=": >$log"
   local script="cd $(sq "$PWD") 2>/dev/null || cd $(sq "$d") || exit 1
 $truncate
-n=\$(wc -c <$log 2>/dev/null || echo 0)
+n=\$(wc -c 2>/dev/null <$log || echo 0)
 exec 3<&0
 env$cmd >>$log 2>&1 </dev/null 3<&- &
 p=\$!
