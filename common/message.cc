@@ -1,5 +1,6 @@
 #include "common/message.h"
 
+#include <cctype>
 #include <iterator>
 
 namespace sparseps {
@@ -27,6 +28,18 @@ size_t Message::WireBytes() const {
 std::string CommandName(proto::Command command) {
   const std::string& name = proto::Command_Name(command);
   return name.empty() ? "command#" + std::to_string(static_cast<int>(command)) : name;
+}
+
+TrafficByCommand::Row& TrafficByCommand::Add(proto::Command command) {
+  // A handful of types per socket: a linear search beats a map.
+  for (size_t i = 0; i < commands_.size(); ++i) {
+    if (commands_[i] == command) return rows_[i];
+  }
+  std::string type = command == proto::COMMAND_UNSPECIFIED ? "malformed" : CommandName(command);
+  for (char& c : type) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  commands_.push_back(command);
+  rows_.push_back({std::move(type), 0, 0});
+  return rows_.back();
 }
 
 std::string RoleName(proto::Role role) {

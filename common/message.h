@@ -101,6 +101,29 @@ Status ValidateFrames(const Message& msg);
 std::string CommandName(proto::Command command);
 std::string RoleName(proto::Role role);
 
+// Bytes on one socket (or a client's sockets) by message type, each direction, for the live
+// metrics' bytes by type. Add the bytes SendMessage / RecvMessage counted for one message under
+// its command; a message that did not parse goes under COMMAND_UNSPECIFIED ("malformed").
+// Thread-compatible.
+class TrafficByCommand {
+ public:
+  // One message type's totals: type is the command's name in lower case ("push", "pull_reply").
+  struct Row {
+    std::string type;
+    uint64_t sent = 0;      // bytes
+    uint64_t received = 0;  // bytes
+  };
+  void Sent(proto::Command command, uint64_t bytes) { Add(command).sent += bytes; }
+  void Received(proto::Command command, uint64_t bytes) { Add(command).received += bytes; }
+  // Every type that had traffic, in the order first seen.
+  const std::vector<Row>& rows() const { return rows_; }
+
+ private:
+  Row& Add(proto::Command command);
+  std::vector<Row> rows_;
+  std::vector<proto::Command> commands_;  // rows_[i]'s command
+};
+
 template <typename T>
 Result<std::span<const T>> Message::FrameAs(size_t i, proto::ElemType type) const {
   if (i >= frames.size() || static_cast<int>(i) >= header.frames_size()) {

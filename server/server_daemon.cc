@@ -77,15 +77,12 @@ class ServerMetrics {
         over_limit_(Rejected("over_limit")),
         stale_(Rejected("stale_push")),
         other_(Rejected("malformed_or_unexpected")),
-        in_(r_.Counter("sparseps_server_received_bytes_total",
-                       "Bytes received on the data socket")),
-        out_(r_.Counter("sparseps_server_sent_bytes_total", "Bytes sent on the data socket")),
         unsent_(r_.Counter("sparseps_server_unsent_replies_total",
                            "Replies that could not be sent (the peer is gone or does not read)")) {}
 
   Status Start(const proto::JobConfig& config) { return r_.StartFromConfig(config); }
 
-  void Update(const ShardServer& shard, uint64_t epoch, uint64_t bytes_in, uint64_t bytes_out,
+  void Update(const ShardServer& shard, uint64_t epoch, const TrafficByCommand& traffic,
               uint64_t unsent) {
     if (!r_.serving()) return;
     const auto& c = shard.counters();
@@ -101,9 +98,21 @@ class ServerMetrics {
     AdvanceTo(stale_, static_cast<double>(c.stale_pushes));
     AdvanceTo(other_,
               static_cast<double>(c.rejected - c.impostors - c.over_limit - c.stale_pushes));
-    AdvanceTo(in_, static_cast<double>(bytes_in));
-    AdvanceTo(out_, static_cast<double>(bytes_out));
     AdvanceTo(unsent_, static_cast<double>(unsent));
+    // Bytes on the data socket by message type; types only ever appear, in order.
+    const auto& rows = traffic.rows();
+    for (size_t i = 0; i < rows.size(); ++i) {
+      if (i == by_type_.size()) {
+        by_type_.emplace_back(&r_.Counter("sparseps_server_received_bytes_total",
+                                          "Bytes received on the data socket, by message type",
+                                          {{"type", rows[i].type}}),
+                              &r_.Counter("sparseps_server_sent_bytes_total",
+                                          "Bytes sent on the data socket, by message type",
+                                          {{"type", rows[i].type}}));
+      }
+      AdvanceTo(*by_type_[i].first, static_cast<double>(rows[i].received));
+      AdvanceTo(*by_type_[i].second, static_cast<double>(rows[i].sent));
+    }
   }
 
  private:
@@ -114,8 +123,8 @@ class ServerMetrics {
 
   MetricsRegistry r_;
   prometheus::Gauge &iteration_, &epoch_, &waiting_pulls_, &waiting_candidates_, &stored_pushes_;
-  prometheus::Counter &pushes_, &pulls_, &impostor_, &over_limit_, &stale_, &other_, &in_, &out_,
-      &unsent_;
+  prometheus::Counter &pushes_, &pulls_, &impostor_, &over_limit_, &stale_, &other_, &unsent_;
+  std::vector<std::pair<prometheus::Counter*, prometheus::Counter*>> by_type_;  // received, sent
 };
 
 Status Serve(const proto::JobConfig& config, zmq::context_t& context, const std::string& bind_host,
@@ -162,6 +171,7 @@ Status Serve(const proto::JobConfig& config, zmq::context_t& context, const std:
     return control.SendToScheduler(done);
   };
   uint64_t bytes_in = 0, bytes_out = 0, unsent = 0;
+  TrafficByCommand traffic;         // the same bytes by message type
   std::optional<BoundRouter> data;  // bound once the membership is in
   // Every kQueueRowInterval, a row of what this server holds and has turned away (run.dir's
   // queues-server-S.csv): a soak shows whether anything grows (bench/soak.sh).
@@ -185,7 +195,10 @@ Status Serve(const proto::JobConfig& config, zmq::context_t& context, const std:
   std::vector<Outgoing> out;
   auto flush = [&] {
     for (auto& o : out) {
+      const uint64_t before = bytes_out;
+      const proto::Command command = o.msg.header.command();
       Status s = SendMessage(data->socket, o.msg, &o.to, &bytes_out);
+      traffic.Sent(command, bytes_out - before);
       if (!s.ok()) {
         ++unsent;
         send_log.Warn(o.to, "could not reply: " + s.message());
@@ -293,15 +306,18 @@ Status Serve(const proto::JobConfig& config, zmq::context_t& context, const std:
       continue;
     }
     queue_row();
-    metrics->Update(*shard, control.membership().epoch(), bytes_in, bytes_out, unsent);
+    metrics->Update(*shard, control.membership().epoch(), traffic, unsent);
     auto ready = PollIn({&data->socket, &control.socket()}, 100);
     if (!ready[0]) continue;
     // Drain what is queued on the data socket before polling again.
     for (int budget = 0; budget < 1024; ++budget) {
       if (budget > 0 && !PollIn({&data->socket}, 0)[0]) break;
       std::string peer;
+      const uint64_t before = bytes_in;
       auto msg = RecvMessage(data->socket, true, &peer, &bytes_in);
       if (!msg.ok() && msg.status().code() == StatusCode::kIoError) break;
+      traffic.Received(msg.ok() ? msg->header.command() : proto::COMMAND_UNSPECIFIED,
+                       bytes_in - before);
       shard->Handle(peer, std::move(msg), &out);
       flush();  // the pull replies leave before a checkpoint is written
       if (shard->TakeCheckpointDue()) {

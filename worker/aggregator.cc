@@ -129,6 +129,7 @@ class PsAggregator final : public Aggregator {
   bool takes_device_gradient() const override { return compressor_->on_device(); }
   uint64_t bytes_sent() const override { return ps_->bytes_sent(); }
   uint64_t bytes_received() const override { return ps_->bytes_received(); }
+  std::vector<TrafficByCommand::Row> traffic() const override { return ps_->traffic().rows(); }
 
  protected:
   float* local_params() override { return local_copy_ ? local_.data() : nullptr; }
@@ -158,6 +159,8 @@ class PsAggregator final : public Aggregator {
       } else {
         SPARSEPS_RETURN_IF_ERROR(ps_->PushPull(push_round_++, pushes_, params_.data()));
       }
+      stats->push_ms = ps_->last_push_s() * 1e3;
+      stats->pull_ms = ps_->last_pull_s() * 1e3;
       iteration_ = static_cast<uint64_t>(push_round_);
       checkpoint_due_ = ps_->checkpoint_after_last();
       if (local_copy_) {
@@ -297,6 +300,9 @@ class AllreduceAggregator final : public Aggregator {
   }
   uint64_t bytes_sent() const override { return collective_->bytes_sent(); }
   uint64_t bytes_received() const override { return collective_->bytes_received(); }
+  std::vector<TrafficByCommand::Row> traffic() const override {
+    return {{"collective", bytes_sent(), bytes_received()}};
+  }
 
  protected:
   Status Aggregate(float* grad, bool on_device, StepStats* stats) override {

@@ -25,6 +25,7 @@
 
 #include "common/checkpoint.h"
 #include "common/control_client.h"
+#include "common/message.h"
 #include "common/status.h"
 #include "proto/config.pb.h"
 #include "worker/device_buffer.h"
@@ -39,6 +40,8 @@ struct StepStats {
   int64_t applied = -1;         // allreduce: entries the update changed; -1 in PS mode
   double encode_ms = 0.0;       // compression (PS) or momentum correction and probe (allreduce)
   double comm_ms = 0.0;         // communication and applying the update
+  double push_ms = -1.0;        // PS: sending the pushes to the last PUSH_ACK; -1 in allreduce
+  double pull_ms = -1.0;        // PS: sending the pulls to the last PULL_REPLY applied
   double topk_mass = -1.0;      // collective.measure_quality only; -1 otherwise
 };
 
@@ -148,6 +151,9 @@ class Aggregator {
   // Totals since the start.
   virtual uint64_t bytes_sent() const = 0;
   virtual uint64_t bytes_received() const = 0;
+  // The same totals by message type: PS, each command to and from the servers (push, pull,
+  // pull_reply, ...); allreduce, "collective".
+  virtual std::vector<TrafficByCommand::Row> traffic() const = 0;
 
  protected:
   Aggregator(const proto::JobConfig& config, size_t num_params, bool model_on_device);

@@ -90,6 +90,8 @@ Status PsClient::Send(Peer& peer, Message& msg, proto::Command expected) {
   h.set_epoch(control_->membership().epoch());
   h.set_request_id(next_request_id_++);
   Pending p{expected, {}, Later(retry_interval_s_)};
+  const uint64_t before = bytes_sent_;
+  const proto::Command command = h.command();  // h goes with msg below
   if (retry_interval_s_ > 0) {
     Message wire = WireCopy(msg);
     Status s = SendMessage(peer.socket, wire, nullptr, &bytes_sent_);
@@ -101,6 +103,7 @@ Status PsClient::Send(Peer& peer, Message& msg, proto::Command expected) {
     Status s = SendMessage(peer.socket, msg, nullptr, &bytes_sent_);
     if (!s.ok()) return Status::IoError("sending to " + peer.name + ": " + s.message());
   }
+  traffic_.Sent(command, bytes_sent_ - before);
   peer.pending.push_back(std::move(p));
   return Status::OK();
 }
@@ -113,8 +116,10 @@ Status PsClient::Resend(Peer& peer, Pending& p) {
                peer.name, CommandName(p.request.header.command()), p.request.header.iteration(),
                p.request.header.request_id());
   p.resend_at = Later(retry_interval_s_);
+  const uint64_t before = bytes_sent_;
   Status s = SendMessage(peer.socket, wire, nullptr, &bytes_sent_);
   if (!s.ok()) return Status::IoError("sending to " + peer.name + " again: " + s.message());
+  traffic_.Sent(wire.header.command(), bytes_sent_ - before);
   return Status::OK();
 }
 
@@ -147,6 +152,8 @@ Status PsClient::PushPull(int64_t iteration, std::vector<Message>& pushes, float
 }
 
 Status PsClient::PushThenPull(int64_t iteration, std::vector<Message>& pushes, float* params) {
+  const auto pushed = Clock::now();
+  auto pulled = pushed;
   for (size_t r = 0; r < peers_.size(); ++r) {
     SPARSEPS_RETURN_IF_ERROR(SendPush(peers_[r], pushes[r], iteration));
     if (!commit_after_ack_) SPARSEPS_RETURN_IF_ERROR(SendPull(peers_[r], iteration));
@@ -155,9 +162,13 @@ Status PsClient::PushThenPull(int64_t iteration, std::vector<Message>& pushes, f
   if (commit_after_ack_) {
     // Every server holds this worker's push: the pulls commit it.
     SPARSEPS_RETURN_IF_ERROR(AwaitAll(iteration, params));
+    pulled = Clock::now();
     for (auto& p : peers_) SPARSEPS_RETURN_IF_ERROR(SendPull(p, iteration));
   }
-  return AwaitAll(iteration, params);
+  SPARSEPS_RETURN_IF_ERROR(AwaitAll(iteration, params));
+  last_push_s_ = std::chrono::duration<double>(push_acked_ - pushed).count();
+  last_pull_s_ = std::chrono::duration<double>(pull_replied_ - pulled).count();
+  return Status::OK();
 }
 
 Status PsClient::SendPush(Peer& p, Message& push, int64_t iteration) {
@@ -275,8 +286,11 @@ Status PsClient::AwaitAll(int64_t iteration, float* params) {
       if (!ready[i]) continue;
       Peer& p = peers_[i];
       while (true) {
+        const uint64_t before = bytes_received_;
         auto msg = RecvMessage(p.socket, false, nullptr, &bytes_received_);
         if (!msg.ok() && msg.status().code() == StatusCode::kIoError) break;
+        traffic_.Received(msg.ok() ? msg->header.command() : proto::COMMAND_UNSPECIFIED,
+                          bytes_received_ - before);
         if (!msg.ok()) {
           return Status::ProtocolError("malformed reply from " + p.name + ": " +
                                        msg.status().message());
@@ -311,9 +325,11 @@ Status PsClient::AwaitAll(int64_t iteration, float* params) {
               (it == p.pending.end() ? std::string("nothing") : CommandName(it->expected)) + ")");
         }
         p.pending.erase(it);
+        if (h.command() == proto::PUSH_ACK) push_acked_ = Clock::now();
         if (h.command() == proto::PULL_REPLY) {
           if (h.checkpoint()) checkpoint_after_last_ = true;
           SPARSEPS_RETURN_IF_ERROR(ApplyPullReply(p, *msg, params));
+          pull_replied_ = Clock::now();
         } else if (h.command() == proto::CANDIDATES) {
           DecodedPayload c;
           Status s = FindCodec(proto::TOPK)->Decode(*msg, p.range.size(), &c);

@@ -86,6 +86,13 @@ class PsClient {
 
   uint64_t bytes_sent() const { return bytes_sent_; }
   uint64_t bytes_received() const { return bytes_received_; }
+  // The same bytes by message type (push, pull, pull_reply, ...).
+  const TrafficByCommand& traffic() const { return traffic_; }
+  // The last PushPull / SketchTwoRounds, in seconds: push, from sending the pushes to the last
+  // server's PUSH_ACK; pull, from sending the pulls to the last server's PULL_REPLY applied
+  // (which includes waiting for the slowest worker's push: BSP).
+  double last_push_s() const { return last_push_s_; }
+  double last_pull_s() const { return last_pull_s_; }
   // Parameter version (applied iterations) held for range r.
   int64_t version(size_t r) const { return peers_[r].version; }
 
@@ -140,6 +147,10 @@ class PsClient {
   bool checkpoint_after_last_ = false;
   uint64_t bytes_sent_ = 0;
   uint64_t bytes_received_ = 0;
+  TrafficByCommand traffic_;
+  // When the last PUSH_ACK and PULL_REPLY came (AwaitAll), for last_push_s / last_pull_s.
+  Clock::time_point push_acked_, pull_replied_;
+  double last_push_s_ = 0.0, last_pull_s_ = 0.0;
 };
 
 }  // namespace sparseps

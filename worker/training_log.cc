@@ -90,10 +90,30 @@ TrainingLog::Live::Live(int rank)
                                 "Communication of one step: push and pull (ps) or the "
                                 "collective (allreduce), applying the update included",
                                 MetricsRegistry::SecondsBuckets())),
-      steps(registry.Counter("sparseps_worker_steps_total", "Steps done by this process")),
-      sent(registry.Counter("sparseps_worker_sent_bytes_total", "Bytes sent for aggregation")),
-      received(registry.Counter("sparseps_worker_received_bytes_total",
-                                "Bytes received for aggregation")) {}
+      push_s(registry.Histogram("sparseps_worker_push_seconds",
+                                "ps: from sending a step's pushes to the last server's PUSH_ACK",
+                                MetricsRegistry::SecondsBuckets())),
+      pull_s(registry.Histogram("sparseps_worker_pull_seconds",
+                                "ps: from sending a step's pulls to the last server's reply "
+                                "applied (waiting for the slowest worker included)",
+                                MetricsRegistry::SecondsBuckets())),
+      steps(registry.Counter("sparseps_worker_steps_total", "Steps done by this process")) {}
+
+void TrainingLog::Live::Traffic(const std::vector<TrafficByCommand::Row>& rows) {
+  for (size_t i = 0; i < rows.size(); ++i) {
+    // Types only ever appear (rows keep their order): one new pair of series per new type.
+    if (i == by_type.size()) {
+      by_type.emplace_back(&registry.Counter("sparseps_worker_sent_bytes_total",
+                                             "Bytes sent for aggregation, by message type",
+                                             {{"type", rows[i].type}}),
+                           &registry.Counter("sparseps_worker_received_bytes_total",
+                                             "Bytes received for aggregation, by message type",
+                                             {{"type", rows[i].type}}));
+    }
+    AdvanceTo(*by_type[i].first, static_cast<double>(rows[i].sent));
+    AdvanceTo(*by_type[i].second, static_cast<double>(rows[i].received));
+  }
+}
 
 Status TrainingLog::StartMetrics() {
   if (config_.metrics().port() == 0 || live_ != nullptr) return Status::OK();
@@ -127,9 +147,10 @@ void TrainingLog::Step(uint64_t step, uint32_t epoch, double loss, double comput
     live_->compute_s.Observe(compute_ms / 1e3);
     live_->encode_s.Observe(s.encode_ms / 1e3);
     live_->comm_s.Observe(s.comm_ms / 1e3);
+    if (s.push_ms >= 0) live_->push_s.Observe(s.push_ms / 1e3);
+    if (s.pull_ms >= 0) live_->pull_s.Observe(s.pull_ms / 1e3);
     live_->steps.Increment();
-    live_->sent.Increment(static_cast<double>(s.bytes_sent));
-    live_->received.Increment(static_cast<double>(s.bytes_received));
+    live_->Traffic(aggregator.traffic());
   }
   metrics_.Row({static_cast<double>(step), static_cast<double>(epoch), loss,
                 static_cast<double>(s.bytes_sent), static_cast<double>(s.bytes_received),

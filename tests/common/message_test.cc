@@ -150,5 +150,27 @@ TEST_F(MessageTest, ValidMessageAfterGarbageStillArrives) {
   EXPECT_EQ(r->header.command(), proto::PING);
 }
 
+TEST(TrafficByCommand, SumsEachTypeAndDirectionInTheOrderFirstSeen) {
+  TrafficByCommand t;
+  EXPECT_TRUE(t.rows().empty());
+  t.Sent(proto::PUSH, 1000);
+  t.Received(proto::PUSH_ACK, 40);
+  t.Sent(proto::PUSH, 24);
+  t.Received(proto::COMMAND_UNSPECIFIED, 7);  // a message that did not parse
+  t.Received(proto::PUSH_ACK, 2);
+  t.Sent(proto::PULL, 0);
+  ASSERT_EQ(t.rows().size(), 4u);
+  const auto& r = t.rows();
+  EXPECT_EQ(r[0].type, "push");
+  EXPECT_EQ(r[0].sent, 1024u);
+  EXPECT_EQ(r[0].received, 0u);
+  EXPECT_EQ(r[1].type, "push_ack");
+  EXPECT_EQ(r[1].received, 42u);
+  EXPECT_EQ(r[2].type, "malformed");
+  EXPECT_EQ(r[2].received, 7u);
+  EXPECT_EQ(r[3].type, "pull");
+  EXPECT_EQ(r[3].sent, 0u);
+}
+
 }  // namespace
 }  // namespace sparseps

@@ -115,9 +115,19 @@ def test_every_daemon_serves_its_metrics_while_the_job_trains(tmp_path):
             steps = value(w1, "sparseps_worker_steps_total")
             assert abs(value(w1, "sparseps_worker_step_seconds_count") - steps) <= 1
             assert abs(value(w1, "sparseps_worker_push_pull_seconds_count") - steps) <= 1
+            # Push and pull latency apart (ps): one observation of each per step.
+            assert abs(value(w1, "sparseps_worker_push_seconds_count") - steps) <= 1
+            assert abs(value(w1, "sparseps_worker_pull_seconds_count") - steps) <= 1
+            assert value(w1, "sparseps_worker_pull_seconds_sum") > 0
             assert abs(steps - it1) <= 1  # a fresh run: every step was this process's
             assert value(w1, "sparseps_worker_step_seconds_sum") > 0
-            assert value(w1, "sparseps_worker_sent_bytes_total") > 0
+            # Bytes by message type: the pushes dominate what is sent, the pull replies what is
+            # received; the pull requests are header-only.
+            push = value(w1, "sparseps_worker_sent_bytes_total", type="push")
+            pull = value(w1, "sparseps_worker_sent_bytes_total", type="pull")
+            assert push > 10 * pull > 0, (push, pull)
+            assert value(w1, "sparseps_worker_received_bytes_total", type="pull_reply") > 0
+            assert value(w1, "sparseps_worker_received_bytes_total", type="push_ack") > 0
             # Top-k at density 0.01 of 235146 parameters: 2351 selected each step.
             assert value(w1, "sparseps_worker_selected_density") == pytest.approx(2351 / 235146,
                                                                                   rel=1e-3)
@@ -132,7 +142,9 @@ def test_every_daemon_serves_its_metrics_while_the_job_trains(tmp_path):
             # pushes, and the scrape may read the two series an iteration apart.
             pushes = value(s, "sparseps_server_pushes_total")
             assert 2 * (version - 1) <= pushes <= 2 * (version + 2), (version, pushes)
-            assert value(s, "sparseps_server_received_bytes_total") > 0
+            assert value(s, "sparseps_server_received_bytes_total", type="push") > 0
+            assert value(s, "sparseps_server_sent_bytes_total", type="pull_reply") > 0
+            assert value(s, "sparseps_server_sent_bytes_total", type="push_ack") > 0
             for reason in ("impostor", "over_limit", "stale_push", "malformed_or_unexpected"):
                 assert value(s, "sparseps_server_rejected_messages_total", reason=reason) == 0
             assert value(s, "sparseps_server_waiting_pulls") <= 2
