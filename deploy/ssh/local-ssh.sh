@@ -61,6 +61,21 @@ down() {
     kill -KILL "$p" 2>/dev/null || true
   done
   rm -f "$dir"/run/sshd-*.pid
+  # What still runs inside the hosts (sshd's per-connection processes, whose client may hold its
+  # connection open a while: ControlPersist), found by namespace: once a namespace is deleted
+  # their connections could never close.
+  if [[ -s "$dir/netns" ]]; then
+    local ns left=()
+    for ns in $(ip netns list | awk '{print $1}' | grep -E "^$(cat "$dir/netns")-h[0-9]+$" || true); do
+      left+=($(ip netns pids "$ns" 2>/dev/null))
+    done
+    for p in "${left[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+    deadline=$((SECONDS + 10))
+    for p in "${left[@]}"; do
+      while kill -0 "$p" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.1; done
+      kill -KILL "$p" 2>/dev/null || true
+    done
+  fi
   if [[ -s "$dir/netns" ]]; then
     "$here/deploy/netns.sh" down --prefix "$(cat "$dir/netns")" >/dev/null
     rm -f "$dir/netns"
@@ -112,6 +127,9 @@ up() {
     echo "X11Forwarding no"
     echo "AllowTcpForwarding no"
     echo "PrintMotd no"
+    # A session whose client vanished (no FIN ever comes) ends after 30 s.
+    echo "ClientAliveInterval 10"
+    echo "ClientAliveCountMax 3"
     echo "MaxStartups 100"
     echo "MaxSessions 100"
   } >"$dir/sshd_config"
