@@ -145,6 +145,22 @@ const prometheus::Histogram::BucketBoundaries& MetricsRegistry::SecondsBuckets()
   return kBuckets;
 }
 
+void TrafficSeries::Update(const std::vector<TrafficByCommand::Row>& rows) {
+  // Types only ever appear, and keep their order: one new pair of series per new type.
+  for (size_t i = 0; i < rows.size(); ++i) {
+    if (i == series_.size()) {
+      const prometheus::Labels type{{"type", rows[i].type}};
+      series_.emplace_back(
+          &registry_.Counter(prefix_ + "_sent_bytes_total",
+                             "Bytes sent " + what_ + ", by message type", type),
+          &registry_.Counter(prefix_ + "_received_bytes_total",
+                             "Bytes received " + what_ + ", by message type", type));
+    }
+    AdvanceTo(*series_[i].first, static_cast<double>(rows[i].sent));
+    AdvanceTo(*series_[i].second, static_cast<double>(rows[i].received));
+  }
+}
+
 void AdvanceTo(prometheus::Counter& counter, double total) {
   const double now = counter.Value();
   if (total > now) counter.Increment(total - now);

@@ -18,7 +18,10 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
+#include "common/message.h"
 #include "common/status.h"
 #include "proto/config.pb.h"
 
@@ -80,5 +83,21 @@ class MetricsRegistry {
 
 // Raises `counter` to `total` (a count kept elsewhere as a running total); never lowers it.
 void AdvanceTo(prometheus::Counter& counter, double total);
+
+// Bytes by message type as two counter families, `<prefix>_sent_bytes_total{type}` and
+// `<prefix>_received_bytes_total{type}`, kept up to running totals (TrafficByCommand). Series are
+// made as types appear. Thread-compatible.
+class TrafficSeries {
+ public:
+  // `what` ends each family's help text, e.g. "on the data socket".
+  TrafficSeries(MetricsRegistry& registry, std::string prefix, std::string what)
+      : registry_(registry), prefix_(std::move(prefix)), what_(std::move(what)) {}
+  void Update(const std::vector<TrafficByCommand::Row>& rows);
+
+ private:
+  MetricsRegistry& registry_;
+  const std::string prefix_, what_;
+  std::vector<std::pair<prometheus::Counter*, prometheus::Counter*>> series_;  // sent, received
+};
 
 }  // namespace sparseps

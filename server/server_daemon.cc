@@ -78,7 +78,8 @@ class ServerMetrics {
         stale_(Rejected("stale_push")),
         other_(Rejected("malformed_or_unexpected")),
         unsent_(r_.Counter("sparseps_server_unsent_replies_total",
-                           "Replies that could not be sent (the peer is gone or does not read)")) {}
+                           "Replies that could not be sent (the peer is gone or does not read)")),
+        traffic_(r_, "sparseps_server", "on the data socket") {}
 
   Status Start(const proto::JobConfig& config) { return r_.StartFromConfig(config); }
 
@@ -99,20 +100,7 @@ class ServerMetrics {
     AdvanceTo(other_,
               static_cast<double>(c.rejected - c.impostors - c.over_limit - c.stale_pushes));
     AdvanceTo(unsent_, static_cast<double>(unsent));
-    // Bytes on the data socket by message type; types only ever appear, in order.
-    const auto& rows = traffic.rows();
-    for (size_t i = 0; i < rows.size(); ++i) {
-      if (i == by_type_.size()) {
-        by_type_.emplace_back(&r_.Counter("sparseps_server_received_bytes_total",
-                                          "Bytes received on the data socket, by message type",
-                                          {{"type", rows[i].type}}),
-                              &r_.Counter("sparseps_server_sent_bytes_total",
-                                          "Bytes sent on the data socket, by message type",
-                                          {{"type", rows[i].type}}));
-      }
-      AdvanceTo(*by_type_[i].first, static_cast<double>(rows[i].received));
-      AdvanceTo(*by_type_[i].second, static_cast<double>(rows[i].sent));
-    }
+    traffic_.Update(traffic.rows());
   }
 
  private:
@@ -124,7 +112,7 @@ class ServerMetrics {
   MetricsRegistry r_;
   prometheus::Gauge &iteration_, &epoch_, &waiting_pulls_, &waiting_candidates_, &stored_pushes_;
   prometheus::Counter &pushes_, &pulls_, &impostor_, &over_limit_, &stale_, &other_, &unsent_;
-  std::vector<std::pair<prometheus::Counter*, prometheus::Counter*>> by_type_;  // received, sent
+  TrafficSeries traffic_;  // bytes on the data socket by message type
 };
 
 Status Serve(const proto::JobConfig& config, zmq::context_t& context, const std::string& bind_host,

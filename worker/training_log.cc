@@ -97,23 +97,8 @@ TrainingLog::Live::Live(int rank)
                                 "ps: from sending a step's pulls to the last server's reply "
                                 "applied (waiting for the slowest worker included)",
                                 MetricsRegistry::SecondsBuckets())),
-      steps(registry.Counter("sparseps_worker_steps_total", "Steps done by this process")) {}
-
-void TrainingLog::Live::Traffic(const std::vector<TrafficByCommand::Row>& rows) {
-  for (size_t i = 0; i < rows.size(); ++i) {
-    // Types only ever appear (rows keep their order): one new pair of series per new type.
-    if (i == by_type.size()) {
-      by_type.emplace_back(&registry.Counter("sparseps_worker_sent_bytes_total",
-                                             "Bytes sent for aggregation, by message type",
-                                             {{"type", rows[i].type}}),
-                           &registry.Counter("sparseps_worker_received_bytes_total",
-                                             "Bytes received for aggregation, by message type",
-                                             {{"type", rows[i].type}}));
-    }
-    AdvanceTo(*by_type[i].first, static_cast<double>(rows[i].sent));
-    AdvanceTo(*by_type[i].second, static_cast<double>(rows[i].received));
-  }
-}
+      steps(registry.Counter("sparseps_worker_steps_total", "Steps done by this process")),
+      traffic(registry, "sparseps_worker", "for aggregation") {}
 
 Status TrainingLog::StartMetrics() {
   if (config_.metrics().port() == 0 || live_ != nullptr) return Status::OK();
@@ -150,7 +135,7 @@ void TrainingLog::Step(uint64_t step, uint32_t epoch, double loss, double comput
     if (s.push_ms >= 0) live_->push_s.Observe(s.push_ms / 1e3);
     if (s.pull_ms >= 0) live_->pull_s.Observe(s.pull_ms / 1e3);
     live_->steps.Increment();
-    live_->Traffic(aggregator.traffic());
+    live_->traffic.Update(aggregator.traffic());
   }
   metrics_.Row({static_cast<double>(step), static_cast<double>(epoch), loss,
                 static_cast<double>(s.bytes_sent), static_cast<double>(s.bytes_received),

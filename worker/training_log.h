@@ -87,9 +87,7 @@ class TrainingLog {
         &residual_norm, &test_accuracy;
     prometheus::Histogram &step_s, &compute_s, &encode_s, &comm_s, &push_s, &pull_s;
     prometheus::Counter& steps;
-    // Bytes sent and received by message type (Aggregator::traffic), made as types appear.
-    void Traffic(const std::vector<TrafficByCommand::Row>& rows);
-    std::vector<std::pair<prometheus::Counter*, prometheus::Counter*>> by_type;
+    TrafficSeries traffic;  // bytes by message type (Aggregator::traffic)
   };
   std::unique_ptr<Live> live_;
   Clock::time_point last_residual_;
