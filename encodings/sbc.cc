@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "kernels/error_feedback.h"
 #include "kernels/golomb.h"
+#include "kernels/topk.h"
 
 namespace sparseps {
 
@@ -75,8 +77,7 @@ SbcCompressor::SbcCompressor(size_t num_params, const proto::CompressionConfig& 
       neg_selector_(c.selection(), c.sample_ratio(), k_),
       velocity_(num_params, 0.0f),
       accumulated_(num_params, 0.0f),
-      residual_(num_params, 0.0f),
-      side_(num_params, 0.0f) {}
+      residual_(num_params, 0.0f) {}
 
 void SbcCompressor::SetEpoch(uint32_t epoch) {
   k_ = WarmupK(config_.density(), config_.warmup_epochs(), epoch, residual_.size());
@@ -84,37 +85,95 @@ void SbcCompressor::SetEpoch(uint32_t epoch) {
 
 bool SbcCompressor::LocalStep(const float* grad, float* params) {
   const size_t n = residual_.size();
-  for (size_t i = 0; i < n; ++i) {
-    velocity_[i] = momentum_ * velocity_[i] + grad[i];
-    accumulated_[i] += velocity_[i];
-    params[i] -= lr_ * velocity_[i];
+  const bool push = (local_steps_ + 1) % config_.local_iterations() == 0;
+  ++local_steps_;
+  float* __restrict u = velocity_.data();
+  float* __restrict a = accumulated_.data();
+  float* __restrict p = params;
+  const float* __restrict g = grad;
+  const float m = momentum_, lr = lr_;
+  if (!push) {
+    for (size_t i = 0; i < n; ++i) {
+      const float ui = m * u[i] + g[i];
+      u[i] = ui;
+      a[i] += ui;
+      p[i] -= lr * ui;
+    }
+    return false;
   }
-  return ++local_steps_ % config_.local_iterations() == 0;
+  // The push step also forms A = a + R in the residual (what Compress would do next), in the same
+  // pass: one read of each array instead of three. The accumulator starts again; with one local
+  // iteration it is always zero and is not touched. Non-finite entries of A are flagged by their
+  // exponent bits (integer ops, so the loop stays branch-free) and Compress refuses them.
+  float* __restrict r = residual_.data();
+  uint32_t non_finite = 0;
+  auto flag = [&non_finite](float v) {
+    uint32_t bits;
+    std::memcpy(&bits, &v, sizeof(bits));
+    non_finite |= static_cast<uint32_t>((bits & 0x7f800000u) == 0x7f800000u);
+  };
+  if (config_.local_iterations() == 1) {
+    for (size_t i = 0; i < n; ++i) {
+      const float ui = m * u[i] + g[i];
+      u[i] = ui;
+      p[i] -= lr * ui;
+      flag(ui);
+      r[i] += ui;
+    }
+  } else {
+    for (size_t i = 0; i < n; ++i) {
+      const float ui = m * u[i] + g[i];
+      u[i] = ui;
+      p[i] -= lr * ui;
+      const float ai = a[i] + ui;
+      a[i] = 0.0f;
+      flag(ai);
+      r[i] += ai;
+    }
+  }
+  folded_ = true;
+  folded_finite_ = non_finite == 0;
+  return true;
 }
 
 Status SbcCompressor::Compress(const float* grad, const std::vector<KeyRange>& ranges,
                                std::vector<Message>* out) {
   const size_t n = residual_.size();
-  SPARSEPS_RETURN_IF_ERROR(CheckFinite(accumulated_.data(), n, "the accumulated update"));
-  // A = a + R, held in residual_; the accumulator starts again.
-  kernels::Axpy(1.0f, accumulated_.data(), residual_.data(), n);
-  std::fill(accumulated_.begin(), accumulated_.end(), 0.0f);
-  // Top-k of each sign: select by magnitude on the positive part, then on the negative part.
-  for (size_t i = 0; i < n; ++i) side_[i] = residual_[i] > 0.0f ? residual_[i] : 0.0f;
-  pos_selector_.Select(side_.data(), n, k_, &pos_);
-  for (size_t i = 0; i < n; ++i) side_[i] = residual_[i] < 0.0f ? residual_[i] : 0.0f;
-  neg_selector_.Select(side_.data(), n, k_, &neg_);
-  // A side with fewer than k entries of its sign is padded by the selector with zeros of side_,
-  // i.e. entries that are zero or of the other sign: those never count as selected.
-  auto keep_sign = [&](std::vector<uint32_t>* idx, bool positive) {
-    idx->erase(std::remove_if(idx->begin(), idx->end(),
-                              [&](uint32_t i) {
-                                return positive ? !(residual_[i] > 0.0f) : !(residual_[i] < 0.0f);
-                              }),
-               idx->end());
-  };
-  keep_sign(&pos_, true);
-  keep_sign(&neg_, false);
+  if (folded_) {
+    // LocalStep's push step formed A in the residual already.
+    folded_ = false;
+    if (!folded_finite_) {
+      return Status::InvalidArgument(
+          "the accumulated update contains NaN or Inf; nothing was pushed");
+    }
+  } else {
+    SPARSEPS_RETURN_IF_ERROR(CheckFinite(accumulated_.data(), n, "the accumulated update"));
+    // A = a + R, held in residual_; the accumulator starts again.
+    kernels::Axpy(1.0f, accumulated_.data(), residual_.data(), n);
+    std::fill(accumulated_.begin(), accumulated_.end(), 0.0f);
+  }
+  if (config_.selection() == proto::EXACT) {
+    // Top-k of each sign straight from the residual: one sample and one streaming pass.
+    kernels::TopKBySign(residual_.data(), n, k_, &pos_, &neg_);
+  } else {
+    // Sampled or scaled thresholds: select by magnitude on the positive part, then on the negative.
+    side_.resize(n);
+    for (size_t i = 0; i < n; ++i) side_[i] = residual_[i] > 0.0f ? residual_[i] : 0.0f;
+    pos_selector_.Select(side_.data(), n, k_, &pos_);
+    for (size_t i = 0; i < n; ++i) side_[i] = residual_[i] < 0.0f ? residual_[i] : 0.0f;
+    neg_selector_.Select(side_.data(), n, k_, &neg_);
+    // A side with fewer than k entries of its sign is padded by the selector with zeros of side_,
+    // i.e. entries that are zero or of the other sign: those never count as selected.
+    auto keep_sign = [&](std::vector<uint32_t>* idx, bool positive) {
+      idx->erase(std::remove_if(idx->begin(), idx->end(),
+                                [&](uint32_t i) {
+                                  return positive ? !(residual_[i] > 0.0f) : !(residual_[i] < 0.0f);
+                                }),
+                 idx->end());
+    };
+    keep_sign(&pos_, true);
+    keep_sign(&neg_, false);
+  }
   auto mean = [&](const std::vector<uint32_t>& idx) {
     double s = 0.0;
     for (uint32_t i : idx) s += std::fabs(residual_[i]);

@@ -42,6 +42,8 @@ void EncodeSbcPushes(const std::vector<uint32_t>& chosen, float value,
 class SbcCompressor final : public Compressor {
  public:
   SbcCompressor(size_t num_params, const proto::CompressionConfig& c, float momentum, float lr);
+  // The local SGD step with momentum; on the step that pushes (every local_iterations-th) it also
+  // forms A = a + R in the residual in the same pass, which the next Compress uses.
   bool LocalStep(const float* grad, float* params) override;
   bool trains_local_copy() const override { return true; }
   Status Compress(const float* grad, const std::vector<KeyRange>& ranges,
@@ -76,7 +78,10 @@ class SbcCompressor final : public Compressor {
   float momentum_, lr_;
   uint32_t local_steps_ = 0;
   Selector pos_selector_, neg_selector_;
-  std::vector<float> velocity_, accumulated_, residual_, side_;
+  std::vector<float> velocity_, accumulated_, residual_;
+  std::vector<float> side_;    // one sign of the residual, for the sampled and scaled selections
+  bool folded_ = false;        // LocalStep's push step formed A = a + R in residual_
+  bool folded_finite_ = true;  // ... and A was finite
   std::vector<uint32_t> pos_, neg_;
   size_t last_selected_ = 0;
   float last_value_ = 0.0f;

@@ -38,7 +38,7 @@ size_t SelectAtLeast(const float* x, size_t n, float threshold, std::vector<uint
   size_t i = 0;
 #if defined(__SSE2__)
   // Blocks of 16: one any-above test (keys < 2^31 compare correctly as signed integers), and a
-  // scalar scan only of the rare blocks that hold a selected entry.
+  // visit of only the selected lanes of the rare blocks that hold one.
   const __m128i mask = _mm_set1_epi32(0x7fffffff);
   const __m128i below = _mm_set1_epi32(static_cast<int32_t>(t) - 1);
   for (; i + 16 <= n; i += 16) {
@@ -49,17 +49,22 @@ size_t SelectAtLeast(const float* x, size_t n, float threshold, std::vector<uint
         _mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i + 8)), mask);
     const __m128i d =
         _mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i + 12)), mask);
-    const __m128i any =
-        _mm_or_si128(_mm_or_si128(_mm_cmpgt_epi32(a, below), _mm_cmpgt_epi32(b, below)),
-                     _mm_or_si128(_mm_cmpgt_epi32(c, below), _mm_cmpgt_epi32(d, below)));
-    if (_mm_movemask_epi8(any) == 0) [[likely]] {
+    const __m128i ma = _mm_cmpgt_epi32(a, below), mb = _mm_cmpgt_epi32(b, below);
+    const __m128i mc = _mm_cmpgt_epi32(c, below), md = _mm_cmpgt_epi32(d, below);
+    if (_mm_movemask_epi8(_mm_or_si128(_mm_or_si128(ma, mb), _mm_or_si128(mc, md))) == 0)
+        [[likely]] {
       continue;
     }
-    for (size_t j = i; j < i + 16; ++j) {
-      if (AbsKey(x[j]) >= t) {
-        out->push_back(static_cast<uint32_t>(j));
-        if (values != nullptr) values->push_back(x[j]);
-      }
+    // One bit per selected lane; visit only those (lowest index first).
+    unsigned bits = static_cast<unsigned>(_mm_movemask_ps(_mm_castsi128_ps(ma))) |
+                    static_cast<unsigned>(_mm_movemask_ps(_mm_castsi128_ps(mb))) << 4 |
+                    static_cast<unsigned>(_mm_movemask_ps(_mm_castsi128_ps(mc))) << 8 |
+                    static_cast<unsigned>(_mm_movemask_ps(_mm_castsi128_ps(md))) << 12;
+    while (bits != 0) {
+      const size_t j = i + static_cast<size_t>(__builtin_ctz(bits));
+      bits &= bits - 1;
+      out->push_back(static_cast<uint32_t>(j));
+      if (values != nullptr) values->push_back(x[j]);
     }
   }
 #endif

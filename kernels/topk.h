@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace sparseps::kernels {
 
@@ -25,5 +26,19 @@ size_t TopKAbs(const float* x, size_t n, size_t k, uint32_t* idx_out);
 //
 // REQUIRES: n < 2^32; idx_out has room for min(k, n) elements.
 size_t TopKAbsRadix(const float* x, size_t n, size_t k, uint32_t* idx_out);
+
+// Top-k of each sign (SBC's selection, Sattler et al., arXiv 1805.08768, Algorithm 1): writes to
+// *pos the indices of the k largest positive entries of x[0, n) and to *neg those of the k most
+// negative, each strictly increasing; a sign with at most k entries gives all of them; zeros
+// belong to neither. Ties at the k-th magnitude go to lower indices, as in TopKAbs, so each side
+// is TopKAbs of x with the other sign zeroed, minus the zeros it would pad with.
+//
+// Method (n >= 65536 and k <= n/16): one strided sample gives each sign's lower bound (as in
+// TopKAbs), one streaming pass collects both sides' candidates, and an exact select among each
+// finishes: about one read of x for both signs. A side whose sample misleads, and small n or large
+// k, use a radix select of that sign instead; the result is the same.
+// REQUIRES: n < 2^32; x finite.
+void TopKBySign(const float* x, size_t n, size_t k, std::vector<uint32_t>* pos,
+                std::vector<uint32_t>* neg);
 
 }  // namespace sparseps::kernels

@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <vector>
@@ -176,6 +177,94 @@ TEST(SbcCompressor, SideWithFewerThanKEntriesSendsOnlyItsSign) {
     EXPECT_EQ(std::vector<uint32_t>(p.indices.begin(), p.indices.end()),
               (std::vector<uint32_t>{5, 700}));
   }
+}
+
+// SBC's push step on a vector large enough for the sampled selection path, over three pushes with
+// momentum, against a reference written from Algorithm 1: u = m u + g; A = u + R; the k largest
+// of each sign (ties to lower indices); the side with the larger mean magnitude is sent at its
+// signed mean; R = A - sent; u = 0 where sent. Also a Compress that follows LocalSteps which did
+// not push (it forms A itself) sends the same as the fused push step.
+TEST(SbcCompressor, PushStepMatchesAlgorithmOne) {
+  const size_t n = 1 << 17, k = 1311;  // density 1%
+  proto::CompressionConfig c;
+  c.set_encoding(proto::SBC);
+  c.set_density(0.01);
+  const float m = 0.9f, lr = 0.5f;
+  SbcCompressor sbc(n, c, m, lr);
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> u(n, 0.0f), r(n, 0.0f), params(n, 0.0f);
+  for (int step = 0; step < 3; ++step) {
+    std::vector<float> g(n);
+    for (auto& v : g) v = normal(rng) * std::exp(normal(rng)) + (step == 1 ? 0.3f : 0.0f);
+    for (size_t i = 0; i < n; ++i) {
+      u[i] = m * u[i] + g[i];
+      r[i] += u[i];
+    }
+    auto side = [&](bool positive) {
+      std::vector<uint32_t> idx;
+      for (uint32_t i = 0; i < n; ++i) {
+        if (positive ? r[i] > 0.0f : r[i] < 0.0f) idx.push_back(i);
+      }
+      std::stable_sort(idx.begin(), idx.end(),
+                       [&](uint32_t a, uint32_t b) { return std::fabs(r[a]) > std::fabs(r[b]); });
+      idx.resize(std::min(k, idx.size()));
+      std::sort(idx.begin(), idx.end());
+      double sum = 0.0;
+      for (uint32_t i : idx) sum += std::fabs(r[i]);
+      return std::make_pair(idx, sum / static_cast<double>(idx.size()));
+    };
+    const auto [pos, mu_pos] = side(true);
+    const auto [neg, mu_neg] = side(false);
+    const bool positive = mu_pos >= mu_neg;
+    const auto& sent = positive ? pos : neg;
+    const float value = static_cast<float>(positive ? mu_pos : -mu_neg);
+    for (uint32_t i : sent) {
+      r[i] -= value;
+      u[i] = 0.0f;
+    }
+
+    std::vector<Message> out;
+    ASSERT_TRUE(sbc.LocalStep(g.data(), params.data()));
+    ASSERT_TRUE(sbc.Compress(g.data(), SplitKeyRanges(n, 2), &out).ok());
+    EXPECT_EQ(sbc.last_selected(), k) << "step " << step;
+    EXPECT_EQ(sbc.last_value(), value) << "step " << step;
+    ASSERT_EQ(sbc.residual(), r) << "step " << step;
+    std::vector<uint32_t> got;
+    for (size_t s = 0; s < out.size(); ++s) {
+      DecodedPayload p;
+      ASSERT_TRUE(FindCodec(proto::SBC)->Decode(out[s], n / 2, &p).ok());
+      for (uint32_t i : p.indices) got.push_back(i + static_cast<uint32_t>(s * (n / 2)));
+    }
+    EXPECT_EQ(got, sent) << "step " << step;
+  }
+
+  // Two local iterations: the second LocalStep pushes (fused); Compress after only the first
+  // forms A from the accumulator itself. Both send what one update of the sum would.
+  c.set_local_iterations(2);
+  SbcCompressor fused(n, c, 0.0f, lr), separate(n, c, 0.0f, lr);
+  std::vector<float> g1(n), g2(n), p1(n, 0.0f), p2(n, 0.0f), both(n);
+  for (size_t i = 0; i < n; ++i) {
+    g1[i] = normal(rng);
+    g2[i] = normal(rng);
+    both[i] = g1[i] + g2[i];
+  }
+  std::vector<Message> a, b;
+  ASSERT_FALSE(fused.LocalStep(g1.data(), p1.data()));
+  ASSERT_TRUE(fused.LocalStep(g2.data(), p1.data()));
+  ASSERT_TRUE(fused.Compress(g2.data(), {KeyRange{0, n}}, &a).ok());
+  ASSERT_FALSE(separate.LocalStep(both.data(), p2.data()));
+  ASSERT_TRUE(separate.Compress(both.data(), {KeyRange{0, n}}, &b).ok());
+  EXPECT_EQ(fused.last_value(), separate.last_value());
+  EXPECT_EQ(fused.residual(), separate.residual());
+  ASSERT_EQ(a.size(), 1u);
+  ASSERT_EQ(b.size(), 1u);
+  DecodedPayload da, db;
+  ASSERT_TRUE(FindCodec(proto::SBC)->Decode(a[0], n, &da).ok());
+  ASSERT_TRUE(FindCodec(proto::SBC)->Decode(b[0], n, &db).ok());
+  EXPECT_EQ(fused.last_selected(), k);
+  EXPECT_EQ(std::vector<uint32_t>(da.indices.begin(), da.indices.end()),
+            std::vector<uint32_t>(db.indices.begin(), db.indices.end()));
 }
 
 }  // namespace

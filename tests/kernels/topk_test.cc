@@ -98,5 +98,56 @@ TEST(TopKAbs, SampledPathMatchesReferenceOnAdversarialLayouts) {
   }
 }
 
+// Reference for TopKBySign: order one sign's entries by (magnitude descending, index ascending),
+// take k, sort the indices.
+std::vector<uint32_t> SignReference(const std::vector<float>& x, size_t k, bool positive) {
+  std::vector<uint32_t> order;
+  for (size_t i = 0; i < x.size(); ++i) {
+    if (positive ? x[i] > 0.0f : x[i] < 0.0f) order.push_back(static_cast<uint32_t>(i));
+  }
+  std::stable_sort(order.begin(), order.end(),
+                   [&](uint32_t a, uint32_t b) { return std::fabs(x[a]) > std::fabs(x[b]); });
+  order.resize(std::min(k, order.size()));
+  std::sort(order.begin(), order.end());
+  return order;
+}
+
+// Every path of TopKBySign (sampled bounds for both signs, for one, for none; small n; large k)
+// against the per-sign reference, on layouts that mislead a sample.
+TEST(TopKBySign, MatchesPerSignReference) {
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<std::vector<float>> inputs;
+  const size_t n = 1 << 18;
+  std::vector<float> x(n);
+  for (auto& v : x) v = normal(rng) * std::exp(normal(rng));
+  inputs.push_back(x);  // both signs, heavy-tailed
+  for (size_t i = 0; i < n; ++i) x[i] = std::fabs(x[i]) + (i % 1000 == 0 ? -1.0f : 0.0f);
+  inputs.push_back(x);  // few negatives (one in 1000): that side has no sampled bound
+  for (size_t i = 5000; i < 5400; ++i) x[i] = -100.0f - static_cast<float>(i);
+  inputs.push_back(x);  // ... and a cluster of large negatives the sample may miss
+  std::vector<float> sorted(n);
+  for (size_t i = 0; i < n; ++i) sorted[i] = (static_cast<float>(i) - n / 3.0f) * 1e-3f;
+  inputs.push_back(sorted);
+  inputs.push_back(std::vector<float>(n, -2.5f));  // all ties, one sign
+  inputs.push_back(std::vector<float>(n, 0.0f));   // zeros belong to neither side
+  std::vector<float> mixed(n);
+  for (size_t i = 0; i < n; ++i) mixed[i] = (i % 3 == 0) ? 0.0f : (i % 3 == 1 ? 1.0f : -1.0f);
+  mixed[77] = -0.0f;
+  inputs.push_back(mixed);  // ties on both sides and signed zeros
+  std::vector<float> small(1000);
+  for (auto& v : small) v = normal(rng);
+  inputs.push_back(small);  // below the sampled path's size
+  for (size_t in = 0; in < inputs.size(); ++in) {
+    const size_t m = inputs[in].size();
+    for (size_t k : {size_t{0}, size_t{1}, m / 1000, m / 100, m / 16, m / 4, m}) {
+      std::vector<uint32_t> pos = {42}, neg = {42};  // cleared first
+      TopKBySign(inputs[in].data(), m, k, &pos, &neg);
+      ASSERT_EQ(pos, SignReference(inputs[in], k, true)) << "input " << in << " k=" << k;
+      ASSERT_EQ(neg, SignReference(inputs[in], k, false)) << "input " << in << " k=" << k;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace sparseps::kernels
