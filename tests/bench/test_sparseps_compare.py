@@ -151,3 +151,33 @@ def test_bad_comparison_configs_are_refused_naming_the_key(tmp_path, capsys):
     assert "name 'a' used twice" in refused(
         "job: j.yaml\nworkers: 2\nsettings:\n  - {name: a}\n  - {name: a}\n")
     assert "settings[0] needs a name" in refused("job: j.yaml\nworkers: 2\nsettings:\n  - {}\n")
+
+
+def test_scaling_compares_each_worker_count_with_gloo_at_it(tmp_path):
+    """Settings of one method at several worker counts: the table gets a W + S column, each
+    ratio is against gloo at the same W, and scaling.png is drawn."""
+    out = str(tmp_path / "out")
+    os.makedirs(out)
+    results = []
+    for name, method, w, ms in [("gloo_w2", "gloo", 2, 100.0), ("gloo_w4", "gloo", 4, 200.0),
+                                ("ps_topk_w2", "ps_topk", 2, 50.0),
+                                ("ps_topk_w4", "ps_topk", 4, 50.0)]:
+        run = str(tmp_path / name)
+        make_run(run, 10, step_ms=lambda i, ms=ms: ms, sent=lambda w, i: 10 * w,
+                 received=lambda w, i: 1, evals=[(1.0, 0.9)], workers=w)
+        r = driver.summarize(name, run, target=0.8, workers=w)
+        r["method"], r["servers"] = method, 2
+        results.append(r)
+    header = ["machine: test", "network: loopback (unshaped)", "model: MLP; density 0.01",
+              "command: test"]
+    driver.write_outputs(out, {"name": "scaling"}, header, results)
+    rows = read_results(out)
+    assert rows["ps_topk_w4"]["workers"] == "4" and rows["ps_topk_w4"]["method"] == "ps_topk"
+    # Sent bytes: the mean over all W workers of 10 * w.
+    assert float(rows["gloo_w4"]["sent_bytes_per_step"]) == pytest.approx(15.0)
+    with open(os.path.join(out, "results.md")) as f:
+        md = f.read()
+    assert "| setting | W + S | step ms (median) |" in md
+    assert "| ps_topk_w2 | 2 + 2 | 50.0 | 50.0 | 0.50x |" in md
+    assert "| ps_topk_w4 | 4 + 2 | 50.0 | 50.0 | 0.25x |" in md
+    assert os.path.getsize(os.path.join(out, "scaling.png")) > 0  # python3-matplotlib: deps
