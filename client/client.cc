@@ -124,6 +124,23 @@ std::span<const float> Worker::params() const {
 
 void Worker::SetEpoch(uint32_t epoch) { impl_->agg().SetEpoch(epoch); }
 
+void Worker::Synchronize(std::span<float> params) {
+  Impl& m = *impl_;
+  Aggregator& agg = m.agg();
+  const size_t n = agg.num_params();
+  if (params.size() != n) {
+    Raise(Status::InvalidArgument("Synchronize: params has " + std::to_string(params.size()) +
+                                  " elements; the job has " + std::to_string(n)));
+  }
+  const Status s = agg.Synchronize();
+  if (!s.ok()) {
+    m.session->ReportFailure(s);
+    Raise(s);
+  }
+  const float* now = agg.host_model_params();
+  std::copy(now, now + n, params.begin());
+}
+
 void Worker::Finish(double test_accuracy, double train_loss, double samples_per_s, double train_s) {
   Impl& m = *impl_;
   Aggregator& agg = m.agg();
@@ -138,7 +155,8 @@ void Worker::Finish(double test_accuracy, double train_loss, double samples_per_
   Status s;
   if (m.session->is_leader() && m.config.checkpoint().save_model() &&
       !m.config.run().dir().empty()) {
-    s = m.session->SaveModel(m.config.run().dir() + "/model.safetensors", m.layers);
+    s = agg.Synchronize();  // ssp / async: the saved model has every worker's every push
+    if (s.ok()) s = m.session->SaveModel(m.config.run().dir() + "/model.safetensors", m.layers);
   }
   if (s.ok()) s = m.session->Finish(stats);
   m.session.reset();

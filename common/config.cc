@@ -436,6 +436,32 @@ Status ValidateConfig(const proto::JobConfig& config, const ConfigSources& sourc
           "'aggregation: allreduce' the collective (collective.algorithm) decides what is sent");
     }
   }
+  if (config.train().consistency() != proto::BSP) {
+    const std::string why = SourceOf(sources, "train.consistency") +
+                            ": key 'train.consistency' is " +
+                            (config.train().consistency() == proto::SSP ? "ssp" : "async");
+    if (config.aggregation() == proto::ALLREDUCE) {
+      return Status::InvalidArgument(
+          why +
+          ": a collective has every worker in each iteration; ssp and async are for "
+          "'aggregation: ps'");
+    }
+    if (config.compression().sketch().second_round()) {
+      return Status::InvalidArgument(
+          why +
+          " but 'compression.sketch.second_round' is on: its candidates are chosen from "
+          "every worker's sketch of one iteration (bsp only)");
+    }
+    if (config.checkpoint().every_steps() > 0 || config.checkpoint().every_s() > 0) {
+      return Status::InvalidArgument(
+          why +
+          " but checkpoints are asked for (checkpoint.every_steps / every_s): a checkpoint "
+          "is of one iteration that every worker has ended (bsp only)");
+    }
+    if (config.node().rejoin()) {
+      return Status::InvalidArgument(why + ": replacements (--rejoin) join bsp jobs only");
+    }
+  }
   static const char* kLevels[] = {"trace", "debug", "info", "warn", "error", "critical", "off"};
   if (std::find(std::begin(kLevels), std::end(kLevels), config.run().log_level()) ==
       std::end(kLevels)) {

@@ -260,6 +260,8 @@ def main():
             run_eval(epoch + 1)
     train_s = time.monotonic() - start
     if rank == 0:
+        if not args.ddp:
+            opt.synchronize()  # ssp / async: the model with every worker's every push
         run_eval(epochs)
     log(rank, "info", f"training done: {step} steps in {train_s:.1f} s, "
         f"{step * batch / train_s:.0f} samples/s on this worker"

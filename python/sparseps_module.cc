@@ -514,6 +514,26 @@ class Worker {
     if (session_) session_->aggregator().SetEpoch(epoch);
   }
 
+  // ssp / async: waits until every worker pushed as many steps as this one; the job's parameters
+  // then (a copy). bsp, allreduce: the parameters at once.
+  py::array_t<float> Synchronize() {
+    if (!session_) Raise(Status::FailedPrecondition("call init(params) first"));
+    Status s;
+    bool interrupted = false;
+    {
+      ScopedStopOnInterrupt stop_on_interrupt;
+      py::gil_scoped_release release;
+      s = session_->aggregator().Synchronize();
+      interrupted = stop_on_interrupt.interrupted();
+    }
+    if (!s.ok()) {
+      session_->ReportFailure(s);
+      if (interrupted) RaiseInterrupt(s);
+      Raise(s);
+    }
+    return Params();
+  }
+
   // Tells the scheduler this worker is done (DONE with its statistics) and waits until every
   // worker is (SHUTDOWN). test_accuracy: a fraction, -1 when this worker did not evaluate.
   // The loop's position in a checkpoint: the steps done.
@@ -539,7 +559,8 @@ class Worker {
       // The trained model, as the C++ worker 0 writes it (checkpoint.save_model).
       if (session_->is_leader() && config_.checkpoint().save_model() &&
           !config_.run().dir().empty()) {
-        s = session_->SaveModel(config_.run().dir() + "/model.safetensors", layers_);
+        s = session_->aggregator().Synchronize();  // ssp / async: every worker's every push
+        if (s.ok()) s = session_->SaveModel(config_.run().dir() + "/model.safetensors", layers_);
       }
       if (s.ok()) s = session_->Finish(stats);
       interrupted = stop_on_interrupt.interrupted();
@@ -714,6 +735,11 @@ NaN or Inf (nothing is sent; the job goes on), TimeoutError naming a missing pee
       .def("params", &Worker::Params, "The job's parameters as this worker holds them (a copy).")
       .def("residual", &Worker::Residual,
            "What this worker holds back for later steps (its residual; a copy).")
+      .def("synchronize", &Worker::Synchronize, R"doc(
+train.consistency ssp / async: waits until every worker has pushed as many steps as this one and
+returns the job's parameters then, with no staleness (a flat float32 NumPy array, a copy): call it
+before the final evaluation and before saving the model. bsp and allreduce: the parameters at once.
+Raises TimeoutError naming a missing peer.)doc")
       .def("set_epoch", &Worker::SetEpoch, py::arg("epoch"),
            "Sets the epoch (0-based) for the density warm-up (compression.warmup_epochs).")
       .def("finish", &Worker::Finish, py::arg("test_accuracy") = -1.0, py::arg("train_loss") = 0.0,

@@ -62,8 +62,9 @@ class ServerMetrics {
  public:
   explicit ServerMetrics(int rank)
       : r_("server", rank),
-        iteration_(
-            r_.Gauge("sparseps_server_iteration", "Iterations completed (the shard's version)")),
+        iteration_(r_.Gauge("sparseps_server_iteration",
+                            "Iterations every worker completed (bsp: the shard's version; ssp and "
+                            "async: the slowest worker's pushes)")),
         epoch_(r_.Gauge("sparseps_server_membership_epoch", "Membership epoch in force")),
         waiting_pulls_(r_.Gauge("sparseps_server_waiting_pulls",
                                 "Pulls held until their iteration is complete")),
@@ -87,7 +88,7 @@ class ServerMetrics {
               uint64_t unsent) {
     if (!r_.serving()) return;
     const auto& c = shard.counters();
-    iteration_.Set(static_cast<double>(shard.version()));
+    iteration_.Set(static_cast<double>(shard.iterations()));
     epoch_.Set(static_cast<double>(epoch));
     waiting_pulls_.Set(static_cast<double>(shard.waiting_pulls()));
     waiting_candidates_.Set(static_cast<double>(shard.waiting_candidate_requests()));
@@ -133,6 +134,8 @@ Status Serve(const proto::JobConfig& config, zmq::context_t& context, const std:
     opts.momentum = config.train().momentum();
     opts.checkpoint_every_steps = config.checkpoint().every_steps();
     opts.commit_on_pull = config.cluster().on_worker_failure() == proto::CONTINUE;
+    opts.consistency = config.train().consistency();
+    opts.staleness = config.train().staleness();
     for (const auto& r : m.ranges()) {
       if (r.server_rank() == control.rank()) opts.range = {r.begin(), r.end()};
     }
@@ -321,7 +324,7 @@ Status Serve(const proto::JobConfig& config, zmq::context_t& context, const std:
     done.header.set_command(proto::DONE);
     proto::ServerStats* st = done.header.mutable_done()->mutable_server_stats();
     st->set_rank(control.rank());
-    st->set_iterations(shard->version() < 0 ? 0 : static_cast<uint64_t>(shard->version()));
+    st->set_iterations(shard->iterations() < 0 ? 0 : static_cast<uint64_t>(shard->iterations()));
     st->set_pushes(c.pushes);
     st->set_pulls(c.pulls);
     st->set_sparse_pull_replies(c.sparse_pull_replies);
@@ -341,7 +344,7 @@ Status Serve(const proto::JobConfig& config, zmq::context_t& context, const std:
         "served {} iterations: {} pushes, {} pulls ({} sparse, {} dense replies), {} rejected "
         "messages ({} duplicate, {} stale pushes, {} from peers that are not in the job), {} "
         "replies not sent, {:.1f} MB in, {:.1f} MB out",
-        shard->version(), c.pushes, c.pulls, c.sparse_pull_replies, c.dense_pull_replies,
+        shard->iterations(), c.pushes, c.pulls, c.sparse_pull_replies, c.dense_pull_replies,
         c.rejected, c.duplicate_pushes, c.stale_pushes, c.impostors, unsent, bytes_in / 1e6,
         bytes_out / 1e6);
   }

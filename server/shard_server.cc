@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "encodings/dense.h"
 #include "encodings/registry.h"
@@ -19,7 +20,16 @@ ShardServer::ShardServer(const ShardOptions& options)
       pushed_(static_cast<size_t>(options.num_workers), kNone),
       stored_(static_cast<size_t>(options.num_workers)),
       active_(static_cast<size_t>(options.num_workers), 1),
-      join_at_(static_cast<size_t>(options.num_workers), -1) {}
+      join_at_(static_cast<size_t>(options.num_workers), -1),
+      ssp_(options.consistency != proto::BSP),
+      staleness_(options.consistency == proto::SSP ? static_cast<int64_t>(options.staleness)
+                                                   : std::numeric_limits<int64_t>::max() / 4),
+      clock_(static_cast<size_t>(options.num_workers), 0),
+      sent_version_(static_cast<size_t>(options.num_workers), -1),
+      dirty_all_(static_cast<size_t>(options.num_workers), 1),
+      dirty_bits_(ssp_ ? static_cast<size_t>(options.num_workers) : 0,
+                  std::vector<uint64_t>((options.range.size() + 63) / 64, 0)),
+      dirty_keys_(static_cast<size_t>(options.num_workers)) {}
 
 int ShardServer::ActiveWorker(const proto::Header& h) const {
   if (h.sender_role() != proto::WORKER || h.sender_rank() < 0 ||
@@ -146,14 +156,30 @@ void ShardServer::HandlePush(const std::string& peer, Message msg, std::vector<O
            out);
     return;
   }
-  if (h.iteration() == version_ - 1 && h.phase() == 0) {
+  if (ssp_) {
+    // The worker's own clock orders its pushes.
+    const int64_t c = clock_[rank];
+    if (h.iteration() == c - 1 || (h.iteration() == c && pushed_[rank] != kNone)) {
+      ++counters_.duplicate_pushes;  // a retry: the same acknowledgement, added once
+      out->push_back(Reply(peer, h, proto::PUSH_ACK));
+      return;
+    }
+    if (h.iteration() != c) {
+      if (h.iteration() < c) ++counters_.stale_pushes;
+      Reject(peer, &h,
+             std::string(h.iteration() < c ? "stale" : "future") + " PUSH for iteration " +
+                 std::to_string(h.iteration()) + " from worker " + std::to_string(rank) +
+                 ", whose clock here is " + std::to_string(c),
+             out);
+      return;
+    }
+  } else if (h.iteration() == version_ - 1 && h.phase() == 0) {
     // A repeat (a retry) of the iteration just applied, which every worker pushed: idempotent,
     // the same acknowledgement, counted once.
     ++counters_.duplicate_pushes;
     out->push_back(Reply(peer, h, proto::PUSH_ACK));
     return;
-  }
-  if (h.iteration() < version_) {
+  } else if (h.iteration() < version_) {
     ++counters_.stale_pushes;
     Reject(peer, &h,
            "stale PUSH for iteration " + std::to_string(h.iteration()) +
@@ -161,7 +187,7 @@ void ShardServer::HandlePush(const std::string& peer, Message msg, std::vector<O
            out);
     return;
   }
-  if (h.iteration() > version_) {
+  if (!ssp_ && h.iteration() > version_) {
     Reject(peer, &h,
            "PUSH for future iteration " + std::to_string(h.iteration()) +
                "; the server is at iteration " + std::to_string(version_),
@@ -219,9 +245,58 @@ void ShardServer::Commit(int rank) {
   stored_[r].reset();
   pushed_[r] = kAdded;
   ++added_;
+  if (ssp_) ApplyPush(rank);
+}
+
+int64_t ShardServer::iterations() const {
+  if (!ssp_ || version_ < 0) return version_;
+  const int64_t slowest = SlowestClock();
+  return slowest == std::numeric_limits<int64_t>::max() ? 0 : slowest;
+}
+
+int64_t ShardServer::SlowestClock() const {
+  int64_t slowest = std::numeric_limits<int64_t>::max();
+  for (size_t r = 0; r < clock_.size(); ++r) {
+    if (active_[r]) slowest = std::min(slowest, clock_[r]);
+  }
+  return slowest;
+}
+
+void ShardServer::ApplyPush(int rank) {
+  const size_t r = static_cast<size_t>(rank);
+  size_t active = 0;
+  for (uint8_t a : active_) active += a;
+  aggregation_->EndPhase();  // one push is a whole round here (no second round: config)
+  added_ = 0;
+  aggregation_->Apply(
+      static_cast<float>(-options_.lr / static_cast<double>(std::max<size_t>(active, 1))), &params_,
+      &last_changed_, &last_changed_all_);
+  ++version_;
+  pushed_[r] = kNone;
+  ++clock_[r];
+  // What each worker has not been sent yet.
+  for (size_t w = 0; w < dirty_all_.size(); ++w) {
+    if (dirty_all_[w]) continue;
+    if (last_changed_all_ || dirty_keys_[w].size() + last_changed_.size() > params_.size() / 2) {
+      dirty_all_[w] = 1;  // a dense reply is due anyway
+      continue;
+    }
+    auto& bits = dirty_bits_[w];
+    for (uint32_t k : last_changed_) {
+      const uint64_t bit = uint64_t{1} << (k & 63);
+      if ((bits[k >> 6] & bit) == 0) {
+        bits[k >> 6] |= bit;
+        dirty_keys_[w].push_back(k);
+      }
+    }
+  }
 }
 
 void ShardServer::MaybeEndPhase(std::vector<Outgoing>* out) {
+  if (ssp_) {
+    AnswerReadyPulls(out);  // each push was applied at its commit
+    return;
+  }
   if (!initialized() || added_ == 0) return;
   if (hold_at_ >= 0 && version_ >= hold_at_) return;  // a replacement may join here
   for (size_t r = 0; r < pushed_.size(); ++r) {
@@ -245,6 +320,8 @@ proto::Position ShardServer::Position(int worker) const {
   p.set_phase(aggregation_->phase());
   if (worker >= 0 && worker < options_.num_workers) {
     p.set_worker_state(pushed_[static_cast<size_t>(worker)]);
+    // ssp: where this worker is, by its own clock (its push of that iteration held or not).
+    if (ssp_) p.set_version(clock_[static_cast<size_t>(worker)]);
   }
   return p;
 }
@@ -256,7 +333,8 @@ std::string ShardServer::Cut(const proto::WorkerCut& cut, uint64_t epoch, bool c
   const size_t r = static_cast<size_t>(w);
   epoch_ = std::max(epoch_, epoch);
   std::string problem;
-  const bool at_cut = version_ == cut.iteration() && aggregation_->phase() == cut.phase();
+  const int64_t at = ssp_ ? clock_[r] : version_;
+  const bool at_cut = at == cut.iteration() && aggregation_->phase() == cut.phase();
   if (at_cut && cut.include() && pushed_[r] == kNone) {
     problem = "the cut counts worker " + std::to_string(w) + "'s push of iteration " +
               std::to_string(cut.iteration()) + ", which this server never received";
@@ -365,7 +443,9 @@ std::string ShardServer::Join(const proto::WorkerJoin& join, uint64_t epoch,
   hold_at_ = -1;
   const int w = join.worker_rank();
   std::string problem;
-  if (w < 0 || w >= options_.num_workers) {
+  if (ssp_) {
+    problem = "replacements join bsp jobs only (train.consistency)";
+  } else if (w < 0 || w >= options_.num_workers) {
     problem = "join of an unknown worker " + std::to_string(w);
   } else if (active_[static_cast<size_t>(w)]) {
     problem = "worker " + std::to_string(w) + " joins but is still in the job here";
@@ -468,6 +548,27 @@ void ShardServer::State(StateArchive& archive) {
 void ShardServer::HandlePull(const std::string& peer, const Message& msg,
                              std::vector<Outgoing>* out) {
   const proto::Header& h = msg.header;
+  if (ssp_) {
+    // A worker pulls its own iterations: at most the one it is pushing (its clock).
+    const int w = ActiveWorker(h);
+    if (w < 0 || h.iteration() < -1 || h.iteration() > clock_[static_cast<size_t>(w)]) {
+      Reject(peer, &h,
+             "PULL for iteration " + std::to_string(h.iteration()) +
+                 (w < 0 ? std::string(" from a worker that is not in the job")
+                        : "; worker " + std::to_string(w) + "'s clock here is " +
+                              std::to_string(clock_[static_cast<size_t>(w)])),
+             out);
+      return;
+    }
+    if (IsRepeat(pending_pulls_, peer, h)) return;
+    if (TooManyWaiting(peer, &h, out)) return;
+    ++counters_.pulls;
+    pending_pulls_.push_back(
+        {peer, h.iteration() + 1, h.have_version(), h.request_id(), w, h.no_staleness()});
+    if (h.iteration() == clock_[static_cast<size_t>(w)]) Commit(w);  // commit_on_pull
+    AnswerReadyPulls(out);
+    return;
+  }
   // BSP: a worker pulls iteration t only after pushing t, so nothing beyond version + 1 can be
   // legitimately waited for; refusing it keeps hostile pulls from piling up.
   // A replacement's first pull is of the iteration before it joins, which this shard may not
@@ -509,9 +610,47 @@ Outgoing ShardServer::MakePullReply(const PendingPull& pull) const {
     std::vector<float> values(last_changed_.size());
     for (size_t j = 0; j < last_changed_.size(); ++j) values[j] = params_[last_changed_[j]];
     EncodeTopK(std::vector<uint32_t>(last_changed_), std::move(values), &o.msg);
+    o.msg.header.set_have_version(version_ - 1);
   } else {
     EncodeDense(std::vector<float>(params_), &o.msg);
   }
+  return o;
+}
+
+bool ShardServer::PullReady(const PendingPull& pull) const {
+  if (pull.wanted_version <= 0) return true;  // the initial pull
+  const size_t w = static_cast<size_t>(pull.worker);
+  if (!active_[w] || clock_[w] < pull.wanted_version) return false;
+  const int64_t slowest = SlowestClock();
+  return pull.barrier ? slowest >= pull.wanted_version
+                      : slowest >= pull.wanted_version - staleness_;
+}
+
+Outgoing ShardServer::MakeSspPullReply(const PendingPull& pull) {
+  proto::Header request;
+  request.set_iteration(pull.wanted_version - 1);
+  request.set_request_id(pull.request_id);
+  Outgoing o = Reply(pull.peer, request, proto::PULL_REPLY);
+  const size_t w = static_cast<size_t>(pull.worker);
+  auto& keys = dirty_keys_[w];
+  // Sparse when the worker holds what it was sent last (a lost reply, a restart: dense) and the
+  // changes since are fewer than half the range.
+  const bool sparse = !dirty_all_[w] && sent_version_[w] >= 0 &&
+                      pull.have_version == sent_version_[w] && 2 * keys.size() < params_.size();
+  if (sparse) {
+    std::sort(keys.begin(), keys.end());
+    std::vector<float> values(keys.size());
+    for (size_t j = 0; j < keys.size(); ++j) values[j] = params_[keys[j]];
+    EncodeTopK(std::vector<uint32_t>(keys), std::move(values), &o.msg);
+    o.msg.header.set_have_version(sent_version_[w]);
+  } else {
+    EncodeDense(std::vector<float>(params_), &o.msg);
+  }
+  auto& bits = dirty_bits_[w];
+  for (uint32_t k : keys) bits[k >> 6] &= ~(uint64_t{1} << (k & 63));
+  keys.clear();
+  dirty_all_[w] = 0;
+  sent_version_[w] = version_;
   return o;
 }
 
@@ -519,8 +658,8 @@ void ShardServer::AnswerReadyPulls(std::vector<Outgoing>* out) {
   if (!initialized()) return;
   auto it = pending_pulls_.begin();
   while (it != pending_pulls_.end()) {
-    if (version_ >= it->wanted_version) {
-      out->push_back(MakePullReply(*it));
+    if (ssp_ ? PullReady(*it) : version_ >= it->wanted_version) {
+      out->push_back(ssp_ ? MakeSspPullReply(*it) : MakePullReply(*it));
       if (out->back().msg.header.encoding() == proto::TOPK) {
         ++counters_.sparse_pull_replies;
       } else {

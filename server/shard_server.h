@@ -29,6 +29,16 @@
 //   worker may send it again when a reply is late (cluster.retry_interval_s): a repeated INIT of
 //   the same values is acknowledged again, a repeated PULL or PULL_CANDIDATES (same peer and
 //   request id) still waiting is answered once, and one answered already is answered again.
+// Stale synchronous (train.consistency: ssp, staleness s) and async (s unbounded), after the
+// Parameter Server paper's bounded delay (Li et al., OSDI 2014, §3.3) and SSP (Ho et al., NIPS
+// 2013): each worker w has a clock c_w, the number of its pushes applied. PUSH(t) from w must have
+// t = c_w (t = c_w - 1 again: a retry, acknowledged again); it is applied on its own, at once (or
+// at its commit), as w -= lr * push / W (W: the active workers), so that W pushes move the
+// parameters as one bsp iteration does; version counts the pushes applied. PULL(t) of w is
+// answered once c_w >= t + 1 and every active worker's clock is >= t + 1 - s (with `barrier`:
+// >= t + 1); the reply holds, sparsely when that is smaller, the keys changed since the version
+// last sent to w, if the pull says it holds that version (else dense). Position, Cut work on the
+// clock of the worker in question; Join, the second round and checkpoints are bsp only.
 // Every received payload is validated (codec) before any state changes. What differs between the
 // encodings (how pushes add up and what is applied) is the encoding's ShardAggregation, made from
 // the table of encodings (encodings/registry.h).
@@ -64,6 +74,9 @@ struct ShardOptions {
   uint64_t checkpoint_every_steps = 0;
   // Add a push at its worker's commit (the next request of the iteration), not on arrival.
   bool commit_on_pull = false;
+  // bsp, or ssp with `staleness`, or async (see the top of this file).
+  proto::Consistency consistency = proto::BSP;
+  uint32_t staleness = 0;
 };
 
 struct ShardCounters {
@@ -141,6 +154,9 @@ class ShardServer {
 
   const std::vector<float>& params() const { return params_; }
   int64_t version() const { return version_; }
+  // Iterations every active worker has ended: the version under bsp; under ssp / async the
+  // slowest worker's clock (the version counts pushes there). -1 before INIT.
+  int64_t iterations() const;
   bool initialized() const { return version_ >= 0; }
   const ShardCounters& counters() const { return counters_; }
   // What this shard holds for later: pulls waiting for their iteration, candidate requests waiting
@@ -174,9 +190,11 @@ class ShardServer {
  private:
   struct PendingPull {
     std::string peer;
-    int64_t wanted_version;  // reply once version_ >= this
+    int64_t wanted_version;  // reply once version_ >= this (ssp: once the worker's clock is)
     int64_t have_version;
     uint64_t request_id;
+    int worker = -1;       // ssp: the worker that pulls
+    bool barrier = false;  // ssp: wait for every worker's clock to reach wanted_version
   };
 
   // A push held until its worker commits it (commit_on_pull); the payload views msg's frames.
@@ -204,6 +222,14 @@ class ShardServer {
   void Apply();
   void AnswerReadyPulls(std::vector<Outgoing>* out);
   Outgoing MakePullReply(const PendingPull& pull) const;
+  // ssp / async: applies worker `rank`'s added push on its own and advances its clock.
+  void ApplyPush(int rank);
+  // ssp: the lowest clock of the active workers.
+  int64_t SlowestClock() const;
+  // ssp: whether `pull` may be answered now; its reply (the keys changed since what was last sent
+  // to its worker, or dense), which then counts as sent.
+  bool PullReady(const PendingPull& pull) const;
+  Outgoing MakeSspPullReply(const PendingPull& pull);
   void Reject(const std::string& peer, const proto::Header* h, const std::string& why,
               std::vector<Outgoing>* out);
   Outgoing Reply(const std::string& peer, const proto::Header& request,
@@ -237,6 +263,16 @@ class ShardServer {
   bool TooManyWaiting(const std::string& peer, const proto::Header* h, std::vector<Outgoing>* out);
   // Why a data message claiming a worker cannot be from it; empty when it can.
   std::string CheckIdentity(const std::string& peer, const Message& msg) const;
+
+  // ssp / async (see the top): per worker rank, its clock, the version last sent to it and what
+  // changed since (all, or the keys as a bit set and a list).
+  const bool ssp_;
+  const int64_t staleness_;
+  std::vector<int64_t> clock_;
+  std::vector<int64_t> sent_version_;
+  std::vector<uint8_t> dirty_all_;
+  std::vector<std::vector<uint64_t>> dirty_bits_;
+  std::vector<std::vector<uint32_t>> dirty_keys_;
 
   std::vector<PendingPull> candidate_requests_;  // PULL_CANDIDATES waiting for phase 1
   std::vector<PendingPull> pending_pulls_;

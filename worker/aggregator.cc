@@ -112,6 +112,17 @@ class PsAggregator final : public Aggregator {
     return Status::OK();
   }
 
+  Status Synchronize() override {
+    if (config_.train().consistency() == proto::BSP || push_round_ == 0) return Status::OK();
+    if (local_copy_) WillChange(0, {}, true);
+    SPARSEPS_RETURN_IF_ERROR(ps_->PullBarrier(push_round_ - 1, params_.data()));
+    if (local_copy_) {
+      std::copy(params_.begin(), params_.end(), local_.begin());
+      changed_.AddAll();
+    }
+    return Status::OK();
+  }
+
   void State(StateArchive& archive) override {
     if (compressor_->on_device()) {
       return archive.Fail(

@@ -87,6 +87,11 @@ class Aggregator {
     return Status::FailedPrecondition("a replacement worker cannot join in allreduce mode");
   }
 
+  // train.consistency ssp / async (PS mode): waits until every worker has pushed as many
+  // iterations as this one and takes the job's parameters then (no staleness): before the final
+  // evaluation and the saved model. bsp and allreduce: nothing to do. Errors as Step's.
+  virtual Status Synchronize() { return Status::OK(); }
+
   // Saves or restores what this worker keeps across iterations (compressor or collective state,
   // the iteration count; allreduce also the parameters and momentum). Between steps only.
   virtual void State(StateArchive& archive) = 0;

@@ -141,6 +141,16 @@ Status PsClient::PullDense(int64_t version, float* params) {
   return AwaitAll(version - 1, params);
 }
 
+Status PsClient::PullBarrier(int64_t iteration, float* params) {
+  for (auto& p : peers_) {
+    Message m = Request(p, proto::PULL, iteration);
+    m.header.set_have_version(p.version);
+    m.header.set_no_staleness(true);
+    SPARSEPS_RETURN_IF_ERROR(Send(p, m, proto::PULL_REPLY));
+  }
+  return AwaitAll(iteration, params);
+}
+
 Status PsClient::PushPull(int64_t iteration, std::vector<Message>& pushes, float* params) {
   if (pushes.size() != peers_.size()) {
     return Status::Internal("PushPull needs one push per key range: got " +
@@ -219,8 +229,12 @@ Status PsClient::ApplyPullReply(Peer& peer, const Message& msg, float* params) {
   Status s = codec->Decode(msg, peer.range.size(), &p);
   if (!s.ok())
     return Status::ProtocolError("bad PULL_REPLY from " + peer.name + ": " + s.message());
-  if (!p.is_dense() && msg.header.version() != peer.version + 1) {
-    return Status::ProtocolError(peer.name + " sent a sparse delta for version " +
+  // A sparse reply holds the changes since the version its have_version names (none when
+  // nothing changed since: ssp's barrier pull).
+  if (!p.is_dense() && (msg.header.have_version() != peer.version || peer.version < 0 ||
+                        msg.header.version() < peer.version)) {
+    return Status::ProtocolError(peer.name + " sent a sparse delta from version " +
+                                 std::to_string(msg.header.have_version()) + " to " +
                                  std::to_string(msg.header.version()) + " but we hold " +
                                  std::to_string(peer.version));
   }

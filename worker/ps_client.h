@@ -49,6 +49,11 @@ class PsClient {
   // iterations) into params: a replacement worker's start (--rejoin).
   Status PullDense(int64_t version, float* params);
 
+  // train.consistency ssp / async: pulls every range once every worker has pushed `iteration`
+  // (this worker's last pushed iteration), i.e. with no staleness: the end of training.
+  // Errors as PushPull's.
+  Status PullBarrier(int64_t iteration, float* params);
+
   // Pushes pushes[r] (one Message per range, as a Compressor makes them) for `iteration`, then
   // pulls the result of that iteration into params: the changed entries, or the dense range.
   // Errors: ProtocolError when a server rejects a push or replies wrongly (the server's reason

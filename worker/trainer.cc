@@ -251,6 +251,8 @@ Status Train(const proto::JobConfig& config, Model& model, const TrainingData& d
     }
   }
   if (log.leader()) {
+    // ssp / async: the final model has every worker's every push.
+    SPARSEPS_RETURN_IF_ERROR(aggregator.Synchronize());
     SPARSEPS_RETURN_IF_ERROR(Evaluate(model, aggregator, data.test, epoch, step, &log));
     if (config.checkpoint().save_model() && !config.run().dir().empty()) {
       const std::string path = config.run().dir() + "/model.safetensors";

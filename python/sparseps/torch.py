@@ -136,6 +136,17 @@ class DistributedOptimizer:
         self.optimizer.step()
         return loss
 
+    def synchronize(self):
+        """train.consistency ssp / async: waits until every worker has pushed as many steps as
+        this one and copies the job's parameters then (no staleness) into the model's: call it
+        before the final evaluation and before saving the model. bsp: nothing changes."""
+        params = torch.from_numpy(self.worker.synchronize()).to(self._flat.device)
+        with torch.no_grad():
+            offset = 0
+            for p in self._params:
+                p.view(-1).copy_(params[offset:offset + p.numel()])
+                offset += p.numel()
+
     def zero_grad(self, set_to_none=False):
         """Zeroes the flat gradient buffer (set_to_none would drop the views; it is ignored)."""
         self._flat.zero_()

@@ -111,6 +111,30 @@ TEST_F(ConfigTest, CnnSettingsAreCheckedNamingFileLineAndKey) {
   EXPECT_THAT(c.status().message(), HasSubstr("'model.type' is not cnn"));
 }
 
+// ssp / async are PS mode only, without the second round, checkpoints or replacements.
+TEST_F(ConfigTest, StaleConsistencyRefusesWhatNeedsBspNamingFileLineAndKey) {
+  auto path = Write("aggregation: ps\ntrain:\n  consistency: ssp\n  staleness: 4\n");
+  auto c = LoadConfig(path, {}, NoEnv);
+  ASSERT_TRUE(c.ok()) << c.status().message();
+  EXPECT_EQ(c->train().consistency(), proto::SSP);
+  EXPECT_EQ(c->train().staleness(), 4u);
+  const std::pair<const char*, const char*> refused[] = {
+      {"aggregation=allreduce", "for 'aggregation: ps'"},
+      {"compression.sketch.second_round=true", "compression.sketch.second_round"},
+      {"checkpoint.every_steps=10", "checkpoint.every_steps"},
+      {"node.rejoin=true", "--rejoin"}};
+  for (const auto& [set, why] : refused) {
+    c = LoadConfig(path, {set}, NoEnv);
+    ASSERT_FALSE(c.ok()) << set;
+    EXPECT_THAT(c.status().message(), HasSubstr(path + ":3:")) << set;
+    EXPECT_THAT(c.status().message(), HasSubstr("'train.consistency' is ssp")) << set;
+    EXPECT_THAT(c.status().message(), HasSubstr(why)) << set;
+  }
+  c = LoadConfig(path, {"train.consistency=async", "aggregation=allreduce"}, NoEnv);
+  ASSERT_FALSE(c.ok());
+  EXPECT_THAT(c.status().message(), HasSubstr("is async"));
+}
+
 TEST_F(ConfigTest, UnknownEncodingIsRejected) {
   auto path = Write("compression:\n  encoding: topq\n");
   auto c = LoadConfig(path, {}, NoEnv);

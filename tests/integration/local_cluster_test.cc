@@ -164,6 +164,50 @@ TEST_P(LocalClusterTest, TrainsAndEveryProcessExitsZero) {
 INSTANTIATE_TEST_SUITE_P(Encodings, LocalClusterTest,
                          ::testing::Values("topk", "dense", "sbc", "sketch"));
 
+// train.consistency ssp and async (server/shard_server.h): the same job trains with every worker
+// free to run ahead (staleness 2, or unbounded), each push applied on its own; every step of each
+// worker is pushed and counted once; the final model, taken after a pull with no staleness, has
+// every push (the servers' iterations are the slowest worker's clock: all of them).
+class ConsistencyTest : public ::testing::TestWithParam<std::pair<std::string, std::string>> {};
+
+TEST_P(ConsistencyTest, TrainsWithStaleWorkers) {
+  if (!std::filesystem::exists(std::string(kData) + "/train-images-idx3-ubyte.gz")) {
+    GTEST_SKIP() << "Fashion-MNIST not installed (deploy/install-deps.sh installs it)";
+  }
+  const auto& [consistency, encoding] = GetParam();
+  TempDir dir("consistency");
+  const std::string config = std::string(SPARSEPS_SOURCE_DIR) + "/configs/quickstart.yaml";
+  Cluster c =
+      Start(dir, config, 2, 3,
+            {"train.consistency=" + consistency, "train.staleness=2",
+             "compression.encoding=" + encoding, "model.hidden=[64]", "data.max_train_samples=4096",
+             "data.max_test_samples=1000", "train.max_steps=40", "train.batch_size=32",
+             "cluster.register_timeout_s=60", "run.progress_interval_s=0"});
+  ASSERT_NE(c.scheduler, nullptr);
+  for (auto& n : c.nodes) {
+    EXPECT_EQ(n->Wait(kHardTimeoutS), 0) << n->log_path() << ":\n" << n->Log();
+  }
+  EXPECT_EQ(c.scheduler->Wait(30), 0) << c.scheduler->Log();
+  proto::RunSummary summary;
+  const std::string json = testing::ReadFile(dir.path() + "/summary.json");
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(json, &summary).ok()) << json;
+  EXPECT_EQ(summary.status(), "ok");
+  EXPECT_GT(summary.final_test_accuracy(), 0.5);
+  ASSERT_EQ(summary.servers_size(), 2) << json;
+  for (const auto& st : summary.servers()) {
+    EXPECT_EQ(st.iterations(), 40u) << json;
+    EXPECT_EQ(st.pushes(), 3u * 40u) << json;
+    EXPECT_EQ(st.rejected(), 0u) << json;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Models, ConsistencyTest,
+    ::testing::Values(std::make_pair("ssp", "topk"), std::make_pair("async", "topk"),
+                      std::make_pair("ssp", "sbc"), std::make_pair("async", "dense"),
+                      std::make_pair("ssp", "sketch")),
+    [](const auto& info) { return info.param.first + "_" + info.param.second; });
+
 // A worker that dies mid-job with cluster.on_worker_failure: abort: the scheduler detects it by
 // heartbeat and ends the job with an error that names it; nothing hangs.
 TEST(LocalClusterFailure, DeadWorkerEndsTheJobWithAClearError) {

@@ -163,6 +163,44 @@ def test_conservation_with_integer_gradients(cluster, aggregation):
         assert all(50 <= a <= 100 for a in out[r][2]), out[r][2]
 
 
+@pytest.mark.parametrize("consistency", ["ssp", "async"])
+def test_stale_workers_conserve_and_synchronize_to_one_model(cluster, consistency):
+    """train.consistency ssp (staleness 1) / async with worker 1 slower: each push is applied on
+    its own, so until synchronize the workers hold different parameters; after it both hold the
+    same, and init - params + the residuals == every gradient pushed, exactly."""
+    sets = ["train.momentum=0", "train.lr=2", f"train.consistency={consistency}",
+            "train.staleness=1"]
+    c = cluster(BASE, servers=2, sets=sets)
+    fast_done = threading.Event()
+
+    def worker(rank):
+        w = sparseps.Worker(str(c.job), rank=rank, overrides=c.overrides + sets)
+        w.init(np.zeros(N, dtype=np.float32))
+        for t in range(10):
+            if rank == 1:
+                time.sleep(0.02)
+                if t == 9:  # worker 0 ends first (it may, its last pull waits for push 8 only)
+                    assert fast_done.wait(60)
+            w.push_pull(gradient(rank, t))
+        if rank == 0:
+            fast_done.set()
+        before = w.params().astype(np.float64)
+        params = w.synchronize().astype(np.float64)
+        residual = w.residual().astype(np.float64)
+        w.finish()
+        return residual, params, before
+
+    out = run_threads([lambda r=r: worker(r) for r in range(2)])
+    pushed = sum(gradient(r, t).astype(np.float64) for r in range(2) for t in range(10))
+    np.testing.assert_array_equal(out[1][1], out[0][1])
+    np.testing.assert_array_equal(-out[0][1] + out[0][0] + out[1][0], pushed)
+    # The slow worker pushed last: it held the final parameters before synchronize already.
+    np.testing.assert_array_equal(out[1][2], out[1][1])
+    # Worker 0 ended without worker 1's last push: synchronize brought it.
+    assert not np.array_equal(out[0][2], out[0][1])
+    assert c.wait() == {name: 0 for name, _ in c.procs}
+
+
 def test_bad_input_is_a_clear_exception_and_the_job_goes_on(cluster):
     c = cluster(BASE)
     good = {}

@@ -226,7 +226,7 @@ TEST_F(PsClientTest, SparseReplyForAnotherVersionIsRefused) {
   std::vector<float> params(kParams, 0.0f);
   Status s = PushOnce(server.port(), 10, 0, &params);
   EXPECT_EQ(s.code(), StatusCode::kProtocolError) << s.ToString();
-  EXPECT_THAT(s.message(), HasSubstr("sent a sparse delta for version 5 but we hold -1"));
+  EXPECT_THAT(s.message(), HasSubstr("sent a sparse delta from version 0 to 5 but we hold -1"));
   EXPECT_EQ(params[3], 0.0f) << "the refused delta was applied";
 }
 

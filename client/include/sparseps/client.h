@@ -80,10 +80,17 @@ class Worker {
   /// Tells the job which epoch the loop is in (for the logs and the metrics).
   void SetEpoch(uint32_t epoch);
 
-  /// Ends this worker's part: worker 0 saves the model (run.dir/model.safetensors, when
-  /// checkpoint.save_model), sends its statistics to the scheduler (summary.json) and waits until
-  /// every worker is done. test_accuracy is a fraction (-1: not evaluated here), train_loss the
-  /// last epoch's mean, samples_per_s this worker's rate, train_s its seconds of training.
+  /// train.consistency ssp / async: waits until every worker has pushed as many steps as this
+  /// one and writes the job's parameters then, with no staleness, into `params` (num_params()
+  /// elements): call it before the final evaluation (Finish does so on the leader before it saves
+  /// the model). bsp and allreduce: copies params() (nothing to wait for). Throws as PushPull.
+  void Synchronize(std::span<float> params);
+
+  /// Ends this worker's part: worker 0 saves the model (after Synchronize)
+  /// (run.dir/model.safetensors, when checkpoint.save_model), sends its statistics to the scheduler
+  /// (summary.json) and waits until every worker is done. test_accuracy is a fraction (-1: not
+  /// evaluated here), train_loss the last epoch's mean, samples_per_s this worker's rate, train_s
+  /// its seconds of training.
   void Finish(double test_accuracy = -1.0, double train_loss = 0.0, double samples_per_s = 0.0,
               double train_s = 0.0);
 
