@@ -6,6 +6,8 @@
 # Addresses: SUBNET.1 ... SUBNET.N (/24), inside the namespaces only. Needs root (ip netns).
 #
 #   deploy/netns.sh up --hosts 4 --rate 1gbit [--delay 0.1ms] [--prefix sps] [--subnet 10.77.0]
+#   deploy/netns.sh shape [--prefix P] --rate 100mbit [--delay D] 3   # host 3's link, both ways,
+#                                      # at another rate from now on (a slow host; delay anew)
 #   deploy/netns.sh exec [--prefix P] 2 CMD ...   # run CMD on host 2 (1-based)
 #   deploy/netns.sh addr 2             # host 2's address
 #   deploy/netns.sh down [--prefix sps]   # deletes every namespace of the prefix (idempotent)
@@ -103,6 +105,17 @@ case "$cmd" in
     trap - ERR
     echo "netns.sh: $hosts hosts ${prefix}-h1..${prefix}-h$hosts at $subnet.1..$subnet.$hosts, $rate${delay:+, delay $delay} each way"
     ;;
+  shape)
+    [[ ${#args[@]} -eq 1 && "${args[0]}" =~ ^[0-9]+$ ]] || die "usage: netns.sh shape [--prefix P] --rate R [--delay D] HOST"
+    rate_bytes "$rate" >/dev/null
+    h="${prefix}-h${args[0]}"
+    ip netns list | grep -q "^${h}\b" || die "no host $h (netns.sh up --prefix $prefix first)"
+    ip netns exec "$h" tc qdisc del dev eth0 root
+    ip netns exec "$sw" tc qdisc del dev "p${args[0]}" root
+    shape "$h" eth0
+    shape "$sw" "p${args[0]}"
+    echo "netns.sh: $h at $rate${delay:+, delay $delay} each way"
+    ;;
   exec)
     [[ ${#args[@]} -ge 2 ]] || die "usage: netns.sh exec HOST CMD ..."
     exec ip netns exec "${prefix}-h${args[0]}" "${args[@]:1}"
@@ -119,5 +132,5 @@ case "$cmd" in
       ip netns del "$ns"
     done
     ;;
-  *) die "unknown command '${cmd}' (up, exec, addr, down, check; see --help)" ;;
+  *) die "unknown command '${cmd}' (up, shape, exec, addr, down, check; see --help)" ;;
 esac

@@ -151,6 +151,25 @@ def test_bad_comparison_configs_are_refused_naming_the_key(tmp_path, capsys):
     assert "name 'a' used twice" in refused(
         "job: j.yaml\nworkers: 2\nsettings:\n  - {name: a}\n  - {name: a}\n")
     assert "settings[0] needs a name" in refused("job: j.yaml\nworkers: 2\nsettings:\n  - {}\n")
+    assert "slow_worker must be {rank: R, rate: Nmbit}" in refused(
+        "job: j.yaml\nworkers: 2\nsettings:\n  - {name: a, slow_worker: {rank: 2, rate: 1mbit}}\n")
+    assert "slow_worker must be" in refused(
+        "job: j.yaml\nworkers: 2\nsettings:\n  - {name: a, slow_worker: {rank: 1, rate: fast}}\n")
+
+
+def test_a_slow_worker_is_named_in_the_table_and_the_csv(tmp_path):
+    out = str(tmp_path / "out")
+    os.makedirs(out)
+    run = str(tmp_path / "ssp_slow")
+    make_run(run, 10, step_ms=lambda i: 40.0, sent=lambda w, i: 1, received=lambda w, i: 1,
+             evals=[(1.0, 0.9)])
+    r = driver.summarize("ssp_slow", run, target=0.8, workers=2)
+    r["slow_worker"] = "worker 1 at 100mbit"
+    driver.write_outputs(out, {"name": "stragglers"}, ["machine: test", "network: x",
+                                                       "model: y", "command: z"], [r])
+    assert read_results(out)["ssp_slow"]["slow_worker"] == "worker 1 at 100mbit"
+    with open(os.path.join(out, "results.md")) as f:
+        assert "| ssp_slow (worker 1 at 100mbit) | 40.0 |" in f.read()
 
 
 def test_scaling_compares_each_worker_count_with_gloo_at_it(tmp_path):

@@ -1,5 +1,6 @@
 // The emulated network (deploy/netns.sh): a shaped link carries its configured rate (iperf3
-// goodput at most 5% above the tbf rate, and not far below it); deploy/launch.sh --netns places
+// goodput at most 5% above the tbf rate, and not far below it), and `shape` gives one host
+// another rate both ways; deploy/launch.sh --netns places
 // each process on its host; the user guide's two-host example runs as written. The namespaces
 // are gone afterwards, also when a test fails. Each test skips with the reason where network
 // namespaces cannot be made (not root, no CAP_SYS_ADMIN) or iperf3 or the dataset is missing.
@@ -80,6 +81,24 @@ TEST(EmulatedNetwork, ShapedLinkCarriesItsRateAndIsRemovedAfterwards) {
     EXPECT_GT(bps, 0.75 * 500e6) << json.substr(0, 2000);
     EXPECT_LT(bps, 1.05 * 500e6) << json.substr(0, 2000);
     server.Wait(10);
+    // `shape` slows one host's link, both ways (a straggler): into host 2, then out of it (-R).
+    ASSERT_EQ(Shell(kScript + " shape --prefix " + prefix + " --rate 50mbit 2", &out), 0) << out;
+    for (const std::string reverse : {"", " -R"}) {
+      testing::ChildProcess again(
+          {"/usr/sbin/ip", "netns", "exec", prefix + "-h2", "iperf3", "-s", "-1"},
+          dir.path() + "/server2.log");
+      rc = 1;
+      for (int attempt = 0; attempt < 20 && rc != 0; ++attempt) {
+        usleep(100 * 1000);
+        rc = Shell("ip netns exec " + prefix + "-h1 iperf3 -c 10.77.0.2 -t 3 -O 1 -J" + reverse,
+                   &json);
+      }
+      ASSERT_EQ(rc, 0) << json;
+      const double slow = ParseReceivedBitsPerSecond(json);
+      EXPECT_GT(slow, 0.75 * 50e6) << reverse << json.substr(0, 2000);
+      EXPECT_LT(slow, 1.05 * 50e6) << reverse << json.substr(0, 2000);
+      again.Wait(10);
+    }
   }
   std::string list;
   Shell("ip netns list", &list);
