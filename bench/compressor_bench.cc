@@ -2,12 +2,16 @@
 // against SBC (Sattler et al., arXiv 1805.08768) on the same gradient, so that SBC's encode can be
 // read as a ratio to top-k's (issue 21: SBC's encode at most 1.5x top-k's). Sizes: elements of
 // fp32 (5.8M is the comparison's MLP, 784-2048-2048-10); density 1%; two key ranges (two servers).
+// And one server's round (BM_*ServerRound): add 4 workers' pushes of one key range (half of the
+// 5.8M) and apply them, top-k against the count sketch's recovery (median estimates of every key,
+// top k per fusion group) at the sketch's table sizes.
 #include <benchmark/benchmark.h>
 
 #include <cmath>
 #include <random>
 #include <vector>
 
+#include "encodings/registry.h"
 #include "encodings/sbc.h"
 #include "encodings/topk.h"
 
@@ -67,5 +71,60 @@ void BM_SbcCompress(benchmark::State& state) {
   state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * n * sizeof(float)));
 }
 BENCHMARK(BM_SbcCompress)->Arg(5'800'000)->Unit(benchmark::kMillisecond);
+
+// One server's round on range 0 of TwoRanges(n): Add the 4 workers' decoded pushes (made by the
+// encoding's compressor from 4 gradients, momentum 0.9), EndPhase, Apply. Args: n, and for the
+// sketch its rows and columns_per_k (the comparison's default: 5 rows x 10 k).
+void ServerRound(benchmark::State& state, sparseps::proto::Encoding e) {
+  const size_t n = static_cast<size_t>(state.range(0));
+  sparseps::proto::JobConfig job;
+  *job.mutable_compression() = Config(e);
+  job.mutable_train()->set_momentum(0.9);
+  if (e == sparseps::proto::SKETCH) {
+    job.mutable_compression()->mutable_sketch()->set_rows(static_cast<uint32_t>(state.range(1)));
+    job.mutable_compression()->mutable_sketch()->set_columns_per_k(
+        static_cast<double>(state.range(2)));
+  }
+  const auto ranges = TwoRanges(n);
+  const sparseps::Codec* codec = sparseps::FindCodec(e);
+  std::vector<sparseps::Message> pushes;
+  std::vector<sparseps::DecodedPayload> payloads(4);
+  for (uint32_t w = 0; w < 4; ++w) {
+    auto c = sparseps::MakeCompressor(job, n);
+    std::vector<sparseps::Message> out;
+    auto s = c->Compress(Gradient(n, 10 + w).data(), ranges, &out);
+    if (!s.ok()) return state.SkipWithError(s.ToString().c_str());
+    pushes.push_back(std::move(out[0]));
+  }
+  for (uint32_t w = 0; w < 4; ++w) {
+    auto s = codec->Decode(pushes[w], ranges[0].size(), &payloads[w]);
+    if (!s.ok()) return state.SkipWithError(s.ToString().c_str());
+  }
+  sparseps::AggregationOptions options;
+  options.range = ranges[0];
+  options.compression = job.compression();
+  options.momentum = 0.9;
+  auto aggregation = sparseps::MakeShardAggregation(options);
+  std::vector<float> params(ranges[0].size(), 0.0f);
+  std::vector<uint32_t> changed;
+  bool all = false;
+  for (auto _ : state) {
+    for (const auto& p : payloads) aggregation->Add(p);
+    aggregation->EndPhase();
+    aggregation->Apply(-0.0125f, &params, &changed, &all);
+    benchmark::DoNotOptimize(changed.data());
+  }
+  state.counters["applied"] = static_cast<double>(changed.size());
+  state.counters["push_bytes"] = static_cast<double>(pushes[0].WireBytes());
+}
+void BM_TopKServerRound(benchmark::State& state) { ServerRound(state, sparseps::proto::TOPK); }
+BENCHMARK(BM_TopKServerRound)->Arg(5'800'000)->Unit(benchmark::kMillisecond);
+void BM_SketchServerRound(benchmark::State& state) { ServerRound(state, sparseps::proto::SKETCH); }
+BENCHMARK(BM_SketchServerRound)
+    ->Args({5'800'000, 5, 10})
+    ->Args({5'800'000, 5, 2})
+    ->Args({5'800'000, 3, 2})
+    ->Args({5'800'000, 3, 1})
+    ->Unit(benchmark::kMillisecond);
 
 }  // namespace

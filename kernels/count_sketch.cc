@@ -4,6 +4,10 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 namespace sparseps::kernels {
 namespace {
 
@@ -74,6 +78,46 @@ class RowWalker {
   uint64_t a_, columns_, inv_, lin_;
   uint64_t d0_, d1_, d2_, d3_;
 };
+
+// out[t] = the median of rows[j * stride + t] over j < rows (3 or 5), t < len, branch-free:
+// median3(a, b, c) = max(min(a, b), min(max(a, b), c)), median5 = median3(e,
+// max(min(a, b), min(c, d)), min(max(a, b), max(c, d))). Each selects one of the values, as
+// nth_element does (of +0 and -0 either may come out).
+void MedianOfRows(const float* rows, size_t stride, uint32_t num_rows, size_t len, float* out) {
+  const float* r0 = rows;
+  const float* r1 = r0 + stride;
+  const float* r2 = r1 + stride;
+  const float* r3 = num_rows == 5 ? r2 + stride : r2;  // (unused with 3 rows)
+  const float* r4 = num_rows == 5 ? r3 + stride : r2;
+  size_t t = 0;
+#if defined(__SSE2__)
+  if (num_rows == 3) {
+    for (; t + 4 <= len; t += 4) {
+      const __m128 a = _mm_loadu_ps(r0 + t), b = _mm_loadu_ps(r1 + t), c = _mm_loadu_ps(r2 + t);
+      _mm_storeu_ps(out + t, _mm_max_ps(_mm_min_ps(a, b), _mm_min_ps(_mm_max_ps(a, b), c)));
+    }
+  } else {
+    for (; t + 4 <= len; t += 4) {
+      const __m128 a = _mm_loadu_ps(r0 + t), b = _mm_loadu_ps(r1 + t), c = _mm_loadu_ps(r2 + t),
+                   d = _mm_loadu_ps(r3 + t), e = _mm_loadu_ps(r4 + t);
+      const __m128 f = _mm_max_ps(_mm_min_ps(a, b), _mm_min_ps(c, d));
+      const __m128 g = _mm_min_ps(_mm_max_ps(a, b), _mm_max_ps(c, d));
+      _mm_storeu_ps(out + t, _mm_max_ps(_mm_min_ps(f, g), _mm_min_ps(_mm_max_ps(f, g), e)));
+    }
+  }
+#endif
+  auto mn = [](float x, float y) { return y < x ? y : x; };
+  auto mx = [](float x, float y) { return x < y ? y : x; };
+  for (; t < len; ++t) {
+    if (num_rows == 3) {
+      out[t] = mx(mn(r0[t], r1[t]), mn(mx(r0[t], r1[t]), r2[t]));
+    } else {
+      const float f = mx(mn(r0[t], r1[t]), mn(r2[t], r3[t]));
+      const float g = mn(mx(r0[t], r1[t]), mx(r2[t], r3[t]));
+      out[t] = mx(mn(f, g), mn(mx(f, g), r4[t]));
+    }
+  }
+}
 
 }  // namespace
 
@@ -178,6 +222,15 @@ void CountSketchHash::Estimate(const float* table, uint64_t key_begin, size_t n,
       const float* row = table + size_t{j} * columns_;
       float* dst = signed_vals.data() + size_t{j} * kBlock;
       for (size_t t = 0; t < len; ++t, w.Next()) dst[t] = w.sign() * row[w.bucket()];
+    }
+    const float* r0 = signed_vals.data();
+    if (rows_ == 1) {
+      std::copy(r0, r0 + len, out + start);
+      continue;
+    }
+    if (rows_ == 3 || rows_ == 5) {
+      MedianOfRows(r0, kBlock, rows_, len, out + start);
+      continue;
     }
     for (size_t t = 0; t < len; ++t) {
       for (uint32_t j = 0; j < rows_; ++j) vals[j] = signed_vals[size_t{j} * kBlock + t];
