@@ -452,6 +452,13 @@ Status ValidateConfig(const proto::JobConfig& config, const ConfigSources& sourc
           " but 'compression.sketch.second_round' is on: its candidates are chosen from "
           "every worker's sketch of one iteration (bsp only)");
     }
+    if (config.compression().encoding() == proto::SKETCH &&
+        config.compression().sketch().server_momentum()) {
+      return Status::InvalidArgument(
+          why +
+          " but 'compression.sketch.server_momentum' is on: FetchSGD's server momentum decays "
+          "once per iteration of every worker's sketch (bsp only)");
+    }
     if (config.checkpoint().every_steps() > 0 || config.checkpoint().every_s() > 0) {
       return Status::InvalidArgument(
           why +

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <map>
+#include <sstream>
 #include <string>
 
 namespace sparseps {
@@ -121,10 +122,14 @@ TEST_F(ConfigTest, StaleConsistencyRefusesWhatNeedsBspNamingFileLineAndKey) {
   const std::pair<const char*, const char*> refused[] = {
       {"aggregation=allreduce", "for 'aggregation: ps'"},
       {"compression.sketch.second_round=true", "compression.sketch.second_round"},
+      {"compression.encoding=sketch,compression.sketch.server_momentum=true", "server_momentum"},
       {"checkpoint.every_steps=10", "checkpoint.every_steps"},
       {"node.rejoin=true", "--rejoin"}};
   for (const auto& [set, why] : refused) {
-    c = LoadConfig(path, {set}, NoEnv);
+    std::vector<std::string> overrides;  // "a=b,c=d": two overrides
+    std::stringstream list(set);
+    for (std::string kv; std::getline(list, kv, ',');) overrides.push_back(kv);
+    c = LoadConfig(path, overrides, NoEnv);
     ASSERT_FALSE(c.ok()) << set;
     EXPECT_THAT(c.status().message(), HasSubstr(path + ":3:")) << set;
     EXPECT_THAT(c.status().message(), HasSubstr("'train.consistency' is ssp")) << set;
