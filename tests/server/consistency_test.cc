@@ -17,6 +17,7 @@
 #include "encodings/registry.h"
 #include "encodings/topk.h"
 #include "server/shard_server.h"
+#include "tests/support/shard_harness.h"
 
 namespace sparseps {
 namespace {
@@ -24,23 +25,6 @@ namespace {
 constexpr int kWorkers = 3;
 constexpr size_t kKeys = 200;
 const KeyRange kRange{0, kKeys};
-
-proto::Header Base(proto::Command c, int64_t iteration, int rank) {
-  proto::Header h;
-  h.set_command(c);
-  h.set_sender_role(proto::WORKER);
-  h.set_sender_rank(rank);
-  h.set_iteration(iteration);
-  h.set_key_begin(kRange.begin);
-  h.set_key_end(kRange.end);
-  return h;
-}
-
-std::vector<Outgoing> Send(ShardServer& s, Message m, const std::string& peer) {
-  std::vector<Outgoing> out;
-  s.Handle(peer, Result<Message>(std::move(m)), &out);
-  return out;
-}
 
 std::string Peer(int w) { return "w" + std::to_string(w); }
 
@@ -55,10 +39,11 @@ std::unique_ptr<ShardServer> MakeShard(proto::Consistency c, uint32_t staleness,
   o.staleness = staleness;
   o.commit_on_pull = commit_on_pull;
   auto s = std::make_unique<ShardServer>(o);
-  Message init;
-  init.header = Base(proto::INIT, -1, 0);
-  EncodeDense(std::vector<float>(kKeys, 100.0f), &init);
-  EXPECT_EQ(Send(*s, std::move(init), Peer(0)).at(0).msg.header.command(), proto::INIT_ACK);
+  EXPECT_EQ(
+      testing::Deliver(*s, testing::InitMessage(kRange, std::vector<float>(kKeys, 100.0f)), Peer(0))
+          .at(0)
+          .msg.header.command(),
+      proto::INIT_ACK);
   return s;
 }
 
@@ -86,14 +71,17 @@ void Apply(const Message& reply, WorkerView* v) {
 
 Message PushOf(int w, int64_t t, const std::vector<uint32_t>& idx, const std::vector<float>& val) {
   Message m;
-  m.header = Base(proto::PUSH, t, w);
+  m.header.set_command(proto::PUSH);
+  m.header.set_key_begin(kRange.begin);
+  m.header.set_key_end(kRange.end);
+  testing::FromWorker(&m, w, t);
   EncodeTopK(std::vector<uint32_t>(idx), std::vector<float>(val), &m);
   return m;
 }
 
 Message PullOf(int w, int64_t t, int64_t have_version, bool no_staleness = false) {
-  Message m;
-  m.header = Base(proto::PULL, t, w);
+  Message m = testing::PullMessage(kRange, t);
+  testing::FromWorker(&m, w, t);
   m.header.set_have_version(have_version);
   m.header.set_no_staleness(no_staleness);
   return m;
@@ -112,7 +100,7 @@ TEST(StaleSynchronous, ExactSumsStalenessBoundAndExactCopies) {
     std::vector<float> expected(kKeys, 100.0f);
     std::vector<WorkerView> views(kWorkers);
     for (int w = 0; w < kWorkers; ++w) {
-      auto out = Send(*shard, PullOf(w, -1, -1), Peer(w));
+      auto out = testing::Deliver(*shard, PullOf(w, -1, -1), Peer(w));
       ASSERT_EQ(out.size(), 1u);
       Apply(out[0].msg, &views[static_cast<size_t>(w)]);
     }
@@ -147,14 +135,14 @@ TEST(StaleSynchronous, ExactSumsStalenessBoundAndExactCopies) {
           tv.waiting = false;
         }
       };
-      auto acks = Send(*shard, PushOf(w, v.clock, idx, val), Peer(w));
+      auto acks = testing::Deliver(*shard, PushOf(w, v.clock, idx, val), Peer(w));
       ASSERT_FALSE(acks.empty());
       ASSERT_EQ(acks[0].msg.header.command(), proto::PUSH_ACK) << acks[0].msg.header.error();
       ASSERT_EQ(shard->params(), expected) << "worker " << w << " push " << v.clock;
       ++v.clock;
       take(acks);
       v.waiting = true;
-      take(Send(*shard, PullOf(w, v.clock - 1, v.version), Peer(w)));
+      take(testing::Deliver(*shard, PullOf(w, v.clock - 1, v.version), Peer(w)));
       int64_t lo = views[0].clock, hi = views[0].clock;
       for (const auto& x : views) {
         lo = std::min(lo, x.clock);
@@ -176,15 +164,16 @@ TEST(StaleSynchronous, ExactSumsStalenessBoundAndExactCopies) {
 // A pull with no_staleness (the end of training) waits for every worker's clock, even in async.
 TEST(StaleSynchronous, NoStalenessPullWaitsForEveryWorker) {
   auto shard = MakeShard(proto::ASYNC, 0);
-  ASSERT_EQ(Send(*shard, PullOf(0, -1, -1), Peer(0)).size(), 1u);
+  ASSERT_EQ(testing::Deliver(*shard, PullOf(0, -1, -1), Peer(0)).size(), 1u);
   for (int64_t t = 0; t < 3; ++t) {
-    ASSERT_EQ(Send(*shard, PushOf(0, t, {1}, {1.0f}), Peer(0)).size(), 1u);
-    ASSERT_EQ(Send(*shard, PullOf(0, t, t), Peer(0)).size(), 1u);  // async: at once
+    ASSERT_EQ(testing::Deliver(*shard, PushOf(0, t, {1}, {1.0f}), Peer(0)).size(), 1u);
+    ASSERT_EQ(testing::Deliver(*shard, PullOf(0, t, t), Peer(0)).size(), 1u);  // async: at once
   }
-  EXPECT_TRUE(Send(*shard, PullOf(0, 2, 3, /*no_staleness=*/true), Peer(0)).empty());
+  EXPECT_TRUE(testing::Deliver(*shard, PullOf(0, 2, 3, /*no_staleness=*/true), Peer(0)).empty());
   std::vector<Outgoing> last;
   for (int w = 1; w < kWorkers; ++w) {
-    for (int64_t t = 0; t < 3; ++t) last = Send(*shard, PushOf(w, t, {2}, {1.0f}), Peer(w));
+    for (int64_t t = 0; t < 3; ++t)
+      last = testing::Deliver(*shard, PushOf(w, t, {2}, {1.0f}), Peer(w));
   }
   // The last push of the last worker releases the waiting pull: its ack and worker 0's reply.
   ASSERT_EQ(last.size(), 2u);
@@ -201,28 +190,28 @@ TEST(StaleSynchronous, NoStalenessPullWaitsForEveryWorker) {
 TEST(StaleSynchronous, RetriesAreIdempotentAndALostReplyHealsDensely) {
   auto shard = MakeShard(proto::SSP, 2);
   WorkerView v;
-  Apply(Send(*shard, PullOf(0, -1, -1), Peer(0)).at(0).msg, &v);
-  ASSERT_EQ(Send(*shard, PushOf(0, 0, {5}, {2.0f}), Peer(0)).at(0).msg.header.command(),
+  Apply(testing::Deliver(*shard, PullOf(0, -1, -1), Peer(0)).at(0).msg, &v);
+  ASSERT_EQ(testing::Deliver(*shard, PushOf(0, 0, {5}, {2.0f}), Peer(0)).at(0).msg.header.command(),
             proto::PUSH_ACK);
-  auto again = Send(*shard, PushOf(0, 0, {5}, {2.0f}), Peer(0));
+  auto again = testing::Deliver(*shard, PushOf(0, 0, {5}, {2.0f}), Peer(0));
   ASSERT_EQ(again.at(0).msg.header.command(), proto::PUSH_ACK);
   EXPECT_EQ(shard->params()[5], 98.0f);
   EXPECT_EQ(shard->counters().duplicate_pushes, 1u);
-  EXPECT_EQ(Send(*shard, PushOf(0, 3, {5}, {2.0f}), Peer(0)).at(0).msg.header.command(),
+  EXPECT_EQ(testing::Deliver(*shard, PushOf(0, 3, {5}, {2.0f}), Peer(0)).at(0).msg.header.command(),
             proto::ERROR);  // future: the worker's clock here is 1
   // The reply to this pull is lost: the worker keeps version 0.
-  auto lost = Send(*shard, PullOf(0, 0, v.version), Peer(0));
+  auto lost = testing::Deliver(*shard, PullOf(0, 0, v.version), Peer(0));
   ASSERT_EQ(lost.size(), 1u);
   EXPECT_EQ(lost[0].msg.header.encoding(), proto::TOPK);
-  ASSERT_EQ(Send(*shard, PushOf(0, 1, {6}, {1.0f}), Peer(0)).size(), 1u);
-  auto healed = Send(*shard, PullOf(0, 1, v.version), Peer(0));
+  ASSERT_EQ(testing::Deliver(*shard, PushOf(0, 1, {6}, {1.0f}), Peer(0)).size(), 1u);
+  auto healed = testing::Deliver(*shard, PullOf(0, 1, v.version), Peer(0));
   ASSERT_EQ(healed.size(), 1u);
   EXPECT_EQ(healed[0].msg.header.encoding(), proto::DENSE);
   Apply(healed[0].msg, &v);
   EXPECT_EQ(v.params, shard->params());
   // Stale: iteration 0 again, two behind.
-  ASSERT_EQ(Send(*shard, PushOf(0, 2, {6}, {1.0f}), Peer(0)).size(), 1u);
-  auto stale = Send(*shard, PushOf(0, 0, {6}, {1.0f}), Peer(0));
+  ASSERT_EQ(testing::Deliver(*shard, PushOf(0, 2, {6}, {1.0f}), Peer(0)).size(), 1u);
+  auto stale = testing::Deliver(*shard, PushOf(0, 0, {6}, {1.0f}), Peer(0));
   EXPECT_EQ(stale.at(0).msg.header.command(), proto::ERROR);
   EXPECT_EQ(shard->counters().stale_pushes, 1u);
 }
@@ -231,14 +220,15 @@ TEST(StaleSynchronous, RetriesAreIdempotentAndALostReplyHealsDensely) {
 // dropped) releases the pulls that waited for it, and its clock no longer holds anyone back.
 TEST(StaleSynchronous, CutOfTheSlowWorkerReleasesTheOthers) {
   auto shard = MakeShard(proto::SSP, 0, /*commit_on_pull=*/true);
-  for (int w = 0; w < kWorkers; ++w) Send(*shard, PullOf(w, -1, -1), Peer(w));
+  for (int w = 0; w < kWorkers; ++w) testing::Deliver(*shard, PullOf(w, -1, -1), Peer(w));
   for (int w = 0; w < 2; ++w) {
-    ASSERT_EQ(Send(*shard, PushOf(w, 0, {1}, {3.0f}), Peer(w)).size(), 1u);
+    ASSERT_EQ(testing::Deliver(*shard, PushOf(w, 0, {1}, {3.0f}), Peer(w)).size(), 1u);
     EXPECT_EQ(shard->version(), w);  // held until the pull
-    EXPECT_TRUE(Send(*shard, PullOf(w, 0, 0), Peer(w)).empty());
+    EXPECT_TRUE(testing::Deliver(*shard, PullOf(w, 0, 0), Peer(w)).empty());
     EXPECT_EQ(shard->version(), w + 1);
   }
-  Send(*shard, PushOf(2, 0, {1}, {3.0f}), Peer(2));  // held; worker 2 dies before its pull
+  testing::Deliver(*shard, PushOf(2, 0, {1}, {3.0f}),
+                   Peer(2));  // held; worker 2 dies before its pull
   EXPECT_EQ(shard->Position(2).version(), 0);
   EXPECT_EQ(shard->Position(2).worker_state(), 1u);
   EXPECT_EQ(shard->Position(0).version(), 1);
