@@ -1,11 +1,11 @@
 // libFuzzer target for the shard server's state machine (issue 19): the input picks a shard
-// (encoding, workers, range, commit on pull) and then a sequence of operations on it: INITs,
-// well-formed pushes and pulls of the job's workers at iterations near the shard's, candidate
-// requests, messages whose header and frames come from the input (checked as RecvMessage would),
-// a worker's message sent from another socket or under another CURVE key (an impostor), cuts and
-// joins. After every message: a rejected message (counters().rejected grew) left the parameters
-// and the version unchanged, and an impostor's was always rejected. Crashes and UB are ASan's and
-// UBSan's to find.
+// (encoding, workers, range, commit on pull, consistency model) and then a sequence of operations
+// on it: INITs, well-formed pushes and pulls of the job's workers at iterations near the shard's,
+// candidate requests, messages whose header and frames come from the input (checked as RecvMessage
+// would), a worker's message sent from another socket or under another CURVE key (an impostor),
+// cuts and joins. After every message: a rejected message (counters().rejected grew) left the
+// parameters and the version unchanged, and an impostor's was always rejected. Crashes and UB are
+// ASan's and UBSan's to find.
 #include <fuzzer/FuzzedDataProvider.h>
 
 #include <algorithm>
@@ -71,6 +71,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (o.compression.encoding() == proto::SKETCH) {
     o.compression.mutable_sketch()->set_second_round(in.ConsumeBool());
   }
+  // ssp / async where the config allows them (no checkpoints, no second round).
+  if (o.checkpoint_every_steps == 0 && !o.compression.sketch().second_round()) {
+    const proto::Consistency models[] = {proto::BSP, proto::SSP, proto::ASYNC};
+    o.consistency = models[in.ConsumeIntegralInRange<int>(0, 2)];
+    o.staleness = in.ConsumeIntegralInRange<uint32_t>(0, 3);
+  }
   ShardServer shard(o);
   const uint64_t n = o.range.size();
   // The job's workers, each with its own socket and key.
@@ -103,7 +109,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       msg->header.set_request_id(in.ConsumeIntegral<uint8_t>());
       msg->header.set_have_version(iteration);
     };
-    const int64_t near = shard.version() + in.ConsumeIntegralInRange<int64_t>(-2, 2);
+    // Near where this worker is: the shard's iteration (bsp) or the worker's clock (ssp, async).
+    const int64_t at = o.consistency == proto::BSP ? shard.version() : shard.Position(w).version();
+    const int64_t near = at + in.ConsumeIntegralInRange<int64_t>(-2, 2);
     switch (op) {
       case 0: {  // INIT
         header(proto::INIT, -1);
@@ -133,6 +141,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       }
       case 3:  // a pull
         header(proto::PULL, in.ConsumeBool() ? near : in.ConsumeIntegral<int64_t>());
+        msg->header.set_no_staleness(in.ConsumeBool());
         break;
       case 4:  // a candidate request
         header(proto::PULL_CANDIDATES, near);
