@@ -469,6 +469,22 @@ Status ValidateConfig(const proto::JobConfig& config, const ConfigSources& sourc
       return Status::InvalidArgument(why + ": replacements (--rejoin) join bsp jobs only");
     }
   }
+  if (config.train().overlap() == proto::BACKWARD) {
+    const std::string why =
+        SourceOf(sources, "train.overlap") + ": key 'train.overlap' is backward";
+    if (config.aggregation() == proto::ALLREDUCE) {
+      return Status::InvalidArgument(
+          why +
+          ": the collectives take the whole contribution once per iteration; overlap is for "
+          "'aggregation: ps'");
+    }
+    if (config.compression().sketch().second_round()) {
+      return Status::InvalidArgument(
+          why +
+          " but 'compression.sketch.second_round' is on: its candidate round follows every "
+          "range's sketch (use one or the other)");
+    }
+  }
   static const char* kLevels[] = {"trace", "debug", "info", "warn", "error", "critical", "off"};
   if (std::find(std::begin(kLevels), std::end(kLevels), config.run().log_level()) ==
       std::end(kLevels)) {

@@ -76,6 +76,15 @@ class Compressor {
   // True when each push is followed by a second round (the sketch's exact values at the servers'
   // candidates, ExactValues) before the pull.
   virtual bool second_round() const { return false; }
+
+  // Where this compressor's key 0 lies in the job's key space, when it compresses one slice of
+  // it (train.overlap: a compressor per server key range; the keys of its pushes and of OnChanged
+  // stay relative to the slice). Only what depends on global keys uses it: the sketch's hashes.
+  // Default 0. Set before the first Compress.
+  void set_key_base(uint64_t base) { key_base_ = base; }
+
+ protected:
+  uint64_t key_base_ = 0;
 };
 
 // An empty PUSH for key range r (command and key range set).

@@ -115,9 +115,10 @@ Status SketchCompressor::Compress(const float* grad, const std::vector<KeyRange>
         const size_t first = static_cast<size_t>(lo - truncated_.begin());
         std::vector<uint32_t> idx(lo, hi);
         for (auto& i : idx) i -= static_cast<uint32_t>(begin);
-        hash.InsertSparse(idx.data(), truncated_values_.data() + first, idx.size(), begin, table);
+        hash.InsertSparse(idx.data(), truncated_values_.data() + first, idx.size(),
+                          key_base_ + begin, table);
       } else {
-        hash.InsertDense(residual_.data() + begin, g.size(), begin, table);
+        hash.InsertDense(residual_.data() + begin, g.size(), key_base_ + begin, table);
       }
       table += hash.table_size();
     }

@@ -3,6 +3,9 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
 
 #include "common/security.h"
 #include "encodings/registry.h"
@@ -44,11 +47,25 @@ std::string InitBarrier(const ControlClient& control) {
   return "init-" + std::to_string(control.membership().epoch());
 }
 
-// Push to the servers, pull the new parameters (PS mode).
+// Push to the servers, pull the new parameters (PS mode). With train.overlap: backward there is
+// a compressor per server key range (each holding its slice's residual) and each step's pushes go
+// from a thread of the aggregator's own while the model computes (BeginStep / GradientReady).
 class PsAggregator final : public Aggregator {
  public:
   PsAggregator(const proto::JobConfig& config, zmq::context_t& context, size_t n, bool on_device)
       : Aggregator(config, n, on_device), context_(context) {}
+
+  ~PsAggregator() override {
+    // A step abandoned between BeginStep and Step (the trainer failed): its thread gives up.
+    if (comm_.joinable()) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        cancel_ = true;
+      }
+      cv_.notify_all();
+      comm_.join();
+    }
+  }
 
   Status Connect(ControlClient* control) override {
     control_ = control;
@@ -57,25 +74,51 @@ class PsAggregator final : public Aggregator {
         config_.cluster().request_timeout_s(),
         /*commit_after_ack=*/config_.cluster().on_worker_failure() == proto::CONTINUE,
         config_.cluster().retry_interval_s());
-    if (model_on_device_) {
-      auto made = MakeGpuCompressor(config_, num_params());  // null: the encoding has none
-      if (!made.ok()) return made.status();
-      compressor_ = std::move(*made);
+    overlap_ = config_.train().overlap() == proto::BACKWARD;
+    if (overlap_ && model_on_device_) {
+      spdlog::warn(
+          "train.overlap: backward: the GPU models do not report their layers' gradients yet; "
+          "this worker pushes after the backward pass (as with train.overlap: none)");
+      overlap_ = false;
     }
-    if (!compressor_) compressor_ = MakeCompressor(config_, num_params());
-    if (model_on_device_) {
-      spdlog::info("compression on the {}", compressor_->on_device()
-                                                ? "GPU (only the encoded payload comes to the host)"
-                                                : "CPU (the gradient comes to the host)");
+    if (overlap_) {
+      for (const auto& r : ps_->ranges()) {
+        slices_.push_back(MakeCompressor(config_, r.size()));
+        slices_.back()->set_key_base(r.begin);
+      }
+      spdlog::info(
+          "train.overlap: backward: {} key ranges, each pushed as soon as the backward pass has "
+          "finished it ({} first)",
+          slices_.size(),
+          config_.train().overlap_priority() == proto::FRONT_FIRST ? "front" : "back");
+    } else {
+      if (model_on_device_) {
+        auto made = MakeGpuCompressor(config_, num_params());  // null: the encoding has none
+        if (!made.ok()) return made.status();
+        compressor_ = std::move(*made);
+      }
+      if (!compressor_) compressor_ = MakeCompressor(config_, num_params());
+      if (model_on_device_) {
+        spdlog::info("compression on the {}",
+                     compressor_->on_device() ? "GPU (only the encoded payload comes to the host)"
+                                              : "CPU (the gradient comes to the host)");
+      }
     }
     ps_->set_changed_callback([this](uint64_t begin, std::span<const uint32_t> keys) {
       // SBC's model computes at its local copy, whose change Aggregate announces.
       if (!local_copy_) WillChange(begin, keys, false);
-      compressor_->OnChanged(begin, keys);
+      if (overlap_) {
+        // The range's own compressor, whose keys start at the range's first.
+        slices_[static_cast<size_t>(FindKeyRange(ps_->ranges(), begin))]->OnChanged(0, keys);
+      } else {
+        compressor_->OnChanged(begin, keys);
+      }
       if (model_on_device_) changed_.Add(begin, keys);
     });
-    local_copy_ = compressor_->trains_local_copy();
-    two_rounds_ = compressor_->second_round();
+    const Compressor& any = overlap_ ? *slices_.front() : *compressor_;
+    local_copy_ = any.trains_local_copy();
+    two_rounds_ = any.second_round();
+    times_.assign(ps_->ranges().size(), RangeTimes{});
     return Status::OK();
   }
 
@@ -124,31 +167,84 @@ class PsAggregator final : public Aggregator {
   }
 
   void State(StateArchive& archive) override {
-    if (compressor_->on_device()) {
+    if (compressor_ != nullptr && compressor_->on_device()) {
       return archive.Fail(
           "checkpoints of a compressor on the GPU are not supported yet (use train.device: cpu)");
     }
     archive.Value("iteration", &iteration_);
     push_round_ = static_cast<int64_t>(iteration_);
+    if (overlap_) {
+      // One compressor per key range: a checkpoint of train.overlap: backward resumes with it.
+      for (size_t r = 0; r < slices_.size(); ++r) {
+        auto scope = archive.Scope("compressor_range" + std::to_string(r));
+        slices_[r]->State(archive);
+      }
+      return;
+    }
     auto scope = archive.Scope("compressor");
     compressor_->State(archive);
   }
 
   void RequestCheckpoint() override { ps_->RequestCheckpoint(); }
 
-  void SetEpoch(uint32_t epoch) override { compressor_->SetEpoch(epoch); }
-  bool takes_device_gradient() const override { return compressor_->on_device(); }
+  void SetEpoch(uint32_t epoch) override {
+    if (compressor_) compressor_->SetEpoch(epoch);
+    for (auto& c : slices_) c->SetEpoch(epoch);
+  }
+  bool takes_device_gradient() const override {
+    return compressor_ != nullptr && compressor_->on_device();
+  }
+  bool overlaps() const override { return overlap_; }
   uint64_t bytes_sent() const override { return ps_->bytes_sent(); }
   uint64_t bytes_received() const override { return ps_->bytes_received(); }
   std::vector<TrafficByCommand::Row> traffic() const override { return ps_->traffic().rows(); }
 
+  bool BeginStep(float* grad) override {
+    if (!overlap_) return false;
+    if (comm_.joinable()) comm_.join();  // a step begun and never ended (cannot happen in order)
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ready_from_ = num_params();
+      cancel_ = false;
+    }
+    // Ranges past the last key (none in practice) are ready at once.
+    MarkReady(num_params(), Clock::now());
+    comm_ = std::thread([this, grad] { comm_status_ = PushRanges(grad); });
+    return true;
+  }
+
+  void GradientReady(size_t key_begin) override {
+    if (!overlap_) return;
+    const auto now = Clock::now();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (key_begin >= ready_from_) return;
+      MarkReady(key_begin, now);
+      ready_from_ = key_begin;
+    }
+    cv_.notify_one();
+  }
+
  protected:
   float* local_params() override { return local_copy_ ? local_.data() : nullptr; }
-  bool local_on_device() const override { return local_copy_ && compressor_->on_device(); }
+  bool local_on_device() const override {
+    return local_copy_ && compressor_ != nullptr && compressor_->on_device();
+  }
 
-  Status ReadResidual(std::vector<float>* out) override { return compressor_->ReadResidual(out); }
+  Status ReadResidual(std::vector<float>* out) override {
+    if (!overlap_) return compressor_->ReadResidual(out);
+    out->resize(num_params());
+    std::vector<float> slice;
+    for (size_t r = 0; r < slices_.size(); ++r) {
+      SPARSEPS_RETURN_IF_ERROR(slices_[r]->ReadResidual(&slice));
+      std::copy(slice.begin(), slice.end(),
+                out->begin() + static_cast<std::ptrdiff_t>(ps_->ranges()[r].begin));
+    }
+    return Status::OK();
+  }
 
   Status Aggregate(float* grad, bool on_device, StepStats* stats) override {
+    if (overlap_) return AggregateByRange(grad, stats);
     const auto t0 = Clock::now();
     auto t1 = t0;
     checkpoint_due_ = false;
@@ -156,6 +252,7 @@ class PsAggregator final : public Aggregator {
     if (local_copy_) WillChange(0, {}, true);
     // SBC trains its local copy between pushes: on the device copy with the device compressor.
     float* trained = on_device ? params_d_.data() : local_copy_ ? local_.data() : params_.data();
+    bool pushed = false;
     if (compressor_->LocalStep(grad, trained)) {
       pushes_.clear();
       SPARSEPS_RETURN_IF_ERROR(compressor_->Compress(grad, ps_->ranges(), &pushes_));
@@ -170,6 +267,7 @@ class PsAggregator final : public Aggregator {
       } else {
         SPARSEPS_RETURN_IF_ERROR(ps_->PushPull(push_round_++, pushes_, params_.data()));
       }
+      pushed = true;
       stats->push_ms = ps_->last_push_s() * 1e3;
       stats->pull_ms = ps_->last_pull_s() * 1e3;
       iteration_ = static_cast<uint64_t>(push_round_);
@@ -185,19 +283,162 @@ class PsAggregator final : public Aggregator {
     stats->selected = compressor_->last_selected();
     stats->encode_ms = Ms(t0, t1);
     stats->comm_ms = Ms(t1, Clock::now());
+    stats->ranges.resize(ps_->ranges().size());
+    for (size_t r = 0; r < stats->ranges.size(); ++r) {
+      stats->ranges[r] = {t0, t0, t1, ps_->acked_at(r), ps_->replied_at(r), pushed};
+    }
     return Status::OK();
   }
 
  private:
+  // Ranges that every key from `key_begin` on covers become ready at `now` (under mu_, or before
+  // the thread starts).
+  void MarkReady(size_t key_begin, Clock::time_point now) {
+    const auto& ranges = ps_->ranges();
+    for (size_t r = 0; r < ranges.size(); ++r) {
+      if (ranges[r].begin >= key_begin && ranges[r].begin < ready_from_) times_[r].ready = now;
+    }
+    if (key_begin >= num_params()) {
+      for (size_t r = 0; r < ranges.size(); ++r) {
+        if (ranges[r].begin >= num_params()) times_[r].ready = now;
+      }
+    }
+  }
+
+  // The range to push next among the ready ones not pushed yet (train.overlap_priority); the
+  // number of ranges when none waits. Under mu_.
+  size_t NextRange(const std::vector<bool>& done) const {
+    const auto& ranges = ps_->ranges();
+    const size_t count = ranges.size();
+    const bool front = config_.train().overlap_priority() == proto::FRONT_FIRST;
+    for (size_t i = 0; i < count; ++i) {
+      const size_t r = front ? i : count - 1 - i;
+      if (!done[r] && ranges[r].begin >= ready_from_) return r;
+    }
+    return count;
+  }
+
+  // Weight decay, the local step (SBC), the compression and the push of range r of grad, whose
+  // gradient is final. *pushed: false for an SBC local step without a push.
+  Status PushRange(size_t r, float* grad, bool* pushed) {
+    const KeyRange& range = ps_->ranges()[r];
+    RangeTimes& t = times_[r];
+    t.encoded_from = Clock::now();
+    float* g = grad + range.begin;
+    float* model = (local_copy_ ? local_.data() : params_.data()) + range.begin;
+    if (const float wd = static_cast<float>(config_.train().weight_decay()); wd > 0.0f) {
+      kernels::Axpy(wd, model, g, range.size());
+    }
+    Compressor& c = *slices_[r];
+    *pushed = c.LocalStep(g, model);
+    if (*pushed) {
+      one_.clear();
+      SPARSEPS_RETURN_IF_ERROR(c.Compress(g, {KeyRange{0, range.size()}}, &one_));
+      one_.front().header.set_key_begin(range.begin);
+      one_.front().header.set_key_end(range.end);
+    }
+    t.encoded_to = Clock::now();
+    t.pushed = *pushed;
+    return *pushed ? ps_->PushRange(push_round_, r, one_.front()) : Status::OK();
+  }
+
+  // One iteration range by range: each range once it is ready (GradientReady), then the acks and
+  // pulls. On the aggregator's thread after BeginStep, or inline from Step (a loop that reports no
+  // layers: every range is ready then).
+  Status PushRanges(float* grad) {
+    const size_t count = ps_->ranges().size();
+    std::vector<bool> done(count, false);
+    bool pushed = false;
+    ps_->BeginPushes();
+    for (size_t left = count; left > 0; --left) {
+      size_t r;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return cancel_ || NextRange(done) < count; });
+        if (cancel_) return Status::Aborted("the step was abandoned before its gradient was whole");
+        r = NextRange(done);
+      }
+      done[r] = true;
+      bool range_pushed = false;
+      SPARSEPS_RETURN_IF_ERROR(PushRange(r, grad, &range_pushed));
+      pushed = pushed || range_pushed;
+    }
+    if (!pushed) return Status::OK();  // SBC: a local step
+    SPARSEPS_RETURN_IF_ERROR(ps_->FinishPushes(push_round_++, params_.data()));
+    return Status::OK();
+  }
+
+  Status AggregateByRange(float* grad, StepStats* stats) {
+    const auto entered = Clock::now();
+    checkpoint_due_ = false;
+    // The local copy changes everywhere: the local steps, then the pulled parameters.
+    if (local_copy_) WillChange(0, {}, true);
+    if (comm_.joinable()) {
+      GradientReady(0);
+      comm_.join();
+    } else {
+      // Not begun (a loop that does not report its layers): every range is ready now.
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        ready_from_ = num_params();
+        cancel_ = false;
+        MarkReady(0, entered);
+        ready_from_ = 0;
+      }
+      comm_status_ = PushRanges(grad);
+    }
+    SPARSEPS_RETURN_IF_ERROR(comm_status_);
+    const auto left = Clock::now();
+    bool pushed = false;
+    size_t selected = 0;
+    double exposed_encode_ms = 0.0;
+    stats->ranges.resize(times_.size());
+    for (size_t r = 0; r < times_.size(); ++r) {
+      RangeTimes& t = times_[r];
+      pushed = pushed || t.pushed;
+      if (t.pushed) {
+        t.acked = ps_->acked_at(r);
+        t.replied = ps_->replied_at(r);
+      }
+      selected += slices_[r]->last_selected();
+      // The part of the encoding that Step waited for (the rest ran during the backward pass).
+      exposed_encode_ms += std::max(0.0, Ms(std::max(t.encoded_from, entered), t.encoded_to));
+      stats->ranges[r] = t;
+    }
+    if (pushed) {
+      stats->push_ms = ps_->last_push_s() * 1e3;
+      stats->pull_ms = ps_->last_pull_s() * 1e3;
+      iteration_ = static_cast<uint64_t>(push_round_);
+      checkpoint_due_ = ps_->checkpoint_after_last();
+      if (local_copy_) std::copy(params_.begin(), params_.end(), local_.begin());
+    }
+    stats->selected = selected;
+    stats->encode_ms = exposed_encode_ms;
+    stats->comm_ms = std::max(0.0, Ms(entered, left) - exposed_encode_ms);
+    return Status::OK();
+  }
+
   zmq::context_t& context_;
   ControlClient* control_ = nullptr;
   std::unique_ptr<PsClient> ps_;
-  std::unique_ptr<Compressor> compressor_;
-  bool local_copy_ = false;   // SBC: the model trains `local_` between pushes
-  bool two_rounds_ = false;   // the sketch's second round
-  std::vector<float> local_;  // SBC's local copy (host)
+  std::unique_ptr<Compressor> compressor_;  // without overlap
+  bool local_copy_ = false;                 // SBC: the model trains `local_` between pushes
+  bool two_rounds_ = false;                 // the sketch's second round
+  std::vector<float> local_;                // SBC's local copy (host)
   std::vector<Message> pushes_;
   int64_t push_round_ = 0;
+
+  // train.overlap: backward.
+  bool overlap_ = false;
+  std::vector<std::unique_ptr<Compressor>> slices_;  // one per key range, in key order
+  std::vector<Message> one_;                         // the push of one range
+  std::vector<RangeTimes> times_;                    // this step's, per range
+  std::thread comm_;                                 // the step's pushes (BeginStep to Step)
+  Status comm_status_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  size_t ready_from_ = 0;  // guarded by mu_: grad[ready_from_, n) is final
+  bool cancel_ = false;    // guarded by mu_: the step was abandoned
 };
 
 // The workers sum among themselves (allreduce mode): DGC momentum correction on the worker
@@ -438,7 +679,8 @@ Status Aggregator::Step(float* grad, bool grad_on_device, StepStats* stats) {
     grad = grad_h_.data();
     grad_on_device = false;
   }
-  if (const float wd = static_cast<float>(config_.train().weight_decay()); wd > 0.0f) {
+  if (const float wd = static_cast<float>(config_.train().weight_decay());
+      wd > 0.0f && !overlaps()) {
     if (grad_on_device) {
       SPARSEPS_RETURN_IF_ERROR(DeviceAxpy(wd, params_d_.data(), grad, n));
     } else {

@@ -32,6 +32,14 @@
 
 namespace sparseps {
 
+// When one server key range went through a step (PS mode), for the trace (metrics.trace_steps):
+// its gradient was final (ready), it was encoded (from, to), its push acknowledged and its pull
+// applied. Without overlap every range is ready when Step begins and is encoded in one pass.
+struct RangeTimes {
+  Clock::time_point ready, encoded_from, encoded_to, acked, replied;
+  bool pushed = false;  // false: an SBC local step without a push
+};
+
 // What one Step did, for the metrics CSV (docs/user-guide.md, "What a run writes").
 struct StepStats {
   uint64_t bytes_sent = 0;      // during this step's communication
@@ -40,9 +48,12 @@ struct StepStats {
   int64_t applied = -1;         // allreduce: entries the update changed; -1 in PS mode
   double encode_ms = 0.0;       // compression (PS) or momentum correction and probe (allreduce)
   double comm_ms = 0.0;         // communication and applying the update
-  double push_ms = -1.0;        // PS: sending the pushes to the last PUSH_ACK; -1 in allreduce
-  double pull_ms = -1.0;        // PS: sending the pulls to the last PULL_REPLY applied
-  double topk_mass = -1.0;      // collective.measure_quality only; -1 otherwise
+  // (train.overlap: backward: encode_ms and comm_ms are what Step waited for after the backward
+  // pass, so that compute + encode + comm is the step's wall time; the rest ran during it.)
+  double push_ms = -1.0;           // PS: sending the pushes to the last PUSH_ACK; -1 in allreduce
+  double pull_ms = -1.0;           // PS: sending the pulls to the last PULL_REPLY applied
+  double topk_mass = -1.0;         // collective.measure_quality only; -1 otherwise
+  std::vector<RangeTimes> ranges;  // PS: per server key range, in key order; empty in allreduce
 };
 
 class Aggregator {
@@ -117,6 +128,24 @@ class Aggregator {
   // holds NaN or Inf (nothing is sent); the communication's (deadlines naming the peer, a
   // server's rejection, Aborted on FATAL).
   Status Step(float* grad, bool grad_on_device, StepStats* stats);
+
+  // train.overlap: backward (PS mode, a model on the host): starts this iteration's aggregation
+  // before the gradient is whole and returns at once. `grad` (num_params() host floats) is the
+  // buffer the model is writing and the next Step gets; each server key range of it is
+  // compressed and pushed, its pull sent, on a thread of the aggregator's own as soon as
+  // GradientReady has reported all of it, several waiting ones in train.overlap_priority's
+  // order. Step then reports the rest ready and waits for the replies. Returns false (nothing
+  // started) when this aggregator does not overlap; Step alone then does the whole iteration.
+  virtual bool BeginStep(float* grad) { return false; }
+
+  // Between BeginStep and Step, from the thread computing the gradient: grad[key_begin,
+  // num_params()) is final and the model will not read the parameters there again this step
+  // (Model::set_gradient_ready). Thread-safe.
+  virtual void GradientReady(size_t key_begin) {}
+
+  // True when weight decay and the compression go key range by key range (train.overlap:
+  // backward): Step then leaves the weight decay to them.
+  virtual bool overlaps() const { return false; }
 
   // The parameters the model computes the next gradient at: the job's, or SBC's local copy;
   // host memory, or a device copy brought up to date when the aggregator was made for a model on

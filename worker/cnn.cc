@@ -131,13 +131,26 @@ double Cnn::ForwardBackward(const float* params, const float* x, const uint8_t* 
     kernels::Gemm(true, false, c.c_out, patch, positions, 1.0f, d_act_.data(), c.c_out,
                   col_[i].data(), patch, 0.0f, grad + c.w_offset, patch);
     kernels::SumRows(d_act_.data(), positions, c.c_out, grad + c.b_offset);
-    if (i == 0) break;
+    if (i == 0) {
+      GradientReady(c.w_offset);
+      break;
+    }
     // d_col [positions x patch] = d_act * W, then back to the previous pooled output.
     kernels::Gemm(false, false, positions, patch, c.c_out, 1.0f, d_act_.data(), c.c_out,
                   params + c.w_offset, patch, 0.0f, d_col_.data(), patch);
     kernels::Col2ImSame(d_col_.data(), batch, c.h, c.w, c.c_in, kernel_, d_pooled_.data());
+    GradientReady(c.w_offset);  // conv i's weights and biases (the layout's tail from there)
   }
   return loss;
+}
+
+void Cnn::set_gradient_ready(GradientReadyHook hook) {
+  if (hook) {
+    head_.set_gradient_ready([hook, base = head_offset_](size_t key) { hook(base + key); });
+  } else {
+    head_.set_gradient_ready(nullptr);
+  }
+  Model::set_gradient_ready(std::move(hook));
 }
 
 std::pair<double, double> Cnn::Evaluate(const float* params, const Dataset& data) {

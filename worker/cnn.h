@@ -46,6 +46,9 @@ class Cnn final : public Model {
   // In chunks of 100 samples (the im2col matrices grow with the chunk).
   std::pair<double, double> Evaluate(const float* params, const Dataset& data) override;
 
+  // The head's layers report through the same hook, shifted by head_offset().
+  void set_gradient_ready(GradientReadyHook hook) override;
+
   // Shapes, for the GPU twin and the tests.
   struct Conv {
     size_t h, w, c_in, c_out;   // input height, width, channels; output channels

@@ -103,6 +103,7 @@ double Mlp::ForwardBackward(const float* params, const float* x, const uint8_t* 
         kernels::Gemm(false, true, batch, n_in, n_out, 1.0f, delta_.data(), n_out,
                       params + w_offset_[l], n_out, 0.0f, dx, n_in);
       }
+      GradientReady(w_offset_[l]);
       break;
     }
     // delta_prev = delta * W^T, then through the ReLU of layer l-1.
@@ -110,6 +111,7 @@ double Mlp::ForwardBackward(const float* params, const float* x, const uint8_t* 
                   params + w_offset_[l], n_out, 0.0f, delta_prev_.data(), n_in);
     kernels::ReluBackward(delta_prev_.data(), acts_[l - 1].data(), batch * n_in);
     std::swap(delta_, delta_prev_);
+    GradientReady(w_offset_[l]);  // layer l's weights and biases (the layout's tail from there)
   }
   return loss;
 }

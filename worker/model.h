@@ -44,6 +44,14 @@ class Model {
   virtual double ForwardBackward(const float* params, const float* x, const uint8_t* y,
                                  size_t batch, float* grad, size_t* correct) = 0;
 
+  // Called during ForwardBackward, in the backward pass's order (last layer first), each time
+  // grad[key_begin, num_params()) is final and the call will not read params there again: what a
+  // worker may compress and push, and its pull overwrite, before the backward pass ends
+  // (train.overlap: backward). Called on the thread of ForwardBackward; CPU models only (a GPU
+  // model never calls it). Null: no calls.
+  using GradientReadyHook = std::function<void(size_t key_begin)>;
+  virtual void set_gradient_ready(GradientReadyHook hook) { gradient_ready_ = std::move(hook); }
+
   // Mean loss and accuracy (fraction) over the whole dataset.
   virtual std::pair<double, double> Evaluate(const float* params, const Dataset& data) = 0;
 
@@ -54,6 +62,14 @@ class Model {
   // The first failure of the device (a GPU model's CUDA or cuBLAS error); OK for CPU models.
   // After a failure ForwardBackward and Evaluate return NaN.
   virtual Status status() const { return Status::OK(); }
+
+ protected:
+  void GradientReady(size_t key_begin) const {
+    if (gradient_ready_) gradient_ready_(key_begin);
+  }
+
+ private:
+  GradientReadyHook gradient_ready_;
 };
 
 // Mean loss and accuracy (fraction) over `data` in chunks of `chunk` samples: chunk_loss(x, y, n,

@@ -162,13 +162,28 @@ Status PsClient::PushPull(int64_t iteration, std::vector<Message>& pushes, float
 }
 
 Status PsClient::PushThenPull(int64_t iteration, std::vector<Message>& pushes, float* params) {
-  const auto pushed = Clock::now();
-  auto pulled = pushed;
+  BeginPushes();
   for (size_t r = 0; r < peers_.size(); ++r) {
-    SPARSEPS_RETURN_IF_ERROR(SendPush(peers_[r], pushes[r], iteration));
-    if (!commit_after_ack_) SPARSEPS_RETURN_IF_ERROR(SendPull(peers_[r], iteration));
+    SPARSEPS_RETURN_IF_ERROR(PushRange(iteration, r, pushes[r]));
   }
+  return FinishPushes(iteration, params);
+}
+
+void PsClient::BeginPushes() {
+  checkpoint_after_last_ = false;
+  pushed_ = Clock::now();
+}
+
+Status PsClient::PushRange(int64_t iteration, size_t r, Message& push) {
+  if (r >= peers_.size()) return Status::Internal("PushRange: no key range " + std::to_string(r));
+  SPARSEPS_RETURN_IF_ERROR(SendPush(peers_[r], push, iteration));
+  if (!commit_after_ack_) SPARSEPS_RETURN_IF_ERROR(SendPull(peers_[r], iteration));
+  return Status::OK();
+}
+
+Status PsClient::FinishPushes(int64_t iteration, float* params) {
   request_checkpoint_ = false;
+  auto pulled = pushed_;
   if (commit_after_ack_) {
     // Every server holds this worker's push: the pulls commit it.
     SPARSEPS_RETURN_IF_ERROR(AwaitAll(iteration, params));
@@ -176,7 +191,7 @@ Status PsClient::PushThenPull(int64_t iteration, std::vector<Message>& pushes, f
     for (auto& p : peers_) SPARSEPS_RETURN_IF_ERROR(SendPull(p, iteration));
   }
   SPARSEPS_RETURN_IF_ERROR(AwaitAll(iteration, params));
-  last_push_s_ = std::chrono::duration<double>(push_acked_ - pushed).count();
+  last_push_s_ = std::chrono::duration<double>(push_acked_ - pushed_).count();
   last_pull_s_ = std::chrono::duration<double>(pull_replied_ - pulled).count();
   return Status::OK();
 }
@@ -339,11 +354,11 @@ Status PsClient::AwaitAll(int64_t iteration, float* params) {
               (it == p.pending.end() ? std::string("nothing") : CommandName(it->expected)) + ")");
         }
         p.pending.erase(it);
-        if (h.command() == proto::PUSH_ACK) push_acked_ = Clock::now();
+        if (h.command() == proto::PUSH_ACK) push_acked_ = p.acked_at = Clock::now();
         if (h.command() == proto::PULL_REPLY) {
           if (h.checkpoint()) checkpoint_after_last_ = true;
           SPARSEPS_RETURN_IF_ERROR(ApplyPullReply(p, *msg, params));
-          pull_replied_ = Clock::now();
+          pull_replied_ = p.replied_at = Clock::now();
         } else if (h.command() == proto::CANDIDATES) {
           DecodedPayload c;
           Status s = FindCodec(proto::TOPK)->Decode(*msg, p.range.size(), &c);

@@ -61,6 +61,20 @@ class PsClient {
   // membership says a server is lost (every wait ends then: the job rolls back).
   Status PushPull(int64_t iteration, std::vector<Message>& pushes, float* params);
 
+  // PushPull range by range (train.overlap: backward), for pushes made while the gradient is
+  // still computed: BeginPushes, then PushRange once for every range r (in any order; the pull of
+  // r leaves with it unless commit_after_ack), then FinishPushes, which waits for every ack and
+  // reply and applies the pulls into params. Errors as PushPull's; after one, the iteration is
+  // void (start again with BeginPushes only after the job rolled back).
+  void BeginPushes();
+  Status PushRange(int64_t iteration, size_t r, Message& push);
+  Status FinishPushes(int64_t iteration, float* params);
+
+  // When range r's last PUSH_ACK and PULL_REPLY came (the pull reply once applied), for the
+  // per-step trace (metrics.trace_steps).
+  Clock::time_point acked_at(size_t r) const { return peers_[r].acked_at; }
+  Clock::time_point replied_at(size_t r) const { return peers_[r].replied_at; }
+
   // Called for every pull reply with the range's first key and the keys (relative to it) whose
   // value changes: the reply's keys when sparse, the keys whose value differs when dense; before
   // the new values are written, so the old ones can still be read. The sketch compressor zeroes
@@ -115,8 +129,9 @@ class PsClient {
     std::string name;  // "server 1 at tcp://host:port"
     zmq::socket_t socket;
     int64_t version = -1;
-    std::deque<Pending> pending;       // requests still to be answered, in the order sent
-    std::vector<uint32_t> candidates;  // the last CANDIDATES reply (relative keys)
+    std::deque<Pending> pending;             // requests still to be answered, in the order sent
+    std::vector<uint32_t> candidates;        // the last CANDIDATES reply (relative keys)
+    Clock::time_point acked_at, replied_at;  // the last PUSH_ACK, PULL_REPLY
   };
 
   // Sends `msg` (role, rank, epoch and a new request id set here) and waits for `expected` from
@@ -153,8 +168,9 @@ class PsClient {
   uint64_t bytes_sent_ = 0;
   uint64_t bytes_received_ = 0;
   TrafficByCommand traffic_;
-  // When the last PUSH_ACK and PULL_REPLY came (AwaitAll), for last_push_s / last_pull_s.
-  Clock::time_point push_acked_, pull_replied_;
+  // When the last PUSH_ACK and PULL_REPLY came (AwaitAll), for last_push_s / last_pull_s, and
+  // when the pushes began (BeginPushes).
+  Clock::time_point push_acked_, pull_replied_, pushed_;
   double last_push_s_ = 0.0, last_pull_s_ = 0.0;
 };
 

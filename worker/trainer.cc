@@ -14,6 +14,7 @@
 #include "worker/idx_reader.h"
 #include "worker/model.h"
 #include "worker/session.h"
+#include "worker/step_trace.h"
 #include "worker/training_log.h"
 
 namespace sparseps {
@@ -184,6 +185,23 @@ Status Train(const proto::JobConfig& config, Model& model, const TrainingData& d
                  step % spe);
   }
   const std::vector<TensorLayout> layers = model.Layers();
+  StepTrace trace;
+  SPARSEPS_RETURN_IF_ERROR(trace.Open(config, rank, layers));
+  // train.overlap: backward hands each layer's gradient to the aggregator as the backward pass
+  // finishes it; the trace records when.
+  bool tracing = false;
+  const bool overlap = aggregator.overlaps() && !on_device;
+  if (overlap || trace.traced(1)) {
+    model.set_gradient_ready([&](size_t key) {
+      if (tracing) trace.LayerDone(key, Clock::now());
+      if (overlap) aggregator.GradientReady(key);
+    });
+  }
+  // The hook refers to this call's locals: the model outlives them (a rollback trains again).
+  struct Unhook {
+    Model& model;
+    ~Unhook() { model.set_gradient_ready(nullptr); }
+  } unhook{model};
   const int workers = session.num_workers();
   Split split{rank, workers};
   Batches batches(data.train, config, rank, split.index, split.count);
@@ -214,17 +232,19 @@ Status Train(const proto::JobConfig& config, Model& model, const TrainingData& d
         continue;
       }
       const auto t0 = Clock::now();
+      tracing = trace.traced(step + 1);
       batches.Fill(s);
       auto params = aggregator.ModelParams();
       if (!params.ok()) return params.status();
+      if (overlap) aggregator.BeginStep(grad);
       const double loss =
           model.ForwardBackward(*params, batches.x(), batches.y(), batches.size(), grad, nullptr);
+      const auto computed = Clock::now();
       SPARSEPS_RETURN_IF_ERROR(model.status());
       // A NaN/Inf gradient is caught by the aggregation (one pass over it, not two).
       const std::string at = " at step " + std::to_string(step + 1) + " (try a smaller train.lr)";
       if (!std::isfinite(loss)) return Status::FailedPrecondition("the loss became NaN/Inf" + at);
-      const double compute_ms =
-          std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+      const double compute_ms = std::chrono::duration<double, std::milli>(computed - t0).count();
       StepStats stats;
       if (Status a = aggregator.Step(grad, on_device, &stats); !a.ok()) {
         return a.code() == StatusCode::kInvalidArgument
@@ -232,6 +252,7 @@ Status Train(const proto::JobConfig& config, Model& model, const TrainingData& d
                    : a;
       }
       ++step;
+      trace.Step(step, t0, computed, Clock::now(), stats);
       log.Step(step, epoch + 1, loss, compute_ms, stats, aggregator);
       SPARSEPS_RETURN_IF_ERROR(log.SampleResidual(aggregator));
       SPARSEPS_RETURN_IF_ERROR(session.AfterStep(loop_state, layers));

@@ -140,6 +140,27 @@ TEST_F(ConfigTest, StaleConsistencyRefusesWhatNeedsBspNamingFileLineAndKey) {
   EXPECT_THAT(c.status().message(), HasSubstr("is async"));
 }
 
+TEST_F(ConfigTest, OverlapRefusesAllreduceAndTheSketchSecondRoundNamingFileLineAndKey) {
+  auto path =
+      Write("aggregation: ps\ntrain:\n  overlap: backward\n  overlap_priority: back_first\n");
+  auto c = LoadConfig(path, {}, NoEnv);
+  ASSERT_TRUE(c.ok()) << c.status().message();
+  EXPECT_EQ(c->train().overlap(), proto::BACKWARD);
+  EXPECT_EQ(c->train().overlap_priority(), proto::BACK_FIRST);
+  for (const auto& [set, why] :
+       {std::pair<std::string, std::string>{"aggregation=allreduce", "for 'aggregation: ps'"},
+        {"compression.sketch.second_round=true", "compression.sketch.second_round"}}) {
+    c = LoadConfig(path, {set}, NoEnv);
+    ASSERT_FALSE(c.ok()) << set;
+    EXPECT_THAT(c.status().message(), HasSubstr(path + ":3:")) << set;
+    EXPECT_THAT(c.status().message(), HasSubstr("'train.overlap' is backward")) << set;
+    EXPECT_THAT(c.status().message(), HasSubstr(why)) << set;
+  }
+  c = LoadConfig(path, {"train.overlap=sideways"}, NoEnv);
+  ASSERT_FALSE(c.ok());
+  EXPECT_THAT(c.status().message(), HasSubstr("one of: none, backward"));
+}
+
 TEST_F(ConfigTest, UnknownEncodingIsRejected) {
   auto path = Write("compression:\n  encoding: topq\n");
   auto c = LoadConfig(path, {}, NoEnv);
