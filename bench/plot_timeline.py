@@ -72,8 +72,9 @@ def plot(traces, out, step=None):
                 shade += 1
                 ax.broken_barh([(start, end - start)], (y[lane] - 0.4, 0.8), color=color)
                 label = event.replace("forward + backward ", "fwd+bwd ").replace("backward ", "")
-                ax.text(start + (end - start) / 2, y[lane], label, ha="center", va="center",
-                        fontsize=7)
+                if end - start > 0.012 * longest * len(label):  # room for the label
+                    ax.text(start + (end - start) / 2, y[lane], label, ha="center", va="center",
+                            fontsize=7)
             elif event == "pull":
                 ax.broken_barh([(start, end - start)], (y[lane] - 0.12, 0.24),
                                color=COLORS["pull"])

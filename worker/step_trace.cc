@@ -4,8 +4,7 @@
 
 namespace sparseps {
 
-Status StepTrace::Open(const proto::JobConfig& config, int rank,
-                       std::vector<TensorLayout> layers) {
+Status StepTrace::Open(const proto::JobConfig& config, int rank, std::vector<TensorLayout> layers) {
   steps_ = config.metrics().trace_steps();
   layers_ = std::move(layers);
   if (steps_ == 0 || config.run().dir().empty()) return Status::OK();

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <random>
 #include <sstream>
 #include <string>
@@ -206,6 +207,77 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(std::make_pair("ssp", "topk"), std::make_pair("async", "topk"),
                       std::make_pair("ssp", "sbc"), std::make_pair("async", "dense"),
                       std::make_pair("ssp", "sketch")),
+    [](const auto& info) { return info.param.first + "_" + info.param.second; });
+
+// train.overlap: backward with real daemons, for every encoding and the CNN: every push counted,
+// none rejected, the model learns, and the trace shows the overlap: in some step the last key
+// range (inside fc1, final once fc1's backward pass ends) began its encoding before the backward
+// pass of fc0 ended.
+class OverlapTest : public ::testing::TestWithParam<std::pair<std::string, std::string>> {};
+
+TEST_P(OverlapTest, PushesEachRangeDuringTheBackwardPass) {
+  if (!std::filesystem::exists(std::string(kData) + "/train-images-idx3-ubyte.gz")) {
+    GTEST_SKIP() << "Fashion-MNIST not installed (deploy/install-deps.sh installs it)";
+  }
+  const auto& [encoding, model] = GetParam();
+  TempDir dir("overlap");
+  const std::string config = std::string(SPARSEPS_SOURCE_DIR) + "/configs/quickstart.yaml";
+  std::vector<std::string> sets = {
+      "train.overlap=backward",      "compression.encoding=" + encoding,
+      "data.max_train_samples=4096", "data.max_test_samples=1000",
+      "train.max_steps=40",          "train.batch_size=64",
+      "metrics.trace_steps=40",      "cluster.register_timeout_s=60",
+      "run.progress_interval_s=0"};
+  if (model == "cnn") {
+    sets.insert(sets.end(), {"model.type=cnn", "model.channels=[8]", "model.hidden=[256]"});
+  } else {
+    sets.push_back("model.hidden=[1024,1024]");
+  }
+  Cluster c = Start(dir, config, 2, 2, sets);
+  ASSERT_NE(c.scheduler, nullptr);
+  for (auto& n : c.nodes) {
+    EXPECT_EQ(n->Wait(kHardTimeoutS), 0) << n->log_path() << ":\n" << n->Log();
+  }
+  EXPECT_EQ(c.scheduler->Wait(30), 0) << c.scheduler->Log();
+  proto::RunSummary summary;
+  const std::string json = testing::ReadFile(dir.path() + "/summary.json");
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(json, &summary).ok()) << json;
+  EXPECT_EQ(summary.status(), "ok");
+  EXPECT_GT(summary.final_test_accuracy(), 0.5);
+  ASSERT_EQ(summary.servers_size(), 2) << json;
+  for (const auto& st : summary.servers()) {
+    EXPECT_EQ(st.pushes(), 2u * 40u) << json;
+    EXPECT_EQ(st.rejected(), 0u) << json;
+  }
+  // The trace: per step, when the backward pass ended and range 1's encoding began.
+  std::map<int, double> backward_end, range1_from;
+  std::istringstream trace(testing::ReadFile(dir.path() + "/trace-worker-0.csv"));
+  std::string line;
+  std::getline(trace, line);
+  EXPECT_EQ(line, "step,lane,event,start_ms,end_ms");
+  while (std::getline(trace, line)) {
+    std::vector<std::string> f;
+    std::stringstream cells(line);
+    for (std::string cell; std::getline(cells, cell, ',');) f.push_back(cell);
+    ASSERT_EQ(f.size(), 5u) << line;
+    const int step = std::stoi(f[0]);
+    if (f[1] == "compute") {
+      backward_end[step] = std::max(backward_end[step], std::stod(f[4]));
+    }
+    if (f[1] == "range1" && f[2] == "encode") range1_from[step] = std::stod(f[3]);
+  }
+  ASSERT_EQ(backward_end.size(), 40u);
+  ASSERT_EQ(range1_from.size(), 40u);
+  int overlapped = 0;
+  for (const auto& [step, from] : range1_from) overlapped += from < backward_end[step];
+  EXPECT_GT(overlapped, 0) << "range 1 was never encoded during the backward pass";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Encodings, OverlapTest,
+    ::testing::Values(std::make_pair("topk", "mlp"), std::make_pair("sbc", "mlp"),
+                      std::make_pair("dense", "mlp"), std::make_pair("sketch", "mlp"),
+                      std::make_pair("topk", "cnn")),
     [](const auto& info) { return info.param.first + "_" + info.param.second; });
 
 // A worker that dies mid-job with cluster.on_worker_failure: abort: the scheduler detects it by

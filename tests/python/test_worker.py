@@ -129,11 +129,14 @@ def test_sbc_update_moves_the_local_copy(cluster):
     run_threads([lambda r=r: worker(r) for r in range(2)])
 
 
-@pytest.mark.parametrize("aggregation", ["ps", "allreduce"])
+@pytest.mark.parametrize("aggregation", ["ps", "ps_overlap", "allreduce"])
 def test_conservation_with_integer_gradients(cluster, aggregation):
     """momentum 0, lr = W: init - params + the workers' residuals == every gradient pushed, exactly
-    (integers in float), and entries were applied every step."""
+    (integers in float), and entries were applied every step. ps_overlap: train.overlap: backward,
+    a compressor per server key range (each selects density * its size) pushing range by range."""
     sets = ["train.momentum=0", "train.lr=2"]
+    if aggregation == "ps_overlap":
+        sets += ["train.overlap=backward"]
     if aggregation == "allreduce":
         sets += ["aggregation=allreduce", "collective.algorithm=topk_allgather"]
     c = cluster(BASE, servers=servers_for(sets), sets=sets)

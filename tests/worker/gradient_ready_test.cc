@@ -29,8 +29,8 @@ void ExpectReportsFinalSlicesLastLayerFirst(Model& model, size_t features, size_
   for (size_t i = 0; i < batch; ++i) y[i] = static_cast<uint8_t>(i % classes);
 
   std::vector<float> expected(n);
-  const double loss = model.ForwardBackward(params.data(), x.data(), y.data(), batch,
-                                            expected.data(), nullptr);
+  const double loss =
+      model.ForwardBackward(params.data(), x.data(), y.data(), batch, expected.data(), nullptr);
 
   // Every weight tensor's first key, for the reports to land on.
   std::vector<size_t> starts;
