@@ -4,8 +4,8 @@
 Draws trace-worker-<rank>.csv files (written by workers with metrics.trace_steps > 0; the columns
 are in worker/step_trace.h) as a timeline of one step each, one panel per trace, on one time
 axis: the compute lane (forward, then each layer's backward pass in order), per server key range
-its encoding, push (to the ack) and pull (to the reply applied), and what the step waited after
-the backward pass. Comparing train.overlap: none with backward shows what the overlap hid.
+its encoding, push (to the ack) and pull (to the reply applied) (in allreduce mode per bucket its
+encoding and ring allreduce), and what the step waited after the backward pass. Comparing train.overlap: none with backward shows what the overlap hid.
 
   bench/plot_timeline.py --trace NAME=RUN_DIR/trace-worker-0.csv [--trace ...] --out timeline.png
                          [--step N]
@@ -42,7 +42,8 @@ def median_step(steps):
     return lengths[len(lengths) // 2][1]
 
 
-COLORS = {"encode": "#e08a2c", "push": "#4878a8", "pull": "#9cc69b", "wait": "#c44e52"}
+COLORS = {"encode": "#e08a2c", "push": "#4878a8", "pull": "#9cc69b", "allreduce": "#8172b2",
+          "wait": "#c44e52"}
 
 
 def plot(traces, out, step=None):
@@ -62,8 +63,10 @@ def plot(traces, out, step=None):
                              squeeze=False)
     summary = {}
     for ax, (name, s, rows) in zip(axes[:, 0], loaded):
-        lanes = ["compute"] + sorted({l for l, _, _, _ in rows if l.startswith("range")},
-                                     key=lambda l: int(l[5:])) + ["step"]
+        lanes = ["compute"] + sorted(
+            {l for l, _, _, _ in rows if l.startswith(("range", "bucket"))},
+            key=lambda l: (l.rstrip("0123456789"), int(l[len(l.rstrip("0123456789")):]))) + \
+            ["step"]
         y = {l: len(lanes) - 1 - i for i, l in enumerate(lanes)}
         shade = 0
         for lane, event, start, end in rows:

@@ -472,11 +472,16 @@ Status ValidateConfig(const proto::JobConfig& config, const ConfigSources& sourc
   if (config.train().overlap() == proto::BACKWARD) {
     const std::string why =
         SourceOf(sources, "train.overlap") + ": key 'train.overlap' is backward";
-    if (config.aggregation() == proto::ALLREDUCE) {
+    if (config.aggregation() == proto::ALLREDUCE &&
+        config.collective().algorithm() != proto::RING) {
       return Status::InvalidArgument(
           why +
-          ": the collectives take the whole contribution once per iteration; overlap is for "
-          "'aggregation: ps'");
+          ": with 'aggregation: allreduce' only 'collective.algorithm: ring' goes layer by layer "
+          "(the sparse collectives select over the whole contribution; gloo's ring is not ours)");
+    }
+    if (config.aggregation() == proto::ALLREDUCE && config.collective().measure_quality()) {
+      return Status::InvalidArgument(
+          why + " but 'collective.measure_quality' is on: its probe sums the whole contribution");
     }
     if (config.compression().sketch().second_round()) {
       return Status::InvalidArgument(

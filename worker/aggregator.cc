@@ -457,7 +457,48 @@ class AllreduceAggregator final : public Aggregator {
         aggregated_momentum_(config.collective().momentum() == proto::AGGREGATED),
         measure_quality_(config.collective().measure_quality()) {}
 
+  ~AllreduceAggregator() override {
+    // A step abandoned between BeginStep and Step (the trainer failed): its thread gives up.
+    if (comm_.joinable()) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        cancel_ = true;
+      }
+      cv_.notify_all();
+      comm_.join();
+    }
+  }
+
   uint32_t port() const override { return group_->port(); }
+
+  bool overlaps() const override { return overlap_; }
+
+  bool BeginStep(float* grad) override {
+    if (!overlap_) return false;
+    if (comm_.joinable()) comm_.join();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ready_.clear();
+      bucket_ready_.clear();
+      reported_from_ = num_params();
+      cancel_ = false;
+    }
+    comm_ = std::thread([this, grad] { comm_status_ = ReduceBuckets(grad); });
+    return true;
+  }
+
+  void GradientReady(size_t key_begin) override {
+    if (!overlap_) return;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (key_begin >= reported_from_) return;
+      // A bucket per report: the same on every worker (the model's layers), so the rings match.
+      ready_.push_back({key_begin, reported_from_});
+      bucket_ready_.push_back(Clock::now());
+      reported_from_ = key_begin;
+    }
+    cv_.notify_one();
+  }
 
   Status Connect(ControlClient* control) override {
     control_ = control;
@@ -475,6 +516,19 @@ class AllreduceAggregator final : public Aggregator {
     collective_ = std::move(*made);
     velocity_.assign(num_params(), 0.0f);
     acc_.assign(num_params(), 0.0f);
+    overlap_ = config_.train().overlap() == proto::BACKWARD;
+    if (overlap_ && model_on_device_) {
+      spdlog::warn(
+          "train.overlap: backward: the GPU models do not report their layers' gradients yet; "
+          "this worker runs the collective after the backward pass (as with train.overlap: none)");
+      overlap_ = false;
+    }
+    if (overlap_) {
+      bucket_sum_.assign(num_params(), 0.0f);
+      spdlog::info(
+          "train.overlap: backward: a ring allreduce per layer, each as soon as the backward pass "
+          "has finished it");
+    }
 #if SPARSEPS_HAVE_CUDA
     if (model_on_device_) {
       const auto& c = config_.compression();
@@ -558,6 +612,7 @@ class AllreduceAggregator final : public Aggregator {
 
  protected:
   Status Aggregate(float* grad, bool on_device, StepStats* stats) override {
+    if (overlap_) return AggregateByBucket(grad, stats);
     const size_t n = num_params();
     const auto t0 = Clock::now();
     auto t1 = t0;  // the collective starts
@@ -607,6 +662,108 @@ class AllreduceAggregator final : public Aggregator {
   }
 
  private:
+  // train.overlap: backward (collective.algorithm: ring): weight decay, the momentum correction
+  // (or accumulation) and a ring allreduce of grad[b, e), then the update of params there. The
+  // model no longer reads params there in this step (Model::set_gradient_ready).
+  Status ReduceBucket(const std::pair<size_t, size_t>& bucket, float* grad, RangeTimes* t) {
+    const auto [b, e] = bucket;
+    const size_t len = e - b;
+    t->encoded_from = Clock::now();
+    float* g = grad + b;
+    if (!kernels::AllFinite(g, len)) {
+      return Status::InvalidArgument("the gradient holds NaN or Inf; nothing more was sent");
+    }
+    if (const float wd = static_cast<float>(config_.train().weight_decay()); wd > 0.0f) {
+      kernels::Axpy(wd, params_.data() + b, g, len);
+    }
+    if (aggregated_momentum_) {
+      kernels::Axpy(1.0f, g, acc_.data() + b, len);
+    } else {
+      kernels::MomentumCorrection(velocity_.data() + b, acc_.data() + b, g, momentum_, len);
+    }
+    float* sum = bucket_sum_.data() + b;
+    std::copy(acc_.begin() + static_cast<std::ptrdiff_t>(b),
+              acc_.begin() + static_cast<std::ptrdiff_t>(e), sum);
+    std::fill(acc_.begin() + static_cast<std::ptrdiff_t>(b),
+              acc_.begin() + static_cast<std::ptrdiff_t>(e), 0.0f);
+    t->encoded_to = Clock::now();
+    // Tags apart from the collective's (call << 32), the probe's (bit 63) and the start's (bit
+    // 62): bit 61, the iteration, the bucket.
+    const uint64_t tag = (uint64_t{1} << 61) | ((iteration_ & 0x1fffff) << 40) |
+                         (static_cast<uint64_t>(buckets_done_) << 28);
+    SPARSEPS_RETURN_IF_ERROR(RingAllreduce(
+        group_.get(), tag, sum, len,
+        static_cast<size_t>(std::max<uint64_t>(1, config_.collective().segment_bytes() / 4))));
+    if (aggregated_momentum_) {
+      kernels::Scale(momentum_, velocity_.data() + b, len);
+      kernels::Axpy(1.0f, sum, velocity_.data() + b, len);
+      kernels::Axpy(-step_scale_, velocity_.data() + b, params_.data() + b, len);
+    } else {
+      kernels::Axpy(-step_scale_, sum, params_.data() + b, len);
+    }
+    t->acked = t->replied = Clock::now();
+    t->pushed = true;
+    t->collective = true;
+    return Status::OK();
+  }
+
+  // One iteration bucket by bucket, in the order the model reports them (on the aggregator's
+  // thread after BeginStep), or as one bucket inline from Step (a loop that reports nothing).
+  Status ReduceBuckets(float* grad) {
+    buckets_done_ = 0;
+    times_.clear();
+    while (true) {
+      std::pair<size_t, size_t> bucket;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return cancel_ || buckets_done_ < ready_.size(); });
+        if (cancel_) return Status::Aborted("the step was abandoned before its gradient was whole");
+        bucket = ready_[buckets_done_];
+        times_.push_back(RangeTimes{});
+        times_.back().ready = bucket_ready_[buckets_done_];
+      }
+      SPARSEPS_RETURN_IF_ERROR(ReduceBucket(bucket, grad, &times_.back()));
+      ++buckets_done_;
+      if (bucket.first == 0) return Status::OK();
+    }
+  }
+
+  Status AggregateByBucket(float* grad, StepStats* stats) {
+    const auto entered = Clock::now();
+    const size_t n = num_params();
+    if (!comm_.joinable()) {
+      // Not begun: the whole gradient is one bucket.
+      std::lock_guard<std::mutex> lock(mu_);
+      ready_.clear();
+      bucket_ready_.clear();
+      reported_from_ = n;
+      cancel_ = false;
+    }
+    WillChange(0, {}, true);
+    if (comm_.joinable()) {
+      GradientReady(0);
+      comm_.join();
+    } else {
+      GradientReady(0);
+      comm_status_ = ReduceBuckets(grad);
+    }
+    SPARSEPS_RETURN_IF_ERROR(comm_status_);
+    const auto left = Clock::now();
+    ++iteration_;
+    const uint64_t every = config_.checkpoint().every_steps();
+    checkpoint_due_ = every > 0 && iteration_ % every == 0;
+    double exposed_encode_ms = 0.0;
+    for (const auto& t : times_) {
+      exposed_encode_ms += std::max(0.0, Ms(std::max(t.encoded_from, entered), t.encoded_to));
+    }
+    stats->ranges = times_;
+    stats->encode_ms = exposed_encode_ms;
+    stats->comm_ms = std::max(0.0, Ms(entered, left) - exposed_encode_ms);
+    stats->selected = n;
+    stats->applied = static_cast<int64_t>(n);
+    return Status::OK();
+  }
+
   // params -= lr / W * update (through the velocity with aggregated momentum); the velocity is
   // zeroed where a sparse update applied (the device contribution masks its own).
   void Apply() {
@@ -657,6 +814,20 @@ class AllreduceAggregator final : public Aggregator {
   std::vector<float> velocity_, acc_, probe_;
   CollectiveUpdate update_;
   uint64_t probe_tag_ = uint64_t{1} << 63;
+
+  // train.overlap: backward.
+  bool overlap_ = false;
+  std::vector<float> bucket_sum_;  // the buckets' sums (num_params())
+  std::vector<RangeTimes> times_;  // this step's, per bucket in the order reduced
+  size_t buckets_done_ = 0;        // the comm thread's (read after it is joined)
+  std::thread comm_;
+  Status comm_status_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::pair<size_t, size_t>> ready_;  // guarded by mu_: reported buckets [b, e)
+  std::vector<Clock::time_point> bucket_ready_;   // guarded by mu_: when each was reported
+  size_t reported_from_ = 0;                      // guarded by mu_
+  bool cancel_ = false;                           // guarded by mu_
   // The start's broadcast, apart from the collectives' tags (call numbers << 32) and the probe's.
   static constexpr uint64_t kInitTag = uint64_t{1} << 62;
 };

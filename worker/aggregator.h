@@ -32,12 +32,14 @@
 
 namespace sparseps {
 
-// When one server key range went through a step (PS mode), for the trace (metrics.trace_steps):
+// When one server key range (PS mode) or bucket (allreduce with train.overlap: backward) went
+// through a step, for the trace (metrics.trace_steps):
 // its gradient was final (ready), it was encoded (from, to), its push acknowledged and its pull
 // applied. Without overlap every range is ready when Step begins and is encoded in one pass.
 struct RangeTimes {
   Clock::time_point ready, encoded_from, encoded_to, acked, replied;
-  bool pushed = false;  // false: an SBC local step without a push
+  bool pushed = false;      // false: an SBC local step without a push
+  bool collective = false;  // allreduce (a bucket): acked = replied = its ring allreduce ended
 };
 
 // What one Step did, for the metrics CSV (docs/user-guide.md, "What a run writes").
@@ -50,10 +52,12 @@ struct StepStats {
   double comm_ms = 0.0;         // communication and applying the update
   // (train.overlap: backward: encode_ms and comm_ms are what Step waited for after the backward
   // pass, so that compute + encode + comm is the step's wall time; the rest ran during it.)
-  double push_ms = -1.0;           // PS: sending the pushes to the last PUSH_ACK; -1 in allreduce
-  double pull_ms = -1.0;           // PS: sending the pulls to the last PULL_REPLY applied
-  double topk_mass = -1.0;         // collective.measure_quality only; -1 otherwise
-  std::vector<RangeTimes> ranges;  // PS: per server key range, in key order; empty in allreduce
+  double push_ms = -1.0;    // PS: sending the pushes to the last PUSH_ACK; -1 in allreduce
+  double pull_ms = -1.0;    // PS: sending the pulls to the last PULL_REPLY applied
+  double topk_mass = -1.0;  // collective.measure_quality only; -1 otherwise
+  // PS: per server key range, in key order; allreduce with train.overlap: backward, per bucket
+  // (layer) in the order reduced; else empty.
+  std::vector<RangeTimes> ranges;
 };
 
 class Aggregator {

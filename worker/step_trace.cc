@@ -49,8 +49,12 @@ void StepTrace::Step(uint64_t step, Clock::time_point began, Clock::time_point c
   reports_.clear();
   for (size_t r = 0; r < stats.ranges.size(); ++r) {
     const RangeTimes& t = stats.ranges[r];
-    const std::string lane = "range" + std::to_string(r);
+    const std::string lane = (t.collective ? "bucket" : "range") + std::to_string(r);
     Row(step, lane, "encode", began, t.encoded_from, t.encoded_to);
+    if (t.collective) {
+      Row(step, lane, "allreduce", began, t.encoded_to, t.replied);
+      continue;
+    }
     if (!t.pushed) continue;
     Row(step, lane, "push", began, t.encoded_to, t.acked);
     Row(step, lane, "pull", began, t.encoded_to, t.replied);

@@ -7,6 +7,8 @@
 //   range<r>   "encode" (weight decay, local step and compression of server key range r),
 //              "push" (to its PUSH_ACK) and "pull" (to its PULL_REPLY applied, which waits for
 //              the slowest worker), each from the end of its encoding;
+//   bucket<j>  allreduce with train.overlap: backward, per layer in the order reduced: "encode"
+//              (weight decay and momentum correction) and "allreduce" (its ring, then the update);
 //   step       "wait": from the end of the backward pass to the step's end (what was not hidden).
 //
 // Thread-safety: one thread (the training loop's).

@@ -148,14 +148,23 @@ TEST_F(ConfigTest, OverlapRefusesAllreduceAndTheSketchSecondRoundNamingFileLineA
   EXPECT_EQ(c->train().overlap(), proto::BACKWARD);
   EXPECT_EQ(c->train().overlap_priority(), proto::BACK_FIRST);
   for (const auto& [set, why] :
-       {std::pair<std::string, std::string>{"aggregation=allreduce", "for 'aggregation: ps'"},
+       {std::pair<std::string, std::string>{"aggregation=allreduce,collective.algorithm=gloo",
+                                            "only 'collective.algorithm: ring'"},
+        {"aggregation=allreduce,collective.algorithm=spardl", "only 'collective.algorithm: ring'"},
+        {"aggregation=allreduce,collective.algorithm=ring,collective.measure_quality=true",
+         "collective.measure_quality"},
         {"compression.sketch.second_round=true", "compression.sketch.second_round"}}) {
-    c = LoadConfig(path, {set}, NoEnv);
+    std::vector<std::string> overrides;  // "a=b,c=d": two overrides
+    std::stringstream list(set);
+    for (std::string kv; std::getline(list, kv, ',');) overrides.push_back(kv);
+    c = LoadConfig(path, overrides, NoEnv);
     ASSERT_FALSE(c.ok()) << set;
     EXPECT_THAT(c.status().message(), HasSubstr(path + ":3:")) << set;
     EXPECT_THAT(c.status().message(), HasSubstr("'train.overlap' is backward")) << set;
     EXPECT_THAT(c.status().message(), HasSubstr(why)) << set;
   }
+  c = LoadConfig(path, {"aggregation=allreduce", "collective.algorithm=ring"}, NoEnv);
+  EXPECT_TRUE(c.ok()) << c.status().message();
   c = LoadConfig(path, {"train.overlap=sideways"}, NoEnv);
   ASSERT_FALSE(c.ok());
   EXPECT_THAT(c.status().message(), HasSubstr("one of: none, backward"));

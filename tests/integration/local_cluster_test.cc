@@ -39,10 +39,11 @@ struct Cluster {
 Cluster Start(const TempDir& dir, const std::string& config, int servers, int workers,
               const std::vector<std::string>& extra) {
   Cluster c;
-  std::vector<std::string> common = {"--config", config,
-                                     "--set",    "run.dir=" + dir.path(),
-                                     "--set",    "cluster.num_servers=" + std::to_string(servers),
-                                     "--set",    "cluster.num_workers=" + std::to_string(workers)};
+  std::vector<std::string> common = {"--config", config, "--set", "run.dir=" + dir.path(),
+                                     // allreduce starts no servers (the key must still be >= 1)
+                                     "--set",
+                                     "cluster.num_servers=" + std::to_string(std::max(servers, 1)),
+                                     "--set", "cluster.num_workers=" + std::to_string(workers)};
   for (const auto& e : extra) {
     common.push_back("--set");
     common.push_back(e);
@@ -209,31 +210,32 @@ INSTANTIATE_TEST_SUITE_P(
                       std::make_pair("ssp", "sketch")),
     [](const auto& info) { return info.param.first + "_" + info.param.second; });
 
-// train.overlap: backward with real daemons, for every encoding and the CNN: every push counted,
-// none rejected, the model learns, and the trace shows the overlap: in some step the last key
-// range (inside fc1, final once fc1's backward pass ends) began its encoding before the backward
-// pass of fc0 ended.
+// train.overlap: backward with real daemons, for every encoding, the CNN and allreduce's ring:
+// every push counted, none rejected, the model learns, and the trace shows the overlap: in some
+// step what was final before fc0's backward pass (PS: key range 1, which lies inside fc1;
+// allreduce: bucket 1, fc1) began its encoding before the backward pass ended.
 class OverlapTest : public ::testing::TestWithParam<std::pair<std::string, std::string>> {};
 
-TEST_P(OverlapTest, PushesEachRangeDuringTheBackwardPass) {
+TEST_P(OverlapTest, SendsEachPartDuringTheBackwardPass) {
   if (!std::filesystem::exists(std::string(kData) + "/train-images-idx3-ubyte.gz")) {
     GTEST_SKIP() << "Fashion-MNIST not installed (deploy/install-deps.sh installs it)";
   }
   const auto& [encoding, model] = GetParam();
+  const bool ring = encoding == "ring";
   TempDir dir("overlap");
   const std::string config = std::string(SPARSEPS_SOURCE_DIR) + "/configs/quickstart.yaml";
-  std::vector<std::string> sets = {
-      "train.overlap=backward",      "compression.encoding=" + encoding,
-      "data.max_train_samples=4096", "data.max_test_samples=1000",
-      "train.max_steps=40",          "train.batch_size=64",
-      "metrics.trace_steps=40",      "cluster.register_timeout_s=60",
-      "run.progress_interval_s=0"};
+  std::vector<std::string> sets = {"train.overlap=backward",        "data.max_train_samples=4096",
+                                   "data.max_test_samples=1000",    "train.max_steps=40",
+                                   "train.batch_size=64",           "metrics.trace_steps=40",
+                                   "cluster.register_timeout_s=60", "run.progress_interval_s=0"};
+  sets.push_back(ring ? "aggregation=allreduce" : "compression.encoding=" + encoding);
+  if (ring) sets.push_back("collective.algorithm=ring");
   if (model == "cnn") {
     sets.insert(sets.end(), {"model.type=cnn", "model.channels=[8]", "model.hidden=[256]"});
   } else {
     sets.push_back("model.hidden=[1024,1024]");
   }
-  Cluster c = Start(dir, config, 2, 2, sets);
+  Cluster c = Start(dir, config, ring ? 0 : 2, 2, sets);
   ASSERT_NE(c.scheduler, nullptr);
   for (auto& n : c.nodes) {
     EXPECT_EQ(n->Wait(kHardTimeoutS), 0) << n->log_path() << ":\n" << n->Log();
@@ -244,13 +246,15 @@ TEST_P(OverlapTest, PushesEachRangeDuringTheBackwardPass) {
   ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(json, &summary).ok()) << json;
   EXPECT_EQ(summary.status(), "ok");
   EXPECT_GT(summary.final_test_accuracy(), 0.5);
-  ASSERT_EQ(summary.servers_size(), 2) << json;
+  ASSERT_EQ(summary.servers_size(), ring ? 0 : 2) << json;
   for (const auto& st : summary.servers()) {
     EXPECT_EQ(st.pushes(), 2u * 40u) << json;
     EXPECT_EQ(st.rejected(), 0u) << json;
   }
-  // The trace: per step, when the backward pass ended and range 1's encoding began.
-  std::map<int, double> backward_end, range1_from;
+  // The trace: per step, when the backward pass ended and range (bucket) 1's encoding began.
+  const std::string part = ring ? "bucket1" : "range1";
+  std::map<int, double> backward_end, part_from;
+  std::map<int, int> buckets;
   std::istringstream trace(testing::ReadFile(dir.path() + "/trace-worker-0.csv"));
   std::string line;
   std::getline(trace, line);
@@ -264,20 +268,25 @@ TEST_P(OverlapTest, PushesEachRangeDuringTheBackwardPass) {
     if (f[1] == "compute") {
       backward_end[step] = std::max(backward_end[step], std::stod(f[4]));
     }
-    if (f[1] == "range1" && f[2] == "encode") range1_from[step] = std::stod(f[3]);
+    if (f[1] == part && f[2] == "encode") part_from[step] = std::stod(f[3]);
+    if (f[2] == "allreduce") ++buckets[step];
   }
   ASSERT_EQ(backward_end.size(), 40u);
-  ASSERT_EQ(range1_from.size(), 40u);
+  ASSERT_EQ(part_from.size(), 40u);
+  if (ring) {
+    // A bucket per layer: fc2, fc1, fc0.
+    for (const auto& [step, count] : buckets) EXPECT_EQ(count, 3) << "step " << step;
+  }
   int overlapped = 0;
-  for (const auto& [step, from] : range1_from) overlapped += from < backward_end[step];
-  EXPECT_GT(overlapped, 0) << "range 1 was never encoded during the backward pass";
+  for (const auto& [step, from] : part_from) overlapped += from < backward_end[step];
+  EXPECT_GT(overlapped, 0) << part << " was never encoded during the backward pass";
 }
 
 INSTANTIATE_TEST_SUITE_P(
     Encodings, OverlapTest,
     ::testing::Values(std::make_pair("topk", "mlp"), std::make_pair("sbc", "mlp"),
                       std::make_pair("dense", "mlp"), std::make_pair("sketch", "mlp"),
-                      std::make_pair("topk", "cnn")),
+                      std::make_pair("topk", "cnn"), std::make_pair("ring", "mlp")),
     [](const auto& info) { return info.param.first + "_" + info.param.second; });
 
 // A worker that dies mid-job with cluster.on_worker_failure: abort: the scheduler detects it by

@@ -129,7 +129,7 @@ def test_sbc_update_moves_the_local_copy(cluster):
     run_threads([lambda r=r: worker(r) for r in range(2)])
 
 
-@pytest.mark.parametrize("aggregation", ["ps", "ps_overlap", "allreduce"])
+@pytest.mark.parametrize("aggregation", ["ps", "ps_overlap", "allreduce", "ring_overlap"])
 def test_conservation_with_integer_gradients(cluster, aggregation):
     """momentum 0, lr = W: init - params + the workers' residuals == every gradient pushed, exactly
     (integers in float), and entries were applied every step. ps_overlap: train.overlap: backward,
@@ -137,6 +137,8 @@ def test_conservation_with_integer_gradients(cluster, aggregation):
     sets = ["train.momentum=0", "train.lr=2"]
     if aggregation == "ps_overlap":
         sets += ["train.overlap=backward"]
+    if aggregation == "ring_overlap":  # dense: nothing held back, every key applied
+        sets += ["train.overlap=backward", "aggregation=allreduce", "collective.algorithm=ring"]
     if aggregation == "allreduce":
         sets += ["aggregation=allreduce", "collective.algorithm=topk_allgather"]
     c = cluster(BASE, servers=servers_for(sets), sets=sets)
@@ -162,8 +164,10 @@ def test_conservation_with_integer_gradients(cluster, aggregation):
     np.testing.assert_array_equal(out[1][1], params)  # every worker holds the same parameters
     np.testing.assert_array_equal(-params + out[0][0] + out[1][0], pushed)
     for r in range(2):
-        # k = 50 per worker: the union of two selections, 50 to 100 keys per step.
-        assert all(50 <= a <= 100 for a in out[r][2]), out[r][2]
+        # k = 50 per worker: the union of two selections, 50 to 100 keys per step; dense: all
+        # keys whose summed gradient is not zero.
+        lo, hi = (50, 100) if aggregation != "ring_overlap" else (N // 2, N)
+        assert all(lo <= a <= hi for a in out[r][2]), out[r][2]
 
 
 @pytest.mark.parametrize("consistency", ["ssp", "async"])
