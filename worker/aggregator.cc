@@ -480,7 +480,7 @@ class AllreduceAggregator final : public Aggregator {
       std::lock_guard<std::mutex> lock(mu_);
       ready_.clear();
       bucket_ready_.clear();
-      reported_from_ = num_params();
+      reported_from_ = bucket_end_ = num_params();
       cancel_ = false;
     }
     comm_ = std::thread([this, grad] { comm_status_ = ReduceBuckets(grad); });
@@ -492,10 +492,14 @@ class AllreduceAggregator final : public Aggregator {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (key_begin >= reported_from_) return;
-      // A bucket per report: the same on every worker (the model's layers), so the rings match.
-      ready_.push_back({key_begin, reported_from_});
-      bucket_ready_.push_back(Clock::now());
       reported_from_ = key_begin;
+      // A bucket closes at a layer boundary once it holds train.overlap_bucket_bytes, and at the
+      // first layer: the same buckets on every worker (the model's layers), so the rings match.
+      const uint64_t min_elems = config_.train().overlap_bucket_bytes() / sizeof(float);
+      if (key_begin > 0 && bucket_end_ - key_begin < min_elems) return;
+      ready_.push_back({key_begin, bucket_end_});
+      bucket_ready_.push_back(Clock::now());
+      bucket_end_ = key_begin;
     }
     cv_.notify_one();
   }
@@ -526,8 +530,9 @@ class AllreduceAggregator final : public Aggregator {
     if (overlap_) {
       bucket_sum_.assign(num_params(), 0.0f);
       spdlog::info(
-          "train.overlap: backward: a ring allreduce per layer, each as soon as the backward pass "
-          "has finished it");
+          "train.overlap: backward: a ring allreduce per bucket of layers (at least {} bytes), "
+          "each as soon as the backward pass has finished it",
+          config_.train().overlap_bucket_bytes());
     }
 #if SPARSEPS_HAVE_CUDA
     if (model_on_device_) {
@@ -707,8 +712,9 @@ class AllreduceAggregator final : public Aggregator {
     return Status::OK();
   }
 
-  // One iteration bucket by bucket, in the order the model reports them (on the aggregator's
-  // thread after BeginStep), or as one bucket inline from Step (a loop that reports nothing).
+  // One iteration bucket by bucket, in the order the model reports their layers (on the
+  // aggregator's thread after BeginStep), or as one bucket inline from Step (a loop that reports
+  // nothing).
   Status ReduceBuckets(float* grad) {
     buckets_done_ = 0;
     times_.clear();
@@ -736,7 +742,7 @@ class AllreduceAggregator final : public Aggregator {
       std::lock_guard<std::mutex> lock(mu_);
       ready_.clear();
       bucket_ready_.clear();
-      reported_from_ = n;
+      reported_from_ = bucket_end_ = n;
       cancel_ = false;
     }
     WillChange(0, {}, true);
@@ -826,7 +832,8 @@ class AllreduceAggregator final : public Aggregator {
   std::condition_variable cv_;
   std::vector<std::pair<size_t, size_t>> ready_;  // guarded by mu_: reported buckets [b, e)
   std::vector<Clock::time_point> bucket_ready_;   // guarded by mu_: when each was reported
-  size_t reported_from_ = 0;                      // guarded by mu_
+  size_t reported_from_ = 0;                      // guarded by mu_: the last report
+  size_t bucket_end_ = 0;                         // guarded by mu_: the open bucket's end
   bool cancel_ = false;                           // guarded by mu_
   // The start's broadcast, apart from the collectives' tags (call numbers << 32) and the probe's.
   static constexpr uint64_t kInitTag = uint64_t{1} << 62;
