@@ -109,7 +109,9 @@ class PsAggregator final : public Aggregator {
       if (!local_copy_) WillChange(begin, keys, false);
       if (overlap_) {
         // The range's own compressor, whose keys start at the range's first.
-        slices_[static_cast<size_t>(FindKeyRange(ps_->ranges(), begin))]->OnChanged(0, keys);
+        // (An empty range, of a job with more servers than keys, holds no key and changes none.)
+        const int r = FindKeyRange(ps_->ranges(), begin);
+        if (r >= 0) slices_[static_cast<size_t>(r)]->OnChanged(0, keys);
       } else {
         compressor_->OnChanged(begin, keys);
       }
