@@ -353,12 +353,25 @@ class PsAggregator final : public Aggregator {
     bool pushed = false;
     ps_->BeginPushes();
     for (size_t left = count; left > 0; --left) {
-      size_t r;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return cancel_ || NextRange(done) < count; });
-        if (cancel_) return Status::Aborted("the step was abandoned before its gradient was whole");
-        r = NextRange(done);
+      size_t r = count;
+      while (true) {
+        {
+          std::unique_lock<std::mutex> lock(mu_);
+          // Once something is pushed, the replies that came are taken every millisecond while
+          // the next range is computed (its ack's time is then right, its pull applied early).
+          const auto ready = [&] { return cancel_ || NextRange(done) < count; };
+          if (left == count) {
+            cv_.wait(lock, ready);
+          } else {
+            cv_.wait_for(lock, std::chrono::milliseconds(1), ready);
+          }
+          if (cancel_) {
+            return Status::Aborted("the step was abandoned before its gradient was whole");
+          }
+          r = NextRange(done);
+        }
+        if (r < count) break;
+        SPARSEPS_RETURN_IF_ERROR(ps_->Drain(params_.data()));
       }
       done[r] = true;
       bool range_pushed = false;

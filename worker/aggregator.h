@@ -138,7 +138,9 @@ class Aggregator {
   // buffer the model is writing and the next Step gets; each server key range of it is
   // compressed and pushed, its pull sent, on a thread of the aggregator's own as soon as
   // GradientReady has reported all of it, several waiting ones in train.overlap_priority's
-  // order. Step then reports the rest ready and waits for the replies. Returns false (nothing
+  // order; while it waits for the next range it applies the pull replies that have come (a
+  // range's parameters change only once the model no longer reads them this step). Step then
+  // reports the rest ready and waits for the remaining replies. Returns false (nothing
   // started) when this aggregator does not overlap; Step alone then does the whole iteration.
   virtual bool BeginStep(float* grad) { return false; }
 

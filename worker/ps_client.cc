@@ -312,64 +312,77 @@ Status PsClient::AwaitAll(int64_t iteration, float* params) {
                                  std::to_string(iteration) + " is void until the job rolls back");
     }
     for (size_t i = 0; i < peers_.size(); ++i) {
-      if (!ready[i]) continue;
-      Peer& p = peers_[i];
-      while (true) {
-        const uint64_t before = bytes_received_;
-        auto msg = RecvMessage(p.socket, false, nullptr, &bytes_received_);
-        if (!msg.ok() && msg.status().code() == StatusCode::kIoError) break;
-        traffic_.Received(msg.ok() ? msg->header.command() : proto::COMMAND_UNSPECIFIED,
-                          bytes_received_ - before);
-        if (!msg.ok()) {
-          return Status::ProtocolError("malformed reply from " + p.name + ": " +
-                                       msg.status().message());
-        }
-        const auto& h = msg->header;
-        // A reply from a newer membership epoch (a worker left the job): this worker learns of it
-        // before it goes on, so every worker re-splits the data at the same epoch.
-        if (control_->has_membership() && h.epoch() > control_->membership().epoch()) {
-          SPARSEPS_RETURN_IF_ERROR(control_->WaitForEpoch(h.epoch()));
-        }
-        // The request this answers; none when it was answered already (a reply to a resend).
-        auto it = std::find_if(p.pending.begin(), p.pending.end(), [&](const Pending& q) {
-          return q.request.header.request_id() == h.request_id();
-        });
-        if (it == p.pending.end() && h.request_id() > 0 && h.request_id() < next_request_id_) {
-          ++duplicate_replies_;
-          continue;
-        }
-        if (h.command() == proto::ERROR) {
-          if (h.retryable() && it != p.pending.end() && retry_interval_s_ > 0) {
-            // Not ready yet (e.g. still waiting for the membership): again after a short wait.
-            it->resend_at = Later(std::min(retry_interval_s_, 0.5));
-            continue;
-          }
-          return Status::ProtocolError(p.name + " rejected our request (iteration " +
-                                       std::to_string(h.iteration()) + "): " + h.error());
-        }
-        if (it == p.pending.end()) it = p.pending.begin();  // no id: the oldest request
-        if (it == p.pending.end() || h.command() != it->expected) {
-          return Status::ProtocolError(
-              "unexpected " + CommandName(h.command()) + " from " + p.name + " (expected " +
-              (it == p.pending.end() ? std::string("nothing") : CommandName(it->expected)) + ")");
-        }
-        p.pending.erase(it);
-        if (h.command() == proto::PUSH_ACK) push_acked_ = p.acked_at = Clock::now();
-        if (h.command() == proto::PULL_REPLY) {
-          if (h.checkpoint()) checkpoint_after_last_ = true;
-          SPARSEPS_RETURN_IF_ERROR(ApplyPullReply(p, *msg, params));
-          pull_replied_ = p.replied_at = Clock::now();
-        } else if (h.command() == proto::CANDIDATES) {
-          DecodedPayload c;
-          Status s = FindCodec(proto::TOPK)->Decode(*msg, p.range.size(), &c);
-          if (!s.ok() || h.encoding() != proto::TOPK) {
-            return Status::ProtocolError("bad CANDIDATES from " + p.name + ": " + s.message());
-          }
-          p.candidates.assign(c.indices.begin(), c.indices.end());
-        }
-      }
+      if (ready[i]) SPARSEPS_RETURN_IF_ERROR(ReceiveFrom(peers_[i], params));
     }
   }
+}
+
+Status PsClient::ReceiveFrom(Peer& p, float* params) {
+  while (true) {
+    const uint64_t before = bytes_received_;
+    auto msg = RecvMessage(p.socket, false, nullptr, &bytes_received_);
+    if (!msg.ok() && msg.status().code() == StatusCode::kIoError) break;
+    traffic_.Received(msg.ok() ? msg->header.command() : proto::COMMAND_UNSPECIFIED,
+                      bytes_received_ - before);
+    if (!msg.ok()) {
+      return Status::ProtocolError("malformed reply from " + p.name + ": " +
+                                   msg.status().message());
+    }
+    const auto& h = msg->header;
+    // A reply from a newer membership epoch (a worker left the job): this worker learns of it
+    // before it goes on, so every worker re-splits the data at the same epoch.
+    if (control_->has_membership() && h.epoch() > control_->membership().epoch()) {
+      SPARSEPS_RETURN_IF_ERROR(control_->WaitForEpoch(h.epoch()));
+    }
+    // The request this answers; none when it was answered already (a reply to a resend).
+    auto it = std::find_if(p.pending.begin(), p.pending.end(), [&](const Pending& q) {
+      return q.request.header.request_id() == h.request_id();
+    });
+    if (it == p.pending.end() && h.request_id() > 0 && h.request_id() < next_request_id_) {
+      ++duplicate_replies_;
+      continue;
+    }
+    if (h.command() == proto::ERROR) {
+      if (h.retryable() && it != p.pending.end() && retry_interval_s_ > 0) {
+        // Not ready yet (e.g. still waiting for the membership): again after a short wait.
+        it->resend_at = Later(std::min(retry_interval_s_, 0.5));
+        continue;
+      }
+      return Status::ProtocolError(p.name + " rejected our request (iteration " +
+                                   std::to_string(h.iteration()) + "): " + h.error());
+    }
+    if (it == p.pending.end()) it = p.pending.begin();  // no id: the oldest request
+    if (it == p.pending.end() || h.command() != it->expected) {
+      return Status::ProtocolError(
+          "unexpected " + CommandName(h.command()) + " from " + p.name + " (expected " +
+          (it == p.pending.end() ? std::string("nothing") : CommandName(it->expected)) + ")");
+    }
+    p.pending.erase(it);
+    if (h.command() == proto::PUSH_ACK) push_acked_ = p.acked_at = Clock::now();
+    if (h.command() == proto::PULL_REPLY) {
+      if (h.checkpoint()) checkpoint_after_last_ = true;
+      SPARSEPS_RETURN_IF_ERROR(ApplyPullReply(p, *msg, params));
+      pull_replied_ = p.replied_at = Clock::now();
+    } else if (h.command() == proto::CANDIDATES) {
+      DecodedPayload c;
+      Status s = FindCodec(proto::TOPK)->Decode(*msg, p.range.size(), &c);
+      if (!s.ok() || h.encoding() != proto::TOPK) {
+        return Status::ProtocolError("bad CANDIDATES from " + p.name + ": " + s.message());
+      }
+      p.candidates.assign(c.indices.begin(), c.indices.end());
+    }
+  }
+  return Status::OK();
+}
+
+Status PsClient::Drain(float* params) {
+  std::vector<zmq::socket_t*> sockets;
+  for (auto& p : peers_) sockets.push_back(&p.socket);
+  const auto ready = PollIn(sockets, 0);
+  for (size_t i = 0; i < peers_.size(); ++i) {
+    if (ready[i]) SPARSEPS_RETURN_IF_ERROR(ReceiveFrom(peers_[i], params));
+  }
+  return Status::OK();
 }
 
 }  // namespace sparseps

@@ -70,6 +70,12 @@ class PsClient {
   Status PushRange(int64_t iteration, size_t r, Message& push);
   Status FinishPushes(int64_t iteration, float* params);
 
+  // Between PushRange calls: takes the acks and replies that have come, without waiting, and
+  // applies the pulls among them into params (a range's reply comes once every worker pushed it,
+  // BSP, so early ranges are applied while later ones are still computed). Errors as
+  // FinishPushes's (a server's rejection, a malformed reply).
+  Status Drain(float* params);
+
   // When range r's last PUSH_ACK and PULL_REPLY came (the pull reply once applied), for the
   // per-step trace (metrics.trace_steps).
   Clock::time_point acked_at(size_t r) const { return peers_[r].acked_at; }
@@ -150,6 +156,9 @@ class PsClient {
   // acknowledged (commit_after_ack), or right behind the pushes.
   Status PushThenPull(int64_t iteration, std::vector<Message>& pushes, float* params);
   Status ApplyPullReply(Peer& peer, const Message& msg, float* params);
+  // Takes every message waiting on peer's socket (without blocking): acks, replies (the pulls
+  // applied into params), candidates; errors for a rejection or a malformed or unexpected reply.
+  Status ReceiveFrom(Peer& peer, float* params);
 
   ChangedCallback on_changed_;
   std::vector<uint32_t> changed_;

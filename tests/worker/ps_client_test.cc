@@ -176,6 +176,55 @@ TEST_F(PsClientTest, WorksAgainstARealShard) {
   EXPECT_EQ(ps->version(0), 1);
 }
 
+// train.overlap: backward: between pushes, Drain applies the replies that have come without
+// waiting for the rest; FinishPushes then has nothing left to wait for. A rejection met by Drain
+// is its error.
+TEST_F(PsClientTest, DrainAppliesAPullBeforeFinishPushes) {
+  ShardServer shard({kRange, 0, 1, 1.0, {}, 0.0});
+  std::mutex mu;
+  FakeServer server(context_,
+                    [&](const std::string& peer, Result<Message> msg, std::vector<Outgoing>* out) {
+                      std::lock_guard<std::mutex> lock(mu);
+                      shard.Handle(peer, std::move(msg), out);
+                    });
+  auto ps = Connect(server.port(), 10);
+  std::vector<float> params = {1, 2, 3, 4, 5, 6, 7, 8};
+  ASSERT_TRUE(ps->Init(params.data()).ok());
+  ASSERT_TRUE(ps->PullInitial(params.data()).ok());
+  ps->BeginPushes();
+  auto pushes = OnePush();
+  ASSERT_TRUE(ps->PushRange(0, 0, pushes[0]).ok());
+  EXPECT_EQ(params[3], 4.0f) << "nothing is applied before a Drain";
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (ps->version(0) < 1 && std::chrono::steady_clock::now() < deadline) {
+    Status s = ps->Drain(params.data());
+    ASSERT_TRUE(s.ok()) << s.ToString();
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_EQ(ps->version(0), 1) << "the reply never came through Drain";
+  EXPECT_EQ(params[3], 3.0f);  // 4 - lr * 1 / W, applied by Drain
+  const auto replied = ps->replied_at(0);
+  EXPECT_LE(ps->acked_at(0), replied);
+  Status s = ps->FinishPushes(0, params.data());
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  EXPECT_EQ(ps->replied_at(0), replied) << "FinishPushes took a second reply";
+  EXPECT_EQ(ps->version(0), 1);
+
+  // A push of an iteration the shard is not at: it refuses it, and Drain says so.
+  ps->BeginPushes();
+  auto again = OnePush();
+  ASSERT_TRUE(ps->PushRange(5, 0, again[0]).ok());
+  Status refused = Status::OK();
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (refused.ok() && std::chrono::steady_clock::now() < until) {
+    refused = ps->Drain(params.data());
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  EXPECT_EQ(refused.code(), StatusCode::kProtocolError) << refused.ToString();
+  EXPECT_THAT(refused.message(), HasSubstr("rejected our request (iteration 5)"));
+  EXPECT_EQ(params[3], 3.0f) << "a refused iteration changed the parameters";
+}
+
 TEST_F(PsClientTest, ServerErrorIsReturnedWithTheServersReason) {
   FakeServer server(context_,
                     [](const std::string& peer, Result<Message> msg, std::vector<Outgoing>* out) {
