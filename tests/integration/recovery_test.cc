@@ -106,6 +106,16 @@ TEST_P(ResumeTest, KilledJobResumesBitwiseEqualToAnUninterruptedRun) {
   EXPECT_THAT(refused.Log(), HasSubstr(victim_file + " refused"));
   std::ofstream(victim_file, std::ios::binary | std::ios::trunc) << good;
 
+  // train.overlap: backward keeps a residual per key range (PS): resuming its checkpoint with
+  // another train.overlap is refused as another config; nothing trains.
+  if (GetParam().name == std::string("ps_topk_overlap")) {
+    ChildProcess other(Launch("", {"--resume", cut, "--set", "train.overlap=none"}),
+                       dir.path() + "/other-overlap.log", {}, true);
+    EXPECT_EQ(other.Wait(120), 1) << other.Log();
+    EXPECT_THAT(testing::ReadFile(cut + "/worker-0.log"),
+                HasSubstr("it was written by a job with another config"));
+  }
+
   ChildProcess c(Launch("", {"--resume", cut}), dir.path() + "/resumed.log", {}, true);
   ASSERT_EQ(c.Wait(180), 0) << c.Log();
   EXPECT_THAT(testing::ReadFile(cut + "/worker-0.log"), HasSubstr("resumed from " + newest));
@@ -290,10 +300,14 @@ INSTANTIATE_TEST_SUITE_P(Victims, Supervision, ::testing::Values("worker-1", "se
 
 INSTANTIATE_TEST_SUITE_P(
     Settings, ResumeTest,
-    ::testing::Values(Setting{"ps_topk_server_topk", {"compression.server_topk=true"}},
-                      Setting{"ps_sbc", {"compression.encoding=sbc"}},
-                      Setting{"allreduce_exdyna",
-                              {"aggregation=allreduce", "collective.algorithm=exdyna"}}),
+    ::testing::Values(
+        Setting{"ps_topk_server_topk", {"compression.server_topk=true"}},
+        Setting{"ps_sbc", {"compression.encoding=sbc"}},
+        // One compressor (residual) per key range, pushed during the backward pass.
+        Setting{"ps_topk_overlap", {"train.overlap=backward"}},
+        Setting{"ring_overlap",
+                {"aggregation=allreduce", "collective.algorithm=ring", "train.overlap=backward"}},
+        Setting{"allreduce_exdyna", {"aggregation=allreduce", "collective.algorithm=exdyna"}}),
     [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace
