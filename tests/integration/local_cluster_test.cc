@@ -176,7 +176,10 @@ TEST_P(ConsistencyTest, TrainsWithStaleWorkers) {
   if (!std::filesystem::exists(std::string(kData) + "/train-images-idx3-ubyte.gz")) {
     GTEST_SKIP() << "Fashion-MNIST not installed (deploy/install-deps.sh installs it)";
   }
-  const auto& [consistency, encoding] = GetParam();
+  const auto& [consistency, setting] = GetParam();
+  // "<encoding>_overlap": pushed key range by key range during the backward pass.
+  const bool overlap = setting.ends_with("_overlap");
+  const std::string encoding = overlap ? setting.substr(0, setting.find('_')) : setting;
   TempDir dir("consistency");
   const std::string config = std::string(SPARSEPS_SOURCE_DIR) + "/configs/quickstart.yaml";
   Cluster c =
@@ -184,7 +187,8 @@ TEST_P(ConsistencyTest, TrainsWithStaleWorkers) {
             {"train.consistency=" + consistency, "train.staleness=2",
              "compression.encoding=" + encoding, "model.hidden=[64]", "data.max_train_samples=4096",
              "data.max_test_samples=1000", "train.max_steps=40", "train.batch_size=32",
-             "cluster.register_timeout_s=60", "run.progress_interval_s=0"});
+             "cluster.register_timeout_s=60", "run.progress_interval_s=0",
+             std::string("train.overlap=") + (overlap ? "backward" : "none")});
   ASSERT_NE(c.scheduler, nullptr);
   for (auto& n : c.nodes) {
     EXPECT_EQ(n->Wait(kHardTimeoutS), 0) << n->log_path() << ":\n" << n->Log();
@@ -207,7 +211,8 @@ INSTANTIATE_TEST_SUITE_P(
     Models, ConsistencyTest,
     ::testing::Values(std::make_pair("ssp", "topk"), std::make_pair("async", "topk"),
                       std::make_pair("ssp", "sbc"), std::make_pair("async", "dense"),
-                      std::make_pair("ssp", "sketch")),
+                      std::make_pair("ssp", "sketch"), std::make_pair("ssp", "topk_overlap"),
+                      std::make_pair("async", "sbc_overlap")),
     [](const auto& info) { return info.param.first + "_" + info.param.second; });
 
 // train.overlap: backward with real daemons, for every encoding, the CNN and allreduce's ring:

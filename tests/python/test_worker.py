@@ -170,13 +170,16 @@ def test_conservation_with_integer_gradients(cluster, aggregation):
         assert all(lo <= a <= hi for a in out[r][2]), out[r][2]
 
 
-@pytest.mark.parametrize("consistency", ["ssp", "async"])
+@pytest.mark.parametrize("consistency", ["ssp", "async", "ssp_overlap"])
 def test_stale_workers_conserve_and_synchronize_to_one_model(cluster, consistency):
     """train.consistency ssp (staleness 1) / async with worker 1 slower: each push is applied on
     its own, so until synchronize the workers hold different parameters; after it both hold the
-    same, and init - params + the residuals == every gradient pushed, exactly."""
+    same, and init - params + the residuals == every gradient pushed, exactly. ssp_overlap: with
+    train.overlap: backward (a compressor and a push per key range)."""
+    overlap = consistency.endswith("_overlap")
+    consistency = consistency.removesuffix("_overlap")
     sets = ["train.momentum=0", "train.lr=2", f"train.consistency={consistency}",
-            "train.staleness=1"]
+            "train.staleness=1", f"train.overlap={'backward' if overlap else 'none'}"]
     c = cluster(BASE, servers=2, sets=sets)
     fast_done = threading.Event()
 
