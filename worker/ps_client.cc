@@ -148,7 +148,17 @@ Status PsClient::PullBarrier(int64_t iteration, float* params) {
     m.header.set_no_staleness(true);
     SPARSEPS_RETURN_IF_ERROR(Send(p, m, proto::PULL_REPLY));
   }
-  return AwaitAll(iteration, params);
+  Status s = AwaitAll(iteration, params);
+  if (s.code() == StatusCode::kDeadlineExceeded) {
+    return Status::DeadlineExceeded(
+        s.message() +
+        ": the final pull of train.consistency ssp / async waits until every worker "
+        "has pushed iteration " +
+        std::to_string(iteration) +
+        "; a worker that ran fewer steps, or stopped, never does (give every worker the same "
+        "number of steps)");
+  }
+  return s;
 }
 
 Status PsClient::PushPull(int64_t iteration, std::vector<Message>& pushes, float* params) {

@@ -256,6 +256,19 @@ TEST_F(PsClientTest, SilentServerFailsWithinTheTimeoutNamingIt) {
   EXPECT_EQ(server.received(), 2) << "the push and its pull reached the server";
 }
 
+// ssp / async: the final pull (PullBarrier) that no server answers in time says what it waited
+// for: every worker's push of the iteration, which a worker that ran fewer steps never sends.
+TEST_F(PsClientTest, UnansweredBarrierPullNamesWhatItWaitsFor) {
+  FakeServer server(context_, [](const std::string&, Result<Message>, std::vector<Outgoing>*) {});
+  auto ps = Connect(server.port(), 0.3);
+  std::vector<float> params(kParams, 0.0f);
+  Status s = ps->PullBarrier(9, params.data());
+  EXPECT_EQ(s.code(), StatusCode::kDeadlineExceeded) << s.ToString();
+  EXPECT_THAT(s.message(), HasSubstr("waiting for PULL_REPLY (iteration 9) from server 0"));
+  EXPECT_THAT(s.message(), HasSubstr("waits until every worker has pushed iteration 9; a worker "
+                                     "that ran fewer steps, or stopped, never does"));
+}
+
 // A sparse delta is only valid on top of the version the client holds: a reply that skips a
 // version would leave the client with a mix of two versions.
 TEST_F(PsClientTest, SparseReplyForAnotherVersionIsRefused) {
