@@ -74,7 +74,7 @@ BENCHMARK(BM_SbcCompress)->Arg(5'800'000)->Unit(benchmark::kMillisecond);
 
 // One server's round on range 0 of TwoRanges(n): Add the 4 workers' decoded pushes (made by the
 // encoding's compressor from 4 gradients, momentum 0.9), EndPhase, Apply. Args: n, and for the
-// sketch its rows and columns_per_k (the comparison's default: 5 rows x 10 k).
+// sketch its rows, columns_per_k (the comparison's default: 5 rows x 10 k) and server_threads.
 void ServerRound(benchmark::State& state, sparseps::proto::Encoding e) {
   const size_t n = static_cast<size_t>(state.range(0));
   sparseps::proto::JobConfig job;
@@ -84,6 +84,8 @@ void ServerRound(benchmark::State& state, sparseps::proto::Encoding e) {
     job.mutable_compression()->mutable_sketch()->set_rows(static_cast<uint32_t>(state.range(1)));
     job.mutable_compression()->mutable_sketch()->set_columns_per_k(
         static_cast<double>(state.range(2)));
+    job.mutable_compression()->mutable_sketch()->set_server_threads(
+        static_cast<uint32_t>(state.range(3)));
   }
   const auto ranges = TwoRanges(n);
   const sparseps::Codec* codec = sparseps::FindCodec(e);
@@ -121,10 +123,12 @@ void BM_TopKServerRound(benchmark::State& state) { ServerRound(state, sparseps::
 BENCHMARK(BM_TopKServerRound)->Arg(5'800'000)->Unit(benchmark::kMillisecond);
 void BM_SketchServerRound(benchmark::State& state) { ServerRound(state, sparseps::proto::SKETCH); }
 BENCHMARK(BM_SketchServerRound)
-    ->Args({5'800'000, 5, 10})
-    ->Args({5'800'000, 5, 2})
-    ->Args({5'800'000, 3, 2})
-    ->Args({5'800'000, 3, 1})
+    ->Args({5'800'000, 5, 10, 1})
+    ->Args({5'800'000, 5, 10, 2})
+    ->Args({5'800'000, 5, 2, 1})
+    ->Args({5'800'000, 5, 2, 2})
+    ->Args({5'800'000, 3, 2, 1})
+    ->Args({5'800'000, 3, 1, 1})
     ->Unit(benchmark::kMillisecond);
 
 }  // namespace

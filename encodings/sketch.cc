@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <system_error>
+#include <thread>
 
 #include "encodings/topk.h"
 #include "kernels/count_sketch.h"
@@ -166,6 +168,9 @@ class SketchAggregation final : public ShardAggregation {
         rows_(o.compression.sketch().rows()),
         fetch_(o.compression.sketch().server_momentum()),
         second_round_(o.compression.sketch().second_round() && !fetch_),
+        threads_(o.compression.sketch().server_threads() > 0
+                     ? o.compression.sketch().server_threads()
+                     : std::max(1u, std::thread::hardware_concurrency())),
         exact_(o.range.size()) {
     groups_ = FusionGroups(o.range.size(), o.compression.sketch().fusion_group_size());
     for (const auto& g : groups_) {
@@ -249,8 +254,34 @@ class SketchAggregation final : public ShardAggregation {
     const kernels::CountSketchHash hash(rows_, group_columns_[g],
                                         options_.compression.sketch().seed());
     estimates_.resize(grp.size());
-    hash.Estimate(table, options_.range.begin + grp.begin, grp.size(), estimates_.data());
+    EstimateInParallel(hash, table, options_.range.begin + grp.begin, grp.size(),
+                       estimates_.data());
     return hash;
+  }
+
+  // hash.Estimate of n keys from key_begin into out, on threads_ threads (this one and
+  // threads_ - 1 more, each an equal slice of whole 1024-key blocks); each key's estimate is its
+  // own, so the result is the same for every thread count. Slices under 64K keys are not split.
+  void EstimateInParallel(const kernels::CountSketchHash& hash, const float* table,
+                          uint64_t key_begin, size_t n, float* out) const {
+    constexpr size_t kMinSlice = 64 * 1024, kBlock = 1024;
+    const size_t parts = std::max<size_t>(1, std::min<size_t>(threads_, n / kMinSlice));
+    if (parts == 1) return hash.Estimate(table, key_begin, n, out);
+    const size_t slice = (n / parts + kBlock - 1) / kBlock * kBlock;
+    std::vector<std::thread> helpers;
+    size_t begin = 0;
+    for (size_t p = 1; p < parts && begin + slice < n; ++p, begin += slice) {
+      const size_t from = begin;
+      try {
+        helpers.emplace_back([&hash, table, key_begin, from, slice, out] {
+          hash.Estimate(table, key_begin + from, slice, out + from);
+        });
+      } catch (const std::system_error&) {
+        hash.Estimate(table, key_begin + from, slice, out + from);  // no thread to be had
+      }
+    }
+    hash.Estimate(table, key_begin + begin, n - begin, out + begin);
+    for (auto& t : helpers) t.join();
   }
 
   // The top candidates_factor * k estimates of each group become the candidates.
@@ -346,6 +377,7 @@ class SketchAggregation final : public ShardAggregation {
   const AggregationOptions options_;
   const uint32_t rows_;
   const bool fetch_, second_round_;
+  const uint32_t threads_;  // compression.sketch.server_threads, resolved
   std::vector<KeyRange> groups_;
   std::vector<uint32_t> group_columns_;
   uint64_t columns_ = 0;

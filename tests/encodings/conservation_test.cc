@@ -398,6 +398,69 @@ TEST(FetchSgd, ServerErrorSketchAppliesEverythingPushed) {
   for (size_t i = 0; i < kParams; ++i) ASSERT_EQ(-shard.params()[i], grad_sum[i]) << i;
 }
 
+// compression.sketch.server_threads: the servers' recovery split over threads gives bitwise the
+// same heavy hitters, applied values and second-round candidates as one thread, with fusion
+// groups and with one group per range (400K keys: slices of at least 64K keys are split).
+TEST(SketchServerThreads, RecoveryIsTheSameForEveryThreadCount) {
+  constexpr size_t kParams = 400'000;
+  const KeyRange range{1000, 1000 + kParams};  // not at key 0: the slices hash global keys
+  for (uint64_t group : {uint64_t{0}, uint64_t{150'000}}) {
+    for (bool second : {false, true}) {
+      auto cfg = Config(proto::SKETCH, 0.01);
+      cfg.mutable_sketch()->set_fusion_group_size(group);
+      cfg.mutable_sketch()->set_second_round(second);
+      std::vector<DecodedPayload> sketches(3);
+      std::vector<Message> kept(3);  // the decoded payloads view their frames
+      for (uint32_t w = 0; w < 3; ++w) {
+        SketchCompressor comp(range.end, cfg, 0.0f);
+        std::vector<float> grad(range.end, 0.0f);
+        std::mt19937 rng(11 + w);
+        std::normal_distribution<float> normal(0.0f, 1.0f);
+        for (auto& g : grad) g = normal(rng);
+        std::vector<Message> pushes;
+        ASSERT_TRUE(comp.Compress(grad.data(), {{0, range.begin}, range}, &pushes).ok());
+        kept[w] = std::move(pushes[1]);
+        ASSERT_TRUE(FindCodec(proto::SKETCH)->Decode(kept[w], range.size(), &sketches[w]).ok());
+      }
+      std::vector<std::vector<float>> params;
+      std::vector<std::vector<uint32_t>> changed, candidates;
+      for (uint32_t threads : {1u, 4u, 3u}) {
+        cfg.mutable_sketch()->set_server_threads(threads);
+        auto agg = MakeShardAggregation({range, cfg, 0.0});
+        for (const auto& p : sketches) agg->Add(p);
+        std::vector<uint32_t> keys;
+        std::vector<float> estimates;
+        if (!agg->EndPhase()) {
+          agg->Candidates(&keys, &estimates);
+          // The exact values: 1 at every candidate from each worker.
+          const std::vector<float> ones(keys.size(), 1.0f);
+          DecodedPayload exact;
+          exact.encoding = proto::TOPK;
+          exact.indices = keys;
+          exact.values = ones;
+          for (int w = 0; w < 3; ++w) agg->Add(exact);
+          ASSERT_TRUE(agg->EndPhase());
+        }
+        std::vector<float> p(range.size(), 0.0f);
+        std::vector<uint32_t> c;
+        bool all = false;
+        agg->Apply(-0.5f, &p, &c, &all);
+        ASSERT_FALSE(c.empty());
+        params.push_back(std::move(p));
+        changed.push_back(std::move(c));
+        candidates.push_back(std::move(keys));
+      }
+      for (size_t t = 1; t < params.size(); ++t) {
+        SCOPED_TRACE("fusion group " + std::to_string(group) + (second ? ", second round" : "") +
+                     ", run " + std::to_string(t));
+        EXPECT_EQ(changed[t], changed[0]);
+        EXPECT_EQ(candidates[t], candidates[0]);
+        EXPECT_TRUE(params[t] == params[0]);
+      }
+    }
+  }
+}
+
 TEST(Compressors, NanOrInfInTheGradientIsAClearErrorAndChangesNothing) {
   constexpr size_t kParams = 100;
   const std::vector<KeyRange> ranges = {{0, kParams}};
