@@ -126,6 +126,24 @@ std::vector<Message> OnePush() {
   return pushes;
 }
 
+// A real ShardServer (one worker, lr 1) behind a FakeServer's socket.
+class RealShard {
+ public:
+  explicit RealShard(zmq::context_t& context)
+      : shard_({kRange, 0, 1, 1.0, {}, 0.0}),
+        server_(context,
+                [this](const std::string& peer, Result<Message> msg, std::vector<Outgoing>* out) {
+                  std::lock_guard<std::mutex> lock(mu_);
+                  shard_.Handle(peer, std::move(msg), out);
+                }) {}
+  uint32_t port() const { return server_.port(); }
+
+ private:
+  ShardServer shard_;
+  std::mutex mu_;
+  FakeServer server_;  // last: its thread stops before the shard goes
+};
+
 class PsClientTest : public ::testing::Test {
  protected:
   PsClientTest() {
@@ -152,13 +170,7 @@ class PsClientTest : public ::testing::Test {
 };
 
 TEST_F(PsClientTest, WorksAgainstARealShard) {
-  ShardServer shard({kRange, 0, 1, 1.0, {}, 0.0});
-  std::mutex mu;
-  FakeServer server(context_,
-                    [&](const std::string& peer, Result<Message> msg, std::vector<Outgoing>* out) {
-                      std::lock_guard<std::mutex> lock(mu);
-                      shard.Handle(peer, std::move(msg), out);
-                    });
+  RealShard server(context_);
   auto ps = Connect(server.port(), 10);
   std::vector<float> params = {1, 2, 3, 4, 5, 6, 7, 8};
   ASSERT_TRUE(ps->Init(params.data()).ok());
@@ -180,13 +192,7 @@ TEST_F(PsClientTest, WorksAgainstARealShard) {
 // waiting for the rest; FinishPushes then has nothing left to wait for. A rejection met by Drain
 // is its error.
 TEST_F(PsClientTest, DrainAppliesAPullBeforeFinishPushes) {
-  ShardServer shard({kRange, 0, 1, 1.0, {}, 0.0});
-  std::mutex mu;
-  FakeServer server(context_,
-                    [&](const std::string& peer, Result<Message> msg, std::vector<Outgoing>* out) {
-                      std::lock_guard<std::mutex> lock(mu);
-                      shard.Handle(peer, std::move(msg), out);
-                    });
+  RealShard server(context_);
   auto ps = Connect(server.port(), 10);
   std::vector<float> params = {1, 2, 3, 4, 5, 6, 7, 8};
   ASSERT_TRUE(ps->Init(params.data()).ok());
