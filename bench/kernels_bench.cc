@@ -69,6 +69,45 @@ void BM_MomentumCorrection(benchmark::State& state) {
 }
 BENCHMARK(BM_MomentumCorrection)->Arg(235146)->Arg(1 << 22)->Arg(25 << 20);
 
+// The check every encoder runs on the gradient before anything else (kernels::AllFinite), against
+// the streaming read of the same vector. Args: n (5,824,522 is the comparison's MLP).
+void BM_AllFinite(benchmark::State& state) {
+  const size_t n = static_cast<size_t>(state.range(0));
+  auto x = Gradient(n);
+  for (auto _ : state) benchmark::DoNotOptimize(sparseps::kernels::AllFinite(x.data(), n));
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * n * sizeof(float)));
+}
+BENCHMARK(BM_AllFinite)->Arg(235146)->Arg(5824522);
+
+// The top-k compressor's step at density 1% (args: n): the momentum correction and then the exact
+// top-k of the residual (two passes over it), against kernels::MomentumCorrectionTopK (one).
+// The residual starts at a sum of earlier gradients and the selected entries are zeroed after
+// each call, as TopKCompressor does.
+void MomentumTopKBench(benchmark::State& state, bool fused) {
+  const size_t n = static_cast<size_t>(state.range(0));
+  const size_t k = std::max<size_t>(1, n / 100);
+  auto g = Gradient(n);
+  std::vector<float> u(n, 0.0f), v = Gradient(n);
+  std::vector<uint32_t> idx(k);
+  for (auto _ : state) {
+    size_t got;
+    if (fused) {
+      got = sparseps::kernels::MomentumCorrectionTopK(u.data(), v.data(), g.data(), 0.9f, n, k,
+                                                      idx.data());
+    } else {
+      sparseps::kernels::MomentumCorrection(u.data(), v.data(), g.data(), 0.9f, n);
+      got = sparseps::kernels::TopKAbs(v.data(), n, k, idx.data());
+    }
+    for (size_t j = 0; j < got; ++j) v[idx[j]] = u[idx[j]] = 0.0f;
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * n * sizeof(float)));
+}
+void BM_MomentumCorrectionThenTopKAbs(benchmark::State& state) { MomentumTopKBench(state, false); }
+void BM_MomentumCorrectionTopK(benchmark::State& state) { MomentumTopKBench(state, true); }
+BENCHMARK(BM_MomentumCorrectionThenTopKAbs)->Arg(235146)->Arg(5824522);
+BENCHMARK(BM_MomentumCorrectionTopK)->Arg(235146)->Arg(5824522);
+
 // ---- Issue 3's figures: 16M floats at density 0.1%, single thread (args: n, k). ----
 constexpr int64_t k16M = 16 << 20;
 constexpr int64_t kK = k16M / 1000;

@@ -105,6 +105,11 @@ class Selector {
  public:
   Selector(proto::Selection mode, double sample_ratio, size_t k);
   void Select(const float* x, size_t n, size_t k, std::vector<uint32_t>* out);
+  // True for the exact top-k (kernels::TopKAbs), which kernels::MomentumCorrectionTopK fuses
+  // with the momentum correction.
+  bool exact() const {
+    return mode_ != proto::SAMPLED_THRESHOLD && mode_ != proto::SCALED_THRESHOLD;
+  }
   // Saves or restores the selection's state across calls (the scaled threshold).
   void State(StateArchive& archive);
 

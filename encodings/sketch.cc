@@ -85,17 +85,21 @@ Status SketchCompressor::Compress(const float* grad, const std::vector<KeyRange>
   SPARSEPS_RETURN_IF_ERROR(CheckFinite(grad, n, "the gradient"));
   // FetchSGD: the raw gradient is sketched whole; momentum and error live on the servers.
   const bool fetch = config_.sketch().server_momentum();
-  if (fetch) {
-    std::copy(grad, grad + n, residual_.begin());
-  } else {
-    kernels::MomentumCorrection(velocity_.data(), residual_.data(), grad, momentum_, n);
-  }
   const uint32_t rows = config_.sketch().rows();
   const size_t truncate_k = SketchTruncateK(config_, n);
   const bool truncate = truncate_k > 0;
+  if (fetch) {
+    std::copy(grad, grad + n, residual_.begin());
+  } else if (!truncate) {
+    kernels::MomentumCorrection(velocity_.data(), residual_.data(), grad, momentum_, n);
+  }
   if (truncate) {
     truncated_.resize(truncate_k);
-    truncated_.resize(kernels::TopKAbs(residual_.data(), n, truncate_k, truncated_.data()));
+    // Without FetchSGD's server momentum the correction and the top-k share one pass.
+    truncated_.resize(fetch ? kernels::TopKAbs(residual_.data(), n, truncate_k, truncated_.data())
+                            : kernels::MomentumCorrectionTopK(velocity_.data(), residual_.data(),
+                                                              grad, momentum_, n, truncate_k,
+                                                              truncated_.data()));
     truncated_values_.resize(truncated_.size());
     for (size_t j = 0; j < truncated_.size(); ++j) truncated_values_[j] = residual_[truncated_[j]];
   }

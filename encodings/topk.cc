@@ -1,7 +1,10 @@
 #include "encodings/topk.h"
 
+#include <algorithm>
+
 #include "kernels/error_feedback.h"
 #include "kernels/pack.h"
+#include "kernels/topk.h"
 
 namespace sparseps {
 
@@ -122,8 +125,15 @@ Status TopKCompressor::Compress(const float* grad, const std::vector<KeyRange>& 
                                 std::vector<Message>* out) {
   const size_t n = residual_.size();
   SPARSEPS_RETURN_IF_ERROR(CheckFinite(grad, n, "the gradient"));
-  kernels::MomentumCorrection(velocity_.data(), residual_.data(), grad, momentum_, n);
-  selector_.Select(residual_.data(), n, k_, &selected_);
+  if (selector_.exact()) {
+    // One pass over the residual instead of two (the result is the same).
+    selected_.resize(std::min(k_, n));
+    selected_.resize(kernels::MomentumCorrectionTopK(velocity_.data(), residual_.data(), grad,
+                                                     momentum_, n, k_, selected_.data()));
+  } else {
+    kernels::MomentumCorrection(velocity_.data(), residual_.data(), grad, momentum_, n);
+    selector_.Select(residual_.data(), n, k_, &selected_);
+  }
   const size_t k = selected_.size();
   values_.resize(k);
   kernels::GatherAndZero(residual_.data(), velocity_.data(), selected_.data(), k, values_.data());

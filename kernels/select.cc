@@ -83,7 +83,12 @@ float SampledMagnitude(const float* x, size_t n, size_t sample_size, size_t rank
   ForEachSampleRun(n, sample_size, [&](size_t start, size_t len) {
     for (size_t u = 0; u < len; ++u) keys.push_back(AbsKey(x[start + u]));
   });
-  sample_size = keys.size();
+  return MagnitudeAtRank(&keys, rank);
+}
+
+float MagnitudeAtRank(std::vector<uint32_t>* keys_in, size_t rank) {
+  std::vector<uint32_t>& keys = *keys_in;
+  const size_t sample_size = keys.size();
   rank = std::clamp<size_t>(rank, 1, sample_size);
   if (rank <= sample_size / 64) {
     // A small rank: a min-heap of the rank largest rejects most keys with one compare.

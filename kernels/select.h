@@ -65,6 +65,11 @@ void ForEachSampleRun(size_t n, size_t sample_size, Run run) {
 // <= min(sample_size, n).
 float SampledMagnitude(const float* x, size_t n, size_t sample_size, size_t rank);
 
+// The magnitude whose AbsKey is the `rank`-th largest (1-based, clamped to [1, keys->size()]) of
+// *keys, which it reorders: SampledMagnitude's second half, for callers that compute the sampled
+// values themselves. REQUIRES: keys not empty.
+float MagnitudeAtRank(std::vector<uint32_t>* keys, size_t rank);
+
 // Keeps the k largest-magnitude entries of the sorted index list *idx (indices into x) and drops
 // the rest, preserving the increasing order; ties at the k-th magnitude go to lower indices.
 // `values`, when not null, holds x[idx[j]] (read instead of x, avoiding a gather); it is not

@@ -7,7 +7,12 @@
 #include <functional>
 #include <vector>
 
+#include "kernels/error_feedback.h"
 #include "kernels/select.h"
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 namespace sparseps::kernels {
 namespace {
@@ -16,6 +21,21 @@ namespace {
 // eighth of an octave. Gradients spread over many octaves, so the k-th bucket is small.
 constexpr int kTopShift = 20;
 constexpr size_t kTopBuckets = size_t{1} << (31 - kTopShift);
+
+// TopKAbs's sample size and rank for n entries and k kept (n >= 65536, k <= n / 16): the sample
+// rank that expects 1.25 k + 4 sigma entries above it.
+struct SamplePlan {
+  size_t sample;
+  size_t rank;
+};
+SamplePlan PlanSample(size_t n, size_t k) {
+  const size_t sample = std::min(n, std::max<size_t>(size_t{1} << 14, 64 * n / k));
+  const double expected =
+      static_cast<double>(k) * static_cast<double>(sample) / static_cast<double>(n);
+  const size_t rank =
+      static_cast<size_t>(std::ceil(1.25 * expected + 4.0 * std::sqrt(expected) + 4.0));
+  return {sample, rank};
+}
 
 }  // namespace
 
@@ -185,11 +205,7 @@ size_t TopKAbs(const float* x, size_t n, size_t k, uint32_t* idx_out) {
   // A lower bound on the k-th largest magnitude from a sample: the sample rank that expects
   // 1.25 k + 4 sigma entries above it. One streaming pass then collects the candidates at or
   // above it (a few more than k), and an exact select among them finishes.
-  const size_t sample = std::min(n, std::max<size_t>(size_t{1} << 14, 64 * n / k));
-  const double expected =
-      static_cast<double>(k) * static_cast<double>(sample) / static_cast<double>(n);
-  const size_t rank =
-      static_cast<size_t>(std::ceil(1.25 * expected + 4.0 * std::sqrt(expected) + 4.0));
+  const auto [sample, rank] = PlanSample(n, k);
   std::vector<uint32_t> candidates;
   std::vector<float> values;
   if (rank < sample) {
@@ -200,6 +216,89 @@ size_t TopKAbs(const float* x, size_t n, size_t k, uint32_t* idx_out) {
   }
   if (candidates.size() < k) return TopKAbsRadix(x, n, k, idx_out);  // the sample misled: rare
   KeepTopK(x, k, &candidates, &values);
+  std::copy(candidates.begin(), candidates.end(), idx_out);
+  return candidates.size();
+}
+
+namespace {
+
+// u = m u + g; v += u over [i, end), appending the indices and new values of v with key >= t.
+inline void CorrectAndCollectScalar(float* u, float* v, const float* g, float m, size_t i,
+                                    size_t end, uint32_t t, std::vector<uint32_t>* idx,
+                                    std::vector<float>* values) {
+  for (; i < end; ++i) {
+    const float ui = m * u[i] + g[i];
+    u[i] = ui;
+    const float vi = v[i] + ui;
+    v[i] = vi;
+    if (AbsKey(vi) >= t) {
+      idx->push_back(static_cast<uint32_t>(i));
+      values->push_back(vi);
+    }
+  }
+}
+
+// The fused pass of MomentumCorrectionTopK: the update of [0, n) and the candidates at key >= t.
+void CorrectAndCollect(float* __restrict u, float* __restrict v, const float* __restrict g, float m,
+                       size_t n, uint32_t t, std::vector<uint32_t>* idx,
+                       std::vector<float>* values) {
+  size_t i = 0;
+#if defined(__SSE2__)
+  // As SelectAtLeast: blocks of 16, one any-above test on the updated values (keys < 2^31
+  // compare correctly as signed integers), and a visit of the selected lanes of the rare blocks
+  // that hold one. The products and sums are the scalar ones, lane by lane (no FMA).
+  const __m128 mv = _mm_set1_ps(m);
+  const __m128i mask = _mm_set1_epi32(0x7fffffff);
+  const __m128i below = _mm_set1_epi32(static_cast<int32_t>(t) - 1);
+  for (; i + 16 <= n; i += 16) {
+    unsigned bits = 0;
+    for (size_t j = 0; j < 16; j += 4) {
+      const __m128 uj =
+          _mm_add_ps(_mm_mul_ps(mv, _mm_loadu_ps(u + i + j)), _mm_loadu_ps(g + i + j));
+      _mm_storeu_ps(u + i + j, uj);
+      const __m128 vj = _mm_add_ps(_mm_loadu_ps(v + i + j), uj);
+      _mm_storeu_ps(v + i + j, vj);
+      const __m128i above = _mm_cmpgt_epi32(_mm_and_si128(_mm_castps_si128(vj), mask), below);
+      bits |= static_cast<unsigned>(_mm_movemask_ps(_mm_castsi128_ps(above))) << j;
+    }
+    while (bits != 0) [[unlikely]] {
+        const size_t at = i + static_cast<size_t>(__builtin_ctz(bits));
+        bits &= bits - 1;
+        idx->push_back(static_cast<uint32_t>(at));
+        values->push_back(v[at]);
+      }
+  }
+#endif
+  CorrectAndCollectScalar(u, v, g, m, i, n, t, idx, values);
+}
+
+}  // namespace
+
+size_t MomentumCorrectionTopK(float* u, float* v, const float* g, float m, size_t n, size_t k,
+                              uint32_t* idx_out) {
+  if (k == 0 || n == 0 || n < (size_t{1} << 16) || k > n / 16) {
+    MomentumCorrection(u, v, g, m, n);
+    return TopKAbs(v, n, k, idx_out);
+  }
+  const SamplePlan plan = PlanSample(n, k);
+  std::vector<uint32_t> candidates;
+  std::vector<float> values;
+  if (plan.rank < plan.sample) {
+    // The sample of the updated v, computed ahead at TopKAbs's sample positions.
+    std::vector<uint32_t> keys;
+    keys.reserve(plan.sample);
+    ForEachSampleRun(n, plan.sample, [&](size_t start, size_t len) {
+      for (size_t j = start; j < start + len; ++j) keys.push_back(AbsKey(v[j] + (m * u[j] + g[j])));
+    });
+    const float bound = MagnitudeAtRank(&keys, plan.rank);
+    candidates.reserve(2 * k + 64);
+    values.reserve(2 * k + 64);
+    CorrectAndCollect(u, v, g, m, n, AbsKey(bound), &candidates, &values);
+  } else {
+    MomentumCorrection(u, v, g, m, n);
+  }
+  if (candidates.size() < k) return TopKAbsRadix(v, n, k, idx_out);  // the sample misled: rare
+  KeepTopK(v, k, &candidates, &values);
   std::copy(candidates.begin(), candidates.end(), idx_out);
   return candidates.size();
 }

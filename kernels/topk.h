@@ -19,6 +19,20 @@ namespace sparseps::kernels {
 // candidates), or for small n or large k, TopKAbsRadix below runs instead; the result is the same.
 size_t TopKAbs(const float* x, size_t n, size_t k, uint32_t* idx_out);
 
+// DGC's momentum correction followed by the top-k of the result, in one streaming pass instead of
+// two: u = m u + g; v += u over [0, n) (as kernels::MomentumCorrection, the same float operations),
+// then the indices of the k largest |v[i]| into idx_out, exactly as TopKAbs(v, n, k, idx_out)
+// returns them. Returns min(k, n). (Lin et al., Deep Gradient Compression, ICLR 2018, Sec. 3.2:
+// the residual v accumulates the corrected velocity u before each selection.)
+//
+// Method (n >= 65536 and k <= n/16): TopKAbs's sample is taken of the updated values computed
+// ahead at the sampled positions; the update pass then also collects the candidates at or above
+// the sample's bound (SSE2 where available), so v is read once, not twice. Otherwise, and when the
+// sample misleads, the update runs first and TopKAbs's fallback after it.
+// REQUIRES: n < 2^32; u, v, g do not overlap; idx_out has room for min(k, n) elements.
+size_t MomentumCorrectionTopK(float* u, float* v, const float* g, float m, size_t n, size_t k,
+                              uint32_t* idx_out);
+
 // The same result by radix select on the IEEE-754 bit pattern of |x| (monotone in the magnitude for
 // non-NaN values): one histogram pass over the top 11 bits, one pass collecting the candidates
 // of the bucket that holds the k-th largest, an exact select among those, and one output pass.

@@ -3,7 +3,10 @@
 
 #include <gtest/gtest.h>
 
+#include <bit>
+#include <cfloat>
 #include <cmath>
+#include <cstdint>
 #include <vector>
 
 namespace sparseps::kernels {
@@ -61,6 +64,32 @@ TEST(AllFinite, DetectsNanAndInf) {
   x[99] = -INFINITY;
   EXPECT_FALSE(AllFinite(x.data(), x.size()));
   EXPECT_TRUE(AllFinite(x.data(), 0));
+}
+
+// Every position, in the 16-wide blocks and in the tail, with every kind of non-finite value; and
+// the finite values nearest to them (largest, smallest subnormal, negative zero) pass.
+TEST(AllFinite, FindsANonFiniteValueAtEveryPositionAndPassesTheExtremes) {
+  const float kBad[] = {NAN,
+                        -NAN,
+                        INFINITY,
+                        -INFINITY,
+                        std::bit_cast<float>(0x7f800001u),
+                        std::bit_cast<float>(0xffffffffu)};
+  const float kEdge[] = {FLT_MAX, -FLT_MAX, FLT_TRUE_MIN, -FLT_TRUE_MIN, -0.0f, FLT_MIN};
+  for (size_t n : {1u, 15u, 16u, 17u, 47u, 64u}) {
+    std::vector<float> x(n);
+    for (size_t i = 0; i < n; ++i) x[i] = kEdge[i % 6];
+    ASSERT_TRUE(AllFinite(x.data(), n)) << "n " << n;
+    for (size_t pos = 0; pos < n; ++pos) {
+      for (float bad : kBad) {
+        const float keep = x[pos];
+        x[pos] = bad;
+        EXPECT_FALSE(AllFinite(x.data(), n))
+            << "n " << n << " position " << pos << " value " << std::bit_cast<uint32_t>(bad);
+        x[pos] = keep;
+      }
+    }
+  }
 }
 
 TEST(Scale, MultipliesEveryElement) {

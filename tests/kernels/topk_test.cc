@@ -5,9 +5,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
+
+#include "kernels/error_feedback.h"
+#include "kernels/select.h"
 
 namespace sparseps::kernels {
 namespace {
@@ -94,6 +99,55 @@ TEST(TopKAbs, SampledPathMatchesReferenceOnAdversarialLayouts) {
       std::vector<uint32_t> radix(k);
       radix.resize(TopKAbsRadix(inputs[in].data(), n, k, radix.data()));
       ASSERT_EQ(radix, want) << "input " << in << " k=" << k;
+    }
+  }
+}
+
+// MomentumCorrectionTopK against its definition, MomentumCorrection then TopKAbs: the same u and
+// v bit for bit and the same indices, over several steps (so the residual carries over), for the
+// small-n path, the sampled path (n not a multiple of 16, so the tail runs too), a cluster of large
+// values at the sampled positions only (the sample misleads: the fallback), and all-equal values
+// (ties at the bound).
+TEST(MomentumCorrectionTopK, EqualsMomentumCorrectionThenTopKAbs) {
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  struct Case {
+    size_t n, k;
+    int layout;  // 0 random, 1 a missed cluster, 2 all equal
+  };
+  const Case cases[] = {{1000, 10, 0},         {(1 << 18) + 7, 2621, 0},
+                        {(1 << 18) + 7, 1, 0}, {(1 << 18) + 7, 2621, 1},
+                        {1 << 17, 1310, 2},    {1 << 17, 1 << 13, 0}};
+  for (const Case& c : cases) {
+    std::vector<float> u(c.n, 0.0f), v(c.n, 0.0f);
+    for (int step = 0; step < 4; ++step) {
+      std::vector<float> g(c.n);
+      for (auto& x : g) x = normal(rng) * std::exp(normal(rng));
+      if (c.layout == 1) {
+        // Large values at the first 300 sampled positions only: the sample's bound is above all
+        // but those 300 entries, fewer than k, so the fused pass falls back to the radix select.
+        size_t planted = 0;
+        ForEachSampleRun(c.n, size_t{1} << 14, [&](size_t start, size_t len) {
+          for (size_t i = start; i < start + len && planted < 300; ++i, ++planted) g[i] = 1e4f;
+        });
+      }
+      if (c.layout == 2) std::fill(g.begin(), g.end(), 0.25f);
+      std::vector<float> u_want = u, v_want = v;
+      MomentumCorrection(u_want.data(), v_want.data(), g.data(), 0.9f, c.n);
+      std::vector<uint32_t> want(c.k);
+      want.resize(TopKAbs(v_want.data(), c.n, c.k, want.data()));
+      std::vector<uint32_t> got(c.k + 1, 0xdeadbeef);
+      got.resize(MomentumCorrectionTopK(u.data(), v.data(), g.data(), 0.9f, c.n, c.k, got.data()) +
+                 1);
+      ASSERT_EQ(got.back(), 0xdeadbeefu) << "wrote past k";
+      got.pop_back();
+      const std::string where = "n=" + std::to_string(c.n) + " k=" + std::to_string(c.k) +
+                                " layout " + std::to_string(c.layout) + " step " +
+                                std::to_string(step);
+      ASSERT_EQ(got, want) << where;
+      ASSERT_EQ(0, std::memcmp(u.data(), u_want.data(), c.n * sizeof(float))) << where;
+      ASSERT_EQ(0, std::memcmp(v.data(), v_want.data(), c.n * sizeof(float))) << where;
+      for (uint32_t i : got) v[i] = u[i] = 0.0f;  // as the compressor sends and zeroes them
     }
   }
 }
