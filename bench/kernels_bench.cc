@@ -79,6 +79,32 @@ void BM_AllFinite(benchmark::State& state) {
 }
 BENCHMARK(BM_AllFinite)->Arg(235146)->Arg(5824522);
 
+// Baselines: what a user would write (std::all_of with std::isfinite), and the serial float sum of
+// x * 0 that AllFinite was until 2026-11-25 (one add chain: it cannot be vectorised without
+// -ffast-math).
+void BM_AllFiniteStdIsfinite(benchmark::State& state) {
+  const size_t n = static_cast<size_t>(state.range(0));
+  auto x = Gradient(n);
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(
+        std::all_of(x.begin(), x.end(), [](float v) { return std::isfinite(v); }));
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * n * sizeof(float)));
+}
+BENCHMARK(BM_AllFiniteStdIsfinite)->Arg(5824522);
+
+void BM_AllFiniteSerialSum(benchmark::State& state) {
+  const size_t n = static_cast<size_t>(state.range(0));
+  auto x = Gradient(n);
+  for (auto _ : state) {
+    float acc = 0.0f;
+    for (size_t i = 0; i < n; ++i) acc += x[i] * 0.0f;
+    benchmark::DoNotOptimize(acc == 0.0f);
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * n * sizeof(float)));
+}
+BENCHMARK(BM_AllFiniteSerialSum)->Arg(5824522);
+
 // The top-k compressor's step at density 1% (args: n): the momentum correction and then the exact
 // top-k of the residual (two passes over it), against kernels::MomentumCorrectionTopK (one).
 // The residual starts at a sum of earlier gradients and the selected entries are zeroed after
