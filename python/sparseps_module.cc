@@ -19,6 +19,8 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -30,6 +32,7 @@
 #include "common/van.h"
 #include "worker/device_buffer.h"
 #include "worker/session.h"
+#include "worker/training_log.h"
 
 #if SPARSEPS_HAVE_CUDA
 #include <cuda_runtime_api.h>
@@ -366,6 +369,11 @@ class Worker {
     agg.set_change_observer([this](uint64_t begin, std::span<const uint32_t> keys, bool all) {
       Observe(begin, keys, all);
     });
+    // Live metrics (metrics.port), as sparseps-worker serves them; no CSV files or progress
+    // lines, which the loop writes itself.
+    log_ = std::make_unique<TrainingLog>(config_, session_->rank(), 0, 0, /*leader=*/false);
+    Check(log_->StartMetrics());
+    last_return_ = Clock::now();
     offset = 0;
     for (auto& b : a.parts) {
       Check(CopyBytes(b.data, agg.params().data() + offset, b.size * 4, b.cuda, false));
@@ -377,8 +385,13 @@ class Worker {
   // subtract from the parameters to hold the job's new ones (a float32 NumPy array, or a list of
   // them shaped like grads, views of one array); with `sparse`, (keys, update, params): the flat
   // keys that changed (int64, increasing), the update and the new parameters there.
-  py::object PushPull(py::object grads, bool sparse) {
+  py::object PushPull(py::object grads, bool sparse, std::optional<double> loss) {
     if (!session_) Raise(Status::FailedPrecondition("call init(params) before push_pull"));
+    // The loop's forward and backward: the time since the previous push_pull returned.
+    const double compute_ms =
+        steps_ == 0
+            ? 0.0
+            : std::chrono::duration<double, std::milli>(Clock::now() - last_return_).count();
     Arrays a = Borrow(grads, "grads");
     Aggregator& agg = session_->aggregator();
     const size_t n = agg.num_params();
@@ -466,7 +479,10 @@ class Worker {
       Raise(s);
     }
     ++steps_;
+    log_->Step(steps_, epoch_ + 1, loss.value_or(std::nan("")), compute_ms, last_, agg);
+    Check(log_->SampleResidual(agg));
     Check(session_->AfterStep(LoopState(), layers_));
+    last_return_ = Clock::now();
     if (sparse) {
       const size_t m = all_ ? n : touched_.size();
       py::array_t<int64_t> keys(static_cast<py::ssize_t>(m));
@@ -511,6 +527,7 @@ class Worker {
   }
 
   void SetEpoch(uint32_t epoch) {
+    epoch_ = epoch;
     if (session_) session_->aggregator().SetEpoch(epoch);
   }
 
@@ -688,6 +705,9 @@ class Worker {
   std::vector<size_t> segments_;  // where each announcement's keys start in touched_
   bool all_ = false;
   uint64_t steps_ = 0;
+  uint32_t epoch_ = 0;                // set_epoch's (0-based)
+  std::unique_ptr<TrainingLog> log_;  // the live metrics; reads config_
+  Clock::time_point last_return_;     // when the last push_pull (or init) returned
   std::vector<TensorLayout> layers_;  // the model file's tensors (init's params)
   StepStats last_;
 };
@@ -723,14 +743,16 @@ they are written into params in place on every worker. names (one per tensor) na
 the model file (model.safetensors; default param0, param1, ...). When the job resumes from a
 checkpoint (--resume), params get the checkpoint's parameters instead, and `step` the steps done
 then: the loop goes on from there (its own optimizer state it restores itself).)doc")
-      .def("push_pull", &Worker::PushPull, py::arg("grads"), py::arg("sparse") = false, R"doc(
+      .def("push_pull", &Worker::PushPull, py::arg("grads"), py::arg("sparse") = false,
+           py::arg("loss") = py::none(), R"doc(
 Aggregates grads (laid out as init's params, or one flat tensor of all of them) with the job's
 encoding or collective, and returns the update: subtract it from the parameters to hold the job's
 new ones (params -= update). A float32 NumPy array, or a list of arrays shaped like grads (views
 of one array). A single tensor is read in place; a list is gathered into one buffer first.
 With sparse=True it returns (keys, update, params) instead: the flat keys whose parameters changed
 (int64, increasing; every key after a dense update), the update there and the new parameters
-there, without a dense array. Raises ValueError for a gradient with
+there, without a dense array. loss (optional, a float): the step's training loss, for the live
+metrics (metrics.port: sparseps_worker_loss). Raises ValueError for a gradient with
 NaN or Inf (nothing is sent; the job goes on), TimeoutError naming a missing peer.)doc")
       .def("params", &Worker::Params, "The job's parameters as this worker holds them (a copy).")
       .def("residual", &Worker::Residual,

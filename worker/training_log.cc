@@ -125,7 +125,7 @@ void TrainingLog::Step(uint64_t step, uint32_t epoch, double loss, double comput
     const double n = std::max<double>(1.0, static_cast<double>(aggregator.num_params()));
     live_->iteration.Set(static_cast<double>(step));
     live_->epoch.Set(epoch);
-    live_->loss.Set(loss);
+    if (!std::isnan(loss)) live_->loss.Set(loss);  // a Python loop may not say
     live_->selected_density.Set(static_cast<double>(s.selected) / n);
     live_->applied_density.Set(s.applied < 0 ? -1.0 : static_cast<double>(s.applied) / n);
     live_->step_s.Observe((compute_ms + s.encode_ms + s.comm_ms) / 1e3);

@@ -34,7 +34,8 @@ class TrainingLog {
   Status OpenResumed(uint64_t step);
 
   // Step `step` (1-based) of epoch `epoch` (1-based) is done: its loss, its compute time and what
-  // the aggregation did; `aggregator` gives the byte totals of the progress line.
+  // the aggregation did; `aggregator` gives the byte totals of the progress line. A NaN loss (a
+  // Python loop that did not give one) leaves the loss gauge as it was.
   void Step(uint64_t step, uint32_t epoch, double loss, double compute_ms, const StepStats& stats,
             const Aggregator& aggregator);
 

@@ -3,8 +3,10 @@ push_pull equals the C++ worker's (tests/python/replay_worker.cc) bitwise for ev
 aggregation; nothing is lost between what was applied and the residuals; bad input is a clear
 Python exception that leaves the job running."""
 import os
+import pathlib
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -327,3 +329,43 @@ def _resume_case(cluster, aggregation):
     assert header["layer.weight"]["shape"] == [N - 10]
     assert header["layer.bias"]["shape"] == [10]
     assert header["__metadata__"]["iteration"] == str(total)
+
+
+def test_python_workers_serve_live_metrics(cluster):
+    """metrics.port: each sparseps.Worker serves /metrics at port + 1 + num_servers + rank, as
+    sparseps-worker does: after 5 push_pull calls the step counter, iteration, the loss given, the
+    selected density (k = 50 of 1000), the compute time between calls (the loop sleeps 20 ms) and
+    the bytes sent. Scraped over HTTP while the workers are still in the job."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "deploy"))
+    import test_metrics as live  # free_base, scrape, value (the daemons' metrics test)
+
+    base = live.free_base(5)
+    c = cluster(BASE)
+    scraped = [None, None]
+    barrier = threading.Barrier(2)
+
+    def worker(rank):
+        w = sparseps.Worker(str(c.job), rank=rank, overrides=c.overrides + [
+            f"metrics.port={base}", "metrics.host=127.0.0.1"])
+        w.init(np.zeros(N, dtype=np.float32))
+        w.set_epoch(1)
+        for t in range(5):
+            time.sleep(0.02)
+            w.push_pull(gradient(rank, t), loss=1.5 + t)
+        scraped[rank] = live.scrape(base + 3 + rank)
+        barrier.wait(60)  # both scraped before either leaves the job
+        w.finish()
+
+    run_threads([lambda r=r: worker(r) for r in range(2)])
+    for rank in range(2):
+        s = scraped[rank]
+        labels = {"role": "worker", "rank": rank}
+        assert live.value(s, "sparseps_worker_steps_total", **labels) == 5
+        assert live.value(s, "sparseps_worker_iteration", **labels) == 5
+        assert live.value(s, "sparseps_worker_epoch", **labels) == 2
+        assert live.value(s, "sparseps_worker_loss", **labels) == 5.5
+        assert live.value(s, "sparseps_worker_selected_density", **labels) == 0.05
+        assert live.value(s, "sparseps_worker_compute_seconds_count", **labels) == 5
+        # The first call has no loop time before it; the other 4 follow a 20 ms sleep.
+        assert live.value(s, "sparseps_worker_compute_seconds_sum", **labels) >= 4 * 0.02
+        assert live.value(s, "sparseps_worker_sent_bytes_total", type="push", **labels) > 0
