@@ -52,11 +52,13 @@ void BM_TopKCompress(benchmark::State& state) {
 BENCHMARK(BM_TopKCompress)->Arg(5'800'000)->Unit(benchmark::kMillisecond);
 
 // SbcCompressor: one LocalStep (momentum 0.9, lr 0.05) and Compress (A = a + R, top-k of each sign,
-// mean, residual update, Golomb code), local_iterations 1 as in the comparison.
+// mean, residual update, Golomb code), local_iterations 1 as in the comparison; the push step
+// leaves the parameters to the pull, as in the PS worker (set_pull_replaces_params).
 void BM_SbcCompress(benchmark::State& state) {
   const size_t n = static_cast<size_t>(state.range(0));
   const auto grads = std::vector<std::vector<float>>{Gradient(n, 1), Gradient(n, 2)};
   sparseps::SbcCompressor c(n, Config(sparseps::proto::SBC), 0.9f, 0.05f);
+  c.set_pull_replaces_params(true);
   std::vector<float> params(n, 0.0f);
   const auto ranges = TwoRanges(n);
   size_t step = 0;

@@ -134,6 +134,49 @@ void BM_MomentumCorrectionTopK(benchmark::State& state) { MomentumTopKBench(stat
 BENCHMARK(BM_MomentumCorrectionThenTopKAbs)->Arg(235146)->Arg(5824522);
 BENCHMARK(BM_MomentumCorrectionTopK)->Arg(235146)->Arg(5824522);
 
+// SBC's push step at density 1%, one local iteration (args: n, and for the fused kernel 1 when it
+// updates the parameters, 0 when it leaves them to the pull as the PS worker does): the step
+// (u = m u + g; params -= lr u; r += u) and then TopKBySign of the residual (two passes over it,
+// and the mean of each side gathered from it), against kernels::SbcPushStepTopKBySign (one pass;
+// the values come with the indices). The sent side (the positive one, for the benchmark) is zeroed
+// after each call.
+void SbcStepTopKBench(benchmark::State& state, bool fused) {
+  const size_t n = static_cast<size_t>(state.range(0));
+  const bool with_params = !fused || state.range(1) != 0;
+  const size_t k = std::max<size_t>(1, n / 100);
+  auto g = Gradient(n);
+  std::vector<float> u(n, 0.0f), params(n, 0.0f), r = Gradient(n), pos_values, neg_values;
+  std::vector<uint32_t> pos, neg;
+  for (auto _ : state) {
+    double sum = 0.0;
+    if (fused) {
+      sparseps::kernels::SbcPushStepTopKBySign(u.data(), with_params ? params.data() : nullptr,
+                                               nullptr, r.data(), g.data(), 0.9f, 0.05f, n, k, &pos,
+                                               &neg, &pos_values, &neg_values);
+      for (float v : pos_values) sum += std::fabs(v);
+      for (float v : neg_values) sum += std::fabs(v);
+    } else {
+      for (size_t i = 0; i < n; ++i) {
+        const float ui = 0.9f * u[i] + g[i];
+        u[i] = ui;
+        params[i] -= 0.05f * ui;
+        r[i] += ui;
+      }
+      sparseps::kernels::TopKBySign(r.data(), n, k, &pos, &neg);
+      for (uint32_t i : pos) sum += std::fabs(r[i]);
+      for (uint32_t i : neg) sum += std::fabs(r[i]);
+    }
+    benchmark::DoNotOptimize(sum);
+    for (uint32_t i : pos) r[i] = u[i] = 0.0f;
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * n * sizeof(float)));
+}
+void BM_SbcStepThenTopKBySign(benchmark::State& state) { SbcStepTopKBench(state, false); }
+void BM_SbcPushStepTopKBySign(benchmark::State& state) { SbcStepTopKBench(state, true); }
+BENCHMARK(BM_SbcStepThenTopKBySign)->Arg(5824522);
+BENCHMARK(BM_SbcPushStepTopKBySign)->Args({5824522, 1})->Args({5824522, 0});
+
 // ---- Issue 3's figures: 16M floats at density 0.1%, single thread (args: n, k). ----
 constexpr int64_t k16M = 16 << 20;
 constexpr int64_t kK = k16M / 1000;

@@ -73,6 +73,14 @@ class Compressor {
   // parameters replace after each push.
   virtual bool trains_local_copy() const { return false; }
 
+  // Tells a compressor that trains a local copy that the caller replaces that copy with the
+  // pulled parameters after every push (as the PS worker does): LocalStep's step that pushes may
+  // then leave `params` alone, since nothing reads the update before the pull overwrites it (SBC:
+  // one read and one write of the parameters fewer per push; Sattler et al., Algorithm 1, too
+  // replaces the local weights after each round). Default false: every LocalStep updates params.
+  // The device compressors ignore it. Set before the first LocalStep.
+  virtual void set_pull_replaces_params(bool replaces) {}
+
   // True when each push is followed by a second round (the sketch's exact values at the servers'
   // candidates, ExactValues) before the pull.
   virtual bool second_round() const { return false; }

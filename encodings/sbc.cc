@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "kernels/error_feedback.h"
 #include "kernels/golomb.h"
@@ -103,34 +104,47 @@ bool SbcCompressor::LocalStep(const float* grad, float* params) {
   }
   // The push step also forms A = a + R in the residual (what Compress would do next), in the same
   // pass: one read of each array instead of three. The accumulator starts again; with one local
-  // iteration it is always zero and is not touched. Non-finite entries of A are flagged by their
-  // exponent bits (integer ops, so the loop stays branch-free) and Compress refuses them.
+  // iteration it is always zero and is not touched. With exact selection the same pass collects
+  // the top-k candidates of each sign (kernels::SbcPushStepTopKBySign), so Compress does not read
+  // the residual again. Non-finite entries of A are flagged by their exponent bits (integer ops,
+  // so the loop stays branch-free) and Compress refuses them.
+  // When the caller replaces the parameters with the pulled ones after this push, the step leaves
+  // them alone (set_pull_replaces_params).
+  float* acc = config_.local_iterations() == 1 ? nullptr : a;
+  float* trained = pull_replaces_params_ ? nullptr : p;
+  if (config_.selection() == proto::EXACT) {
+    folded_finite_ = kernels::SbcPushStepTopKBySign(u, trained, acc, residual_.data(), g, m, lr, n,
+                                                    k_, &pos_, &neg_, &pos_values_, &neg_values_);
+    selected_k_ = k_;
+    folded_ = true;
+    return true;
+  }
   float* __restrict r = residual_.data();
   uint32_t non_finite = 0;
-  auto flag = [&non_finite](float v) {
-    uint32_t bits;
-    std::memcpy(&bits, &v, sizeof(bits));
-    non_finite |= static_cast<uint32_t>((bits & 0x7f800000u) == 0x7f800000u);
-  };
-  if (config_.local_iterations() == 1) {
+  auto step = [&](auto with_params, auto with_acc) {
     for (size_t i = 0; i < n; ++i) {
       const float ui = m * u[i] + g[i];
       u[i] = ui;
-      p[i] -= lr * ui;
-      flag(ui);
-      r[i] += ui;
-    }
-  } else {
-    for (size_t i = 0; i < n; ++i) {
-      const float ui = m * u[i] + g[i];
-      u[i] = ui;
-      p[i] -= lr * ui;
-      const float ai = a[i] + ui;
-      a[i] = 0.0f;
-      flag(ai);
+      if constexpr (decltype(with_params)::value) p[i] -= lr * ui;
+      float ai = ui;
+      if constexpr (decltype(with_acc)::value) {
+        ai = a[i] + ui;
+        a[i] = 0.0f;
+      }
+      uint32_t bits;
+      std::memcpy(&bits, &ai, sizeof(bits));
+      non_finite |= static_cast<uint32_t>((bits & 0x7f800000u) == 0x7f800000u);
       r[i] += ai;
     }
+  };
+  using Yes = std::true_type;
+  using No = std::false_type;
+  if (trained != nullptr) {
+    acc == nullptr ? step(Yes{}, No{}) : step(Yes{}, Yes{});
+  } else {
+    acc == nullptr ? step(No{}, No{}) : step(No{}, Yes{});
   }
+  selected_k_ = kNotSelected;
   folded_ = true;
   folded_finite_ = non_finite == 0;
   return true;
@@ -147,14 +161,17 @@ Status SbcCompressor::Compress(const float* grad, const std::vector<KeyRange>& r
           "the accumulated update contains NaN or Inf; nothing was pushed");
     }
   } else {
+    selected_k_ = kNotSelected;
     SPARSEPS_RETURN_IF_ERROR(CheckFinite(accumulated_.data(), n, "the accumulated update"));
     // A = a + R, held in residual_; the accumulator starts again.
     kernels::Axpy(1.0f, accumulated_.data(), residual_.data(), n);
     std::fill(accumulated_.begin(), accumulated_.end(), 0.0f);
   }
-  if (config_.selection() == proto::EXACT) {
+  if (config_.selection() == proto::EXACT && selected_k_ == k_) {
+    // LocalStep's push step selected already (for this k).
+  } else if (config_.selection() == proto::EXACT) {
     // Top-k of each sign straight from the residual: one sample and one streaming pass.
-    kernels::TopKBySign(residual_.data(), n, k_, &pos_, &neg_);
+    kernels::TopKBySign(residual_.data(), n, k_, &pos_, &neg_, &pos_values_, &neg_values_);
   } else {
     // Sampled or scaled thresholds: select by magnitude on the positive part, then on the negative.
     side_.resize(n);
@@ -173,13 +190,21 @@ Status SbcCompressor::Compress(const float* grad, const std::vector<KeyRange>& r
     };
     keep_sign(&pos_, true);
     keep_sign(&neg_, false);
+    auto gather = [&](const std::vector<uint32_t>& idx, std::vector<float>* values) {
+      values->resize(idx.size());
+      for (size_t j = 0; j < idx.size(); ++j) (*values)[j] = residual_[idx[j]];
+    };
+    gather(pos_, &pos_values_);
+    gather(neg_, &neg_values_);
   }
-  auto mean = [&](const std::vector<uint32_t>& idx) {
+  // The mean magnitude of each side, from the selected values (exact selection hands them over
+  // with the indices, so the residual is not read again at k scattered positions per side).
+  auto mean = [](const std::vector<float>& values) {
     double s = 0.0;
-    for (uint32_t i : idx) s += std::fabs(residual_[i]);
-    return idx.empty() ? 0.0 : s / static_cast<double>(idx.size());
+    for (float v : values) s += std::fabs(v);
+    return values.empty() ? 0.0 : s / static_cast<double>(values.size());
   };
-  const double mu_pos = mean(pos_), mu_neg = mean(neg_);
+  const double mu_pos = mean(pos_values_), mu_neg = mean(neg_values_);
   const bool positive = mu_pos >= mu_neg;
   const std::vector<uint32_t>& chosen = positive ? pos_ : neg_;
   const float value = static_cast<float>(positive ? mu_pos : -mu_neg);

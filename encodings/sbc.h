@@ -46,6 +46,7 @@ class SbcCompressor final : public Compressor {
   // forms A = a + R in the residual in the same pass, which the next Compress uses.
   bool LocalStep(const float* grad, float* params) override;
   bool trains_local_copy() const override { return true; }
+  void set_pull_replaces_params(bool replaces) override { pull_replaces_params_ = replaces; }
   Status Compress(const float* grad, const std::vector<KeyRange>& ranges,
                   std::vector<Message>* out) override;
   void SetEpoch(uint32_t epoch) override;
@@ -82,7 +83,13 @@ class SbcCompressor final : public Compressor {
   std::vector<float> side_;    // one sign of the residual, for the sampled and scaled selections
   bool folded_ = false;        // LocalStep's push step formed A = a + R in residual_
   bool folded_finite_ = true;  // ... and A was finite
+  // The k for which LocalStep's push step also selected pos_ and neg_ (exact selection), or
+  // kNotSelected.
+  static constexpr size_t kNotSelected = ~size_t{0};
+  bool pull_replaces_params_ = false;  // the push step leaves params alone
+  size_t selected_k_ = kNotSelected;
   std::vector<uint32_t> pos_, neg_;
+  std::vector<float> pos_values_, neg_values_;  // residual_ at pos_ and neg_
   size_t last_selected_ = 0;
   float last_value_ = 0.0f;
 };

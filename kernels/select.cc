@@ -112,11 +112,11 @@ float MagnitudeAtRank(std::vector<uint32_t>* keys_in, size_t rank) {
   return v;
 }
 
-void KeepTopK(const float* x, size_t k, std::vector<uint32_t>* idx,
-              const std::vector<float>* values) {
+void KeepTopK(const float* x, size_t k, std::vector<uint32_t>* idx, std::vector<float>* values) {
   if (idx->size() <= k) return;
   if (k == 0) {
     idx->clear();
+    if (values != nullptr) values->clear();
     return;
   }
   std::vector<uint32_t> all(idx->size());
@@ -134,10 +134,13 @@ void KeepTopK(const float* x, size_t k, std::vector<uint32_t>* idx,
   for (size_t j = 0; j < idx->size(); ++j) {
     const uint32_t key = all[j];
     if (key > threshold || (key == threshold && equal_to_take > 0 && equal_to_take--)) {
-      (*idx)[out++] = (*idx)[j];
+      (*idx)[out] = (*idx)[j];
+      if (values != nullptr) (*values)[out] = (*values)[j];
+      ++out;
     }
   }
   idx->resize(out);
+  if (values != nullptr) values->resize(out);
 }
 
 SampledThresholdPlan PlanSampledThreshold(size_t n, size_t k, double sample_ratio) {

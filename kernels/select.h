@@ -72,10 +72,10 @@ float MagnitudeAtRank(std::vector<uint32_t>* keys, size_t rank);
 
 // Keeps the k largest-magnitude entries of the sorted index list *idx (indices into x) and drops
 // the rest, preserving the increasing order; ties at the k-th magnitude go to lower indices.
-// `values`, when not null, holds x[idx[j]] (read instead of x, avoiding a gather); it is not
-// shortened.
+// `values`, when not null, holds x[idx[j]] (read instead of x, avoiding a gather) and is kept
+// aligned with *idx: on return it holds the kept entries' values.
 void KeepTopK(const float* x, size_t k, std::vector<uint32_t>* idx,
-              const std::vector<float>* values = nullptr);
+              std::vector<float>* values = nullptr);
 
 // The parameters of DGC's sampled threshold for n entries and a target of k (0 < k < n): the
 // sample size (sample_ratio * n, at least 1), the rank in the sample whose magnitude is the first

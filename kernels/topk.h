@@ -45,7 +45,9 @@ size_t TopKAbsRadix(const float* x, size_t n, size_t k, uint32_t* idx_out);
 // *pos the indices of the k largest positive entries of x[0, n) and to *neg those of the k most
 // negative, each strictly increasing; a sign with at most k entries gives all of them; zeros
 // belong to neither. Ties at the k-th magnitude go to lower indices, as in TopKAbs, so each side
-// is TopKAbs of x with the other sign zeroed, minus the zeros it would pad with.
+// is TopKAbs of x with the other sign zeroed, minus the zeros it would pad with. When given,
+// *pos_values and *neg_values receive x at those indices (mostly from the candidates, without a
+// gather).
 //
 // Method (n >= 65536 and k <= n/16): one strided sample gives each sign's lower bound (as in
 // TopKAbs), one streaming pass collects both sides' candidates, and an exact select among each
@@ -53,6 +55,26 @@ size_t TopKAbsRadix(const float* x, size_t n, size_t k, uint32_t* idx_out);
 // k, use a radix select of that sign instead; the result is the same.
 // REQUIRES: n < 2^32; x finite.
 void TopKBySign(const float* x, size_t n, size_t k, std::vector<uint32_t>* pos,
-                std::vector<uint32_t>* neg);
+                std::vector<uint32_t>* neg, std::vector<float>* pos_values = nullptr,
+                std::vector<float>* neg_values = nullptr);
+
+// SBC's push step followed by the top-k of each sign of the new residual, in one streaming pass
+// instead of two (Sattler et al., arXiv 1805.08768, Algorithm 1: the local SGD step with momentum,
+// then A = a + R and its top-k per sign). Over [0, n): u = m u + g; params -= lr u (unless params
+// is null: the caller replaces them after the push); A = a + u and a = 0 (or A = u when a is
+// null, one local iteration); r += A. Then, when every A[i] is finite,
+// *pos, *neg (and the values, when given) are TopKBySign(r, n, k, ...) exactly, and it returns
+// true; otherwise it returns false with them empty (r has been updated; the caller refuses the
+// push).
+//
+// Method (n >= 65536 and k <= n/16): TopKBySign's sample is taken of the new r computed ahead at
+// the sampled positions (the same float operations, no FMA), and the step's pass also collects
+// each sign's candidates (SSE2 where available); the finish is TopKBySign's. Otherwise the step
+// runs first and TopKBySign's radix select after it.
+// REQUIRES: n < 2^32; u, params, a, r, g do not overlap; r finite before the step.
+bool SbcPushStepTopKBySign(float* u, float* params, float* a, float* r, const float* g, float m,
+                           float lr, size_t n, size_t k, std::vector<uint32_t>* pos,
+                           std::vector<uint32_t>* neg, std::vector<float>* pos_values = nullptr,
+                           std::vector<float>* neg_values = nullptr);
 
 }  // namespace sparseps::kernels

@@ -117,6 +117,10 @@ class PsAggregator final : public Aggregator {
       }
       if (model_on_device_) changed_.Add(begin, keys);
     });
+    // After every push the pulled parameters replace SBC's local copy (Aggregate,
+    // AggregateByRange): the push step need not update it.
+    for (auto& slice : slices_) slice->set_pull_replaces_params(true);
+    if (compressor_) compressor_->set_pull_replaces_params(true);
     const Compressor& any = overlap_ ? *slices_.front() : *compressor_;
     local_copy_ = any.trains_local_copy();
     two_rounds_ = any.second_round();

@@ -267,5 +267,52 @@ TEST(SbcCompressor, PushStepMatchesAlgorithmOne) {
             std::vector<uint32_t>(db.indices.begin(), db.indices.end()));
 }
 
+// set_pull_replaces_params (what the PS worker sets, since it replaces the local copy with the
+// pulled parameters after each push): the steps that do not push train params as before, the
+// push step leaves them alone, and what is pushed and kept back is the same, for every selection
+// mode and with one or two local iterations.
+TEST(SbcCompressor, PushStepLeavesParamsThatThePullReplaces) {
+  const size_t n = 1 << 17;
+  std::mt19937 rng(6);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (auto selection : {proto::EXACT, proto::SAMPLED_THRESHOLD, proto::SCALED_THRESHOLD}) {
+    for (uint32_t local : {1u, 2u}) {
+      const std::string where = proto::Selection_Name(selection) + ", local_iterations " +
+                                std::to_string(local);
+      proto::CompressionConfig c;
+      c.set_encoding(proto::SBC);
+      c.set_density(0.01);
+      c.set_selection(selection);
+      c.set_local_iterations(local);
+      SbcCompressor trains(n, c, 0.9f, 0.1f), replaced(n, c, 0.9f, 0.1f);
+      replaced.set_pull_replaces_params(true);
+      std::vector<float> p1(n, 1.0f), p2(n, 1.0f);
+      for (int step = 0; step < 4; ++step) {
+        std::vector<float> g(n);
+        for (auto& v : g) v = normal(rng) * std::exp(normal(rng));
+        const std::vector<float> before = p2;
+        const bool push = trains.LocalStep(g.data(), p1.data());
+        ASSERT_EQ(replaced.LocalStep(g.data(), p2.data()), push) << where;
+        if (!push) {
+          ASSERT_EQ(p2, p1) << where << " step " << step;
+          continue;
+        }
+        ASSERT_EQ(p2, before) << where << " step " << step;
+        ASSERT_NE(p1, before) << where << " step " << step;
+        std::vector<Message> a, b;
+        ASSERT_TRUE(trains.Compress(g.data(), SplitKeyRanges(n, 2), &a).ok());
+        ASSERT_TRUE(replaced.Compress(g.data(), SplitKeyRanges(n, 2), &b).ok());
+        ASSERT_GT(trains.last_selected(), 0u) << where;
+        EXPECT_EQ(replaced.last_selected(), trains.last_selected()) << where;
+        EXPECT_EQ(replaced.last_value(), trains.last_value()) << where;
+        EXPECT_EQ(replaced.residual(), trains.residual()) << where;
+        ASSERT_EQ(a.size(), b.size());
+        for (size_t r = 0; r < a.size(); ++r) EXPECT_EQ(a[r].frames, b[r].frames) << where;
+        p1 = p2;  // the pull replaces both copies
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace sparseps

@@ -59,6 +59,16 @@ TEST(KeepTopK, KeepsTheLargestInIndexOrderWithLowIndexTies) {
   EXPECT_EQ(idx, (std::vector<uint32_t>{1, 2, 3}));
   KeepTopK(x.data(), 0, &idx);
   EXPECT_TRUE(idx.empty());
+  // With the values given, they are read instead of x and kept aligned with the indices.
+  idx = {0, 1, 3, 4, 5};
+  std::vector<float> values = {1.0f, -5.0f, 5.0f, 3.0f, 0.5f};
+  const std::vector<float> zeros(x.size(), 0.0f);
+  KeepTopK(zeros.data(), 2, &idx, &values);
+  EXPECT_EQ(idx, (std::vector<uint32_t>{1, 3}));
+  EXPECT_EQ(values, (std::vector<float>{-5.0f, 5.0f}));
+  KeepTopK(zeros.data(), 0, &idx, &values);
+  EXPECT_TRUE(idx.empty());
+  EXPECT_TRUE(values.empty());
 }
 
 // DGC: the count lands in [0.8k, 1.3k] and the set is the largest entries (a threshold set).

@@ -166,6 +166,12 @@ std::vector<uint32_t> SignReference(const std::vector<float>& x, size_t k, bool 
   return order;
 }
 
+std::vector<float> Gather(const std::vector<float>& x, const std::vector<uint32_t>& idx) {
+  std::vector<float> out;
+  for (uint32_t i : idx) out.push_back(x[i]);
+  return out;
+}
+
 // Every path of TopKBySign (sampled bounds for both signs, for one, for none; small n; large k)
 // against the per-sign reference, on layouts that mislead a sample.
 TEST(TopKBySign, MatchesPerSignReference) {
@@ -196,9 +202,105 @@ TEST(TopKBySign, MatchesPerSignReference) {
     const size_t m = inputs[in].size();
     for (size_t k : {size_t{0}, size_t{1}, m / 1000, m / 100, m / 16, m / 4, m}) {
       std::vector<uint32_t> pos = {42}, neg = {42};  // cleared first
-      TopKBySign(inputs[in].data(), m, k, &pos, &neg);
+      std::vector<float> pos_values = {42.0f}, neg_values;
+      TopKBySign(inputs[in].data(), m, k, &pos, &neg, &pos_values, &neg_values);
       ASSERT_EQ(pos, SignReference(inputs[in], k, true)) << "input " << in << " k=" << k;
       ASSERT_EQ(neg, SignReference(inputs[in], k, false)) << "input " << in << " k=" << k;
+      ASSERT_EQ(pos_values, Gather(inputs[in], pos)) << "input " << in << " k=" << k;
+      ASSERT_EQ(neg_values, Gather(inputs[in], neg)) << "input " << in << " k=" << k;
+      std::vector<uint32_t> pos_only, neg_only;  // the values are optional
+      TopKBySign(inputs[in].data(), m, k, &pos_only, &neg_only);
+      ASSERT_EQ(pos_only, pos);
+      ASSERT_EQ(neg_only, neg);
+    }
+  }
+}
+
+// SbcPushStepTopKBySign against its definition, the step's loop then TopKBySign: the same u,
+// params, a and r bit for bit and the same sides, over several steps (the sent side zeroed, as the
+// compressor does), with and without the accumulator, for the small-n path, the sampled path (n
+// not a multiple of 16), one sign only (the other side has no sampled bound), a cluster of large
+// values at the sampled positions only (the sample misleads: the radix fallback), and all-equal
+// values (ties at the bound). A non-finite step returns false with both sides empty.
+TEST(SbcPushStepTopKBySign, EqualsTheStepThenTopKBySign) {
+  std::mt19937 rng(12);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  struct Case {
+    size_t n, k;
+    int layout;  // 0 random, 1 positive only, 2 a missed cluster, 3 all equal, 4 a NaN at step 2
+    bool accumulate;
+  };
+  const Case cases[] = {
+      {1000, 10, 0, false},        {(1 << 18) + 7, 2621, 0, false}, {(1 << 18) + 7, 2621, 0, true},
+      {(1 << 18) + 7, 1, 0, true}, {(1 << 18) + 7, 2621, 1, false}, {(1 << 18) + 7, 2621, 2, true},
+      {1 << 17, 1310, 3, false},   {1 << 17, 1 << 13, 0, false},    {(1 << 18) + 7, 2621, 4, true},
+      {(1 << 18) + 7, 0, 0, false}};
+  const float m = 0.9f, lr = 0.05f;
+  for (const Case& c : cases) {
+    for (const bool with_params : {true, false}) {  // null params: left alone
+      std::vector<float> u(c.n, 0.0f), p(c.n, 0.5f), a(c.n, 0.0f), r(c.n, 0.0f);
+      for (int step = 0; step < 4; ++step) {
+        const std::string where = "n=" + std::to_string(c.n) + " k=" + std::to_string(c.k) +
+                                  " layout " + std::to_string(c.layout) + " step " +
+                                  std::to_string(step) + (with_params ? "" : " (no params)");
+        std::vector<float> g(c.n);
+        for (auto& x : g) x = normal(rng) * std::exp(normal(rng));
+        if (c.layout == 1) {
+          for (auto& x : g) x = std::fabs(x);
+        }
+        if (c.layout == 2) {
+          // Large values at the first 300 sampled positions only: each side's bound is above all
+          // but those entries, fewer than k, so both sides fall back to the radix select.
+          size_t planted = 0;
+          ForEachSampleRun(c.n, size_t{1} << 14, [&](size_t start, size_t len) {
+            for (size_t i = start; i < start + len && planted < 300; ++i, ++planted) {
+              g[i] = (i % 2 == 0 ? 1e4f : -1e4f);
+            }
+          });
+        }
+        if (c.layout == 3) std::fill(g.begin(), g.end(), -0.25f);
+        if (c.layout == 4 && step == 2) g[c.n / 3] = std::nanf("");
+        if (c.accumulate) {
+          for (size_t i = 0; i < c.n; i += 3) a[i] = 0.01f * normal(rng);  // earlier local steps
+        }
+        std::vector<float> u_want = u, p_want = p, a_want = a, r_want = r;
+        bool finite = true;
+        for (size_t i = 0; i < c.n; ++i) {
+          const float ui = m * u_want[i] + g[i];
+          u_want[i] = ui;
+          if (with_params) p_want[i] -= lr * ui;
+          float ai = ui;
+          if (c.accumulate) {
+            ai = a_want[i] + ui;
+            a_want[i] = 0.0f;
+          }
+          finite = finite && std::isfinite(ai);
+          r_want[i] += ai;
+        }
+        std::vector<uint32_t> pos_want, neg_want;
+        if (finite) TopKBySign(r_want.data(), c.n, c.k, &pos_want, &neg_want);
+        std::vector<uint32_t> pos = {42}, neg = {42};  // cleared first
+        std::vector<float> pos_values = {42.0f}, neg_values = {42.0f};
+        ASSERT_EQ(SbcPushStepTopKBySign(u.data(), with_params ? p.data() : nullptr,
+                                        c.accumulate ? a.data() : nullptr, r.data(), g.data(), m,
+                                        lr, c.n, c.k, &pos, &neg, &pos_values, &neg_values),
+                  finite)
+            << where;
+        ASSERT_EQ(pos, pos_want) << where;
+        ASSERT_EQ(neg, neg_want) << where;
+        ASSERT_EQ(pos_values, Gather(r_want, pos)) << where;
+        ASSERT_EQ(neg_values, Gather(r_want, neg)) << where;
+        ASSERT_EQ(0, std::memcmp(u.data(), u_want.data(), c.n * sizeof(float))) << where;
+        ASSERT_EQ(0, std::memcmp(p.data(), p_want.data(), c.n * sizeof(float))) << where;
+        ASSERT_EQ(0, std::memcmp(a.data(), a_want.data(), c.n * sizeof(float))) << where;
+        ASSERT_EQ(0, std::memcmp(r.data(), r_want.data(), c.n * sizeof(float))) << where;
+        if (!finite) break;
+        if (c.k > 0) {
+          ASSERT_FALSE(pos.empty() && neg.empty()) << where;
+        }
+        // As the compressor: the side sent leaves the residual and the momentum.
+        for (uint32_t i : (step % 2 == 0 ? pos : neg)) r[i] = u[i] = 0.0f;
+      }
     }
   }
 }
