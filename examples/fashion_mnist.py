@@ -222,7 +222,10 @@ def main():
             loss = F.cross_entropy(model(x[idx]), y[idx])
             loss.backward()
             t1 = time.monotonic()
-            opt.step()
+            if args.ddp:
+                opt.step()
+            else:
+                opt.step(loss=loss)  # the live metrics' loss gauge
             t2 = time.monotonic()
             step += 1
             loss = loss.item()

@@ -107,18 +107,24 @@ class DistributedOptimizer:
                    not g.get("weight_decay") and not g.get("nesterov") and
                    not g.get("maximize") for g in self.optimizer.param_groups)
 
-    def step(self, closure=None):
+    def step(self, closure=None, loss=None):
         """Aggregates the gradients (sparseps.Worker.push_pull) and applies the result: with plain
         SGD at train.lr the changed parameters become the job's (a sparse copy; .grad keeps the
         local gradient); otherwise each .grad becomes the job's aggregated gradient, update /
-        train.lr (zero where nothing changed), and the wrapped optimizer steps."""
-        loss = None
+        train.lr (zero where nothing changed), and the wrapped optimizer steps.
+
+        The step's training loss goes to the live metrics (metrics.port: sparseps_worker_loss):
+        `loss` when given (a float or a one-element tensor; a tensor on a GPU is read with a
+        device sync), else what `closure` returned. Returns the closure's loss, as torch does."""
+        closure_loss = None
         if closure is not None:
             with torch.enable_grad():
-                loss = closure()
+                closure_loss = closure()
+        reported = loss if loss is not None else closure_loss
+        reported = None if reported is None else float(reported)
         self._gather()
         t = time.monotonic()
-        keys, update, params = self.worker.push_pull(self._flat, sparse=True)
+        keys, update, params = self.worker.push_pull(self._flat, sparse=True, loss=reported)
         self.last_push_pull_ms = 1000 * (time.monotonic() - t)
         device = self._flat.device
         keys = torch.from_numpy(keys).to(device)
@@ -130,11 +136,11 @@ class DistributedOptimizer:
                                             bounds[1:]):
                     if hi > lo:
                         p.view(-1).index_copy_(0, keys[lo:hi] - start, params[lo:hi])
-                return loss
+                return closure_loss
             self._flat.zero_()
             self._flat.index_put_((keys,), torch.from_numpy(update).to(device) / self.worker.lr)
         self.optimizer.step()
-        return loss
+        return closure_loss
 
     def synchronize(self):
         """train.consistency ssp / async: waits until every worker has pushed as many steps as

@@ -6,6 +6,7 @@ import csv
 import os
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -150,3 +151,49 @@ def test_distributed_optimizer_hands_other_optimizers_the_aggregated_gradient(cl
     assert torch.equal(p0, p1)
     assert nz0 == nz1
     assert all(16 <= nz <= 32 for nz in nz0), nz0  # k = 16 of 155 per worker; the union
+
+
+def test_distributed_optimizer_reports_the_loss_to_the_live_metrics(cluster):
+    """metrics.port: step(loss=...) and step(closure) set the worker's loss gauge, scraped over
+    HTTP from each worker's endpoint (port + 1 + num_servers + rank)."""
+    sys.path.insert(0, str(ROOT / "tests" / "deploy"))
+    import test_metrics as live  # free_base, scrape, value (the daemons' metrics test)
+
+    base = live.free_base(5)
+    c = cluster("train: {lr: 0.5, momentum: 0}\ncompression: {encoding: topk, density: 0.1}\n")
+    scraped = [[], []]
+    barrier = threading.Barrier(2)
+
+    def worker(rank):
+        torch.manual_seed(rank)
+        model = torch.nn.Linear(30, 5)
+        opt = sparseps.torch.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.5),
+            sparseps.Worker(str(c.job), rank=rank, overrides=c.overrides + [
+                f"metrics.port={base}", "metrics.host=127.0.0.1"]))
+        x = torch.randn(8, 30)
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step(loss=loss)  # a tensor that requires grad
+        scraped[rank].append((float(loss), live.scrape(base + 3 + rank)))
+
+        def closure():
+            opt.zero_grad()
+            out = model(x).pow(2).mean()
+            out.backward()
+            return out
+
+        returned = opt.step(closure)
+        scraped[rank].append((float(returned), live.scrape(base + 3 + rank)))
+        opt.step(loss=2.25)  # a float
+        scraped[rank].append((2.25, live.scrape(base + 3 + rank)))
+        barrier.wait(60)  # both scraped before either leaves the job
+        opt.worker.finish()
+
+    run_threads([lambda r=r: worker(r) for r in range(2)])
+    for rank in range(2):
+        assert len(scraped[rank]) == 3
+        for step, (want, text) in enumerate(scraped[rank]):
+            labels = {"role": "worker", "rank": rank}
+            assert live.value(text, "sparseps_worker_steps_total", **labels) == step + 1
+            assert live.value(text, "sparseps_worker_loss", **labels) == pytest.approx(want), step
