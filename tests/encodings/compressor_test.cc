@@ -277,8 +277,8 @@ TEST(SbcCompressor, PushStepLeavesParamsThatThePullReplaces) {
   std::normal_distribution<float> normal(0.0f, 1.0f);
   for (auto selection : {proto::EXACT, proto::SAMPLED_THRESHOLD, proto::SCALED_THRESHOLD}) {
     for (uint32_t local : {1u, 2u}) {
-      const std::string where = proto::Selection_Name(selection) + ", local_iterations " +
-                                std::to_string(local);
+      const std::string where =
+          proto::Selection_Name(selection) + ", local_iterations " + std::to_string(local);
       proto::CompressionConfig c;
       c.set_encoding(proto::SBC);
       c.set_density(0.01);
