@@ -660,9 +660,13 @@ class AllreduceAggregator final : public Aggregator {
       if (!kernels::AllFinite(grad, n)) {
         return Status::InvalidArgument("the gradient holds NaN or Inf; nothing was sent");
       }
+      // The momentum correction is left to the collective's first operation on acc_ (with exact
+      // top-k, one pass with the selection; it then counts as communication), unless the probe
+      // reads acc_ first.
+      const bool defer = !aggregated_momentum_ && !measure_quality_;
       if (aggregated_momentum_) {
         kernels::Axpy(1.0f, grad, acc_.data(), n);
-      } else {
+      } else if (!defer) {
         kernels::MomentumCorrection(velocity_.data(), acc_.data(), grad, momentum_, n);
       }
       if (measure_quality_) {
@@ -671,7 +675,9 @@ class AllreduceAggregator final : public Aggregator {
             RingAllreduce(group_.get(), NextProbeTag(), probe_.data(), n, segment));
       }
       t1 = Clock::now();
-      SPARSEPS_RETURN_IF_ERROR(collective_->Allreduce(&acc_, &update_));
+      SPARSEPS_RETURN_IF_ERROR(
+          defer ? collective_->Allreduce(&acc_, velocity_.data(), grad, momentum_, &update_)
+                : collective_->Allreduce(&acc_, &update_));
     }
     Apply();
     ++iteration_;

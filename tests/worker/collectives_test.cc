@@ -53,6 +53,8 @@ enum class Input {
   kHost,      // a host vector (HostContribution)
   kCounting,  // a host vector behind CountingContribution (below)
   kGpu,       // device memory (GpuContribution; CUDA builds)
+  kDeferred,  // a host vector whose accumulation (a momentum correction with m = 0: u = g;
+              // x += u) the collective applies (Collective::Allreduce(x, u, g, m, ...))
 };
 
 // A HostContribution that counts the floats (keys and values) each operation moves between the
@@ -175,7 +177,7 @@ struct RunSetup {
 #endif
 
     std::ofstream out(path, std::ios::binary);
-    std::vector<float> x(s.n, 0.0f), dense(s.n), g(s.n);
+    std::vector<float> x(s.n, 0.0f), dense(s.n), g(s.n), u(s.n, 0.0f);
     CollectiveUpdate update;
     CountingContribution counting(&x, &selector);
     for (int t = 0; t < s.iterations; ++t) {
@@ -190,6 +192,9 @@ struct RunSetup {
         case Input::kCounting:
           for (size_t i = 0; i < s.n; ++i) x[i] += g[i];
           st = (*collective)->Allreduce(&counting, &update);
+          break;
+        case Input::kDeferred:
+          st = (*collective)->Allreduce(&x, u.data(), g.data(), 0.0f, &update);
           break;
         case Input::kGpu: {
 #if SPARSEPS_HAVE_CUDA
@@ -559,6 +564,28 @@ TEST(Contribution, SparseCollectivesMoveOnlyTheSelectedEntries) {
         }
       }
     }
+  }
+}
+
+// The momentum correction left to the collective (what the allreduce worker does): bitwise the
+// runs of correcting first, for every collective and selection mode, and at a size where exact
+// top-k takes the fused pass (kernels::MomentumCorrectionTopK: n >= 65536, k <= n / 16).
+TEST(Contribution, DeferredMomentumCorrectionGivesTheSameRuns) {
+  std::vector<RunSetup> setups = ContributionSetups();
+  for (auto algorithm : {proto::TOPK_ALLGATHER, proto::GTOPK}) {
+    RunSetup s;
+    s.algorithm = algorithm;
+    s.workers = 3;
+    s.n = (1 << 17) + 5;
+    s.iterations = 4;
+    setups.push_back(s);
+  }
+  for (const RunSetup& s : setups) {
+    SCOPED_TRACE(SetupName(s) + ", n " + std::to_string(s.n));
+    RunSetup deferred = s;
+    deferred.input = Input::kDeferred;
+    Result r;
+    ExpectSameRuns(s, deferred, &r);
   }
 }
 

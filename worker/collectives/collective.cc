@@ -32,13 +32,36 @@ void TopKOfRange(const float* x, size_t begin, size_t end, size_t k, SparseVecto
   }
 }
 
+void HostContribution::DeferMomentumCorrection(float* u, const float* g, float m) {
+  ApplyDeferred();
+  u_ = u;
+  g_ = g;
+  m_ = m;
+}
+
+void HostContribution::ApplyDeferred() {
+  if (u_ == nullptr) return;
+  kernels::MomentumCorrection(u_, x_->data(), g_, m_, x_->size());
+  u_ = nullptr;
+}
+
 Status HostContribution::Select(size_t k, std::vector<uint32_t>* keys) {
+  if (u_ != nullptr && selector_->exact()) {
+    // The correction's pass also collects the top-k's candidates.
+    const size_t n = x_->size();
+    keys->resize(std::min(k, n));
+    keys->resize(kernels::MomentumCorrectionTopK(u_, x_->data(), g_, m_, n, k, keys->data()));
+    u_ = nullptr;
+    return Status::OK();
+  }
+  ApplyDeferred();
   selector_->Select(x_->data(), x_->size(), k, keys);
   return Status::OK();
 }
 
 Status HostContribution::SelectAtLeast(size_t begin, size_t end, float threshold,
                                        std::vector<uint32_t>* keys) {
+  ApplyDeferred();
   keys->clear();
   kernels::SelectAtLeast(x_->data() + begin, end - begin, threshold, keys);
   for (uint32_t& key : *keys) key += static_cast<uint32_t>(begin);
@@ -47,26 +70,31 @@ Status HostContribution::SelectAtLeast(size_t begin, size_t end, float threshold
 
 Status HostContribution::SampledMagnitude(size_t begin, size_t end, size_t sample, size_t rank,
                                           float* out) {
+  ApplyDeferred();
   *out = kernels::SampledMagnitude(x_->data() + begin, end - begin, sample, rank);
   return Status::OK();
 }
 
 Status HostContribution::Take(std::span<const uint32_t> keys, float* values) {
+  ApplyDeferred();
   kernels::GatherAndZero(x_->data(), nullptr, keys.data(), keys.size(), values);
   return Status::OK();
 }
 
 Status HostContribution::Add(const SparseVector& entries) {
+  ApplyDeferred();
   kernels::ScatterAdd(x_->data(), entries.indices.data(), entries.values.data(), entries.size());
   return Status::OK();
 }
 
 Status HostContribution::Set(const SparseVector& entries) {
+  ApplyDeferred();
   for (size_t e = 0; e < entries.size(); ++e) (*x_)[entries.indices[e]] = entries.values[e];
   return Status::OK();
 }
 
 Status HostContribution::Read(float* out, bool zero) {
+  ApplyDeferred();
   std::copy(x_->begin(), x_->end(), out);
   if (zero) std::fill(x_->begin(), x_->end(), 0.0f);
   return Status::OK();

@@ -82,6 +82,15 @@ class HostContribution final : public Contribution {
  public:
   HostContribution(std::vector<float>* x, Selector* selector) : x_(x), selector_(selector) {}
   size_t size() const override { return x_->size(); }
+
+  // Defers DGC's momentum correction of x (u = m u + g; x += u, as kernels::MomentumCorrection;
+  // u and g: size() floats, valid until it is applied) to the first operation on x: an exact
+  // Select then runs kernels::MomentumCorrectionTopK (one pass over x instead of two), any other
+  // operation applies it first. The results are bitwise those of correcting first.
+  void DeferMomentumCorrection(float* u, const float* g, float m);
+  // Applies a deferred correction that no operation has applied yet (else nothing).
+  void ApplyDeferred();
+
   Status Select(size_t k, std::vector<uint32_t>* keys) override;
   Status SelectAtLeast(size_t begin, size_t end, float threshold,
                        std::vector<uint32_t>* keys) override;
@@ -95,6 +104,9 @@ class HostContribution final : public Contribution {
  private:
   std::vector<float>* x_;
   Selector* selector_;
+  float* u_ = nullptr;  // a deferred correction's velocity (null: none pending)
+  const float* g_ = nullptr;
+  float m_ = 0.0f;
 };
 
 class Collective {
@@ -111,6 +123,20 @@ class Collective {
   Status Allreduce(std::vector<float>* x, CollectiveUpdate* update) {
     HostContribution c(x, &selector_);
     return Allreduce(&c, update);
+  }
+
+  // The same with DGC's momentum correction of x (u = m u + g; x += u) left to the collective's
+  // first operation on x (HostContribution::DeferMomentumCorrection): with exact top-k selection
+  // the correction and the selection are one pass. Bitwise the same as kernels::
+  // MomentumCorrection(u, x, g, m) and then Allreduce(x, update); x is corrected on return, also
+  // on error.
+  Status Allreduce(std::vector<float>* x, float* u, const float* g, float m,
+                   CollectiveUpdate* update) {
+    HostContribution c(x, &selector_);
+    c.DeferMomentumCorrection(u, g, m);
+    const Status s = Allreduce(&c, update);
+    c.ApplyDeferred();
+    return s;
   }
 
   // Sets the per-worker budget k (elements) for the sparse collectives, e.g. under a density
