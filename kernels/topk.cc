@@ -28,6 +28,10 @@ struct SamplePlan {
   size_t sample;
   size_t rank;
 };
+// Whether the sampled selections (TopKAbs, TopKBySign and their fused twins) apply: n >= 65536
+// and k <= n / 16. Small vectors or high densities take the radix select, as fast and unsampled.
+bool UsesSample(size_t n, size_t k) { return n >= (size_t{1} << 16) && k <= n / 16; }
+
 SamplePlan PlanSample(size_t n, size_t k) {
   const size_t sample = std::min(n, std::max<size_t>(size_t{1} << 14, 64 * n / k));
   const double expected =
@@ -283,9 +287,6 @@ void ReserveCandidates(size_t k, SignCandidates* c) {
   c->neg_values.reserve(room);
 }
 
-// TopKBySign's sampled path applies to n >= 65536 and k <= n / 16 (as TopKAbs's).
-bool SampledBySign(size_t n, size_t k) { return n >= (size_t{1} << 16) && k <= n / 16; }
-
 }  // namespace
 
 void TopKBySign(const float* x, size_t n, size_t k, std::vector<uint32_t>* pos,
@@ -297,7 +298,7 @@ void TopKBySign(const float* x, size_t n, size_t k, std::vector<uint32_t>* pos,
   if (neg_values != nullptr) neg_values->clear();
   if (k == 0 || n == 0) return;
   SignCandidates c;
-  if (SampledBySign(n, k)) {
+  if (UsesSample(n, k)) {
     // As TopKAbs, per sign: one strided sample gives each side's lower bound; one streaming pass
     // collects each side's candidates at its own bound.
     const SignBounds bounds = SampleBySign(n, PlanSample(n, k), [x](size_t j) { return x[j]; });
@@ -351,7 +352,7 @@ bool SbcPushStepImpl(float* __restrict u, float* __restrict params, float* __res
     r[i] = ri;
     return ri;
   };
-  const bool sampled = k > 0 && SampledBySign(n, k);
+  const bool sampled = k > 0 && UsesSample(n, k);
   SignBounds bounds;
   if (sampled) {
     // The sample of the new r, computed ahead at TopKBySign's sample positions (the same float
@@ -423,7 +424,7 @@ bool SbcPushStepTopKBySign(float* u, float* params, float* a, float* r, const fl
 size_t TopKAbs(const float* x, size_t n, size_t k, uint32_t* idx_out) {
   if (k == 0 || n == 0) return 0;
   // Small vectors or high densities: the radix select is as fast and needs no sample.
-  if (n < (size_t{1} << 16) || k > n / 16) return TopKAbsRadix(x, n, k, idx_out);
+  if (!UsesSample(n, k)) return TopKAbsRadix(x, n, k, idx_out);
   // A lower bound on the k-th largest magnitude from a sample: the sample rank that expects
   // 1.25 k + 4 sigma entries above it. One streaming pass then collects the candidates at or
   // above it (a few more than k), and an exact select among them finishes.
@@ -498,7 +499,7 @@ void CorrectAndCollect(float* __restrict u, float* __restrict v, const float* __
 
 size_t MomentumCorrectionTopK(float* u, float* v, const float* g, float m, size_t n, size_t k,
                               uint32_t* idx_out) {
-  if (k == 0 || n == 0 || n < (size_t{1} << 16) || k > n / 16) {
+  if (k == 0 || n == 0 || !UsesSample(n, k)) {
     MomentumCorrection(u, v, g, m, n);
     return TopKAbs(v, n, k, idx_out);
   }
