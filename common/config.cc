@@ -469,6 +469,16 @@ Status ValidateConfig(const proto::JobConfig& config, const ConfigSources& sourc
       return Status::InvalidArgument(why + ": replacements (--rejoin) join bsp jobs only");
     }
   }
+  if (config.compression().sketch().partial_reset() &&
+      (config.compression().sketch().second_round() ||
+       config.compression().sketch().server_momentum())) {
+    return Status::InvalidArgument(
+        SourceOf(sources, "compression.sketch.partial_reset") +
+        ": key 'compression.sketch.partial_reset' is on but " +
+        (config.compression().sketch().second_round()
+             ? "'compression.sketch.second_round' applies exact values (nothing to keep)"
+             : "'compression.sketch.server_momentum' keeps the error on the servers (FetchSGD)"));
+  }
   if (config.train().overlap() == proto::BACKWARD) {
     const std::string why =
         SourceOf(sources, "train.overlap") + ": key 'train.overlap' is backward";

@@ -45,8 +45,12 @@ class Compressor {
     return Status::Internal("this encoding has no second round");
   }
 
-  // The keys (relative to key_begin) whose parameters the last pull changed.
-  virtual void OnChanged(uint64_t key_begin, std::span<const uint32_t> keys) {}
+  // The keys (relative to key_begin) whose parameters the last pull changed, and by how much:
+  // delta[j] = new - old parameter at keys[j] when the pull carried the updates applied since the
+  // version this worker held (a sparse reply); empty when it replaced the parameters wholesale (a
+  // dense reply: the initial pull, a rejoin), where the old values say nothing of an update.
+  virtual void OnChanged(uint64_t key_begin, std::span<const uint32_t> keys,
+                         std::span<const float> delta) {}
 
   // Sets the epoch (0-based) for the density warm-up schedule.
   virtual void SetEpoch(uint32_t epoch) {}

@@ -76,8 +76,12 @@ size_t SketchTruncateK(const proto::CompressionConfig& c, size_t n) {
 }
 
 SketchCompressor::SketchCompressor(size_t num_params, const proto::CompressionConfig& c,
-                                   float momentum)
-    : config_(c), momentum_(momentum), velocity_(num_params, 0.0f), residual_(num_params, 0.0f) {}
+                                   float momentum, float lr)
+    : config_(c),
+      momentum_(momentum),
+      lr_(lr),
+      velocity_(num_params, 0.0f),
+      residual_(num_params, 0.0f) {}
 
 Status SketchCompressor::Compress(const float* grad, const std::vector<KeyRange>& ranges,
                                   std::vector<Message>* out) {
@@ -150,17 +154,33 @@ Status SketchCompressor::ExactValues(const KeyRange& r, std::span<const uint32_t
   return Status::OK();
 }
 
-void SketchCompressor::OnChanged(uint64_t key_begin, std::span<const uint32_t> keys) {
+void SketchCompressor::OnChanged(uint64_t key_begin, std::span<const uint32_t> keys,
+                                 std::span<const float> delta) {
   if (config_.sketch().server_momentum()) return;  // FetchSGD: no worker state
-  for (uint32_t i : keys) {
-    residual_[key_begin + i] = 0.0f;
-    velocity_[key_begin + i] = 0.0f;
+  // The servers applied params += -lr / W * (estimate of the summed residuals), so this worker's
+  // share of what was applied is -delta / lr; a dense reply (no delta) resets as Sketched SGD.
+  const bool partial =
+      config_.sketch().partial_reset() && !second_round() && delta.size() == keys.size() && lr_ > 0;
+  float* v = residual_.data() + key_begin;
+  float* u = velocity_.data() + key_begin;
+  if (partial) {
+    const float inv_lr = 1.0f / lr_;
+    for (size_t j = 0; j < keys.size(); ++j) {
+      v[keys[j]] = kernels::PartialReset(v[keys[j]], -delta[j] * inv_lr);
+      u[keys[j]] = 0.0f;
+    }
+  } else {
+    for (uint32_t i : keys) {
+      v[i] = 0.0f;
+      u[i] = 0.0f;
+    }
   }
 }
 
 std::unique_ptr<Compressor> MakeSketchCompressor(const proto::JobConfig& job, size_t num_params) {
   return std::make_unique<SketchCompressor>(num_params, job.compression(),
-                                            static_cast<float>(job.train().momentum()));
+                                            static_cast<float>(job.train().momentum()),
+                                            static_cast<float>(job.train().lr()));
 }
 
 namespace {

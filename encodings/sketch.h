@@ -47,13 +47,17 @@ size_t SketchTruncateK(const proto::CompressionConfig& c, size_t n);
 // 0: no truncation); each key range is cut into fusion groups and v's slice of each group is
 // count-sketched (rows x columns, columns = columns_per_k * density * group size). The servers sum
 // the tables, recover the heavy hitters of each group and apply them; the keys a pull reports as
-// changed get u = v = 0 here (momentum stopping and error reset).
+// changed get u = 0 here (momentum stopping) and v = 0 (error reset), or, with
+// compression.sketch.partial_reset, v -= this worker's share of the applied value, -delta / lr,
+// clipped to v (kernels::PartialReset): what the estimate missed stays in the residual.
 class SketchCompressor final : public Compressor {
  public:
-  SketchCompressor(size_t num_params, const proto::CompressionConfig& c, float momentum);
+  // lr: train.lr, by which the servers scale what they apply (used by partial_reset).
+  SketchCompressor(size_t num_params, const proto::CompressionConfig& c, float momentum, float lr);
   Status Compress(const float* grad, const std::vector<KeyRange>& ranges,
                   std::vector<Message>* out) override;
-  void OnChanged(uint64_t key_begin, std::span<const uint32_t> keys) override;
+  void OnChanged(uint64_t key_begin, std::span<const uint32_t> keys,
+                 std::span<const float> delta) override;
   bool second_round() const override {
     return config_.sketch().second_round() && !config_.sketch().server_momentum();
   }
@@ -75,6 +79,7 @@ class SketchCompressor final : public Compressor {
  private:
   proto::CompressionConfig config_;
   float momentum_;
+  float lr_;
   std::vector<float> velocity_, residual_;
   std::vector<uint32_t> truncated_;
   std::vector<float> truncated_values_;

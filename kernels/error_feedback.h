@@ -7,7 +7,24 @@
 #include <cstddef>
 #include <cstdint>
 
+#if defined(__CUDACC__)
+#define SPARSEPS_HOST_DEVICE __host__ __device__
+#else
+#define SPARSEPS_HOST_DEVICE
+#endif
+
 namespace sparseps::kernels {
+
+// The sketch's partial reset of one residual entry v (compression.sketch.partial_reset): takes
+// this worker's share s of the value the servers applied, clipped to what v holds. Returns v - s
+// when s and v have the same sign and |s| < |v|, 0 when they have the same sign and |s| >= |v|,
+// and v unchanged when the signs differ or either is zero. |result| <= |v| always. The CPU and
+// GPU sketch compressors share it, so both give the same bits.
+SPARSEPS_HOST_DEVICE inline float PartialReset(float v, float s) {
+  if (v > 0.0f && s > 0.0f) return s < v ? v - s : 0.0f;
+  if (v < 0.0f && s < 0.0f) return s > v ? v - s : 0.0f;
+  return v;
+}
 
 // DGC momentum correction (Lin et al., ICLR 2018, §3.2): u = m*u + g; v = v + u, elementwise over
 // n elements. With m = 0 this is plain residual accumulation v += g.

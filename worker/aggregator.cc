@@ -104,19 +104,21 @@ class PsAggregator final : public Aggregator {
                                               : "CPU (the gradient comes to the host)");
       }
     }
-    ps_->set_changed_callback([this](uint64_t begin, std::span<const uint32_t> keys) {
-      // SBC's model computes at its local copy, whose change Aggregate announces.
-      if (!local_copy_) WillChange(begin, keys, false);
-      if (overlap_) {
-        // The range's own compressor, whose keys start at the range's first.
-        // (An empty range, of a job with more servers than keys, holds no key and changes none.)
-        const int r = FindKeyRange(ps_->ranges(), begin);
-        if (r >= 0) slices_[static_cast<size_t>(r)]->OnChanged(0, keys);
-      } else {
-        compressor_->OnChanged(begin, keys);
-      }
-      if (model_on_device_) changed_.Add(begin, keys);
-    });
+    ps_->set_changed_callback(
+        [this](uint64_t begin, std::span<const uint32_t> keys, std::span<const float> delta) {
+          // SBC's model computes at its local copy, whose change Aggregate announces.
+          if (!local_copy_) WillChange(begin, keys, false);
+          if (overlap_) {
+            // The range's own compressor, whose keys start at the range's first.
+            // (An empty range, of a job with more servers than keys, holds no key and changes
+            // none.)
+            const int r = FindKeyRange(ps_->ranges(), begin);
+            if (r >= 0) slices_[static_cast<size_t>(r)]->OnChanged(0, keys, delta);
+          } else {
+            compressor_->OnChanged(begin, keys, delta);
+          }
+          if (model_on_device_) changed_.Add(begin, keys);
+        });
     // After every push the pulled parameters replace SBC's local copy (Aggregate,
     // AggregateByRange): the push step need not update it.
     for (auto& slice : slices_) slice->set_pull_replaces_params(true);

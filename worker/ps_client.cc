@@ -273,11 +273,15 @@ Status PsClient::ApplyPullReply(Peer& peer, const Message& msg, float* params) {
       for (size_t i = 0; i < p.dense.size(); ++i) {
         if (base[i] != p.dense[i]) changed_.push_back(static_cast<uint32_t>(i));
       }
-      on_changed_(peer.range.begin, changed_);
+      on_changed_(peer.range.begin, changed_, {});
     }
     std::copy(p.dense.begin(), p.dense.end(), base);
   } else {
-    if (on_changed_) on_changed_(peer.range.begin, p.indices);
+    if (on_changed_) {
+      delta_.resize(p.indices.size());
+      for (size_t j = 0; j < p.indices.size(); ++j) delta_[j] = p.values[j] - base[p.indices[j]];
+      on_changed_(peer.range.begin, p.indices, delta_);
+    }
     for (size_t j = 0; j < p.indices.size(); ++j) base[p.indices[j]] = p.values[j];
   }
   peer.version = msg.header.version();

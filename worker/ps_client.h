@@ -83,9 +83,11 @@ class PsClient {
 
   // Called for every pull reply with the range's first key and the keys (relative to it) whose
   // value changes: the reply's keys when sparse, the keys whose value differs when dense; before
-  // the new values are written, so the old ones can still be read. The sketch compressor zeroes
-  // its residual there.
-  using ChangedCallback = std::function<void(uint64_t key_begin, std::span<const uint32_t> keys)>;
+  // the new values are written, so the old ones can still be read. delta[j] = new - old value at
+  // keys[j] for a sparse reply (the updates applied since the version this worker held); empty
+  // for a dense one. The sketch compressor resets its residual there (Compressor::OnChanged).
+  using ChangedCallback = std::function<void(uint64_t key_begin, std::span<const uint32_t> keys,
+                                             std::span<const float> delta)>;
   void set_changed_callback(ChangedCallback cb) { on_changed_ = std::move(cb); }
 
   // The sketch encoding's second round (compression.sketch.second_round) for `iteration`: pushes
@@ -161,7 +163,8 @@ class PsClient {
   Status ReceiveFrom(Peer& peer, float* params);
 
   ChangedCallback on_changed_;
-  std::vector<uint32_t> changed_;
+  std::vector<uint32_t> changed_;  // a dense reply's changed keys, for on_changed_
+  std::vector<float> delta_;       // a sparse reply's new - old values, for on_changed_
   ControlClient* control_;
   const int worker_rank_;
   const double request_timeout_s_;

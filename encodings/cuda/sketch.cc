@@ -26,11 +26,12 @@ namespace gpu = kernels::gpu;
 // SketchCompressor's steps on the device: u = m u + g; v += u (FetchSGD: v = g); the truncation
 // to the top truncate_factor * k of |v| (GpuTopK); each key range's fusion groups sketched into
 // one device table (GpuCountSketch, the CPU's hashes), which comes down whole. The second round
-// gathers v at the candidates on the device; the keys a pull changed get u = v = 0 there.
+// gathers v at the candidates on the device; the keys a pull changed get u = 0 and v = 0 there
+// (or, with partial_reset, v -= its share of the applied value, clipped to v).
 class GpuSketchCompressor final : public GpuCompressorBase {
  public:
-  GpuSketchCompressor(size_t n, const proto::CompressionConfig& c, float momentum)
-      : GpuCompressorBase(n), config_(c), momentum_(momentum) {}
+  GpuSketchCompressor(size_t n, const proto::CompressionConfig& c, float momentum, float lr)
+      : GpuCompressorBase(n), config_(c), momentum_(momentum), lr_(lr) {}
 
   Status Compress(const float* grad, const std::vector<KeyRange>& ranges,
                   std::vector<Message>* out) override {
@@ -136,7 +137,8 @@ class GpuSketchCompressor final : public GpuCompressorBase {
   }
 
   // A CUDA error here is kept and reported by the next Compress.
-  void OnChanged(uint64_t key_begin, std::span<const uint32_t> keys) override {
+  void OnChanged(uint64_t key_begin, std::span<const uint32_t> keys,
+                 std::span<const float> delta) override {
     if (config_.sketch().server_momentum() || keys.empty() || !status_.ok()) return;
     status_ = keys_.Reserve(keys.size());
     if (status_.ok()) {
@@ -144,7 +146,23 @@ class GpuSketchCompressor final : public GpuCompressorBase {
                                            cudaMemcpyHostToDevice, stream_),
                            "copying the changed keys");
     }
-    if (status_.ok()) {
+    // partial_reset: v -= this worker's share of what the servers applied, -delta / lr, clipped
+    // to v (SketchCompressor::OnChanged); otherwise, and for a dense reply, the error reset.
+    const bool partial = config_.sketch().partial_reset() && !config_.sketch().second_round() &&
+                         delta.size() == keys.size() && lr_ > 0;
+    if (status_.ok() && partial) {
+      status_ = delta_.Reserve(delta.size());
+      if (status_.ok()) {
+        status_ = CudaStatus(cudaMemcpyAsync(delta_.p, delta.data(), delta.size() * sizeof(float),
+                                             cudaMemcpyHostToDevice, stream_),
+                             "copying the pulled changes");
+      }
+      if (status_.ok()) {
+        status_ = CudaStatus(gpu::PartialResetAt(v_.p + key_begin, u_.p + key_begin, keys_.p,
+                                                 delta_.p, 1.0f / lr_, keys.size(), stream_),
+                             "the partial reset");
+      }
+    } else if (status_.ok()) {
       status_ =
           CudaStatus(gpu::ZeroAt(v_.p + key_begin, u_.p + key_begin, keys_.p, keys.size(), stream_),
                      "the error reset");
@@ -192,10 +210,11 @@ class GpuSketchCompressor final : public GpuCompressorBase {
 
   proto::CompressionConfig config_;
   float momentum_;
+  float lr_;  // train.lr (partial_reset)
   Status status_;
   gpu::GpuTopK topk_;
   DeviceArray<uint32_t> trunc_idx_, keys_;
-  DeviceArray<float> trunc_vals_, table_, vals_;
+  DeviceArray<float> trunc_vals_, table_, vals_, delta_;
   PinnedArray<uint32_t> host_idx_;
   PinnedArray<float> host_table_, host_vals_;
   std::vector<RangeSketch> layout_;
@@ -206,7 +225,8 @@ class GpuSketchCompressor final : public GpuCompressorBase {
 Result<std::unique_ptr<Compressor>> MakeGpuSketchCompressor(const proto::JobConfig& job,
                                                             size_t num_params) {
   auto c = std::make_unique<GpuSketchCompressor>(num_params, job.compression(),
-                                                 static_cast<float>(job.train().momentum()));
+                                                 static_cast<float>(job.train().momentum()),
+                                                 static_cast<float>(job.train().lr()));
   SPARSEPS_RETURN_IF_ERROR(c->Start());
   return std::unique_ptr<Compressor>(std::move(c));
 }

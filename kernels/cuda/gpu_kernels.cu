@@ -9,6 +9,7 @@
 
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/gpu_kernels.h"
+#include "kernels/error_feedback.h"
 #include "kernels/select.h"
 
 namespace sparseps::kernels::gpu {
@@ -71,6 +72,15 @@ __global__ void ZeroAtKernel(float* v, float* u, const uint32_t* idx, size_t k) 
        j += size_t{gridDim.x} * blockDim.x) {
     v[idx[j]] = 0.0f;
     if (u != nullptr) u[idx[j]] = 0.0f;
+  }
+}
+
+__global__ void PartialResetAtKernel(float* v, float* u, const uint32_t* idx, const float* delta,
+                                     float s, size_t k) {
+  for (size_t j = blockIdx.x * size_t{blockDim.x} + threadIdx.x; j < k;
+       j += size_t{gridDim.x} * blockDim.x) {
+    v[idx[j]] = kernels::PartialReset(v[idx[j]], -delta[j] * s);
+    u[idx[j]] = 0.0f;
   }
 }
 
@@ -573,6 +583,13 @@ cudaError_t ScatterSet(float* dst, const uint32_t* idx, const float* vals, size_
 cudaError_t ZeroAt(float* v, float* u, const uint32_t* idx, size_t k, cudaStream_t stream) {
   if (k == 0) return cudaSuccess;
   ZeroAtKernel<<<Blocks(k), kThreads, 0, stream>>>(v, u, idx, k);
+  return cudaGetLastError();
+}
+
+cudaError_t PartialResetAt(float* v, float* u, const uint32_t* idx, const float* delta, float s,
+                           size_t k, cudaStream_t stream) {
+  if (k == 0) return cudaSuccess;
+  PartialResetAtKernel<<<Blocks(k), kThreads, 0, stream>>>(v, u, idx, delta, s, k);
   return cudaGetLastError();
 }
 

@@ -56,6 +56,12 @@ cudaError_t ScatterSet(float* dst, const uint32_t* idx, const float* vals, size_
 // keys a pull changed).
 cudaError_t ZeroAt(float* v, float* u, const uint32_t* idx, size_t k, cudaStream_t stream);
 
+// v[idx[j]] = kernels::PartialReset(v[idx[j]], -delta[j] * s) and u[idx[j]] = 0 for j < k
+// (indices distinct; s = 1 / lr): the sketch's partial reset at the keys a pull changed
+// (compression.sketch.partial_reset, twin of SketchCompressor::OnChanged).
+cudaError_t PartialResetAt(float* v, float* u, const uint32_t* idx, const float* delta, float s,
+                           size_t k, cudaStream_t stream);
+
 // SBC's local step (Sattler et al., arXiv 1805.08768, Algorithm 1), twin of
 // SbcCompressor::LocalStep in encodings/sbc.cc: u = m u + g; a += u; params -= lr u over n
 // elements, each operation rounded as the CPU does (bitwise equal).

@@ -112,6 +112,24 @@ TEST_F(ConfigTest, CnnSettingsAreCheckedNamingFileLineAndKey) {
   EXPECT_THAT(c.status().message(), HasSubstr("'model.type' is not cnn"));
 }
 
+// compression.sketch.partial_reset has nothing to do with the second round's exact values or
+// FetchSGD's server-side error: refused, naming the file, line and key.
+TEST_F(ConfigTest, SketchPartialResetRefusesTheSecondRoundAndServerMomentum) {
+  auto path = Write(
+      "aggregation: ps\ncompression:\n  encoding: sketch\n  sketch:\n    partial_reset: true\n");
+  auto c = LoadConfig(path, {}, NoEnv);
+  ASSERT_TRUE(c.ok()) << c.status().message();
+  EXPECT_TRUE(c->compression().sketch().partial_reset());
+  for (const char* set :
+       {"compression.sketch.second_round=true", "compression.sketch.server_momentum=true"}) {
+    c = LoadConfig(path, {set}, NoEnv);
+    ASSERT_FALSE(c.ok()) << set;
+    EXPECT_THAT(c.status().message(), HasSubstr(path + ":5:")) << set;
+    EXPECT_THAT(c.status().message(), HasSubstr("'compression.sketch.partial_reset' is on")) << set;
+    EXPECT_THAT(c.status().message(), HasSubstr(std::string(set).substr(0, 30))) << set;
+  }
+}
+
 // ssp / async are PS mode only, without the second round, checkpoints or replacements.
 TEST_F(ConfigTest, StaleConsistencyRefusesWhatNeedsBspNamingFileLineAndKey) {
   auto path = Write("aggregation: ps\ntrain:\n  consistency: ssp\n  staleness: 4\n");

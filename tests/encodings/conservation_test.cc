@@ -20,6 +20,7 @@
 #include "encodings/sbc.h"
 #include "encodings/sketch.h"
 #include "encodings/topk.h"
+#include "kernels/error_feedback.h"
 #include "server/shard_server.h"
 #include "tests/support/shard_harness.h"
 
@@ -169,7 +170,7 @@ TEST_P(Conservation, AppliedPlusResidualsEqualsPushed) {
       const Message& reply = out[0].msg;
       ASSERT_TRUE(FindCodec(reply.header.encoding())->Decode(reply, ranges[s].size(), &p).ok());
       if (!p.is_dense()) {
-        for (auto& w : workers) w->OnChanged(ranges[s].begin, p.indices);
+        for (auto& w : workers) w->OnChanged(ranges[s].begin, p.indices, {});
       }
     }
     ++round;
@@ -245,7 +246,7 @@ TEST(SketchConservation, ExactWhenTheSketchSeparatesTheKeys) {
           .msg.header.command(),
       proto::INIT_ACK);
   std::vector<Outgoing> out;
-  SketchCompressor comp(kParams, cfg, 0.0f);
+  SketchCompressor comp(kParams, cfg, 0.0f, 1.0f);
   std::vector<double> grad_sum(kParams, 0.0);
   std::mt19937 rng(3);
   for (int t = 0; t < 20; ++t) {
@@ -264,7 +265,7 @@ TEST(SketchConservation, ExactWhenTheSketchSeparatesTheKeys) {
     DecodedPayload p;
     ASSERT_TRUE(FindCodec(out[0].msg.header.encoding())->Decode(out[0].msg, kParams, &p).ok());
     ASSERT_FALSE(p.is_dense());
-    comp.OnChanged(0, p.indices);
+    comp.OnChanged(0, p.indices, {});
     for (size_t i = 0; i < kParams; ++i) {
       ASSERT_EQ(-shard.params()[i] + comp.residual()[i], static_cast<float>(grad_sum[i]))
           << "step " << t << " key " << i;
@@ -297,7 +298,8 @@ TEST(SketchSecondRound, ConservationIsExactDespiteCollisions) {
   }
   std::vector<std::unique_ptr<SketchCompressor>> workers;
   for (int w = 0; w < W; ++w)
-    workers.push_back(std::make_unique<SketchCompressor>(kParams, cfg, 0.0f));
+    workers.push_back(
+        std::make_unique<SketchCompressor>(kParams, cfg, 0.0f, static_cast<float>(W)));
   std::mt19937 rng(8);
   std::vector<double> grad_sum(kParams, 0.0);
   std::vector<float> grad(kParams);
@@ -348,7 +350,7 @@ TEST(SketchSecondRound, ConservationIsExactDespiteCollisions) {
       ASSERT_TRUE(
           FindCodec(out[0].msg.header.encoding())->Decode(out[0].msg, ranges[s].size(), &d).ok());
       ASSERT_FALSE(d.is_dense());
-      for (auto& w : workers) w->OnChanged(ranges[s].begin, d.indices);
+      for (auto& w : workers) w->OnChanged(ranges[s].begin, d.indices, {});
     }
     for (size_t s = 0; s < ranges.size(); ++s) {
       for (size_t i = 0; i < ranges[s].size(); ++i) {
@@ -360,6 +362,102 @@ TEST(SketchSecondRound, ConservationIsExactDespiteCollisions) {
       }
     }
   }
+}
+
+// compression.sketch.partial_reset on a narrow sketch (collisions everywhere, so the estimates the
+// servers apply are wrong), 4 workers, integer gradients, lr = W: at every key a pull changed, each
+// worker's residual becomes exactly kernels::PartialReset(old, -delta / lr) (so it never grows)
+// and no other key changes; and over the run the partial reset loses less of
+// what was pushed than Sketched SGD's error reset (lost: |sum of gradients - (applied + held)|
+// summed over keys and steps).
+TEST(SketchPartialReset, TakesTheAppliedShareAndLosesLessThanTheErrorReset) {
+  constexpr size_t kParams = 600;
+  constexpr int W = 4;
+  const auto ranges = SplitKeyRanges(kParams, 2);
+  double lost[2] = {0.0, 0.0};  // [partial]
+  for (bool partial : {false, true}) {
+    auto cfg = Config(proto::SKETCH, 0.02);      // k = 6 per range
+    cfg.mutable_sketch()->set_columns_per_k(2);  // 16 columns (the least) for 300 keys
+    cfg.mutable_sketch()->set_truncate_factor(3);
+    cfg.mutable_sketch()->set_partial_reset(partial);
+    std::vector<std::unique_ptr<ShardServer>> shards;
+    for (size_t s = 0; s < ranges.size(); ++s) {
+      shards.push_back(std::make_unique<ShardServer>(
+          ShardOptions{ranges[s], static_cast<int>(s), W, static_cast<double>(W), cfg, 0.0}));
+      ASSERT_EQ(
+          testing::Deliver(*shards[s], testing::InitMessage(
+                                           ranges[s], std::vector<float>(ranges[s].size(), 0.0f)))
+              .at(0)
+              .msg.header.command(),
+          proto::INIT_ACK);
+    }
+    std::vector<std::unique_ptr<SketchCompressor>> workers;
+    for (int w = 0; w < W; ++w) {
+      workers.push_back(
+          std::make_unique<SketchCompressor>(kParams, cfg, 0.0f, static_cast<float>(W)));
+    }
+    std::mt19937 rng(21);
+    std::vector<double> grad_sum(kParams, 0.0);
+    std::vector<float> grad(kParams);
+    size_t taken_part = 0;  // keys where a worker kept part of its residual
+    for (int64_t t = 0; t < 40; ++t) {
+      std::vector<std::vector<Message>> pushes(W);
+      for (int w = 0; w < W; ++w) {
+        for (size_t i = 0; i < kParams; ++i) {
+          grad[i] = static_cast<float>(static_cast<int>(rng() % 41) - 20);
+          grad_sum[i] += grad[i];
+        }
+        ASSERT_TRUE(workers[w]->Compress(grad.data(), ranges, &pushes[w]).ok());
+      }
+      for (size_t s = 0; s < ranges.size(); ++s) {
+        const std::vector<float> before = shards[s]->params();
+        std::vector<Outgoing> out;
+        for (int w = 0; w < W; ++w) {
+          testing::FromWorker(&pushes[w][s], w, t);
+          shards[s]->Handle("w", Result<Message>(std::move(pushes[w][s])), &out);
+        }
+        Message pull = testing::PullMessage(ranges[s], t);
+        out.clear();
+        shards[s]->Handle("w", Result<Message>(std::move(pull)), &out);
+        ASSERT_EQ(out.size(), 1u);
+        DecodedPayload d;
+        ASSERT_TRUE(
+            FindCodec(out[0].msg.header.encoding())->Decode(out[0].msg, ranges[s].size(), &d).ok());
+        ASSERT_FALSE(d.is_dense());
+        // What PsClient hands the compressor: new - old at the changed keys.
+        std::vector<float> delta(d.indices.size());
+        for (size_t j = 0; j < d.indices.size(); ++j) {
+          delta[j] = d.values[j] - before[d.indices[j]];
+        }
+        for (auto& w : workers) {
+          const std::vector<float> old = w->residual();
+          w->OnChanged(ranges[s].begin, d.indices, delta);
+          std::vector<float> want = old;
+          for (size_t j = 0; j < d.indices.size(); ++j) {
+            float& v = want[ranges[s].begin + d.indices[j]];
+            const float share = -delta[j] * (1.0f / static_cast<float>(W));
+            v = partial ? kernels::PartialReset(v, share) : 0.0f;
+            if (partial && v != 0.0f && v != old[ranges[s].begin + d.indices[j]]) ++taken_part;
+          }
+          ASSERT_EQ(w->residual(), want) << "step " << t;
+        }
+      }
+      for (size_t s = 0; s < ranges.size(); ++s) {
+        for (size_t i = 0; i < ranges[s].size(); ++i) {
+          const size_t key = ranges[s].begin + i;
+          double held = 0.0;
+          for (auto& w : workers) held += w->residual()[key];
+          lost[partial ? 1 : 0] +=
+              std::fabs(-static_cast<double>(shards[s]->params()[i]) + held - grad_sum[key]);
+        }
+      }
+    }
+    if (partial) {
+      EXPECT_GT(taken_part, 100u) << "the shares must often be partial";
+    }
+  }
+  EXPECT_GT(lost[0], 1000.0) << "the narrow sketch must get estimates wrong";
+  EXPECT_LT(lost[1], 0.9 * lost[0]);  // measured: 0.76x
 }
 
 // FetchSGD: momentum 0, one worker, a sparse gradient on a sketch wide enough to separate the
@@ -379,7 +477,7 @@ TEST(FetchSgd, ServerErrorSketchAppliesEverythingPushed) {
           .msg.header.command(),
       proto::INIT_ACK);
   std::vector<Outgoing> out;
-  SketchCompressor comp(kParams, cfg, 0.0f);
+  SketchCompressor comp(kParams, cfg, 0.0f, 1.0f);
   std::vector<float> grad_sum(kParams, 0.0f);
   std::mt19937 rng(5);
   for (int t = 0; t < 30; ++t) {
@@ -412,7 +510,7 @@ TEST(SketchServerThreads, RecoveryIsTheSameForEveryThreadCount) {
       std::vector<DecodedPayload> sketches(3);
       std::vector<Message> kept(3);  // the decoded payloads view their frames
       for (uint32_t w = 0; w < 3; ++w) {
-        SketchCompressor comp(range.end, cfg, 0.0f);
+        SketchCompressor comp(range.end, cfg, 0.0f, 1.0f);
         std::vector<float> grad(range.end, 0.0f);
         std::mt19937 rng(11 + w);
         std::normal_distribution<float> normal(0.0f, 1.0f);

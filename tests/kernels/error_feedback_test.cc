@@ -7,6 +7,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <random>
 #include <vector>
 
 namespace sparseps::kernels {
@@ -96,6 +97,29 @@ TEST(Scale, MultipliesEveryElement) {
   std::vector<float> x = {1.0f, -2.0f, 0.5f, 0.0f, 3.0f};
   Scale(0.5f, x.data(), x.size());
   EXPECT_EQ(x, (std::vector<float>{0.5f, -1.0f, 0.25f, 0.0f, 1.5f}));
+}
+
+// The sketch's partial reset: the share is taken when it has the residual's sign, at most the
+// whole residual; a share of the other sign, or a zero, takes nothing.
+TEST(PartialReset, TakesTheShareClippedToTheResidual) {
+  EXPECT_EQ(PartialReset(5.0f, 2.0f), 3.0f);  // part of it
+  EXPECT_EQ(PartialReset(5.0f, 5.0f), 0.0f);  // all of it
+  EXPECT_EQ(PartialReset(5.0f, 9.0f), 0.0f);  // more than it holds: reset, never past zero
+  EXPECT_EQ(PartialReset(-4.0f, -1.5f), -2.5f);
+  EXPECT_EQ(PartialReset(-4.0f, -7.0f), 0.0f);
+  EXPECT_EQ(PartialReset(5.0f, -2.0f), 5.0f);  // the other sign: nothing taken
+  EXPECT_EQ(PartialReset(-4.0f, 3.0f), -4.0f);
+  EXPECT_EQ(PartialReset(0.0f, 3.0f), 0.0f);
+  EXPECT_EQ(PartialReset(2.0f, 0.0f), 2.0f);
+  // Tiny values of one sign (whose product would underflow to zero) are still taken.
+  EXPECT_EQ(PartialReset(1e-30f, 1e-30f), 0.0f);
+  std::mt19937 rng(4);
+  std::uniform_real_distribution<float> d(-10.0f, 10.0f);
+  for (int t = 0; t < 10000; ++t) {
+    const float v = d(rng), s = d(rng), r = PartialReset(v, s);
+    ASSERT_LE(std::fabs(r), std::fabs(v)) << v << " " << s;
+    ASSERT_TRUE(r == 0.0f || (r > 0.0f) == (v > 0.0f)) << v << " " << s;
+  }
 }
 
 }  // namespace

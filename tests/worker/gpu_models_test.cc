@@ -377,7 +377,7 @@ TEST(GpuSbcCompressor, LocalStepsAndPushesEqualTheCpuCompressor) {
 // The device sketch compressor against SketchCompressor: integer gradients and no momentum, so
 // the atomic insertions are exact and the pushes byte-identical, with truncation (fusion groups
 // across three key ranges) and without, and with server momentum (FetchSGD); then the second
-// round's exact values and the error reset at the keys a pull changed.
+// round's exact values, the error reset at the keys a pull changed, and the partial reset there.
 TEST(GpuSketchCompressor, PushesEqualTheCpuCompressor) {
   SKIP_WITHOUT_GPU();
   const size_t n = 300000;
@@ -397,7 +397,7 @@ TEST(GpuSketchCompressor, PushesEqualTheCpuCompressor) {
     c.mutable_sketch()->set_truncate_factor(k.truncate_factor);
     c.mutable_sketch()->set_fusion_group_size(k.fusion_group_size);
     c.mutable_sketch()->set_server_momentum(k.server_momentum);
-    SketchCompressor cpu(n, c, 0.0f);
+    SketchCompressor cpu(n, c, 0.0f, 1.0f);
     auto made = MakeGpuCompressor(GpuJob(c, 0.0f, 0.1f), n);
     ASSERT_TRUE(made.ok()) << made.status().message();
     ASSERT_TRUE(*made);
@@ -424,11 +424,29 @@ TEST(GpuSketchCompressor, PushesEqualTheCpuCompressor) {
     EXPECT_EQ(gpu.ExactValues(ranges[1], outside, &gpu_push).code(), StatusCode::kProtocolError);
     // The error reset where a pull changed the parameters.
     const std::vector<uint32_t> changed = {0, 2, 3, 50000};
-    cpu.OnChanged(ranges[2].begin, changed);
-    gpu.OnChanged(ranges[2].begin, changed);
+    cpu.OnChanged(ranges[2].begin, changed, {});
+    gpu.OnChanged(ranges[2].begin, changed, {});
     std::vector<float> residual, velocity;
     ASSERT_TRUE(DownloadGpuCompressorState(gpu, &residual, &velocity).ok());
     EXPECT_EQ(residual, cpu.residual()) << where;
+    if (k.server_momentum) continue;
+    // partial_reset: the residual gives up its share of the pulled change, -delta / lr, clipped.
+    proto::CompressionConfig keep = c;
+    keep.mutable_sketch()->set_partial_reset(true);
+    SketchCompressor cpu_keep(n, keep, 0.0f, 0.1f);
+    auto made_keep = MakeGpuCompressor(GpuJob(keep, 0.0f, 0.1f), n);
+    ASSERT_TRUE(made_keep.ok()) << made_keep.status().message();
+    std::vector<float> g(n, 0.0f);
+    for (size_t i = 0; i < n; i += 3) g[i] = static_cast<float>(val(rng));
+    DeviceVector<float> dg(g);
+    std::vector<Message> cpu_out, gpu_out;
+    ASSERT_TRUE(cpu_keep.Compress(g.data(), ranges, &cpu_out).ok());
+    ASSERT_TRUE((*made_keep)->Compress(dg.get(), ranges, &gpu_out).ok()) << where;
+    const std::vector<float> delta = {0.5f, -1.25f, 3.0f, -0.1f};
+    cpu_keep.OnChanged(ranges[2].begin, changed, delta);
+    (*made_keep)->OnChanged(ranges[2].begin, changed, delta);
+    ASSERT_TRUE(DownloadGpuCompressorState(**made_keep, &residual, &velocity).ok());
+    EXPECT_EQ(residual, cpu_keep.residual()) << where << " partial_reset";
   }
 }
 

@@ -178,14 +178,24 @@ TEST_F(PsClientTest, WorksAgainstARealShard) {
   ASSERT_TRUE(ps->PullInitial(pulled.data()).ok());
   EXPECT_EQ(pulled, params);
   std::vector<uint32_t> changed;
-  ps->set_changed_callback(
-      [&](uint64_t, std::span<const uint32_t> keys) { changed.assign(keys.begin(), keys.end()); });
+  std::vector<float> delta = {42.0f};
+  ps->set_changed_callback([&](uint64_t, std::span<const uint32_t> keys, std::span<const float> d) {
+    changed.assign(keys.begin(), keys.end());
+    delta.assign(d.begin(), d.end());
+  });
   auto pushes = OnePush();
   Status s = ps->PushPull(0, pushes, pulled.data());
   ASSERT_TRUE(s.ok()) << s.ToString();
   EXPECT_EQ(pulled[3], 3.0f);  // 4 - lr * 1 / W
   EXPECT_EQ(changed, (std::vector<uint32_t>{3}));
+  EXPECT_EQ(delta, (std::vector<float>{-1.0f})) << "a sparse reply: new - old at the keys";
   EXPECT_EQ(ps->version(0), 1);
+  // A dense pull replaces the values wholesale: the keys that differ, and no delta.
+  pulled[5] = 100.0f;
+  ASSERT_TRUE(ps->PullDense(1, pulled.data()).ok());
+  EXPECT_EQ(pulled[5], 6.0f);
+  EXPECT_EQ(changed, (std::vector<uint32_t>{5}));
+  EXPECT_TRUE(delta.empty());
 }
 
 // train.overlap: backward: between pushes, Drain applies the replies that have come without
