@@ -28,6 +28,40 @@ TEST(CountSketch, SameSeedSameHashesOtherSeedOthers) {
   EXPECT_GT(differ, 4000);
 }
 
+// The bucket is ((a_j x + b_j) mod p) mod columns, p = 2^61 - 1, computed here with 128-bit
+// division and compared with Bucket's Barrett reduction (one conditional subtraction) and with
+// Estimate's incremental walk (a table whose cell c holds c), for column counts from 1 to 2^32 - 1
+// and keys up to 2^64 - 1.
+TEST(CountSketch, BucketIsTheDefinitionForEveryColumnCount) {
+  constexpr uint64_t kP = (uint64_t{1} << 61) - 1;
+  std::mt19937_64 rng(9);
+  for (uint32_t columns :
+       {1u, 2u, 3u, 7u, 16u, 1000u, 116'490u, 582'450u, (1u << 31) - 1, (1u << 31) + 11, ~0u}) {
+    const CountSketchHash h(3, columns, 5);
+    for (int t = 0; t < 20000; ++t) {
+      const uint64_t i = t < 10000 ? static_cast<uint64_t>(t) : rng();
+      for (uint32_t j = 0; j < 3; ++j) {
+        const unsigned __int128 lin =
+            (static_cast<unsigned __int128>(h.bucket_a()[j]) * (i % kP) + h.bucket_b()[j]) % kP;
+        ASSERT_EQ(h.Bucket(j, i), static_cast<uint32_t>(lin % columns))
+            << "columns " << columns << " row " << j << " key " << i;
+      }
+    }
+    if (columns > 1'000'000) continue;  // the table below holds every column
+    // Estimate with one row reads the cell each key hashes to: cell c holds c + 1.
+    const CountSketchHash one(1, columns, 5);
+    std::vector<float> table(columns);
+    for (uint32_t c = 0; c < columns; ++c) table[c] = static_cast<float>(c + 1);
+    const uint64_t begin = rng() % kP;
+    std::vector<float> est(3000);
+    one.Estimate(table.data(), begin, est.size(), est.data());
+    for (size_t t = 0; t < est.size(); ++t) {
+      ASSERT_EQ(est[t], one.Sign(0, begin + t) * static_cast<float>(one.Bucket(0, begin + t) + 1))
+          << "columns " << columns << " key " << begin + t;
+    }
+  }
+}
+
 // sketch(x + y) == sketch(x) + sketch(y) exactly when values are small integers in float.
 TEST(CountSketch, LinearityIsExactInIntegers) {
   const size_t n = 5000;
