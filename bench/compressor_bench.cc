@@ -76,7 +76,8 @@ BENCHMARK(BM_SbcCompress)->Arg(5'800'000)->Unit(benchmark::kMillisecond);
 
 // One server's round on range 0 of TwoRanges(n): Add the 4 workers' decoded pushes (made by the
 // encoding's compressor from 4 gradients, momentum 0.9), EndPhase, Apply. Args: n, and for the
-// sketch its rows, columns_per_k (the comparison's default: 5 rows x 10 k) and server_threads.
+// sketch its rows, columns_per_k (the comparison's default: 5 rows x 10 k), server_threads and
+// server_hash_cache_mb (0: the keys are hashed again every round).
 void ServerRound(benchmark::State& state, sparseps::proto::Encoding e) {
   const size_t n = static_cast<size_t>(state.range(0));
   sparseps::proto::JobConfig job;
@@ -88,6 +89,8 @@ void ServerRound(benchmark::State& state, sparseps::proto::Encoding e) {
         static_cast<double>(state.range(2)));
     job.mutable_compression()->mutable_sketch()->set_server_threads(
         static_cast<uint32_t>(state.range(3)));
+    job.mutable_compression()->mutable_sketch()->set_server_hash_cache_mb(
+        static_cast<uint32_t>(state.range(4)));
   }
   const auto ranges = TwoRanges(n);
   const sparseps::Codec* codec = sparseps::FindCodec(e);
@@ -125,12 +128,15 @@ void BM_TopKServerRound(benchmark::State& state) { ServerRound(state, sparseps::
 BENCHMARK(BM_TopKServerRound)->Arg(5'800'000)->Unit(benchmark::kMillisecond);
 void BM_SketchServerRound(benchmark::State& state) { ServerRound(state, sparseps::proto::SKETCH); }
 BENCHMARK(BM_SketchServerRound)
-    ->Args({5'800'000, 5, 10, 1})
-    ->Args({5'800'000, 5, 10, 2})
-    ->Args({5'800'000, 5, 2, 1})
-    ->Args({5'800'000, 5, 2, 2})
-    ->Args({5'800'000, 3, 2, 1})
-    ->Args({5'800'000, 3, 1, 1})
+    ->Args({5'800'000, 5, 10, 1, 256})
+    ->Args({5'800'000, 5, 10, 1, 0})
+    ->Args({5'800'000, 5, 10, 2, 256})
+    ->Args({5'800'000, 5, 2, 1, 256})
+    ->Args({5'800'000, 5, 2, 1, 0})
+    ->Args({5'800'000, 5, 2, 2, 256})
+    ->Args({5'800'000, 3, 2, 1, 256})
+    ->Args({5'800'000, 3, 2, 1, 0})
+    ->Args({5'800'000, 3, 1, 1, 256})
     ->Unit(benchmark::kMillisecond);
 
 }  // namespace

@@ -202,6 +202,12 @@ class SketchAggregation final : public ShardAggregation {
       columns_ += group_columns_.back();
     }
     sum_.assign(size_t{rows_} * columns_, 0.0f);
+    // The keys' hashes are kept when they fit server_hash_cache_mb (4 bytes per key and row).
+    bool fits = true;
+    for (uint32_t c : group_columns_) fits = fits && c < (uint32_t{1} << 31);
+    cache_cells_ = fits && static_cast<double>(rows_) * 4.0 * static_cast<double>(o.range.size()) <=
+                               o.compression.sketch().server_hash_cache_mb() * 1048576.0;
+    if (cache_cells_) cells_.resize(groups_.size());
     if (fetch_) {
       momentum_.assign(sum_.size(), 0.0f);
       error_.assign(sum_.size(), 0.0f);
@@ -278,33 +284,48 @@ class SketchAggregation final : public ShardAggregation {
     const kernels::CountSketchHash hash(rows_, group_columns_[g],
                                         options_.compression.sketch().seed());
     estimates_.resize(grp.size());
-    EstimateInParallel(hash, table, options_.range.begin + grp.begin, grp.size(),
-                       estimates_.data());
+    const uint64_t key_begin = options_.range.begin + grp.begin;
+    const uint32_t* cells = nullptr;
+    if (cache_cells_) {
+      // The first round hashes the group's keys once (server_hash_cache_mb); later ones read.
+      if (cells_[g].empty()) {
+        cells_[g].resize(size_t{rows_} * grp.size());
+        hash.Cells(key_begin, grp.size(), grp.size(), cells_[g].data());
+      }
+      cells = cells_[g].data();
+    }
+    EstimateInParallel(hash, table, key_begin, cells, grp.size(), estimates_.data());
     return hash;
   }
 
-  // hash.Estimate of n keys from key_begin into out, on threads_ threads (this one and
-  // threads_ - 1 more, each an equal slice of whole 1024-key blocks); each key's estimate is its
-  // own, so the result is the same for every thread count. Slices under 64K keys are not split.
+  // hash.Estimate of n keys from key_begin into out (from `cells`, the keys' hashes for rows of
+  // stride n, when not null), on threads_ threads (this one and threads_ - 1 more, each an equal
+  // slice of whole 1024-key blocks); each key's estimate is its own, so the result is the same
+  // for every thread count. Slices under 64K keys are not split.
   void EstimateInParallel(const kernels::CountSketchHash& hash, const float* table,
-                          uint64_t key_begin, size_t n, float* out) const {
+                          uint64_t key_begin, const uint32_t* cells, size_t n, float* out) const {
+    auto part = [&hash, table, key_begin, cells, n, out](size_t from, size_t len) {
+      if (cells != nullptr) {
+        hash.EstimateFromCells(table, cells + from, n, len, out + from);
+      } else {
+        hash.Estimate(table, key_begin + from, len, out + from);
+      }
+    };
     constexpr size_t kMinSlice = 64 * 1024, kBlock = 1024;
     const size_t parts = std::max<size_t>(1, std::min<size_t>(threads_, n / kMinSlice));
-    if (parts == 1) return hash.Estimate(table, key_begin, n, out);
+    if (parts == 1) return part(0, n);
     const size_t slice = (n / parts + kBlock - 1) / kBlock * kBlock;
     std::vector<std::thread> helpers;
     size_t begin = 0;
     for (size_t p = 1; p < parts && begin + slice < n; ++p, begin += slice) {
       const size_t from = begin;
       try {
-        helpers.emplace_back([&hash, table, key_begin, from, slice, out] {
-          hash.Estimate(table, key_begin + from, slice, out + from);
-        });
+        helpers.emplace_back([&part, from, slice] { part(from, slice); });
       } catch (const std::system_error&) {
-        hash.Estimate(table, key_begin + from, slice, out + from);  // no thread to be had
+        part(from, slice);  // no thread to be had
       }
     }
-    hash.Estimate(table, key_begin + begin, n - begin, out + begin);
+    part(begin, n - begin);
     for (auto& t : helpers) t.join();
   }
 
@@ -408,6 +429,9 @@ class SketchAggregation final : public ShardAggregation {
   std::vector<float> sum_;               // this iteration's summed tables, rows x columns_
   std::vector<float> momentum_, error_;  // FetchSGD's S_u and S_e
   std::vector<float> estimates_;
+  bool cache_cells_ = false;  // server_hash_cache_mb holds the keys' hashes
+  std::vector<std::vector<uint32_t>>
+      cells_;  // per group, rows x group size (CountSketchHash::Cells)
   std::vector<uint32_t> selected_;
   uint32_t phase_ = 0;                      // second round: 1 while exact values come in
   std::vector<uint32_t> candidates_;        // increasing, relative to the range

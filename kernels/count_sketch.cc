@@ -214,6 +214,48 @@ void CountSketchHash::InsertDense(const float* v, size_t n, uint64_t key_begin,
   }
 }
 
+namespace {
+
+// out[t] = the median over rows j < rows of vals[j * stride + t], t < len; with an even number of
+// rows the mean of the two middle values.
+void MedianPerKey(const float* vals, size_t stride, uint32_t rows, size_t len, float* out) {
+  if (rows == 1) {
+    std::copy(vals, vals + len, out);
+    return;
+  }
+  if (rows == 3 || rows == 5) {
+    MedianOfRows(vals, stride, rows, len, out);
+    return;
+  }
+  float v[32];
+  const uint32_t mid = rows / 2;
+  for (size_t t = 0; t < len; ++t) {
+    for (uint32_t j = 0; j < rows; ++j) v[j] = vals[size_t{j} * stride + t];
+    std::nth_element(v, v + mid, v + rows);
+    if (rows % 2 == 1) {
+      out[t] = v[mid];
+    } else {
+      const float upper = v[mid];
+      const float lower = *std::max_element(v, v + mid);
+      out[t] = 0.5f * (lower + upper);
+    }
+  }
+}
+
+// dst[t] = s_t * row[c_t] for t < len, where cells[t] = c_t and flips[t] is s_t as a float's sign
+// bit (0: +1, 0x80000000: -1); flipping the sign bit gives the same bits as multiplying by -1.
+inline void ReadCells(const float* row, const uint32_t* cells, const uint32_t* flips, size_t len,
+                      float* dst) {
+  for (size_t t = 0; t < len; ++t) {
+    uint32_t bits;
+    std::memcpy(&bits, row + cells[t], sizeof(bits));
+    bits ^= flips[t];
+    std::memcpy(dst + t, &bits, sizeof(bits));
+  }
+}
+
+}  // namespace
+
 void CountSketchHash::Estimate(const float* table, uint64_t key_begin, size_t n, float* out) const {
   // Row by row over blocks of keys, then the median per key. Each row's pass is split in two: the
   // hashes of the block's keys (RowWalker, arithmetic only) into `cells` (the columns) and
@@ -224,7 +266,6 @@ void CountSketchHash::Estimate(const float* table, uint64_t key_begin, size_t n,
   constexpr size_t kBlock = 1024;
   std::vector<float> signed_vals(size_t{rows_} * kBlock);
   uint32_t cells[kBlock], flips[kBlock];
-  float vals[32];
   for (size_t start = 0; start < n; start += kBlock) {
     const size_t len = std::min(kBlock, n - start);
     for (uint32_t j = 0; j < rows_; ++j) {
@@ -233,37 +274,38 @@ void CountSketchHash::Estimate(const float* table, uint64_t key_begin, size_t n,
         cells[t] = w.bucket();
         flips[t] = w.sign_bit();
       }
-      const float* row = table + size_t{j} * columns_;
-      float* dst = signed_vals.data() + size_t{j} * kBlock;
+      ReadCells(table + size_t{j} * columns_, cells, flips, len,
+                signed_vals.data() + size_t{j} * kBlock);
+    }
+    MedianPerKey(signed_vals.data(), kBlock, rows_, len, out + start);
+  }
+}
+
+void CountSketchHash::Cells(uint64_t key_begin, size_t n, size_t stride, uint32_t* out) const {
+  for (uint32_t j = 0; j < rows_; ++j) {
+    RowWalker w(bucket_a_[j], bucket_b_[j], &sign_c_[4 * size_t{j}], columns_, key_begin);
+    uint32_t* dst = out + size_t{j} * stride;
+    for (size_t t = 0; t < n; ++t, w.Next()) dst[t] = w.bucket() | w.sign_bit();
+  }
+}
+
+void CountSketchHash::EstimateFromCells(const float* table, const uint32_t* cells, size_t stride,
+                                        size_t n, float* out) const {
+  constexpr size_t kBlock = 1024;
+  std::vector<float> signed_vals(size_t{rows_} * kBlock);
+  uint32_t columns[kBlock], flips[kBlock];
+  for (size_t start = 0; start < n; start += kBlock) {
+    const size_t len = std::min(kBlock, n - start);
+    for (uint32_t j = 0; j < rows_; ++j) {
+      const uint32_t* c = cells + size_t{j} * stride + start;
       for (size_t t = 0; t < len; ++t) {
-        // s * x for s = +1 or -1 is x with its sign bit flipped or not: the same bits.
-        uint32_t bits;
-        std::memcpy(&bits, row + cells[t], sizeof(bits));
-        bits ^= flips[t];
-        std::memcpy(dst + t, &bits, sizeof(bits));
+        columns[t] = c[t] & 0x7fffffffu;
+        flips[t] = c[t] & 0x80000000u;
       }
+      ReadCells(table + size_t{j} * columns_, columns, flips, len,
+                signed_vals.data() + size_t{j} * kBlock);
     }
-    const float* r0 = signed_vals.data();
-    if (rows_ == 1) {
-      std::copy(r0, r0 + len, out + start);
-      continue;
-    }
-    if (rows_ == 3 || rows_ == 5) {
-      MedianOfRows(r0, kBlock, rows_, len, out + start);
-      continue;
-    }
-    for (size_t t = 0; t < len; ++t) {
-      for (uint32_t j = 0; j < rows_; ++j) vals[j] = signed_vals[size_t{j} * kBlock + t];
-      const uint32_t mid = rows_ / 2;
-      std::nth_element(vals, vals + mid, vals + rows_);
-      if (rows_ % 2 == 1) {
-        out[start + t] = vals[mid];
-      } else {
-        const float upper = vals[mid];
-        const float lower = *std::max_element(vals, vals + mid);
-        out[start + t] = 0.5f * (lower + upper);
-      }
-    }
+    MedianPerKey(signed_vals.data(), kBlock, rows_, len, out + start);
   }
 }
 

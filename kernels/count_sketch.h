@@ -42,6 +42,16 @@ class CountSketchHash {
   // With an even number of rows the mean of the two middle values.
   void Estimate(const float* table, uint64_t key_begin, size_t n, float* out) const;
 
+  // Estimate in two halves, for a caller that estimates the same keys every round (a server's
+  // recovery): Cells writes, for keys key_begin + t (t < n) and each row j, the column with the
+  // sign in bit 31 (set for -1) to out[j * stride + t]; EstimateFromCells then gives Estimate's
+  // result, bitwise, from those cells and a table, without hashing. The cells take 4 bytes per
+  // key and row. REQUIRES: columns() < 2^31 (fits_cells()), stride >= n.
+  bool fits_cells() const { return columns_ < (uint32_t{1} << 31); }
+  void Cells(uint64_t key_begin, size_t n, size_t stride, uint32_t* out) const;
+  void EstimateFromCells(const float* table, const uint32_t* cells, size_t stride, size_t n,
+                         float* out) const;
+
   // The hash coefficients (for the GPU twin, kernels/cuda/gpu_kernels.h GpuCountSketch): per row
   // a_j and b_j of the bucket hash, and c_j0..c_j3 of the sign polynomial (4 per row).
   const std::vector<uint64_t>& bucket_a() const { return bucket_a_; }

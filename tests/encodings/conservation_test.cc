@@ -10,6 +10,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/key_range.h"
@@ -496,9 +497,10 @@ TEST(FetchSgd, ServerErrorSketchAppliesEverythingPushed) {
   for (size_t i = 0; i < kParams; ++i) ASSERT_EQ(-shard.params()[i], grad_sum[i]) << i;
 }
 
-// compression.sketch.server_threads: the servers' recovery split over threads gives bitwise the
-// same heavy hitters, applied values and second-round candidates as one thread, with fusion
-// groups and with one group per range (400K keys: slices of at least 64K keys are split).
+// compression.sketch.server_threads and server_hash_cache_mb: the servers' recovery split over
+// threads, from the keys' kept hashes or hashing again, gives bitwise the same heavy hitters,
+// applied values and second-round candidates as one thread, with fusion groups and with one group
+// per range (400K keys: slices of at least 64K keys are split), in two rounds.
 TEST(SketchServerThreads, RecoveryIsTheSameForEveryThreadCount) {
   constexpr size_t kParams = 400'000;
   const KeyRange range{1000, 1000 + kParams};  // not at key 0: the slices hash global keys
@@ -522,28 +524,35 @@ TEST(SketchServerThreads, RecoveryIsTheSameForEveryThreadCount) {
       }
       std::vector<std::vector<float>> params;
       std::vector<std::vector<uint32_t>> changed, candidates;
-      for (uint32_t threads : {1u, 4u, 3u}) {
+      // (threads, server_hash_cache_mb): the first with the keys' hashes kept, the last two
+      // hashing every round.
+      for (auto [threads, cache_mb] : std::vector<std::pair<uint32_t, uint32_t>>{
+               {1, 256}, {4, 256}, {3, 256}, {1, 0}, {4, 0}}) {
         cfg.mutable_sketch()->set_server_threads(threads);
+        cfg.mutable_sketch()->set_server_hash_cache_mb(cache_mb);
         auto agg = MakeShardAggregation({range, cfg, 0.0});
-        for (const auto& p : sketches) agg->Add(p);
         std::vector<uint32_t> keys;
-        std::vector<float> estimates;
-        if (!agg->EndPhase()) {
-          agg->Candidates(&keys, &estimates);
-          // The exact values: 1 at every candidate from each worker.
-          const std::vector<float> ones(keys.size(), 1.0f);
-          DecodedPayload exact;
-          exact.encoding = proto::TOPK;
-          exact.indices = keys;
-          exact.values = ones;
-          for (int w = 0; w < 3; ++w) agg->Add(exact);
-          ASSERT_TRUE(agg->EndPhase());
-        }
         std::vector<float> p(range.size(), 0.0f);
         std::vector<uint32_t> c;
-        bool all = false;
-        agg->Apply(-0.5f, &p, &c, &all);
-        ASSERT_FALSE(c.empty());
+        // Two rounds: the second reads the hashes the first kept.
+        for (int round = 0; round < 2; ++round) {
+          for (const auto& s : sketches) agg->Add(s);
+          std::vector<float> estimates;
+          if (!agg->EndPhase()) {
+            agg->Candidates(&keys, &estimates);
+            // The exact values: 1 at every candidate from each worker.
+            const std::vector<float> ones(keys.size(), 1.0f);
+            DecodedPayload exact;
+            exact.encoding = proto::TOPK;
+            exact.indices = keys;
+            exact.values = ones;
+            for (int w = 0; w < 3; ++w) agg->Add(exact);
+            ASSERT_TRUE(agg->EndPhase());
+          }
+          bool all = false;
+          agg->Apply(-0.5f, &p, &c, &all);
+          ASSERT_FALSE(c.empty());
+        }
         params.push_back(std::move(p));
         changed.push_back(std::move(c));
         candidates.push_back(std::move(keys));

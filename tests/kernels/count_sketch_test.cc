@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <set>
 #include <vector>
@@ -60,6 +61,35 @@ TEST(CountSketch, BucketIsTheDefinitionForEveryColumnCount) {
           << "columns " << columns << " key " << begin + t;
     }
   }
+}
+
+// EstimateFromCells with the cells of Cells is Estimate, bitwise, for every row count (the
+// median network of 3 and 5, nth_element otherwise, the mean of two for even counts), with
+// negative zeros in the table, for a slice of keys off block boundaries and a stride longer than
+// the slice.
+TEST(CountSketch, EstimateFromCellsIsEstimate) {
+  std::mt19937 rng(12);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (uint32_t rows : {1u, 2u, 3u, 4u, 5u, 7u}) {
+    const CountSketchHash h(rows, 3001, 17);
+    ASSERT_TRUE(h.fits_cells());
+    std::vector<float> table(h.table_size());
+    for (auto& x : table) x = normal(rng);
+    for (size_t c = 0; c < table.size(); c += 13) table[c] = -0.0f;
+    const uint64_t begin = 123'456'789;
+    const size_t n = 5000, stride = 5003;
+    std::vector<uint32_t> cells(rows * stride);
+    h.Cells(begin, n, stride, cells.data());
+    std::vector<float> want(n), got(n);
+    h.Estimate(table.data(), begin, n, want.data());
+    h.EstimateFromCells(table.data(), cells.data(), stride, n, got.data());
+    ASSERT_EQ(std::memcmp(want.data(), got.data(), n * sizeof(float)), 0) << rows << " rows";
+    // A slice from key 1000 on, as a server's thread reads it.
+    h.Estimate(table.data(), begin + 1000, 2500, want.data());
+    h.EstimateFromCells(table.data(), cells.data() + 1000, stride, 2500, got.data());
+    ASSERT_EQ(std::memcmp(want.data(), got.data(), 2500 * sizeof(float)), 0) << rows << " rows";
+  }
+  EXPECT_FALSE(CountSketchHash(1, 1u << 31, 1).fits_cells());
 }
 
 // sketch(x + y) == sketch(x) + sketch(y) exactly when values are small integers in float.
