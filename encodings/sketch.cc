@@ -430,8 +430,9 @@ class SketchAggregation final : public ShardAggregation {
   std::vector<float> momentum_, error_;  // FetchSGD's S_u and S_e
   std::vector<float> estimates_;
   bool cache_cells_ = false;  // server_hash_cache_mb holds the keys' hashes
-  std::vector<std::vector<uint32_t>>
-      cells_;  // per group, rows x group size (CountSketchHash::Cells)
+  // The keys' hashes per group, rows x group size (CountSketchHash::Cells); filled in the first
+  // round when cache_cells_.
+  std::vector<std::vector<uint32_t>> cells_;
   std::vector<uint32_t> selected_;
   uint32_t phase_ = 0;                      // second round: 1 while exact values come in
   std::vector<uint32_t> candidates_;        // increasing, relative to the range
