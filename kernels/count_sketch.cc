@@ -254,6 +254,31 @@ inline void ReadCells(const float* row, const uint32_t* cells, const uint32_t* f
   }
 }
 
+// dst[t] = s_t * row[c_t] for the packed cells of CountSketchHash::Cells: c_t in bits 0-30, the
+// sign in bit 31 (set for -1).
+inline void ReadPackedCells(const float* row, const uint32_t* cells, size_t len, float* dst) {
+  for (size_t t = 0; t < len; ++t) {
+    uint32_t bits;
+    std::memcpy(&bits, row + (cells[t] & 0x7fffffffu), sizeof(bits));
+    bits ^= cells[t] & 0x80000000u;
+    std::memcpy(dst + t, &bits, sizeof(bits));
+  }
+}
+
+// The estimates of n keys into out, by blocks of 1024 keys: read_row(j, start, len, dst) writes
+// the signed cell values of row j for keys start .. start + len - 1 into dst; then the median per
+// key.
+template <typename ReadRow>
+void EstimateByBlocks(uint32_t rows, size_t n, float* out, ReadRow&& read_row) {
+  constexpr size_t kBlock = 1024;
+  std::vector<float> signed_vals(size_t{rows} * kBlock);
+  for (size_t start = 0; start < n; start += kBlock) {
+    const size_t len = std::min(kBlock, n - start);
+    for (uint32_t j = 0; j < rows; ++j) read_row(j, start, len, signed_vals.data() + j * kBlock);
+    MedianPerKey(signed_vals.data(), kBlock, rows, len, out + start);
+  }
+}
+
 }  // namespace
 
 void CountSketchHash::Estimate(const float* table, uint64_t key_begin, size_t n, float* out) const {
@@ -263,22 +288,15 @@ void CountSketchHash::Estimate(const float* table, uint64_t key_begin, size_t n,
   // are random over a table of megabytes (an L3 hit or a miss each); with no arithmetic between
   // them the core keeps many in flight, where the fused loop waited on about one at a time (perf:
   // two thirds of Estimate's samples on the read).
-  constexpr size_t kBlock = 1024;
-  std::vector<float> signed_vals(size_t{rows_} * kBlock);
-  uint32_t cells[kBlock], flips[kBlock];
-  for (size_t start = 0; start < n; start += kBlock) {
-    const size_t len = std::min(kBlock, n - start);
-    for (uint32_t j = 0; j < rows_; ++j) {
-      RowWalker w(bucket_a_[j], bucket_b_[j], &sign_c_[4 * size_t{j}], columns_, key_begin + start);
-      for (size_t t = 0; t < len; ++t, w.Next()) {
-        cells[t] = w.bucket();
-        flips[t] = w.sign_bit();
-      }
-      ReadCells(table + size_t{j} * columns_, cells, flips, len,
-                signed_vals.data() + size_t{j} * kBlock);
+  uint32_t cells[1024], flips[1024];
+  EstimateByBlocks(rows_, n, out, [&](uint32_t j, size_t start, size_t len, float* dst) {
+    RowWalker w(bucket_a_[j], bucket_b_[j], &sign_c_[4 * size_t{j}], columns_, key_begin + start);
+    for (size_t t = 0; t < len; ++t, w.Next()) {
+      cells[t] = w.bucket();
+      flips[t] = w.sign_bit();
     }
-    MedianPerKey(signed_vals.data(), kBlock, rows_, len, out + start);
-  }
+    ReadCells(table + size_t{j} * columns_, cells, flips, len, dst);
+  });
 }
 
 void CountSketchHash::Cells(uint64_t key_begin, size_t n, size_t stride, uint32_t* out) const {
@@ -291,22 +309,9 @@ void CountSketchHash::Cells(uint64_t key_begin, size_t n, size_t stride, uint32_
 
 void CountSketchHash::EstimateFromCells(const float* table, const uint32_t* cells, size_t stride,
                                         size_t n, float* out) const {
-  constexpr size_t kBlock = 1024;
-  std::vector<float> signed_vals(size_t{rows_} * kBlock);
-  uint32_t columns[kBlock], flips[kBlock];
-  for (size_t start = 0; start < n; start += kBlock) {
-    const size_t len = std::min(kBlock, n - start);
-    for (uint32_t j = 0; j < rows_; ++j) {
-      const uint32_t* c = cells + size_t{j} * stride + start;
-      for (size_t t = 0; t < len; ++t) {
-        columns[t] = c[t] & 0x7fffffffu;
-        flips[t] = c[t] & 0x80000000u;
-      }
-      ReadCells(table + size_t{j} * columns_, columns, flips, len,
-                signed_vals.data() + size_t{j} * kBlock);
-    }
-    MedianPerKey(signed_vals.data(), kBlock, rows_, len, out + start);
-  }
+  EstimateByBlocks(rows_, n, out, [&](uint32_t j, size_t start, size_t len, float* dst) {
+    ReadPackedCells(table + size_t{j} * columns_, cells + size_t{j} * stride + start, len, dst);
+  });
 }
 
 }  // namespace sparseps::kernels
