@@ -99,6 +99,22 @@ std::vector<Case> Cases() {
   return cases;
 }
 
+// One ShardServer per range for W workers, lr = W (so a change is the sum of what was
+// applied), momentum 0, initialised to zeros.
+void StartShards(const std::vector<KeyRange>& ranges, int W, const proto::CompressionConfig& cfg,
+                 std::vector<std::unique_ptr<ShardServer>>* shards) {
+  for (size_t s = 0; s < ranges.size(); ++s) {
+    shards->push_back(std::make_unique<ShardServer>(
+        ShardOptions{ranges[s], static_cast<int>(s), W, static_cast<double>(W), cfg, 0.0}));
+    ASSERT_EQ(testing::Deliver(
+                  *shards->back(),
+                  testing::InitMessage(ranges[s], std::vector<float>(ranges[s].size(), 0.0f)))
+                  .at(0)
+                  .msg.header.command(),
+              proto::INIT_ACK);
+  }
+}
+
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
 class Conservation : public ::testing::TestWithParam<Case> {};
@@ -112,16 +128,7 @@ TEST_P(Conservation, AppliedPlusResidualsEqualsPushed) {
   const auto ranges = SplitKeyRanges(kParams, 2);
   const int W = c.workers;
   std::vector<std::unique_ptr<ShardServer>> shards;
-  for (size_t s = 0; s < ranges.size(); ++s) {
-    shards.push_back(std::make_unique<ShardServer>(ShardOptions{
-        ranges[s], static_cast<int>(s), W, /*lr=*/static_cast<double>(W), c.config, 0.0}));
-    ASSERT_EQ(
-        testing::Deliver(
-            *shards[s], testing::InitMessage(ranges[s], std::vector<float>(ranges[s].size(), 0.0f)))
-            .at(0)
-            .msg.header.command(),
-        proto::INIT_ACK);
-  }
+  ASSERT_NO_FATAL_FAILURE(StartShards(ranges, W, c.config, &shards));
   proto::JobConfig job;
   *job.mutable_compression() = c.config;
   job.mutable_train()->set_momentum(0.0);
@@ -287,16 +294,7 @@ TEST(SketchSecondRound, ConservationIsExactDespiteCollisions) {
   cfg.mutable_sketch()->set_second_round(true);
   cfg.mutable_sketch()->set_fusion_group_size(100);
   std::vector<std::unique_ptr<ShardServer>> shards;
-  for (size_t s = 0; s < ranges.size(); ++s) {
-    shards.push_back(std::make_unique<ShardServer>(
-        ShardOptions{ranges[s], static_cast<int>(s), W, static_cast<double>(W), cfg, 0.0}));
-    ASSERT_EQ(
-        testing::Deliver(
-            *shards[s], testing::InitMessage(ranges[s], std::vector<float>(ranges[s].size(), 0.0f)))
-            .at(0)
-            .msg.header.command(),
-        proto::INIT_ACK);
-  }
+  ASSERT_NO_FATAL_FAILURE(StartShards(ranges, W, cfg, &shards));
   std::vector<std::unique_ptr<SketchCompressor>> workers;
   for (int w = 0; w < W; ++w)
     workers.push_back(
@@ -382,16 +380,7 @@ TEST(SketchPartialReset, TakesTheAppliedShareAndLosesLessThanTheErrorReset) {
     cfg.mutable_sketch()->set_truncate_factor(3);
     cfg.mutable_sketch()->set_partial_reset(partial);
     std::vector<std::unique_ptr<ShardServer>> shards;
-    for (size_t s = 0; s < ranges.size(); ++s) {
-      shards.push_back(std::make_unique<ShardServer>(
-          ShardOptions{ranges[s], static_cast<int>(s), W, static_cast<double>(W), cfg, 0.0}));
-      ASSERT_EQ(
-          testing::Deliver(*shards[s], testing::InitMessage(
-                                           ranges[s], std::vector<float>(ranges[s].size(), 0.0f)))
-              .at(0)
-              .msg.header.command(),
-          proto::INIT_ACK);
-    }
+    ASSERT_NO_FATAL_FAILURE(StartShards(ranges, W, cfg, &shards));
     std::vector<std::unique_ptr<SketchCompressor>> workers;
     for (int w = 0; w < W; ++w) {
       workers.push_back(
