@@ -122,6 +122,7 @@ void ServerRound(benchmark::State& state, sparseps::proto::Encoding e) {
     benchmark::DoNotOptimize(changed.data());
   }
   state.counters["applied"] = static_cast<double>(changed.size());
+  state.counters["estimated"] = static_cast<double>(aggregation->last_estimated());
   state.counters["push_bytes"] = static_cast<double>(pushes[0].WireBytes());
 }
 void BM_TopKServerRound(benchmark::State& state) { ServerRound(state, sparseps::proto::TOPK); }

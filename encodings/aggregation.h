@@ -62,6 +62,10 @@ class ShardAggregation {
   // per-iteration sums are empty then). Default: nothing.
   virtual void State(StateArchive& archive) {}
 
+  // The sketch's recovery: how many keys the last Apply (or the second round's pick of the
+  // candidates) estimated in full; 0 for the other encodings. For tests and benchmarks.
+  virtual uint64_t last_estimated() const { return 0; }
+
   // What the shard holds back across iterations (compression.server_topk's residual), empty
   // when nothing; for tests.
   virtual const std::vector<float>& residual() const { return empty_; }

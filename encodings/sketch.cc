@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <system_error>
 #include <thread>
 
@@ -259,6 +260,7 @@ class SketchAggregation final : public ShardAggregation {
   }
 
   uint32_t phase() const override { return phase_; }
+  uint64_t last_estimated() const override { return last_estimated_; }
   bool second_round() const override { return second_round_; }
 
   void Candidates(std::vector<uint32_t>* keys, std::vector<float>* estimates) const override {
@@ -277,76 +279,181 @@ class SketchAggregation final : public ShardAggregation {
   }
 
  private:
-  // The median estimates of group g's keys from its table (which starts at `table`) into
-  // estimates_; returns the group's hash.
-  kernels::CountSketchHash EstimateGroup(size_t g, const float* table) {
+  // The `want` largest estimates of group g from its table (which starts at `table`): their keys
+  // (relative to the group, increasing) into selected_ and their estimates into selected_est_;
+  // returns the group's hash. The result is that of the top `want` of every key's estimate
+  // (kernels::TopKAbs, ties towards lower keys); how it is found:
+  // - a sample (every 64th block of 1024 keys, at least 16 blocks; groups of 256K keys or more)
+  //   gives a magnitude T that about 1.5 want estimates reach;
+  // - when few of the table's cells reach T, only the keys that have ceil(rows / 2) such cells
+  //   are estimated (CountSketchHash::EstimateCandidates): every estimate >= T is among them;
+  // - if fewer than `want` of those reach T (the sample misled), or the table is too full for
+  //   the cells to tell keys apart, every key is estimated.
+  kernels::CountSketchHash TopEstimates(size_t g, const float* table, size_t want) {
     const KeyRange& grp = groups_[g];
+    const size_t n = grp.size();
     const kernels::CountSketchHash hash(rows_, group_columns_[g],
                                         options_.compression.sketch().seed());
-    estimates_.resize(grp.size());
     const uint64_t key_begin = options_.range.begin + grp.begin;
     const uint32_t* cells = nullptr;
     if (cache_cells_) {
       // The first round hashes the group's keys once (server_hash_cache_mb); later ones read.
       if (cells_[g].empty()) {
-        cells_[g].resize(size_t{rows_} * grp.size());
-        hash.Cells(key_begin, grp.size(), grp.size(), cells_[g].data());
+        cells_[g].resize(size_t{rows_} * n);
+        hash.Cells(key_begin, n, n, cells_[g].data());
       }
       cells = cells_[g].data();
     }
-    EstimateInParallel(hash, table, key_begin, cells, grp.size(), estimates_.data());
+    want = std::min(want, n);
+    const float threshold =
+        hash.fits_cells() ? SampledThreshold(hash, table, key_begin, cells, n, want) : 0.0f;
+    if (threshold > 0.0f && FewHeavyCells(table, hash.table_size(), threshold)) {
+      const size_t found = CandidatesInParallel(hash, table, key_begin, cells, n, threshold);
+      size_t reach = 0;
+      for (size_t q = 0; q < found; ++q) reach += std::fabs(candidate_est_[q]) >= threshold;
+      if (reach >= want) {
+        last_estimated_ += found;
+        std::vector<uint32_t> top(want);
+        top.resize(kernels::TopKAbs(candidate_est_.data(), found, want, top.data()));
+        selected_.resize(top.size());
+        selected_est_.resize(top.size());
+        for (size_t q = 0; q < top.size(); ++q) {
+          selected_[q] = candidate_keys_[top[q]];
+          selected_est_[q] = candidate_est_[top[q]];
+        }
+        return hash;
+      }
+    }
+    last_estimated_ += n;
+    estimates_.resize(n);
+    EstimateInParallel(hash, table, key_begin, cells, n, estimates_.data());
+    selected_.resize(want);
+    selected_.resize(kernels::TopKAbs(estimates_.data(), n, want, selected_.data()));
+    selected_est_.resize(selected_.size());
+    for (size_t q = 0; q < selected_.size(); ++q) selected_est_[q] = estimates_[selected_[q]];
     return hash;
   }
 
+  // A magnitude that about 1.5 `want` of the n estimates reach, from the estimates of a sample of
+  // blocks of 1024 keys; 0 when the group is under 256K keys or `want` over n / 16.
+  float SampledThreshold(const kernels::CountSketchHash& hash, const float* table,
+                         uint64_t key_begin, const uint32_t* cells, size_t n, size_t want) {
+    constexpr size_t kBlock = 1024;
+    if (n < 256 * kBlock || want > n / 16) return 0.0f;
+    // Every 64th block, or every 16th of smaller groups (at least 16 blocks).
+    const size_t every = std::min<size_t>(64, n / kBlock / 16);
+    sample_.clear();
+    for (size_t start = 0; start + kBlock <= n; start += every * kBlock) {
+      const size_t at = sample_.size();
+      sample_.resize(at + kBlock);
+      if (cells != nullptr) {
+        hash.EstimateFromCells(table, cells + start, n, kBlock, sample_.data() + at);
+      } else {
+        hash.Estimate(table, key_begin + start, kBlock, sample_.data() + at);
+      }
+    }
+    // The rank that 1.5 want of n keys would hold in the sample; too few for a quantile: no
+    // filter.
+    const double rank = 1.5 * static_cast<double>(want) * static_cast<double>(sample_.size()) /
+                        static_cast<double>(n);
+    if (rank < 16.0 || rank >= static_cast<double>(sample_.size())) return 0.0f;
+    for (float& x : sample_) x = std::fabs(x);
+    const auto nth = sample_.begin() + static_cast<std::ptrdiff_t>(rank);
+    std::nth_element(sample_.begin(), nth, sample_.end(), std::greater<float>());
+    return *nth;
+  }
+
+  // True when at most 2/5 of the table's cells reach `threshold`: then a key without a true
+  // heavy hitter has ceil(rows / 2) such cells rarely enough for the filter to pay.
+  static bool FewHeavyCells(const float* table, size_t cells, float threshold) {
+    size_t heavy = 0;
+    for (size_t x = 0; x < cells; ++x) heavy += std::fabs(table[x]) >= threshold;
+    return heavy * 5 <= cells * 2;
+  }
+
+  // fn(part, from, len) on threads_ threads (this one and threads_ - 1 more), each an equal slice
+  // of whole 1024-key blocks of n keys; returns the number of parts. Slices under 64K keys are
+  // not split.
+  template <typename Fn>
+  size_t InParallel(size_t n, Fn&& fn) const {
+    constexpr size_t kMinSlice = 64 * 1024, kBlock = 1024;
+    const size_t parts = std::max<size_t>(1, std::min<size_t>(threads_, n / kMinSlice));
+    if (parts == 1) {
+      fn(size_t{0}, size_t{0}, n);
+      return 1;
+    }
+    const size_t slice = (n / parts + kBlock - 1) / kBlock * kBlock;
+    std::vector<std::thread> helpers;
+    size_t begin = 0, part = 0;
+    for (size_t p = 1; p < parts && begin + slice < n; ++p, begin += slice, ++part) {
+      const size_t from = begin, index = part;
+      try {
+        helpers.emplace_back([&fn, index, from, slice] { fn(index, from, slice); });
+      } catch (const std::system_error&) {
+        fn(index, from, slice);  // no thread to be had
+      }
+    }
+    fn(part, begin, n - begin);
+    for (auto& t : helpers) t.join();
+    return part + 1;
+  }
+
   // hash.Estimate of n keys from key_begin into out (from `cells`, the keys' hashes for rows of
-  // stride n, when not null), on threads_ threads (this one and threads_ - 1 more, each an equal
-  // slice of whole 1024-key blocks); each key's estimate is its own, so the result is the same
-  // for every thread count. Slices under 64K keys are not split.
+  // stride n, when not null), on threads_ threads; each key's estimate is its own, so the result
+  // is the same for every thread count.
   void EstimateInParallel(const kernels::CountSketchHash& hash, const float* table,
                           uint64_t key_begin, const uint32_t* cells, size_t n, float* out) const {
-    auto part = [&hash, table, key_begin, cells, n, out](size_t from, size_t len) {
+    InParallel(n, [&hash, table, key_begin, cells, n, out](size_t, size_t from, size_t len) {
       if (cells != nullptr) {
         hash.EstimateFromCells(table, cells + from, n, len, out + from);
       } else {
         hash.Estimate(table, key_begin + from, len, out + from);
       }
-    };
-    constexpr size_t kMinSlice = 64 * 1024, kBlock = 1024;
-    const size_t parts = std::max<size_t>(1, std::min<size_t>(threads_, n / kMinSlice));
-    if (parts == 1) return part(0, n);
-    const size_t slice = (n / parts + kBlock - 1) / kBlock * kBlock;
-    std::vector<std::thread> helpers;
-    size_t begin = 0;
-    for (size_t p = 1; p < parts && begin + slice < n; ++p, begin += slice) {
-      const size_t from = begin;
-      try {
-        helpers.emplace_back([&part, from, slice] { part(from, slice); });
-      } catch (const std::system_error&) {
-        part(from, slice);  // no thread to be had
+    });
+  }
+
+  // hash.EstimateCandidates of n keys on threads_ threads, into candidate_keys_ and
+  // candidate_est_ (keys increasing, as one thread gives them); returns how many.
+  size_t CandidatesInParallel(const kernels::CountSketchHash& hash, const float* table,
+                              uint64_t key_begin, const uint32_t* cells, size_t n,
+                              float threshold) {
+    candidate_keys_.resize(n);
+    candidate_est_.resize(n);
+    std::vector<size_t> from_of(threads_ + 1), found_of(threads_ + 1);
+    const size_t parts = InParallel(n, [&](size_t part, size_t from, size_t len) {
+      from_of[part] = from;
+      found_of[part] = hash.EstimateCandidates(
+          table, key_begin + from, cells == nullptr ? nullptr : cells + from, n, len, threshold,
+          candidate_keys_.data() + from, candidate_est_.data() + from);
+    });
+    // Each part wrote its keys (relative to its slice) at its slice's start: close the gaps.
+    size_t found = 0;
+    for (size_t p = 0; p < parts; ++p) {
+      const size_t from = from_of[p];
+      for (size_t q = 0; q < found_of[p]; ++q) {
+        candidate_keys_[found + q] = static_cast<uint32_t>(from + candidate_keys_[from + q]);
+        candidate_est_[found + q] = candidate_est_[from + q];
       }
+      found += found_of[p];
     }
-    part(begin, n - begin);
-    for (auto& t : helpers) t.join();
+    return found;
   }
 
   // The top candidates_factor * k estimates of each group become the candidates.
   void PickCandidates() {
     const float* table = sum_.data();
+    last_estimated_ = 0;
     candidates_.clear();
     candidate_estimates_.clear();
     for (size_t g = 0; g < groups_.size(); ++g) {
       const KeyRange& grp = groups_[g];
-      const kernels::CountSketchHash hash = EstimateGroup(g, table);
-      table += hash.table_size();
-      const size_t want = std::min<size_t>(
-          grp.size(), static_cast<size_t>(std::ceil(
-                          options_.compression.sketch().candidates_factor() *
-                          static_cast<double>(SketchK(options_.compression, grp.size())))));
-      selected_.resize(want);
-      selected_.resize(kernels::TopKAbs(estimates_.data(), grp.size(), want, selected_.data()));
-      for (uint32_t j : selected_) {
-        candidates_.push_back(static_cast<uint32_t>(grp.begin + j));
-        candidate_estimates_.push_back(estimates_[j]);
+      const size_t want = static_cast<size_t>(
+          std::ceil(options_.compression.sketch().candidates_factor() *
+                    static_cast<double>(SketchK(options_.compression, grp.size()))));
+      table += TopEstimates(g, table, want).table_size();
+      for (size_t q = 0; q < selected_.size(); ++q) {
+        candidates_.push_back(static_cast<uint32_t>(grp.begin + selected_[q]));
+        candidate_estimates_.push_back(selected_est_[q]);
       }
     }
     std::fill(sum_.begin(), sum_.end(), 0.0f);
@@ -390,16 +497,15 @@ class SketchAggregation final : public ShardAggregation {
     }
     float* table = fetch_ ? error_.data() : sum_.data();
     changed->clear();
+    last_estimated_ = 0;
     for (size_t g = 0; g < groups_.size(); ++g) {
       const KeyRange& grp = groups_[g];
-      const kernels::CountSketchHash hash = EstimateGroup(g, table);
-      selected_.resize(SketchK(options_.compression, grp.size()));
-      selected_.resize(
-          kernels::TopKAbs(estimates_.data(), grp.size(), selected_.size(), selected_.data()));
-      for (uint32_t j : selected_) {
-        if (estimates_[j] == 0.0f) continue;
-        const size_t i = grp.begin + j;
-        (*params)[i] += scale * estimates_[j];
+      const kernels::CountSketchHash hash =
+          TopEstimates(g, table, SketchK(options_.compression, grp.size()));
+      for (size_t q = 0; q < selected_.size(); ++q) {
+        if (selected_est_[q] == 0.0f) continue;
+        const size_t i = grp.begin + selected_[q];
+        (*params)[i] += scale * selected_est_[q];
         changed->push_back(static_cast<uint32_t>(i));
       }
       if (fetch_) {
@@ -426,10 +532,15 @@ class SketchAggregation final : public ShardAggregation {
   std::vector<KeyRange> groups_;
   std::vector<uint32_t> group_columns_;
   uint64_t columns_ = 0;
-  std::vector<float> sum_;               // this iteration's summed tables, rows x columns_
-  std::vector<float> momentum_, error_;  // FetchSGD's S_u and S_e
-  std::vector<float> estimates_;
-  bool cache_cells_ = false;  // server_hash_cache_mb holds the keys' hashes
+  std::vector<float> sum_;                // this iteration's summed tables, rows x columns_
+  std::vector<float> momentum_, error_;   // FetchSGD's S_u and S_e
+  std::vector<float> estimates_;          // every key's estimate (when the filter is not used)
+  std::vector<float> sample_;             // SampledThreshold's estimates
+  std::vector<uint32_t> candidate_keys_;  // EstimateCandidates' keys and estimates
+  std::vector<float> candidate_est_;
+  std::vector<float> selected_est_;  // the estimates at selected_
+  uint64_t last_estimated_ = 0;      // keys estimated in the last recovery
+  bool cache_cells_ = false;         // server_hash_cache_mb holds the keys' hashes
   // The keys' hashes per group, rows x group size (CountSketchHash::Cells); filled in the first
   // round when cache_cells_.
   std::vector<std::vector<uint32_t>> cells_;

@@ -1,6 +1,7 @@
 #include "kernels/count_sketch.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -109,8 +110,11 @@ void MedianOfRows(const float* rows, size_t stride, uint32_t num_rows, size_t le
     }
   }
 #endif
-  auto mn = [](float x, float y) { return y < x ? y : x; };
-  auto mx = [](float x, float y) { return x < y ? y : x; };
+  // As minps and maxps (x < y ? x : y, x > y ? x : y: the second of two equal values, so of +0
+  // and -0 the same one as the SSE lanes), so that a key's median does not depend on whether it
+  // falls in a group of 4 or the tail.
+  auto mn = [](float x, float y) { return x < y ? x : y; };
+  auto mx = [](float x, float y) { return x > y ? x : y; };
   for (; t < len; ++t) {
     if (num_rows == 3) {
       out[t] = mx(mn(r0[t], r1[t]), mn(mx(r0[t], r1[t]), r2[t]));
@@ -312,6 +316,66 @@ void CountSketchHash::EstimateFromCells(const float* table, const uint32_t* cell
   EstimateByBlocks(rows_, n, out, [&](uint32_t j, size_t start, size_t len, float* dst) {
     ReadPackedCells(table + size_t{j} * columns_, cells + size_t{j} * stride + start, len, dst);
   });
+}
+
+size_t CountSketchHash::EstimateCandidates(const float* table, uint64_t key_begin,
+                                           const uint32_t* cells, size_t stride, size_t n,
+                                           float threshold, uint32_t* keys, float* est) const {
+  // heavy: bit c of row j set when |table[j][c]| >= threshold.
+  const size_t words = (size_t{columns_} + 63) / 64;
+  std::vector<uint64_t> heavy(size_t{rows_} * words, 0);
+  for (uint32_t j = 0; j < rows_; ++j) {
+    const float* row = table + size_t{j} * columns_;
+    uint64_t* bits = heavy.data() + size_t{j} * words;
+    for (uint32_t c = 0; c < columns_; ++c) {
+      bits[c >> 6] |= uint64_t{std::fabs(row[c]) >= threshold} << (c & 63);
+    }
+  }
+  const uint32_t need = (rows_ + 1) / 2;
+  constexpr size_t kBlock = 1024;
+  std::vector<uint32_t> hashed(cells == nullptr ? size_t{rows_} * kBlock : 0);
+  std::vector<float> vals(size_t{rows_} * kBlock);
+  uint32_t picked[kBlock];
+  size_t found = 0;
+  for (size_t start = 0; start < n; start += kBlock) {
+    const size_t len = std::min(kBlock, n - start);
+    const uint32_t* block = cells + start;
+    size_t block_stride = stride;
+    if (cells == nullptr) {
+      Cells(key_begin + start, len, kBlock, hashed.data());
+      block = hashed.data();
+      block_stride = kBlock;
+    }
+    // Key by key, the rows' bits counted in a register.
+    size_t m = 0;
+    const uint64_t* bits = heavy.data();
+    for (size_t t = 0; t < len; ++t) {
+      uint32_t count = 0;
+      for (uint32_t j = 0; j < rows_; ++j) {
+        const uint32_t col = block[size_t{j} * block_stride + t] & 0x7fffffffu;
+        count += static_cast<uint32_t>((bits[size_t{j} * words + (col >> 6)] >> (col & 63)) & 1);
+      }
+      picked[m] = static_cast<uint32_t>(t);
+      m += count >= need ? 1 : 0;
+    }
+    if (m == 0) continue;
+    for (uint32_t j = 0; j < rows_; ++j) {
+      const float* row = table + size_t{j} * columns_;
+      const uint32_t* c = block + size_t{j} * block_stride;
+      float* dst = vals.data() + size_t{j} * kBlock;
+      for (size_t q = 0; q < m; ++q) {
+        const uint32_t cell = c[picked[q]];
+        uint32_t bits;
+        std::memcpy(&bits, row + (cell & 0x7fffffffu), sizeof(bits));
+        bits ^= cell & 0x80000000u;
+        std::memcpy(dst + q, &bits, sizeof(bits));
+      }
+    }
+    MedianPerKey(vals.data(), kBlock, rows_, m, est + found);
+    for (size_t q = 0; q < m; ++q) keys[found + q] = static_cast<uint32_t>(start + picked[q]);
+    found += m;
+  }
+  return found;
 }
 
 }  // namespace sparseps::kernels

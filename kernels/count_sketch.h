@@ -52,6 +52,20 @@ class CountSketchHash {
   void EstimateFromCells(const float* table, const uint32_t* cells, size_t stride, size_t n,
                          float* out) const;
 
+  // The keys whose estimate could reach `threshold` in magnitude, for a recovery that wants only
+  // the largest estimates (a server's top k): writes to keys[] the t < n (increasing) of every
+  // key key_begin + t with at least ceil(rows / 2) rows whose cell holds |value| >= threshold,
+  // and to est[] its estimate, bitwise Estimate's; returns how many. A median of the rows' values
+  // (or the mean of the two middle ones) reaches |threshold| only if that many values do, so every
+  // key with |estimate| >= threshold is among them. The other keys are told apart by a bitmap of
+  // the table's cells at or above the threshold (rows x columns bits, a few KB to L1/L2) instead
+  // of reads of the table (megabytes, L3): only the candidates read it.
+  // cells: the keys' cells as for EstimateFromCells (rows of stride >= n), or null to hash the
+  // keys here. REQUIRES: threshold > 0; keys and est have room for n entries.
+  size_t EstimateCandidates(const float* table, uint64_t key_begin, const uint32_t* cells,
+                            size_t stride, size_t n, float threshold, uint32_t* keys,
+                            float* est) const;
+
   // The hash coefficients (for the GPU twin, kernels/cuda/gpu_kernels.h GpuCountSketch): per row
   // a_j and b_j of the bucket hash, and c_j0..c_j3 of the sign polynomial (4 per row).
   const std::vector<uint64_t>& bucket_a() const { return bucket_a_; }

@@ -21,7 +21,9 @@
 #include "encodings/sbc.h"
 #include "encodings/sketch.h"
 #include "encodings/topk.h"
+#include "kernels/count_sketch.h"
 #include "kernels/error_feedback.h"
+#include "kernels/topk.h"
 #include "server/shard_server.h"
 #include "tests/support/shard_harness.h"
 
@@ -555,6 +557,109 @@ TEST(SketchServerThreads, RecoveryIsTheSameForEveryThreadCount) {
       }
     }
   }
+}
+
+// The servers' recovery estimates only the keys that can be heavy hitters when the summed table
+// is sparse (Sketched SGD's truncated pushes), and every key when it is not (untruncated pushes
+// fill every cell); either way the applied keys and values, and the second round's candidates,
+// are bitwise those of the definition: the top k of every key's Estimate of the summed tables
+// (ties towards lower keys). 1.2M keys in one group; 1 and 3 threads; hashes kept or not.
+TEST(SketchRecovery, EstimatesOnlyTheCandidatesAndAppliesTheDefinition) {
+  constexpr size_t kParams = 1'200'000;
+  const KeyRange range{5000, 5000 + kParams};
+  int filtered = 0, unfiltered = 0;  // recoveries that estimated a fraction of the keys, or all
+  for (double truncate : {1.0, 0.0}) {
+    for (bool second : {false, true}) {
+      auto cfg = Config(proto::SKETCH, 0.01);
+      cfg.mutable_sketch()->set_truncate_factor(truncate);
+      cfg.mutable_sketch()->set_second_round(second);
+      std::vector<DecodedPayload> sketches(3);
+      std::vector<Message> kept(3);  // the decoded payloads view their frames
+      for (uint32_t w = 0; w < 3; ++w) {
+        SketchCompressor comp(range.end, cfg, 0.0f, 1.0f);
+        std::vector<float> grad(range.end, 0.0f);
+        std::mt19937 rng(31 + w);
+        std::normal_distribution<float> normal(0.0f, 1.0f);
+        for (auto& g : grad) g = normal(rng);
+        std::vector<Message> pushes;
+        ASSERT_TRUE(comp.Compress(grad.data(), {{0, range.begin}, range}, &pushes).ok());
+        kept[w] = std::move(pushes[1]);
+        ASSERT_TRUE(FindCodec(proto::SKETCH)->Decode(kept[w], range.size(), &sketches[w]).ok());
+      }
+      // The definition: the summed tables (in the order the server adds them), every key's
+      // estimate, their top k (second round: candidates_factor * k).
+      const uint32_t columns = SketchColumns(cfg, kParams);
+      const kernels::CountSketchHash hash(cfg.sketch().rows(), columns, cfg.sketch().seed());
+      std::vector<float> sum(hash.table_size(), 0.0f);
+      for (const auto& p : sketches) kernels::Axpy(1.0f, p.sketch.data(), sum.data(), sum.size());
+      std::vector<float> est(kParams);
+      hash.Estimate(sum.data(), range.begin, kParams, est.data());
+      const size_t k = SketchK(cfg, kParams);
+      const size_t want =
+          second ? static_cast<size_t>(std::ceil(cfg.sketch().candidates_factor() * k)) : k;
+      std::vector<uint32_t> top(want);
+      top.resize(kernels::TopKAbs(est.data(), kParams, want, top.data()));
+      std::vector<float> top_est;
+      for (uint32_t j : top) top_est.push_back(est[j]);
+      for (auto [threads, cache_mb] :
+           std::vector<std::pair<uint32_t, uint32_t>>{{1, 256}, {3, 256}, {1, 0}, {3, 0}}) {
+        SCOPED_TRACE(::testing::Message() << "truncate " << truncate << (second ? ", second" : "")
+                                          << ", " << threads << " threads, cache " << cache_mb);
+        cfg.mutable_sketch()->set_server_threads(threads);
+        cfg.mutable_sketch()->set_server_hash_cache_mb(cache_mb);
+        auto agg = MakeShardAggregation({range, cfg, 0.0});
+        for (int round = 0; round < 2; ++round) {
+          for (const auto& p : sketches) agg->Add(p);
+          std::vector<float> params(kParams, 0.0f);
+          std::vector<uint32_t> changed;
+          bool all = false;
+          if (second) {
+            ASSERT_FALSE(agg->EndPhase());
+            std::vector<uint32_t> keys;
+            std::vector<float> estimates;
+            agg->Candidates(&keys, &estimates);
+            ASSERT_EQ(keys, top);
+            ASSERT_TRUE(estimates == top_est);
+            DecodedPayload exact;
+            exact.encoding = proto::TOPK;
+            exact.indices = keys;
+            const std::vector<float> ones(keys.size(), 1.0f);
+            exact.values = ones;
+            agg->Add(exact);
+            ASSERT_TRUE(agg->EndPhase());
+            agg->Apply(-0.5f, &params, &changed, &all);
+            ASSERT_EQ(changed.size(), k);
+          } else {
+            ASSERT_TRUE(agg->EndPhase());
+            agg->Apply(-0.5f, &params, &changed, &all);
+            std::vector<uint32_t> want_changed;
+            std::vector<float> want_params(kParams, 0.0f);
+            for (uint32_t j : top) {
+              if (est[j] == 0.0f) continue;
+              want_changed.push_back(j);
+              want_params[j] += -0.5f * est[j];
+            }
+            ASSERT_EQ(changed, want_changed);
+            ASSERT_TRUE(params == want_params);
+          }
+          // Truncated pushes leave the table sparse: a fraction of the keys is estimated. The
+          // second round's 4 k candidates outnumber the keys with a non-zero estimate in the
+          // sample, which tells nothing then: every key is estimated.
+          if (truncate > 0 && !second) {
+            EXPECT_LT(agg->last_estimated(), kParams / 4);
+          }
+          if (truncate > 0 && second) {
+            EXPECT_EQ(agg->last_estimated(), kParams);
+          }
+          filtered += agg->last_estimated() < kParams;
+          unfiltered += agg->last_estimated() == kParams;
+        }
+      }
+    }
+  }
+  // Both ways were taken.
+  EXPECT_GT(filtered, 0);
+  EXPECT_GT(unfiltered, 0);
 }
 
 TEST(Compressors, NanOrInfInTheGradientIsAClearErrorAndChangesNothing) {

@@ -92,6 +92,82 @@ TEST(CountSketch, EstimateFromCellsIsEstimate) {
   EXPECT_FALSE(CountSketchHash(1, 1u << 31, 1).fits_cells());
 }
 
+// EstimateCandidates returns every key whose estimate reaches the threshold, with Estimate's
+// estimate bitwise, in increasing order; the keys it leaves out all estimate below it; and on a
+// sparse table (the recovery's case) it leaves out most keys. Odd and even row counts, from cells
+// and hashing.
+TEST(CountSketch, EstimateCandidatesHoldsEveryEstimateAtTheThreshold) {
+  std::mt19937 rng(21);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (uint32_t rows : {1u, 2u, 3u, 4u, 5u, 6u, 7u}) {
+    const CountSketchHash h(rows, 4001, 29);
+    const uint64_t begin = 987'654'321;
+    const size_t n = 200'000;
+    // 800 heavy keys (|x| >= 4) and 1200 light ones (|x| < 1) sketched into 4001 columns: most
+    // cells hold little, and the keys that were never sketched estimate from collisions only.
+    std::vector<float> table(h.table_size(), 0.0f);
+    std::vector<uint32_t> idx;
+    std::vector<float> vals;
+    std::set<uint32_t> keys_in;
+    while (keys_in.size() < 2000) keys_in.insert(static_cast<uint32_t>(rng() % n));
+    for (uint32_t i : keys_in) {
+      idx.push_back(i);
+      const float x = normal(rng);
+      vals.push_back(idx.size() % 5 < 2 ? (x < 0 ? x - 4.0f : x + 4.0f)
+                                        : std::clamp(x, -0.99f, 0.99f));
+    }
+    h.InsertSparse(idx.data(), vals.data(), idx.size(), begin, table.data());
+    std::vector<uint32_t> cells(size_t{rows} * n);
+    h.Cells(begin, n, n, cells.data());
+    std::vector<float> all(n);
+    h.Estimate(table.data(), begin, n, all.data());
+    for (float threshold : {3.0f, 1.0f, 0.25f}) {
+      for (bool from_cells : {true, false}) {
+        std::vector<uint32_t> keys(n);
+        std::vector<float> est(n);
+        const size_t found =
+            h.EstimateCandidates(table.data(), begin, from_cells ? cells.data() : nullptr, n, n,
+                                 threshold, keys.data(), est.data());
+        SCOPED_TRACE(::testing::Message() << rows << " rows, threshold " << threshold
+                                          << (from_cells ? ", cells" : ", hashed"));
+        std::vector<char> in(n, 0);
+        for (size_t q = 0; q < found; ++q) {
+          ASSERT_LT(keys[q], n);
+          if (q > 0) {
+            ASSERT_LT(keys[q - 1], keys[q]);
+          }
+          in[keys[q]] = 1;
+          ASSERT_EQ(std::memcmp(&est[q], &all[keys[q]], sizeof(float)), 0) << keys[q];
+        }
+        size_t reach = 0;
+        for (size_t t = 0; t < n; ++t) {
+          if (std::fabs(all[t]) >= threshold) {
+            ++reach;
+            ASSERT_TRUE(in[t]) << "key " << t << " estimates " << all[t];
+          }
+        }
+        ASSERT_GE(found, reach);
+        // With 3 or more rows the table's cells tell most keys apart at the heavy threshold (an
+        // even count needs only half the rows' cells, so lets more through).
+        if (rows >= 3 && threshold == 3.0f) {
+          EXPECT_LT(found, rows % 2 == 1 ? n / 10 : n / 5);
+        }
+      }
+    }
+    // A slice from key 1000 on, from its cells, as a server's thread takes it.
+    std::vector<uint32_t> keys(n);
+    std::vector<float> est(n);
+    const size_t found = h.EstimateCandidates(table.data(), begin + 1000, cells.data() + 1000, n,
+                                              50'000, 1.0f, keys.data(), est.data());
+    size_t reach = 0;
+    for (size_t t = 1000; t < 51'000; ++t) reach += std::fabs(all[t]) >= 1.0f;
+    ASSERT_GE(found, reach);
+    for (size_t q = 0; q < found; ++q) {
+      ASSERT_EQ(std::memcmp(&est[q], &all[1000 + keys[q]], sizeof(float)), 0) << keys[q];
+    }
+  }
+}
+
 // sketch(x + y) == sketch(x) + sketch(y) exactly when values are small integers in float.
 TEST(CountSketch, LinearityIsExactInIntegers) {
   const size_t n = 5000;
