@@ -13,6 +13,7 @@
 
 #include "encodings/registry.h"
 #include "encodings/sbc.h"
+#include "encodings/sketch.h"
 #include "encodings/topk.h"
 
 namespace {
@@ -50,6 +51,58 @@ void BM_TopKCompress(benchmark::State& state) {
   state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * n * sizeof(float)));
 }
 BENCHMARK(BM_TopKCompress)->Arg(5'800'000)->Unit(benchmark::kMillisecond);
+
+// SketchCompressor::Compress with the comparison's 5 x 2k tables and truncation to k/2 (momentum
+// correction and top-k in one pass, the sketch of each range, the push), the tables as F32
+// (arg 1: 0) or IEEE halves (1: compression.fp16_values).
+void BM_SketchCompress(benchmark::State& state) {
+  const size_t n = static_cast<size_t>(state.range(0));
+  const auto grads = std::vector<std::vector<float>>{Gradient(n, 1), Gradient(n, 2)};
+  auto cfg = Config(sparseps::proto::SKETCH);
+  cfg.mutable_sketch()->set_columns_per_k(2);
+  cfg.mutable_sketch()->set_truncate_factor(0.5);
+  cfg.set_fp16_values(state.range(1) != 0);
+  sparseps::SketchCompressor c(n, cfg, 0.9f, 0.1f);
+  const auto ranges = TwoRanges(n);
+  size_t step = 0;
+  for (auto _ : state) {
+    std::vector<sparseps::Message> out;
+    auto s = c.Compress(grads[step++ % 2].data(), ranges, &out);
+    if (!s.ok()) state.SkipWithError(s.ToString().c_str());
+    benchmark::DoNotOptimize(out.data());
+  }
+}
+BENCHMARK(BM_SketchCompress)
+    ->Args({5'800'000, 0})
+    ->Args({5'800'000, 1})
+    ->Unit(benchmark::kMillisecond);
+
+// SketchCodec::Decode of one such push (a server's check of every push before adding it): a view
+// and a finiteness check of F32 tables (arg 1: 0), or the halves expanded (1).
+void BM_SketchDecode(benchmark::State& state) {
+  const size_t n = static_cast<size_t>(state.range(0));
+  auto cfg = Config(sparseps::proto::SKETCH);
+  cfg.mutable_sketch()->set_columns_per_k(2);
+  cfg.mutable_sketch()->set_truncate_factor(0.5);
+  cfg.set_fp16_values(state.range(1) != 0);
+  sparseps::SketchCompressor c(n, cfg, 0.9f, 0.1f);
+  const auto ranges = TwoRanges(n);
+  std::vector<sparseps::Message> out;
+  auto s = c.Compress(Gradient(n, 1).data(), ranges, &out);
+  if (!s.ok()) return state.SkipWithError(s.ToString().c_str());
+  const sparseps::Codec* codec = sparseps::FindCodec(sparseps::proto::SKETCH);
+  sparseps::DecodedPayload p;
+  for (auto _ : state) {
+    s = codec->Decode(out[0], ranges[0].size(), &p);
+    if (!s.ok()) return state.SkipWithError(s.ToString().c_str());
+    benchmark::DoNotOptimize(p.sketch.data());
+  }
+  state.counters["push_bytes"] = static_cast<double>(out[0].WireBytes());
+}
+BENCHMARK(BM_SketchDecode)
+    ->Args({5'800'000, 0})
+    ->Args({5'800'000, 1})
+    ->Unit(benchmark::kMillisecond);
 
 // SbcCompressor: one LocalStep (momentum 0.9, lr 0.05) and Compress (A = a + R, top-k of each sign,
 // mean, residual update, Golomb code), local_iterations 1 as in the comparison; the push step

@@ -9,15 +9,30 @@
 #include "encodings/topk.h"
 #include "kernels/count_sketch.h"
 #include "kernels/error_feedback.h"
+#include "kernels/pack.h"
 #include "kernels/topk.h"
 
 namespace sparseps {
 
-void EncodeSketch(std::vector<float>&& tables, uint32_t rows, uint64_t columns, Message* msg) {
+void EncodeSketch(std::vector<float>&& tables, uint32_t rows, uint64_t columns, Message* msg,
+                  bool fp16) {
   msg->header.set_encoding(proto::SKETCH);
   msg->header.set_sketch_rows(rows);
   msg->header.set_sketch_columns(columns);
-  AddFrame(msg, proto::F32, std::move(tables));
+  // A table with NaN or Inf (which no half scale holds) goes as F32, for the receiver to refuse.
+  const float largest = fp16 && kernels::AllFinite(tables.data(), tables.size())
+                            ? kernels::MaxAbs(tables.data(), tables.size())
+                            : -1.0f;
+  if (largest < 0.0f) {
+    AddFrame(msg, proto::F32, std::move(tables));
+    return;
+  }
+  // largest = m * 2^b with m in [1, 2): times 2^-(b - 14) it is m * 2^14.
+  const int e = largest > 0.0f ? std::ilogb(largest) - 14 : 0;
+  std::vector<uint16_t> half(tables.size());
+  kernels::ScaledFloatsToHalves(tables.data(), tables.size(), -e, half.data());
+  msg->header.set_sketch_exponent(e);
+  AddFrame(msg, proto::F16, std::move(half));
 }
 
 std::vector<KeyRange> FusionGroups(uint64_t range_len, uint64_t fusion_group_size) {
@@ -43,27 +58,49 @@ Status SketchCodec::Decode(const Message& msg, uint64_t range_len, DecodedPayloa
     return Status::ProtocolError("sketch payload needs 1 frame (the tables), got " +
                                  std::to_string(msg.frames.size()));
   }
-  auto tables = msg.FrameAs<float>(0, proto::F32);
-  if (!tables.ok()) return tables.status();
   const uint32_t rows = msg.header.sketch_rows();
   const uint64_t columns = msg.header.sketch_columns();
   if (rows < 1 || rows > 32 || columns < 1) {
     return Status::ProtocolError("sketch layout " + std::to_string(rows) + " x " +
                                  std::to_string(columns) + " is invalid");
   }
-  if (columns > tables->size() || tables->size() != uint64_t{rows} * columns) {
-    return Status::ProtocolError("sketch frame has " + std::to_string(tables->size()) +
-                                 " values, not " + std::to_string(rows) + " x " +
-                                 std::to_string(columns));
+  // The frame's count is checked before an F16 frame is expanded.
+  auto check_count = [&](size_t count) {
+    if (columns > count || count != uint64_t{rows} * columns) {
+      return Status::ProtocolError("sketch frame has " + std::to_string(count) + " values, not " +
+                                   std::to_string(rows) + " x " + std::to_string(columns));
+    }
+    return Status::OK();
+  };
+  std::span<const float> tables;
+  if (msg.header.frames_size() == 1 && msg.header.frames(0).type() == proto::F16) {
+    auto half = msg.FrameAs<uint16_t>(0, proto::F16);
+    if (!half.ok()) return half.status();
+    SPARSEPS_RETURN_IF_ERROR(check_count(half->size()));
+    const int e = msg.header.sketch_exponent();
+    if (e < -200 || e > 200) {
+      return Status::ProtocolError("sketch_exponent " + std::to_string(e) +
+                                   " is outside [-200, 200]");
+    }
+    out->owned_values.resize(half->size());
+    if (!kernels::ScaledHalvesToFloats(half->data(), half->size(), e, out->owned_values.data())) {
+      return Status::ProtocolError("sketch payload contains NaN or Inf");
+    }
+    tables = out->owned_values;
+  } else {
+    auto f32 = msg.FrameAs<float>(0, proto::F32);
+    if (!f32.ok()) return f32.status();
+    SPARSEPS_RETURN_IF_ERROR(check_count(f32->size()));
+    tables = *f32;
   }
-  if (!kernels::AllFinite(tables->data(), tables->size())) {
+  if (!kernels::AllFinite(tables.data(), tables.size())) {
     return Status::ProtocolError("sketch payload contains NaN or Inf");
   }
   out->encoding = proto::SKETCH;
   out->dense = {};
   out->indices = {};
   out->values = {};
-  out->sketch = *tables;
+  out->sketch = tables;
   out->sketch_rows = rows;
   out->sketch_columns = columns;
   return Status::OK();
@@ -135,7 +172,7 @@ Status SketchCompressor::Compress(const float* grad, const std::vector<KeyRange>
     }
     cells += tables.size();
     Message m = NewPush(r);
-    EncodeSketch(std::move(tables), rows, columns, &m);
+    EncodeSketch(std::move(tables), rows, columns, &m, config_.fp16_values());
     out->push_back(std::move(m));
   }
   last_selected_ = cells;

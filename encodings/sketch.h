@@ -1,5 +1,6 @@
 // `sketch` encoding: count-sketch tables of a key range (kernels/count_sketch.h), one per fusion
-// group, concatenated. Header: sketch_rows, sketch_columns (summed over the groups). One F32 frame.
+// group, concatenated. Header: sketch_rows, sketch_columns (summed over the groups). One frame:
+// F32, or F16 holding each value * 2^-sketch_exponent (compression.fp16_values).
 #pragma once
 
 #include <vector>
@@ -12,9 +13,13 @@
 
 namespace sparseps {
 
-// Sets msg's encoding to SKETCH and the header fields, and appends the tables (moved).
-// REQUIRES: tables.size() == rows * columns.
-void EncodeSketch(std::vector<float>&& tables, uint32_t rows, uint64_t columns, Message* msg);
+// Sets msg's encoding to SKETCH and the header fields, and appends the tables (moved). fp16: as
+// IEEE halves of value * 2^-e instead, e (header sketch_exponent) chosen so that the largest
+// |value| becomes 2^14 to 2^15: every cell keeps 11 significant bits relative to that scale, and
+// any finite table fits the half's range (below 65504); a table with NaN or Inf goes as F32 (for
+// the receiver to refuse). REQUIRES: tables.size() == rows * columns.
+void EncodeSketch(std::vector<float>&& tables, uint32_t rows, uint64_t columns, Message* msg,
+                  bool fp16 = false);
 
 // The fusion groups of a key range of `range_len` keys: consecutive [begin, end) slices relative
 // to the range, of fusion_group_size keys (the last one shorter), or one group when it is 0.
@@ -30,8 +35,9 @@ size_t SketchK(const proto::CompressionConfig& c, uint64_t group_len);
 class SketchCodec final : public Codec {
  public:
   proto::Encoding encoding() const override { return proto::SKETCH; }
-  // Errors unless there is one F32 frame of exactly sketch_rows x sketch_columns finite values,
-  // 1 <= sketch_rows <= 32 and sketch_columns >= 1. Whether the layout matches the receiver's
+  // Errors unless there is one F32 or F16 frame of exactly sketch_rows x sketch_columns finite
+  // values (F16: |sketch_exponent| <= 200, expanded into owned_values), 1 <= sketch_rows <= 32
+  // and sketch_columns >= 1. Whether the layout matches the receiver's
   // configuration is the receiver's check (ShardServer).
   Status Decode(const Message& msg, uint64_t range_len, DecodedPayload* out) const override;
 };

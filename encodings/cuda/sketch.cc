@@ -101,7 +101,7 @@ class GpuSketchCompressor final : public GpuCompressorBase {
       SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream_), "copying the sketch"));
       Message m = NewPush(r);
       EncodeSketch(std::vector<float>(host_table_.p, host_table_.p + range_cells), rows, rs.columns,
-                   &m);
+                   &m, config_.fp16_values());
       out->push_back(std::move(m));
       cells += range_cells;
     }

@@ -3,6 +3,7 @@
 // inconsistent or hostile payloads; IEEE half conversion.
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 #include <limits>
 #include <random>
@@ -54,6 +55,73 @@ TEST(Half, EveryHalfRoundTripsAndFloatsRoundToNearest) {
       const float dn = kernels::HalfToFloat(static_cast<uint16_t>(h - 1));
       ASSERT_LE(std::fabs(f - r), std::fabs(f - dn)) << f;
     }
+  }
+}
+
+// The branch-free scaled conversions of the sketch's F16 tables are FloatToHalf and HalfToFloat
+// times 2^e bitwise: every float bit pattern below 65504 in a sweep (every 257th, and all below
+// 2^-13 around the subnormal boundary in steps of 8), at exponents inside and beyond float's
+// range of powers of two; every half back at several exponents, Inf and NaN refused; MaxAbs.
+TEST(Half, ScaledConversionsAreTheScalarOnesBitwise) {
+  std::vector<float> x;
+  for (uint32_t u = 0; u < 0x477fe000u; u += 257) x.push_back(std::bit_cast<float>(u));
+  for (uint32_t u = 0x33000000u; u < 0x39000000u; u += 8) x.push_back(std::bit_cast<float>(u));
+  const size_t n = x.size();
+  for (size_t j = 0; j < n; ++j) x.push_back(-x[j]);
+  std::vector<uint16_t> got(x.size());
+  for (int e : {0, -3, 20}) {
+    std::vector<float> scaled(x.size());
+    for (size_t j = 0; j < x.size(); ++j) scaled[j] = std::ldexp(x[j], -e);
+    kernels::ScaledFloatsToHalves(scaled.data(), scaled.size(), e, got.data());
+    for (size_t j = 0; j < x.size(); ++j) {
+      ASSERT_EQ(got[j], kernels::FloatToHalf(x[j])) << x[j] << " at 2^" << e;
+    }
+  }
+  // 2^140, 2^130 and 2^-128 are not floats (tables of cells near 2^-140, or 2^128).
+  for (int e : {140, 130, -128}) {
+    std::vector<float> scaled;
+    std::vector<uint16_t> want;
+    for (float f : {1.0f, 0.333f, 65000.0f, 6e-8f, 3e-5f}) {
+      const float s = static_cast<float>(static_cast<double>(f) * std::ldexp(1.0, -e));
+      if (s == 0.0f || !std::isfinite(s)) continue;
+      scaled.push_back(s);
+      want.push_back(kernels::FloatToHalf(static_cast<float>(s * std::ldexp(1.0, e))));
+    }
+    ASSERT_FALSE(scaled.empty());
+    got.resize(scaled.size());
+    kernels::ScaledFloatsToHalves(scaled.data(), scaled.size(), e, got.data());
+    for (size_t j = 0; j < scaled.size(); ++j) EXPECT_EQ(got[j], want[j]) << j << " at 2^" << e;
+  }
+  std::vector<uint16_t> finite;
+  for (uint32_t h = 0; h < 65536; ++h) {
+    if (((h >> 10) & 31) != 31) finite.push_back(static_cast<uint16_t>(h));
+  }
+  std::vector<float> back(finite.size());
+  for (int e : {0, -20, 14, 100, -130, 200, -200}) {
+    ASSERT_TRUE(kernels::ScaledHalvesToFloats(finite.data(), finite.size(), e, back.data()));
+    for (size_t j = 0; j < finite.size(); ++j) {
+      const float want = static_cast<float>(kernels::HalfToFloat(finite[j]) * std::ldexp(1.0, e));
+      ASSERT_EQ(std::bit_cast<uint32_t>(back[j]), std::bit_cast<uint32_t>(want))
+          << finite[j] << " at 2^" << e;
+    }
+  }
+  // MaxAbs (the scale's choice) at every length around the SSE2 width.
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (size_t len = 0; len < 40; ++len) {
+    std::vector<float> v(len);
+    float want = 0.0f;
+    for (auto& y : v) {
+      y = normal(rng);
+      want = std::max(want, std::fabs(y));
+    }
+    ASSERT_EQ(kernels::MaxAbs(v.data(), len), want) << len;
+  }
+  for (uint16_t bad : {uint16_t{0x7c00}, uint16_t{0xfc00}, uint16_t{0x7e00}, uint16_t{0x7c01}}) {
+    std::vector<uint16_t> h = {0x3c00, bad, 0x0001};
+    std::vector<float> out(3);
+    EXPECT_FALSE(kernels::ScaledHalvesToFloats(h.data(), 3, 0, out.data())) << bad;
+    EXPECT_FALSE(kernels::ScaledHalvesToFloats(h.data(), 3, 200, out.data())) << bad;
   }
 }
 
@@ -173,6 +241,80 @@ TEST(SketchCodec, RoundTripAndLayoutChecks) {
   Message inf;
   EncodeSketch(std::move(t), 5, 40, &inf);
   EXPECT_FALSE(c->Decode(CopyOf(inf), 1000, &d).ok());
+}
+
+// compression.fp16_values with the sketch: the tables travel as halves scaled by 2^exponent so
+// that the largest cell is 2^14 to 2^15; every cell comes back within 2^-11 of itself (plus the
+// half's subnormal step, 2^-38 of the largest cell), at any magnitude; a malformed F16 table is
+// refused.
+TEST(SketchCodec, HalfTablesKeepElevenBitsAtAnyScale) {
+  const Codec* c = FindCodec(proto::SKETCH);
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (float scale : {1.0f, 1e-30f, 3e-7f, 1e5f, 1e30f}) {
+    SCOPED_TRACE(scale);
+    std::vector<float> t(5 * 40);
+    for (auto& x : t) x = scale * normal(rng);
+    t[3] = 0.0f;
+    t[11] = scale * 1000.0f;                           // the largest
+    t[12] = -std::ldexp(1.0f, std::ilogb(t[11]) - 5);  // a power of two below it: exact
+    t[13] = scale * 1e-9f;  // below the half's range at this scale: 0 or a subnormal
+    Message m;
+    EncodeSketch(std::vector<float>(t), 5, 40, &m, /*fp16=*/true);
+    ASSERT_EQ(m.header.frames(0).type(), proto::F16);
+    EXPECT_LT(m.WireBytes(), 5u * 40u * 3u);  // 2 bytes a cell and the header
+    DecodedPayload d;
+    const Message wire = CopyOf(m);
+    ASSERT_TRUE(c->Decode(wire, 1000, &d).ok());
+    ASSERT_EQ(d.sketch.size(), t.size());
+    const float largest = std::fabs(t[11]);
+    for (size_t x = 0; x < t.size(); ++x) {
+      EXPECT_LE(std::fabs(d.sketch[x] - t[x]),
+                std::fabs(t[x]) * std::ldexp(1.0f, -11) + largest * std::ldexp(1.0f, -38))
+          << x;
+    }
+    EXPECT_EQ(d.sketch[3], 0.0f);
+    EXPECT_EQ(d.sketch[12], t[12]);
+    EXPECT_LE(std::fabs(d.sketch[13]), largest * std::ldexp(1.0f, -24));
+  }
+  // An all-zero table.
+  Message zero;
+  EncodeSketch(std::vector<float>(10, 0.0f), 1, 10, &zero, true);
+  EXPECT_EQ(zero.header.sketch_exponent(), 0);
+  DecodedPayload d;
+  const Message zero_wire = CopyOf(zero);
+  ASSERT_TRUE(c->Decode(zero_wire, 1000, &d).ok());
+  EXPECT_EQ(std::vector<float>(d.sketch.begin(), d.sketch.end()), std::vector<float>(10, 0.0f));
+  // Refused: an exponent out of bounds, a half Inf or NaN, a frame of the wrong size.
+  Message m;
+  EncodeSketch(std::vector<float>(10, 1.0f), 1, 10, &m, true);
+  Message far = CopyOf(m);
+  far.header.set_sketch_exponent(201);
+  Status s = c->Decode(far, 1000, &d);
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("sketch_exponent"), std::string::npos);
+  for (uint16_t bad : {uint16_t{0x7c00}, uint16_t{0xfe00}}) {
+    Message nonfinite;
+    std::vector<uint16_t> half(10, 0x3c00);
+    half[4] = bad;
+    nonfinite.header.set_encoding(proto::SKETCH);
+    nonfinite.header.set_sketch_rows(1);
+    nonfinite.header.set_sketch_columns(10);
+    AddFrame(&nonfinite, proto::F16, std::move(half));
+    s = c->Decode(CopyOf(nonfinite), 1000, &d);
+    EXPECT_FALSE(s.ok());
+    EXPECT_NE(s.message().find("NaN or Inf"), std::string::npos);
+  }
+  Message wrong = CopyOf(m);
+  wrong.header.set_sketch_columns(11);
+  EXPECT_FALSE(c->Decode(wrong, 1000, &d).ok());
+  // A table with Inf goes as F32, and is refused.
+  std::vector<float> inf(10, 1.0f);
+  inf[2] = INFINITY;
+  Message f32;
+  EncodeSketch(std::move(inf), 1, 10, &f32, true);
+  EXPECT_EQ(f32.header.frames(0).type(), proto::F32);
+  EXPECT_FALSE(c->Decode(CopyOf(f32), 1000, &d).ok());
 }
 
 TEST(SketchLayout, FusionGroupsCoverTheRange) {

@@ -126,8 +126,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         } else if (o.compression.encoding() == proto::SKETCH && in.ConsumeBool()) {
           const uint32_t rows = o.compression.sketch().rows();
           const uint64_t cols = sparseps::SketchColumns(o.compression, n);
-          sparseps::EncodeSketch(std::vector<float>(rows * cols, in.ConsumeFloatingPoint<float>()),
-                                 rows, cols, &*msg);
+          const float value = in.ConsumeFloatingPoint<float>();
+          sparseps::EncodeSketch(std::vector<float>(rows * cols, value), rows, cols, &*msg,
+                                 /*fp16=*/in.ConsumeBool());
+          if (in.ConsumeBool()) {
+            msg->header.set_sketch_exponent(in.ConsumeIntegral<int32_t>());
+          }
         } else {
           std::vector<uint32_t> idx;
           for (uint32_t k = 0; k < n; ++k) {

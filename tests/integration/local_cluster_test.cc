@@ -102,11 +102,19 @@ TEST_P(LocalClusterTest, TrainsAndEveryProcessExitsZero) {
   }
   TempDir dir("cluster");
   const std::string config = std::string(SPARSEPS_SOURCE_DIR) + "/configs/quickstart.yaml";
-  Cluster c =
-      Start(dir, config, 2, 2,
-            {"compression.encoding=" + GetParam(), "model.hidden=[64]",
-             "data.max_train_samples=4096", "data.max_test_samples=1000", "train.max_steps=40",
-             "train.batch_size=32", "cluster.register_timeout_s=60", "run.progress_interval_s=0"});
+  // "sketch_fp16": the sketch's tables as IEEE halves (compression.fp16_values).
+  const bool fp16 = GetParam() == "sketch_fp16";
+  std::vector<std::string> sets = {
+      "compression.encoding=" + (fp16 ? std::string("sketch") : GetParam()),
+      "model.hidden=[64]",
+      "data.max_train_samples=4096",
+      "data.max_test_samples=1000",
+      "train.max_steps=40",
+      "train.batch_size=32",
+      "cluster.register_timeout_s=60",
+      "run.progress_interval_s=0"};
+  if (fp16) sets.push_back("compression.fp16_values=true");
+  Cluster c = Start(dir, config, 2, 2, sets);
   ASSERT_NE(c.scheduler, nullptr);
   for (auto& n : c.nodes) {
     EXPECT_EQ(n->Wait(kHardTimeoutS), 0) << n->log_path() << ":\n" << n->Log();
@@ -158,13 +166,16 @@ TEST_P(LocalClusterTest, TrainsAndEveryProcessExitsZero) {
   } else if (GetParam() == "sketch") {
     // 5 rows x 10k columns of 4 B = 200 B per k = 0.01 N: half the dense model, plus headers.
     EXPECT_LT(summary.bytes_sent_per_worker_per_step(), 0.55 * 4 * summary.num_params());
+  } else if (fp16) {
+    // The same tables in 2 B a cell: a quarter of the dense model, plus headers.
+    EXPECT_LT(summary.bytes_sent_per_worker_per_step(), 0.28 * 4 * summary.num_params());
   } else {
     EXPECT_GE(summary.bytes_sent_per_worker_per_step(), 4 * summary.num_params());
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(Encodings, LocalClusterTest,
-                         ::testing::Values("topk", "dense", "sbc", "sketch"));
+                         ::testing::Values("topk", "dense", "sbc", "sketch", "sketch_fp16"));
 
 // train.consistency ssp and async (server/shard_server.h): the same job trains with every worker
 // free to run ahead (staleness 2, or unbounded), each push applied on its own; every step of each
