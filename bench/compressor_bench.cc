@@ -52,17 +52,22 @@ void BM_TopKCompress(benchmark::State& state) {
 }
 BENCHMARK(BM_TopKCompress)->Arg(5'800'000)->Unit(benchmark::kMillisecond);
 
+// The comparison's 5 x 2k sketch truncated to k/2, the tables as F32 or IEEE halves.
+sparseps::proto::CompressionConfig SketchConfig(bool fp16) {
+  auto cfg = Config(sparseps::proto::SKETCH);
+  cfg.mutable_sketch()->set_columns_per_k(2);
+  cfg.mutable_sketch()->set_truncate_factor(0.5);
+  cfg.set_fp16_values(fp16);
+  return cfg;
+}
+
 // SketchCompressor::Compress with the comparison's 5 x 2k tables and truncation to k/2 (momentum
 // correction and top-k in one pass, the sketch of each range, the push), the tables as F32
 // (arg 1: 0) or IEEE halves (1: compression.fp16_values).
 void BM_SketchCompress(benchmark::State& state) {
   const size_t n = static_cast<size_t>(state.range(0));
   const auto grads = std::vector<std::vector<float>>{Gradient(n, 1), Gradient(n, 2)};
-  auto cfg = Config(sparseps::proto::SKETCH);
-  cfg.mutable_sketch()->set_columns_per_k(2);
-  cfg.mutable_sketch()->set_truncate_factor(0.5);
-  cfg.set_fp16_values(state.range(1) != 0);
-  sparseps::SketchCompressor c(n, cfg, 0.9f, 0.1f);
+  sparseps::SketchCompressor c(n, SketchConfig(state.range(1) != 0), 0.9f, 0.1f);
   const auto ranges = TwoRanges(n);
   size_t step = 0;
   for (auto _ : state) {
@@ -81,11 +86,7 @@ BENCHMARK(BM_SketchCompress)
 // and a finiteness check of F32 tables (arg 1: 0), or the halves expanded (1).
 void BM_SketchDecode(benchmark::State& state) {
   const size_t n = static_cast<size_t>(state.range(0));
-  auto cfg = Config(sparseps::proto::SKETCH);
-  cfg.mutable_sketch()->set_columns_per_k(2);
-  cfg.mutable_sketch()->set_truncate_factor(0.5);
-  cfg.set_fp16_values(state.range(1) != 0);
-  sparseps::SketchCompressor c(n, cfg, 0.9f, 0.1f);
+  sparseps::SketchCompressor c(n, SketchConfig(state.range(1) != 0), 0.9f, 0.1f);
   const auto ranges = TwoRanges(n);
   std::vector<sparseps::Message> out;
   auto s = c.Compress(Gradient(n, 1).data(), ranges, &out);

@@ -488,6 +488,28 @@ TEST(FetchSgd, ServerErrorSketchAppliesEverythingPushed) {
   for (size_t i = 0; i < kParams; ++i) ASSERT_EQ(-shard.params()[i], grad_sum[i]) << i;
 }
 
+// The decoded pushes of `range` from 3 workers' sketch compressors (momentum 0, lr 1) whose
+// gradients are normal over keys [0, range.end) (seeds seed, seed + 1, seed + 2); *kept holds the
+// messages the payloads view.
+void ThreeSketchPushes(const KeyRange& range, const proto::CompressionConfig& cfg, uint32_t seed,
+                       std::vector<Message>* kept, std::vector<DecodedPayload>* sketches) {
+  kept->clear();
+  kept->resize(3);
+  sketches->clear();
+  sketches->resize(3);
+  for (uint32_t w = 0; w < 3; ++w) {
+    SketchCompressor comp(range.end, cfg, 0.0f, 1.0f);
+    std::vector<float> grad(range.end, 0.0f);
+    std::mt19937 rng(seed + w);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (auto& g : grad) g = normal(rng);
+    std::vector<Message> pushes;
+    ASSERT_TRUE(comp.Compress(grad.data(), {{0, range.begin}, range}, &pushes).ok());
+    (*kept)[w] = std::move(pushes[1]);
+    ASSERT_TRUE(FindCodec(proto::SKETCH)->Decode((*kept)[w], range.size(), &(*sketches)[w]).ok());
+  }
+}
+
 // compression.sketch.server_threads and server_hash_cache_mb: the servers' recovery split over
 // threads, from the keys' kept hashes or hashing again, gives bitwise the same heavy hitters,
 // applied values and second-round candidates as one thread, with fusion groups and with one group
@@ -500,19 +522,9 @@ TEST(SketchServerThreads, RecoveryIsTheSameForEveryThreadCount) {
       auto cfg = Config(proto::SKETCH, 0.01);
       cfg.mutable_sketch()->set_fusion_group_size(group);
       cfg.mutable_sketch()->set_second_round(second);
-      std::vector<DecodedPayload> sketches(3);
-      std::vector<Message> kept(3);  // the decoded payloads view their frames
-      for (uint32_t w = 0; w < 3; ++w) {
-        SketchCompressor comp(range.end, cfg, 0.0f, 1.0f);
-        std::vector<float> grad(range.end, 0.0f);
-        std::mt19937 rng(11 + w);
-        std::normal_distribution<float> normal(0.0f, 1.0f);
-        for (auto& g : grad) g = normal(rng);
-        std::vector<Message> pushes;
-        ASSERT_TRUE(comp.Compress(grad.data(), {{0, range.begin}, range}, &pushes).ok());
-        kept[w] = std::move(pushes[1]);
-        ASSERT_TRUE(FindCodec(proto::SKETCH)->Decode(kept[w], range.size(), &sketches[w]).ok());
-      }
+      std::vector<DecodedPayload> sketches;
+      std::vector<Message> kept;  // the decoded payloads view their frames
+      ASSERT_NO_FATAL_FAILURE(ThreeSketchPushes(range, cfg, 11, &kept, &sketches));
       std::vector<std::vector<float>> params;
       std::vector<std::vector<uint32_t>> changed, candidates;
       // (threads, server_hash_cache_mb): the first with the keys' hashes kept, the last two
@@ -573,19 +585,9 @@ TEST(SketchRecovery, EstimatesOnlyTheCandidatesAndAppliesTheDefinition) {
       auto cfg = Config(proto::SKETCH, 0.01);
       cfg.mutable_sketch()->set_truncate_factor(truncate);
       cfg.mutable_sketch()->set_second_round(second);
-      std::vector<DecodedPayload> sketches(3);
-      std::vector<Message> kept(3);  // the decoded payloads view their frames
-      for (uint32_t w = 0; w < 3; ++w) {
-        SketchCompressor comp(range.end, cfg, 0.0f, 1.0f);
-        std::vector<float> grad(range.end, 0.0f);
-        std::mt19937 rng(31 + w);
-        std::normal_distribution<float> normal(0.0f, 1.0f);
-        for (auto& g : grad) g = normal(rng);
-        std::vector<Message> pushes;
-        ASSERT_TRUE(comp.Compress(grad.data(), {{0, range.begin}, range}, &pushes).ok());
-        kept[w] = std::move(pushes[1]);
-        ASSERT_TRUE(FindCodec(proto::SKETCH)->Decode(kept[w], range.size(), &sketches[w]).ok());
-      }
+      std::vector<DecodedPayload> sketches;
+      std::vector<Message> kept;  // the decoded payloads view their frames
+      ASSERT_NO_FATAL_FAILURE(ThreeSketchPushes(range, cfg, 31, &kept, &sketches));
       // The definition: the summed tables (in the order the server adds them), every key's
       // estimate, their top k (second round: candidates_factor * k).
       const uint32_t columns = SketchColumns(cfg, kParams);
