@@ -138,8 +138,10 @@ remote_prepare() {
       esac
     done
     ssh_args "$k"
-    timeout 60 "${ssh_args[@]}" "mkdir -p $d && cat >$d/.config.yaml.tmp &&
-        mv $d/.config.yaml.tmp $d/config.yaml && : >$d/.sparseps-host-$k &&
+    # A temporary name of the host's own: hosts that share a file system (NFS, or test hosts
+    # on one machine) write at the same time, and each renames only its own copy.
+    timeout 60 "${ssh_args[@]}" "mkdir -p $d && cat >$d/.config.yaml.tmp-$k &&
+        mv $d/.config.yaml.tmp-$k $d/config.yaml && : >$d/.sparseps-host-$k &&
         for b in$bins; do [ -x \"\$b\" ] || { echo \"\$b: not found on \$(hostname)\"; exit 3; }; done" \
       <"$run_dir/config.yaml" >"$remote_keep/prepare-$k" 2>&1 &
     waits[k]=$!
@@ -245,7 +247,7 @@ remote_collect() {
     done
     ((first == k)) || continue
     if timeout 600 "${ssh_args[@]}" "cd $d && tar -cf - --exclude='./*.pid' \
-        --exclude='./.sparseps-host-*' --exclude=./.config.yaml.tmp ." </dev/null |
+        --exclude='./.sparseps-host-*' --exclude='./.config.yaml.tmp*' ." </dev/null |
         tar -C "$run_dir" -xf -; then
       remote_copied+=("$k")
     else
