@@ -179,6 +179,10 @@ Status SketchCompressor::Compress(const float* grad, const std::vector<KeyRange>
   return Status::OK();
 }
 
+bool SketchSecondRound(const proto::CompressionConfig& c) {
+  return c.sketch().second_round() && !c.sketch().server_momentum();
+}
+
 Status SketchCompressor::ExactValues(const KeyRange& r, std::span<const uint32_t> candidates,
                                      Message* push) {
   std::vector<float> vals(candidates.size());
@@ -229,7 +233,7 @@ class SketchAggregation final : public ShardAggregation {
       : options_(o),
         rows_(o.compression.sketch().rows()),
         fetch_(o.compression.sketch().server_momentum()),
-        second_round_(o.compression.sketch().second_round() && !fetch_),
+        second_round_(SketchSecondRound(o.compression)),
         threads_(o.compression.sketch().server_threads() > 0
                      ? o.compression.sketch().server_threads()
                      : std::max(1u, std::thread::hardware_concurrency())),

@@ -47,6 +47,12 @@ class SketchCodec final : public Codec {
 // (truncate_factor 0, or server momentum).
 size_t SketchTruncateK(const proto::CompressionConfig& c, size_t n);
 
+// True when the sketch's pushes are followed by a second round (compression.sketch.second_round:
+// Sketched SGD's exact values at the servers' candidates): never with server_momentum (FetchSGD's
+// servers apply their own estimate). What the worker's compressor, CPU or device, reports as
+// Compressor::second_round(), and what the servers expect (SketchAggregation).
+bool SketchSecondRound(const proto::CompressionConfig& c);
+
 // `sketch`: Sketched SGD (Ivkin et al., NeurIPS 2019, Algorithm 1; docs/algorithms.md §3) with
 // Sketch-Fusion groups:
 // u = m*u + g; v += u; v is truncated to its top truncate_factor * k entries (Sketched SGD's p1;
@@ -64,9 +70,7 @@ class SketchCompressor final : public Compressor {
                   std::vector<Message>* out) override;
   void OnChanged(uint64_t key_begin, std::span<const uint32_t> keys,
                  std::span<const float> delta) override;
-  bool second_round() const override {
-    return config_.sketch().second_round() && !config_.sketch().server_momentum();
-  }
+  bool second_round() const override { return SketchSecondRound(config_); }
   Status ExactValues(const KeyRange& r, std::span<const uint32_t> candidates,
                      Message* push) override;
   size_t last_selected() const override { return last_selected_; }

@@ -46,6 +46,10 @@ class GpuSbcCompressor final : public GpuCompressorBase {
     k_ = WarmupK(config_.density(), config_.warmup_epochs(), epoch, n_);
   }
 
+  // As SbcCompressor's: the worker computes at the copy LocalStep trains (here the device copy
+  // itself), which the pulled parameters replace whole after each push.
+  bool trains_local_copy() const override { return true; }
+
   // grad and params: device memory. A CUDA error ends the local steps at once (returns true) and
   // Compress reports it.
   bool LocalStep(const float* grad, float* params) override {

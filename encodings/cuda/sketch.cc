@@ -109,6 +109,10 @@ class GpuSketchCompressor final : public GpuCompressorBase {
     return Status::OK();
   }
 
+  // As SketchCompressor's: without it the worker would push one round to servers that wait for
+  // a second.
+  bool second_round() const override { return SketchSecondRound(config_); }
+
   Status ExactValues(const KeyRange& r, std::span<const uint32_t> candidates,
                      Message* push) override {
     for (uint32_t c : candidates) {
@@ -148,7 +152,7 @@ class GpuSketchCompressor final : public GpuCompressorBase {
     }
     // partial_reset: v -= this worker's share of what the servers applied, -delta / lr, clipped
     // to v (SketchCompressor::OnChanged); otherwise, and for a dense reply, the error reset.
-    const bool partial = config_.sketch().partial_reset() && !config_.sketch().second_round() &&
+    const bool partial = config_.sketch().partial_reset() && !second_round() &&
                          delta.size() == keys.size() && lr_ > 0;
     if (status_.ok() && partial) {
       status_ = delta_.Reserve(delta.size());

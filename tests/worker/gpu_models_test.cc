@@ -450,6 +450,52 @@ TEST(GpuSketchCompressor, PushesEqualTheCpuCompressor) {
   }
 }
 
+// What the worker asks of a compressor besides its pushes is the CPU compressor's answer for
+// every encoding: whether a second round follows each push (the sketch's exact values at the
+// servers' candidates) and whether the model computes at a local copy that the pull replaces
+// whole (SBC's local steps). A device compressor that answered otherwise pushed one round to
+// servers waiting for two (a hang), or kept its local steps in the model after each pull.
+TEST(GpuCompressors, AnswerTheWorkerAsTheCpuCompressors) {
+  SKIP_WITHOUT_GPU();
+  struct Case {
+    std::string name;
+    proto::CompressionConfig c;
+    bool second_round, local_copy;  // the CPU's answers, asserted too
+  };
+  std::vector<Case> cases;
+  auto add = [&](std::string name, proto::Encoding e, bool second, bool momentum, bool rounds,
+                 bool local) {
+    proto::CompressionConfig c;
+    c.set_encoding(e);
+    c.set_density(0.01);
+    if (e == proto::SBC) c.set_local_iterations(2);
+    c.mutable_sketch()->set_second_round(second);
+    c.mutable_sketch()->set_server_momentum(momentum);
+    cases.push_back({std::move(name), c, rounds, local});
+  };
+  add("topk", proto::TOPK, false, false, false, false);
+  add("sbc", proto::SBC, false, false, false, true);
+  add("sketch", proto::SKETCH, false, false, false, false);
+  add("sketch second round", proto::SKETCH, true, false, true, false);
+  add("sketch second round, server momentum", proto::SKETCH, true, true, false, false);
+  const size_t n = 1 << 12;
+  for (const auto& k : cases) {
+    SCOPED_TRACE(k.name);
+    const proto::JobConfig job = GpuJob(k.c, 0.9f, 0.1f);
+    std::unique_ptr<Compressor> cpu = MakeCompressor(job, n);
+    ASSERT_TRUE(cpu);
+    auto gpu = MakeGpuCompressor(job, n);
+    ASSERT_TRUE(gpu.ok()) << gpu.status().message();
+    ASSERT_TRUE(*gpu);
+    EXPECT_TRUE((*gpu)->on_device());
+    EXPECT_FALSE(cpu->on_device());
+    EXPECT_EQ(cpu->second_round(), k.second_round);
+    EXPECT_EQ(cpu->trains_local_copy(), k.local_copy);
+    EXPECT_EQ((*gpu)->second_round(), cpu->second_round());
+    EXPECT_EQ((*gpu)->trains_local_copy(), cpu->trains_local_copy());
+  }
+}
+
 // The trainer's device copy of the parameters: a dense upload at the start, then only the keys
 // that changed (one copy and a scatter), and a dense upload again past a quarter of the vector.
 TEST(DeviceBuffer, SyncUploadsTheChangedKeys) {
