@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Packs a CUDA build for a GPU machine that lacks the build's dependencies (no apt there, no
-# network): what bench/gpu_checks.sh runs (the GPU tests, sparseps_gpu_bench and the three daemons),
-# stripped, with the shared libraries they load (but glibc's, libstdc++/libgcc and cuBLAS, which
-# the GPU machine's own CUDA provides), and Fashion-MNIST.
+# network): what bench/gpu_checks.sh runs (the GPU tests, worker_test for its device tests,
+# sparseps_gpu_bench and the three daemons), stripped, with the shared libraries they load (but
+# glibc's, libstdc++/libgcc and cuBLAS, which the GPU machine's own CUDA provides), and
+# Fashion-MNIST.
 #
 #   bench/gpu_bundle.sh [--build-dir B] [--out DIR] [--data DIR]
 #
@@ -32,7 +33,7 @@ done
 [[ -f "$build_dir/CMakeCache.txt" ]] || { echo "gpu_bundle.sh: $build_dir is not a CMake build" >&2; exit 1; }
 ls "$data"/*.gz >/dev/null 2>&1 || { echo "gpu_bundle.sh: no Fashion-MNIST .gz files in $data" >&2; exit 1; }
 
-binaries=(tests/gpu_kernels_test tests/gpu_models_test tests/collectives_test
+binaries=(tests/gpu_kernels_test tests/gpu_models_test tests/collectives_test tests/worker_test
   bench/sparseps_gpu_bench scheduler/sparseps-scheduler server/sparseps-server
   worker/sparseps-worker)
 targets=()

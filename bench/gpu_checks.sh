@@ -20,7 +20,8 @@
 # --devices, e.g. tests,memcheck / bench,torch,ncu / train --devices cuda / train --devices cpu.
 # Writes, under DIR:
 #   summary.txt        device, pass/fail of each step, the last lines of each log
-#   gpu_tests.log      gpu_kernels_test, gpu_models_test, collectives_test's GPU test (gtest)
+#   gpu_tests.log      gpu_kernels_test, gpu_models_test, collectives_test's GPU test, worker_test's
+#                      device tests (gtest)
 #   memcheck.log       the same tests under compute-sanitizer's memcheck (leaks too), but the
 #                      training run (GpuModels.TrainingReachesTheCpuAccuracy)
 #   gpu_bench.json/.log sparseps_gpu_bench (Google Benchmark, R repetitions, CUDA-event times)
@@ -28,7 +29,8 @@
 #   train.log          the training runs' final lines; train-runs.tar.gz their run directories
 #   ncu.log            with --ncu: Nsight Compute's speed-of-light and memory sections for the
 #                      kernels of BM_TopK, BM_ThresholdSelect and BM_CountSketchInsertDense
-# Exit code: 0 when every test passed and every run finished, 1 otherwise.
+# Exit code: 0 when every test passed and every run finished (on both devices within a point of
+# final test accuracy of each other), 1 otherwise.
 set -uo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -95,7 +97,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max
 # The GPU tests: NAME BINARY GTEST_FILTER.
 gpu_tests=("gpu_kernels_test tests/gpu_kernels_test *"
   "gpu_models_test tests/gpu_models_test *"
-  "gpu_allreduce_test tests/collectives_test GpuContribution.*")
+  "gpu_allreduce_test tests/collectives_test GpuContribution.*"
+  "gpu_device_test tests/worker_test Device.*")
 if want tests; then
   for t in "${gpu_tests[@]}"; do
     read -r name bin filter <<<"$t"
@@ -166,6 +169,7 @@ if want train; then
       extra+=(--set "$kv")
       name+="-${kv##*=}"
     done
+    declare -A acc=()
     for dev in $devices; do
       step "train $spec on $dev" "$out/train.log" timeout 300 "$here/deploy/launch.sh" \
         --config "$here/configs/$cfg.yaml" --build-dir "$build_dir" --quiet \
@@ -173,7 +177,17 @@ if want train; then
         --run-dir "$runs/$name-$dev"
       grep -h -m2 -i -E "device|compression on|contribution on" "$runs/$name-$dev/worker-0.log" | tee -a "$summary"
       tail -n 2 "$out/train.log" | tee -a "$summary"
+      acc[$dev]=$(tail -n 2 "$out/train.log" | sed -n 's/.*final test accuracy \([0-9.]*\)%.*/\1/p')
     done
+    # The same job on both devices ends within a point (float rounding differs, not the method).
+    if [[ -n "${acc[cuda]:-}" && -n "${acc[cpu]:-}" ]]; then
+      if awk -v a="${acc[cuda]}" -v b="${acc[cpu]}" 'BEGIN { d = a - b; exit !(d > 1 || d < -1) }'; then
+        note "FAIL train $spec: cuda ${acc[cuda]}% against cpu ${acc[cpu]}% (more than a point apart)"
+        failed=1
+      else
+        note "same accuracy $spec: cuda ${acc[cuda]}%, cpu ${acc[cpu]}%"
+      fi
+    fi
   done
   tar -czf "$out/train-runs.tar.gz" -C "$out" train-runs && rm -rf "$runs"
 fi

@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# What a lent GPU machine (the workplace's device tool: one GPU, 16 cores, no network, none of the
+# build's dependencies) checks in one call: unpacks bench/gpu_bundle.sh's bundle, then runs the
+# phases asked for, each bounded by what is left of BUDGET seconds, and packs each phase's files
+# into OUT as it ends (so a call cut short still brings back what finished):
+#   tests    the GPU tests (bench/gpu_checks.sh --steps tests)
+#   train    every device compressor's config trained on the GPU (gpu_checks.sh --steps train)
+#   retrain  sketch_second_round and sbc on both devices (within a point of each other), then
+#            sketch_fetchsgd and allreduce mode's device contribution on the GPU
+#   bench    sparseps_gpu_bench's selections and sketch insertions, 3 repetitions
+#   goal4    configs/compare_short_1gbit.yaml (issue 21's goals 1, 3 and 4 on cores of their own)
+#   goal5    configs/compare_scaling_short_1gbit.yaml at W = 2 and 8 (goal 5)
+#
+#   PHASES=tests,train,bench BUDGET=340 OUT=DIR bench/device_run.sh      # from the repository root
+#
+# Needs .devrun/bundle.tar.xz and .devrun/data (bench/gpu_bundle.sh). The network phases need
+# root (ip netns); where the machine lacks ip or tc, NET_TOOLS (default .devx/net) may hold
+# bin/ip, bin/tc and the libraries they load, e.g. copied from a Debian 12 machine.
+set -u
+T0=$SECONDS
+BUDGET=${BUDGET:-560}
+PHASES=${PHASES:-tests,train,bench}
+R=$PWD
+OUT=${OUT:-$R/runs/device-$(date +%Y%m%d-%H%M%S)}
+NET_TOOLS=${NET_TOOLS:-$R/.devx/net}
+mkdir -p "$OUT"
+want() { [[ ",$PHASES," == *",$1,"* ]]; }
+left() { echo $((BUDGET - (SECONDS - T0))); }
+cap() { local l; l=$(left); [[ $l -lt $1 ]] && echo "$l" || echo "$1"; }
+pack() {
+  for d in "$@"; do
+    [[ -d /tmp/$d ]] && tar --exclude='*.safetensors' --exclude='*.ckpt' -czf "$OUT/$d.tar.gz" -C /tmp "$d"
+  done
+}
+exec > >(tee "$OUT/console.log") 2>&1
+echo "== setup at $(date -u +%T); phases $PHASES"
+mkdir -p .devrun/x && tar -xJf .devrun/bundle.tar.xz -C .devrun/x || exit 1
+export LD_LIBRARY_PATH=$R/.devrun/x/lib:/usr/local/cuda/lib64
+B=$R/.devrun/x/build
+D=$R/.devrun/data
+# The comparison job reads Fashion-MNIST where Debian's package puts it.
+mkdir -p /usr/share/datasets/fashion-mnist && cp "$D"/*.gz /usr/share/datasets/fashion-mnist/
+nproc
+nvidia-smi -L
+grep PRETTY /etc/os-release
+uname -r
+for t in ip tc; do
+  if ! command -v $t >/dev/null && [[ -x "$NET_TOOLS/bin/$t" ]]; then
+    mkdir -p /tmp/wrap
+    # Prepends, so that what `ip netns exec` starts keeps the bundle's libraries.
+    printf '#!/bin/sh\nLD_LIBRARY_PATH=%s:$LD_LIBRARY_PATH exec %s "$@"\n' "$NET_TOOLS/lib" \
+      "$NET_TOOLS/bin/$t" >/tmp/wrap/$t
+    chmod +x /tmp/wrap/$t
+    echo "carried $t"
+  fi
+done
+export PATH=$PATH:/tmp/wrap
+net=0
+if bash deploy/netns.sh check && bash deploy/netns.sh up --prefix probe --hosts 2 --rate 1gbit; then
+  bash deploy/netns.sh exec --prefix probe 1 ip -br addr && net=1
+fi
+bash deploy/netns.sh down --prefix probe
+echo "netns works: $net"
+
+if want tests; then
+  echo "== tests at $(date -u +%T), $(left) s left"
+  timeout "$(cap 170)" bash bench/gpu_checks.sh --build-dir "$B" --data "$D" --out /tmp/g1 --steps tests
+  pack g1
+fi
+if want train; then
+  echo "== train at $(date -u +%T), $(left) s left"
+  timeout "$(cap 200)" bash bench/gpu_checks.sh --build-dir "$B" --data "$D" --out /tmp/g2 --steps train \
+    --devices cuda
+  pack g2
+fi
+if want retrain; then
+  echo "== retrain at $(date -u +%T), $(left) s left"
+  ar="quickstart:aggregation=allreduce:collective.algorithm"
+  timeout "$(cap 130)" bash bench/gpu_checks.sh --build-dir "$B" --data "$D" --out /tmp/g4 --steps train \
+    --train "sketch_second_round sbc" --devices "cuda cpu"
+  pack g4
+  timeout "$(cap 90)" bash bench/gpu_checks.sh --build-dir "$B" --data "$D" --out /tmp/g5 --steps train \
+    --train "sketch_fetchsgd $ar=topk_allgather $ar=gtopk $ar=gtopk:compression.selection=scaled_threshold $ar=exdyna $ar=spardl" \
+    --devices cuda
+  pack g5
+fi
+if want bench; then
+  echo "== bench at $(date -u +%T), $(left) s left"
+  mkdir -p /tmp/g3
+  timeout "$(cap 70)" "$B/bench/sparseps_gpu_bench" --benchmark_repetitions=3 \
+    --benchmark_report_aggregates_only=true \
+    --benchmark_filter='BM_OneRead|BM_TopK|BM_ThresholdSelect|BM_SampledThresholdSelect|BM_CountSketchInsert' \
+    --benchmark_out=/tmp/g3/gpu_bench.json --benchmark_out_format=json 2>&1 |
+    tee /tmp/g3/gpu_bench.log | grep -E "median"
+  pack g3
+fi
+if [[ $net -eq 1 ]] && want goal4; then
+  echo "== goal 4 at $(date -u +%T), $(left) s left"
+  timeout "$(cap 150)" python3 bench/sparseps-compare --config configs/compare_short_1gbit.yaml \
+    --out /tmp/c4 --build-dir "$B"
+  pack c4
+fi
+if [[ $net -eq 1 ]] && want goal5; then
+  echo "== goal 5 at $(date -u +%T), $(left) s left"
+  timeout "$(cap 400)" python3 bench/sparseps-compare --config configs/compare_scaling_short_1gbit.yaml \
+    --out /tmp/c5 --build-dir "$B" \
+    --only "${SCALING:-ps_topk_w2,ps_topk_w8,gtopk_w2,gtopk_w8,spardl_w2,spardl_w8,exdyna_w2,exdyna_w8,gloo_w2,gloo_w8}"
+  pack c5
+fi
+bash deploy/netns.sh down --prefix spsc >/dev/null 2>&1
+echo "== end at $(date -u +%T), $(left) s left"
