@@ -104,7 +104,7 @@ if [[ $net -eq 1 ]] && want goal5; then
   echo "== goal 5 at $(date -u +%T), $(left) s left"
   timeout "$(cap 400)" python3 bench/sparseps-compare --config configs/compare_scaling_short_1gbit.yaml \
     --out /tmp/c5 --build-dir "$B" \
-    --only "${SCALING:-ps_topk_w2,ps_topk_w8,gtopk_w2,gtopk_w8,spardl_w2,spardl_w8,exdyna_w2,exdyna_w8,gloo_w2,gloo_w8}"
+    --only "${SCALING:-ps_topk_w2,ps_topk_w8,ps_topk_stk_w2,ps_topk_stk_w8,gtopk_w2,gtopk_w8,spardl_w2,spardl_w8,exdyna_w2,exdyna_w8,gloo_w2,gloo_w8}"
   pack c5
 fi
 bash deploy/netns.sh down --prefix spsc >/dev/null 2>&1
