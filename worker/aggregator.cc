@@ -175,10 +175,6 @@ class PsAggregator final : public Aggregator {
   }
 
   void State(StateArchive& archive) override {
-    if (compressor_ != nullptr && compressor_->on_device()) {
-      return archive.Fail(
-          "checkpoints of a compressor on the GPU are not supported yet (use train.device: cpu)");
-    }
     archive.Value("iteration", &iteration_);
     push_round_ = static_cast<int64_t>(iteration_);
     if (overlap_) {

@@ -29,6 +29,22 @@ Status CheckFiniteOnDevice(const float* x, size_t n, unsigned long long* scratch
   return Status::OK();
 }
 
+void GpuCompressorBase::DeviceArrayState(StateArchive& archive, std::string_view name,
+                                         float* d) const {
+  std::vector<float> h(n_);
+  Status s = CudaStatus(cudaStreamSynchronize(stream_), "the stream");
+  if (s.ok() && archive.saving()) {
+    s = CudaStatus(cudaMemcpy(h.data(), d, n_ * sizeof(float), cudaMemcpyDeviceToHost),
+                   "copying the device state to the host");
+  }
+  if (!s.ok()) return archive.Fail(s.message());
+  archive.Array(name, &h);  // loading: must hold n_ values
+  if (archive.saving() || !archive.status().ok()) return;
+  s = CudaStatus(cudaMemcpy(d, h.data(), n_ * sizeof(float), cudaMemcpyHostToDevice),
+                 "restoring the device state");
+  if (!s.ok()) archive.Fail(s.message());
+}
+
 Status DownloadGpuCompressorState(const Compressor& compressor, std::vector<float>* residual,
                                   std::vector<float>* velocity) {
   const auto* on_gpu = dynamic_cast<const GpuCompressorBase*>(&compressor);

@@ -9,8 +9,10 @@
 
 #include <algorithm>
 #include <string>
+#include <string_view>
 #include <vector>
 
+#include "common/checkpoint.h"
 #include "common/status.h"
 #include "encodings/compressor.h"
 #include "encodings/cuda/cuda_arrays.h"
@@ -70,6 +72,12 @@ class GpuCompressorBase : public Compressor {
     return CheckFiniteOnDevice(x, n_, bad_.p, stream_, what);
   }
 
+  // Saves or restores d[0, n) (device memory) as the archive's array `name`, through the host;
+  // the device compressors save under their CPU twins' names, so that a checkpoint taken on one
+  // device resumes on the other. Synchronises the stream. A CUDA error or a saved array of
+  // another size fails the archive, and a failed load leaves d alone.
+  void DeviceArrayState(StateArchive& archive, std::string_view name, float* d) const;
+
   const size_t n_;
   cudaStream_t stream_ = nullptr;
   DeviceArray<float> u_, v_;
@@ -121,6 +129,14 @@ class DeviceSelector {
     }
   }
   const uint32_t* indices() const { return result_; }
+
+  // Saves or restores the selection's state across iterations as Selector::State does (the
+  // scaled threshold; the other modes keep none).
+  void State(StateArchive& archive) {
+    float threshold = scaled_.threshold();
+    archive.Value("scaled_threshold", &threshold);
+    scaled_.set_threshold(threshold);
+  }
 
  private:
   proto::Selection mode_;

@@ -103,6 +103,20 @@ class GpuSbcCompressor final : public GpuCompressorBase {
     return Status::OK();
   }
 
+  // SbcCompressor's state under its names: a checkpoint resumes on either device.
+  void State(StateArchive& archive) override {
+    archive.Value("local_steps", &local_steps_);
+    DeviceArrayState(archive, "velocity", u_.p);
+    DeviceArrayState(archive, "accumulated", a_.p);
+    DeviceArrayState(archive, "residual", v_.p);
+    {
+      auto scope = archive.Scope("positive_selector");
+      pos_selector_.State(archive);
+    }
+    auto scope = archive.Scope("negative_selector");
+    neg_selector_.State(archive);
+  }
+
  private:
   proto::CompressionConfig config_;
   size_t k_;

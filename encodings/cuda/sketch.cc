@@ -174,6 +174,12 @@ class GpuSketchCompressor final : public GpuCompressorBase {
     if (status_.ok()) status_ = CudaStatus(cudaStreamSynchronize(stream_), "the error reset");
   }
 
+  // SketchCompressor's state under its names: a checkpoint resumes on either device.
+  void State(StateArchive& archive) override {
+    DeviceArrayState(archive, "velocity", u_.p);
+    DeviceArrayState(archive, "residual", v_.p);
+  }
+
  private:
   struct Group {
     KeyRange range;  // relative to the key range

@@ -86,6 +86,14 @@ class GpuTopKCompressor final : public GpuCompressorBase {
     return Status::OK();
   }
 
+  // TopKCompressor's state under its names: a checkpoint resumes on either device.
+  void State(StateArchive& archive) override {
+    DeviceArrayState(archive, "velocity", u_.p);
+    DeviceArrayState(archive, "residual", v_.p);
+    auto scope = archive.Scope("selector");
+    selector_.State(archive);
+  }
+
  private:
   proto::CompressionConfig config_;
   size_t k_;

@@ -11,7 +11,9 @@
 #include <string>
 #include <vector>
 
+#include "common/checkpoint.h"
 #include "common/key_range.h"
+#include "common/safetensors.h"
 #include "encodings/codec.h"
 #include "encodings/compressor.h"
 #include "encodings/cuda/gpu_compressors.h"
@@ -493,6 +495,125 @@ TEST(GpuCompressors, AnswerTheWorkerAsTheCpuCompressors) {
     EXPECT_EQ(cpu->trains_local_copy(), k.local_copy);
     EXPECT_EQ((*gpu)->second_round(), cpu->second_round());
     EXPECT_EQ((*gpu)->trains_local_copy(), cpu->trains_local_copy());
+  }
+}
+
+// `c`'s state as a checkpoint file holds it (saved, serialised, parsed back).
+SafetensorsFile SavedState(Compressor& c) {
+  StateArchive save;
+  c.State(save);
+  EXPECT_TRUE(save.status().ok()) << save.status().ToString();
+  auto file = SafetensorsFile::Parse(save.writer().Serialize(), "state");
+  EXPECT_TRUE(file.ok()) << file.status().ToString();
+  return std::move(*file);
+}
+
+// A checkpoint moves between the CPU and the device compressors, which save under the same names:
+// a CPU compressor's state after two pushes, restored into a device compressor, gives the CPU's
+// third push byte for byte (topk, exact and ExDyna's scaled threshold, whose threshold is state
+// too) and the same SBC positions; the device's state then restores into a fresh CPU compressor
+// equal to the first. A state of another size is refused and changes nothing.
+TEST(GpuCompressors, CheckpointsMoveBetweenTheCpuAndTheGpu) {
+  SKIP_WITHOUT_GPU();
+  const size_t n = 1 << 18;
+  const auto ranges = SplitKeyRanges(n, 2);
+  for (proto::Selection mode : {proto::EXACT, proto::SCALED_THRESHOLD}) {
+    SCOPED_TRACE(proto::Selection_Name(mode));
+    proto::CompressionConfig c;
+    c.set_encoding(proto::TOPK);
+    c.set_density(0.001);
+    c.set_selection(mode);
+    TopKCompressor cpu(n, c, 0.9f);
+    std::vector<Message> out;
+    for (int round = 0; round < 2; ++round) {
+      const auto g = Normal(n, 60 + round);
+      ASSERT_TRUE(cpu.Compress(g.data(), ranges, &out).ok());
+    }
+    const SafetensorsFile saved = SavedState(cpu);
+    auto made = MakeGpuCompressor(GpuJob(c, 0.9f, 0.1f), n);
+    ASSERT_TRUE(made.ok()) << made.status().message();
+    Compressor& gpu = **made;
+    StateArchive load(&saved);
+    gpu.State(load);
+    ASSERT_TRUE(load.status().ok()) << load.status().ToString();
+    const auto g = Normal(n, 62);
+    DeviceVector<float> dg(g);
+    std::vector<Message> cpu_out, gpu_out;
+    ASSERT_TRUE(cpu.Compress(g.data(), ranges, &cpu_out).ok());
+    ASSERT_TRUE(gpu.Compress(dg.get(), ranges, &gpu_out).ok());
+    ExpectSamePushes(gpu_out, cpu_out, "the push after the restore");
+    const SafetensorsFile back_saved = SavedState(gpu);
+    TopKCompressor back(n, c, 0.9f);
+    StateArchive load_back(&back_saved);
+    back.State(load_back);
+    ASSERT_TRUE(load_back.status().ok()) << load_back.status().ToString();
+    EXPECT_EQ(back.residual(), cpu.residual());
+    EXPECT_EQ(back.velocity(), cpu.velocity());
+  }
+  {
+    SCOPED_TRACE("sbc");
+    proto::CompressionConfig c;
+    c.set_encoding(proto::SBC);
+    c.set_density(0.001);
+    c.set_local_iterations(2);
+    SbcCompressor cpu(n, c, 0.9f, 0.05f);
+    auto params = Normal(n, 7);
+    std::vector<Message> out;
+    for (int step = 0; step < 3; ++step) {  // three local steps, the second of which pushes
+      const auto g = Normal(n, 70 + step);
+      if (cpu.LocalStep(g.data(), params.data())) {
+        ASSERT_TRUE(cpu.Compress(g.data(), ranges, &out).ok());
+      }
+    }
+    const SafetensorsFile saved = SavedState(cpu);
+    auto made = MakeGpuCompressor(GpuJob(c, 0.9f, 0.05f), n);
+    ASSERT_TRUE(made.ok()) << made.status().message();
+    Compressor& gpu = **made;
+    StateArchive load(&saved);
+    gpu.State(load);
+    ASSERT_TRUE(load.status().ok()) << load.status().ToString();
+    const auto g = Normal(n, 73);
+    DeviceVector<float> dg(g), dparams(params);
+    ASSERT_TRUE(cpu.LocalStep(g.data(), params.data()));  // the restored count: a push is due
+    ASSERT_TRUE(gpu.LocalStep(dg.get(), dparams.get()));
+    std::vector<Message> cpu_out, gpu_out;
+    ASSERT_TRUE(cpu.Compress(g.data(), ranges, &cpu_out).ok());
+    ASSERT_TRUE(gpu.Compress(dg.get(), ranges, &gpu_out).ok());
+    ASSERT_EQ(gpu_out.size(), cpu_out.size());
+    for (size_t r = 0; r < cpu_out.size(); ++r) {
+      DecodedPayload want, got;
+      ASSERT_TRUE(FindCodec(proto::SBC)->Decode(cpu_out[r], ranges[r].size(), &want).ok());
+      ASSERT_TRUE(FindCodec(proto::SBC)->Decode(gpu_out[r], ranges[r].size(), &got).ok());
+      EXPECT_EQ(std::vector<uint32_t>(got.indices.begin(), got.indices.end()),
+                std::vector<uint32_t>(want.indices.begin(), want.indices.end()))
+          << "range " << r;
+    }
+  }
+  {
+    SCOPED_TRACE("sketch, and a state of another size");
+    proto::CompressionConfig c;
+    c.set_encoding(proto::SKETCH);
+    c.set_density(0.01);
+    SketchCompressor cpu(n, c, 0.9f, 0.1f);
+    std::vector<Message> out;
+    const auto g = Normal(n, 80);
+    ASSERT_TRUE(cpu.Compress(g.data(), ranges, &out).ok());
+    const SafetensorsFile saved = SavedState(cpu);
+    auto made = MakeGpuCompressor(GpuJob(c, 0.9f, 0.1f), n);
+    ASSERT_TRUE(made.ok()) << made.status().message();
+    StateArchive load(&saved);
+    (*made)->State(load);
+    ASSERT_TRUE(load.status().ok()) << load.status().ToString();
+    std::vector<float> residual, velocity;
+    ASSERT_TRUE(DownloadGpuCompressorState(**made, &residual, &velocity).ok());
+    EXPECT_EQ(residual, cpu.residual());
+    auto other = MakeGpuCompressor(GpuJob(c, 0.9f, 0.1f), n + 1);
+    ASSERT_TRUE(other.ok()) << other.status().message();
+    StateArchive refused(&saved);
+    (*other)->State(refused);
+    EXPECT_FALSE(refused.status().ok());
+    ASSERT_TRUE(DownloadGpuCompressorState(**other, &residual, &velocity).ok());
+    EXPECT_EQ(residual, std::vector<float>(n + 1, 0.0f));
   }
 }
 
