@@ -5,8 +5,8 @@
 # failing process's log) if one dies, and prints the run directory at the end.
 #
 #   deploy/launch.sh [--config F] [--set key=value ...] [--run-dir D] [--build-dir B] [--quiet]
-#                    [--netns PREFIX] [--worker-command "CMD ARGS"] [--resume RUN_DIR]
-#                    [--max-restarts N]
+#                    [--netns PREFIX [--servers-per-host K]] [--worker-command "CMD ARGS"]
+#                    [--resume RUN_DIR] [--max-restarts N]
 #   deploy/launch.sh --hosts FILE [--ssh "ssh OPTIONS"] [--remote-dir D] [--remote-bin-dir D]
 #                    [-x NAME[=VALUE] ...] [--config F] [--set key=value ...] [--run-dir D]
 #
@@ -56,7 +56,10 @@
 #
 # --netns PREFIX places each process on an emulated host made by `deploy/netns.sh up --prefix
 # PREFIX` (needs S + W hosts): server s on host 1+s, worker w on host S+1+w, the scheduler on
-# host 1; every process binds and advertises its host's address.
+# host 1; every process binds and advertises its host's address. --servers-per-host K puts the S
+# servers on H = ceil(S / K) hosts in turn (server s on host 1 + s mod H, so that consecutive key
+# ranges are on different hosts; workers from host H+1): BytePS's partitions, with
+# cluster.push_window.
 #
 # A worker killed by a signal (kill -9, a crash) in ps mode with cluster.on_worker_failure: continue
 # (the default) does not end the job: the scheduler drops it and the others go on (with
@@ -73,6 +76,7 @@ build_dir="${SPARSEPS_BUILD_DIR:-$here/build}"
 run_dir=""
 quiet=0
 netns=""
+servers_per_host=1
 worker_command=""
 resume=""
 config_given=""
@@ -93,6 +97,7 @@ while [[ $# -gt 0 ]]; do
     --build-dir) build_dir="$2"; shift 2 ;;
     --quiet) quiet=1; shift ;;
     --netns) netns="$2"; shift 2 ;;
+    --servers-per-host) servers_per_host="$2"; shift 2 ;;
     --worker-command) worker_command="$2"; shift 2 ;;
     --resume) resume="$2"; shift 2 ;;
     --max-restarts) max_restarts="$2"; shift 2 ;;
@@ -146,6 +151,12 @@ fi
 [[ "$max_restarts" =~ ^[0-9]+$ ]] || { echo "launch.sh: --max-restarts needs a number" >&2; exit 2; }
 # With allreduce the workers aggregate among themselves: no servers.
 [[ "$aggregation" == "allreduce" ]] && num_servers=0
+[[ "$servers_per_host" =~ ^[1-9][0-9]*$ ]] ||
+  { echo "launch.sh: --servers-per-host must be a positive integer, not '$servers_per_host'" >&2; exit 2; }
+[[ "$servers_per_host" == 1 || -n "$netns" ]] ||
+  { echo "launch.sh: --servers-per-host goes with --netns (with --hosts, list a host's servers as server:K)" >&2; exit 2; }
+# The emulated hosts that hold servers (--netns).
+server_hosts=$(((num_servers + servers_per_host - 1) / servers_per_host))
 
 if [[ -n "$hosts_file" ]]; then
   [[ -z "$netns" && -z "$resume" && "$max_restarts" == 0 ]] ||
@@ -241,8 +252,8 @@ proc_host() {
   elif [[ -n "$netns" ]]; then
     case "$name" in
       scheduler) echo 1 ;;
-      server-*) echo $((1 + rank)) ;;
-      worker-*) echo $((num_servers + 1 + rank)) ;;
+      server-*) echo $((1 + rank % server_hosts)) ;;
+      worker-*) echo $((server_hosts + 1 + rank)) ;;
     esac
   fi
 }
@@ -256,7 +267,7 @@ host_set() {
   else echo "--set $2=$("$netns_sh" addr --prefix "$netns" "$h")"; fi
 }
 if [[ -n "$netns" ]]; then
-  need=$((num_servers + num_workers))
+  need=$((server_hosts + num_workers))
   for ((h = 1; h <= need; h++)); do
     ip netns list | grep -q "^${netns}-h$h\b" || {
       echo "launch.sh: --netns $netns needs $need hosts; ${netns}-h$h is missing (deploy/netns.sh up --prefix $netns --hosts $need)" >&2

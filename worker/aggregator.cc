@@ -74,6 +74,7 @@ class PsAggregator final : public Aggregator {
         config_.cluster().request_timeout_s(),
         /*commit_after_ack=*/config_.cluster().on_worker_failure() == proto::CONTINUE,
         config_.cluster().retry_interval_s());
+    ps_->set_push_window(config_.cluster().push_window());
     overlap_ = config_.train().overlap() == proto::BACKWARD;
     if (overlap_ && model_on_device_) {
       spdlog::warn(

@@ -173,7 +173,10 @@ Status PsClient::PushPull(int64_t iteration, std::vector<Message>& pushes, float
 
 Status PsClient::PushThenPull(int64_t iteration, std::vector<Message>& pushes, float* params) {
   BeginPushes();
+  // push_window: range r leaves once at most window - 1 of the earlier ones are unacknowledged.
+  const size_t window = push_window_ == 0 ? peers_.size() : push_window_;
   for (size_t r = 0; r < peers_.size(); ++r) {
+    if (r >= window) SPARSEPS_RETURN_IF_ERROR(AwaitPushAcks(iteration, params, window - 1));
     SPARSEPS_RETURN_IF_ERROR(PushRange(iteration, r, pushes[r]));
   }
   return FinishPushes(iteration, params);
@@ -289,25 +292,55 @@ Status PsClient::ApplyPullReply(Peer& peer, const Message& msg, float* params) {
 }
 
 Status PsClient::AwaitAll(int64_t iteration, float* params) {
+  return AwaitUntil(
+      iteration, params,
+      [&] {
+        return std::all_of(peers_.begin(), peers_.end(),
+                           [](const Peer& p) { return p.pending.empty(); });
+      },
+      [](const Pending&) { return true; });
+}
+
+Status PsClient::AwaitPushAcks(int64_t iteration, float* params, size_t at_most) {
+  auto is_push = [](const Pending& q) { return q.expected == proto::PUSH_ACK; };
+  return AwaitUntil(
+      iteration, params,
+      [&] {
+        size_t unacked = 0;
+        for (const auto& p : peers_) {
+          unacked +=
+              static_cast<size_t>(std::count_if(p.pending.begin(), p.pending.end(), is_push));
+        }
+        return unacked <= at_most;
+      },
+      is_push);
+}
+
+Status PsClient::AwaitUntil(int64_t iteration, float* params, const std::function<bool()>& done,
+                            const std::function<bool(const Pending&)>& waits) {
   const auto start = Clock::now();
   std::vector<zmq::socket_t*> sockets;
   for (auto& p : peers_) sockets.push_back(&p.socket);
   sockets.push_back(&control_->socket());
   while (true) {
+    if (done()) return Status::OK();
     const Peer* waiting = nullptr;
+    const Pending* what = nullptr;
     for (const auto& p : peers_) {
-      if (!p.pending.empty()) {
+      auto it = std::find_if(p.pending.begin(), p.pending.end(), waits);
+      if (it != p.pending.end()) {
         waiting = &p;
+        what = &*it;
         break;
       }
     }
-    if (waiting == nullptr) return Status::OK();
+    if (waiting == nullptr) return Status::Internal("waiting for a reply that no request expects");
     const double left = request_timeout_s_ - SecondsSince(start);
     if (left <= 0) {
-      return Status::DeadlineExceeded(
-          "timed out after " + std::to_string(request_timeout_s_) + " s waiting for " +
-          CommandName(waiting->pending.front().expected) + " (iteration " +
-          std::to_string(iteration) + ") from " + waiting->name);
+      return Status::DeadlineExceeded("timed out after " + std::to_string(request_timeout_s_) +
+                                      " s waiting for " + CommandName(what->expected) +
+                                      " (iteration " + std::to_string(iteration) + ") from " +
+                                      waiting->name);
     }
     if (retry_interval_s_ > 0) {
       const auto now = Clock::now();

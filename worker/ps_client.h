@@ -35,6 +35,10 @@ class PsClient {
            ControlClient* control, double request_timeout_s, bool commit_after_ack = false,
            double retry_interval_s = 0.0);
 
+  // At most `window` pushes unacknowledged at once (cluster.push_window; 0: all at once): PushPull
+  // and SketchTwoRounds' exact values send the rest in key order as acks come.
+  void set_push_window(size_t window) { push_window_ = window; }
+
   // The key ranges, sorted (one per server).
   const std::vector<KeyRange>& ranges() const { return ranges_; }
 
@@ -149,6 +153,12 @@ class PsClient {
   Status Resend(Peer& peer, Pending& p);
   Message Request(const Peer& peer, proto::Command command, int64_t iteration);
   Status AwaitAll(int64_t iteration, float* params);
+  // Receives until at most `at_most` of this worker's pushes are unacknowledged (push_window_),
+  // with AwaitAll's deadline, retries and errors.
+  Status AwaitPushAcks(int64_t iteration, float* params, size_t at_most);
+  // Receives until done() holds; the deadline names the first peer that `waits` says waits.
+  Status AwaitUntil(int64_t iteration, float* params, const std::function<bool()>& done,
+                    const std::function<bool(const Pending&)>& waits);
   // Sends `push` (command and iteration set here); expects PUSH_ACK.
   Status SendPush(Peer& peer, Message& push, int64_t iteration);
   // Sends the PULL of `iteration` (the server answers it when the iteration is applied); expects
@@ -170,6 +180,7 @@ class PsClient {
   const double request_timeout_s_;
   const bool commit_after_ack_;
   const double retry_interval_s_;
+  size_t push_window_ = 0;
   uint64_t resent_ = 0;
   uint64_t duplicate_replies_ = 0;
   std::vector<KeyRange> ranges_;

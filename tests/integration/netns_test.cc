@@ -151,6 +151,66 @@ TEST(EmulatedNetwork, LaunchPlacesEachProcessOnItsHost) {
   EXPECT_EQ(list.find(prefix), std::string::npos) << "namespaces left behind: " << list;
 }
 
+// --servers-per-host 2: 4 servers on 2 hosts in turn (servers 0 and 2 on host 1, 1 and 3 on
+// host 2), the worker on host 3; the job trains with a push window of 2 and its pulls leaving
+// with the pushes (on_worker_failure: abort).
+TEST(EmulatedNetwork, LaunchPutsSeveralServersOnAHostInTurn) {
+  std::string why;
+  if (Shell(kScript + " check", &why) != 0)
+    GTEST_SKIP() << "network namespaces unavailable: " << why;
+  if (!HaveData()) GTEST_SKIP() << "Fashion-MNIST not installed";
+  const std::string prefix = "sph" + std::to_string(getpid());
+  {
+    Teardown guard{prefix};
+    std::string out;
+    ASSERT_EQ(Shell(kScript + " up --hosts 3 --rate 1gbit --prefix " + prefix, &out), 0) << out;
+    testing::TempDir dir("launch-per-host");
+    const std::string run = dir.path() + "/run";
+    testing::ChildProcess p({"/bin/bash",
+                             std::string(SPARSEPS_SOURCE_DIR) + "/deploy/launch.sh",
+                             "--build-dir",
+                             SPARSEPS_BINARY_DIR,
+                             "--run-dir",
+                             run,
+                             "--netns",
+                             prefix,
+                             "--servers-per-host",
+                             "2",
+                             "--set",
+                             "model.hidden=[32]",
+                             "--set",
+                             "data.max_train_samples=2048",
+                             "--set",
+                             "data.max_test_samples=500",
+                             "--set",
+                             "train.max_steps=30",
+                             "--set",
+                             "cluster.num_servers=4",
+                             "--set",
+                             "cluster.num_workers=1",
+                             "--set",
+                             "cluster.push_window=2",
+                             "--set",
+                             "cluster.on_worker_failure=abort"},
+                            dir.path() + "/launch.log");
+    ASSERT_EQ(p.Wait(180), 0) << p.Log();
+    EXPECT_NE(testing::ReadFile(run + "/summary.json").find("\"status\": \"ok\""),
+              std::string::npos);
+    for (int s = 0; s < 4; ++s) {
+      const std::string log = testing::ReadFile(run + "/server-" + std::to_string(s) + ".log");
+      const std::string host = s % 2 == 0 ? "10.77.0.1" : "10.77.0.2";
+      EXPECT_NE(log.find("data socket on tcp://" + host + ":"), std::string::npos)
+          << "server " << s << ":\n"
+          << log;
+    }
+    const std::string scheduler = testing::ReadFile(run + "/scheduler.log");
+    EXPECT_NE(scheduler.find("at 10.77.0.3:"), std::string::npos) << scheduler;
+  }
+  std::string list;
+  Shell("ip netns list", &list);
+  EXPECT_EQ(list.find(prefix), std::string::npos) << "namespaces left behind: " << list;
+}
+
 // The shell blocks of docs/user-guide.md that follow "<!-- netns_test: host N -->", by N.
 std::map<int, std::string> GuideBlocks() {
   std::map<int, std::string> blocks;

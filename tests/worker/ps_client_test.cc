@@ -8,9 +8,11 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -447,6 +449,83 @@ TEST_F(PsClientTest, NotReadyServerIsAskedAgain) {
   s = once->PullInitial(params.data());
   EXPECT_EQ(s.code(), StatusCode::kProtocolError) << s.ToString();
   EXPECT_THAT(s.message(), HasSubstr("server not ready"));
+}
+
+// cluster.push_window: with a window of 1, range r + 1's push leaves only once range r's was
+// acknowledged, whatever the ack's delay; with no window every push leaves at once. Three real
+// shards (one worker, lr 1), the first of which acknowledges 1 s late; the iteration's result is
+// the same either way.
+TEST_F(PsClientTest, PushWindowHoldsTheNextPushUntilAnAck) {
+  const std::vector<KeyRange> ranges = {{0, 3}, {3, 6}, {6, 8}};
+  for (size_t window : {size_t{1}, size_t{0}}) {
+    SCOPED_TRACE("window " + std::to_string(window));
+    std::mutex mu;
+    std::vector<std::string> log;  // "push r" on arrival, "ack r" as the ack leaves
+    std::vector<std::unique_ptr<ShardServer>> shards;
+    std::vector<std::unique_ptr<FakeServer>> servers;
+    for (size_t r = 0; r < ranges.size(); ++r) {
+      shards.push_back(std::make_unique<ShardServer>(
+          ShardOptions{ranges[r], static_cast<int>(r), 1, 1.0, {}, 0.0}));
+      ShardServer* shard = shards.back().get();
+      servers.push_back(std::make_unique<FakeServer>(
+          context_,
+          [&, r, shard](const std::string& peer, Result<Message> msg, std::vector<Outgoing>* out) {
+            ASSERT_TRUE(msg.ok());
+            const bool push = msg->header.command() == proto::PUSH;
+            if (push) {
+              std::lock_guard<std::mutex> lock(mu);
+              log.push_back("push " + std::to_string(r));
+            }
+            if (push && r == 0) std::this_thread::sleep_for(std::chrono::seconds(1));
+            shard->Handle(peer, std::move(msg), out);
+            if (push) {
+              std::lock_guard<std::mutex> lock(mu);
+              log.push_back("ack " + std::to_string(r));
+            }
+          }));
+    }
+    proto::Membership m;
+    m.set_epoch(1);
+    m.set_num_params(kParams);
+    for (size_t r = 0; r < ranges.size(); ++r) {
+      auto* n = m.add_nodes();
+      n->set_role(proto::SERVER);
+      n->set_rank(static_cast<int>(r));
+      n->set_host("127.0.0.1");
+      n->set_port(servers[r]->port());
+      auto* range = m.add_ranges();
+      range->set_begin(ranges[r].begin);
+      range->set_end(ranges[r].end);
+      range->set_server_rank(static_cast<int>(r));
+    }
+    control_ = std::make_unique<ControlClient>(context_, config_, proto::WORKER);
+    PsClient ps(context_, m, /*worker_rank=*/0, control_.get(), 20);
+    ps.set_push_window(window);
+    std::vector<float> params = {1, 2, 3, 4, 5, 6, 7, 8};
+    ASSERT_TRUE(ps.Init(params.data()).ok());
+    ASSERT_TRUE(ps.PullInitial(params.data()).ok());
+    std::vector<Message> pushes(ranges.size());
+    for (size_t r = 0; r < ranges.size(); ++r) {
+      pushes[r].header.set_key_begin(ranges[r].begin);
+      pushes[r].header.set_key_end(ranges[r].end);
+      EncodeTopK({1}, {1.0f}, &pushes[r]);  // each range's second key
+    }
+    Status s = ps.PushPull(0, pushes, params.data());
+    ASSERT_TRUE(s.ok()) << s.ToString();
+    EXPECT_EQ(params, (std::vector<float>{1, 1, 3, 4, 4, 6, 7, 7}));
+    std::lock_guard<std::mutex> lock(mu);
+    auto at = [&](const std::string& event) {
+      return std::find(log.begin(), log.end(), event) - log.begin();
+    };
+    ASSERT_EQ(log.size(), 6u);
+    if (window == 1) {
+      EXPECT_EQ(
+          log, (std::vector<std::string>{"push 0", "ack 0", "push 1", "ack 1", "push 2", "ack 2"}));
+    } else {
+      EXPECT_LT(at("push 1"), at("ack 0")) << "range 1 waited for range 0's ack";
+      EXPECT_LT(at("push 2"), at("ack 0")) << "range 2 waited for range 0's ack";
+    }
+  }
 }
 
 }  // namespace
