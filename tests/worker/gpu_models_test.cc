@@ -508,6 +508,18 @@ SafetensorsFile SavedState(Compressor& c) {
   return std::move(*file);
 }
 
+// A device compressor for `job` with the state of `saved` loaded; the load's error otherwise.
+Result<std::unique_ptr<Compressor>> RestoredOnGpu(const proto::JobConfig& job, size_t n,
+                                                  const SafetensorsFile& saved) {
+  auto made = MakeGpuCompressor(job, n);
+  if (!made.ok()) return made.status();
+  if (!*made) return Status::Internal("no device compressor");
+  StateArchive load(&saved);
+  (*made)->State(load);
+  if (!load.status().ok()) return load.status();
+  return std::move(*made);
+}
+
 // A checkpoint moves between the CPU and the device compressors, which save under the same names:
 // a CPU compressor's state after two pushes, restored into a device compressor, gives the CPU's
 // third push byte for byte (topk, exact and ExDyna's scaled threshold, whose threshold is state
@@ -529,13 +541,9 @@ TEST(GpuCompressors, CheckpointsMoveBetweenTheCpuAndTheGpu) {
       const auto g = Normal(n, 60 + round);
       ASSERT_TRUE(cpu.Compress(g.data(), ranges, &out).ok());
     }
-    const SafetensorsFile saved = SavedState(cpu);
-    auto made = MakeGpuCompressor(GpuJob(c, 0.9f, 0.1f), n);
-    ASSERT_TRUE(made.ok()) << made.status().message();
+    auto made = RestoredOnGpu(GpuJob(c, 0.9f, 0.1f), n, SavedState(cpu));
+    ASSERT_TRUE(made.ok()) << made.status().ToString();
     Compressor& gpu = **made;
-    StateArchive load(&saved);
-    gpu.State(load);
-    ASSERT_TRUE(load.status().ok()) << load.status().ToString();
     const auto g = Normal(n, 62);
     DeviceVector<float> dg(g);
     std::vector<Message> cpu_out, gpu_out;
@@ -565,13 +573,9 @@ TEST(GpuCompressors, CheckpointsMoveBetweenTheCpuAndTheGpu) {
         ASSERT_TRUE(cpu.Compress(g.data(), ranges, &out).ok());
       }
     }
-    const SafetensorsFile saved = SavedState(cpu);
-    auto made = MakeGpuCompressor(GpuJob(c, 0.9f, 0.05f), n);
-    ASSERT_TRUE(made.ok()) << made.status().message();
+    auto made = RestoredOnGpu(GpuJob(c, 0.9f, 0.05f), n, SavedState(cpu));
+    ASSERT_TRUE(made.ok()) << made.status().ToString();
     Compressor& gpu = **made;
-    StateArchive load(&saved);
-    gpu.State(load);
-    ASSERT_TRUE(load.status().ok()) << load.status().ToString();
     const auto g = Normal(n, 73);
     DeviceVector<float> dg(g), dparams(params);
     ASSERT_TRUE(cpu.LocalStep(g.data(), params.data()));  // the restored count: a push is due
@@ -599,11 +603,8 @@ TEST(GpuCompressors, CheckpointsMoveBetweenTheCpuAndTheGpu) {
     const auto g = Normal(n, 80);
     ASSERT_TRUE(cpu.Compress(g.data(), ranges, &out).ok());
     const SafetensorsFile saved = SavedState(cpu);
-    auto made = MakeGpuCompressor(GpuJob(c, 0.9f, 0.1f), n);
-    ASSERT_TRUE(made.ok()) << made.status().message();
-    StateArchive load(&saved);
-    (*made)->State(load);
-    ASSERT_TRUE(load.status().ok()) << load.status().ToString();
+    auto made = RestoredOnGpu(GpuJob(c, 0.9f, 0.1f), n, saved);
+    ASSERT_TRUE(made.ok()) << made.status().ToString();
     std::vector<float> residual, velocity;
     ASSERT_TRUE(DownloadGpuCompressorState(**made, &residual, &velocity).ok());
     EXPECT_EQ(residual, cpu.residual());
