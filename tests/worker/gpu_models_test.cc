@@ -69,6 +69,23 @@ void ExpectSamePushes(const std::vector<Message>& gpu, const std::vector<Message
   }
 }
 
+// SBC pushes with the same positions in every key range (the values may differ by rounding);
+// *gpu_value (if not null): the value of the last device push that holds one.
+void ExpectSameSbcPositions(const std::vector<Message>& gpu, const std::vector<Message>& cpu,
+                            const std::vector<KeyRange>& ranges, const std::string& where,
+                            float* gpu_value) {
+  ASSERT_EQ(gpu.size(), cpu.size()) << where;
+  for (size_t r = 0; r < cpu.size(); ++r) {
+    DecodedPayload want, got;
+    ASSERT_TRUE(FindCodec(proto::SBC)->Decode(cpu[r], ranges[r].size(), &want).ok());
+    ASSERT_TRUE(FindCodec(proto::SBC)->Decode(gpu[r], ranges[r].size(), &got).ok());
+    EXPECT_EQ(std::vector<uint32_t>(got.indices.begin(), got.indices.end()),
+              std::vector<uint32_t>(want.indices.begin(), want.indices.end()))
+        << where << " range " << r;
+    if (gpu_value != nullptr && !got.values.empty()) *gpu_value = got.values[0];
+  }
+}
+
 float MaxAbs(const std::vector<float>& v) {
   float m = 0.0f;
   for (float x : v) m = std::max(m, std::fabs(x));
@@ -353,17 +370,8 @@ TEST(GpuSbcCompressor, LocalStepsAndPushesEqualTheCpuCompressor) {
       ASSERT_TRUE(gpu.Compress(dg.get(), ranges, &gpu_out).ok()) << where;
       ASSERT_EQ(gpu.last_selected(), cpu.last_selected()) << where;
       ASSERT_GT(cpu.last_selected(), 0u) << where;
-      ASSERT_EQ(gpu_out.size(), cpu_out.size());
       float value = 0.0f;
-      for (size_t r = 0; r < cpu_out.size(); ++r) {
-        DecodedPayload want, got;
-        ASSERT_TRUE(FindCodec(proto::SBC)->Decode(cpu_out[r], ranges[r].size(), &want).ok());
-        ASSERT_TRUE(FindCodec(proto::SBC)->Decode(gpu_out[r], ranges[r].size(), &got).ok());
-        EXPECT_EQ(std::vector<uint32_t>(got.indices.begin(), got.indices.end()),
-                  std::vector<uint32_t>(want.indices.begin(), want.indices.end()))
-            << where << " range " << r;
-        if (!got.values.empty()) value = got.values[0];
-      }
+      ASSERT_NO_FATAL_FAILURE(ExpectSameSbcPositions(gpu_out, cpu_out, ranges, where, &value));
       EXPECT_NEAR(value, cpu.last_value(), 1e-6f * std::fabs(cpu.last_value())) << where;
       drift += std::fabs(value - cpu.last_value()) + 1e-6f * std::fabs(value);
       std::vector<float> residual, velocity;
@@ -583,15 +591,8 @@ TEST(GpuCompressors, CheckpointsMoveBetweenTheCpuAndTheGpu) {
     std::vector<Message> cpu_out, gpu_out;
     ASSERT_TRUE(cpu.Compress(g.data(), ranges, &cpu_out).ok());
     ASSERT_TRUE(gpu.Compress(dg.get(), ranges, &gpu_out).ok());
-    ASSERT_EQ(gpu_out.size(), cpu_out.size());
-    for (size_t r = 0; r < cpu_out.size(); ++r) {
-      DecodedPayload want, got;
-      ASSERT_TRUE(FindCodec(proto::SBC)->Decode(cpu_out[r], ranges[r].size(), &want).ok());
-      ASSERT_TRUE(FindCodec(proto::SBC)->Decode(gpu_out[r], ranges[r].size(), &got).ok());
-      EXPECT_EQ(std::vector<uint32_t>(got.indices.begin(), got.indices.end()),
-                std::vector<uint32_t>(want.indices.begin(), want.indices.end()))
-          << "range " << r;
-    }
+    ASSERT_NO_FATAL_FAILURE(
+        ExpectSameSbcPositions(gpu_out, cpu_out, ranges, "the push after the restore", nullptr));
   }
   {
     SCOPED_TRACE("sketch, and a state of another size");
