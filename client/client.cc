@@ -55,6 +55,11 @@ Worker::Worker(const std::string& config_path, const std::vector<std::string>& o
   auto config = LoadConfig(config_path, sets, nullptr, nullptr, RankEnv::kSparsepsRankOrRank);
   Check(config.status());
   impl_->config = std::move(*config);
+  if (impl_->config.train().overlap() == proto::DELAY) {
+    Raise(Status::InvalidArgument(
+        "train.overlap: delay is for sparseps-worker's own loop; PushPull returns the parameters "
+        "of the gradient it was given (use train.overlap: none)"));
+  }
   if (impl_->config.train().weight_decay() > 0) {
     Raise(Status::InvalidArgument(
         "train.weight_decay is for sparseps-worker's own models; in your loop put the weight "

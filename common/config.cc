@@ -500,6 +500,21 @@ Status ValidateConfig(const proto::JobConfig& config, const ConfigSources& sourc
           "range's sketch (use one or the other)");
     }
   }
+  if (config.train().overlap() == proto::DELAY) {
+    const std::string why = SourceOf(sources, "train.overlap") + ": key 'train.overlap' is delay";
+    if (config.aggregation() == proto::ALLREDUCE) {
+      return Status::InvalidArgument(
+          why +
+          " but 'aggregation' is allreduce: the one-step delay is for PS mode (the "
+          "collectives end with the update)");
+    }
+    if (config.compression().encoding() == proto::SBC) {
+      return Status::InvalidArgument(
+          why +
+          " but 'compression.encoding' is sbc: SBC trains a local copy that each pull "
+          "replaces (use topk, dense or sketch)");
+    }
+  }
   static const char* kLevels[] = {"trace", "debug", "info", "warn", "error", "critical", "off"};
   if (std::find(std::begin(kLevels), std::end(kLevels), config.run().log_level()) ==
       std::end(kLevels)) {

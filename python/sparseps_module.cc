@@ -286,6 +286,11 @@ class Worker {
           "train.weight_decay is for the C++ worker's models; in a Python loop put the weight "
           "decay in the gradient or the optimizer (torch.optim's weight_decay)"));
     }
+    if (config_.train().overlap() == proto::DELAY) {
+      Raise(Status::InvalidArgument(
+          "train.overlap: delay is for the C++ worker's loop (sparseps-worker); step() returns "
+          "the update of the gradient it was given (use train.overlap: none)"));
+    }
   }
 
   // Joins the job with `params`' size, makes the job's starting parameters (worker 0's) and
@@ -458,6 +463,7 @@ class Worker {
         auto p = agg.ModelParams();  // the device copy, brought up to date
         s = p.status();
       }
+      last_ = StepStats{};
       if (s.ok()) s = agg.Step(grad, cuda_, &last_);
       if (s.ok()) {
         const float* now = agg.host_model_params();

@@ -82,6 +82,12 @@ class PsAggregator final : public Aggregator {
           "this worker pushes after the backward pass (as with train.overlap: none)");
       overlap_ = false;
     }
+    delay_ = config_.train().overlap() == proto::DELAY;
+    if (delay_) {
+      spdlog::info(
+          "train.overlap: delay: each iteration's pull is taken after the next gradient is "
+          "computed (one iteration in flight)");
+    }
     if (overlap_) {
       for (const auto& r : ps_->ranges()) {
         slices_.push_back(MakeCompressor(config_, r.size()));
@@ -165,6 +171,8 @@ class PsAggregator final : public Aggregator {
   }
 
   Status Synchronize() override {
+    StepStats unused;
+    SPARSEPS_RETURN_IF_ERROR(Flush(&unused));  // train.overlap: delay
     if (config_.train().consistency() == proto::BSP || push_round_ == 0) return Status::OK();
     if (local_copy_) WillChange(0, {}, true);
     SPARSEPS_RETURN_IF_ERROR(ps_->PullBarrier(push_round_ - 1, params_.data()));
@@ -200,6 +208,7 @@ class PsAggregator final : public Aggregator {
     return compressor_ != nullptr && compressor_->on_device();
   }
   bool overlaps() const override { return overlap_; }
+  bool delays() const override { return delay_; }
   uint64_t bytes_sent() const override { return ps_->bytes_sent(); }
   uint64_t bytes_received() const override { return ps_->bytes_received(); }
   std::vector<TrafficByCommand::Row> traffic() const override { return ps_->traffic().rows(); }
@@ -268,11 +277,26 @@ class PsAggregator final : public Aggregator {
             [&](size_t r, std::span<const uint32_t> candidates, Message* push) {
               return compressor_->ExactValues(ps_->ranges()[r], candidates, push);
             },
-            params_.data()));
+            params_.data(), /*await=*/!delay_));
+      } else if (delay_) {
+        SPARSEPS_RETURN_IF_ERROR(ps_->StartPushPull(push_round_++, pushes_, params_.data()));
       } else {
         SPARSEPS_RETURN_IF_ERROR(ps_->PushPull(push_round_++, pushes_, params_.data()));
       }
       pushed = true;
+    }
+    if (pushed && delay_) {
+      // train.overlap: delay: the iteration is in flight until the next Flush. The trace shows
+      // the one this step applied (its Flush); this one's encoding is kept for the next.
+      in_flight_ = true;
+      stats->selected = compressor_->last_selected();
+      stats->encode_ms += Ms(t0, t1);
+      stats->comm_ms += Ms(t1, Clock::now());
+      stats->ranges = flushed_;
+      flushed_.assign(ps_->ranges().size(), RangeTimes{t0, t0, t1, t0, t0, true});
+      return Status::OK();
+    }
+    if (pushed) {
       stats->push_ms = ps_->last_push_s() * 1e3;
       stats->pull_ms = ps_->last_pull_s() * 1e3;
       iteration_ = static_cast<uint64_t>(push_round_);
@@ -386,6 +410,24 @@ class PsAggregator final : public Aggregator {
     return Status::OK();
   }
 
+  // train.overlap: delay: the iteration the last Aggregate sent, awaited and applied.
+  Status AwaitInFlight(StepStats* stats) override {
+    if (!in_flight_) return Status::OK();
+    const auto t0 = Clock::now();
+    in_flight_ = false;  // after an error the iteration is void: the job rolls back or ends
+    SPARSEPS_RETURN_IF_ERROR(ps_->AwaitPull(push_round_ - 1, params_.data()));
+    iteration_ = static_cast<uint64_t>(push_round_);
+    checkpoint_due_ = ps_->checkpoint_after_last();
+    stats->comm_ms += Ms(t0, Clock::now());
+    stats->push_ms = ps_->last_push_s() * 1e3;
+    stats->pull_ms = ps_->last_pull_s() * 1e3;
+    for (size_t r = 0; r < flushed_.size(); ++r) {
+      flushed_[r].acked = ps_->acked_at(r);
+      flushed_[r].replied = ps_->replied_at(r);
+    }
+    return Status::OK();
+  }
+
   Status AggregateByRange(float* grad, StepStats* stats) {
     const auto entered = Clock::now();
     checkpoint_due_ = false;
@@ -445,6 +487,11 @@ class PsAggregator final : public Aggregator {
   std::vector<float> local_;                // SBC's local copy (host)
   std::vector<Message> pushes_;
   int64_t push_round_ = 0;
+
+  // train.overlap: delay.
+  bool delay_ = false;
+  bool in_flight_ = false;           // push_round_ - 1 is sent and not yet applied
+  std::vector<RangeTimes> flushed_;  // the times of the iteration in flight (then applied)
 
   // train.overlap: backward.
   bool overlap_ = false;
@@ -871,8 +918,20 @@ Aggregator::Aggregator(const proto::JobConfig& config, size_t num_params, bool m
       model_on_device_(model_on_device),
       changed_(num_params) {}
 
+Status Aggregator::Flush(StepStats* stats) {
+  const uint64_t sent0 = bytes_sent(), received0 = bytes_received();
+  checkpoint_due_ = false;
+  SPARSEPS_RETURN_IF_ERROR(AwaitInFlight(stats));
+  stats->bytes_sent += bytes_sent() - sent0;
+  stats->bytes_received += bytes_received() - received0;
+  return Status::OK();
+}
+
 Status Aggregator::Step(float* grad, bool grad_on_device, StepStats* stats) {
   const size_t n = num_params();
+  // train.overlap: delay: the previous iteration is applied before the weight decay reads the
+  // parameters (Flush, unless the caller did).
+  if (delays()) SPARSEPS_RETURN_IF_ERROR(Flush(stats));
   const uint64_t sent0 = bytes_sent(), received0 = bytes_received();
   if (grad_on_device && !takes_device_gradient()) {
     // The compression or the collective runs on the host: the gradient comes down (one copy).
@@ -891,8 +950,8 @@ Status Aggregator::Step(float* grad, bool grad_on_device, StepStats* stats) {
     }
   }
   SPARSEPS_RETURN_IF_ERROR(Aggregate(grad, grad_on_device, stats));
-  stats->bytes_sent = bytes_sent() - sent0;
-  stats->bytes_received = bytes_received() - received0;
+  stats->bytes_sent += bytes_sent() - sent0;
+  stats->bytes_received += bytes_received() - received0;
   return Status::OK();
 }
 

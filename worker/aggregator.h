@@ -153,6 +153,19 @@ class Aggregator {
   // backward): Step then leaves the weight decay to them.
   virtual bool overlaps() const { return false; }
 
+  // train.overlap: delay (PS mode): true when Step sends its iteration and returns without
+  // waiting for it (one iteration in flight; the next gradient is computed meanwhile).
+  virtual bool delays() const { return false; }
+
+  // train.overlap: delay: waits for the iteration the last Step left in flight, applies its pull
+  // replies to params() (the change observer is told first) and sets checkpoint_due() for it;
+  // adds the time waited (comm_ms, pull_ms) and the bytes to *stats. Nothing in flight: returns
+  // at once with checkpoint_due() false. Step does it first itself when the caller did not; a
+  // loop that writes checkpoints calls it before Step, so that a checkpoint is taken with nothing
+  // in flight (the gradient computed and not yet pushed is then the loop's to keep). Errors as
+  // Step's.
+  Status Flush(StepStats* stats);
+
   // The parameters the model computes the next gradient at: the job's, or SBC's local copy;
   // host memory, or a device copy brought up to date when the aggregator was made for a model on
   // the device. Errors: CUDA's.
@@ -201,6 +214,9 @@ class Aggregator {
   // The step proper: grad is in device memory exactly when takes_device_gradient() and the caller
   // gave a device gradient; weight decay is already in.
   virtual Status Aggregate(float* grad, bool on_device, StepStats* stats) = 0;
+
+  // Flush's work (train.overlap: delay): the iteration in flight awaited and applied.
+  virtual Status AwaitInFlight(StepStats* stats) { return Status::OK(); }
 
   // Where the model's parameters are kept when they are not the job's (SBC's local copy), else
   // null; a device model's copy is then that buffer's, or the device copy itself when

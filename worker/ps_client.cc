@@ -171,7 +171,18 @@ Status PsClient::PushPull(int64_t iteration, std::vector<Message>& pushes, float
   return PushThenPull(iteration, pushes, params);
 }
 
-Status PsClient::PushThenPull(int64_t iteration, std::vector<Message>& pushes, float* params) {
+Status PsClient::StartPushPull(int64_t iteration, std::vector<Message>& pushes, float* params) {
+  if (pushes.size() != peers_.size()) {
+    return Status::Internal("StartPushPull needs one push per key range: got " +
+                            std::to_string(pushes.size()) + " for " +
+                            std::to_string(peers_.size()));
+  }
+  checkpoint_after_last_ = false;
+  return PushThenPull(iteration, pushes, params, /*await=*/false);
+}
+
+Status PsClient::PushThenPull(int64_t iteration, std::vector<Message>& pushes, float* params,
+                              bool await) {
   BeginPushes();
   // push_window: range r leaves once at most window - 1 of the earlier ones are unacknowledged.
   const size_t window = push_window_ == 0 ? peers_.size() : push_window_;
@@ -179,7 +190,8 @@ Status PsClient::PushThenPull(int64_t iteration, std::vector<Message>& pushes, f
     if (r >= window) SPARSEPS_RETURN_IF_ERROR(AwaitPushAcks(iteration, params, window - 1));
     SPARSEPS_RETURN_IF_ERROR(PushRange(iteration, r, pushes[r]));
   }
-  return FinishPushes(iteration, params);
+  SPARSEPS_RETURN_IF_ERROR(CommitPushes(iteration, params));
+  return await ? AwaitPull(iteration, params) : Status::OK();
 }
 
 void PsClient::BeginPushes() {
@@ -195,17 +207,26 @@ Status PsClient::PushRange(int64_t iteration, size_t r, Message& push) {
 }
 
 Status PsClient::FinishPushes(int64_t iteration, float* params) {
+  SPARSEPS_RETURN_IF_ERROR(CommitPushes(iteration, params));
+  return AwaitPull(iteration, params);
+}
+
+Status PsClient::CommitPushes(int64_t iteration, float* params) {
   request_checkpoint_ = false;
-  auto pulled = pushed_;
+  pulled_ = pushed_;
   if (commit_after_ack_) {
     // Every server holds this worker's push: the pulls commit it.
     SPARSEPS_RETURN_IF_ERROR(AwaitAll(iteration, params));
-    pulled = Clock::now();
+    pulled_ = Clock::now();
     for (auto& p : peers_) SPARSEPS_RETURN_IF_ERROR(SendPull(p, iteration));
   }
+  return Status::OK();
+}
+
+Status PsClient::AwaitPull(int64_t iteration, float* params) {
   SPARSEPS_RETURN_IF_ERROR(AwaitAll(iteration, params));
   last_push_s_ = std::chrono::duration<double>(push_acked_ - pushed_).count();
-  last_pull_s_ = std::chrono::duration<double>(pull_replied_ - pulled).count();
+  last_pull_s_ = std::chrono::duration<double>(pull_replied_ - pulled_).count();
   return Status::OK();
 }
 
@@ -223,7 +244,7 @@ Status PsClient::SendPull(Peer& p, int64_t iteration) {
 }
 
 Status PsClient::SketchTwoRounds(int64_t iteration, std::vector<Message>& sketches,
-                                 const ExactPush& exact, float* params) {
+                                 const ExactPush& exact, float* params, bool await) {
   if (sketches.size() != peers_.size()) {
     return Status::Internal("SketchTwoRounds needs one sketch per key range");
   }
@@ -246,7 +267,7 @@ Status PsClient::SketchTwoRounds(int64_t iteration, std::vector<Message>& sketch
     SPARSEPS_RETURN_IF_ERROR(exact(r, p.candidates, &pushes[r]));
     pushes[r].header.set_phase(1);
   }
-  return PushThenPull(iteration, pushes, params);
+  return PushThenPull(iteration, pushes, params, await);
 }
 
 Status PsClient::ApplyPullReply(Peer& peer, const Message& msg, float* params) {

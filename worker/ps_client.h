@@ -65,6 +65,15 @@ class PsClient {
   // membership says a server is lost (every wait ends then: the job rolls back).
   Status PushPull(int64_t iteration, std::vector<Message>& pushes, float* params);
 
+  // PushPull in two halves (train.overlap: delay): StartPushPull sends the pushes of `iteration`
+  // and its pulls (with commit_after_ack, once every push is acknowledged) and returns; AwaitPull
+  // then waits for the replies and applies them into params. In between, the replies wait in the
+  // sockets and params is free for the model to read (ZeroMQ's I/O thread receives them
+  // meanwhile). A reply that comes while StartPushPull waits for acks (push_window) is applied at
+  // once. Errors as PushPull's; after one, the iteration is void.
+  Status StartPushPull(int64_t iteration, std::vector<Message>& pushes, float* params);
+  Status AwaitPull(int64_t iteration, float* params);
+
   // PushPull range by range (train.overlap: backward), for pushes made while the gradient is
   // still computed: BeginPushes, then PushRange once for every range r (in any order; the pull of
   // r leaves with it unless commit_after_ack), then FinishPushes, which waits for every ack and
@@ -97,10 +106,12 @@ class PsClient {
   // The sketch encoding's second round (compression.sketch.second_round) for `iteration`: pushes
   // the sketches (one per range), asks every server for its candidate keys, lets `exact` fill the
   // phase-1 push of range r with the worker's exact values at those keys, pushes them and pulls.
+  // await = false (train.overlap: delay): returns once the pulls are sent, as StartPushPull; then
+  // AwaitPull.
   using ExactPush =
       std::function<Status(size_t range, std::span<const uint32_t> candidates, Message* push)>;
   Status SketchTwoRounds(int64_t iteration, std::vector<Message>& sketches, const ExactPush& exact,
-                         float* params);
+                         float* params, bool await = true);
 
   // Asks (worker 0, checkpoint.every_s) for a checkpoint after the next iteration pushed: its
   // pushes carry the request, and the servers answer every worker's pull of that iteration with
@@ -164,9 +175,13 @@ class PsClient {
   // Sends the PULL of `iteration` (the server answers it when the iteration is applied); expects
   // PULL_REPLY.
   Status SendPull(Peer& peer, int64_t iteration);
-  // Pushes pushes[r] to range r and pulls the iteration: the pulls once every push is
-  // acknowledged (commit_after_ack), or right behind the pushes.
-  Status PushThenPull(int64_t iteration, std::vector<Message>& pushes, float* params);
+  // Pushes pushes[r] to range r and sends the pulls of the iteration: once every push is
+  // acknowledged (commit_after_ack), or right behind the pushes; then waits for the replies
+  // unless !await (AwaitPull does).
+  Status PushThenPull(int64_t iteration, std::vector<Message>& pushes, float* params,
+                      bool await = true);
+  // FinishPushes's first half: with commit_after_ack, waits for every ack and sends the pulls.
+  Status CommitPushes(int64_t iteration, float* params);
   Status ApplyPullReply(Peer& peer, const Message& msg, float* params);
   // Takes every message waiting on peer's socket (without blocking): acks, replies (the pulls
   // applied into params), candidates; errors for a rejection or a malformed or unexpected reply.
@@ -193,7 +208,7 @@ class PsClient {
   TrafficByCommand traffic_;
   // When the last PUSH_ACK and PULL_REPLY came (AwaitAll), for last_push_s / last_pull_s, and
   // when the pushes began (BeginPushes).
-  Clock::time_point push_acked_, pull_replied_, pushed_;
+  Clock::time_point push_acked_, pull_replied_, pushed_, pulled_;
   double last_push_s_ = 0.0, last_pull_s_ = 0.0;
 };
 

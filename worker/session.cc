@@ -72,6 +72,7 @@ Result<std::unique_ptr<WorkerSession>> WorkerSession::Join(const proto::JobConfi
 }
 
 Status WorkerSession::Resume(const std::function<void(StateArchive&)>& extra) {
+  resumed_without_file_ = false;
   const auto& m = control_.membership();
   if (FindResumeFile(m, proto::WORKER, rank(), CheckpointFileName(proto::WORKER, rank())) ==
       nullptr) {
@@ -127,6 +128,7 @@ Status WorkerSession::ResumeWithoutFile(const std::function<void(StateArchive&)>
   }
   SPARSEPS_RETURN_IF_ERROR(archive.status());
   SPARSEPS_RETURN_IF_ERROR(aggregator_->ResumeFresh(m.resume_iteration()));
+  resumed_without_file_ = true;
   last_checkpoint_ = Clock::now();
   spdlog::warn(
       "checkpoint {} has no file of worker {} (lost before it): resuming with empty residuals at "

@@ -64,6 +64,9 @@ class WorkerSession {
   Status Resume(const std::function<void(StateArchive&)>& extra);
   // Resume for a worker the checkpoint has no file of (it was lost before; ps mode).
   Status ResumeWithoutFile(const std::function<void(StateArchive&)>& extra);
+  // True after Resume restored the loop's values from another worker's file (this one had none):
+  // what is this worker's own in them (train.overlap: delay's gradient) does not apply.
+  bool resumed_without_file() const { return resumed_without_file_; }
 
   // After each step: when the aggregator says a checkpoint is due (Aggregator::checkpoint_due),
   // snapshots this worker's state (with `extra` saving the loop's own values, and on worker 0 the
@@ -113,6 +116,7 @@ class WorkerSession {
   bool model_on_device_ = false;
   BackgroundCheckpointWriter writer_;  // last member: its destructor waits for the disk first
   bool checkpoint_requested_ = false;
+  bool resumed_without_file_ = false;
 };
 
 }  // namespace sparseps

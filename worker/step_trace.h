@@ -10,6 +10,9 @@
 //   bucket<j>  allreduce with train.overlap: backward, per layer in the order reduced: "encode"
 //              (weight decay and momentum correction) and "allreduce" (its ring, then the update);
 //   step       "wait": from the end of the backward pass to the step's end (what was not hidden).
+// With train.overlap: delay a step's range rows are those of the iteration it applied, which the
+// step before pushed: its encoding has negative times, and its push and pull end when this step
+// read the ack and the reply, after its own compute.
 //
 // Thread-safety: one thread (the training loop's).
 #pragma once

@@ -144,9 +144,42 @@ Status Train(const proto::JobConfig& config, Model& model, const TrainingData& d
   model.InitParams(tc.seed(), initial.data());
   const auto init_start = Clock::now();
   uint64_t step = 0;  // steps done: the position in the data
+  // The model writes its gradient where it computes.
+  const bool on_device = model.on_device();
+  std::vector<float> grad_h(on_device ? 0 : n);
+  DeviceBuffer grad_d;
+  if (on_device) SPARSEPS_RETURN_IF_ERROR(grad_d.Allocate(n));
+  float* grad = on_device ? grad_d.data() : grad_h.data();
+  // train.overlap: delay: a checkpoint is taken between a step's compute and its push (Flush
+  // applied the iteration before it); grad then holds the step's gradient, computed at the
+  // parameters before that iteration. The checkpoint keeps it (and its loss), and a resumed run
+  // pushes it instead of computing the step again: the run the uninterrupted one would have been.
+  const bool delay = aggregator.delays();
+  bool grad_pending = false;   // grad holds a gradient not yet pushed (its step not counted)
+  double pending_loss = 0.0;   // its loss
+  std::vector<float> delayed;  // grad, as the checkpoint holds it
   // What the loop itself keeps in a checkpoint: its position (the data order follows from the
-  // seed and the epoch).
-  auto loop_state = [&](StateArchive& archive) { archive.Value("step", &step); };
+  // seed and the epoch), and with train.overlap: delay the gradient not yet pushed (empty when
+  // none).
+  auto loop_state = [&](StateArchive& archive) {
+    archive.Value("step", &step);
+    if (!delay) return;
+    if (archive.saving()) {
+      delayed.clear();
+      if (grad_pending) {
+        delayed.resize(n);
+        if (!on_device) {
+          std::copy_n(grad, n, delayed.data());
+        } else if (Status d = grad_d.Download(delayed.data()); !d.ok()) {
+          archive.Fail(d.message());
+        }
+      }
+    } else {
+      delayed.clear();
+    }
+    archive.Array("delayed_gradient", &delayed);
+    archive.Value("delayed_loss", &pending_loss);
+  };
   // A replacement (--rejoin) runs through the loop without computing until its first iteration:
   // so it gets the others' epoch, data split and order, and the same number of steps.
   const uint64_t first_step = session.rejoining() ? session.rejoin_iteration() : 0;
@@ -157,12 +190,21 @@ Status Train(const proto::JobConfig& config, Model& model, const TrainingData& d
   } else {
     SPARSEPS_RETURN_IF_ERROR(aggregator.Init(initial));
   }
-  // The model writes its gradient where it computes.
-  const bool on_device = model.on_device();
-  std::vector<float> grad_h(on_device ? 0 : n);
-  DeviceBuffer grad_d;
-  if (on_device) SPARSEPS_RETURN_IF_ERROR(grad_d.Allocate(n));
-  float* grad = on_device ? grad_d.data() : grad_h.data();
+  if (session.resumed_without_file()) delayed.clear();  // another worker's gradient
+  if (delay && !delayed.empty()) {
+    // Resumed between a step's compute and its push: that gradient goes first.
+    if (delayed.size() != n) {
+      return Status::InvalidArgument("the checkpoint's delayed_gradient has " +
+                                     std::to_string(delayed.size()) + " elements, not " +
+                                     std::to_string(n));
+    }
+    if (on_device) {
+      SPARSEPS_RETURN_IF_ERROR(grad_d.Upload(delayed.data()));
+    } else {
+      std::copy(delayed.begin(), delayed.end(), grad_h.begin());
+    }
+    grad_pending = true;
+  }
 
   uint64_t spe = data.steps_per_epoch;
   uint64_t total = tc.max_steps() > 0 ? std::min<uint64_t>(tc.epochs() * spe, tc.max_steps())
@@ -210,7 +252,17 @@ Status Train(const proto::JobConfig& config, Model& model, const TrainingData& d
   // Each epoch reshuffles the previous epoch's order: a resumed run replays the earlier shuffles
   // to get its data order back.
   for (uint32_t e = 0; e < epoch; ++e) batches.StartEpoch(e);
+  // train.overlap: delay: applies the iteration in flight and writes a checkpoint due after it
+  // (nothing to do otherwise). Before an epoch (every worker re-splits the data on what the
+  // servers' replies told it), an evaluation and the end.
+  auto settle = [&]() -> Status {
+    if (!delay) return Status::OK();
+    StepStats unused;
+    SPARSEPS_RETURN_IF_ERROR(aggregator.Flush(&unused));
+    return session.AfterStep(loop_state, layers);
+  };
   for (; epoch < epochs && step < total; ++epoch) {
+    SPARSEPS_RETURN_IF_ERROR(settle());
     if (const Split now = SplitAt(session.control(), rank, workers, step);
         step == epoch_begin && !(now == split)) {
       // Workers were lost or joined: the live ones share the data from this epoch on.
@@ -233,12 +285,15 @@ Status Train(const proto::JobConfig& config, Model& model, const TrainingData& d
       }
       const auto t0 = Clock::now();
       tracing = trace.traced(step + 1);
-      batches.Fill(s);
-      auto params = aggregator.ModelParams();
-      if (!params.ok()) return params.status();
-      if (overlap) aggregator.BeginStep(grad);
-      const double loss =
-          model.ForwardBackward(*params, batches.x(), batches.y(), batches.size(), grad, nullptr);
+      double loss = pending_loss;
+      if (!grad_pending) {
+        batches.Fill(s);
+        auto params = aggregator.ModelParams();
+        if (!params.ok()) return params.status();
+        if (overlap) aggregator.BeginStep(grad);
+        loss =
+            model.ForwardBackward(*params, batches.x(), batches.y(), batches.size(), grad, nullptr);
+      }  // else resumed with this step's gradient (train.overlap: delay)
       const auto computed = Clock::now();
       SPARSEPS_RETURN_IF_ERROR(model.status());
       // A NaN/Inf gradient is caught by the aggregation (one pass over it, not two).
@@ -246,6 +301,15 @@ Status Train(const proto::JobConfig& config, Model& model, const TrainingData& d
       if (!std::isfinite(loss)) return Status::FailedPrecondition("the loss became NaN/Inf" + at);
       const double compute_ms = std::chrono::duration<double, std::milli>(computed - t0).count();
       StepStats stats;
+      if (delay) {
+        // The iteration before this one (its pull came during the compute) is applied; a
+        // checkpoint due after it keeps this step's gradient, not yet pushed.
+        grad_pending = true;
+        pending_loss = loss;
+        SPARSEPS_RETURN_IF_ERROR(aggregator.Flush(&stats));
+        SPARSEPS_RETURN_IF_ERROR(session.AfterStep(loop_state, layers));
+        grad_pending = false;
+      }
       if (Status a = aggregator.Step(grad, on_device, &stats); !a.ok()) {
         return a.code() == StatusCode::kInvalidArgument
                    ? Status::FailedPrecondition(a.message() + at)
@@ -262,15 +326,18 @@ Status Train(const proto::JobConfig& config, Model& model, const TrainingData& d
       }
       if (log.leader() && tc.eval_every_steps() > 0 && step % tc.eval_every_steps() == 0 &&
           step < total) {
+        SPARSEPS_RETURN_IF_ERROR(settle());
         SPARSEPS_RETURN_IF_ERROR(Evaluate(model, aggregator, data.test, epoch + 1, step, &log));
       }
     }
     epoch_begin = step;
     const uint32_t every = tc.eval_every_epochs();
     if (log.leader() && every > 0 && (epoch + 1) % every == 0 && step < total) {
+      SPARSEPS_RETURN_IF_ERROR(settle());
       SPARSEPS_RETURN_IF_ERROR(Evaluate(model, aggregator, data.test, epoch + 1, step, &log));
     }
   }
+  SPARSEPS_RETURN_IF_ERROR(settle());  // train.overlap: delay: the last iteration
   if (log.leader()) {
     // ssp / async: the final model has every worker's every push.
     SPARSEPS_RETURN_IF_ERROR(aggregator.Synchronize());

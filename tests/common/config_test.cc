@@ -185,7 +185,27 @@ TEST_F(ConfigTest, OverlapRefusesAllreduceAndTheSketchSecondRoundNamingFileLineA
   EXPECT_TRUE(c.ok()) << c.status().message();
   c = LoadConfig(path, {"train.overlap=sideways"}, NoEnv);
   ASSERT_FALSE(c.ok());
-  EXPECT_THAT(c.status().message(), HasSubstr("one of: none, backward"));
+  EXPECT_THAT(c.status().message(), HasSubstr("one of: none, backward, delay"));
+}
+
+TEST_F(ConfigTest, DelayRefusesAllreduceAndSbcNamingFileLineAndKey) {
+  auto path = Write("aggregation: ps\ntrain:\n  overlap: delay\n");
+  auto c = LoadConfig(path, {}, NoEnv);
+  ASSERT_TRUE(c.ok()) << c.status().message();
+  EXPECT_EQ(c->train().overlap(), proto::DELAY);
+  for (const auto& [set, why] :
+       {std::pair<std::string, std::string>{"aggregation=allreduce", "'aggregation' is allreduce"},
+        {"compression.encoding=sbc", "'compression.encoding' is sbc"}}) {
+    c = LoadConfig(path, {set}, NoEnv);
+    ASSERT_FALSE(c.ok()) << set;
+    EXPECT_THAT(c.status().message(), HasSubstr(path + ":3:")) << set;
+    EXPECT_THAT(c.status().message(), HasSubstr("'train.overlap' is delay")) << set;
+    EXPECT_THAT(c.status().message(), HasSubstr(why)) << set;
+  }
+  for (const std::string encoding : {"dense", "sketch"}) {
+    c = LoadConfig(path, {"compression.encoding=" + encoding}, NoEnv);
+    EXPECT_TRUE(c.ok()) << encoding << ": " << c.status().message();
+  }
 }
 
 TEST_F(ConfigTest, UnknownEncodingIsRejected) {

@@ -306,6 +306,67 @@ INSTANTIATE_TEST_SUITE_P(
                       std::make_pair("topk", "cnn"), std::make_pair("ring", "mlp")),
     [](const auto& info) { return info.param.first + "_" + info.param.second; });
 
+// train.overlap: delay with real daemons: each worker pushes step t and computes step t + 1
+// before it takes step t's pull. Every push is counted once and none is rejected (a push of t + 1
+// never leaves before t is applied), the servers run every iteration, the last one is applied
+// before the final evaluation, and the model learns: for top-k, dense, the sketch's two rounds,
+// ssp and the CNN.
+class DelayTest : public ::testing::TestWithParam<std::pair<std::string, std::string>> {};
+
+TEST_P(DelayTest, TrainsWithOneIterationInFlight) {
+  if (!std::filesystem::exists(std::string(kData) + "/train-images-idx3-ubyte.gz")) {
+    GTEST_SKIP() << "Fashion-MNIST not installed (deploy/install-deps.sh installs it)";
+  }
+  TempDir dir("delay");
+  const std::string config = std::string(SPARSEPS_SOURCE_DIR) + "/configs/quickstart.yaml";
+  std::vector<std::string> sets = {"train.overlap=delay",         "model.hidden=[64]",
+                                   "data.max_train_samples=4096", "data.max_test_samples=1000",
+                                   "train.max_steps=40",          "train.batch_size=32",
+                                   "train.eval_every_steps=15",   "cluster.register_timeout_s=60",
+                                   "run.progress_interval_s=0"};
+  std::stringstream extra(GetParam().second);
+  for (std::string kv; std::getline(extra, kv, ' ');) sets.push_back(kv);
+  Cluster c = Start(dir, config, 2, 2, sets);
+  ASSERT_NE(c.scheduler, nullptr);
+  for (auto& n : c.nodes) {
+    EXPECT_EQ(n->Wait(kHardTimeoutS), 0) << n->log_path() << ":\n" << n->Log();
+  }
+  EXPECT_EQ(c.scheduler->Wait(30), 0) << c.scheduler->Log();
+  EXPECT_THAT(testing::ReadFile(dir.path() + "/worker-0.log"),
+              ::testing::HasSubstr("train.overlap: delay: each iteration's pull is taken after"));
+  proto::RunSummary summary;
+  const std::string json = testing::ReadFile(dir.path() + "/summary.json");
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(json, &summary).ok()) << json;
+  EXPECT_EQ(summary.status(), "ok");
+  EXPECT_EQ(summary.steps(), 40u);
+  EXPECT_GT(summary.final_test_accuracy(), 0.5);
+  ASSERT_EQ(summary.servers_size(), 2) << json;
+  // The sketch's second round pushes twice per iteration: the sketch, then the exact values.
+  const uint64_t rounds = GetParam().first == "sketch_second_round" ? 2 : 1;
+  for (const auto& st : summary.servers()) {
+    EXPECT_EQ(st.iterations(), 40u) << json;
+    EXPECT_EQ(st.pushes(), rounds * 2u * 40u) << json;
+    EXPECT_EQ(st.rejected(), 0u) << json;
+  }
+  for (int w = 0; w < 2; ++w) {
+    std::vector<double> steps;
+    ASSERT_NO_FATAL_FAILURE(
+        CsvColumn(dir.path() + "/metrics-worker-" + std::to_string(w) + ".csv", "step", &steps));
+    ASSERT_EQ(steps.size(), 40u) << "one metrics row per step";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Settings, DelayTest,
+    ::testing::Values(
+        std::make_pair("topk", ""), std::make_pair("dense", "compression.encoding=dense"),
+        std::make_pair("sketch_second_round",
+                       "compression.encoding=sketch compression.sketch.second_round=true"),
+        std::make_pair("topk_ssp", "train.consistency=ssp train.staleness=1"),
+        std::make_pair("topk_abort", "cluster.on_worker_failure=abort"),
+        std::make_pair("cnn", "model.type=cnn model.channels=[8] model.hidden=[256]")),
+    [](const auto& info) { return info.param.first; });
+
 // A worker that dies mid-job with cluster.on_worker_failure: abort: the scheduler detects it by
 // heartbeat and ends the job with an error that names it; nothing hangs.
 TEST(LocalClusterFailure, DeadWorkerEndsTheJobWithAClearError) {

@@ -305,6 +305,9 @@ INSTANTIATE_TEST_SUITE_P(
         Setting{"ps_sbc", {"compression.encoding=sbc"}},
         // One compressor (residual) per key range, pushed during the backward pass.
         Setting{"ps_topk_overlap", {"train.overlap=backward"}},
+        // One iteration in flight: the checkpoint keeps the gradient computed and not yet
+        // pushed.
+        Setting{"ps_topk_delay", {"train.overlap=delay"}},
         Setting{"ring_overlap",
                 {"aggregation=allreduce", "collective.algorithm=ring", "train.overlap=backward"}},
         Setting{"allreduce_exdyna", {"aggregation=allreduce", "collective.algorithm=exdyna"}}),

@@ -5,7 +5,11 @@
 // parameters after every step (num_params float32 each) to --out. The Python test does the same
 // through sparseps.Worker and compares the two bitwise.
 //
-//   replay_worker --config F --num-params N --steps T --out FILE [--set k=v ...]
+// With --final-out, after the last step it synchronizes (Aggregator::Synchronize: ssp / async's
+// final pull, train.overlap: delay's last iteration) and writes the parameters, then its residual
+// (num_params float32 each).
+//
+//   replay_worker --config F --num-params N --steps T --out FILE [--final-out FILE] [--set k=v]
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <fstream>
@@ -20,7 +24,7 @@ namespace {
 
 int Run(int argc, char** argv) {
   CLI::App app{"push known gradients through a sparseps job (a test helper)", "replay_worker"};
-  std::string config_path, out_path;
+  std::string config_path, out_path, final_path;
   std::vector<std::string> overrides;
   size_t n = 0;
   int steps = 0;
@@ -29,6 +33,7 @@ int Run(int argc, char** argv) {
   app.add_option("--num-params", n)->required();
   app.add_option("--steps", steps)->required();
   app.add_option("--out", out_path)->required();
+  app.add_option("--final-out", final_path);
   CLI11_PARSE(app, argc, argv);
   auto config = LoadConfig(config_path, overrides);
   if (!config.ok()) {
@@ -57,6 +62,16 @@ int Run(int argc, char** argv) {
     st = agg.Step(grad.data(), false, &stats);
     out.write(reinterpret_cast<const char*>(agg.params().data()),
               static_cast<std::streamsize>(n * sizeof(float)));
+  }
+  if (st.ok() && !final_path.empty()) {
+    st = agg.Synchronize();
+    std::vector<float> residual;
+    if (st.ok()) st = agg.ReadResidual(&residual);
+    std::ofstream final_out(final_path, std::ios::binary | std::ios::trunc);
+    final_out.write(reinterpret_cast<const char*>(agg.params().data()),
+                    static_cast<std::streamsize>(n * sizeof(float)));
+    final_out.write(reinterpret_cast<const char*>(residual.data()),
+                    static_cast<std::streamsize>(residual.size() * sizeof(float)));
   }
   if (st.ok()) st = s.Finish(proto::WorkerStats());
   if (!st.ok()) {

@@ -55,22 +55,32 @@ def servers_for(sets):
     return 0 if "aggregation=allreduce" in sets else 2
 
 
-@pytest.mark.parametrize("name", list(SETTINGS))
-def test_push_pull_equals_the_cpp_worker_bitwise(cluster, name):
-    sets = SETTINGS[name]
-    # The C++ workers.
-    c = cluster(BASE, servers=servers_for(sets), sets=sets)
+def replay(c, sets, steps, final=False):
+    """Runs two C++ workers (tests/python/replay_worker.cc) on job c: the job's parameters after
+    each step per worker, and with final, each worker's parameters and residual once synchronized."""
     outs = [c.dir / f"cpp-{r}.bin" for r in range(2)]
+    finals = [c.dir / f"cpp-final-{r}.bin" for r in range(2)]
     procs = [subprocess.Popen(
         [str(BUILD / "tests" / "replay_worker"), "--config", str(c.job), "--num-params", str(N),
-         "--steps", str(STEPS), "--out", str(outs[r])] +
+         "--steps", str(steps), "--out", str(outs[r])] +
+        (["--final-out", str(finals[r])] if final else []) +
         sum((["--set", s] for s in c.overrides + sets + [f"node.rank={r}"]), []),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
     for p in procs:
         out, _ = p.communicate(timeout=120)
         assert p.returncode == 0, out
     assert c.wait() == {k: 0 for k in c.wait()}
-    cpp = [np.fromfile(o, dtype=np.float32).reshape(STEPS, N) for o in outs]
+    steps_out = [np.fromfile(o, dtype=np.float32).reshape(steps, N) for o in outs]
+    if not final:
+        return steps_out
+    return steps_out, [np.fromfile(f, dtype=np.float32).reshape(2, N) for f in finals]
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_push_pull_equals_the_cpp_worker_bitwise(cluster, name):
+    sets = SETTINGS[name]
+    # The C++ workers.
+    cpp = replay(cluster(BASE, servers=servers_for(sets), sets=sets), sets, STEPS)
 
     # The same through the Python module.
     p = cluster(BASE, servers=servers_for(sets), sets=sets)
@@ -108,6 +118,39 @@ def test_push_pull_equals_the_cpp_worker_bitwise(cluster, name):
             if not sbc:
                 # The update is exactly what the parameters moved by.
                 np.testing.assert_array_equal(update, before - after, err_msg=f"step {t}")
+
+
+@pytest.mark.parametrize("name", ["ps_topk", "ps_topk_server_topk", "ps_dense",
+                                  "ps_sketch_second_round", "ps_topk_abort"])
+def test_delay_is_the_same_iterations_one_step_later(cluster, name):
+    """train.overlap: delay with gradients that do not depend on the parameters: the servers apply
+    the same iterations as without it, each one step later. After step t a delayed worker holds
+    the parameters a worker without the delay held after step t - 1 (bitwise); once synchronized,
+    its parameters and residual are those of the run without it (nothing lost or added).
+    ps_topk_abort: cluster.on_worker_failure: abort, where the pulls leave with the pushes."""
+    sets = (["cluster.on_worker_failure=abort"] if name == "ps_topk_abort"
+            else SETTINGS[name])
+    plain, plain_final = replay(cluster(BASE, servers=2, sets=sets), sets, STEPS, final=True)
+    delayed_sets = sets + ["train.overlap=delay"]
+    delayed, delayed_final = replay(cluster(BASE, servers=2, sets=delayed_sets), delayed_sets,
+                                    STEPS, final=True)
+    for r in range(2):
+        np.testing.assert_array_equal(delayed[r][0], initial(), err_msg=f"worker {r} step 0")
+        for t in range(1, STEPS):
+            np.testing.assert_array_equal(delayed[r][t], plain[r][t - 1],
+                                          err_msg=f"worker {r} step {t}")
+        np.testing.assert_array_equal(delayed_final[r][0], plain[r][STEPS - 1])
+        np.testing.assert_array_equal(delayed_final[r][0], plain_final[r][0])
+        np.testing.assert_array_equal(delayed_final[r][1], plain_final[r][1],
+                                      err_msg=f"worker {r}'s residual")
+
+
+def test_delay_is_refused_in_a_python_loop(cluster):
+    """push_pull returns the update of the gradient it was given: the one-step delay is the C++
+    worker's loop's, and the Python module says so."""
+    c = cluster(BASE, servers=2)
+    with pytest.raises(ValueError, match="train.overlap: delay is for the C\\+\\+ worker"):
+        sparseps.Worker(str(c.job), rank=0, overrides=c.overrides + ["train.overlap=delay"])
 
 
 def test_sbc_update_moves_the_local_copy(cluster):
