@@ -68,6 +68,19 @@ void AddFrame(Message* msg, proto::ElemType type, std::vector<T>&& data) {
   info->set_bytes(bytes);
 }
 
+// Appends a payload frame that takes ownership of data[0, n) (no copy): for a payload written in
+// place, without the zeroing that a std::vector of n elements costs first.
+template <typename T>
+void AddFrame(Message* msg, proto::ElemType type, std::unique_ptr<T[]> data, size_t n) {
+  T* owned = data.release();
+  const size_t bytes = n * sizeof(T);
+  msg->frames.emplace_back(
+      owned, bytes, [](void* p, void*) { delete[] static_cast<T*>(p); }, nullptr);
+  auto* info = msg->header.add_frames();
+  info->set_type(type);
+  info->set_bytes(bytes);
+}
+
 // Appends a payload frame holding a copy of data[0, n).
 template <typename T>
 void AddFrameCopy(Message* msg, proto::ElemType type, const T* data, size_t n) {

@@ -1,5 +1,7 @@
 #include "encodings/dense.h"
 
+#include <memory>
+
 #include "kernels/error_feedback.h"
 
 namespace sparseps {
@@ -35,14 +37,25 @@ DenseCompressor::DenseCompressor(size_t num_params, float momentum)
 
 Status DenseCompressor::Compress(const float* grad, const std::vector<KeyRange>& ranges,
                                  std::vector<Message>* out) {
+  // Checked first, so that an error changes nothing; then one pass per key range updates the
+  // velocity and writes it into the push's frame (not zeroed before: written whole here).
   SPARSEPS_RETURN_IF_ERROR(CheckFinite(grad, velocity_.size(), "the gradient"));
-  for (size_t i = 0; i < velocity_.size(); ++i) velocity_[i] = momentum_ * velocity_[i] + grad[i];
+  const float m = momentum_;
   for (const auto& r : ranges) {
-    Message m = NewPush(r);
-    EncodeDense(std::vector<float>(velocity_.begin() + static_cast<ptrdiff_t>(r.begin),
-                                   velocity_.begin() + static_cast<ptrdiff_t>(r.end)),
-                &m);
-    out->push_back(std::move(m));
+    const size_t len = r.end - r.begin;
+    auto payload = std::make_unique_for_overwrite<float[]>(len);
+    float* __restrict dst = payload.get();
+    float* __restrict u = velocity_.data() + r.begin;
+    const float* __restrict g = grad + r.begin;
+    for (size_t i = 0; i < len; ++i) {
+      const float v = m * u[i] + g[i];
+      u[i] = v;
+      dst[i] = v;
+    }
+    Message msg = NewPush(r);
+    msg.header.set_encoding(proto::DENSE);
+    AddFrame(&msg, proto::F32, std::move(payload), len);
+    out->push_back(std::move(msg));
   }
   return Status::OK();
 }
