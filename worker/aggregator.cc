@@ -208,7 +208,9 @@ class PsAggregator final : public Aggregator {
     return compressor_ != nullptr && compressor_->on_device();
   }
   bool overlaps() const override { return overlap_; }
-  bool delays() const override { return delay_; }
+  bool delays() const override {
+    return delay_ && push_round_ >= static_cast<int64_t>(config_.train().delay_warmup_steps());
+  }
   uint64_t bytes_sent() const override { return ps_->bytes_sent(); }
   uint64_t bytes_received() const override { return ps_->bytes_received(); }
   std::vector<TrafficByCommand::Row> traffic() const override { return ps_->traffic().rows(); }
@@ -271,24 +273,25 @@ class PsAggregator final : public Aggregator {
       pushes_.clear();
       SPARSEPS_RETURN_IF_ERROR(compressor_->Compress(grad, ps_->ranges(), &pushes_));
       t1 = Clock::now();
+      const bool delay = delays();  // train.overlap: delay, past its warm-up
       if (two_rounds_) {
         SPARSEPS_RETURN_IF_ERROR(ps_->SketchTwoRounds(
             push_round_++, pushes_,
             [&](size_t r, std::span<const uint32_t> candidates, Message* push) {
               return compressor_->ExactValues(ps_->ranges()[r], candidates, push);
             },
-            params_.data(), /*await=*/!delay_));
-      } else if (delay_) {
+            params_.data(), /*await=*/!delay));
+      } else if (delay) {
         SPARSEPS_RETURN_IF_ERROR(ps_->StartPushPull(push_round_++, pushes_, params_.data()));
       } else {
         SPARSEPS_RETURN_IF_ERROR(ps_->PushPull(push_round_++, pushes_, params_.data()));
       }
       pushed = true;
+      in_flight_ = delay;
     }
-    if (pushed && delay_) {
+    if (pushed && in_flight_) {
       // train.overlap: delay: the iteration is in flight until the next Flush. The trace shows
       // the one this step applied (its Flush); this one's encoding is kept for the next.
-      in_flight_ = true;
       stats->selected = compressor_->last_selected();
       stats->encode_ms += Ms(t0, t1);
       stats->comm_ms += Ms(t1, Clock::now());

@@ -154,7 +154,7 @@ Status Train(const proto::JobConfig& config, Model& model, const TrainingData& d
   // applied the iteration before it); grad then holds the step's gradient, computed at the
   // parameters before that iteration. The checkpoint keeps it (and its loss), and a resumed run
   // pushes it instead of computing the step again: the run the uninterrupted one would have been.
-  const bool delay = aggregator.delays();
+  const bool delay = tc.overlap() == proto::DELAY;  // PS mode (the config says so)
   bool grad_pending = false;   // grad holds a gradient not yet pushed (its step not counted)
   double pending_loss = 0.0;   // its loss
   std::vector<float> delayed;  // grad, as the checkpoint holds it

@@ -307,7 +307,7 @@ INSTANTIATE_TEST_SUITE_P(
         Setting{"ps_topk_overlap", {"train.overlap=backward"}},
         // One iteration in flight: the checkpoint keeps the gradient computed and not yet
         // pushed.
-        Setting{"ps_topk_delay", {"train.overlap=delay"}},
+        Setting{"ps_topk_delay", {"train.overlap=delay", "train.delay_warmup_steps=10"}},
         Setting{"ring_overlap",
                 {"aggregation=allreduce", "collective.algorithm=ring", "train.overlap=backward"}},
         Setting{"allreduce_exdyna", {"aggregation=allreduce", "collective.algorithm=exdyna"}}),

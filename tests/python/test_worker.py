@@ -121,22 +121,28 @@ def test_push_pull_equals_the_cpp_worker_bitwise(cluster, name):
 
 
 @pytest.mark.parametrize("name", ["ps_topk", "ps_topk_server_topk", "ps_dense",
-                                  "ps_sketch_second_round", "ps_topk_abort"])
+                                  "ps_sketch_second_round", "ps_topk_abort", "ps_topk_warmup3"])
 def test_delay_is_the_same_iterations_one_step_later(cluster, name):
     """train.overlap: delay with gradients that do not depend on the parameters: the servers apply
     the same iterations as without it, each one step later. After step t a delayed worker holds
     the parameters a worker without the delay held after step t - 1 (bitwise); once synchronized,
     its parameters and residual are those of the run without it (nothing lost or added).
-    ps_topk_abort: cluster.on_worker_failure: abort, where the pulls leave with the pushes."""
+    ps_topk_abort: cluster.on_worker_failure: abort, where the pulls leave with the pushes.
+    ps_topk_warmup3: train.delay_warmup_steps 3, the first 3 steps as without the delay."""
+    warmup = 3 if name == "ps_topk_warmup3" else 0
     sets = (["cluster.on_worker_failure=abort"] if name == "ps_topk_abort"
-            else SETTINGS[name])
+            else [] if name == "ps_topk_warmup3" else SETTINGS[name])
     plain, plain_final = replay(cluster(BASE, servers=2, sets=sets), sets, STEPS, final=True)
-    delayed_sets = sets + ["train.overlap=delay"]
+    delayed_sets = sets + ["train.overlap=delay", f"train.delay_warmup_steps={warmup}"]
     delayed, delayed_final = replay(cluster(BASE, servers=2, sets=delayed_sets), delayed_sets,
                                     STEPS, final=True)
     for r in range(2):
-        np.testing.assert_array_equal(delayed[r][0], initial(), err_msg=f"worker {r} step 0")
-        for t in range(1, STEPS):
+        if warmup == 0:
+            np.testing.assert_array_equal(delayed[r][0], initial(), err_msg=f"worker {r} step 0")
+        for t in range(warmup):
+            np.testing.assert_array_equal(delayed[r][t], plain[r][t],
+                                          err_msg=f"worker {r} step {t} (warm-up)")
+        for t in range(max(warmup, 1), STEPS):
             np.testing.assert_array_equal(delayed[r][t], plain[r][t - 1],
                                           err_msg=f"worker {r} step {t}")
         np.testing.assert_array_equal(delayed_final[r][0], plain[r][STEPS - 1])
