@@ -162,18 +162,13 @@ Status PsClient::PullBarrier(int64_t iteration, float* params) {
 }
 
 Status PsClient::PushPull(int64_t iteration, std::vector<Message>& pushes, float* params) {
-  if (pushes.size() != peers_.size()) {
-    return Status::Internal("PushPull needs one push per key range: got " +
-                            std::to_string(pushes.size()) + " for " +
-                            std::to_string(peers_.size()));
-  }
-  checkpoint_after_last_ = false;
-  return PushThenPull(iteration, pushes, params);
+  SPARSEPS_RETURN_IF_ERROR(StartPushPull(iteration, pushes, params));
+  return AwaitPull(iteration, params);
 }
 
 Status PsClient::StartPushPull(int64_t iteration, std::vector<Message>& pushes, float* params) {
   if (pushes.size() != peers_.size()) {
-    return Status::Internal("StartPushPull needs one push per key range: got " +
+    return Status::Internal("PushPull needs one push per key range: got " +
                             std::to_string(pushes.size()) + " for " +
                             std::to_string(peers_.size()));
   }
