@@ -37,6 +37,13 @@ std::vector<float> Gradient(size_t n, uint32_t seed) {
 
 std::vector<sparseps::KeyRange> TwoRanges(size_t n) { return {{0, n / 2}, {n / 2, n}}; }
 
+// ps_dense_4h's 16 servers' key ranges.
+std::vector<sparseps::KeyRange> SixteenRanges(size_t n) {
+  std::vector<sparseps::KeyRange> ranges;
+  for (size_t s = 0; s < 16; ++s) ranges.push_back({n * s / 16, n * (s + 1) / 16});
+  return ranges;
+}
+
 sparseps::proto::CompressionConfig Config(sparseps::proto::Encoding e) {
   sparseps::proto::CompressionConfig c;
   c.set_encoding(e);
@@ -67,8 +74,7 @@ void BM_DenseCompress(benchmark::State& state) {
   const size_t n = static_cast<size_t>(state.range(0));
   const auto grad = Gradient(n, 1);
   sparseps::DenseCompressor c(n, 0.9f);
-  std::vector<sparseps::KeyRange> ranges;
-  for (size_t s = 0; s < 16; ++s) ranges.push_back({n * s / 16, n * (s + 1) / 16});
+  const auto ranges = SixteenRanges(n);
   for (auto _ : state) {
     std::vector<sparseps::Message> out;
     auto s = c.Compress(grad.data(), ranges, &out);
@@ -86,8 +92,7 @@ void BM_DenseCompressThreePasses(benchmark::State& state) {
   const size_t n = static_cast<size_t>(state.range(0));
   const auto grad = Gradient(n, 1);
   std::vector<float> velocity(n, 0.0f);
-  std::vector<sparseps::KeyRange> ranges;
-  for (size_t s = 0; s < 16; ++s) ranges.push_back({n * s / 16, n * (s + 1) / 16});
+  const auto ranges = SixteenRanges(n);
   for (auto _ : state) {
     std::vector<sparseps::Message> out;
     auto s = sparseps::CheckFinite(grad.data(), n, "the gradient");

@@ -1,7 +1,5 @@
 #include "encodings/dense.h"
 
-#include <memory>
-
 #include "kernels/error_feedback.h"
 
 namespace sparseps {
@@ -9,6 +7,11 @@ namespace sparseps {
 void EncodeDense(std::vector<float>&& values, Message* msg) {
   msg->header.set_encoding(proto::DENSE);
   AddFrame(msg, proto::F32, std::move(values));
+}
+
+void EncodeDense(std::unique_ptr<float[]> values, size_t n, Message* msg) {
+  msg->header.set_encoding(proto::DENSE);
+  AddFrame(msg, proto::F32, std::move(values), n);
 }
 
 Status DenseCodec::Decode(const Message& msg, uint64_t range_len, DecodedPayload* out) const {
@@ -53,8 +56,7 @@ Status DenseCompressor::Compress(const float* grad, const std::vector<KeyRange>&
       dst[i] = v;
     }
     Message msg = NewPush(r);
-    msg.header.set_encoding(proto::DENSE);
-    AddFrame(&msg, proto::F32, std::move(payload), len);
+    EncodeDense(std::move(payload), len, &msg);
     out->push_back(std::move(msg));
   }
   return Status::OK();

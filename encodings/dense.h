@@ -1,6 +1,7 @@
 // `dense` encoding: one F32 frame with every value of the key range.
 #pragma once
 
+#include <memory>
 #include <vector>
 
 #include "encodings/aggregation.h"
@@ -11,6 +12,8 @@ namespace sparseps {
 
 // Sets msg's encoding to DENSE and appends the values as one frame (moved, no copy).
 void EncodeDense(std::vector<float>&& values, Message* msg);
+// The same for n values written in place into a buffer that was never zeroed.
+void EncodeDense(std::unique_ptr<float[]> values, size_t n, Message* msg);
 
 class DenseCodec final : public Codec {
  public:

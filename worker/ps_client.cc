@@ -173,11 +173,10 @@ Status PsClient::StartPushPull(int64_t iteration, std::vector<Message>& pushes, 
                             std::to_string(peers_.size()));
   }
   checkpoint_after_last_ = false;
-  return PushThenPull(iteration, pushes, params, /*await=*/false);
+  return PushThenPull(iteration, pushes, params);
 }
 
-Status PsClient::PushThenPull(int64_t iteration, std::vector<Message>& pushes, float* params,
-                              bool await) {
+Status PsClient::PushThenPull(int64_t iteration, std::vector<Message>& pushes, float* params) {
   BeginPushes();
   // push_window: range r leaves once at most window - 1 of the earlier ones are unacknowledged.
   const size_t window = push_window_ == 0 ? peers_.size() : push_window_;
@@ -185,8 +184,7 @@ Status PsClient::PushThenPull(int64_t iteration, std::vector<Message>& pushes, f
     if (r >= window) SPARSEPS_RETURN_IF_ERROR(AwaitPushAcks(iteration, params, window - 1));
     SPARSEPS_RETURN_IF_ERROR(PushRange(iteration, r, pushes[r]));
   }
-  SPARSEPS_RETURN_IF_ERROR(CommitPushes(iteration, params));
-  return await ? AwaitPull(iteration, params) : Status::OK();
+  return CommitPushes(iteration, params);
 }
 
 void PsClient::BeginPushes() {
@@ -262,7 +260,8 @@ Status PsClient::SketchTwoRounds(int64_t iteration, std::vector<Message>& sketch
     SPARSEPS_RETURN_IF_ERROR(exact(r, p.candidates, &pushes[r]));
     pushes[r].header.set_phase(1);
   }
-  return PushThenPull(iteration, pushes, params, await);
+  SPARSEPS_RETURN_IF_ERROR(PushThenPull(iteration, pushes, params));
+  return await ? AwaitPull(iteration, params) : Status::OK();
 }
 
 Status PsClient::ApplyPullReply(Peer& peer, const Message& msg, float* params) {

@@ -176,10 +176,8 @@ class PsClient {
   // PULL_REPLY.
   Status SendPull(Peer& peer, int64_t iteration);
   // Pushes pushes[r] to range r and sends the pulls of the iteration: once every push is
-  // acknowledged (commit_after_ack), or right behind the pushes; then waits for the replies
-  // unless !await (AwaitPull does).
-  Status PushThenPull(int64_t iteration, std::vector<Message>& pushes, float* params,
-                      bool await = true);
+  // acknowledged (commit_after_ack), or right behind the pushes. AwaitPull waits for the replies.
+  Status PushThenPull(int64_t iteration, std::vector<Message>& pushes, float* params);
   // FinishPushes's first half: with commit_after_ack, waits for every ack and sends the pulls.
   Status CommitPushes(int64_t iteration, float* params);
   Status ApplyPullReply(Peer& peer, const Message& msg, float* params);
