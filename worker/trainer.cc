@@ -316,6 +316,14 @@ Status Train(const proto::JobConfig& config, Model& model, const TrainingData& d
                    : a;
       }
       ++step;
+      // train.overlap: delay: a step that an evaluation, the epoch's end or the run's end follows
+      // takes its own replies (settle would, outside any step's metrics row): nothing runs in
+      // between for them to hide behind, and the row then counts every byte received.
+      if (delay &&
+          (step == total || s + 1 == spe ||
+           (log.leader() && tc.eval_every_steps() > 0 && step % tc.eval_every_steps() == 0))) {
+        SPARSEPS_RETURN_IF_ERROR(aggregator.Flush(&stats));
+      }
       trace.Step(step, t0, computed, Clock::now(), stats);
       log.Step(step, epoch + 1, loss, compute_ms, stats, aggregator);
       SPARSEPS_RETURN_IF_ERROR(log.SampleResidual(aggregator));

@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <numeric>
 #include <random>
 #include <sstream>
 #include <string>
@@ -353,6 +354,16 @@ TEST_P(DelayTest, TrainsWithOneIterationInFlight) {
     ASSERT_NO_FATAL_FAILURE(
         CsvColumn(dir.path() + "/metrics-worker-" + std::to_string(w) + ".csv", "step", &steps));
     ASSERT_EQ(steps.size(), 40u) << "one metrics row per step";
+    if (GetParam().first != "dense") continue;
+    // Every dense pull reply has the same size but for its header's varints (a few bytes), and
+    // the rows count each iteration's replies once: the last iteration's too, taken after the
+    // loop's last compute (a row without it is 200 KB short).
+    std::vector<double> received;
+    ASSERT_NO_FATAL_FAILURE(CsvColumn(dir.path() + "/metrics-worker-" + std::to_string(w) + ".csv",
+                                      "bytes_received", &received));
+    ASSERT_GT(received[1], 10000.0);
+    EXPECT_NEAR(std::accumulate(received.begin(), received.end(), 0.0), 40 * received[1], 40 * 64.0)
+        << "worker " << w;
   }
 }
 
