@@ -261,6 +261,12 @@ Status Train(const proto::JobConfig& config, Model& model, const TrainingData& d
     SPARSEPS_RETURN_IF_ERROR(aggregator.Flush(&unused));
     return session.AfterStep(loop_state, layers);
   };
+  // Whether this worker evaluates after `done` steps (train.eval_every_steps; the run's end has
+  // its own evaluation).
+  auto evaluates_after = [&](uint64_t done) {
+    return log.leader() && tc.eval_every_steps() > 0 && done % tc.eval_every_steps() == 0 &&
+           done < total;
+  };
   for (; epoch < epochs && step < total; ++epoch) {
     SPARSEPS_RETURN_IF_ERROR(settle());
     if (const Split now = SplitAt(session.control(), rank, workers, step);
@@ -319,9 +325,7 @@ Status Train(const proto::JobConfig& config, Model& model, const TrainingData& d
       // train.overlap: delay: a step that an evaluation, the epoch's end or the run's end follows
       // takes its own replies (settle would, outside any step's metrics row): nothing runs in
       // between for them to hide behind, and the row then counts every byte received.
-      if (delay &&
-          (step == total || s + 1 == spe ||
-           (log.leader() && tc.eval_every_steps() > 0 && step % tc.eval_every_steps() == 0))) {
+      if (delay && (step == total || s + 1 == spe || evaluates_after(step))) {
         SPARSEPS_RETURN_IF_ERROR(aggregator.Flush(&stats));
       }
       trace.Step(step, t0, computed, Clock::now(), stats);
@@ -332,8 +336,7 @@ Status Train(const proto::JobConfig& config, Model& model, const TrainingData& d
         spdlog::warn("the workers before this one were lost: this worker evaluates from now on");
         SPARSEPS_RETURN_IF_ERROR(log.BecomeLeader());
       }
-      if (log.leader() && tc.eval_every_steps() > 0 && step % tc.eval_every_steps() == 0 &&
-          step < total) {
+      if (evaluates_after(step)) {
         SPARSEPS_RETURN_IF_ERROR(settle());
         SPARSEPS_RETURN_IF_ERROR(Evaluate(model, aggregator, data.test, epoch + 1, step, &log));
       }
