@@ -3,6 +3,8 @@
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
+#include <algorithm>
+
 #include "common/config.h"
 #include "common/security.h"
 
@@ -109,6 +111,11 @@ Status ControlClient::Poll() {
         if (has_membership_) updates_.push_back(h);
         membership_ = h.membership();
         has_membership_ = true;
+        if (membership_.has_server_lost()) {
+          pause_epoch_ = membership_.epoch();
+          last_loss_ = membership_.server_lost();
+        }
+        if (membership_.rollback()) rollback_epoch_ = membership_.epoch();
         spdlog::info("membership epoch {}: rank {}, {} nodes, {} key ranges over {} parameters",
                      membership_.epoch(), membership_.your_rank(), membership_.nodes_size(),
                      membership_.ranges_size(), membership_.num_params());
@@ -145,6 +152,7 @@ Status ControlClient::WaitFor(const std::function<bool()>& done, double timeout_
   while (true) {
     SPARSEPS_RETURN_IF_ERROR(Poll());
     if (done()) return Status::OK();
+    SPARSEPS_RETURN_IF_ERROR(CheckWatched());
     if (shutdown_)
       return Status::Aborted("the scheduler shut the job down while waiting for " + what);
     const double left = timeout_s - SecondsSince(start);
@@ -154,6 +162,25 @@ Status ControlClient::WaitFor(const std::function<bool()>& done, double timeout_
     }
     PollIn({&socket_}, std::min<int64_t>(100, static_cast<int64_t>(left * 1000) + 1));
   }
+}
+
+Status ControlClient::CheckPausedSince(uint64_t epoch) const {
+  if (std::max(pause_epoch_, rollback_epoch_) <= epoch) return Status::OK();
+  std::string what = rollback_epoch_ > epoch
+                         ? "membership epoch " + std::to_string(rollback_epoch_) +
+                               " rolls the job back to the checkpoint of iteration " +
+                               std::to_string(membership_.resume_iteration())
+                         : "membership epoch " + std::to_string(pause_epoch_) +
+                               " pauses the job for the replacement";
+  const std::string who = pause_epoch_ == 0 ? std::string("a server is lost")
+                                            : "server " + std::to_string(last_loss_.server_rank()) +
+                                                  " is lost (" + last_loss_.reason() + ")";
+  return Status::Unavailable(who + "; " + what);
+}
+
+uint64_t ControlClient::settled_epoch() const {
+  const uint64_t epoch = membership_.epoch();
+  return membership_.has_server_lost() && epoch > 0 ? epoch - 1 : epoch;
 }
 
 std::vector<proto::Header> ControlClient::TakeUpdates() {

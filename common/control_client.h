@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -43,7 +44,7 @@ class ControlClient {
 
   // Polls the scheduler socket until done() is true. Errors: DeadlineExceeded after timeout_s
   // ("timed out after N s waiting for <what>"), Aborted on FATAL or a stop signal, Aborted on
-  // SHUTDOWN if done() is still false.
+  // SHUTDOWN if done() is still false, Unavailable once a watched pause arrived (WatchPauses).
   Status WaitFor(const std::function<bool()>& done, double timeout_s, const std::string& what);
 
   // Waits for the membership; the deadline is the registration timeout plus a margin. Sends the
@@ -89,6 +90,31 @@ class ControlClient {
   // epoch this node has not seen yet. Errors: as WaitFor's, naming the epoch.
   Status WaitForEpoch(uint64_t epoch);
 
+  // A lost server pauses the job (an epoch with Membership.server_lost) and its replacement rolls
+  // it back (an epoch with Membership.rollback). Both epochs may come in one Poll, and the
+  // newest membership then no longer says server_lost: these remember them.
+  // The newest epoch that paused the job for a lost server, and the newest that rolled it back;
+  // 0 when none has.
+  uint64_t pause_epoch() const { return pause_epoch_; }
+  uint64_t rollback_epoch() const { return rollback_epoch_; }
+  // Unavailable, naming the lost server and its cause, when an epoch newer than `epoch` paused
+  // or rolled back the job: what a node that acts on the membership of `epoch` (a worker's
+  // clients of the servers it names) waits for is void. OK otherwise. Reads what Poll received.
+  Status CheckPausedSince(uint64_t epoch) const;
+  // The epoch a node connecting now acts on: the current one, or the one before it while the
+  // current one pauses the job (its lost server is still listed).
+  uint64_t settled_epoch() const;
+  // Worker side: from now on WaitFor (and so Barrier, WaitForEpoch, WaitForMembership) returns
+  // CheckPausedSince(epoch)'s Unavailable as soon as Poll has received such an epoch, so that no
+  // wait outlives a rollback. WatchPauses(std::nullopt) (the default) turns it off: the wait for
+  // the rollback itself.
+  void WatchPauses(std::optional<uint64_t> epoch) { watched_epoch_ = epoch; }
+  // CheckPausedSince(the watched epoch); OK when nothing is watched. For waits on other sockets
+  // that poll this client (the collectives' peer group).
+  Status CheckWatched() const {
+    return watched_epoch_ ? CheckPausedSince(*watched_epoch_) : Status::OK();
+  }
+
   // Sends msg to the scheduler with this node's role, rank and epoch in the header.
   Status SendToScheduler(Message& msg) { return Send(msg); }
   int rank() const { return membership_.your_rank(); }
@@ -117,6 +143,10 @@ class ControlClient {
   Clock::time_point last_heard_;  // from the scheduler
   std::string fatal_;
   proto::Membership membership_;
+  uint64_t pause_epoch_ = 0;               // the newest epoch with server_lost
+  uint64_t rollback_epoch_ = 0;            // the newest epoch with rollback
+  proto::ServerLoss last_loss_;            // the newest server_lost
+  std::optional<uint64_t> watched_epoch_;  // WatchPauses
   std::vector<proto::Header> updates_;
   std::map<std::string, uint64_t> barrier_generation_;
   std::map<std::string, uint64_t> barrier_released_;  // name -> highest released generation + 1

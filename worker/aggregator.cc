@@ -582,7 +582,12 @@ class AllreduceAggregator final : public Aggregator {
       }
     }
     group_->Connect(control->rank(), peers);
-    group_->SetPollHook([control] { return control->Poll(); }, &control->socket());
+    group_->SetPollHook(
+        [control] {
+          SPARSEPS_RETURN_IF_ERROR(control->Poll());
+          return control->CheckWatched();
+        },
+        &control->socket());
     auto made = MakeCollective(config_, group_.get(), num_params());
     if (!made.ok()) return made.status();
     collective_ = std::move(*made);

@@ -16,6 +16,8 @@ PsClient::PsClient(zmq::context_t& context, const proto::Membership& membership,
                    ControlClient* control, double request_timeout_s, bool commit_after_ack,
                    double retry_interval_s)
     : control_(control),
+      epoch_(membership.has_server_lost() && membership.epoch() > 0 ? membership.epoch() - 1
+                                                                    : membership.epoch()),
       worker_rank_(worker_rank),
       request_timeout_s_(request_timeout_s),
       commit_after_ack_(commit_after_ack),
@@ -83,7 +85,17 @@ Message WireCopy(Message& msg) {
 
 }  // namespace
 
+Status PsClient::CheckPaused(int64_t iteration) const {
+  Status s = control_->CheckPausedSince(epoch_);
+  if (s.ok()) return s;
+  return Status::Unavailable(s.message() + ": iteration " + std::to_string(iteration) +
+                             " is void until the job rolls back");
+}
+
 Status PsClient::Send(Peer& peer, Message& msg, proto::Command expected) {
+  // The membership this client was made for is void: its server may be gone, and a request to
+  // its endpoint would only wait. The iteration ends here; the job rolls back.
+  SPARSEPS_RETURN_IF_ERROR(CheckPaused(msg.header.iteration()));
   auto& h = msg.header;
   h.set_sender_role(proto::WORKER);
   h.set_sender_rank(worker_rank_);
@@ -339,6 +351,12 @@ Status PsClient::AwaitUntil(int64_t iteration, float* params, const std::functio
   sockets.push_back(&control_->socket());
   while (true) {
     if (done()) return Status::OK();
+    // Every round, not only when the scheduler wrote: Poll also notices a scheduler gone silent.
+    SPARSEPS_RETURN_IF_ERROR(control_->Poll());
+    // A pause or a rollback since this client connected, whether or not the newest epoch still
+    // says so (both may come in one Poll): what it waits for is void, and nothing goes again to a
+    // lost server's old endpoint.
+    SPARSEPS_RETURN_IF_ERROR(CheckPaused(iteration));
     const Peer* waiting = nullptr;
     const Pending* what = nullptr;
     for (const auto& p : peers_) {
@@ -366,13 +384,6 @@ Status PsClient::AwaitUntil(int64_t iteration, float* params, const std::functio
       }
     }
     auto ready = PollIn(sockets, std::min<int64_t>(200, static_cast<int64_t>(left * 1000) + 1));
-    // Every round, not only when the scheduler wrote: Poll also notices a scheduler gone silent.
-    SPARSEPS_RETURN_IF_ERROR(control_->Poll());
-    if (const auto& m = control_->membership(); m.has_server_lost()) {
-      return Status::Unavailable("server " + std::to_string(m.server_lost().server_rank()) +
-                                 " is lost (" + m.server_lost().reason() + "): iteration " +
-                                 std::to_string(iteration) + " is void until the job rolls back");
-    }
     for (size_t i = 0; i < peers_.size(); ++i) {
       if (ready[i]) SPARSEPS_RETURN_IF_ERROR(ReceiveFrom(peers_[i], params));
     }

@@ -61,8 +61,9 @@ class PsClient {
   // Pushes pushes[r] (one Message per range, as a Compressor makes them) for `iteration`, then
   // pulls the result of that iteration into params: the changed entries, or the dense range.
   // Errors: ProtocolError when a server rejects a push or replies wrongly (the server's reason
-  // included), DeadlineExceeded naming the server, Aborted on FATAL, Unavailable once the
-  // membership says a server is lost (every wait ends then: the job rolls back).
+  // included), DeadlineExceeded naming the server, Aborted on FATAL, Unavailable once an epoch
+  // newer than the client's paused the job for a lost server or rolled it back (every wait ends
+  // then, and nothing more is sent: the job rolls back).
   Status PushPull(int64_t iteration, std::vector<Message>& pushes, float* params);
 
   // PushPull in two halves (train.overlap: delay): StartPushPull sends the pushes of `iteration`
@@ -157,8 +158,11 @@ class PsClient {
     Clock::time_point acked_at, replied_at;  // the last PUSH_ACK, PULL_REPLY
   };
 
+  // Unavailable (naming the lost server and `iteration`) once an epoch newer than the one this
+  // client was made for paused or rolled back the job (ControlClient::CheckPausedSince).
+  Status CheckPaused(int64_t iteration) const;
   // Sends `msg` (role, rank, epoch and a new request id set here) and waits for `expected` from
-  // the peer in the next AwaitAll.
+  // the peer in the next AwaitAll. Unavailable, sending nothing, once the job paused.
   Status Send(Peer& peer, Message& msg, proto::Command expected);
   // Sends p.request again (a copy sharing its frames).
   Status Resend(Peer& peer, Pending& p);
@@ -189,6 +193,9 @@ class PsClient {
   std::vector<uint32_t> changed_;  // a dense reply's changed keys, for on_changed_
   std::vector<float> delta_;       // a sparse reply's new - old values, for on_changed_
   ControlClient* control_;
+  // The membership epoch this client acts on (its servers' endpoints): a pause or rollback after
+  // it ends every wait.
+  const uint64_t epoch_;
   const int worker_rank_;
   const double request_timeout_s_;
   const bool commit_after_ack_;

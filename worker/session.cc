@@ -52,6 +52,9 @@ Result<std::unique_ptr<WorkerSession>> WorkerSession::Join(const proto::JobConfi
       s->rejoin_iteration_ = m.join().iteration();
     }
     if (name_log) SetLogName("worker-" + std::to_string(s->rank()));
+    // Every wait from here on ends when a server is lost (AwaitRollback's turn).
+    s->connected_epoch_ = s->control_.settled_epoch();
+    s->control_.WatchPauses(s->connected_epoch_);
     s->control_.StartHeartbeats();
     return s->aggregator_->Connect(&s->control_);
   }();
@@ -139,14 +142,16 @@ Status WorkerSession::ResumeWithoutFile(const std::function<void(StateArchive&)>
 
 Status WorkerSession::AwaitRollback() {
   SPARSEPS_RETURN_IF_ERROR(ReportWritten(/*wait=*/true));
-  const uint64_t lost_epoch = control_.membership().epoch();
   const auto& c = config_.cluster();
-  SPARSEPS_RETURN_IF_ERROR(control_.WaitFor(
-      [&] {
-        return control_.membership().rollback() && control_.membership().epoch() > lost_epoch;
-      },
-      c.server_replacement_timeout_s() + c.barrier_timeout_s(),
-      "the replacement of a lost server and the rollback"));
+  // The rollback after the epoch this worker's clients were made for; it may be in already (it
+  // can come in the same Poll as the pause), and a newer epoch may follow it.
+  control_.WatchPauses(std::nullopt);
+  SPARSEPS_RETURN_IF_ERROR(
+      control_.WaitFor([&] { return control_.rollback_epoch() > connected_epoch_; },
+                       c.server_replacement_timeout_s() + c.barrier_timeout_s(),
+                       "the replacement of a lost server and the rollback"));
+  connected_epoch_ = control_.rollback_epoch();
+  control_.WatchPauses(connected_epoch_);
   const auto& m = control_.membership();
   spdlog::warn("membership epoch {}: going back to the checkpoint of iteration {}", m.epoch(),
                m.resume_iteration());

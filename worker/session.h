@@ -87,7 +87,8 @@ class WorkerSession {
   // scheduler's SHUTDOWN, which comes once every worker is done. Stops the heartbeats.
   Status Finish(const proto::WorkerStats& stats);
 
-  // After a step failed with Unavailable (a server is lost): waits for the rollback epoch
+  // After a step (or any wait) failed with Unavailable (a server is lost): waits for the rollback
+  // epoch after the one this worker connected at, which may be in already
   // (cluster.server_replacement_timeout_s plus barrier_timeout_s), then makes a fresh aggregator
   // connected to the servers it names; the training loop then starts again as on a resumed job
   // (resuming() is true, Resume reads this worker's file of that checkpoint). Checkpoint files
@@ -113,6 +114,9 @@ class WorkerSession {
 
   Clock::time_point last_checkpoint_ = Clock::now();
   int64_t rejoin_iteration_ = -1;  // a replacement's first iteration; -1 otherwise
+  // The membership epoch the aggregator's clients act on (Join's, then each rollback's): a pause
+  // or rollback after it ends every wait (ControlClient::WatchPauses).
+  uint64_t connected_epoch_ = 0;
   bool model_on_device_ = false;
   BackgroundCheckpointWriter writer_;  // last member: its destructor waits for the disk first
   bool checkpoint_requested_ = false;

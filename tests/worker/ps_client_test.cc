@@ -50,10 +50,24 @@ class FakeServer {
   uint32_t port() const { return port_; }
   // Messages received so far.
   int received() const { return received_; }
+  // Sends `messages` in this order, back to back, at the thread's next round (within about
+  // 20 ms): messages nobody asked for, as the scheduler's epochs.
+  void Post(std::vector<Outgoing> messages) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& o : messages) posted_.push_back(std::move(o));
+  }
 
  private:
   void Loop() {
     while (!stop_) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        for (auto& o : posted_) {
+          Status s = SendMessage(socket_, o.msg, &o.to);
+          EXPECT_TRUE(s.ok()) << s.ToString();
+        }
+        posted_.clear();
+      }
       if (!PollIn({&socket_}, 20)[0]) continue;
       std::string peer;
       auto msg = RecvMessage(socket_, true, &peer, nullptr);
@@ -74,7 +88,9 @@ class FakeServer {
   uint32_t port_ = 0;
   std::atomic<bool> stop_{false};
   std::atomic<int> received_{0};
-  std::thread thread_;
+  std::mutex mu_;
+  std::vector<Outgoing> posted_;  // guarded by mu_
+  std::thread thread_;            // last: starts once the members above are made
 };
 
 constexpr size_t kParams = 8;
@@ -526,6 +542,153 @@ TEST_F(PsClientTest, PushWindowHoldsTheNextPushUntilAnAck) {
       EXPECT_LT(at("push 2"), at("ack 0")) << "range 2 waited for range 0's ack";
     }
   }
+}
+
+// A scheduler on loopback (a FakeServer) that answers REGISTER with membership epoch 1 (one
+// server at `server_port`) and sends later epochs when told, and a worker's control client
+// registered with it. The lost server's pause (an epoch with server_lost) and its replacement's
+// rollback come back to back, as they do when the replacement was waiting already: the client
+// may take both in one Poll, and then the newest membership no longer says a server is lost.
+class PsClientRollbackTest : public PsClientTest {
+ protected:
+  void StartScheduler(uint32_t server_port) {
+    server_port_ = server_port;
+    scheduler_ = std::make_unique<FakeServer>(
+        context_, [this](const std::string& peer, Result<Message> msg, std::vector<Outgoing>* out) {
+          ASSERT_TRUE(msg.ok());
+          if (msg->header.command() != proto::REGISTER) return;
+          std::lock_guard<std::mutex> lock(mu_);
+          worker_ = peer;
+          out->push_back(Epoch(1));
+        });
+    config_.mutable_cluster()->set_scheduler_port(scheduler_->port());
+    config_.mutable_cluster()->set_heartbeat_timeout_s(600);
+    control_ = std::make_unique<ControlClient>(context_, config_, proto::WORKER);
+    ASSERT_TRUE(control_->Register("127.0.0.1", 1, kParams).ok());
+    Status s = control_->WaitForMembership();
+    ASSERT_TRUE(s.ok()) << s.ToString();
+  }
+  // Membership epoch `epoch` for the registered worker: 2 pauses the job for server 0, 3 rolls
+  // it back to the checkpoint of iteration 100.
+  Outgoing Epoch(uint64_t epoch) {
+    Outgoing o{worker_, {}};
+    o.msg.header.set_command(proto::MEMBERSHIP);
+    o.msg.header.set_sender_role(proto::SCHEDULER);
+    o.msg.header.set_epoch(epoch);
+    proto::Membership& m = *o.msg.header.mutable_membership();
+    m = OneServer(server_port_);
+    m.set_epoch(epoch);
+    if (epoch == 2) {
+      m.mutable_server_lost()->set_server_rank(0);
+      m.mutable_server_lost()->set_reason("no heartbeat for 2 s");
+    }
+    if (epoch >= 3) {
+      m.set_rollback(true);
+      m.set_resume(true);
+      m.set_resume_iteration(100);
+    }
+    return o;
+  }
+  // Sends the pause and the rollback back to back.
+  void PauseAndRollBack() {
+    std::vector<Outgoing> both;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      both.push_back(Epoch(2));
+      both.push_back(Epoch(3));
+    }
+    scheduler_->Post(std::move(both));
+  }
+  std::mutex mu_;
+  std::string worker_;  // the control client's routing id, guarded by mu_
+  uint32_t server_port_ = 0;
+  std::unique_ptr<FakeServer> scheduler_;
+};
+
+// The race of issue 42, made deterministic: the pause and the rollback are both in before the
+// push. The client made for epoch 1 sends nothing to the lost server's endpoint and returns
+// Unavailable at once (before the fix it sent the push and waited out the deadline for an ack
+// from the dead server).
+TEST_F(PsClientRollbackTest, RollbackTakenWithThePauseEndsTheStepBeforeItSends) {
+  FakeServer server(context_, [](const std::string&, Result<Message>, std::vector<Outgoing>*) {});
+  StartScheduler(server.port());
+  auto ps = std::make_unique<PsClient>(context_, OneServer(server.port()), /*worker_rank=*/0,
+                                       control_.get(), /*request_timeout_s=*/20,
+                                       /*commit_after_ack=*/false, /*retry_interval_s=*/0.1);
+  PauseAndRollBack();
+  ASSERT_TRUE(control_->WaitForEpoch(3).ok());
+  ASSERT_TRUE(control_->membership().rollback());
+  ASSERT_FALSE(control_->membership().has_server_lost()) << "the newest epoch is the rollback";
+  EXPECT_EQ(control_->pause_epoch(), 2u);
+  EXPECT_EQ(control_->rollback_epoch(), 3u);
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<float> params(kParams, 0.0f);
+  auto pushes = OnePush();
+  Status s = ps->PushPull(102, pushes, params.data());
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
+  EXPECT_THAT(s.message(), HasSubstr("server 0 is lost (no heartbeat for 2 s)"));
+  EXPECT_THAT(s.message(), HasSubstr("checkpoint of iteration 100"));
+  EXPECT_THAT(s.message(), HasSubstr("iteration 102 is void"));
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 10.0)
+      << "the step waited for the lost server";
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // 3 retry intervals
+  EXPECT_EQ(server.received(), 0) << "a request went to the lost server's old endpoint";
+  // A client made for the rollback's membership is not stopped by it.
+  PsClient next(context_, control_->membership(), 0, control_.get(), 0.3);
+  s = next.PushPull(100, pushes, params.data());
+  EXPECT_EQ(s.code(), StatusCode::kDeadlineExceeded) << s.ToString();
+}
+
+// The same epochs arriving while the push to the lost server waits for its ack (the fake server
+// never acknowledges): the wait ends well within its deadline, with Unavailable.
+TEST_F(PsClientRollbackTest, PauseAndRollbackWhileWaitingForAnAckEndTheWait) {
+  std::function<void()> on_pull;
+  std::mutex mu;
+  FakeServer server(context_, [&](const std::string&, Result<Message> msg, std::vector<Outgoing>*) {
+    ASSERT_TRUE(msg.ok());
+    std::lock_guard<std::mutex> lock(mu);
+    if (msg->header.command() == proto::PULL && on_pull) on_pull();
+  });
+  StartScheduler(server.port());
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    on_pull = [this] { PauseAndRollBack(); };  // once the push and its pull are at the server
+  }
+  constexpr double kTimeoutS = 60;
+  PsClient ps(context_, OneServer(server.port()), 0, control_.get(), kTimeoutS);
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<float> params(kParams, 0.0f);
+  auto pushes = OnePush();
+  Status s = ps.PushPull(102, pushes, params.data());
+  const double waited =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
+  EXPECT_THAT(s.message(), HasSubstr("server 0 is lost"));
+  EXPECT_LT(waited, kTimeoutS / 2) << "the wait outlived the rollback";
+  std::lock_guard<std::mutex> lock(mu);
+  on_pull = nullptr;
+}
+
+// Waits on the scheduler socket (barriers, the wait for an epoch, the end) return once a pause
+// arrives after the watched epoch; the wait for the rollback itself (nothing watched) does not.
+TEST_F(PsClientRollbackTest, WatchedWaitsEndOnAPause) {
+  FakeServer server(context_, [](const std::string&, Result<Message>, std::vector<Outgoing>*) {});
+  StartScheduler(server.port());
+  EXPECT_EQ(control_->settled_epoch(), 1u);
+  control_->WatchPauses(1);
+  PauseAndRollBack();
+  const auto start = std::chrono::steady_clock::now();
+  Status s = control_->Barrier("init-1", proto::WORKER);  // never released by this scheduler
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
+  EXPECT_THAT(s.message(), HasSubstr("server 0 is lost"));
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 60.0);
+  EXPECT_FALSE(control_->CheckPausedSince(1).ok());
+  EXPECT_TRUE(control_->CheckPausedSince(3).ok());
+  control_->WatchPauses(std::nullopt);
+  s = control_->WaitFor([&] { return control_->rollback_epoch() > 1; }, 30, "the rollback");
+  EXPECT_TRUE(s.ok()) << s.ToString();
+  control_->WatchPauses(3);
+  EXPECT_TRUE(control_->CheckWatched().ok());
 }
 
 }  // namespace
