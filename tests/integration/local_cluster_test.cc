@@ -29,6 +29,13 @@ using testing::CsvColumn;
 using testing::TempDir;
 
 constexpr double kHardTimeoutS = 120;
+
+// The final test accuracy of a 40-step job must reach `bar`, a measured value less a margin
+// (the value is printed, so a new measurement is one run away).
+void ExpectAccuracyAtLeast(const proto::RunSummary& summary, double bar) {
+  std::printf("[ accuracy ] %.4f (bar %.2f)\n", summary.final_test_accuracy(), bar);
+  EXPECT_GE(summary.final_test_accuracy(), bar);
+}
 const char* kData = "/usr/share/datasets/fashion-mnist";
 
 struct Cluster {
@@ -144,7 +151,8 @@ TEST_P(LocalClusterTest, TrainsAndEveryProcessExitsZero) {
   EXPECT_EQ(summary.status(), "ok");
   EXPECT_EQ(summary.steps(), 40u);
   EXPECT_EQ(summary.workers_size(), 2);
-  EXPECT_GT(summary.final_test_accuracy(), 0.5);  // 40 steps of a 64-unit MLP: well above 10%
+  // Measured 0.668 (sbc) to 0.757 (dense) on 2026-11-26; BSP with 2 workers repeats exactly.
+  ExpectAccuracyAtLeast(summary, 0.63);
   // Every server's counters, reported at SHUTDOWN: one push per worker and iteration, nothing
   // rejected, and every byte a worker sent arrived at a server.
   ASSERT_EQ(summary.servers_size(), 2) << json;
@@ -210,7 +218,9 @@ TEST_P(ConsistencyTest, TrainsWithStaleWorkers) {
   const std::string json = testing::ReadFile(dir.path() + "/summary.json");
   ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(json, &summary).ok()) << json;
   EXPECT_EQ(summary.status(), "ok");
-  EXPECT_GT(summary.final_test_accuracy(), 0.5);
+  // Measured over two rounds on 2026-11-26: SBC 0.590-0.657 (its 40 stale steps learn
+  // slowest), the others 0.690-0.768.
+  ExpectAccuracyAtLeast(summary, setting.starts_with("sbc") ? 0.52 : 0.62);
   ASSERT_EQ(summary.servers_size(), 2) << json;
   for (const auto& st : summary.servers()) {
     EXPECT_EQ(st.iterations(), 40u) << json;
@@ -263,7 +273,8 @@ TEST_P(OverlapTest, SendsEachPartDuringTheBackwardPass) {
   const std::string json = testing::ReadFile(dir.path() + "/summary.json");
   ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(json, &summary).ok()) << json;
   EXPECT_EQ(summary.status(), "ok");
-  EXPECT_GT(summary.final_test_accuracy(), 0.5);
+  // Measured 0.693 (sbc) to 0.785 (topk) on 2026-11-26; repeats exactly.
+  ExpectAccuracyAtLeast(summary, 0.65);
   ASSERT_EQ(summary.servers_size(), ring ? 0 : 2) << json;
   for (const auto& st : summary.servers()) {
     EXPECT_EQ(st.pushes(), 2u * 40u) << json;
@@ -340,7 +351,9 @@ TEST_P(DelayTest, TrainsWithOneIterationInFlight) {
   ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(json, &summary).ok()) << json;
   EXPECT_EQ(summary.status(), "ok");
   EXPECT_EQ(summary.steps(), 40u);
-  EXPECT_GT(summary.final_test_accuracy(), 0.5);
+  // Measured 0.612 (the sketch's second round) to 0.719 (dense) on 2026-11-26; topk_ssp
+  // varies by 0.003.
+  ExpectAccuracyAtLeast(summary, 0.57);
   ASSERT_EQ(summary.servers_size(), 2) << json;
   // The sketch's second round pushes twice per iteration: the sketch, then the exact values.
   const uint64_t rounds = GetParam().first == "sketch_second_round" ? 2 : 1;
@@ -396,7 +409,7 @@ TEST(LocalClusterFailure, DeadWorkerEndsTheJobWithAClearError) {
   ASSERT_FALSE(testing::WaitForFile(dir.path() + "/metrics-worker-1.csv", 60).empty())
       << victim.Log();
   victim.Signal(SIGKILL);
-  EXPECT_NE(c.scheduler->Wait(60), 0);
+  EXPECT_EQ(c.scheduler->Wait(60), 1) << c.scheduler->Log();
   EXPECT_THAT(c.scheduler->Log(), ::testing::HasSubstr("worker 1"));
   EXPECT_THAT(c.scheduler->Log(), ::testing::HasSubstr("declaring it dead"));
   for (size_t i = 0; i + 1 < c.nodes.size(); ++i) {

@@ -466,7 +466,7 @@ TEST(Curve, KeygenWritesASecretOnlyItsOwnerReads) {
   EXPECT_EQ(pair->public_key.size(), 40u);
   // A second run refuses to overwrite the secret.
   ChildProcess again({testing::BinaryPath("common/sparseps-keygen"), keys}, dir.path() + "/2.log");
-  EXPECT_NE(again.Wait(30), 0);
+  EXPECT_EQ(again.Wait(30), 1) << again.Log();
   EXPECT_THAT(again.Log(), HasSubstr("exists"));
   // A secret others can read is refused, naming the file.
   chmod((keys + "/secret.key").c_str(), 0644);
@@ -580,7 +580,7 @@ TEST(ConfigAgreement, DifferingConfigIsRefusedNamingTheKeys) {
   // Worker 1 (node 2: the server is node 0) runs another learning rate and density.
   Job job = StartJob(dir.path(), 1, sets, {{}, {}, {"train.lr=0.2", "compression.density=0.02"}});
   ASSERT_NE(job.scheduler_port, 0u);
-  EXPECT_NE(job.workers[1]->Wait(60), 0);
+  EXPECT_EQ(job.workers[1]->Wait(60), 1) << job.workers[1]->Log();
   // The refusal (its own line: the log lists every key at the start).
   const std::string log = job.workers[1]->Log();
   const size_t at = log.find("runs another job config than the scheduler");

@@ -91,9 +91,10 @@ def cluster(tmp_path):
         c.stop()
 
 
-def run_threads(targets):
+def run_threads(targets, timeout_s=120):
     """Runs each callable on a thread of its own; returns their results, raising the first
-    exception one of them raised."""
+    exception one of them raised. A thread still running after timeout_s (in all) fails the
+    test: its assertions have not all run, and a late exception would be lost."""
     results = [None] * len(targets)
     errors = []
 
@@ -103,11 +104,16 @@ def run_threads(targets):
         except BaseException as e:  # noqa: B902 - reported to the test
             errors.append(e)
 
-    threads = [threading.Thread(target=wrap, args=(i, f)) for i, f in enumerate(targets)]
+    threads = [threading.Thread(target=wrap, args=(i, f), daemon=True)
+               for i, f in enumerate(targets)]
     for t in threads:
         t.start()
+    deadline = time.monotonic() + timeout_s
     for t in threads:
-        t.join(120)
+        t.join(max(0.0, deadline - time.monotonic()))
     if errors:
         raise errors[0]
+    hung = [i for i, t in enumerate(threads) if t.is_alive()]
+    if hung:
+        raise AssertionError(f"threads {hung} of {len(threads)} still running after {timeout_s} s")
     return results

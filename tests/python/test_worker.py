@@ -171,13 +171,17 @@ def test_sbc_update_moves_the_local_copy(cluster):
         w.init(model)
         assert w.live_workers == [0, 1]
         assert w.is_leader == (rank == 0)
+        pushes = 0
         for t in range(4):
             model = model - w.push_pull(gradient(rank, t))
             if t % 2 == 1:  # a push: the model holds the job's parameters again (to rounding)
                 np.testing.assert_allclose(model, w.params(), rtol=0, atol=1e-5)
+                pushes += 1
         w.finish()
+        return pushes
 
-    run_threads([lambda r=r: worker(r) for r in range(2)])
+    # Both workers ran their loop to the end, every check included.
+    assert run_threads([lambda r=r: worker(r) for r in range(2)]) == [2, 2]
 
 
 @pytest.mark.parametrize("aggregation", ["ps", "ps_overlap", "allreduce", "ring_overlap"])
@@ -296,6 +300,19 @@ def test_bad_input_is_a_clear_exception_and_the_job_goes_on(cluster):
     assert np.count_nonzero(good[0]) > 0
     np.testing.assert_array_equal(good[0], good[1])
     assert c.wait() == {k: 0 for k in c.wait()}
+
+
+def test_run_threads_fails_on_a_thread_still_running_or_raising():
+    """The helper every multi-worker test here uses: a hung thread is a failure, not a None."""
+    assert run_threads([lambda: 1, lambda: 2]) == [1, 2]
+    with pytest.raises(AssertionError, match=r"threads \[1\] of 2 still running after 0.5 s"):
+        run_threads([lambda: 1, lambda: time.sleep(3)], timeout_s=0.5)
+
+    def fails():
+        raise KeyError("in a thread")
+
+    with pytest.raises(KeyError, match="in a thread"):
+        run_threads([lambda: 1, fails])
 
 
 def test_bad_config_is_a_value_error_naming_the_key(tmp_path):
