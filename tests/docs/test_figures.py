@@ -8,7 +8,11 @@ import re
 import pytest
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
-FIGURE = re.compile(r"(?<![\w.\-])(\d+(?:\.\d+)?)\s?(%|x(?![\w])|×|(?<=\d) s\b)")
+NUMBER = r"(\d+(?:\.\d+)?)"
+# x or ×, but not a product such as "5 × 10k" or "4 x 8".
+UNIT = r"(%|x(?!\w)(?!\s?\d)|×(?!\s?\d)|(?<=\d) s\b)"
+# A figure, or a range of two such as 85-89% or 12.2–13.4 s (both ends are figures).
+FIGURE = re.compile(r"(?<![\w.\-–])" + NUMBER + r"(?:\s?[-–]\s?" + NUMBER + r")?\s?" + UNIT)
 # Percentages that are settings, not measurements (densities and the like).
 SETTINGS = {"1%", "0.1%"}
 
@@ -25,20 +29,28 @@ def figures(text):
         if fenced:
             continue
         for m in FIGURE.finditer(line):
-            number, unit = m.group(1), m.group(2).strip()
+            unit = m.group(3).strip()
             unit = "x" if unit in ("x", "×") else unit
-            if unit == "s" and "." not in number:
-                continue  # whole seconds are settings (timeouts, intervals)
-            out.append((number + unit, line.strip()))
+            for number in filter(None, (m.group(1), m.group(2))):
+                if unit == "s" and "." not in number:
+                    continue  # whole seconds are settings (timeouts, intervals)
+                out.append((number + unit, line.strip()))
     return out
 
 
 def benchmarks():
     with open(os.path.join(ROOT, "docs", "BENCHMARKS.md")) as f:
-        text = f.read().replace("×", "x")
+        return known_figures(f.read())
+
+
+def known_figures(text):
+    """Every figure a page of results states, as figures() spells them."""
+    text = text.replace("×", "x")
     found = set()
-    for number, unit in re.findall(r"(\d+(?:\.\d+)?)\s?(%|x|s\b)", text):
-        found.add(number + unit)
+    # As FIGURE: "5 x 10k" is no ratio, and both ends of a range count.
+    for low, high, unit in re.findall(r"(?<![\w.])" + NUMBER + r"(?:\s?[-–]\s?" + NUMBER +
+                                      r")?\s?(%|x(?!\w)(?!\s?\d)|s\b)", text):
+        found.update(number + unit for number in (low, high) if number)
     return found
 
 
@@ -57,3 +69,8 @@ def test_the_check_catches_a_figure_that_is_not_there():
     made_up = "The CNN reaches 89.2% in 41.5 s, 3.1x faster.\n```\nloss 0.4 acc 12.5%\n```\n"
     assert [f for f, _ in figures(made_up)] == ["89.2%", "41.5s", "3.1x"]
     assert "89.2%" not in benchmarks()
+    # Both ends of a range, with a hyphen or an en dash; a product is no ratio.
+    ranges = "between 85-89% and 0.77–0.83x, in 12.2–13.4 s; 5 × 10k steps, 4 x86 hosts\n"
+    assert [f for f, _ in figures(ranges)] == ["85%", "89%", "0.77x", "0.83x", "12.2s", "13.4s"]
+    assert known_figures("5 × 10k steps at 85-89% and 0.77–0.83x, 3x") == {
+        "85%", "89%", "0.77x", "0.83x", "3x"}
