@@ -2,7 +2,7 @@
 // message whose header fields, frame types, declared sizes and frame bytes all come from the
 // input, runs the receive-side checks (ValidateFrames) and the decoder, and on success checks
 // what the decoder promises: indices strictly increasing and below the range, values finite,
-// sketch sizes consistent. Any out-of-bounds read is caught by ASan.
+// sketch sizes consistent and its tables finite. Any out-of-bounds read is caught by ASan.
 #include <fuzzer/FuzzedDataProvider.h>
 
 #include <cmath>
@@ -32,6 +32,9 @@ namespace {
   }
   if (p.is_sketch()) {
     if (p.sketch.size() != uint64_t{p.sketch_rows} * p.sketch_columns) Fail("sketch size");
+    for (float v : p.sketch) {
+      if (!std::isfinite(v)) Fail("sketch value");
+    }
     return;
   }
   if (p.indices.size() != p.values.size() || p.indices.size() > range_len) Fail("sparse size");

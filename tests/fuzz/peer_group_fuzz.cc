@@ -3,7 +3,8 @@
 // fields and frames from the input, sent through its group), from a stranger's socket (bytes from
 // the input), and well-formed ones. Checked: a stranger's message never reaches a receive (the
 // next well-formed message of worker 1 is received intact after it), a well-formed message always
-// is, and a malformed one of worker 1 ends its receive with ProtocolError, never a crash.
+// is, and a malformed one of worker 1 (a frame table that lies, another command) ends its
+// receive with ProtocolError, never a crash and never an accepted message.
 #include <fuzzer/FuzzedDataProvider.h>
 #include <spdlog/spdlog.h>
 
@@ -79,11 +80,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         // A rendezvous entry is kept, not received: this target receives collective messages.
         if (m.header.command() == proto::STORE_SET) m.header.set_command(proto::COLLECTIVE);
         const size_t frames = in.ConsumeIntegralInRange<size_t>(0, 3);
+        // True when the header's frame table lies: a declared size that is not the frame's, an
+        // unknown element type, or a size that is no whole number of elements.
+        bool lies = false;
         for (size_t i = 0; i < frames; ++i) {
           const std::string bytes = in.ConsumeRandomLengthString(64);
           auto* info = m.header.add_frames();
           info->set_type(static_cast<proto::ElemType>(in.ConsumeIntegralInRange<int>(0, 5)));
           info->set_bytes(in.ConsumeBool() ? bytes.size() : in.ConsumeIntegral<uint16_t>());
+          const size_t elem = sparseps::ElemSize(info->type());
+          if (info->bytes() != bytes.size() || elem == 0 || bytes.size() % elem != 0) lies = true;
           m.frames.emplace_back(bytes.data(), bytes.size());
         }
         const uint64_t tag = g->next_tag++;
@@ -92,6 +98,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         // Either it arrived (a well-formed message) or its receive failed naming the problem.
         if (!got.ok() && got.status().code() != sparseps::StatusCode::kProtocolError) {
           Fail("a malformed message of a peer did not end in ProtocolError");
+        }
+        if (got.ok() && (lies || m.header.command() != proto::COLLECTIVE)) {
+          Fail("a peer's message with a lying frame table or another command was accepted");
         }
         break;
       }

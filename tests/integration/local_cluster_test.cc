@@ -419,15 +419,6 @@ TEST(LocalClusterFailure, DeadWorkerEndsTheJobWithAClearError) {
   }
 }
 
-// Waits (at most 300 s) until the CSV at `path` has more than `rows` rows after its header.
-void WaitForRows(const std::string& path, size_t rows) {
-  for (int i = 0; i < 3000; ++i) {
-    const std::string text = testing::ReadFile(path);
-    if (static_cast<size_t>(std::count(text.begin(), text.end(), '\n')) > rows) return;
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
-}
-
 // cluster.on_worker_failure: continue (the default). kill -9 worker 1 of the quickstart at a
 // random step of its first three epochs: the servers go on with worker 0 alone, which takes the
 // whole training set from its next epoch; every surviving process exits 0, summary.json names the
@@ -450,9 +441,11 @@ TEST(LocalClusterFailure, DeadWorkerIsDroppedAndTheOthersFinishTheJob) {
   const size_t kill_at = 20 + rng() % 1380;  // 468 steps per epoch
   const std::string csv = dir.path() + "/metrics-worker-1.csv";
   ASSERT_FALSE(testing::WaitForFile(csv, 120).empty()) << victim.Log();
-  WaitForRows(csv, kill_at);
+  ASSERT_TRUE(testing::WaitForCsvRows(csv, static_cast<int64_t>(kill_at) + 1, 120))
+      << "worker never reached step " << kill_at << ":\n"
+      << victim.Log();
   victim.Signal(SIGKILL);
-  ASSERT_EQ(c.scheduler->Wait(600), 0) << "killed at step " << kill_at << ":\n"
+  ASSERT_EQ(c.scheduler->Wait(200), 0) << "killed at step " << kill_at << ":\n"
                                        << c.scheduler->Log();
   for (size_t i = 0; i + 1 < c.nodes.size(); ++i) {
     EXPECT_EQ(c.nodes[i]->Wait(60), 0) << c.nodes[i]->Log();
@@ -496,7 +489,9 @@ TEST(LocalClusterFailure, KilledWorkerIsReplacedAndBothFinish) {
   const size_t kill_at = 20 + rng() % 900;  // 468 steps per epoch
   const std::string csv = dir.path() + "/metrics-worker-0.csv";
   ASSERT_FALSE(testing::WaitForFile(csv, 120).empty()) << victim.Log();
-  WaitForRows(csv, kill_at);
+  ASSERT_TRUE(testing::WaitForCsvRows(csv, static_cast<int64_t>(kill_at) + 1, 120))
+      << "worker never reached step " << kill_at << ":\n"
+      << victim.Log();
   victim.Signal(SIGKILL);
   victim.Wait(30);
   std::vector<std::string> argv = {
@@ -520,7 +515,7 @@ TEST(LocalClusterFailure, KilledWorkerIsReplacedAndBothFinish) {
   }
   ChildProcess replacement(argv, dir.path() + "/worker-0-replacement.log",
                            {"OPENBLAS_NUM_THREADS=1"});
-  ASSERT_EQ(c.scheduler->Wait(600), 0) << "killed at step " << kill_at << ":\n"
+  ASSERT_EQ(c.scheduler->Wait(200), 0) << "killed at step " << kill_at << ":\n"
                                        << c.scheduler->Log();
   for (size_t i = 0; i < 2; ++i) EXPECT_EQ(c.nodes[i]->Wait(60), 0) << c.nodes[i]->Log();
   EXPECT_EQ(c.nodes[3]->Wait(60), 0) << c.nodes[3]->Log();

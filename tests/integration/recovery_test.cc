@@ -64,23 +64,6 @@ int64_t NewestCompleteCheckpoint(const std::string& run_dir) {
   return newest;
 }
 
-// The rows of a metrics CSV written so far (whole lines after the header).
-int64_t CsvRows(const std::string& path) {
-  const std::string text = testing::ReadFile(path);
-  const int64_t lines = std::count(text.begin(), text.end(), '\n');
-  return lines > 0 ? lines - 1 : 0;
-}
-
-// Waits up to timeout_s until the CSV at path has at least `rows` rows; false on timeout.
-bool WaitForCsvRows(const std::string& path, int64_t rows, double timeout_s) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
-  while (CsvRows(path) < rows) {
-    if (std::chrono::steady_clock::now() > deadline) return false;
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
-  }
-  return true;
-}
-
 struct Setting {
   const char* name;
   std::vector<std::string> sets;
@@ -118,7 +101,7 @@ TEST_P(ResumeTest, KilledJobResumesBitwiseEqualToAnUninterruptedRun) {
   ASSERT_EQ(b.Wait(120), 1) << "the job was to be killed before its end:\n" << b.Log();
   EXPECT_FALSE(std::filesystem::exists(cut + "/model.safetensors"));
   // Worker 0 cannot pass the iteration that waits for the victim's push.
-  const int64_t done = CsvRows(cut + "/metrics-worker-0.csv");
+  const int64_t done = testing::CsvRows(cut + "/metrics-worker-0.csv");
 
   // A corrupt file of the newest checkpoint is refused, naming it; nothing trains.
   // The resume takes the newest complete checkpoint: the one complete at the kill, or the next
@@ -249,7 +232,7 @@ TEST_P(Supervision, MaxRestartsResumesTheJobAfterAKilledProcess) {
   const pid_t victim = LoggedPid(testing::ReadFile(run + "/" + victim_name + ".log"));
   ASSERT_GT(victim, 0);
   // Between two checkpoints (100 and 150), so that work is lost and redone.
-  ASSERT_TRUE(WaitForCsvRows(run + "/metrics-worker-0.csv", 115, 120)) << b.Log();
+  ASSERT_TRUE(testing::WaitForCsvRows(run + "/metrics-worker-0.csv", 115, 120)) << b.Log();
   ASSERT_EQ(::kill(victim, SIGKILL), 0);
   const int64_t complete_at_kill = NewestCompleteCheckpoint(run);
   // Worker 0 cannot get past the iteration that waits for the victim (a push or a pull reply).

@@ -131,6 +131,21 @@ std::string WaitForFile(const std::string& path, double timeout_s) {
   return "";
 }
 
+int64_t CsvRows(const std::string& path) {
+  const std::string text = ReadFile(path);
+  const int64_t lines = std::count(text.begin(), text.end(), '\n');
+  return lines > 0 ? lines - 1 : 0;
+}
+
+bool WaitForCsvRows(const std::string& path, int64_t rows, double timeout_s) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+  while (CsvRows(path) < rows) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  return true;
+}
+
 std::string BinaryPath(const std::string& relative) {
   return std::string(SPARSEPS_BINARY_DIR) + "/" + relative;
 }

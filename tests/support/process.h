@@ -4,6 +4,7 @@
 
 #include <sys/types.h>
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -59,6 +60,10 @@ class TempDir {
 std::string ReadFile(const std::string& path);
 // Waits up to timeout_s for path to exist with non-empty content and returns it (empty on timeout).
 std::string WaitForFile(const std::string& path, double timeout_s);
+// The rows of a CSV file written so far: whole lines after the header (0 when missing).
+int64_t CsvRows(const std::string& path);
+// Waits up to timeout_s until the CSV at path has at least `rows` rows; false on timeout.
+bool WaitForCsvRows(const std::string& path, int64_t rows, double timeout_s);
 // Column `name` of a CSV file (header row first) as doubles into *values. A missing file, a
 // missing column or a row without that cell fails the test fatally: call it through
 // ASSERT_NO_FATAL_FAILURE.
