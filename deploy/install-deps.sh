@@ -17,6 +17,7 @@ packages=(
   dataset-fashion-mnist
   clang-format clang libclang-rt-14-dev iproute2 iperf3 procps python3 curl dpkg-dev
   slurm-wlm slurmctld slurmd slurm-client munge openssh-server openssh-client prometheus-cpp-dev libmicrohttpd-dev
+  systemd
   libgloo-dev python3-yaml python3-matplotlib python3-pytest python3-prometheus-client
   pybind11-dev python3-dev libdlpack-dev python3-numpy python3-torch python3-torchvision
 )
