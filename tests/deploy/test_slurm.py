@@ -15,24 +15,13 @@ import tempfile
 import time
 
 import pytest
+from conftest import cannot_run, distinct_hosts
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BUILD = pathlib.Path(os.environ.get("SPARSEPS_BUILD_DIR", ROOT / "build"))
 LOCAL_SLURM = ROOT / "deploy" / "slurm" / "local-slurm.sh"
 SBATCH = ROOT / "deploy" / "slurm" / "sparseps.sbatch"
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
-
-
-# In CI (CI=true: root, deploy/install-deps.sh ran) every part of this test runs as written: a
-# missing part fails it instead of narrowing it.
-STRICT = os.environ.get("CI", "").lower() not in ("", "0", "false")
-
-
-def cannot_run(why):
-    """Skips the test where a part it needs is missing; fails it in CI."""
-    if STRICT:
-        pytest.fail(why + " (in CI, where deploy/install-deps.sh ran as root, this is a failure)")
-    pytest.skip(why)
 
 
 def free_port():
@@ -44,12 +33,7 @@ def free_port():
 class Slurm:
     def __init__(self, tmp):
         self.dir = pathlib.Path(tmp) / "slurm"
-        check = subprocess.run([str(ROOT / "deploy" / "netns.sh"), "check"],
-                               capture_output=True, text=True)
-        netns = check.returncode == 0
-        if not netns and STRICT:
-            pytest.fail("deploy/netns.sh check failed, so the hosts would not be distinct: "
-                        + check.stderr.strip())
+        netns = distinct_hosts()
         self.nodes = 3 if netns else 1
         # A prefix and subnet of this test's own (the process id keeps two runs apart).
         self.args = ["--dir", str(self.dir), "--nodes", str(self.nodes), "--cpus", "2",

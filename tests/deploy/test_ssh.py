@@ -17,6 +17,7 @@ import tempfile
 import time
 
 import pytest
+from conftest import cannot_run, distinct_hosts
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BUILD = pathlib.Path(os.environ.get("SPARSEPS_BUILD_DIR", ROOT / "build"))
@@ -26,27 +27,10 @@ QUICKSTART = ROOT / "configs" / "quickstart.yaml"
 NAMES = ("scheduler", "server-0", "server-1", "worker-0", "worker-1")
 
 
-# In CI (CI=true: root, deploy/install-deps.sh ran) every part of this test runs as written: a
-# missing part fails it instead of narrowing it.
-STRICT = os.environ.get("CI", "").lower() not in ("", "0", "false")
-
-
-def cannot_run(why):
-    """Skips the test where a part it needs is missing; fails it in CI."""
-    if STRICT:
-        pytest.fail(why + " (in CI, where deploy/install-deps.sh ran as root, this is a failure)")
-    pytest.skip(why)
-
-
 class Hosts:
     def __init__(self, tmp):
         self.dir = pathlib.Path(tmp) / "ssh"
-        check = subprocess.run([str(ROOT / "deploy" / "netns.sh"), "check"],
-                               capture_output=True, text=True)
-        netns = check.returncode == 0
-        if not netns and STRICT:
-            pytest.fail("deploy/netns.sh check failed, so the hosts would not be distinct: "
-                        + check.stderr.strip())
+        netns = distinct_hosts()
         self.count = 3 if netns else 1
         # A prefix and subnet of this test's own (the process id keeps two runs apart).
         self.args = ["--dir", str(self.dir), "--hosts", str(self.count),
