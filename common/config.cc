@@ -369,6 +369,32 @@ Status ApplyOverride(const std::string& assignment, proto::JobConfig* config,
   }
 }
 
+Status ValidateModelConfig(const proto::ModelConfig& m, const ConfigSources* sources) {
+  auto refuse = [&](const std::string& key, const std::string& why) {
+    return Status::InvalidArgument(
+        (sources != nullptr ? SourceOf(*sources, key) + ": " : std::string()) + why);
+  };
+  if (m.type() != proto::MLP && m.type() != proto::CNN) {
+    return refuse("model.type", "key 'model.type' (" + proto::ModelType_Name(m.type()) +
+                                    ") is no model this worker can build: mlp or cnn");
+  }
+  if (m.type() == proto::CNN && m.channels_size() == 0) {
+    return refuse("model.type",
+                  "key 'model.channels' is empty; 'model.type: cnn' needs the filters of each "
+                  "conv layer, e.g. channels: [32, 64]");
+  }
+  if (m.type() == proto::CNN && m.kernel_size() % 2 == 0) {
+    return refuse("model.kernel_size", "key 'model.kernel_size' (" +
+                                           std::to_string(m.kernel_size()) +
+                                           ") must be odd (a 'same' convolution pads "
+                                           "kernel_size / 2)");
+  }
+  if (m.type() != proto::CNN && m.channels_size() > 0) {
+    return refuse("model.channels", "key 'model.channels' is set but 'model.type' is not cnn");
+  }
+  return Status::OK();
+}
+
 Status ValidateConfig(const proto::JobConfig& config, const ConfigSources& sources) {
   const auto& c = config.cluster();
   if (c.heartbeat_timeout_s() <= c.heartbeat_interval_s()) {
@@ -405,21 +431,7 @@ Status ValidateConfig(const proto::JobConfig& config, const ConfigSources& sourc
         "(GLOO_HAVE_TRANSPORT_TCP_TLS 0); use ring (dense, over our CURVE sockets) or turn CURVE "
         "off");
   }
-  const auto& m = config.model();
-  if (m.type() == proto::CNN && m.channels_size() == 0) {
-    return Status::InvalidArgument(SourceOf(sources, "model.type") +
-                                   ": key 'model.channels' is empty; 'model.type: cnn' needs the "
-                                   "filters of each conv layer, e.g. channels: [32, 64]");
-  }
-  if (m.type() == proto::CNN && m.kernel_size() % 2 == 0) {
-    return Status::InvalidArgument(SourceOf(sources, "model.kernel_size") +
-                                   ": key 'model.kernel_size' (" + std::to_string(m.kernel_size()) +
-                                   ") must be odd (a 'same' convolution pads kernel_size / 2)");
-  }
-  if (m.type() != proto::CNN && m.channels_size() > 0) {
-    return Status::InvalidArgument(SourceOf(sources, "model.channels") +
-                                   ": key 'model.channels' is set but 'model.type' is not cnn");
-  }
+  SPARSEPS_RETURN_IF_ERROR(ValidateModelConfig(config.model(), &sources));
   if (config.aggregation() == proto::ALLREDUCE) {
     const auto& col = config.collective();
     if (c.num_workers() % col.teams() != 0) {

@@ -62,6 +62,12 @@ Status ApplyOverride(const std::string& assignment, proto::JobConfig* config,
 // Cross-key checks that one key's range cannot express (e.g. heartbeat timeout > interval).
 Status ValidateConfig(const proto::JobConfig& config, const ConfigSources& sources);
 
+// The model section's checks, the one place for them (ValidateConfig and the worker's MakeModel
+// both call it): model.type is one this worker builds (mlp, cnn), a cnn has channels and an odd
+// kernel_size, only a cnn has channels. Errors: InvalidArgument naming the key, after its file
+// and line when `sources` is given.
+Status ValidateModelConfig(const proto::ModelConfig& model, const ConfigSources* sources = nullptr);
+
 // Every key with its resolved value ("train.lr = 0.1"), defaults included, in schema order.
 std::vector<std::string> DescribeConfig(const proto::JobConfig& config);
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "common/config.h"
 #include "worker/cnn.h"
 #include "worker/mlp.h"
 #if SPARSEPS_HAVE_CUDA
@@ -35,15 +36,10 @@ Result<std::vector<TensorLayout>> ModelLayers(const proto::ModelConfig& config,
 
 Result<std::unique_ptr<Model>> MakeModel(const proto::ModelConfig& config, const Dataset& shape,
                                          proto::Device device) {
+  SPARSEPS_RETURN_IF_ERROR(ValidateModelConfig(config));
   std::vector<size_t> hidden(config.hidden().begin(), config.hidden().end());
   std::vector<size_t> channels(config.channels().begin(), config.channels().end());
   if (config.type() == proto::CNN) {
-    if (channels.empty()) {
-      return Status::InvalidArgument("model.channels is empty; a cnn needs at least one layer");
-    }
-    if (config.kernel_size() % 2 == 0) {
-      return Status::InvalidArgument("model.kernel_size must be odd");
-    }
     if (shape.rows * shape.cols != shape.num_features || (shape.rows >> channels.size()) == 0 ||
         (shape.cols >> channels.size()) == 0) {
       return Status::InvalidArgument("model.channels: " + std::to_string(channels.size()) +

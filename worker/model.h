@@ -78,16 +78,17 @@ std::pair<double, double> EvaluateInChunks(
     const Dataset& data, size_t chunk,
     const std::function<double(const float*, const uint8_t*, size_t, size_t*)>& chunk_loss);
 
-// The model of `config` (model.type, widths) for images shaped like `shape` (rows, cols,
-// num_classes) on `device` (proto::CPU or proto::CUDA; resolve AUTO first). Errors:
-// InvalidArgument naming the key for a shape the model cannot take (a CNN needs
-// model.channels, an odd model.kernel_size and images that survive its poolings);
-// FailedPrecondition for CUDA in a build without CUDA.
 // The layers of `config`'s model for images shaped like `shape` (the CPU model's; a GPU model lays
-// its parameters out the same way).
+// its parameters out the same way). Errors: MakeModel's.
 Result<std::vector<TensorLayout>> ModelLayers(const proto::ModelConfig& config,
                                               const Dataset& shape);
 
+// The model of `config` (model.type, widths) for images shaped like `shape` (rows, cols,
+// num_classes) on `device` (proto::CPU or proto::CUDA; resolve AUTO first). Errors:
+// InvalidArgument naming the key for a model the config cannot describe (ValidateModelConfig in
+// common/config.h: an unknown model.type, a CNN without model.channels or with an even
+// model.kernel_size) or a shape it cannot take (images that do not survive a CNN's poolings);
+// FailedPrecondition for CUDA in a build without CUDA.
 Result<std::unique_ptr<Model>> MakeModel(const proto::ModelConfig& config, const Dataset& shape,
                                          proto::Device device);
 

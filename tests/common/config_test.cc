@@ -110,6 +110,25 @@ TEST_F(ConfigTest, CnnSettingsAreCheckedNamingFileLineAndKey) {
   ASSERT_FALSE(c.ok());
   EXPECT_THAT(c.status().message(), HasSubstr(path + ":3:"));
   EXPECT_THAT(c.status().message(), HasSubstr("'model.type' is not cnn"));
+
+  // A type no worker builds is refused, not taken for the MLP.
+  path = Write("model:\n  type: model_type_unspecified\n");
+  c = LoadConfig(path, {}, NoEnv);
+  ASSERT_FALSE(c.ok());
+  EXPECT_THAT(c.status().message(), HasSubstr(path + ":2:"));
+  EXPECT_THAT(c.status().message(), HasSubstr("unknown value 'model_type_unspecified'"));
+  // The same checks without a file (the worker's MakeModel, a config made in code), naming the
+  // key.
+  proto::ModelConfig m;
+  m.set_type(proto::MODEL_TYPE_UNSPECIFIED);
+  EXPECT_THAT(ValidateModelConfig(m).message(),
+              HasSubstr("'model.type' (MODEL_TYPE_UNSPECIFIED) is no model this worker can build"));
+  m.set_type(proto::CNN);
+  Status s = ValidateModelConfig(m);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), ::testing::StartsWith("key 'model.channels' is empty"));
+  m.add_channels(4);
+  EXPECT_TRUE(ValidateModelConfig(m).ok());
 }
 
 // compression.sketch.partial_reset has nothing to do with the second round's exact values or
