@@ -63,27 +63,6 @@ void SetMaxFrameBytes(zmq::socket_t& socket, int64_t max_frame_bytes) {
   socket.set(zmq::sockopt::maxmsgsize, max_frame_bytes);
 }
 
-int64_t JobMaxFrameBytes(const proto::JobConfig& config, uint64_t num_params) {
-  constexpr uint64_t kCap = uint64_t{1} << 62;
-  auto mul = [&](uint64_t a, uint64_t b) { return b != 0 && a > kCap / b ? kCap : a * b; };
-  uint64_t largest = mul(num_params, 8);  // top-k with every index: U32 index + F32 value
-  if (config.compression().encoding() == proto::SKETCH) {
-    // Tables of every fusion group: rows x columns F32, columns = ceil(columns_per_k * k) of the
-    // group, at least 16 (encodings/sketch.cc SketchColumns).
-    const auto& sk = config.compression().sketch();
-    const double n = static_cast<double>(num_params);
-    const double groups = sk.fusion_group_size() == 0
-                              ? 1.0
-                              : std::ceil(n / static_cast<double>(sk.fusion_group_size()));
-    const double cols = sk.columns_per_k() * config.compression().density() * n + 17.0 * groups;
-    const double bytes = 4.0 * sk.rows() * cols;
-    largest = std::max<uint64_t>(
-        largest, bytes >= static_cast<double>(kCap) ? kCap : static_cast<uint64_t>(bytes));
-  }
-  largest = std::min(kCap, largest + static_cast<uint64_t>(kControlMaxFrameBytes));
-  return static_cast<int64_t>(largest);
-}
-
 std::vector<bool> PollIn(const std::vector<zmq::socket_t*>& sockets, int64_t timeout_ms) {
   std::vector<zmq::pollitem_t> items;
   items.reserve(sockets.size());

@@ -59,11 +59,6 @@ zmq::socket_t ConnectDealer(zmq::context_t& context, const std::string& host, ui
 // Raises or lowers the largest frame `socket` accepts from connections made from now on.
 void SetMaxFrameBytes(zmq::socket_t& socket, int64_t max_frame_bytes);
 
-// The largest frame of a job whose flat parameter vector has num_params elements: a dense range
-// (4 bytes an element), a top-k payload with every index (8 bytes an element), or the count-sketch
-// tables, plus kControlMaxFrameBytes. Saturates instead of overflowing.
-int64_t JobMaxFrameBytes(const proto::JobConfig& config, uint64_t num_params);
-
 // Polls `sockets` for input for at most timeout_ms. Returns a readable flag per socket. A signal
 // interrupting the poll returns all false (callers then check StopRequested()).
 std::vector<bool> PollIn(const std::vector<zmq::socket_t*>& sockets, int64_t timeout_ms);

@@ -1,5 +1,8 @@
 #include "encodings/registry.h"
 
+#include <algorithm>
+
+#include "common/van.h"
 #include "encodings/cuda/gpu_compressors.h"
 #include "encodings/dense.h"
 #include "encodings/sbc.h"
@@ -14,13 +17,16 @@ const TopKCodec kTopK;
 const SbcCodec kSbc;
 const SketchCodec kSketch;
 
-// One row per encoding: id, name, codec, compressor, device compressor, server aggregation.
+// One row per encoding: id, name, codec, compressor, device compressor, server aggregation,
+// largest payload.
 const EncodingSpec kEncodings[] = {
-    {proto::DENSE, "dense", &kDense, MakeDenseCompressor, nullptr, MakePairAggregation},
-    {proto::TOPK, "topk", &kTopK, MakeTopKCompressor, MakeGpuTopKCompressor, MakePairAggregation},
-    {proto::SBC, "sbc", &kSbc, MakeSbcCompressor, MakeGpuSbcCompressor, MakePairAggregation},
+    {proto::DENSE, "dense", &kDense, MakeDenseCompressor, nullptr, MakePairAggregation, nullptr},
+    {proto::TOPK, "topk", &kTopK, MakeTopKCompressor, MakeGpuTopKCompressor, MakePairAggregation,
+     nullptr},
+    {proto::SBC, "sbc", &kSbc, MakeSbcCompressor, MakeGpuSbcCompressor, MakePairAggregation,
+     nullptr},
     {proto::SKETCH, "sketch", &kSketch, MakeSketchCompressor, MakeGpuSketchCompressor,
-     MakeSketchAggregation},
+     MakeSketchAggregation, SketchMaxPayloadBytes},
 };
 
 }  // namespace
@@ -51,6 +57,16 @@ Result<std::unique_ptr<Compressor>> MakeGpuCompressor(const proto::JobConfig& jo
 
 std::unique_ptr<ShardAggregation> MakeShardAggregation(const AggregationOptions& options) {
   return FindEncoding(options.compression.encoding())->make_aggregation(options);
+}
+
+int64_t JobMaxFrameBytes(const proto::JobConfig& job, uint64_t num_params) {
+  constexpr uint64_t kCap = uint64_t{1} << 62;
+  uint64_t largest = num_params > kCap / 8 ? kCap : num_params * 8;  // top-k, every index
+  const EncodingSpec* e = FindEncoding(job.compression().encoding());
+  if (e != nullptr && e->max_payload_bytes != nullptr) {
+    largest = std::max(largest, std::min(kCap, e->max_payload_bytes(job, num_params)));
+  }
+  return static_cast<int64_t>(std::min(kCap, largest + uint64_t{kControlMaxFrameBytes}));
 }
 
 }  // namespace sparseps

@@ -12,6 +12,7 @@
 // Thread-safety: the table is immutable.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 
 #include "common/status.h"
@@ -31,6 +32,10 @@ struct EncodingSpec {
   Result<std::unique_ptr<Compressor>> (*make_gpu_compressor)(const proto::JobConfig& job,
                                                              size_t num_params);
   std::unique_ptr<ShardAggregation> (*make_aggregation)(const AggregationOptions& options);
+  // The largest push payload of the encoding for a job of num_params parameters, in bytes (a
+  // bound), where it can exceed a top-k payload with every index (8 bytes an element); null
+  // otherwise.
+  uint64_t (*max_payload_bytes)(const proto::JobConfig& job, uint64_t num_params);
 };
 
 // The row of `id`, or nullptr for an encoding that is not in the table.
@@ -50,5 +55,11 @@ Result<std::unique_ptr<Compressor>> MakeGpuCompressor(const proto::JobConfig& jo
 
 // A shard's aggregation for options.compression.encoding.
 std::unique_ptr<ShardAggregation> MakeShardAggregation(const AggregationOptions& options);
+
+// The largest frame a data socket of the job takes (ZMQ_MAXMSGSIZE), in bytes, for a flat
+// parameter vector of num_params elements: a dense range (4 bytes an element), a top-k payload
+// with every index (8 bytes an element) or the job's encoding's own bound (max_payload_bytes),
+// plus kControlMaxFrameBytes (common/van.h). Saturates instead of overflowing.
+int64_t JobMaxFrameBytes(const proto::JobConfig& job, uint64_t num_params);
 
 }  // namespace sparseps

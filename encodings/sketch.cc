@@ -48,6 +48,21 @@ uint32_t SketchColumns(const proto::CompressionConfig& c, uint64_t group_len) {
   return static_cast<uint32_t>(std::clamp(cols, 16.0, 4e9));
 }
 
+uint64_t SketchMaxPayloadBytes(const proto::JobConfig& job, uint64_t num_params) {
+  const auto& c = job.compression();
+  const auto& sk = c.sketch();
+  const double n = static_cast<double>(num_params);
+  const double groups = sk.fusion_group_size() == 0
+                            ? 1.0
+                            : std::ceil(n / static_cast<double>(sk.fusion_group_size()));
+  // Summed over the groups, SketchColumns is at most columns_per_k * density * n plus, per group,
+  // 1 for its ceiling and 16 for its floor.
+  const double cols = sk.columns_per_k() * c.density() * n + 17.0 * groups;
+  const double bytes = 4.0 * sk.rows() * cols;
+  constexpr uint64_t kCap = uint64_t{1} << 62;
+  return bytes >= static_cast<double>(kCap) ? kCap : static_cast<uint64_t>(bytes);
+}
+
 size_t SketchK(const proto::CompressionConfig& c, uint64_t group_len) {
   const size_t k = static_cast<size_t>(std::llround(c.density() * static_cast<double>(group_len)));
   return std::min<size_t>(group_len, std::max<size_t>(1, k));

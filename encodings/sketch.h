@@ -32,6 +32,11 @@ uint32_t SketchColumns(const proto::CompressionConfig& c, uint64_t group_len);
 // Heavy hitters the servers keep per group: max(1, round(density * group_len)).
 size_t SketchK(const proto::CompressionConfig& c, uint64_t group_len);
 
+// The largest push of the sketch encoding for a job of num_params parameters, in bytes (a bound:
+// rows x the columns of every fusion group, F32, each group's columns SketchColumns' at most + 1
+// for its ceiling and at least 16). The registry's max_payload_bytes; saturates at 2^62.
+uint64_t SketchMaxPayloadBytes(const proto::JobConfig& job, uint64_t num_params);
+
 class SketchCodec final : public Codec {
  public:
   proto::Encoding encoding() const override { return proto::SKETCH; }

@@ -16,6 +16,7 @@
 #include "common/metrics.h"
 #include "common/prometheus.h"
 #include "common/security.h"
+#include "encodings/registry.h"
 #include "server/shard_server.h"
 
 namespace sparseps {

@@ -3,6 +3,7 @@
 // inconsistent or hostile payloads; IEEE half conversion.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <limits>
@@ -10,6 +11,7 @@
 #include <vector>
 
 #include "common/message.h"
+#include "common/van.h"
 #include "encodings/codec.h"
 #include "encodings/registry.h"
 #include "encodings/sbc.h"
@@ -330,6 +332,36 @@ TEST(SketchLayout, FusionGroupsCoverTheRange) {
   EXPECT_EQ(SketchColumns(c, 100000), 10000u);
   EXPECT_EQ(SketchColumns(c, 10), 16u);  // at least 16
   EXPECT_EQ(SketchK(c, 100000), 1000u);
+}
+
+// The registry's bound on a push (the data sockets' ZMQ_MAXMSGSIZE): a top-k push with every
+// index, or the sketch's tables of every fusion group, which the encoding's own row computes from
+// the same columns as its compressor (SketchColumns).
+TEST(EncodingTable, LargestFrameBoundsEveryPush) {
+  constexpr uint64_t n = 1000003;
+  proto::JobConfig job;
+  job.mutable_compression()->set_encoding(proto::TOPK);
+  EXPECT_EQ(JobMaxFrameBytes(job, n), static_cast<int64_t>(8 * n) + kControlMaxFrameBytes);
+  job.mutable_compression()->set_encoding(proto::SKETCH);
+  job.mutable_compression()->set_density(0.5);
+  auto& sk = *job.mutable_compression()->mutable_sketch();
+  sk.set_rows(5);
+  sk.set_columns_per_k(8);  // tables larger than every index: 5 x 8 x 0.5 x 4 bytes an element
+  for (uint64_t group : {uint64_t{0}, uint64_t{10}, uint64_t{4096}, uint64_t{999999}}) {
+    SCOPED_TRACE("fusion_group_size " + std::to_string(group));
+    sk.set_fusion_group_size(group);
+    uint64_t columns = 0;
+    const auto groups = FusionGroups(n, group);
+    for (const auto& g : groups) columns += SketchColumns(job.compression(), g.size());
+    const uint64_t tables = 4 * sk.rows() * columns;
+    const uint64_t bound = SketchMaxPayloadBytes(job, n);
+    EXPECT_GE(bound, tables);
+    EXPECT_LE(bound, tables + 4 * sk.rows() * 17 * groups.size()) << "a loose bound";
+    EXPECT_EQ(JobMaxFrameBytes(job, n),
+              static_cast<int64_t>(std::max(bound, 8 * n)) + kControlMaxFrameBytes);
+  }
+  // Saturates instead of overflowing.
+  EXPECT_EQ(JobMaxFrameBytes(job, uint64_t{1} << 62), int64_t{1} << 62);
 }
 
 }  // namespace
