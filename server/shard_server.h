@@ -1,47 +1,10 @@
-// One server's key range under BSP: aggregation of pushes, SGD update, pull replies
-// (docs/algorithms.md §3-4).
-//
-// Protocol per iteration t (version = number of applied iterations):
-//   PUSH(t) from each of the W workers, once each; t must equal the version. A repeated push (the
-//   same worker's push of t again, or of t - 1 once applied: a retry) is idempotent: PUSH_ACK
-//   again, added once, counted in duplicate_pushes. A stale (t < version - 1) or future
-//   (t > version) push is rejected with ERROR and not added.
-//   When all W pushed, the server applies  w -= lr * (sum of pushes) / W  on the touched keys and
-//   the version becomes t + 1 (W: the workers whose push of t was added).
-//   With commit_on_pull (cluster.on_worker_failure: continue) a push is held, validated, and added
-//   only when the same worker's next request of that iteration arrives (PULL, or PULL_CANDIDATES
-//   in the sketch's first phase), which it sends once every server acknowledged its pushes: a push
-//   counts once it reached every server. Then a dead worker's last push can be counted on every
-//   server or dropped on every server (Cut), never applied on some key ranges only. Encodings:
-//   DENSE, TOPK and SBC (sparse pairs, scatter-added), and SKETCH (count-sketch tables, summed; at
-//   apply time each fusion group's k heavy hitters, the top k of the median estimates, are the
-//   update). Sketch second round (compression.sketch.second_round): once all W sketches of t are
-//   in, the server picks candidates (top candidates_factor * k estimates per group) instead of
-//   applying; PULL_CANDIDATES(t) is answered with them (CANDIDATES); each worker then pushes its
-//   exact values at exactly those keys (PUSH phase 1, TOPK); once all W are in, the k largest exact
-//   sums per group are applied and the version becomes t + 1. With compression.server_topk, sparse
-//   aggregates go through a server residual r: r += sum; only the top density * (range size)
-//   entries of r are applied and zeroed in r, so pull replies stay at that many entries; applied +
-//   r = everything pushed. PULL(t) is answered once version >= t + 1 (PULL with t = -1: once
-//   initialised): TOPK with the changed keys' new values if the puller holds version t
-//   (have_version) and that is smaller than the dense shard, DENSE otherwise. INIT (dense values)
-//   sets the initial parameters once, before any push. Every request is idempotent, so that a
-//   worker may send it again when a reply is late (cluster.retry_interval_s): a repeated INIT of
-//   the same values is acknowledged again, a repeated PULL or PULL_CANDIDATES (same peer and
-//   request id) still waiting is answered once, and one answered already is answered again.
-// Stale synchronous (train.consistency: ssp, staleness s) and async (s unbounded), after the
-// Parameter Server paper's bounded delay (Li et al., OSDI 2014, §3.3) and SSP (Ho et al., NIPS
-// 2013): each worker w has a clock c_w, the number of its pushes applied. PUSH(t) from w must have
-// t = c_w (t = c_w - 1 again: a retry, acknowledged again); it is applied on its own, at once (or
-// at its commit), as w -= lr * push / W (W: the active workers), so that W pushes move the
-// parameters as one bsp iteration does; version counts the pushes applied. PULL(t) of w is
-// answered once c_w >= t + 1 and every active worker's clock is >= t + 1 - s (with `barrier`:
-// >= t + 1); the reply holds, sparsely when that is smaller, the keys changed since the version
-// last sent to w, if the pull says it holds that version (else dense). Position, Cut work on the
-// clock of the worker in question; Join, the second round and checkpoints are bsp only.
-// Every received payload is validated (codec) before any state changes. What differs between the
-// encodings (how pushes add up and what is applied) is the encoding's ShardAggregation, made from
-// the table of encodings (encodings/registry.h).
+// One server's key range: aggregation of pushes, SGD update, pull replies (docs/algorithms.md
+// §3-4), as a state machine without I/O: Handle takes a message and appends what to send.
+// Under BSP iteration t is applied once every live worker pushed it (version = iterations
+// applied); train.consistency ssp / async apply each push on its own within a staleness bound.
+// Every request is idempotent (a repeat is answered as the first and added once), and every
+// payload is validated before any state changes. The state and message tables are in
+// docs/protocol.md ("A shard's iteration", "Stale synchronous and async", "Requests sent again").
 //
 // Thread-safety: used by one thread.
 #pragma once
