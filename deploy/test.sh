@@ -19,22 +19,24 @@ if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then
 fi
 "$here/deploy/install-deps.sh"
 jobs="$(nproc)"
+# Each phase's heading says how long the run has taken so far (CI keeps the whole under 30 min).
+phase() { echo "== $1 (at $((SECONDS / 60)) min $((SECONDS % 60)) s) =="; }
 
 if git -C "$here" rev-parse --git-dir >/dev/null 2>&1; then
-  echo "== format (clang-format --dry-run, .clang-format) =="
+  phase "format (clang-format --dry-run, .clang-format)"
   (cd "$here" && git ls-files -z '*.h' '*.cc' '*.cu' '*.cuh' | xargs -0 -r clang-format --dry-run -Werror)
 fi
 
-echo "== build (build/) =="
+phase "build (build/)"
 "$here/deploy/build.sh" "$here/build" -DSPARSEPS_BUILD_TESTS=ON
-echo "== ctest (build/) =="
+phase "ctest (build/)"
 (cd "$here/build" && ctest --output-on-failure --timeout 300 -j "$jobs" "$@")
 
 if [[ "${SPARSEPS_TEST_SANITIZE:-1}" != 0 ]]; then
-  echo "== build (build-asan/, -fsanitize=address,undefined) =="
+  phase "build (build-asan/, -fsanitize=address,undefined)"
   "$here/deploy/build.sh" "$here/build-asan" -DSPARSEPS_BUILD_TESTS=ON -DSPARSEPS_BUILD_BENCH=OFF \
     -DCMAKE_BUILD_TYPE=Debug -DSPARSEPS_SANITIZE=address,undefined -DSPARSEPS_CUDA=OFF
-  echo "== ctest (build-asan/) =="
+  phase "ctest (build-asan/)"
   export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1:${ASAN_OPTIONS:-}"
   export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:${UBSAN_OPTIONS:-}"
   (cd "$here/build-asan" && ctest --output-on-failure --timeout 600 -j "$jobs" "$@")
@@ -43,13 +45,13 @@ if [[ "${SPARSEPS_TEST_FUZZ:-1}" != 0 ]]; then
   # One libFuzzer target per decoder and per state machine (shard server, scheduler, peer group), built with
   # clang (+ ASan/UBSan), each run for a bounded time.
   fuzz_s="${SPARSEPS_FUZZ_SECONDS:-15}"
-  echo "== build (build-fuzz/, clang, libFuzzer) =="
+  phase "build (build-fuzz/, clang, libFuzzer)"
   CC=clang CXX=clang++ cmake -S "$here" -B "$here/build-fuzz" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     -DSPARSEPS_BUILD_FUZZ=ON -DSPARSEPS_BUILD_TESTS=OFF -DSPARSEPS_BUILD_BENCH=OFF \
     -DSPARSEPS_SANITIZE=address,undefined -DSPARSEPS_CUDA=OFF >/dev/null
   targets=(dense topk sbc sketch golomb varint shard_server scheduler peer_group)
   cmake --build "$here/build-fuzz" -j "$jobs" --target "${targets[@]/#/fuzz_}"
-  echo "== fuzz (${fuzz_s} s per target) =="
+  phase "fuzz (${fuzz_s} s per target)"
   for t in "${targets[@]}"; do
     corpus="$here/build-fuzz/corpus/$t"
     mkdir -p "$corpus"
@@ -62,4 +64,4 @@ if [[ "${SPARSEPS_TEST_FUZZ:-1}" != 0 ]]; then
     echo "fuzz_$t: $(grep -o 'Done [0-9]* runs' "$here/build-fuzz/fuzz_$t.log"), no crash"
   done
 fi
-echo "test.sh: all tests passed"
+echo "test.sh: all tests passed in $((SECONDS / 60)) min $((SECONDS % 60)) s"

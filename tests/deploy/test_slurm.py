@@ -9,25 +9,19 @@ import os
 import pathlib
 import re
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
 
 import pytest
 from conftest import cannot_run, distinct_hosts
+from test_metrics import free_base  # a port below the ephemeral range
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BUILD = pathlib.Path(os.environ.get("SPARSEPS_BUILD_DIR", ROOT / "build"))
 LOCAL_SLURM = ROOT / "deploy" / "slurm" / "local-slurm.sh"
 SBATCH = ROOT / "deploy" / "slurm" / "sparseps.sbatch"
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Slurm:
@@ -53,7 +47,7 @@ class Slurm:
 
     def submit(self, ntasks, *args):
         env = dict(os.environ, SPARSEPS_BUILD_DIR=str(BUILD),
-                   SPARSEPS_SCHEDULER_PORT=str(free_port()))
+                   SPARSEPS_SCHEDULER_PORT=str(free_base(1)))
         r = self.run("sbatch", "--parsable", f"--ntasks={ntasks}",
                      f"--output={self.dir}/job-%j.out", str(SBATCH), *args, env=env)
         assert r.returncode == 0, r.stderr
