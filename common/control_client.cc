@@ -178,9 +178,8 @@ Status ControlClient::CheckPausedSince(uint64_t epoch) const {
   return Status::Unavailable(who + "; " + what);
 }
 
-uint64_t ControlClient::settled_epoch() const {
-  const uint64_t epoch = membership_.epoch();
-  return membership_.has_server_lost() && epoch > 0 ? epoch - 1 : epoch;
+uint64_t SettledEpoch(const proto::Membership& m) {
+  return m.has_server_lost() && m.epoch() > 0 ? m.epoch() - 1 : m.epoch();
 }
 
 std::vector<proto::Header> ControlClient::TakeUpdates() {

@@ -24,6 +24,10 @@
 
 namespace sparseps {
 
+// The epoch a node that connects to the servers `m` names acts on: m's, or the one before it
+// when m pauses the job (its lost server is still listed), so that the pause counts as newer.
+uint64_t SettledEpoch(const proto::Membership& m);
+
 class ControlClient {
  public:
   // Connects to the scheduler named in config.cluster (nothing is sent yet).
@@ -101,9 +105,8 @@ class ControlClient {
   // or rolled back the job: what a node that acts on the membership of `epoch` (a worker's
   // clients of the servers it names) waits for is void. OK otherwise. Reads what Poll received.
   Status CheckPausedSince(uint64_t epoch) const;
-  // The epoch a node connecting now acts on: the current one, or the one before it while the
-  // current one pauses the job (its lost server is still listed).
-  uint64_t settled_epoch() const;
+  // SettledEpoch(membership()): the epoch a node connecting now acts on.
+  uint64_t settled_epoch() const { return SettledEpoch(membership_); }
   // Worker side: from now on WaitFor (and so Barrier, WaitForEpoch, WaitForMembership) returns
   // CheckPausedSince(epoch)'s Unavailable as soon as Poll has received such an epoch, so that no
   // wait outlives a rollback. WatchPauses(std::nullopt) (the default) turns it off: the wait for

@@ -16,8 +16,7 @@ PsClient::PsClient(zmq::context_t& context, const proto::Membership& membership,
                    ControlClient* control, double request_timeout_s, bool commit_after_ack,
                    double retry_interval_s)
     : control_(control),
-      epoch_(membership.has_server_lost() && membership.epoch() > 0 ? membership.epoch() - 1
-                                                                    : membership.epoch()),
+      epoch_(SettledEpoch(membership)),
       worker_rank_(worker_rank),
       request_timeout_s_(request_timeout_s),
       commit_after_ack_(commit_after_ack),

@@ -9,10 +9,11 @@ import pytest
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 NUMBER = r"(\d+(?:\.\d+)?)"
+# A number, or a range of two such as 85-89 or 12.2–13.4 (both ends count), then the unit.
+NUMBERS = NUMBER + r"(?:\s?[-–]\s?" + NUMBER + r")?\s?"
 # x or ×, but not a product such as "5 × 10k" or "4 x 8".
 UNIT = r"(%|x(?!\w)(?!\s?\d)|×(?!\s?\d)|(?<=\d) s\b)"
-# A figure, or a range of two such as 85-89% or 12.2–13.4 s (both ends are figures).
-FIGURE = re.compile(r"(?<![\w.\-–])" + NUMBER + r"(?:\s?[-–]\s?" + NUMBER + r")?\s?" + UNIT)
+FIGURE = re.compile(r"(?<![\w.\-–])" + NUMBERS + UNIT)
 # Percentages that are settings, not measurements (densities and the like).
 SETTINGS = {"1%", "0.1%"}
 
@@ -48,8 +49,8 @@ def known_figures(text):
     text = text.replace("×", "x")
     found = set()
     # As FIGURE: "5 x 10k" is no ratio, and both ends of a range count.
-    for low, high, unit in re.findall(r"(?<![\w.])" + NUMBER + r"(?:\s?[-–]\s?" + NUMBER +
-                                      r")?\s?(%|x(?!\w)(?!\s?\d)|s\b)", text):
+    for low, high, unit in re.findall(r"(?<![\w.])" + NUMBERS + r"(%|x(?!\w)(?!\s?\d)|s\b)",
+                                      text):
         found.update(number + unit for number in (low, high) if number)
     return found
 

@@ -29,6 +29,7 @@ using testing::CsvColumn;
 using testing::TempDir;
 
 constexpr double kHardTimeoutS = 120;
+const char* kData = "/usr/share/datasets/fashion-mnist";
 
 // The final test accuracy of a 40-step job must reach `bar`, a measured value less a margin
 // (the value is printed, so a new measurement is one run away).
@@ -36,7 +37,6 @@ void ExpectAccuracyAtLeast(const proto::RunSummary& summary, double bar) {
   std::printf("[ accuracy ] %.4f (bar %.2f)\n", summary.final_test_accuracy(), bar);
   EXPECT_GE(summary.final_test_accuracy(), bar);
 }
-const char* kData = "/usr/share/datasets/fashion-mnist";
 
 struct Cluster {
   std::unique_ptr<ChildProcess> scheduler;

@@ -141,7 +141,9 @@ bool WaitForCsvRows(const std::string& path, int64_t rows, double timeout_s) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
   while (CsvRows(path) < rows) {
     if (std::chrono::steady_clock::now() > deadline) return false;
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    // Often enough to kill a process within a few steps of `rows`; the whole file is read each
+    // time, so not so often that the reads compete with the job for CI's two cores.
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   return true;
 }
