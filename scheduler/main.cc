@@ -1,6 +1,6 @@
 // sparseps-scheduler: membership, barriers and liveness of one job.
 #include "common/daemon.h"
-#include "scheduler/scheduler.h"
+#include "scheduler/scheduler_daemon.h"
 
 int main(int argc, char** argv) {
   return sparseps::DaemonMain(argc, argv, "sparseps-scheduler",

@@ -1,0 +1,133 @@
+#include "scheduler/checkpoints.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <tuple>
+
+#include "common/config.h"
+
+namespace sparseps {
+
+bool CheckpointCoordinator::PrepareResume(std::vector<Outgoing>* out) {
+  const std::string dir = CheckpointDir(job_.config);
+  if (dir.empty()) {
+    job_.Abort(
+        "checkpoint.resume is set but there is no checkpoint folder (set run.dir or "
+        "checkpoint.dir)",
+        out);
+    return false;
+  }
+  const auto latest = LatestCheckpoint(dir);
+  if (!latest) {
+    job_.Abort(
+        "cannot resume: no complete checkpoint (an iter-* folder with MANIFEST.json) in " + dir,
+        out);
+    return false;
+  }
+  const std::string fingerprint = ConfigFingerprint(job_.config);
+  if (latest->config_fingerprint != fingerprint) {
+    job_.Abort("cannot resume from " + CheckpointIterationDir(dir, latest->iteration) +
+                   ": it was written by a job with another config (fingerprint " +
+                   latest->config_fingerprint + ", this job's " + fingerprint +
+                   "); model, data, train, compression, aggregation and the cluster's sizes must "
+                   "be the same",
+               out);
+    return false;
+  }
+  job_.membership.set_resume(true);
+  job_.membership.set_resume_iteration(latest->iteration);
+  for (const auto& f : latest->files) {
+    *job_.membership.add_resume_files() = ToProto(f, latest->iteration);
+  }
+  last_checkpoint_ = static_cast<int64_t>(latest->iteration);
+  spdlog::info("resuming from checkpoint {} (iteration {}, {} files)",
+               CheckpointIterationDir(dir, latest->iteration), latest->iteration,
+               latest->files.size());
+  return true;
+}
+
+bool CheckpointCoordinator::CanRollBack() const {
+  return last_checkpoint_ >= 0 && !CheckpointDir(job_.config).empty();
+}
+
+std::optional<CheckpointManifest> CheckpointCoordinator::LatestForRollback(
+    const std::string& why, std::vector<Outgoing>* out) {
+  const std::string dir = CheckpointDir(job_.config);
+  auto latest = LatestCheckpoint(dir);
+  if (!latest) {
+    job_.Abort(why + "; no complete checkpoint is left in " + dir + " to roll back to", out);
+  }
+  return latest;
+}
+
+size_t CheckpointCoordinator::FromLiveNodes(const std::vector<proto::CheckpointFile>& files,
+                                            uint64_t iteration) const {
+  return static_cast<size_t>(
+      std::count_if(files.begin(), files.end(), [&](const proto::CheckpointFile& x) {
+        const int idx = job_.FindNode(x.role(), x.rank());
+        if (idx < 0) return false;
+        const int64_t joined = job_.nodes[static_cast<size_t>(idx)].joined_at;
+        return joined < 0 || joined < static_cast<int64_t>(iteration);
+      }));
+}
+
+void CheckpointCoordinator::HandleWritten(const std::string& from, const proto::Header& h,
+                                          std::vector<Outgoing>* out) {
+  const int idx = job_.FindNodeByRoutingId(from);
+  if (!job_.membership_sent || idx < 0 || !h.has_checkpoint_file()) {
+    job_.Refuse(from, "CHECKPOINT_WRITTEN from a node that is not registered, or without a file",
+                out);
+    return;
+  }
+  const SchedulerNode& node = job_.nodes[static_cast<size_t>(idx)];
+  const proto::CheckpointFile& f = h.checkpoint_file();
+  if (f.role() != node.role || f.rank() != node.rank || f.file().empty() ||
+      f.file().find('/') != std::string::npos || h.iteration() < 0) {
+    job_.Refuse(from, "CHECKPOINT_WRITTEN for another node or with a bad file name", out);
+    return;
+  }
+  const uint64_t iteration = static_cast<uint64_t>(h.iteration());
+  auto& files = pending_[iteration];
+  // A node writes a file of an iteration again after a rollback: the newer one replaces it.
+  std::erase_if(files, [&](const proto::CheckpointFile& x) {
+    return x.role() == f.role() && x.rank() == f.rank() && x.file() == f.file();
+  });
+  files.push_back(f);
+  // Complete once every live node's file is in (a worker lost since may have written one too:
+  // it is listed, not waited for).
+  const size_t writers = job_.CheckpointWorkers(iteration);
+  const size_t expected = job_.expected_servers + writers +
+                          (job_.config.checkpoint().save_model() && writers > 0 ? 1 : 0);
+  if (FromLiveNodes(files, iteration) < expected) return;
+  Complete(iteration, out);
+}
+
+void CheckpointCoordinator::Complete(uint64_t iteration, std::vector<Outgoing>* out) {
+  CheckpointManifest m;
+  m.iteration = iteration;
+  m.membership_epoch = job_.membership.epoch();
+  m.config_fingerprint = ConfigFingerprint(job_.config);
+  for (const auto& x : pending_[iteration]) m.files.push_back(FromProto(x));
+  std::sort(m.files.begin(), m.files.end(), [](const auto& a, const auto& b) {
+    return std::make_tuple(a.role, a.rank, a.file) < std::make_tuple(b.role, b.rank, b.file);
+  });
+  pending_.erase(pending_.begin(), std::next(pending_.find(iteration)));
+  const std::string dir = CheckpointDir(job_.config);
+  Status s = WriteCheckpointManifest(CheckpointIterationDir(dir, iteration), m);
+  if (!s.ok()) {
+    spdlog::warn("checkpoint of iteration {} is incomplete: {}", iteration, s.message());
+    return;
+  }
+  last_checkpoint_ = static_cast<int64_t>(iteration);
+  spdlog::info("checkpoint of iteration {} complete ({} files)", iteration, m.files.size());
+  PruneCheckpoints(dir, job_.config.checkpoint().keep());
+  if (!job_.stop_reason.empty() && static_cast<int64_t>(iteration) >= job_.stop_iteration) {
+    job_.Abort(job_.stop_reason + "; the checkpoint of iteration " + std::to_string(iteration) +
+                   " (" + CheckpointIterationDir(dir, iteration) +
+                   ") is complete: resume from it with --resume",
+               out);
+  }
+}
+
+}  // namespace sparseps

@@ -1,0 +1,58 @@
+// The scheduler's part in checkpoints: it collects the files every node reports
+// (CHECKPOINT_WRITTEN), writes an iteration's MANIFEST.json once all of them are in, prunes old
+// checkpoints, and finds the newest complete one for checkpoint.resume and for a rollback.
+//
+// Thread-safety: used by the one thread that runs the Scheduler.
+#pragma once
+
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/checkpoint.h"
+#include "scheduler/job_state.h"
+
+namespace sparseps {
+
+class CheckpointCoordinator {
+ public:
+  explicit CheckpointCoordinator(JobState& job) : job_(job) {}
+
+  // checkpoint.resume: the newest complete checkpoint into the membership (resume, its
+  // iteration and files). Ends the job (false) when there is none, or it belongs to another
+  // config.
+  bool PrepareResume(std::vector<Outgoing>* out);
+
+  // A node wrote its file of a checkpoint. Once every node's file of that iteration is in, the
+  // manifest is written (an earlier incomplete iteration is dropped), old ones pruned
+  // (checkpoint.keep), and a job stopping below cluster.min_workers ends. A report from a node
+  // that is not registered, for another node or with a bad file name is rejected.
+  void HandleWritten(const std::string& from, const proto::Header& h, std::vector<Outgoing>* out);
+
+  // The newest complete checkpoint, for a rollback; nullopt (the job is ended, naming `why`
+  // and the folder) when none is left.
+  std::optional<CheckpointManifest> LatestForRollback(const std::string& why,
+                                                      std::vector<Outgoing>* out);
+  // After a rollback: files of later iterations can no longer complete (each node writes them
+  // again).
+  void DropPending() { pending_.clear(); }
+
+  // The newest checkpoint whose manifest this scheduler wrote (or resumed from); -1: none.
+  int64_t last_checkpoint() const { return last_checkpoint_; }
+  // A complete checkpoint exists in a checkpoint folder: a server may be replaced.
+  bool CanRollBack() const;
+
+ private:
+  // How many of `files` come from the nodes expected to write the checkpoint of `iteration`
+  // (not from a lost worker whose rank a replacement took since).
+  size_t FromLiveNodes(const std::vector<proto::CheckpointFile>& files, uint64_t iteration) const;
+  void Complete(uint64_t iteration, std::vector<Outgoing>* out);
+
+  JobState& job_;
+  // Checkpoints being written: iteration -> the files reported so far.
+  std::map<uint64_t, std::vector<proto::CheckpointFile>> pending_;
+  int64_t last_checkpoint_ = -1;
+};
+
+}  // namespace sparseps

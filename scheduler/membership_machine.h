@@ -1,0 +1,84 @@
+// The scheduler's membership state machine: registration (with a deadline naming who is
+// missing), ranks and key ranges, the first membership epoch, barriers, heartbeats to every node,
+// and the end of the job (SHUTDOWN once every live worker reported DONE; the servers' counters
+// after it). docs/protocol.md has the message and state tables.
+//
+// Thread-safety: used by the one thread that runs the Scheduler.
+#pragma once
+
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "proto/summary.pb.h"
+#include "scheduler/checkpoints.h"
+#include "scheduler/job_state.h"
+
+namespace sparseps {
+
+// The largest model a worker may register (elements): a key range's keys are 32-bit on the wire.
+inline constexpr uint64_t kMaxNumParams = uint64_t{1} << 32;
+
+class MembershipMachine {
+ public:
+  MembershipMachine(JobState& job, CheckpointCoordinator& checkpoints);
+
+  // A REGISTER. Before the membership: validated (config hash, routing ids, role, counts, rank,
+  // model size) and recorded; the last expected node builds and sends the first epoch. Returns
+  // true when it is a valid replacement's registration (--rejoin, after the membership) that
+  // recovery handles; anything else invalid is rejected with ERROR.
+  bool HandleRegister(const std::string& from, const Message& msg, Clock::time_point now,
+                      std::vector<Outgoing>* out);
+  void HandleBarrier(const std::string& from, const proto::Header& h, Clock::time_point now,
+                     std::vector<Outgoing>* out);
+  void HandleDone(const std::string& from, const proto::Header& h, std::vector<Outgoing>* out);
+  // Releases the barriers whose live members all arrived, and ends the job (SHUTDOWN) once every
+  // live worker is done: after a worker was removed, neither waits for it any longer.
+  void CheckWaits(std::vector<Outgoing>* out);
+  // The registration deadline, heartbeats to every node, the barriers' deadlines.
+  void Tick(Clock::time_point now, std::vector<Outgoing>* out);
+
+  // Once the job ended normally: a server's DONE with its counters (see Scheduler).
+  bool HandleServerReport(const std::string& from, const Result<Message>& msg);
+  std::vector<int> ServersNotReported() const;
+  const std::vector<proto::WorkerStats>& worker_stats() const { return worker_stats_; }
+  const std::vector<std::optional<proto::ServerStats>>& server_stats() const {
+    return server_stats_;
+  }
+
+ private:
+  struct BarrierState {
+    Clock::time_point first_arrival;
+    proto::Role group = proto::ROLE_UNSPECIFIED;
+    std::set<size_t> arrived;  // indices into JobState::nodes
+  };
+  using BarrierKey = std::pair<std::string, uint64_t>;  // name, generation
+
+  // Why a registration is refused before the membership (role, counts, rank, model size);
+  // empty: it is not.
+  std::string RegistrationError(const proto::Register& r) const;
+  // Why a registration's config or routing ids are refused; empty: they are not.
+  std::string IdentityError(const std::string& from, const proto::Register& r) const;
+  void BuildMembership(Clock::time_point now, std::vector<Outgoing>* out);
+  // Assigns ranks: requested ranks first, then the free ranks in order of registration.
+  void AssignRanks();
+  std::vector<size_t> BarrierMembers(proto::Role group) const;
+  bool Complete(const BarrierState& b) const;
+  void ReleaseBarrier(const BarrierKey& key, std::vector<Outgoing>* out);
+  // Registration timed out: who is missing.
+  std::string MissingNodes() const;
+
+  JobState& job_;
+  CheckpointCoordinator& checkpoints_;
+  const std::string config_text_;  // CanonicalJobConfig of the scheduler's config
+  const std::string config_hash_;
+  std::map<BarrierKey, BarrierState> barriers_;
+  Clock::time_point last_heartbeat_sent_;
+  std::vector<proto::WorkerStats> worker_stats_;                 // index = worker rank
+  std::vector<std::optional<proto::ServerStats>> server_stats_;  // index = server rank
+};
+
+}  // namespace sparseps

@@ -1,0 +1,176 @@
+#include "scheduler/scheduler_daemon.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <set>
+
+#include "common/metrics.h"
+#include "common/prometheus.h"
+#include "common/security.h"
+#include "scheduler/scheduler.h"
+
+namespace sparseps {
+namespace {
+
+// The scheduler's series (docs/user-guide.md, "Live metrics"), refreshed once per loop.
+class SchedulerMetrics {
+ public:
+  explicit SchedulerMetrics(const proto::JobConfig& config)
+      : registry_("scheduler", 0),
+        heartbeat_interval_s_(config.cluster().heartbeat_interval_s()),
+        epoch_(registry_.Gauge("sparseps_scheduler_membership_epoch",
+                               "Epoch of the membership last published (0: none yet)")),
+        registered_(registry_.Gauge("sparseps_scheduler_registered_nodes",
+                                    "Servers and workers registered and not removed")),
+        lost_(registry_.Counter("sparseps_scheduler_lost_workers_total",
+                                "Workers removed from the job after they died")),
+        impostors_(registry_.Counter("sparseps_scheduler_rejected_messages_total",
+                                     "Messages rejected, by reason", {{"reason", "impostor"}})),
+        malformed_(registry_.Counter("sparseps_scheduler_rejected_messages_total",
+                                     "Messages rejected, by reason",
+                                     {{"reason", "malformed_or_unexpected"}})) {}
+
+  Status Start(const proto::JobConfig& config) { return registry_.StartFromConfig(config); }
+
+  void Update(const Scheduler& s, Clock::time_point now) {
+    if (!registry_.serving()) return;  // metrics.port 0: no per-node strings every loop
+    epoch_.Set(static_cast<double>(s.has_membership() ? s.membership().epoch() : 0));
+    AdvanceTo(lost_, static_cast<double>(s.lost_workers()));
+    AdvanceTo(impostors_, static_cast<double>(s.impostor_messages()));
+    AdvanceTo(malformed_, static_cast<double>(s.rejected_messages() - s.impostor_messages()));
+    // Per node once it has a rank (before the membership the names would not last); a removed
+    // node's silence keeps growing unless a replacement took its name.
+    const auto nodes = s.Liveness(now);
+    std::set<std::string> live;
+    for (const auto& n : nodes) {
+      if (!n.dead) live.insert(n.name);
+    }
+    for (const auto& n : nodes) {
+      if (n.name.find('-') == std::string::npos || (n.dead && live.count(n.name))) continue;
+      auto& silent =
+          registry_.Gauge("sparseps_scheduler_node_silent_seconds",
+                          "Seconds since anything was heard from the node", {{"node", n.name}});
+      silent.Set(n.silent_s);
+      // Heartbeats are due every heartbeat_interval_s: how many in a row did not come.
+      registry_
+          .Gauge("sparseps_scheduler_missed_heartbeats",
+                 "Heartbeat intervals since anything was heard from the node", {{"node", n.name}})
+          .Set(heartbeat_interval_s_ > 0 ? std::floor(n.silent_s / heartbeat_interval_s_) : 0);
+    }
+    registered_.Set(static_cast<double>(
+        std::count_if(nodes.begin(), nodes.end(), [](const auto& n) { return !n.dead; })));
+  }
+
+ private:
+  MetricsRegistry registry_;
+  const double heartbeat_interval_s_;
+  prometheus::Gauge& epoch_;
+  prometheus::Gauge& registered_;
+  prometheus::Counter& lost_;
+  prometheus::Counter& impostors_;
+  prometheus::Counter& malformed_;
+};
+
+}  // namespace
+
+Status RunScheduler(const proto::JobConfig& config) {
+  zmq::context_t context(1);
+  auto curve = StartCurveIfOn(context, config);
+  if (!curve.ok()) return curve.status();
+  const std::string bind_host = BindHost(config, config.cluster().scheduler_host());
+  auto bound = BindRouter(context, bind_host, config.cluster().scheduler_port());
+  if (!bound.ok()) return bound.status();
+  zmq::socket_t& socket = bound->socket;
+  spdlog::info("scheduler listening on {} for {} servers and {} workers",
+               Endpoint(bind_host, bound->port), config.cluster().num_servers(),
+               config.cluster().num_workers());
+  const std::string& dir = config.run().dir();
+  if (!dir.empty()) {
+    SPARSEPS_RETURN_IF_ERROR(EnsureDirectory(dir));
+    const std::string tmp = dir + "/scheduler.port.tmp";
+    {
+      std::ofstream f(tmp, std::ios::trunc);
+      f << bound->port << "\n";
+      if (!f) return Status::IoError("cannot write " + tmp);
+    }
+    if (std::rename(tmp.c_str(), (dir + "/scheduler.port").c_str()) != 0) {
+      return Status::IoError("cannot write " + dir + "/scheduler.port");
+    }
+  }
+
+  Scheduler scheduler(config, Clock::now());
+  SchedulerMetrics metrics(config);
+  SPARSEPS_RETURN_IF_ERROR(metrics.Start(config));
+  std::vector<Outgoing> out;
+  RateLimitedLog send_log(10.0);
+  auto flush = [&] {
+    for (auto& o : out) {
+      Status s = SendMessage(socket, o.msg, &o.to);
+      // A peer whose connection is gone: logged once, and declared dead soon (Unreachable). A
+      // peer that does not read its replies (kSocketHwm queued) loses them.
+      if (!s.ok() &&
+          (s.code() != StatusCode::kNotFound || scheduler.Unreachable(o.to, Clock::now()))) {
+        send_log.Warn(o.to, "could not send: " + s.message());
+      }
+    }
+    out.clear();
+  };
+  while (!scheduler.finished()) {
+    auto ready = PollIn({&socket}, 50);
+    // At most kDrainBudget messages between two flushes and ticks: a flood neither starves the
+    // deadlines nor piles up replies.
+    constexpr int kDrainBudget = 256;
+    for (int budget = 0; ready[0] && budget < kDrainBudget; ++budget) {
+      std::string from;
+      auto msg = RecvMessage(socket, true, &from, nullptr);
+      if (!msg.ok() && msg.status().code() == StatusCode::kIoError) break;
+      scheduler.Handle(from, msg, Clock::now(), &out);
+      ready = PollIn({&socket}, 0);
+    }
+    if (StopRequested()) {
+      // Tell every node, so that no one waits on a scheduler that is gone.
+      scheduler.Abort("the scheduler was stopped by a signal", &out);
+      break;
+    }
+    scheduler.Tick(Clock::now(), &out);
+    flush();
+    metrics.Update(scheduler, Clock::now());
+  }
+  flush();
+  Status result = scheduler.final_status();
+  if (result.ok() && !scheduler.ServersNotReported().empty()) {
+    // The servers answer SHUTDOWN with their counters (DONE): wait a little for them, so that
+    // summary.json holds every server's too.
+    constexpr double kServerReportWait = 3.0;
+    const auto wait_start = Clock::now();
+    bool all = false;
+    while (!all && SecondsSince(wait_start) < kServerReportWait) {
+      if (!PollIn({&socket}, 50)[0]) continue;
+      std::string from;
+      auto msg = RecvMessage(socket, true, &from, nullptr);
+      if (!msg.ok() && msg.status().code() == StatusCode::kIoError) continue;
+      all = scheduler.HandleServerReport(from, msg);
+    }
+    for (int r : scheduler.ServersNotReported()) {
+      spdlog::warn("server {} did not report its counters within {} s; summary.json lacks them", r,
+                   kServerReportWait);
+    }
+  }
+  if (!dir.empty()) {
+    Status w = WriteJson(dir + "/summary.json", scheduler.Summary(Clock::now()));
+    if (!w.ok())
+      spdlog::warn("{}", w.message());
+    else
+      spdlog::info("wrote {}/summary.json", dir);
+  }
+  if (scheduler.rejected_messages() > 0) {
+    spdlog::warn("rejected {} malformed or unexpected messages", scheduler.rejected_messages());
+  }
+  return result;
+}
+
+}  // namespace sparseps
