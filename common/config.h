@@ -59,6 +59,9 @@ Status MergeYamlText(const std::string& text, const std::string& origin, proto::
 Status ApplyOverride(const std::string& assignment, proto::JobConfig* config,
                      ConfigSources* sources);
 
+// Where `key` was set ("configs/x.yaml:12:3", "--set train.lr"), or "config (default)".
+std::string SourceOf(const ConfigSources& sources, const std::string& key);
+
 // Cross-key checks that one key's range cannot express (e.g. heartbeat timeout > interval).
 Status ValidateConfig(const proto::JobConfig& config, const ConfigSources& sources);
 

@@ -10,6 +10,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <string>
+#include <vector>
 
 #include "common/config.h"
 #include "common/metrics.h"
@@ -39,6 +41,60 @@ class BelowLevelSink final : public spdlog::sinks::sink {
   std::shared_ptr<spdlog::sinks::sink> target_;
   spdlog::level::level_enum below_;
 };
+
+// --resume DIR: the overrides that resume from DIR (a run directory or a checkpoint folder), put
+// before the --set overrides, which win. False (logged) when DIR cannot be read.
+bool AddResumeOverrides(const std::string& resume_dir, std::vector<std::string>* overrides) {
+  bool holds_checkpoints = false;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(resume_dir, ec)) {
+    if (e.path().filename().string().rfind("iter-", 0) == 0) holds_checkpoints = true;
+  }
+  if (ec) {
+    spdlog::error("--resume {}: {}", resume_dir, ec.message());
+    return false;
+  }
+  overrides->insert(overrides->begin(),
+                    {"checkpoint.resume=true",
+                     (holds_checkpoints ? "checkpoint.dir=" : "run.dir=") + resume_dir});
+  return true;
+}
+
+// --get KEY ...: each key's resolved value on a line of its own; the exit code (2: an unknown
+// key).
+int PrintKeys(const proto::JobConfig& config, const std::vector<std::string>& keys) {
+  const auto lines = DescribeConfig(config);
+  for (const auto& key : keys) {
+    bool found = false;
+    for (const auto& line : lines) {
+      if (line.rfind(key + " = ", 0) == 0) {
+        std::string value = line.substr(key.size() + 3);
+        if (value.size() >= 2 && value.front() == '"') value = value.substr(1, value.size() - 2);
+        std::printf("%s\n", value.c_str());
+        found = true;
+      }
+    }
+    if (!found) {
+      spdlog::error("--get {}: unknown key", key);
+      return 2;
+    }
+  }
+  return 0;
+}
+
+// protobuf logs each header it cannot parse (e.g. a string field with invalid UTF-8) to stderr
+// itself; the receiver already rejects and counts such a message with a rate-limited line, so
+// that a flood of them cannot flood the log as well. protobuf's fatal errors still show.
+void QuietProtobufLog() {
+  google::protobuf::SetLogHandler(
+      [](google::protobuf::LogLevel level, const char* file, int line, const std::string& msg) {
+        if (level >= google::protobuf::LOGLEVEL_FATAL) {
+          spdlog::critical("protobuf {}:{}: {}", file, line, msg);
+        } else {
+          spdlog::debug("protobuf {}:{}: {}", file, line, msg);
+        }
+      });
+}
 
 }  // namespace
 
@@ -109,22 +165,7 @@ int DaemonMain(int argc, char** argv, const std::string& name, const std::string
     const int rc = app.exit(e);
     return rc == 0 ? 0 : 2;
   }
-  if (!resume_dir.empty()) {
-    // Before the --set overrides, which win.
-    bool holds_checkpoints = false;
-    std::error_code ec;
-    for (const auto& e : std::filesystem::directory_iterator(resume_dir, ec)) {
-      if (e.path().filename().string().rfind("iter-", 0) == 0) holds_checkpoints = true;
-    }
-    if (ec) {
-      spdlog::error("--resume {}: {}", resume_dir, ec.message());
-      return 2;
-    }
-    overrides.insert(overrides.begin(),
-                     {"checkpoint.resume=true",
-                      (holds_checkpoints ? "checkpoint.dir=" : "run.dir=") + resume_dir});
-  }
-
+  if (!resume_dir.empty() && !AddResumeOverrides(resume_dir, &overrides)) return 2;
   if (rejoin) overrides.insert(overrides.begin(), "node.rejoin=true");
   SetLogName(name);
   ConfigSources sources;
@@ -133,25 +174,7 @@ int DaemonMain(int argc, char** argv, const std::string& name, const std::string
     spdlog::error("bad configuration: {}", config.status().message());
     return 2;
   }
-  if (!gets.empty()) {
-    const auto lines = DescribeConfig(*config);
-    for (const auto& key : gets) {
-      bool found = false;
-      for (const auto& line : lines) {
-        if (line.rfind(key + " = ", 0) == 0) {
-          std::string value = line.substr(key.size() + 3);
-          if (value.size() >= 2 && value.front() == '"') value = value.substr(1, value.size() - 2);
-          std::printf("%s\n", value.c_str());
-          found = true;
-        }
-      }
-      if (!found) {
-        spdlog::error("--get {}: unknown key", key);
-        return 2;
-      }
-    }
-    return 0;
-  }
+  if (!gets.empty()) return PrintKeys(*config, gets);
   spdlog::default_logger()->set_level(spdlog::level::from_str(config->run().log_level()));
   spdlog::info("{} starting (pid {}), config {}", name, getpid(),
                config_path.empty() ? "(defaults)" : config_path);
@@ -165,17 +188,7 @@ int DaemonMain(int argc, char** argv, const std::string& name, const std::string
     }
   }
   InstallStopHandlers();
-  // protobuf logs each header it cannot parse (e.g. a string field with invalid UTF-8) to stderr
-  // itself; the receiver already rejects and counts such a message with a rate-limited line, so
-  // that a flood of them cannot flood the log as well. protobuf's fatal errors still show.
-  google::protobuf::SetLogHandler(
-      [](google::protobuf::LogLevel level, const char* file, int line, const std::string& msg) {
-        if (level >= google::protobuf::LOGLEVEL_FATAL) {
-          spdlog::critical("protobuf {}:{}: {}", file, line, msg);
-        } else {
-          spdlog::debug("protobuf {}:{}: {}", file, line, msg);
-        }
-      });
+  QuietProtobufLog();
   // Before the body starts any thread (ZeroMQ's, OpenBLAS's); after --get, whose output scripts
   // read, so that a warning never lands in it.
   KeepFreedMessageBuffers();

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <random>
 
 #include "common/metrics.h"
@@ -134,232 +135,308 @@ Status Evaluate(Model& model, Aggregator& aggregator, const Dataset& test, uint3
 }
 
 // The training loop: a Model computes gradients, the Aggregator turns them into parameters.
-Status Train(const proto::JobConfig& config, Model& model, const TrainingData& data,
-             WorkerSession& session) {
-  const auto& tc = config.train();
-  const int rank = session.rank();
-  Aggregator& aggregator = session.aggregator();
-  const size_t n = model.num_params();
-  std::vector<float> initial(n);
-  model.InitParams(tc.seed(), initial.data());
-  const auto init_start = Clock::now();
-  uint64_t step = 0;  // steps done: the position in the data
+// One object per (re)start: a rollback trains again with a new one.
+class TrainingLoop {
+ public:
+  TrainingLoop(const proto::JobConfig& config, Model& model, const TrainingData& data,
+               WorkerSession& session)
+      : config_(config),
+        tc_(config.train()),
+        model_(model),
+        data_(data),
+        session_(session),
+        aggregator_(session.aggregator()),
+        rank_(session.rank()),
+        workers_(session.num_workers()),
+        n_(model.num_params()),
+        on_device_(model.on_device()),
+        delay_(tc_.overlap() == proto::DELAY),
+        first_step_(session.rejoining() ? session.rejoin_iteration() : 0),
+        spe_(data.steps_per_epoch) {}
+  // The hook refers to this loop: the model outlives it (a rollback trains again).
+  ~TrainingLoop() { model_.set_gradient_ready(nullptr); }
+  TrainingLoop(const TrainingLoop&) = delete;
+  TrainingLoop& operator=(const TrainingLoop&) = delete;
+
+  Status Run();
+
+ private:
+  // The parameters (initial, a checkpoint's, or the job's for a replacement) and the gradient
+  // buffer (with train.overlap: delay, a checkpoint's gradient not yet pushed).
+  Status Start();
+  // The plan (steps, epochs), the training log, the step trace and the gradient hook.
+  Status Open();
+  // What the loop itself keeps in a checkpoint: its position (the data order follows from the
+  // seed and the epoch), and with train.overlap: delay the gradient not yet pushed (empty when
+  // none).
+  void LoopState(StateArchive& archive);
+  // train.overlap: delay: applies the iteration in flight and writes a checkpoint due after it
+  // (nothing to do otherwise). Before an epoch (every worker re-splits the data on what the
+  // servers' replies told it), an evaluation and the end.
+  Status Settle();
+  // Whether this worker evaluates after `done` steps (train.eval_every_steps; the run's end has
+  // its own evaluation).
+  bool EvaluatesAfter(uint64_t done) const {
+    return log_->leader() && tc_.eval_every_steps() > 0 && done % tc_.eval_every_steps() == 0 &&
+           done < total_;
+  }
+  // At an epoch's start: workers were lost or joined, so the live ones share the data from this
+  // epoch on.
+  void Resplit();
+  // Step s of the epoch: compute (unless resumed with its gradient), aggregate, log, checkpoint,
+  // evaluate.
+  Status RunStep(uint64_t s);
+  // The end: the last iteration, the leader's evaluation and model, DONE.
+  Status Finish();
+  Status EvaluateNow() {
+    return Evaluate(model_, aggregator_, data_.test, epoch_ + 1, step_, &*log_);
+  }
+
+  const proto::JobConfig& config_;
+  const proto::TrainConfig& tc_;
+  Model& model_;
+  const TrainingData& data_;
+  WorkerSession& session_;
+  Aggregator& aggregator_;
+  const int rank_;
+  const int workers_;
+  const size_t n_;
   // The model writes its gradient where it computes.
-  const bool on_device = model.on_device();
-  std::vector<float> grad_h(on_device ? 0 : n);
-  DeviceBuffer grad_d;
-  if (on_device) SPARSEPS_RETURN_IF_ERROR(grad_d.Allocate(n));
-  float* grad = on_device ? grad_d.data() : grad_h.data();
+  const bool on_device_;
+  std::vector<float> grad_h_;
+  DeviceBuffer grad_d_;
+  float* grad_ = nullptr;
   // train.overlap: delay: a checkpoint is taken between a step's compute and its push (Flush
   // applied the iteration before it); grad then holds the step's gradient, computed at the
   // parameters before that iteration. The checkpoint keeps it (and its loss), and a resumed run
   // pushes it instead of computing the step again: the run the uninterrupted one would have been.
-  const bool delay = tc.overlap() == proto::DELAY;  // PS mode (the config says so)
-  bool grad_pending = false;   // grad holds a gradient not yet pushed (its step not counted)
-  double pending_loss = 0.0;   // its loss
-  std::vector<float> delayed;  // grad, as the checkpoint holds it
-  // What the loop itself keeps in a checkpoint: its position (the data order follows from the
-  // seed and the epoch), and with train.overlap: delay the gradient not yet pushed (empty when
-  // none).
-  auto loop_state = [&](StateArchive& archive) {
-    archive.Value("step", &step);
-    if (!delay) return;
-    if (archive.saving()) {
-      delayed.clear();
-      if (grad_pending) {
-        delayed.resize(n);
-        if (!on_device) {
-          std::copy_n(grad, n, delayed.data());
-        } else if (Status d = grad_d.Download(delayed.data()); !d.ok()) {
-          archive.Fail(d.message());
-        }
-      }
-    } else {
-      delayed.clear();
-    }
-    archive.Array("delayed_gradient", &delayed);
-    archive.Value("delayed_loss", &pending_loss);
-  };
+  const bool delay_;            // PS mode (the config says so)
+  bool grad_pending_ = false;   // grad holds a gradient not yet pushed (its step not counted)
+  double pending_loss_ = 0.0;   // its loss
+  std::vector<float> delayed_;  // grad, as the checkpoint holds it
+  uint64_t step_ = 0;           // steps done: the position in the data
   // A replacement (--rejoin) runs through the loop without computing until its first iteration:
   // so it gets the others' epoch, data split and order, and the same number of steps.
-  const uint64_t first_step = session.rejoining() ? session.rejoin_iteration() : 0;
-  if (session.rejoining()) {
-    SPARSEPS_RETURN_IF_ERROR(aggregator.Rejoin(first_step));
-  } else if (session.resuming()) {
-    SPARSEPS_RETURN_IF_ERROR(session.Resume(loop_state));
-  } else {
-    SPARSEPS_RETURN_IF_ERROR(aggregator.Init(initial));
-  }
-  if (session.resumed_without_file()) delayed.clear();  // another worker's gradient
-  if (delay && !delayed.empty()) {
-    // Resumed between a step's compute and its push: that gradient goes first.
-    if (delayed.size() != n) {
-      return Status::InvalidArgument("the checkpoint's delayed_gradient has " +
-                                     std::to_string(delayed.size()) + " elements, not " +
-                                     std::to_string(n));
-    }
-    if (on_device) {
-      SPARSEPS_RETURN_IF_ERROR(grad_d.Upload(delayed.data()));
-    } else {
-      std::copy(delayed.begin(), delayed.end(), grad_h.begin());
-    }
-    grad_pending = true;
-  }
+  const uint64_t first_step_;
+  uint64_t spe_;
+  uint64_t total_ = 0;
+  uint32_t epochs_ = 0;
+  uint32_t epoch_ = 0;
+  uint64_t epoch_begin_ = 0;  // steps done when this epoch began
+  std::optional<TrainingLog> log_;
+  std::vector<TensorLayout> layers_;
+  StepTrace trace_;
+  bool tracing_ = false;
+  bool overlap_ = false;  // train.overlap: backward on the host
+  Split split_;
+  std::optional<Batches> batches_;
+};
 
-  uint64_t spe = data.steps_per_epoch;
-  uint64_t total = tc.max_steps() > 0 ? std::min<uint64_t>(tc.epochs() * spe, tc.max_steps())
-                                      : tc.epochs() * spe;
-  uint32_t epochs = static_cast<uint32_t>((total + spe - 1) / spe);
-  spdlog::info(
-      "model: {}, {} parameters; {} training samples on this worker, {} steps per epoch; "
-      "initialised in {:.2f} s",
-      model.Describe(), n, data.train.num_samples / static_cast<size_t>(session.num_workers()), spe,
-      SecondsSince(init_start));
-  TrainingLog log(config, rank, total, epochs, session.is_leader());
-  SPARSEPS_RETURN_IF_ERROR(session.resuming()    ? log.OpenResumed(step)
-                           : session.rejoining() ? log.OpenResumed(first_step)
-                                                 : log.Open());
-  SPARSEPS_RETURN_IF_ERROR(log.StartMetrics());
-  if (session.rejoining()) {
-    spdlog::info("a replacement: joining at step {} of {}", first_step + 1, total);
-  } else if (session.resuming()) {
-    spdlog::info("resuming at step {} of {} (epoch {}, step {} of it)", step, total, step / spe + 1,
-                 step % spe);
+void TrainingLoop::LoopState(StateArchive& archive) {
+  archive.Value("step", &step_);
+  if (!delay_) return;
+  delayed_.clear();
+  if (archive.saving() && grad_pending_) {
+    delayed_.resize(n_);
+    if (!on_device_) {
+      std::copy_n(grad_, n_, delayed_.data());
+    } else if (Status d = grad_d_.Download(delayed_.data()); !d.ok()) {
+      archive.Fail(d.message());
+    }
   }
-  const std::vector<TensorLayout> layers = model.Layers();
-  StepTrace trace;
-  SPARSEPS_RETURN_IF_ERROR(trace.Open(config, rank, layers));
+  archive.Array("delayed_gradient", &delayed_);
+  archive.Value("delayed_loss", &pending_loss_);
+}
+
+Status TrainingLoop::Start() {
+  std::vector<float> initial(n_);
+  model_.InitParams(tc_.seed(), initial.data());
+  grad_h_.resize(on_device_ ? 0 : n_);
+  if (on_device_) SPARSEPS_RETURN_IF_ERROR(grad_d_.Allocate(n_));
+  grad_ = on_device_ ? grad_d_.data() : grad_h_.data();
+  if (session_.rejoining()) {
+    SPARSEPS_RETURN_IF_ERROR(aggregator_.Rejoin(first_step_));
+  } else if (session_.resuming()) {
+    SPARSEPS_RETURN_IF_ERROR(session_.Resume([this](StateArchive& a) { LoopState(a); }));
+  } else {
+    SPARSEPS_RETURN_IF_ERROR(aggregator_.Init(initial));
+  }
+  if (session_.resumed_without_file()) delayed_.clear();  // another worker's gradient
+  if (!delay_ || delayed_.empty()) return Status::OK();
+  // Resumed between a step's compute and its push: that gradient goes first.
+  if (delayed_.size() != n_) {
+    return Status::InvalidArgument("the checkpoint's delayed_gradient has " +
+                                   std::to_string(delayed_.size()) + " elements, not " +
+                                   std::to_string(n_));
+  }
+  if (on_device_) {
+    SPARSEPS_RETURN_IF_ERROR(grad_d_.Upload(delayed_.data()));
+  } else {
+    std::copy(delayed_.begin(), delayed_.end(), grad_h_.begin());
+  }
+  grad_pending_ = true;
+  return Status::OK();
+}
+
+Status TrainingLoop::Open() {
+  total_ = tc_.max_steps() > 0 ? std::min<uint64_t>(tc_.epochs() * spe_, tc_.max_steps())
+                               : tc_.epochs() * spe_;
+  epochs_ = static_cast<uint32_t>((total_ + spe_ - 1) / spe_);
+  log_.emplace(config_, rank_, total_, epochs_, session_.is_leader());
+  SPARSEPS_RETURN_IF_ERROR(session_.resuming()    ? log_->OpenResumed(step_)
+                           : session_.rejoining() ? log_->OpenResumed(first_step_)
+                                                  : log_->Open());
+  SPARSEPS_RETURN_IF_ERROR(log_->StartMetrics());
+  if (session_.rejoining()) {
+    spdlog::info("a replacement: joining at step {} of {}", first_step_ + 1, total_);
+  } else if (session_.resuming()) {
+    spdlog::info("resuming at step {} of {} (epoch {}, step {} of it)", step_, total_,
+                 step_ / spe_ + 1, step_ % spe_);
+  }
+  layers_ = model_.Layers();
+  SPARSEPS_RETURN_IF_ERROR(trace_.Open(config_, rank_, layers_));
   // train.overlap: backward hands each layer's gradient to the aggregator as the backward pass
   // finishes it; the trace records when.
-  bool tracing = false;
-  const bool overlap = aggregator.overlaps() && !on_device;
-  if (overlap || trace.traced(1)) {
-    model.set_gradient_ready([&](size_t key) {
-      if (tracing) trace.LayerDone(key, Clock::now());
-      if (overlap) aggregator.GradientReady(key);
+  overlap_ = aggregator_.overlaps() && !on_device_;
+  if (overlap_ || trace_.traced(1)) {
+    model_.set_gradient_ready([this](size_t key) {
+      if (tracing_) trace_.LayerDone(key, Clock::now());
+      if (overlap_) aggregator_.GradientReady(key);
     });
   }
-  // The hook refers to this call's locals: the model outlives them (a rollback trains again).
-  struct Unhook {
-    Model& model;
-    ~Unhook() { model.set_gradient_ready(nullptr); }
-  } unhook{model};
-  const int workers = session.num_workers();
-  Split split{rank, workers};
-  Batches batches(data.train, config, rank, split.index, split.count);
-  uint32_t epoch = static_cast<uint32_t>(step / spe);
-  uint64_t epoch_begin = uint64_t{epoch} * spe;  // steps done when this epoch began
+  split_ = Split{rank_, workers_};
+  batches_.emplace(data_.train, config_, rank_, split_.index, split_.count);
+  epoch_ = static_cast<uint32_t>(step_ / spe_);
+  epoch_begin_ = uint64_t{epoch_} * spe_;
   // Each epoch reshuffles the previous epoch's order: a resumed run replays the earlier shuffles
   // to get its data order back.
-  for (uint32_t e = 0; e < epoch; ++e) batches.StartEpoch(e);
-  // train.overlap: delay: applies the iteration in flight and writes a checkpoint due after it
-  // (nothing to do otherwise). Before an epoch (every worker re-splits the data on what the
-  // servers' replies told it), an evaluation and the end.
-  auto settle = [&]() -> Status {
-    if (!delay) return Status::OK();
-    StepStats unused;
-    SPARSEPS_RETURN_IF_ERROR(aggregator.Flush(&unused));
-    return session.AfterStep(loop_state, layers);
-  };
-  // Whether this worker evaluates after `done` steps (train.eval_every_steps; the run's end has
-  // its own evaluation).
-  auto evaluates_after = [&](uint64_t done) {
-    return log.leader() && tc.eval_every_steps() > 0 && done % tc.eval_every_steps() == 0 &&
-           done < total;
-  };
-  for (; epoch < epochs && step < total; ++epoch) {
-    SPARSEPS_RETURN_IF_ERROR(settle());
-    if (const Split now = SplitAt(session.control(), rank, workers, step);
-        step == epoch_begin && !(now == split)) {
-      // Workers were lost or joined: the live ones share the data from this epoch on.
-      split = now;
-      batches.Reshard(split.index, split.count);
-      spe = StepsPerEpoch(data.train.num_samples, split.count, tc.batch_size());
-      total = step + (tc.epochs() - epoch) * spe;
-      if (tc.max_steps() > 0) total = std::min<uint64_t>(total, tc.max_steps());
-      epochs = epoch + static_cast<uint32_t>((total - step + spe - 1) / spe);
-      log.SetPlan(total, epochs, static_cast<uint32_t>(split.count));
-      spdlog::info("epoch {}: the data is re-split among the {} live workers ({} steps per epoch)",
-                   epoch + 1, split.count, spe);
-    }
-    batches.StartEpoch(epoch);
-    aggregator.SetEpoch(epoch);
-    for (uint64_t s = step - epoch_begin; s < spe && step < total; ++s) {
-      if (step < first_step) {
-        ++step;  // a replacement, before its first iteration
-        continue;
-      }
-      const auto t0 = Clock::now();
-      tracing = trace.traced(step + 1);
-      double loss = pending_loss;
-      if (!grad_pending) {
-        batches.Fill(s);
-        auto params = aggregator.ModelParams();
-        if (!params.ok()) return params.status();
-        if (overlap) aggregator.BeginStep(grad);
-        loss =
-            model.ForwardBackward(*params, batches.x(), batches.y(), batches.size(), grad, nullptr);
-      }  // else resumed with this step's gradient (train.overlap: delay)
-      const auto computed = Clock::now();
-      SPARSEPS_RETURN_IF_ERROR(model.status());
-      // A NaN/Inf gradient is caught by the aggregation (one pass over it, not two).
-      const std::string at = " at step " + std::to_string(step + 1) + " (try a smaller train.lr)";
-      if (!std::isfinite(loss)) return Status::FailedPrecondition("the loss became NaN/Inf" + at);
-      const double compute_ms = std::chrono::duration<double, std::milli>(computed - t0).count();
-      StepStats stats;
-      if (delay) {
-        // The iteration before this one (its pull came during the compute) is applied; a
-        // checkpoint due after it keeps this step's gradient, not yet pushed.
-        grad_pending = true;
-        pending_loss = loss;
-        SPARSEPS_RETURN_IF_ERROR(aggregator.Flush(&stats));
-        SPARSEPS_RETURN_IF_ERROR(session.AfterStep(loop_state, layers));
-        grad_pending = false;
-      }
-      if (Status a = aggregator.Step(grad, on_device, &stats); !a.ok()) {
-        return a.code() == StatusCode::kInvalidArgument
-                   ? Status::FailedPrecondition(a.message() + at)
-                   : a;
-      }
-      ++step;
-      // train.overlap: delay: a step that an evaluation, the epoch's end or the run's end follows
-      // takes its own replies (settle would, outside any step's metrics row): nothing runs in
-      // between for them to hide behind, and the row then counts every byte received.
-      if (delay && (step == total || s + 1 == spe || evaluates_after(step))) {
-        SPARSEPS_RETURN_IF_ERROR(aggregator.Flush(&stats));
-      }
-      trace.Step(step, t0, computed, Clock::now(), stats);
-      log.Step(step, epoch + 1, loss, compute_ms, stats, aggregator);
-      SPARSEPS_RETURN_IF_ERROR(log.SampleResidual(aggregator));
-      SPARSEPS_RETURN_IF_ERROR(session.AfterStep(loop_state, layers));
-      if (!log.leader() && session.is_leader()) {
-        spdlog::warn("the workers before this one were lost: this worker evaluates from now on");
-        SPARSEPS_RETURN_IF_ERROR(log.BecomeLeader());
-      }
-      if (evaluates_after(step)) {
-        SPARSEPS_RETURN_IF_ERROR(settle());
-        SPARSEPS_RETURN_IF_ERROR(Evaluate(model, aggregator, data.test, epoch + 1, step, &log));
-      }
-    }
-    epoch_begin = step;
-    const uint32_t every = tc.eval_every_epochs();
-    if (log.leader() && every > 0 && (epoch + 1) % every == 0 && step < total) {
-      SPARSEPS_RETURN_IF_ERROR(settle());
-      SPARSEPS_RETURN_IF_ERROR(Evaluate(model, aggregator, data.test, epoch + 1, step, &log));
-    }
+  for (uint32_t e = 0; e < epoch_; ++e) batches_->StartEpoch(e);
+  return Status::OK();
+}
+
+Status TrainingLoop::Settle() {
+  if (!delay_) return Status::OK();
+  StepStats unused;
+  SPARSEPS_RETURN_IF_ERROR(aggregator_.Flush(&unused));
+  return session_.AfterStep([this](StateArchive& a) { LoopState(a); }, layers_);
+}
+
+void TrainingLoop::Resplit() {
+  const Split now = SplitAt(session_.control(), rank_, workers_, step_);
+  if (step_ != epoch_begin_ || now == split_) return;
+  split_ = now;
+  batches_->Reshard(split_.index, split_.count);
+  spe_ = StepsPerEpoch(data_.train.num_samples, split_.count, tc_.batch_size());
+  total_ = step_ + (tc_.epochs() - epoch_) * spe_;
+  if (tc_.max_steps() > 0) total_ = std::min<uint64_t>(total_, tc_.max_steps());
+  epochs_ = epoch_ + static_cast<uint32_t>((total_ - step_ + spe_ - 1) / spe_);
+  log_->SetPlan(total_, epochs_, static_cast<uint32_t>(split_.count));
+  spdlog::info("epoch {}: the data is re-split among the {} live workers ({} steps per epoch)",
+               epoch_ + 1, split_.count, spe_);
+}
+
+Status TrainingLoop::RunStep(uint64_t s) {
+  const auto loop_state = [this](StateArchive& a) { LoopState(a); };
+  const auto t0 = Clock::now();
+  tracing_ = trace_.traced(step_ + 1);
+  double loss = pending_loss_;
+  if (!grad_pending_) {
+    batches_->Fill(s);
+    auto params = aggregator_.ModelParams();
+    if (!params.ok()) return params.status();
+    if (overlap_) aggregator_.BeginStep(grad_);
+    loss = model_.ForwardBackward(*params, batches_->x(), batches_->y(), batches_->size(), grad_,
+                                  nullptr);
+  }  // else resumed with this step's gradient (train.overlap: delay)
+  const auto computed = Clock::now();
+  SPARSEPS_RETURN_IF_ERROR(model_.status());
+  // A NaN/Inf gradient is caught by the aggregation (one pass over it, not two).
+  const std::string at = " at step " + std::to_string(step_ + 1) + " (try a smaller train.lr)";
+  if (!std::isfinite(loss)) return Status::FailedPrecondition("the loss became NaN/Inf" + at);
+  const double compute_ms = std::chrono::duration<double, std::milli>(computed - t0).count();
+  StepStats stats;
+  if (delay_) {
+    // The iteration before this one (its pull came during the compute) is applied; a
+    // checkpoint due after it keeps this step's gradient, not yet pushed.
+    grad_pending_ = true;
+    pending_loss_ = loss;
+    SPARSEPS_RETURN_IF_ERROR(aggregator_.Flush(&stats));
+    SPARSEPS_RETURN_IF_ERROR(session_.AfterStep(loop_state, layers_));
+    grad_pending_ = false;
   }
-  SPARSEPS_RETURN_IF_ERROR(settle());  // train.overlap: delay: the last iteration
-  if (log.leader()) {
+  if (Status a = aggregator_.Step(grad_, on_device_, &stats); !a.ok()) {
+    return a.code() == StatusCode::kInvalidArgument ? Status::FailedPrecondition(a.message() + at)
+                                                    : a;
+  }
+  ++step_;
+  // train.overlap: delay: a step that an evaluation, the epoch's end or the run's end follows
+  // takes its own replies (Settle would, outside any step's metrics row): nothing runs in
+  // between for them to hide behind, and the row then counts every byte received.
+  if (delay_ && (step_ == total_ || s + 1 == spe_ || EvaluatesAfter(step_))) {
+    SPARSEPS_RETURN_IF_ERROR(aggregator_.Flush(&stats));
+  }
+  trace_.Step(step_, t0, computed, Clock::now(), stats);
+  log_->Step(step_, epoch_ + 1, loss, compute_ms, stats, aggregator_);
+  SPARSEPS_RETURN_IF_ERROR(log_->SampleResidual(aggregator_));
+  SPARSEPS_RETURN_IF_ERROR(session_.AfterStep(loop_state, layers_));
+  if (!log_->leader() && session_.is_leader()) {
+    spdlog::warn("the workers before this one were lost: this worker evaluates from now on");
+    SPARSEPS_RETURN_IF_ERROR(log_->BecomeLeader());
+  }
+  if (!EvaluatesAfter(step_)) return Status::OK();
+  SPARSEPS_RETURN_IF_ERROR(Settle());
+  return EvaluateNow();
+}
+
+Status TrainingLoop::Finish() {
+  SPARSEPS_RETURN_IF_ERROR(Settle());  // train.overlap: delay: the last iteration
+  if (log_->leader()) {
     // ssp / async: the final model has every worker's every push.
-    SPARSEPS_RETURN_IF_ERROR(aggregator.Synchronize());
-    SPARSEPS_RETURN_IF_ERROR(Evaluate(model, aggregator, data.test, epoch, step, &log));
-    if (config.checkpoint().save_model() && !config.run().dir().empty()) {
-      const std::string path = config.run().dir() + "/model.safetensors";
-      SPARSEPS_RETURN_IF_ERROR(session.SaveModel(path, layers));
+    SPARSEPS_RETURN_IF_ERROR(aggregator_.Synchronize());
+    SPARSEPS_RETURN_IF_ERROR(Evaluate(model_, aggregator_, data_.test, epoch_, step_, &*log_));
+    if (config_.checkpoint().save_model() && !config_.run().dir().empty()) {
+      const std::string path = config_.run().dir() + "/model.safetensors";
+      SPARSEPS_RETURN_IF_ERROR(session_.SaveModel(path, layers_));
       spdlog::info("wrote the trained model to {}", path);
     }
   }
-  return session.Finish(log.Stats(step, epoch, aggregator));
+  return session_.Finish(log_->Stats(step_, epoch_, aggregator_));
+}
+
+Status TrainingLoop::Run() {
+  const auto init_start = Clock::now();
+  SPARSEPS_RETURN_IF_ERROR(Start());
+  spdlog::info(
+      "model: {}, {} parameters; {} training samples on this worker, {} steps per epoch; "
+      "initialised in {:.2f} s",
+      model_.Describe(), n_, data_.train.num_samples / static_cast<size_t>(workers_), spe_,
+      SecondsSince(init_start));
+  SPARSEPS_RETURN_IF_ERROR(Open());
+  for (; epoch_ < epochs_ && step_ < total_; ++epoch_) {
+    SPARSEPS_RETURN_IF_ERROR(Settle());
+    Resplit();
+    batches_->StartEpoch(epoch_);
+    aggregator_.SetEpoch(epoch_);
+    for (uint64_t s = step_ - epoch_begin_; s < spe_ && step_ < total_; ++s) {
+      if (step_ < first_step_) {
+        ++step_;  // a replacement, before its first iteration
+        continue;
+      }
+      SPARSEPS_RETURN_IF_ERROR(RunStep(s));
+    }
+    epoch_begin_ = step_;
+    const uint32_t every = tc_.eval_every_epochs();
+    if (log_->leader() && every > 0 && (epoch_ + 1) % every == 0 && step_ < total_) {
+      SPARSEPS_RETURN_IF_ERROR(Settle());
+      SPARSEPS_RETURN_IF_ERROR(EvaluateNow());
+    }
+  }
+  return Finish();
+}
+
+Status Train(const proto::JobConfig& config, Model& model, const TrainingData& data,
+             WorkerSession& session) {
+  return TrainingLoop(config, model, data, session).Run();
 }
 
 }  // namespace

@@ -1,0 +1,218 @@
+// The job config's cross-key checks (ValidateConfig) and the model section's (ValidateModelConfig).
+#include <algorithm>
+#include <iterator>
+#include <string>
+
+#include "common/config.h"
+
+namespace sparseps {
+
+Status ValidateModelConfig(const proto::ModelConfig& m, const ConfigSources* sources) {
+  auto refuse = [&](const std::string& key, const std::string& why) {
+    return Status::InvalidArgument(
+        (sources != nullptr ? SourceOf(*sources, key) + ": " : std::string()) + why);
+  };
+  if (m.type() != proto::MLP && m.type() != proto::CNN) {
+    return refuse("model.type", "key 'model.type' (" + proto::ModelType_Name(m.type()) +
+                                    ") is no model this worker can build: mlp or cnn");
+  }
+  if (m.type() == proto::CNN && m.channels_size() == 0) {
+    return refuse("model.type",
+                  "key 'model.channels' is empty; 'model.type: cnn' needs the filters of each "
+                  "conv layer, e.g. channels: [32, 64]");
+  }
+  if (m.type() == proto::CNN && m.kernel_size() % 2 == 0) {
+    return refuse("model.kernel_size", "key 'model.kernel_size' (" +
+                                           std::to_string(m.kernel_size()) +
+                                           ") must be odd (a 'same' convolution pads "
+                                           "kernel_size / 2)");
+  }
+  if (m.type() != proto::CNN && m.channels_size() > 0) {
+    return refuse("model.channels", "key 'model.channels' is set but 'model.type' is not cnn");
+  }
+  return Status::OK();
+}
+
+namespace {
+
+// The cluster and node sections, and what an allreduce job cannot have (--rejoin, CURVE with gloo).
+Status ValidateCluster(const proto::JobConfig& config, const ConfigSources& sources) {
+  const auto& c = config.cluster();
+  if (c.heartbeat_timeout_s() <= c.heartbeat_interval_s()) {
+    return Status::InvalidArgument(
+        SourceOf(sources, "cluster.heartbeat_timeout_s") + ": key 'cluster.heartbeat_timeout_s' (" +
+        std::to_string(c.heartbeat_timeout_s()) + ") must exceed 'cluster.heartbeat_interval_s' (" +
+        std::to_string(c.heartbeat_interval_s()) + ")");
+  }
+  if (c.scheduler_host().empty()) {
+    return Status::InvalidArgument(SourceOf(sources, "cluster.scheduler_host") +
+                                   ": key 'cluster.scheduler_host' is empty");
+  }
+  if (c.min_workers() > c.num_workers()) {
+    return Status::InvalidArgument(
+        SourceOf(sources, "cluster.min_workers") + ": key 'cluster.min_workers' (" +
+        std::to_string(c.min_workers()) + ") is larger than 'cluster.num_workers' (" +
+        std::to_string(c.num_workers()) + ")");
+  }
+  if (config.node().host().empty()) {
+    return Status::InvalidArgument(SourceOf(sources, "node.host") + ": key 'node.host' is empty");
+  }
+  if (config.node().rejoin() && config.aggregation() == proto::ALLREDUCE) {
+    return Status::InvalidArgument(
+        SourceOf(sources, "node.rejoin") +
+        ": key 'node.rejoin' (--rejoin): replacements join ps jobs only; an allreduce job restarts "
+        "whole (deploy/launch.sh --max-restarts)");
+  }
+  if (config.security().curve() && config.aggregation() == proto::ALLREDUCE &&
+      config.collective().algorithm() == proto::GLOO) {
+    return Status::InvalidArgument(
+        SourceOf(sources, "collective.algorithm") +
+        ": key 'collective.algorithm' is gloo but 'security.curve' is on: Gloo's TCP transport is "
+        "neither authenticated nor encrypted, and Debian's Gloo is built without its TLS transport "
+        "(GLOO_HAVE_TRANSPORT_TCP_TLS 0); use ring (dense, over our CURVE sockets) or turn CURVE "
+        "off");
+  }
+  return Status::OK();
+}
+
+// aggregation: allreduce: the collective's teams, and no parameter-server encoding.
+Status ValidateAllreduce(const proto::JobConfig& config, const ConfigSources& sources) {
+  const auto& c = config.cluster();
+  if (config.aggregation() == proto::ALLREDUCE) {
+    const auto& col = config.collective();
+    if (c.num_workers() % col.teams() != 0) {
+      return Status::InvalidArgument(SourceOf(sources, "collective.teams") +
+                                     ": key 'collective.teams' (" + std::to_string(col.teams()) +
+                                     ") must divide 'cluster.num_workers' (" +
+                                     std::to_string(c.num_workers()) + ")");
+    }
+    const auto enc = config.compression().encoding();
+    if (enc == proto::SBC || enc == proto::SKETCH) {
+      return Status::InvalidArgument(
+          SourceOf(sources, "compression.encoding") +
+          ": key 'compression.encoding': sbc and sketch are parameter-server encodings; with "
+          "'aggregation: allreduce' the collective (collective.algorithm) decides what is sent");
+    }
+  }
+  return Status::OK();
+}
+
+// train.consistency ssp / async: what needs every worker in each iteration (bsp).
+Status ValidateConsistency(const proto::JobConfig& config, const ConfigSources& sources) {
+  if (config.train().consistency() != proto::BSP) {
+    const std::string why = SourceOf(sources, "train.consistency") +
+                            ": key 'train.consistency' is " +
+                            (config.train().consistency() == proto::SSP ? "ssp" : "async");
+    if (config.aggregation() == proto::ALLREDUCE) {
+      return Status::InvalidArgument(
+          why +
+          ": a collective has every worker in each iteration; ssp and async are for "
+          "'aggregation: ps'");
+    }
+    if (config.compression().sketch().second_round()) {
+      return Status::InvalidArgument(
+          why +
+          " but 'compression.sketch.second_round' is on: its candidates are chosen from "
+          "every worker's sketch of one iteration (bsp only)");
+    }
+    if (config.compression().encoding() == proto::SKETCH &&
+        config.compression().sketch().server_momentum()) {
+      return Status::InvalidArgument(
+          why +
+          " but 'compression.sketch.server_momentum' is on: FetchSGD's server momentum decays "
+          "once per iteration of every worker's sketch (bsp only)");
+    }
+    if (config.checkpoint().every_steps() > 0 || config.checkpoint().every_s() > 0) {
+      return Status::InvalidArgument(
+          why +
+          " but checkpoints are asked for (checkpoint.every_steps / every_s): a checkpoint "
+          "is of one iteration that every worker has ended (bsp only)");
+    }
+    if (config.node().rejoin()) {
+      return Status::InvalidArgument(why + ": replacements (--rejoin) join bsp jobs only");
+    }
+  }
+  return Status::OK();
+}
+
+// compression.sketch: options that exclude each other.
+Status ValidateSketch(const proto::JobConfig& config, const ConfigSources& sources) {
+  if (config.compression().sketch().partial_reset() &&
+      (config.compression().sketch().second_round() ||
+       config.compression().sketch().server_momentum())) {
+    return Status::InvalidArgument(
+        SourceOf(sources, "compression.sketch.partial_reset") +
+        ": key 'compression.sketch.partial_reset' is on but " +
+        (config.compression().sketch().second_round()
+             ? "'compression.sketch.second_round' applies exact values (nothing to keep)"
+             : "'compression.sketch.server_momentum' keeps the error on the servers (FetchSGD)"));
+  }
+  return Status::OK();
+}
+
+// train.overlap backward / delay: the aggregations and encodings each works with.
+Status ValidateOverlap(const proto::JobConfig& config, const ConfigSources& sources) {
+  if (config.train().overlap() == proto::BACKWARD) {
+    const std::string why =
+        SourceOf(sources, "train.overlap") + ": key 'train.overlap' is backward";
+    if (config.aggregation() == proto::ALLREDUCE &&
+        config.collective().algorithm() != proto::RING) {
+      return Status::InvalidArgument(
+          why +
+          ": with 'aggregation: allreduce' only 'collective.algorithm: ring' goes layer by layer "
+          "(the sparse collectives select over the whole contribution; gloo's ring is not ours)");
+    }
+    if (config.aggregation() == proto::ALLREDUCE && config.collective().measure_quality()) {
+      return Status::InvalidArgument(
+          why + " but 'collective.measure_quality' is on: its probe sums the whole contribution");
+    }
+    if (config.compression().sketch().second_round()) {
+      return Status::InvalidArgument(
+          why +
+          " but 'compression.sketch.second_round' is on: its candidate round follows every "
+          "range's sketch (use one or the other)");
+    }
+  }
+  if (config.train().overlap() == proto::DELAY) {
+    const std::string why = SourceOf(sources, "train.overlap") + ": key 'train.overlap' is delay";
+    if (config.aggregation() == proto::ALLREDUCE) {
+      return Status::InvalidArgument(
+          why +
+          " but 'aggregation' is allreduce: the one-step delay is for PS mode (the "
+          "collectives end with the update)");
+    }
+    if (config.compression().encoding() == proto::SBC) {
+      return Status::InvalidArgument(
+          why +
+          " but 'compression.encoding' is sbc: SBC trains a local copy that each pull "
+          "replaces (use topk, dense or sketch)");
+    }
+  }
+  return Status::OK();
+}
+
+// run.log_level: one of spdlog's levels.
+Status ValidateLogLevel(const proto::JobConfig& config, const ConfigSources& sources) {
+  static const char* kLevels[] = {"trace", "debug", "info", "warn", "error", "critical", "off"};
+  if (std::find(std::begin(kLevels), std::end(kLevels), config.run().log_level()) ==
+      std::end(kLevels)) {
+    return Status::InvalidArgument(
+        SourceOf(sources, "run.log_level") + ": key 'run.log_level': unknown level '" +
+        config.run().log_level() + "'; one of: trace, debug, info, warn, error, critical, off");
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
+Status ValidateConfig(const proto::JobConfig& config, const ConfigSources& sources) {
+  SPARSEPS_RETURN_IF_ERROR(ValidateCluster(config, sources));
+  SPARSEPS_RETURN_IF_ERROR(ValidateModelConfig(config.model(), &sources));
+  SPARSEPS_RETURN_IF_ERROR(ValidateAllreduce(config, sources));
+  SPARSEPS_RETURN_IF_ERROR(ValidateConsistency(config, sources));
+  SPARSEPS_RETURN_IF_ERROR(ValidateSketch(config, sources));
+  SPARSEPS_RETURN_IF_ERROR(ValidateOverlap(config, sources));
+  return ValidateLogLevel(config, sources);
+}
+
+}  // namespace sparseps
