@@ -11,7 +11,7 @@
 #include <random>
 #include <vector>
 
-#include "common/daemon.h"
+#include "daemon/daemon.h"
 #include "encodings/dense.h"
 #include "encodings/registry.h"
 #include "encodings/sbc.h"
@@ -20,7 +20,7 @@
 
 namespace {
 
-// As the daemons run (common/daemon.h): freed message buffers stay with the process instead of
+// As the daemons run (daemon/daemon.h): freed message buffers stay with the process instead of
 // being page-faulted in again at every push.
 const bool kAllocatorTuned = [] {
   sparseps::KeepFreedMessageBuffers();

@@ -18,7 +18,7 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 out="$(mktemp -d /tmp/sparseps-curve-XXXXXX)"
-"$build/common/sparseps-keygen" "$out/keys" >/dev/null 2>&1 || exit 1
+"$build/security/sparseps-keygen" "$out/keys" >/dev/null 2>&1 || exit 1
 mkdir -p "$out/authorized" && cp "$out/keys/public.key" "$out/authorized/node.key"
 curve=(--set security.curve=true --set "security.key_dir=$out/keys"
        --set "security.authorized_keys_dir=$out/authorized"

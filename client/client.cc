@@ -5,7 +5,7 @@
 #include <string>
 #include <utility>
 
-#include "common/config.h"
+#include "config/config.h"
 #include "common/status.h"
 #include "common/tensor_layout.h"
 #include "worker/session.h"

@@ -6,7 +6,7 @@
 #include <map>
 #include <string>
 
-#include "common/van.h"
+#include "common/clock.h"
 
 namespace sparseps {
 

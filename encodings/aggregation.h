@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "common/checkpoint.h"
+#include "storage/checkpoint.h"
 #include "common/key_range.h"
 #include "encodings/codec.h"
 #include "proto/config.pb.h"

@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "common/message.h"
+#include "transport/message.h"
 #include "common/status.h"
 #include "proto/messages.pb.h"
 

@@ -13,9 +13,9 @@
 #include <string>
 #include <vector>
 
-#include "common/checkpoint.h"
+#include "storage/checkpoint.h"
 #include "common/key_range.h"
-#include "common/message.h"
+#include "transport/message.h"
 #include "common/status.h"
 #include "kernels/select.h"
 #include "proto/config.pb.h"
@@ -63,7 +63,7 @@ class Compressor {
   virtual Status ReadResidual(std::vector<float>* out) const = 0;
 
   // Saves or restores what the compressor keeps across iterations (residual, momentum, selection
-  // state, SBC's local steps) between iterations (common/checkpoint.h). The default refuses:
+  // state, SBC's local steps) between iterations (storage/checkpoint.h). The default refuses:
   // a compressor that keeps state must say what it is.
   virtual void State(StateArchive& archive) {
     archive.Fail("this compressor's state cannot be checkpointed yet");

@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "common/van.h"
+#include "transport/van.h"
 #include "encodings/cuda/gpu_compressors.h"
 #include "encodings/dense.h"
 #include "encodings/sbc.h"

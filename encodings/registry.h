@@ -59,7 +59,7 @@ std::unique_ptr<ShardAggregation> MakeShardAggregation(const AggregationOptions&
 // The largest frame a data socket of the job takes (ZMQ_MAXMSGSIZE), in bytes, for a flat
 // parameter vector of num_params elements: a dense range (4 bytes an element), a top-k payload
 // with every index (8 bytes an element) or the job's encoding's own bound (max_payload_bytes),
-// plus kControlMaxFrameBytes (common/van.h). Saturates instead of overflowing.
+// plus kControlMaxFrameBytes (transport/van.h). Saturates instead of overflowing.
 int64_t JobMaxFrameBytes(const proto::JobConfig& job, uint64_t num_params);
 
 }  // namespace sparseps

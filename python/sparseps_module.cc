@@ -27,9 +27,9 @@
 #include <string>
 #include <vector>
 
-#include "common/config.h"
+#include "config/config.h"
 #include "common/status.h"
-#include "common/van.h"
+#include "transport/van.h"
 #include "worker/device_buffer.h"
 #include "worker/session.h"
 #include "worker/training_log.h"

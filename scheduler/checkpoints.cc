@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <tuple>
 
-#include "common/config.h"
+#include "config/config.h"
 
 namespace sparseps {
 

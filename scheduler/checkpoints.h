@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "common/checkpoint.h"
+#include "storage/checkpoint.h"
 #include "scheduler/job_state.h"
 
 namespace sparseps {

@@ -11,7 +11,7 @@
 
 #include "common/log_limit.h"
 #include "common/status.h"
-#include "common/van.h"
+#include "transport/van.h"
 #include "proto/config.pb.h"
 
 namespace sparseps {

@@ -1,5 +1,5 @@
 // sparseps-scheduler: membership, barriers and liveness of one job.
-#include "common/daemon.h"
+#include "daemon/daemon.h"
 #include "scheduler/scheduler_daemon.h"
 
 int main(int argc, char** argv) {

@@ -4,7 +4,7 @@
 
 #include <algorithm>
 
-#include "common/config.h"
+#include "config/config.h"
 #include "common/key_range.h"
 
 namespace sparseps {

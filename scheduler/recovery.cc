@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <limits>
 
-#include "common/config.h"
+#include "config/config.h"
 
 namespace sparseps {
 

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "common/status.h"
-#include "common/van.h"
+#include "transport/van.h"
 #include "proto/config.pb.h"
 #include "proto/summary.pb.h"
 #include "scheduler/checkpoints.h"

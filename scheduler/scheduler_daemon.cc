@@ -8,9 +8,9 @@
 #include <fstream>
 #include <set>
 
-#include "common/metrics.h"
-#include "common/prometheus.h"
-#include "common/security.h"
+#include "observability/metrics.h"
+#include "observability/prometheus.h"
+#include "security/security.h"
 #include "scheduler/scheduler.h"
 
 namespace sparseps {

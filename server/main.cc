@@ -1,5 +1,5 @@
 // sparseps-server: one parameter-server shard.
-#include "common/daemon.h"
+#include "daemon/daemon.h"
 #include "server/server_daemon.h"
 
 int main(int argc, char** argv) {

@@ -10,13 +10,13 @@
 #include <thread>
 #include <utility>
 
-#include "common/checkpoint.h"
-#include "common/control_client.h"
-#include "common/daemon.h"
+#include "storage/checkpoint.h"
+#include "transport/control_client.h"
+#include "daemon/daemon.h"
 #include "common/log_limit.h"
-#include "common/metrics.h"
-#include "common/prometheus.h"
-#include "common/security.h"
+#include "observability/metrics.h"
+#include "observability/prometheus.h"
+#include "security/security.h"
 #include "encodings/registry.h"
 #include "server/shard_server.h"
 

@@ -14,10 +14,10 @@
 #include <string>
 #include <vector>
 
-#include "common/checkpoint.h"
+#include "storage/checkpoint.h"
 #include "common/key_range.h"
 #include "common/log_limit.h"
-#include "common/van.h"
+#include "transport/van.h"
 #include "encodings/aggregation.h"
 #include "proto/config.pb.h"
 
@@ -144,7 +144,7 @@ class ShardServer {
     return due;
   }
 
-  // Saves or restores the shard's state (common/checkpoint.h): parameters, version, the
+  // Saves or restores the shard's state (storage/checkpoint.h): parameters, version, the
   // aggregation's state across iterations (server residual, FetchSGD's sketches). Only between
   // iterations: a checkpoint is taken right after an Apply, before the next push. Loading checks
   // the range's size; after it pulls are answered densely.

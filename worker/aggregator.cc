@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "common/security.h"
+#include "security/security.h"
 #include "encodings/registry.h"
 #include "kernels/error_feedback.h"
 #include "worker/aggregator_internal.h"

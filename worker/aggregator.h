@@ -23,9 +23,9 @@
 #include <vector>
 #include <zmq.hpp>
 
-#include "common/checkpoint.h"
-#include "common/control_client.h"
-#include "common/message.h"
+#include "storage/checkpoint.h"
+#include "transport/control_client.h"
+#include "transport/message.h"
 #include "common/status.h"
 #include "proto/config.pb.h"
 #include "worker/device_buffer.h"

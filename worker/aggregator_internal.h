@@ -6,7 +6,7 @@
 #include <string>
 #include <zmq.hpp>
 
-#include "common/control_client.h"
+#include "transport/control_client.h"
 #include "worker/aggregator.h"
 #include "worker/collectives/peer_group.h"
 

@@ -9,8 +9,8 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 
-#include "common/config.h"
-#include "common/daemon.h"
+#include "config/config.h"
+#include "daemon/daemon.h"
 #include "worker/evaluate.h"
 
 int main(int argc, char** argv) {

@@ -1,6 +1,6 @@
 #include "worker/evaluate.h"
 
-#include "common/safetensors.h"
+#include "storage/safetensors.h"
 #include "worker/idx_reader.h"
 #include "worker/model.h"
 

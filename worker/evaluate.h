@@ -1,4 +1,4 @@
-// sparseps-eval: a trained model file (model.safetensors, common/safetensors.h) evaluated on the
+// sparseps-eval: a trained model file (model.safetensors, storage/safetensors.h) evaluated on the
 // test set of a job's config, without a cluster.
 #pragma once
 

@@ -1,5 +1,5 @@
 // sparseps-worker: trains on its data shard and pushes compressed gradients to the servers.
-#include "common/daemon.h"
+#include "daemon/daemon.h"
 #include "worker/trainer.h"
 
 int main(int argc, char** argv) {

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <vector>
 
-#include "common/config.h"
+#include "config/config.h"
 #include "worker/cnn.h"
 #include "worker/mlp.h"
 #if SPARSEPS_HAVE_CUDA

@@ -86,7 +86,7 @@ Result<std::vector<TensorLayout>> ModelLayers(const proto::ModelConfig& config,
 // The model of `config` (model.type, widths) for images shaped like `shape` (rows, cols,
 // num_classes) on `device` (proto::CPU or proto::CUDA; resolve AUTO first). Errors:
 // InvalidArgument naming the key for a model the config cannot describe (ValidateModelConfig in
-// common/config.h: an unknown model.type, a CNN without model.channels or with an even
+// config/config.h: an unknown model.type, a CNN without model.channels or with an even
 // model.kernel_size) or a shape it cannot take (images that do not survive a CNN's poolings);
 // FailedPrecondition for CUDA in a build without CUDA.
 Result<std::unique_ptr<Model>> MakeModel(const proto::ModelConfig& config, const Dataset& shape,

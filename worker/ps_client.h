@@ -18,9 +18,9 @@
 #include <vector>
 #include <zmq.hpp>
 
-#include "common/control_client.h"
+#include "transport/control_client.h"
 #include "common/key_range.h"
-#include "common/message.h"
+#include "transport/message.h"
 
 namespace sparseps {
 

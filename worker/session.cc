@@ -2,7 +2,7 @@
 
 #include <spdlog/spdlog.h>
 
-#include "common/daemon.h"
+#include "daemon/daemon.h"
 #include "worker/idx_reader.h"
 
 namespace sparseps {

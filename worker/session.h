@@ -12,9 +12,9 @@
 #include <vector>
 #include <zmq.hpp>
 
-#include "common/checkpoint.h"
-#include "common/control_client.h"
-#include "common/security.h"
+#include "storage/checkpoint.h"
+#include "transport/control_client.h"
+#include "security/security.h"
 #include "common/status.h"
 #include "proto/config.pb.h"
 #include "worker/aggregator.h"
@@ -56,7 +56,7 @@ class WorkerSession {
   uint64_t resume_iteration() const { return control_.membership().resume_iteration(); }
 
   // Instead of Aggregator::Init on a resumed job: reads and verifies this worker's file of the
-  // checkpoint (common/checkpoint.h), restores the aggregator (Aggregator::Resume) and lets
+  // checkpoint (storage/checkpoint.h), restores the aggregator (Aggregator::Resume) and lets
   // `extra` restore the training loop's own values (its data position) from the same archive.
   // A worker the checkpoint has no file of (it was lost before the checkpoint; ps mode) starts
   // with empty residuals at the loop position of the lowest-ranked worker's file. Errors: the
@@ -73,7 +73,7 @@ class WorkerSession {
   // job's parameters as model.safetensors by `layers`, checkpoint.save_model) and writes the files
   // on a background thread while training goes on; reports each written file to the scheduler
   // (at a later step, or in Finish). On worker 0 in ps mode also asks for one once
-  // checkpoint.every_s passed. Does nothing without a checkpoint folder (common/checkpoint.h
+  // checkpoint.every_s passed. Does nothing without a checkpoint folder (storage/checkpoint.h
   // CheckpointDir). Errors: IoError naming the file, the archive's.
   Status AfterStep(const std::function<void(StateArchive&)>& extra,
                    const std::vector<TensorLayout>& layers);

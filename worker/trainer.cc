@@ -7,7 +7,7 @@
 #include <optional>
 #include <random>
 
-#include "common/metrics.h"
+#include "observability/metrics.h"
 #include "kernels/device.h"
 #include "proto/summary.pb.h"
 #include "worker/aggregator.h"

@@ -9,10 +9,10 @@
 #include <memory>
 #include <vector>
 
-#include "common/metrics.h"
-#include "common/prometheus.h"
+#include "observability/metrics.h"
+#include "observability/prometheus.h"
 #include "common/status.h"
-#include "common/van.h"
+#include "transport/van.h"
 #include "proto/config.pb.h"
 #include "worker/aggregator.h"
 

@@ -12,7 +12,7 @@
 #include <string_view>
 #include <vector>
 
-#include "common/checkpoint.h"
+#include "storage/checkpoint.h"
 #include "common/status.h"
 #include "encodings/compressor.h"
 #include "encodings/cuda/cuda_arrays.h"

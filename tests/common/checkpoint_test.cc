@@ -1,6 +1,6 @@
 // Safetensors files and checkpoint node files: round trips, and every kind of damage refused
 // with the file named (truncation, a flipped bit anywhere, another config, a missing manifest).
-#include "common/checkpoint.h"
+#include "storage/checkpoint.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "common/safetensors.h"
+#include "storage/safetensors.h"
 
 namespace sparseps {
 namespace {

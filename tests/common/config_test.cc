@@ -1,5 +1,5 @@
 // Config loading: strict validation with messages naming file, line and key.
-#include "common/config.h"
+#include "config/config.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

@@ -1,4 +1,4 @@
-#include "common/daemon.h"
+#include "daemon/daemon.h"
 
 #include <gtest/gtest.h>
 #include <malloc.h>

@@ -1,5 +1,5 @@
 // The transport: header frame + payload frames, every size validated before use.
-#include "common/message.h"
+#include "transport/message.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -8,7 +8,7 @@
 #include <vector>
 #include <zmq.hpp>
 
-#include "common/van.h"
+#include "transport/van.h"
 
 namespace sparseps {
 namespace {

@@ -108,7 +108,8 @@ def declared_layers():
 
 def test_every_library_folder_states_its_layer():
     layers = declared_layers()
-    for folder in ("common", "kernels", "encodings", "server", "scheduler", "worker", "client",
+    for folder in ("common", "config", "security", "transport", "storage", "observability",
+                   "daemon", "kernels", "encodings", "server", "scheduler", "worker", "client",
                    "python"):
         assert folder in layers, f"{folder}/README.md has no 'May depend on:' line"
 

@@ -7,7 +7,7 @@
 #include <limits>
 #include <vector>
 
-#include "common/message.h"
+#include "transport/message.h"
 #include "encodings/dense.h"
 #include "encodings/registry.h"
 #include "encodings/topk.h"

@@ -10,8 +10,8 @@
 #include <random>
 #include <vector>
 
-#include "common/message.h"
-#include "common/van.h"
+#include "transport/message.h"
+#include "transport/van.h"
 #include "encodings/codec.h"
 #include "encodings/registry.h"
 #include "encodings/sbc.h"

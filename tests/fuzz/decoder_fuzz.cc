@@ -9,7 +9,7 @@
 #include <cstdlib>
 #include <vector>
 
-#include "common/message.h"
+#include "transport/message.h"
 #include "encodings/codec.h"
 #include "encodings/registry.h"
 #include "kernels/golomb.h"

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "common/config.h"
+#include "config/config.h"
 #include "scheduler/scheduler.h"
 #include "tests/fuzz/invariant.h"
 

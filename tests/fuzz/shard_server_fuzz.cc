@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "common/message.h"
+#include "transport/message.h"
 #include "encodings/dense.h"
 #include "encodings/sketch.h"
 #include "encodings/topk.h"

@@ -7,7 +7,7 @@
 // - with security.curve a job trains, while a client without an authorized key (and one without
 //   CURVE) gets no answer from the scheduler or a server: nothing it sends is read;
 // - a node whose job config differs is refused, naming the keys.
-#include "common/security.h"
+#include "security/security.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -25,8 +25,8 @@
 #include <vector>
 #include <zmq.hpp>
 
-#include "common/message.h"
-#include "common/van.h"
+#include "transport/message.h"
+#include "transport/van.h"
 #include "encodings/dense.h"
 #include "encodings/topk.h"
 #include "tests/support/process.h"
@@ -481,7 +481,7 @@ TEST(HostileClient, JobCompletesUnchangedUnderAMillionMessagesPerDaemon) {
 // Makes a keypair directory with sparseps-keygen and authorizes its public key in `authorized`.
 std::string Keygen(const std::string& dir, const std::string& name, const std::string& authorized) {
   const std::string out = dir + "/keys-" + name;
-  ChildProcess kg({testing::BinaryPath("common/sparseps-keygen"), out}, dir + "/keygen.log");
+  ChildProcess kg({testing::BinaryPath("security/sparseps-keygen"), out}, dir + "/keygen.log");
   EXPECT_EQ(kg.Wait(30), 0) << kg.Log();
   if (!authorized.empty()) {
     std::filesystem::copy_file(out + "/public.key", authorized + "/" + name + ".key");
@@ -499,7 +499,7 @@ TEST(Curve, KeygenWritesASecretOnlyItsOwnerReads) {
   ASSERT_TRUE(pair.ok()) << pair.status().ToString();
   EXPECT_EQ(pair->public_key.size(), 40u);
   // A second run refuses to overwrite the secret.
-  ChildProcess again({testing::BinaryPath("common/sparseps-keygen"), keys}, dir.path() + "/2.log");
+  ChildProcess again({testing::BinaryPath("security/sparseps-keygen"), keys}, dir.path() + "/2.log");
   EXPECT_EQ(again.Wait(30), 1) << again.Log();
   EXPECT_THAT(again.Log(), HasSubstr("exists"));
   // A secret others can read is refused, naming the file.

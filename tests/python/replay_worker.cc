@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "common/config.h"
+#include "config/config.h"
 #include "worker/session.h"
 
 namespace sparseps {

@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "common/config.h"
+#include "config/config.h"
 
 namespace sparseps {
 namespace {

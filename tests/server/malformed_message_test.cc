@@ -10,11 +10,11 @@
 #include <vector>
 #include <zmq.hpp>
 
-#include "common/config.h"
-#include "common/control_client.h"
+#include "config/config.h"
+#include "transport/control_client.h"
 #include "common/key_range.h"
-#include "common/message.h"
-#include "common/van.h"
+#include "transport/message.h"
+#include "transport/van.h"
 #include "encodings/codec.h"
 #include "encodings/dense.h"
 #include "encodings/registry.h"

@@ -1,7 +1,7 @@
 // Message helpers shared by the tests (header-only).
 #pragma once
 
-#include "common/message.h"
+#include "transport/message.h"
 
 namespace sparseps::testing {
 

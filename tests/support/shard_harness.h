@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "common/key_range.h"
-#include "common/message.h"
+#include "transport/message.h"
 #include "encodings/dense.h"
 #include "server/shard_server.h"
 

@@ -11,9 +11,9 @@
 #include <string>
 #include <vector>
 
-#include "common/checkpoint.h"
+#include "storage/checkpoint.h"
 #include "common/key_range.h"
-#include "common/safetensors.h"
+#include "storage/safetensors.h"
 #include "encodings/codec.h"
 #include "encodings/compressor.h"
 #include "encodings/cuda/gpu_compressors.h"

@@ -18,9 +18,9 @@
 #include <thread>
 #include <vector>
 
-#include "common/control_client.h"
+#include "transport/control_client.h"
 #include "common/key_range.h"
-#include "common/van.h"
+#include "transport/van.h"
 #include "encodings/dense.h"
 #include "encodings/topk.h"
 #include "server/shard_server.h"

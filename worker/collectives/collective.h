@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "common/message.h"
+#include "transport/message.h"
 #include "common/status.h"
 #include "encodings/compressor.h"
 #include "proto/config.pb.h"
@@ -145,7 +145,7 @@ class Collective {
   size_t k() const { return k_; }
 
   // Saves or restores what the collective keeps across calls (the host selection's threshold;
-  // ExDyna's threshold and partitions), between calls (common/checkpoint.h).
+  // ExDyna's threshold and partitions), between calls (storage/checkpoint.h).
   virtual void State(StateArchive& archive) {
     auto scope = archive.Scope("selector");
     selector_.State(archive);

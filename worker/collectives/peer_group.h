@@ -23,9 +23,9 @@
 #include <zmq.hpp>
 
 #include "common/log_limit.h"
-#include "common/message.h"
+#include "transport/message.h"
 #include "common/status.h"
-#include "common/van.h"
+#include "transport/van.h"
 
 namespace sparseps {
 

@@ -1,4 +1,4 @@
-#include "common/message.h"
+#include "transport/message.h"
 
 #include <cctype>
 #include <iterator>
@@ -168,7 +168,7 @@ Result<Message> RecvMessage(zmq::socket_t& socket, bool router, std::string* rou
     return Status::ProtocolError("header frame (" + std::to_string(head.size()) +
                                  " bytes) is not a valid Header");
   }
-  // With CURVE the ZAP handler's User-Id is the sender's public key (common/security.h).
+  // With CURVE the ZAP handler's User-Id is the sender's public key (security/security.h).
   if (const char* user = zmq_msg_gets(parts[first].handle(), "User-Id"); user != nullptr) {
     msg.peer_key = user;
   }

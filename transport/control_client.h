@@ -17,9 +17,9 @@
 #include <vector>
 #include <zmq.hpp>
 
-#include "common/message.h"
+#include "transport/message.h"
 #include "common/status.h"
-#include "common/van.h"
+#include "transport/van.h"
 #include "proto/config.pb.h"
 
 namespace sparseps {

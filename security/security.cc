@@ -1,4 +1,4 @@
-#include "common/security.h"
+#include "security/security.h"
 
 #include <fcntl.h>
 #include <spdlog/spdlog.h>

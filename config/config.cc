@@ -1,4 +1,4 @@
-#include "common/config.h"
+#include "config/config.h"
 
 #include <google/protobuf/descriptor.h>
 #include <google/protobuf/reflection.h>

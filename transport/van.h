@@ -11,13 +11,12 @@
 #include <vector>
 #include <zmq.hpp>
 
-#include "common/message.h"
+#include "common/clock.h"
 #include "common/status.h"
 #include "proto/config.pb.h"
+#include "transport/message.h"
 
 namespace sparseps {
-
-using Clock = std::chrono::steady_clock;
 
 // A message to send on a ROUTER socket: the peer's routing id and the message.
 struct Outgoing {
@@ -40,7 +39,7 @@ inline constexpr int64_t kControlMaxFrameBytes = int64_t{2} << 20;
 // A ROUTER socket bound to tcp://host:port (host "0.0.0.0" binds every interface); port 0 binds a
 // free port. The socket refuses to send to unknown peers (ROUTER_MANDATORY) instead of dropping
 // silently; a send to a peer with kSocketHwm messages queued fails (IoError in SendMessage). Frames
-// over max_frame_bytes disconnect the peer. With a CurveContext on `context` (common/security.h)
+// over max_frame_bytes disconnect the peer. With a CurveContext on `context` (security/security.h)
 // the socket is a CURVE server. Errors: IoError naming the endpoint.
 struct BoundRouter {
   zmq::socket_t socket;
@@ -81,8 +80,5 @@ class ScopedStopOnInterrupt {
   ScopedStopOnInterrupt& operator=(const ScopedStopOnInterrupt&) = delete;
   bool interrupted() const { return StopRequested(); }
 };
-
-// Seconds since `start`.
-double SecondsSince(Clock::time_point start);
 
 }  // namespace sparseps

@@ -1,4 +1,4 @@
-#include "common/prometheus.h"
+#include "observability/prometheus.h"
 
 #include <microhttpd.h>
 #include <netdb.h>

@@ -1,4 +1,4 @@
-#include "common/van.h"
+#include "transport/van.h"
 
 #include <algorithm>
 #include <atomic>
@@ -7,7 +7,7 @@
 #include <mutex>
 #include <stdexcept>
 
-#include "common/security.h"
+#include "security/security.h"
 
 namespace sparseps {
 namespace {
@@ -108,10 +108,6 @@ ScopedStopOnInterrupt::~ScopedStopOnInterrupt() {
   std::lock_guard<std::mutex> lock(g_interrupt_mu);
   if (--g_interrupt_scopes > 0) return;
   sigaction(SIGINT, &g_saved_interrupt, nullptr);
-}
-
-double SecondsSince(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
 }  // namespace sparseps

@@ -3,7 +3,7 @@
 // shape and [begin, end) byte offsets into the data that follows (plus an optional
 // "__metadata__" map of strings), then the raw little-endian tensor data, contiguous and in
 // offset order. The trained model (<run.dir>/model.safetensors) and every checkpoint file
-// (common/checkpoint.h) are written in it, so that PyTorch users read them with the safetensors
+// (storage/checkpoint.h) are written in it, so that PyTorch users read them with the safetensors
 // package, or with json and numpy alone.
 //
 // Thread-safety: a writer or a file is used by one thread; distinct objects are independent.

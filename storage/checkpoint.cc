@@ -1,4 +1,4 @@
-#include "common/checkpoint.h"
+#include "storage/checkpoint.h"
 
 #include <spdlog/spdlog.h>
 
@@ -9,7 +9,7 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
-#include "common/message.h"
+#include "transport/message.h"
 
 namespace sparseps {
 namespace {

@@ -3,7 +3,7 @@
 //
 // One CurveContext per zmq::context_t (a daemon has one): it owns the node's keypair, the
 // authorized keys and the ZAP handler thread, and registers itself so that BindRouter and
-// ConnectDealer (common/van.h) make CURVE servers and clients on that context. Without one the
+// ConnectDealer (transport/van.h) make CURVE servers and clients on that context. Without one the
 // sockets use ZeroMQ's NULL mechanism, as before.
 #pragma once
 

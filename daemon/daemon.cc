@@ -1,4 +1,4 @@
-#include "common/daemon.h"
+#include "daemon/daemon.h"
 
 #include <google/protobuf/stubs/logging.h>
 #include <malloc.h>
@@ -13,9 +13,9 @@
 #include <string>
 #include <vector>
 
-#include "common/config.h"
-#include "common/metrics.h"
-#include "common/van.h"
+#include "config/config.h"
+#include "observability/metrics.h"
+#include "transport/van.h"
 
 namespace sparseps {
 

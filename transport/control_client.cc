@@ -1,12 +1,12 @@
-#include "common/control_client.h"
+#include "transport/control_client.h"
 
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
 #include <algorithm>
 
-#include "common/config.h"
-#include "common/security.h"
+#include "config/config.h"
+#include "security/security.h"
 
 namespace sparseps {
 

@@ -1,4 +1,4 @@
-#include "common/metrics.h"
+#include "observability/metrics.h"
 
 #include <google/protobuf/descriptor.h>
 #include <google/protobuf/reflection.h>

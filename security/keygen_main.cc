@@ -1,8 +1,8 @@
-// sparseps-keygen: makes a node's CURVE keypair for security.curve (common/security.h).
+// sparseps-keygen: makes a node's CURVE keypair for security.curve (security/security.h).
 #include <CLI/CLI.hpp>
 #include <cstdio>
 
-#include "common/security.h"
+#include "security/security.h"
 
 int main(int argc, char** argv) {
   CLI::App app(

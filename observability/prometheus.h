@@ -21,7 +21,7 @@
 #include <utility>
 #include <vector>
 
-#include "common/message.h"
+#include "transport/message.h"
 #include "common/status.h"
 #include "proto/config.pb.h"
 

@@ -3,7 +3,7 @@
 #include <iterator>
 #include <string>
 
-#include "common/config.h"
+#include "config/config.h"
 
 namespace sparseps {
 

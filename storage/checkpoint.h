@@ -3,7 +3,7 @@
 // At one iteration T every server writes its shard's state and every worker its own into
 // <checkpoint.dir>/iter-<T>/ (server-<s>.safetensors, worker-<w>.safetensors, and worker 0 also
 // model.safetensors, the job's parameters by layer). Each node file is a safetensors file
-// (common/safetensors.h) whose metadata holds the format and its version, the role, rank,
+// (storage/safetensors.h) whose metadata holds the format and its version, the role, rank,
 // iteration, membership epoch, the fingerprint of the job's config and an XXH3-64 checksum per
 // array; it is written atomically (temporary file, fsync, rename). Each node then reports the
 // file, its size and its whole-file XXH3 to the scheduler, which writes MANIFEST.json into the
@@ -23,7 +23,7 @@
 #include <string_view>
 #include <vector>
 
-#include "common/safetensors.h"
+#include "storage/safetensors.h"
 #include "common/status.h"
 #include "proto/config.pb.h"
 #include "proto/messages.pb.h"

@@ -1,4 +1,4 @@
-#include "common/safetensors.h"
+#include "storage/safetensors.h"
 
 #include <fcntl.h>
 #include <unistd.h>
