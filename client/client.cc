@@ -5,9 +5,9 @@
 #include <string>
 #include <utility>
 
-#include "config/config.h"
 #include "common/status.h"
 #include "common/tensor_layout.h"
+#include "config/config.h"
 #include "worker/session.h"
 
 namespace sparseps::client {

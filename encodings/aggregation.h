@@ -12,10 +12,10 @@
 #include <string>
 #include <vector>
 
-#include "storage/checkpoint.h"
 #include "common/key_range.h"
 #include "encodings/codec.h"
 #include "proto/config.pb.h"
+#include "storage/checkpoint.h"
 
 namespace sparseps {
 

@@ -15,9 +15,9 @@
 #include <string>
 #include <vector>
 
-#include "transport/message.h"
 #include "common/status.h"
 #include "proto/messages.pb.h"
+#include "transport/message.h"
 
 namespace sparseps {
 

@@ -13,12 +13,12 @@
 #include <string>
 #include <vector>
 
-#include "storage/checkpoint.h"
 #include "common/key_range.h"
-#include "transport/message.h"
 #include "common/status.h"
 #include "kernels/select.h"
 #include "proto/config.pb.h"
+#include "storage/checkpoint.h"
+#include "transport/message.h"
 
 namespace sparseps {
 

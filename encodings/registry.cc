@@ -2,12 +2,12 @@
 
 #include <algorithm>
 
-#include "transport/van.h"
 #include "encodings/cuda/gpu_compressors.h"
 #include "encodings/dense.h"
 #include "encodings/sbc.h"
 #include "encodings/sketch.h"
 #include "encodings/topk.h"
+#include "transport/van.h"
 
 namespace sparseps {
 namespace {

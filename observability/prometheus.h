@@ -21,9 +21,9 @@
 #include <utility>
 #include <vector>
 
-#include "transport/message.h"
 #include "common/status.h"
 #include "proto/config.pb.h"
+#include "transport/message.h"
 
 struct MHD_Daemon;
 

@@ -27,8 +27,8 @@
 #include <string>
 #include <vector>
 
-#include "config/config.h"
 #include "common/status.h"
+#include "config/config.h"
 #include "transport/van.h"
 #include "worker/device_buffer.h"
 #include "worker/session.h"

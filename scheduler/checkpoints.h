@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
-#include "storage/checkpoint.h"
 #include "scheduler/job_state.h"
+#include "storage/checkpoint.h"
 
 namespace sparseps {
 

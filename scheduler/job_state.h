@@ -11,8 +11,8 @@
 
 #include "common/log_limit.h"
 #include "common/status.h"
-#include "transport/van.h"
 #include "proto/config.pb.h"
+#include "transport/van.h"
 
 namespace sparseps {
 

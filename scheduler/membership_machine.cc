@@ -4,8 +4,8 @@
 
 #include <algorithm>
 
-#include "config/config.h"
 #include "common/key_range.h"
+#include "config/config.h"
 
 namespace sparseps {
 

@@ -15,13 +15,13 @@
 #include <vector>
 
 #include "common/status.h"
-#include "transport/van.h"
 #include "proto/config.pb.h"
 #include "proto/summary.pb.h"
 #include "scheduler/checkpoints.h"
 #include "scheduler/job_state.h"
 #include "scheduler/membership_machine.h"
 #include "scheduler/recovery.h"
+#include "transport/van.h"
 
 namespace sparseps {
 

@@ -10,8 +10,8 @@
 
 #include "observability/metrics.h"
 #include "observability/prometheus.h"
-#include "security/security.h"
 #include "scheduler/scheduler.h"
+#include "security/security.h"
 
 namespace sparseps {
 namespace {

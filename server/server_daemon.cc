@@ -10,15 +10,15 @@
 #include <thread>
 #include <utility>
 
-#include "storage/checkpoint.h"
-#include "transport/control_client.h"
-#include "daemon/daemon.h"
 #include "common/log_limit.h"
+#include "daemon/daemon.h"
+#include "encodings/registry.h"
 #include "observability/metrics.h"
 #include "observability/prometheus.h"
 #include "security/security.h"
-#include "encodings/registry.h"
 #include "server/shard_server.h"
+#include "storage/checkpoint.h"
+#include "transport/control_client.h"
 
 namespace sparseps {
 namespace {

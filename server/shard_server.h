@@ -14,12 +14,12 @@
 #include <string>
 #include <vector>
 
-#include "storage/checkpoint.h"
 #include "common/key_range.h"
 #include "common/log_limit.h"
-#include "transport/van.h"
 #include "encodings/aggregation.h"
 #include "proto/config.pb.h"
+#include "storage/checkpoint.h"
+#include "transport/van.h"
 
 namespace sparseps {
 

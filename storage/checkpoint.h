@@ -23,10 +23,10 @@
 #include <string_view>
 #include <vector>
 
-#include "storage/safetensors.h"
 #include "common/status.h"
 #include "proto/config.pb.h"
 #include "proto/messages.pb.h"
+#include "storage/safetensors.h"
 
 namespace sparseps {
 

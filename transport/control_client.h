@@ -17,10 +17,10 @@
 #include <vector>
 #include <zmq.hpp>
 
-#include "transport/message.h"
 #include "common/status.h"
-#include "transport/van.h"
 #include "proto/config.pb.h"
+#include "transport/message.h"
+#include "transport/van.h"
 
 namespace sparseps {
 

@@ -2,9 +2,9 @@
 
 #include <algorithm>
 
-#include "security/security.h"
 #include "encodings/registry.h"
 #include "kernels/error_feedback.h"
+#include "security/security.h"
 #include "worker/aggregator_internal.h"
 
 namespace sparseps {

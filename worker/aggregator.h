@@ -23,11 +23,11 @@
 #include <vector>
 #include <zmq.hpp>
 
+#include "common/status.h"
+#include "proto/config.pb.h"
 #include "storage/checkpoint.h"
 #include "transport/control_client.h"
 #include "transport/message.h"
-#include "common/status.h"
-#include "proto/config.pb.h"
 #include "worker/device_buffer.h"
 
 namespace sparseps {

@@ -18,8 +18,8 @@
 #include <vector>
 #include <zmq.hpp>
 
-#include "transport/control_client.h"
 #include "common/key_range.h"
+#include "transport/control_client.h"
 #include "transport/message.h"
 
 namespace sparseps {

@@ -12,11 +12,11 @@
 #include <vector>
 #include <zmq.hpp>
 
-#include "storage/checkpoint.h"
-#include "transport/control_client.h"
-#include "security/security.h"
 #include "common/status.h"
 #include "proto/config.pb.h"
+#include "security/security.h"
+#include "storage/checkpoint.h"
+#include "transport/control_client.h"
 #include "worker/aggregator.h"
 
 namespace sparseps {

@@ -7,8 +7,8 @@
 #include <optional>
 #include <random>
 
-#include "observability/metrics.h"
 #include "kernels/device.h"
+#include "observability/metrics.h"
 #include "proto/summary.pb.h"
 #include "worker/aggregator.h"
 #include "worker/device_buffer.h"

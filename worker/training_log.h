@@ -9,11 +9,11 @@
 #include <memory>
 #include <vector>
 
+#include "common/status.h"
 #include "observability/metrics.h"
 #include "observability/prometheus.h"
-#include "common/status.h"
-#include "transport/van.h"
 #include "proto/config.pb.h"
+#include "transport/van.h"
 #include "worker/aggregator.h"
 
 namespace sparseps {

@@ -12,7 +12,6 @@
 #include <string_view>
 #include <vector>
 
-#include "storage/checkpoint.h"
 #include "common/status.h"
 #include "encodings/compressor.h"
 #include "encodings/cuda/cuda_arrays.h"
@@ -20,6 +19,7 @@
 #include "kernels/cuda/gpu_kernels.h"
 #include "kernels/select.h"
 #include "proto/config.pb.h"
+#include "storage/checkpoint.h"
 
 namespace sparseps {
 

@@ -7,11 +7,11 @@
 #include <limits>
 #include <vector>
 
-#include "transport/message.h"
 #include "encodings/dense.h"
 #include "encodings/registry.h"
 #include "encodings/topk.h"
 #include "tests/support/messages.h"
+#include "transport/message.h"
 
 namespace sparseps {
 namespace {

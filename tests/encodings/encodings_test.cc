@@ -10,8 +10,6 @@
 #include <random>
 #include <vector>
 
-#include "transport/message.h"
-#include "transport/van.h"
 #include "encodings/codec.h"
 #include "encodings/registry.h"
 #include "encodings/sbc.h"
@@ -20,6 +18,8 @@
 #include "kernels/golomb.h"
 #include "kernels/pack.h"
 #include "tests/support/messages.h"
+#include "transport/message.h"
+#include "transport/van.h"
 
 namespace sparseps {
 namespace {

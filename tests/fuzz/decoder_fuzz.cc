@@ -9,11 +9,11 @@
 #include <cstdlib>
 #include <vector>
 
-#include "transport/message.h"
 #include "encodings/codec.h"
 #include "encodings/registry.h"
 #include "kernels/golomb.h"
 #include "kernels/pack.h"
+#include "transport/message.h"
 
 namespace {
 

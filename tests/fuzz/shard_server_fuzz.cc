@@ -13,12 +13,12 @@
 #include <string>
 #include <vector>
 
-#include "transport/message.h"
 #include "encodings/dense.h"
 #include "encodings/sketch.h"
 #include "encodings/topk.h"
 #include "server/shard_server.h"
 #include "tests/fuzz/invariant.h"
+#include "transport/message.h"
 
 namespace {
 

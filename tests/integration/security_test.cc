@@ -25,11 +25,11 @@
 #include <vector>
 #include <zmq.hpp>
 
-#include "transport/message.h"
-#include "transport/van.h"
 #include "encodings/dense.h"
 #include "encodings/topk.h"
 #include "tests/support/process.h"
+#include "transport/message.h"
+#include "transport/van.h"
 
 namespace sparseps {
 namespace {
@@ -499,7 +499,8 @@ TEST(Curve, KeygenWritesASecretOnlyItsOwnerReads) {
   ASSERT_TRUE(pair.ok()) << pair.status().ToString();
   EXPECT_EQ(pair->public_key.size(), 40u);
   // A second run refuses to overwrite the secret.
-  ChildProcess again({testing::BinaryPath("security/sparseps-keygen"), keys}, dir.path() + "/2.log");
+  ChildProcess again({testing::BinaryPath("security/sparseps-keygen"), keys},
+                     dir.path() + "/2.log");
   EXPECT_EQ(again.Wait(30), 1) << again.Log();
   EXPECT_THAT(again.Log(), HasSubstr("exists"));
   // A secret others can read is refused, naming the file.

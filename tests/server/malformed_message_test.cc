@@ -10,16 +10,16 @@
 #include <vector>
 #include <zmq.hpp>
 
-#include "config/config.h"
-#include "transport/control_client.h"
 #include "common/key_range.h"
-#include "transport/message.h"
-#include "transport/van.h"
+#include "config/config.h"
 #include "encodings/codec.h"
 #include "encodings/dense.h"
 #include "encodings/registry.h"
 #include "encodings/topk.h"
 #include "tests/support/process.h"
+#include "transport/control_client.h"
+#include "transport/message.h"
+#include "transport/van.h"
 
 namespace sparseps {
 namespace {

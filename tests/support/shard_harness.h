@@ -7,9 +7,9 @@
 #include <vector>
 
 #include "common/key_range.h"
-#include "transport/message.h"
 #include "encodings/dense.h"
 #include "server/shard_server.h"
+#include "transport/message.h"
 
 namespace sparseps::testing {
 

@@ -11,9 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "storage/checkpoint.h"
 #include "common/key_range.h"
-#include "storage/safetensors.h"
 #include "encodings/codec.h"
 #include "encodings/compressor.h"
 #include "encodings/cuda/gpu_compressors.h"
@@ -26,6 +24,8 @@
 #include "kernels/cuda/gpu_kernels.h"
 #include "kernels/dense.h"
 #include "kernels/error_feedback.h"
+#include "storage/checkpoint.h"
+#include "storage/safetensors.h"
 #include "tests/support/gpu_testing.h"
 #include "worker/device_buffer.h"
 #include "worker/model.h"

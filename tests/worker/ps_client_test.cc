@@ -18,12 +18,12 @@
 #include <thread>
 #include <vector>
 
-#include "transport/control_client.h"
 #include "common/key_range.h"
-#include "transport/van.h"
 #include "encodings/dense.h"
 #include "encodings/topk.h"
 #include "server/shard_server.h"
+#include "transport/control_client.h"
+#include "transport/van.h"
 
 namespace sparseps {
 namespace {

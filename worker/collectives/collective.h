@@ -15,10 +15,10 @@
 #include <string>
 #include <vector>
 
-#include "transport/message.h"
 #include "common/status.h"
 #include "encodings/compressor.h"
 #include "proto/config.pb.h"
+#include "transport/message.h"
 #include "worker/collectives/peer_group.h"
 
 namespace sparseps {

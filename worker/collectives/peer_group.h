@@ -23,8 +23,8 @@
 #include <zmq.hpp>
 
 #include "common/log_limit.h"
-#include "transport/message.h"
 #include "common/status.h"
+#include "transport/message.h"
 #include "transport/van.h"
 
 namespace sparseps {
