@@ -1,7 +1,7 @@
 #!/bin/bash
 # Checkpoint cost on the 5.8M MLP (configs/compare_job.yaml, 4 workers, 2 servers, loopback):
 # alternating runs without checkpoints and with one every 100 steps; prints train_s, accuracy and
-# the checkpoint log lines. Used for docs/BENCHMARKS.md ("Checkpoints and resume").
+# the checkpoint log lines. Used for docs/log/benchmarks-2026-11.md ("Checkpoints and resume").
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 for rep in 1 2; do
   for mode in none every100; do

@@ -27,9 +27,9 @@ void SetLogName(const std::string& name);
 // kMessageMmapThreshold bytes come from the heap instead of their own mmap, and up to
 // kMessageTrimThreshold bytes of freed heap stay with the process. With glibc's defaults each
 // such buffer went back to the kernel when freed and was page-faulted in again on its next use:
-// measured on the 10 Gbit/s comparison (docs/BENCHMARKS.md), the dense ring's step fell from
-// 1.26x to 1.08x of Gloo's. Does nothing when MALLOC_MMAP_THRESHOLD_ or MALLOC_TRIM_THRESHOLD_ is
-// set, and under AddressSanitizer (its allocator replaces glibc's). Call before other threads
+// measured on the 10 Gbit/s comparison (docs/log/benchmarks-2026-11.md), the dense ring's step fell
+// from 1.26x to 1.08x of Gloo's. Does nothing when MALLOC_MMAP_THRESHOLD_ or MALLOC_TRIM_THRESHOLD_
+// is set, and under AddressSanitizer (its allocator replaces glibc's). Call before other threads
 // start; DaemonMain does, just before the daemon's body.
 inline constexpr size_t kMessageMmapThreshold = size_t{32} << 20;  // glibc's maximum on 64-bit
 inline constexpr size_t kMessageTrimThreshold = size_t{128} << 20;

@@ -1,6 +1,7 @@
 """Every figure that README.md and docs/user-guide.md state (a percentage, a ratio such as 0.29x
 or 23x, a time in seconds with decimals) must appear, with the same number and unit, in
-docs/BENCHMARKS.md, where each has the command that produced it and the machine it ran on.
+docs/results.md, where each has the command that produced it, the machine, the date and the
+commit (docs/render_results.py renders that page; tests/docs/test_results_page.py checks it).
 Run by ctest with Debian's python3 -m pytest."""
 import os
 import re
@@ -40,7 +41,7 @@ def figures(text):
 
 
 def benchmarks():
-    with open(os.path.join(ROOT, "docs", "BENCHMARKS.md")) as f:
+    with open(os.path.join(ROOT, "docs", "results.md")) as f:
         return known_figures(f.read())
 
 
@@ -62,7 +63,7 @@ def test_every_figure_comes_from_benchmarks(page):
     known = benchmarks()
     missing = [(fig, line) for fig, line in figures(text)
                if fig not in SETTINGS and fig not in known]
-    assert not missing, f"{page}: figures not in docs/BENCHMARKS.md:\n" + "\n".join(
+    assert not missing, f"{page}: figures not in docs/results.md:\n" + "\n".join(
         f"  {fig}: {line}" for fig, line in missing)
 
 

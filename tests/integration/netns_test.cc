@@ -75,8 +75,8 @@ TEST(EmulatedNetwork, ShapedLinkCarriesItsRateAndIsRemovedAfterwards) {
     }
     ASSERT_EQ(rc, 0) << json;
     // The shaping is the point: never above the rate. Below it only by what a loaded 2-core
-    // machine takes from iperf3 (0.93 of the rate measured alone, docs/BENCHMARKS.md; 0.896 seen
-    // once with a job beside it).
+    // machine takes from iperf3 (0.93 of the rate measured alone, docs/log/benchmarks-2026-11.md;
+    // 0.896 seen once with a job beside it).
     const double bps = ParseReceivedBitsPerSecond(json);
     EXPECT_GT(bps, 0.75 * 500e6) << json.substr(0, 2000);
     EXPECT_LT(bps, 1.05 * 500e6) << json.substr(0, 2000);

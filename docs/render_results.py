@@ -1,0 +1,169 @@
+#!/usr/bin/env python3
+"""Renders docs/results.md, the figures sparseps stands behind now, from the result files the
+benchmark commands write: docs/results/quickstart.json (bench/results_quickstart.py), the
+comparisons' results.csv and results.md (bench/sparseps-compare, folders listed in
+docs/results/comparisons.json), and docs/results/entered.json for figures entered by hand, each
+with its command. Re-run a command, then this script, and commit both.
+
+    python3 docs/render_results.py           # writes docs/results.md
+    python3 docs/render_results.py --check   # exit 1 when docs/results.md is not what it renders
+"""
+import csv
+import json
+import os
+import re
+import sys
+
+ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+PAGE = os.path.join(ROOT, "docs", "results.md")
+LOG = "docs/log/benchmarks-2026-11.md"
+# One section per question a user asks: (key, heading).
+SECTIONS = (
+    ("quickstart", "How fast is the quickstart?"),
+    ("encodings", "How do the encodings compare?"),
+    ("compare", "PS against allreduce at 1 and 10 Gbit/s"),
+    ("tuning", "What the settings for a network bought"),
+    ("failures", "What survives which failure"),
+    ("gpu", "The GPU"),
+)
+
+
+def load(name):
+    with open(os.path.join(ROOT, "docs", "results", name)) as f:
+        return json.load(f)
+
+
+def anchor(heading):
+    """GitHub's anchor for a heading."""
+    return re.sub(r"[^a-z0-9 -]", "", heading.lower()).replace(" ", "-")
+
+
+def percent(x):
+    return f"{100 * x:.2f}%"
+
+
+def span(values, fmt):
+    """'a' when all are equal in `fmt`, else 'low–high'."""
+    low, high = fmt(min(values)), fmt(max(values))
+    return low if low == high else f"{low}–{high}"
+
+
+def provenance(d):
+    return f"Machine: {d['machine']}. Date: {d['date']}. Commit: {d['commit']}."
+
+
+def quickstart(q):
+    out = [provenance(q) + f" Command: `{q['command']}` (each run alone, one after the other).",
+           "",
+           "| job | what | command | runs | test accuracy | wall clock | train |",
+           "|---|---|---|---:|---:|---:|---:|"]
+    for job in q["jobs"]:
+        runs = job["runs"]
+        out.append(
+            f"| {job['job']} | {job['what']} | `{job['command']}` | {len(runs)} | "
+            f"{span([r['final_test_accuracy'] for r in runs], percent)} | "
+            f"{span([r['wall_clock_s'] for r in runs], lambda x: f'{x:.1f}')} s | "
+            f"{span([r['train_s'] for r in runs], lambda x: f'{x:.1f}')} s |")
+    out.append("")
+    out.append("The runs of one job end at the same accuracy to the last digit (the same seed; "
+               "two workers' sums do not depend on arrival order).")
+    return out
+
+
+def encodings(q):
+    out = ["The quickstart's job (MLP 784-256-128-10, 6 epochs, 2 servers, 2 workers on loopback) "
+           "with each encoding, one run each; bytes are one worker's per step. " + provenance(q)
+           + f" Command: `{q['command']}`.",
+           "",
+           "| encoding | config | test accuracy | wall clock | sent KB/step | received KB/step |",
+           "|---|---|---:|---:|---:|---:|"]
+    for e in q["encodings"]:
+        out.append(f"| {e['encoding']} | `{e['config']}` | {percent(e['final_test_accuracy'])} | "
+                   f"{e['wall_clock_s']:.1f} s | {e['sent_bytes_per_step'] / 1e3:.1f} | "
+                   f"{e['received_bytes_per_step'] / 1e3:.1f} |")
+    return out
+
+
+def comparison(c):
+    folder = os.path.join(ROOT, c["dir"])
+    with open(os.path.join(folder, "results.md")) as f:
+        header = [line[2:].strip() for line in f if line.startswith("- ")]
+    with open(os.path.join(folder, "results.csv")) as f:
+        rows = list(csv.DictReader(f))
+    gloo = next(float(r["step_ms_median"]) for r in rows if r["setting"] == "gloo")
+    out = [f"### At {c['rate']}", ""]
+    out += [f"- {h}" for h in header]
+    out += [f"- date: {c['date']}; commit: {c['commit']}; files: {c['dir']}/ (plots too)", "",
+            "| setting | W + S | time to 80% (s) | step ms (median) | vs gloo | sent KB/step "
+            "| received KB/step | final accuracy |",
+            "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        t = f"{float(r['time_to_target_s']):.1f}" if r["time_to_target_s"] else "not reached"
+        step = float(r["step_ms_median"])
+        out.append(f"| {r['setting']} | {r['workers']} + {r['servers']} | {t} | {step:.1f} | "
+                   f"{step / gloo:.2f}x | {float(r['sent_bytes_per_step']) / 1e3:.1f} | "
+                   f"{float(r['received_bytes_per_step']) / 1e3:.1f} | "
+                   f"{percent(float(r['final_accuracy']))} |")
+    out.append("")
+    return out
+
+
+def compare():
+    out = ["Four workers (+ servers for the PS settings) on emulated hosts of their own "
+           "(deploy/netns.sh: one veth per host, tc tbf at the rate each way), the 5.8M-parameter "
+           "MLP at density 1%, 150 steps. Time to 80% test accuracy first; `vs gloo` is the "
+           "median step against Gloo's dense allreduce in the same run.", ""]
+    for c in load("comparisons.json")["comparisons"]:
+        out += comparison(c)
+    return out
+
+
+def entered(entries):
+    out = []
+    for e in entries:
+        out += [f"### {e['title']}", "", e["text"], "",
+                f"- command: `{e['command']}`",
+                f"- machine: {e['machine']}; date: {e['date']}; commit: {e['commit']}",
+                f"- write-up: {LOG}, \"{e['log']}\"", ""]
+    return out
+
+
+def render():
+    q = load("quickstart.json")
+    hand = load("entered.json")["sections"]
+    body = {"quickstart": quickstart(q) + [""] + entered(hand.get("quickstart", [])),
+            "encodings": encodings(q),
+            "compare": compare(),
+            "tuning": entered(hand["tuning"]),
+            "failures": entered(hand["failures"]),
+            "gpu": entered(hand["gpu"]) + [
+                "Not run on a GPU since: the PyTorch GPU path end to end (issue 41)."]}
+    out = ["# Results", "",
+           "What sparseps measures now, one section per question. Every figure names its "
+           "command, machine, date and commit. This page is rendered by "
+           "`python3 docs/render_results.py` from the result files under docs/results/ and the "
+           "comparisons' folders (docs/compare_*/): re-run a command, render, commit both. "
+           "Figures that README.md and docs/user-guide.md quote come from here "
+           "(tests/docs/test_figures.py); the dated history of every measurement is in "
+           f"{LOG}. The machines are shared and noisy: compare figures within one table.",
+           "", "## Contents", ""]
+    out += [f"- [{h}](#{anchor(h)})" for _, h in SECTIONS]
+    for key, heading in SECTIONS:
+        out += ["", f"## {heading}", ""] + body[key]
+    text = "\n".join(out)
+    return re.sub(r"\n{3,}", "\n\n", text).rstrip("\n") + "\n"
+
+
+def main():
+    text = render()
+    if "--check" in sys.argv[1:]:
+        with open(PAGE) as f:
+            if f.read() != text:
+                sys.exit("docs/results.md is not what docs/render_results.py renders: run it")
+        return
+    with open(PAGE, "w") as f:
+        f.write(text)
+
+
+if __name__ == "__main__":
+    main()
