@@ -1,6 +1,8 @@
 #include "encodings/registry.h"
 
 #include <algorithm>
+#include <deque>
+#include <string>
 
 #include "encodings/cuda/gpu_compressors.h"
 #include "encodings/dense.h"
@@ -29,13 +31,48 @@ const EncodingSpec kEncodings[] = {
      MakeSketchAggregation, SketchMaxPayloadBytes},
 };
 
+// Rows added by RegisterEncoding (a deque: the rows found earlier stay where they are).
+std::deque<EncodingSpec>& Registered() {
+  static std::deque<EncodingSpec> rows;
+  return rows;
+}
+
 }  // namespace
 
 const EncodingSpec* FindEncoding(proto::Encoding id) {
   for (const auto& e : kEncodings) {
     if (e.id == id) return &e;
   }
+  for (const auto& e : Registered()) {
+    if (e.id == id) return &e;
+  }
   return nullptr;
+}
+
+Status RegisterEncoding(const EncodingSpec& spec) {
+  const std::string name = spec.name != nullptr ? spec.name : "";
+  if (name.empty() || spec.codec == nullptr || spec.make_compressor == nullptr ||
+      spec.make_aggregation == nullptr) {
+    return Status::InvalidArgument("encoding '" + name +
+                                   "': a row needs a name, a codec, make_compressor and "
+                                   "make_aggregation");
+  }
+  if (spec.codec->encoding() != spec.id) {
+    return Status::InvalidArgument("encoding '" + name + "': its codec decodes encoding " +
+                                   std::to_string(spec.codec->encoding()) + ", not its id " +
+                                   std::to_string(spec.id));
+  }
+  if (const EncodingSpec* taken = FindEncoding(spec.id); taken != nullptr) {
+    return Status::InvalidArgument("encoding '" + name + "': id " + std::to_string(spec.id) +
+                                   " is '" + taken->name + "''s");
+  }
+  auto same_name = [&](const EncodingSpec& e) { return name == e.name; };
+  if (std::any_of(std::begin(kEncodings), std::end(kEncodings), same_name) ||
+      std::any_of(Registered().begin(), Registered().end(), same_name)) {
+    return Status::InvalidArgument("encoding '" + name + "': the name is taken");
+  }
+  Registered().push_back(spec);
+  return Status::OK();
 }
 
 const Codec* FindCodec(proto::Encoding id) {

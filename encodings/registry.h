@@ -9,7 +9,8 @@
 // device compressor), its value in proto/messages.proto's Encoding, and one row in the table;
 // encodings/README.md says how.
 //
-// Thread-safety: the table is immutable.
+// Thread-safety: the built-in table is immutable; rows a program registers (RegisterEncoding) are
+// added before any job starts.
 #pragma once
 
 #include <cstdint>
@@ -40,6 +41,13 @@ struct EncodingSpec {
 
 // The row of `id`, or nullptr for an encoding that is not in the table.
 const EncodingSpec* FindEncoding(proto::Encoding id);
+
+// Adds a row after the built-in ones: an encoding of a test, or one a program links in without
+// changing registry.cc (its id a value proto::Encoding does not name; a config file cannot name
+// it, a JobConfig built in code can). Errors: InvalidArgument when the id or the name is taken
+// or a part is missing (codec, make_compressor, make_aggregation). Not thread-safe: call before
+// any job starts, from one thread.
+Status RegisterEncoding(const EncodingSpec& spec);
 
 // The codec of `id`, or nullptr when unknown (received messages name their own encoding).
 const Codec* FindCodec(proto::Encoding id);
