@@ -1,0 +1,213 @@
+#include "worker/schedules/range_step.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <string>
+
+#include "encodings/registry.h"
+#include "kernels/error_feedback.h"
+#include "worker/aggregator_internal.h"
+
+namespace sparseps {
+
+RangeStep::RangeStep(const PsStepContext& ctx) : ctx_(ctx) {
+  const proto::JobConfig& config = *ctx_.config;
+  for (const auto& r : ctx_.ps->ranges()) {
+    slices_.push_back(MakeCompressor(config, r.size()));
+    slices_.back()->set_key_base(r.begin);
+    // After every push the pulled parameters replace SBC's local copy.
+    slices_.back()->set_pull_replaces_params(true);
+  }
+  times_.assign(ctx_.ps->ranges().size(), RangeTimes{});
+  spdlog::info(
+      "train.overlap: backward: {} key ranges, each pushed as soon as the backward pass has "
+      "finished it ({} first)",
+      slices_.size(), config.train().overlap_priority() == proto::FRONT_FIRST ? "front" : "back");
+}
+
+RangeStep::~RangeStep() {
+  if (!comm_.joinable()) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    cancel_ = true;
+  }
+  cv_.notify_all();
+  comm_.join();
+}
+
+void RangeStep::State(StateArchive& archive) {
+  // One compressor per key range: a checkpoint of train.overlap: backward resumes with it.
+  for (size_t r = 0; r < slices_.size(); ++r) {
+    auto scope = archive.Scope("compressor_range" + std::to_string(r));
+    slices_[r]->State(archive);
+  }
+}
+
+Status RangeStep::ReadResidual(std::vector<float>* out) {
+  out->resize(num_params());
+  std::vector<float> slice;
+  for (size_t r = 0; r < slices_.size(); ++r) {
+    SPARSEPS_RETURN_IF_ERROR(slices_[r]->ReadResidual(&slice));
+    std::copy(slice.begin(), slice.end(),
+              out->begin() + static_cast<std::ptrdiff_t>(ctx_.ps->ranges()[r].begin));
+  }
+  return Status::OK();
+}
+
+void RangeStep::OnChanged(uint64_t begin, std::span<const uint32_t> keys,
+                          std::span<const float> delta) {
+  // The range's own compressor, whose keys start at the range's first. (An empty range, of a job
+  // with more servers than keys, holds no key and changes none.)
+  const int r = FindKeyRange(ctx_.ps->ranges(), begin);
+  if (r >= 0) slices_[static_cast<size_t>(r)]->OnChanged(0, keys, delta);
+}
+
+bool RangeStep::BeginStep(float* grad) {
+  if (comm_.joinable()) comm_.join();  // a step begun and never ended (cannot happen in order)
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ready_from_ = num_params();
+    cancel_ = false;
+  }
+  // Ranges past the last key (none in practice) are ready at once.
+  MarkReady(num_params(), Clock::now());
+  comm_ = std::thread([this, grad] { comm_status_ = PushRanges(grad); });
+  return true;
+}
+
+void RangeStep::GradientReady(size_t key_begin) {
+  const auto now = Clock::now();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (key_begin >= ready_from_) return;
+    MarkReady(key_begin, now);
+    ready_from_ = key_begin;
+  }
+  cv_.notify_one();
+}
+
+void RangeStep::MarkReady(size_t key_begin, Clock::time_point now) {
+  const auto& ranges = ctx_.ps->ranges();
+  for (size_t r = 0; r < ranges.size(); ++r) {
+    if (ranges[r].begin >= key_begin && ranges[r].begin < ready_from_) times_[r].ready = now;
+  }
+  if (key_begin >= num_params()) {
+    for (size_t r = 0; r < ranges.size(); ++r) {
+      if (ranges[r].begin >= num_params()) times_[r].ready = now;
+    }
+  }
+}
+
+size_t RangeStep::NextRange(const std::vector<bool>& done) const {
+  const auto& ranges = ctx_.ps->ranges();
+  const size_t count = ranges.size();
+  const bool front = ctx_.config->train().overlap_priority() == proto::FRONT_FIRST;
+  for (size_t i = 0; i < count; ++i) {
+    const size_t r = front ? i : count - 1 - i;
+    if (!done[r] && ranges[r].begin >= ready_from_) return r;
+  }
+  return count;
+}
+
+Status RangeStep::PushRange(size_t r, float* grad, bool* pushed) {
+  const KeyRange& range = ctx_.ps->ranges()[r];
+  RangeTimes& t = times_[r];
+  t.encoded_from = Clock::now();
+  float* g = grad + range.begin;
+  const bool local_copy = trains_local_copy();
+  float* model = (local_copy ? ctx_.local->data() : ctx_.params->data()) + range.begin;
+  if (const float wd = static_cast<float>(ctx_.config->train().weight_decay()); wd > 0.0f) {
+    kernels::Axpy(wd, model, g, range.size());
+  }
+  Compressor& c = *slices_[r];
+  *pushed = c.LocalStep(g, model);
+  if (*pushed) {
+    one_.clear();
+    SPARSEPS_RETURN_IF_ERROR(c.Compress(g, {KeyRange{0, range.size()}}, &one_));
+    one_.front().header.set_key_begin(range.begin);
+    one_.front().header.set_key_end(range.end);
+  }
+  t.encoded_to = Clock::now();
+  t.pushed = *pushed;
+  return *pushed ? ctx_.ps->PushRange(*ctx_.push_round, r, one_.front()) : Status::OK();
+}
+
+Status RangeStep::PushRanges(float* grad) {
+  const size_t count = ctx_.ps->ranges().size();
+  std::vector<bool> done(count, false);
+  bool pushed = false;
+  ctx_.ps->BeginPushes();
+  for (size_t left = count; left > 0; --left) {
+    size_t r = count;
+    while (true) {
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        // Once something is pushed, the replies that came are taken every millisecond while the
+        // next range is computed (its ack's time is then right, its pull applied early).
+        const auto ready = [&] { return cancel_ || NextRange(done) < count; };
+        if (left == count) {
+          cv_.wait(lock, ready);
+        } else {
+          cv_.wait_for(lock, std::chrono::milliseconds(1), ready);
+        }
+        if (cancel_) return Status::Aborted("the step was abandoned before its gradient was whole");
+        r = NextRange(done);
+      }
+      if (r < count) break;
+      SPARSEPS_RETURN_IF_ERROR(ctx_.ps->Drain(ctx_.params->data()));
+    }
+    done[r] = true;
+    bool range_pushed = false;
+    SPARSEPS_RETURN_IF_ERROR(PushRange(r, grad, &range_pushed));
+    pushed = pushed || range_pushed;
+  }
+  if (!pushed) return Status::OK();  // SBC: a local step
+  return ctx_.ps->FinishPushes((*ctx_.push_round)++, ctx_.params->data());
+}
+
+Result<StepEnd> RangeStep::Step(float* grad, bool on_device, float* trained, StepStats* stats) {
+  const auto entered = Clock::now();
+  if (comm_.joinable()) {
+    GradientReady(0);
+    comm_.join();
+  } else {
+    // Not begun (a loop that does not report its layers): every range is ready now.
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ready_from_ = num_params();
+      cancel_ = false;
+      MarkReady(0, entered);
+      ready_from_ = 0;
+    }
+    comm_status_ = PushRanges(grad);
+  }
+  SPARSEPS_RETURN_IF_ERROR(comm_status_);
+  const auto left = Clock::now();
+  bool pushed = false;
+  size_t selected = 0;
+  double exposed_encode_ms = 0.0;
+  stats->ranges.resize(times_.size());
+  for (size_t r = 0; r < times_.size(); ++r) {
+    RangeTimes& t = times_[r];
+    pushed = pushed || t.pushed;
+    if (t.pushed) {
+      t.acked = ctx_.ps->acked_at(r);
+      t.replied = ctx_.ps->replied_at(r);
+    }
+    selected += slices_[r]->last_selected();
+    // The part of the encoding that Step waited for (the rest ran during the backward pass).
+    exposed_encode_ms += std::max(0.0, Ms(std::max(t.encoded_from, entered), t.encoded_to));
+    stats->ranges[r] = t;
+  }
+  if (pushed) {
+    stats->push_ms = ctx_.ps->last_push_s() * 1e3;
+    stats->pull_ms = ctx_.ps->last_pull_s() * 1e3;
+  }
+  stats->selected = selected;
+  stats->encode_ms = exposed_encode_ms;
+  stats->comm_ms = std::max(0.0, Ms(entered, left) - exposed_encode_ms);
+  return pushed ? StepEnd::kApplied : StepEnd::kLocal;
+}
+
+}  // namespace sparseps

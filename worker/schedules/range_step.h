@@ -1,0 +1,67 @@
+// RangeStep: train.overlap: backward, each key range pushed as soon as the backward pass
+// finished it (see step_schedule.h).
+#pragma once
+
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "worker/schedules/step_schedule.h"
+
+namespace sparseps {
+
+// A compressor per server key range (each holding its slice's residual); each step's pushes go
+// from a thread of the schedule's own while the model computes (BeginStep / GradientReady), in
+// train.overlap_priority's order; while it waits for the next range it applies the pull replies
+// that came. Weight decay goes range by range here, with the compression.
+class RangeStep final : public StepSchedule {
+ public:
+  explicit RangeStep(const PsStepContext& ctx);
+  // A step abandoned between BeginStep and Step (the trainer failed): its thread gives up.
+  ~RangeStep() override;
+
+  Result<StepEnd> Step(float* grad, bool on_device, float* trained, StepStats* stats) override;
+  bool BeginStep(float* grad) override;
+  void GradientReady(size_t key_begin) override;
+  bool overlaps() const override { return true; }
+
+  void State(StateArchive& archive) override;
+  void SetEpoch(uint32_t epoch) override {
+    for (auto& c : slices_) c->SetEpoch(epoch);
+  }
+  Status ReadResidual(std::vector<float>* out) override;
+  void OnChanged(uint64_t begin, std::span<const uint32_t> keys,
+                 std::span<const float> delta) override;
+  bool trains_local_copy() const override { return slices_.front()->trains_local_copy(); }
+
+ private:
+  size_t num_params() const { return ctx_.params->size(); }
+  // Ranges that every key from `key_begin` on covers become ready at `now` (under mu_, or before
+  // the thread starts).
+  void MarkReady(size_t key_begin, Clock::time_point now);
+  // The range to push next among the ready ones not pushed yet (train.overlap_priority); the
+  // number of ranges when none waits. Under mu_.
+  size_t NextRange(const std::vector<bool>& done) const;
+  // Weight decay, the local step (SBC), the compression and the push of range r of grad, whose
+  // gradient is final. *pushed: false for an SBC local step without a push.
+  Status PushRange(size_t r, float* grad, bool* pushed);
+  // One iteration range by range: each range once it is ready (GradientReady), then the acks and
+  // pulls. On the schedule's thread after BeginStep, or inline from Step (a loop that reports no
+  // layers: every range is ready then).
+  Status PushRanges(float* grad);
+
+  PsStepContext ctx_;
+  std::vector<std::unique_ptr<Compressor>> slices_;  // one per key range, in key order
+  std::vector<Message> one_;                         // the push of one range
+  std::vector<RangeTimes> times_;                    // this step's, per range
+  std::thread comm_;                                 // the step's pushes (BeginStep to Step)
+  Status comm_status_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  size_t ready_from_ = 0;  // guarded by mu_: grad[ready_from_, n) is final
+  bool cancel_ = false;    // guarded by mu_: the step was abandoned
+};
+
+}  // namespace sparseps
