@@ -26,14 +26,20 @@ class PsAggregator final : public Aggregator {
         config_.cluster().retry_interval_s());
     ps_->set_push_window(config_.cluster().push_window());
     auto made = MakeStepSchedule(
-        PsStepContext{&config_, ps_.get(), &params_, &local_, &push_round_}, model_on_device_);
+        PsStepContext{&config_, ps_.get(), &params_, &model_, &push_round_}, model_on_device_);
     if (!made.ok()) return made.status();
     schedule_ = std::move(*made);
-    local_copy_ = schedule_->trains_local_copy();
+    WillChangeFn will_change = [this](uint64_t begin, std::span<const uint32_t> keys, bool all) {
+      WillChange(begin, keys, all);
+    };
+    if (schedule_->trains_local_copy()) {
+      model_ = std::make_unique<LocalCopy>(&params_, &changed_, std::move(will_change));
+    } else {
+      model_ = std::make_unique<JobParamsCopy>(&params_, &changed_, std::move(will_change));
+    }
     ps_->set_changed_callback(
         [this](uint64_t begin, std::span<const uint32_t> keys, std::span<const float> delta) {
-          // SBC's model computes at its local copy, whose change Aggregate announces.
-          if (!local_copy_) WillChange(begin, keys, false);
+          model_->Pulled(begin, keys);
           schedule_->OnChanged(begin, keys, delta);
           if (model_on_device_) changed_.Add(begin, keys);
         });
@@ -44,7 +50,7 @@ class PsAggregator final : public Aggregator {
     if (control_->rank() == 0) SPARSEPS_RETURN_IF_ERROR(ps_->Init(initial.data()));
     SPARSEPS_RETURN_IF_ERROR(control_->Barrier(InitBarrier(*control_), proto::WORKER));
     SPARSEPS_RETURN_IF_ERROR(ps_->PullInitial(params_.data()));
-    if (local_copy_) local_ = params_;
+    model_->Started();
     return Status::OK();
   }
 
@@ -54,7 +60,7 @@ class PsAggregator final : public Aggregator {
     State(archive);
     SPARSEPS_RETURN_IF_ERROR(archive.status());
     // A checkpoint is taken after a push: SBC's local copy was the pulled parameters then.
-    if (local_copy_) local_ = params_;
+    model_->Started();
     changed_.AddAll();
     return Status::OK();
   }
@@ -68,7 +74,7 @@ class PsAggregator final : public Aggregator {
     SPARSEPS_RETURN_IF_ERROR(ps_->PullDense(static_cast<int64_t>(iteration), params_.data()));
     iteration_ = iteration;
     push_round_ = static_cast<int64_t>(iteration);
-    if (local_copy_) local_ = params_;
+    model_->Started();
     changed_.AddAll();
     return Status::OK();
   }
@@ -77,12 +83,9 @@ class PsAggregator final : public Aggregator {
     StepStats unused;
     SPARSEPS_RETURN_IF_ERROR(Flush(&unused));  // train.overlap: delay
     if (config_.train().consistency() == proto::BSP || push_round_ == 0) return Status::OK();
-    if (local_copy_) WillChange(0, {}, true);
+    model_->BeforeStep();
     SPARSEPS_RETURN_IF_ERROR(ps_->PullBarrier(push_round_ - 1, params_.data()));
-    if (local_copy_) {
-      std::copy(params_.begin(), params_.end(), local_.begin());
-      changed_.AddAll();
-    }
+    model_->Applied();
     return Status::OK();
   }
 
@@ -104,19 +107,17 @@ class PsAggregator final : public Aggregator {
   void GradientReady(size_t key_begin) override { schedule_->GradientReady(key_begin); }
 
  protected:
-  float* local_params() override { return local_copy_ ? local_.data() : nullptr; }
+  float* local_params() override { return model_->local(); }
   bool local_on_device() const override {
-    return local_copy_ && schedule_->takes_device_gradient();
+    return schedule_->trains_local_copy() && schedule_->takes_device_gradient();
   }
   Status ReadResidual(std::vector<float>* out) override { return schedule_->ReadResidual(out); }
 
   Status Aggregate(float* grad, bool on_device, StepStats* stats) override {
     checkpoint_due_ = false;
-    // The local copy changes everywhere: the local step, then the pulled parameters.
-    if (local_copy_) WillChange(0, {}, true);
+    model_->BeforeStep();
     // SBC trains its local copy between pushes: on the device copy with the device compressor.
-    float* trained = on_device ? params_d_.data() : local_copy_ ? local_.data() : params_.data();
-    auto end = schedule_->Step(grad, on_device, trained, stats);
+    auto end = schedule_->Step(grad, on_device, model_->Trained(on_device, &params_d_), stats);
     if (!end.ok()) return end.status();
     if (*end == StepEnd::kApplied) Applied();
     return Status::OK();
@@ -131,23 +132,19 @@ class PsAggregator final : public Aggregator {
   }
 
  private:
-  // An iteration's pull replies are applied: its count, a checkpoint due after it, and the pulled
-  // parameters replace SBC's local copy (on the device too).
+  // An iteration's pull replies are applied: its count, a checkpoint due after it, and the
+  // model's copy told (SBC's local copy takes the pulled parameters, on the device too).
   void Applied() {
     iteration_ = static_cast<uint64_t>(push_round_);
     checkpoint_due_ = ps_->checkpoint_after_last();
-    if (local_copy_) {
-      std::copy(params_.begin(), params_.end(), local_.begin());
-      changed_.AddAll();
-    }
+    model_->Applied();
   }
 
   zmq::context_t& context_;
   ControlClient* control_ = nullptr;
   std::unique_ptr<PsClient> ps_;
-  bool local_copy_ = false;   // SBC: the model trains `local_` between pushes
-  std::vector<float> local_;  // SBC's local copy (host)
-  int64_t push_round_ = 0;    // the iteration the next push is of
+  std::unique_ptr<ModelCopy> model_;  // where the model computes (SBC: a local copy)
+  int64_t push_round_ = 0;            // the iteration the next push is of
   // After ps_: destroyed first (RangeStep's thread uses the client).
   std::unique_ptr<StepSchedule> schedule_;
 };

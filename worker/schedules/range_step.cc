@@ -115,8 +115,7 @@ Status RangeStep::PushRange(size_t r, float* grad, bool* pushed) {
   RangeTimes& t = times_[r];
   t.encoded_from = Clock::now();
   float* g = grad + range.begin;
-  const bool local_copy = trains_local_copy();
-  float* model = (local_copy ? ctx_.local->data() : ctx_.params->data()) + range.begin;
+  float* model = (*ctx_.model)->Trained(/*on_device=*/false, nullptr) + range.begin;
   if (const float wd = static_cast<float>(ctx_.config->train().weight_decay()); wd > 0.0f) {
     kernels::Axpy(wd, model, g, range.size());
   }

@@ -8,8 +8,8 @@
 //   RangeStep     each key range compressed and pushed as soon as the backward pass finished it,
 //                 from a thread of its own (train.overlap: backward).
 // The PS aggregator (ps_aggregator.cc) holds what every schedule shares (the client, the
-// parameters, SBC's local copy, the iteration counter) and keeps the books after a step: the
-// iteration, a checkpoint due, the local copy replaced by the pulled parameters.
+// parameters, where the model computes: model_copy.h, the iteration counter) and keeps the books
+// after a step: the iteration, a checkpoint due, the model's copy told.
 //
 // Thread-safety: one thread, but RangeStep's GradientReady (any thread).
 #pragma once
@@ -25,6 +25,7 @@
 #include "storage/checkpoint.h"
 #include "worker/aggregator.h"
 #include "worker/ps_client.h"
+#include "worker/schedules/model_copy.h"
 
 namespace sparseps {
 
@@ -33,8 +34,10 @@ struct PsStepContext {
   const proto::JobConfig* config = nullptr;
   PsClient* ps = nullptr;
   std::vector<float>* params = nullptr;  // the job's parameters (host)
-  std::vector<float>* local = nullptr;   // SBC's local copy (host; empty without one)
-  int64_t* push_round = nullptr;         // the iteration the next push is of
+  // Where the model computes (the job's parameters, or SBC's local copy): made after the
+  // schedule, read at each step.
+  const std::unique_ptr<ModelCopy>* model = nullptr;
+  int64_t* push_round = nullptr;  // the iteration the next push is of
 };
 
 // How a step ended.
