@@ -50,21 +50,9 @@ struct Worker::Impl {
 
 Worker::Worker(const std::string& config_path, const std::vector<std::string>& overrides, int rank)
     : impl_(std::make_unique<Impl>()) {
-  std::vector<std::string> sets = overrides;
-  if (rank >= 0) sets.push_back("node.rank=" + std::to_string(rank));
-  auto config = LoadConfig(config_path, sets, nullptr, nullptr, RankEnv::kSparsepsRankOrRank);
+  auto config = LoadOwnLoopConfig(config_path, overrides, rank, "a client-library loop");
   Check(config.status());
   impl_->config = std::move(*config);
-  if (impl_->config.train().overlap() == proto::DELAY) {
-    Raise(Status::InvalidArgument(
-        "train.overlap: delay is for sparseps-worker's own loop; PushPull returns the parameters "
-        "of the gradient it was given (use train.overlap: none)"));
-  }
-  if (impl_->config.train().weight_decay() > 0) {
-    Raise(Status::InvalidArgument(
-        "train.weight_decay is for sparseps-worker's own models; in your loop put the weight "
-        "decay in the gradient"));
-  }
 }
 
 Worker::~Worker() = default;
@@ -77,25 +65,10 @@ void Worker::Init(std::span<float> params) {
   if (params.empty()) Raise(Status::InvalidArgument("Init: params is empty"));
   m.layers = {{"params", {params.size()}, 0}};
   std::vector<float> initial(params.begin(), params.end());
-  auto joined = WorkerSession::Join(m.config, params.size(), /*model_on_device=*/false,
-                                    /*name_log=*/false);
+  auto joined =
+      JoinOwnLoop(m.config, initial, /*on_device=*/false, m.LoopState(), "a client-library loop");
   Check(joined.status());
-  if (*joined == nullptr) {
-    Raise(Status::Aborted("the job finished before this replacement worker could join"));
-  }
-  if ((*joined)->rejoining()) {
-    Raise(Status::FailedPrecondition(
-        "--rejoin: a client-library worker cannot join a running job yet; replacements are "
-        "sparseps-worker processes"));
-  }
   m.session = std::move(*joined);
-  const Status s = m.session->resuming() ? m.session->Resume(m.LoopState())
-                                         : m.session->aggregator().Init(initial);
-  if (!s.ok()) {
-    m.session->ReportFailure(s);
-    m.session.reset();
-    Raise(s);
-  }
   const auto& p = m.session->aggregator().params();
   std::copy(p.begin(), p.end(), params.begin());
 }

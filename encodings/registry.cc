@@ -57,6 +57,11 @@ Status RegisterEncoding(const EncodingSpec& spec) {
                                    "': a row needs a name, a codec, make_compressor and "
                                    "make_aggregation");
   }
+  if (spec.id != proto::REGISTERED) {
+    return Status::InvalidArgument("encoding '" + name + "': a program's own encoding has id " +
+                                   "REGISTERED (" + std::to_string(proto::REGISTERED) + "), not " +
+                                   std::to_string(spec.id));
+  }
   if (spec.codec->encoding() != spec.id) {
     return Status::InvalidArgument("encoding '" + name + "': its codec decodes encoding " +
                                    std::to_string(spec.codec->encoding()) + ", not its id " +
@@ -78,6 +83,17 @@ Status RegisterEncoding(const EncodingSpec& spec) {
 const Codec* FindCodec(proto::Encoding id) {
   const EncodingSpec* e = FindEncoding(id);
   return e != nullptr ? e->codec : nullptr;
+}
+
+Status CheckEncoding(const proto::JobConfig& job) {
+  const proto::Encoding e = job.compression().encoding();
+  if (FindEncoding(e) != nullptr) return Status::OK();
+  return Status::FailedPrecondition(
+      "compression.encoding " + proto::Encoding_Name(e) +
+      " has no row in this program's encoding table" +
+      (e == proto::REGISTERED ? std::string(" (registered: the program registers its own with "
+                                            "RegisterEncoding, encodings/registry.h)")
+                              : std::string()));
 }
 
 std::unique_ptr<Compressor> MakeCompressor(const proto::JobConfig& job, size_t num_params) {

@@ -43,11 +43,16 @@ struct EncodingSpec {
 const EncodingSpec* FindEncoding(proto::Encoding id);
 
 // Adds a row after the built-in ones: an encoding of a test, or one a program links in without
-// changing registry.cc (its id a value proto::Encoding does not name; a config file cannot name
-// it, a JobConfig built in code can). Errors: InvalidArgument when the id or the name is taken
-// or a part is missing (codec, make_compressor, make_aggregation). Not thread-safe: call before
-// any job starts, from one thread.
+// changing registry.cc, under id proto::REGISTERED (compression.encoding: registered). Errors:
+// InvalidArgument when the id is not REGISTERED or is taken, the name is taken, or a part is
+// missing (codec, make_compressor, make_aggregation). Not thread-safe: call before any job
+// starts, from one thread.
 Status RegisterEncoding(const EncodingSpec& spec);
+
+// OK when the job's compression.encoding has a row in this program's table; FailedPrecondition
+// naming it otherwise (compression.encoding: registered without a RegisterEncoding). The worker
+// and the server check it before making a compressor or a shard.
+Status CheckEncoding(const proto::JobConfig& job);
 
 // The codec of `id`, or nullptr when unknown (received messages name their own encoding).
 const Codec* FindCodec(proto::Encoding id);

@@ -276,21 +276,10 @@ class Worker {
  public:
   Worker(const std::string& config_path, std::optional<int> rank,
          const std::vector<std::string>& overrides) {
-    std::vector<std::string> sets = overrides;
-    if (rank) sets.push_back("node.rank=" + std::to_string(*rank));
-    auto config = LoadConfig(config_path, sets, nullptr, nullptr, RankEnv::kSparsepsRankOrRank);
+    auto config =
+        LoadOwnLoopConfig(config_path, overrides, rank.value_or(-1), "a Python training loop");
     Check(config.status());
     config_ = std::move(*config);
-    if (config_.train().weight_decay() > 0) {
-      Raise(Status::InvalidArgument(
-          "train.weight_decay is for the C++ worker's models; in a Python loop put the weight "
-          "decay in the gradient or the optimizer (torch.optim's weight_decay)"));
-    }
-    if (config_.train().overlap() == proto::DELAY) {
-      Raise(Status::InvalidArgument(
-          "train.overlap: delay is for the C++ worker's loop (sparseps-worker); step() returns "
-          "the update of the gradient it was given (use train.overlap: none)"));
-    }
   }
 
   // Joins the job with `params`' size, makes the job's starting parameters (worker 0's) and
@@ -344,29 +333,12 @@ class Worker {
     {
       ScopedStopOnInterrupt stop_on_interrupt;
       py::gil_scoped_release release;
-      auto joined = WorkerSession::Join(config_, a.total, cuda_, /*name_log=*/false);
+      auto joined = JoinOwnLoop(config_, initial, cuda_, LoopState(), "a Python training loop");
       s = joined.status();
-      if (s.ok() && *joined == nullptr) {
-        s = Status::Aborted("the job finished before this replacement worker could join");
-      } else if (s.ok() && (*joined)->rejoining()) {
-        // The C++ worker runs through its loop to the others' position; a Python loop would have
-        // to do the same with its own data order.
-        s = Status::FailedPrecondition(
-            "--rejoin: a Python training loop cannot join a running job yet; replacements are "
-            "sparseps-worker processes");
-        // Not reported: the scheduler removes this worker again once its connection is gone.
-      } else if (s.ok()) {
-        session_ = std::move(*joined);
-        // A resumed job: the aggregator's state and the parameters come from the checkpoint
-        // (PS: from the servers), and the step count; the loop's own state is the loop's.
-        s = session_->resuming() ? session_->Resume(LoopState())
-                                 : session_->aggregator().Init(initial);
-        if (!s.ok()) session_->ReportFailure(s);
-      }
+      if (s.ok()) session_ = std::move(*joined);
       interrupted = stop_on_interrupt.interrupted();
     }
     if (!s.ok()) {
-      session_.reset();
       if (interrupted) RaiseInterrupt(s);
       Raise(s);
     }

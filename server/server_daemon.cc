@@ -193,6 +193,7 @@ class ServerLoop {
 };
 
 Status ServerLoop::MakeShard(const proto::Membership& m) {
+  SPARSEPS_RETURN_IF_ERROR(CheckEncoding(config_));
   ShardOptions opts = ShardOptionsFor(config_, control_.rank(), m);
   if (shard_ == nullptr) {
     SetLogName("server-" + std::to_string(control_.rank()));

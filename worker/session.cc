@@ -2,6 +2,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include "config/config.h"
 #include "daemon/daemon.h"
 #include "worker/idx_reader.h"
 
@@ -264,6 +265,53 @@ Status WorkerSession::Finish(const proto::WorkerStats& stats) {
                               config_.cluster().request_timeout_s(), "SHUTDOWN from the scheduler");
   control_.StopHeartbeats();
   return s;
+}
+
+Result<proto::JobConfig> LoadOwnLoopConfig(const std::string& config_path,
+                                           std::vector<std::string> overrides, int rank,
+                                           const std::string& loop) {
+  if (rank >= 0) overrides.push_back("node.rank=" + std::to_string(rank));
+  auto config = LoadConfig(config_path, overrides, nullptr, nullptr, RankEnv::kSparsepsRankOrRank);
+  if (!config.ok()) return config.status();
+  if (config->train().weight_decay() > 0) {
+    return Status::InvalidArgument(
+        "train.weight_decay is for the C++ worker's models (sparseps-worker); in " + loop +
+        " put the weight decay in the gradient or the optimizer (torch.optim's weight_decay)");
+  }
+  if (config->train().overlap() == proto::DELAY) {
+    return Status::InvalidArgument(
+        "train.overlap: delay is for the C++ worker's loop (sparseps-worker); " + loop +
+        " gets the update of the gradient it gave (use train.overlap: none)");
+  }
+  return config;
+}
+
+Result<std::unique_ptr<WorkerSession>> JoinOwnLoop(
+    const proto::JobConfig& config, const std::vector<float>& initial, bool on_device,
+    const std::function<void(StateArchive&)>& loop_state, const std::string& loop) {
+  auto joined = WorkerSession::Join(config, initial.size(), on_device, /*name_log=*/false);
+  if (!joined.ok()) return joined.status();
+  if (*joined == nullptr) {
+    return Status::Aborted("the job finished before this replacement worker could join");
+  }
+  if ((*joined)->rejoining()) {
+    // The C++ worker runs through its loop to the others' position; such a loop would have to do
+    // the same with its own data order. Not reported: the scheduler removes this worker again
+    // once its connection is gone.
+    return Status::FailedPrecondition("--rejoin: " + loop +
+                                      " cannot join a running job yet; replacements are "
+                                      "sparseps-worker processes");
+  }
+  std::unique_ptr<WorkerSession> session = std::move(*joined);
+  // A resumed job: the aggregator's state and the parameters come from the checkpoint (PS: from
+  // the servers), and the loop's position; otherwise worker 0's parameters become everyone's.
+  const Status s =
+      session->resuming() ? session->Resume(loop_state) : session->aggregator().Init(initial);
+  if (!s.ok()) {
+    session->ReportFailure(s);
+    return s;
+  }
+  return session;
 }
 
 }  // namespace sparseps

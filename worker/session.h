@@ -123,4 +123,25 @@ class WorkerSession {
   bool resumed_without_file_ = false;
 };
 
+// The policy for a training loop of the user's own (the C++ client library, the Python module),
+// written once for both.
+//
+// The job's config from `config_path` (empty: defaults) and `overrides` ("a.b=c"; rank >= 0 sets
+// node.rank, else SPARSEPS_RANK or RANK), refused with InvalidArgument (naming `loop`, e.g. "a
+// Python training loop") when it asks for what only sparseps-worker's own loop does:
+// train.overlap: delay (the loop expects the update of the gradient it gave) and
+// train.weight_decay (the loop puts it in its gradient or optimizer). Errors: LoadConfig's.
+Result<proto::JobConfig> LoadOwnLoopConfig(const std::string& config_path,
+                                           std::vector<std::string> overrides, int rank,
+                                           const std::string& loop);
+
+// Joins the job for such a loop with initial.size() parameters (device memory when on_device)
+// and sets its starting parameters: from the checkpoint when the job resumes (loop_state keeps
+// the loop's own position), else worker 0's `initial`. Refuses a replacement (--rejoin: the loop
+// would have to run to the others' position with its own data order) and a job that finished
+// before it joined (Aborted); a failure after joining is reported to the scheduler.
+Result<std::unique_ptr<WorkerSession>> JoinOwnLoop(
+    const proto::JobConfig& config, const std::vector<float>& initial, bool on_device,
+    const std::function<void(StateArchive&)>& loop_state, const std::string& loop);
+
 }  // namespace sparseps

@@ -22,9 +22,8 @@
 namespace sparseps {
 namespace {
 
-// A value proto::Encoding does not name: a config file cannot ask for it, a JobConfig built here
-// can.
-constexpr proto::Encoding kStride2 = static_cast<proto::Encoding>(1000);
+// A program's own encoding takes the id REGISTERED.
+constexpr proto::Encoding kStride2 = proto::REGISTERED;
 
 // The wire format: a U32 frame with the parity p (0 or 1), then an F32 frame with the values of
 // the range's keys p, p + 2, p + 4, ...
@@ -123,16 +122,18 @@ TEST(EncodingRecipe, ARegisteredEncodingIsFoundByIdAndRefusedTwice) {
   EXPECT_STREQ(FindEncoding(kStride2)->name, "stride2");
   EXPECT_EQ(FindCodec(kStride2), &kCodec);
   EXPECT_EQ(RegisterEncoding(kRow).code(), StatusCode::kInvalidArgument);  // the id is taken
-  EncodingSpec topk_name = kRow;
-  topk_name.id = static_cast<proto::Encoding>(1001);
-  topk_name.name = "topk";
-  EXPECT_EQ(RegisterEncoding(topk_name).code(), StatusCode::kInvalidArgument);
+  EncodingSpec builtin_id = kRow;
+  builtin_id.id = proto::TOPK;
+  builtin_id.name = "mine";
+  EXPECT_EQ(RegisterEncoding(builtin_id).code(), StatusCode::kInvalidArgument);
   EncodingSpec no_codec = kRow;
-  no_codec.id = static_cast<proto::Encoding>(1002);
   no_codec.name = "no_codec";
   no_codec.codec = nullptr;
   EXPECT_EQ(RegisterEncoding(no_codec).code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(FindEncoding(static_cast<proto::Encoding>(1002)), nullptr);
+  EXPECT_STREQ(FindEncoding(kStride2)->name, "stride2");
+  proto::JobConfig job;
+  job.mutable_compression()->set_encoding(kStride2);
+  EXPECT_TRUE(CheckEncoding(job).ok());
 }
 
 TEST(EncodingRecipe, ItsCodecRejectsWhatItDoesNotWrite) {

@@ -12,6 +12,7 @@ namespace sparseps {
 Result<std::unique_ptr<StepSchedule>> MakeStepSchedule(const PsStepContext& ctx,
                                                        bool model_on_device) {
   const proto::JobConfig& config = *ctx.config;
+  SPARSEPS_RETURN_IF_ERROR(CheckEncoding(config));
   const proto::Overlap overlap = config.train().overlap();
   if (overlap == proto::BACKWARD) {
     if (!model_on_device) return std::unique_ptr<StepSchedule>(new RangeStep(ctx));
