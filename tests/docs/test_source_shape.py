@@ -16,7 +16,7 @@ SOURCE = ("*.cc", "*.h", "*.cu", "*.cuh", "*.py")
 # Files still over the limit, with the length they may not grow past; each is to be split
 # (issue 43) and then leaves this list.
 OVERSIZED = {
-    "python/sparseps_module.cc": 810,
+    "python/sparseps_module.cc": 780,
 }
 # Lines a top-level definition may start with that are not a function's.
 NOT_FUNCTIONS = ("namespace", "class ", "struct ", "enum ", "union ", "extern ", "template",
