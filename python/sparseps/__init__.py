@@ -15,24 +15,47 @@ config file:
 params and grads are one float32 tensor or array, or a list of them (PyTorch CPU or CUDA tensors,
 NumPy arrays): whatever speaks DLPack, __cuda_array_interface__ or the buffer protocol; nothing
 here imports torch. sparseps.torch has a DistributedOptimizer and a DDP communication hook.
-docs/user-guide.md ("Python") has the whole story.
+docs/user-guide.md ("Python") has the whole story. sparseps.capi is the same worker through the
+client library's C interface and ctypes, for a Python the module was not built for.
 """
 import json
-
-from . import _sparseps
-from ._sparseps import Error, cuda
 
 __all__ = ["Error", "Worker", "cuda"]
 
 
-class Worker(_sparseps.Worker):
-    __doc__ = _sparseps.Worker.__doc__
+def _module():
+    """sparseps._sparseps, imported on first use: `from sparseps import capi` never loads it (the
+    two hold the same protobuf descriptors and cannot share a process)."""
+    try:
+        from . import _sparseps
+    except ImportError as e:  # not built for this Python: sparseps.capi still works
+        raise ImportError(
+            f"{e}; the module sparseps._sparseps is built for one Python version: `from sparseps "
+            "import capi` works from any Python 3 through libsparseps_client's C interface") from e
+    return _sparseps
 
-    def get(self, key):
-        """The resolved value of a config key, typed: get("train.lr") -> 0.05,
-        get("model.hidden") -> [256, 128], get("compression.encoding") -> "topk"."""
-        text = self.config[key]
-        try:
-            return json.loads(text)
-        except ValueError:
-            return text  # enum values: topk, allreduce, ...
+
+def _worker_class(module):
+    class Worker(module.Worker):
+        __doc__ = module.Worker.__doc__
+
+        def get(self, key):
+            """The resolved value of a config key, typed: get("train.lr") -> 0.05,
+            get("model.hidden") -> [256, 128], get("compression.encoding") -> "topk"."""
+            text = self.config[key]
+            try:
+                return json.loads(text)
+            except ValueError:
+                return text  # enum values: topk, allreduce, ...
+
+    Worker.__module__ = __name__
+    return Worker
+
+
+def __getattr__(name):
+    if name not in __all__:
+        raise AttributeError(f"module 'sparseps' has no attribute {name!r}")
+    module = _module()
+    value = _worker_class(module) if name == "Worker" else getattr(module, name)
+    globals()[name] = value  # once
+    return value

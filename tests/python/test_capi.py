@@ -1,0 +1,83 @@
+"""sparseps.capi, the worker through libsparseps_client's C interface and ctypes, against a real
+job (scheduler and servers as daemons, workers as threads): push_pull equals the C++ worker's
+(tests/python/replay_worker.cc) bitwise; a bad config is a clear error naming the key; and
+capi loads where the pybind11 module does not (another Python version)."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import BUILD, run_threads
+from sparseps import capi
+from test_worker import BASE, N, SETTINGS, STEPS, gradient, initial, replay, servers_for
+
+
+@pytest.mark.parametrize("name", ["ps_topk", "ps_sketch_second_round", "allreduce_gtopk"])
+def test_push_pull_equals_the_cpp_worker_bitwise(cluster, name):
+    sets = SETTINGS[name]
+    cpp = replay(cluster(BASE, servers=servers_for(sets), sets=sets), sets, STEPS)
+    p = cluster(BASE, servers=servers_for(sets), sets=sets)
+
+    def c_worker(rank):
+        w = capi.Worker(str(p.job), rank=rank, overrides=p.overrides + sets)
+        params = initial()
+        w.init(params)
+        assert (w.rank, w.num_workers, w.num_params) == (rank, 2, N)
+        got = []
+        for t in range(STEPS):
+            grad = gradient(rank, t)
+            w.push_pull(grad, params)
+            got.append(params.copy())
+        assert w.step == STEPS and w.bytes_sent > 0
+        w.finish()
+        w.close()
+        return got
+
+    got = run_threads([lambda r=r: c_worker(r) for r in range(2)])
+    assert p.wait() == {k: 0 for k in p.wait()}
+    for r in range(2):
+        for t in range(STEPS):
+            np.testing.assert_array_equal(got[r][t], cpp[r][t], err_msg=f"{name} {r} step {t}")
+
+
+def test_a_bad_config_is_an_error_naming_the_key(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text("train:\n  lr: -1\n")
+    with pytest.raises(capi.Error) as e:
+        capi.Worker(str(job))
+    assert e.value.code == capi.INVALID_ARGUMENT
+    assert "job.yaml:2" in str(e.value) and "train.lr" in str(e.value)
+    job.write_text("train:\n  lr: 0.1\n  overlap: delay\n")
+    with pytest.raises(capi.Error, match="train.overlap: delay"):
+        capi.Worker(str(job))
+
+
+def test_arrays_that_are_not_float32_are_refused_before_the_library_sees_them(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text("train: {lr: 0.1}\n")
+    w = capi.Worker(str(job))
+    with pytest.raises(capi.Error, match="float32"):
+        w.init(np.zeros(10, dtype=np.float64))
+    w.close()
+
+
+def test_loads_where_the_pybind_module_does_not():
+    """As on a Python the module was not built for: _sparseps cannot be imported, sparseps.capi
+    still works, and sparseps.Worker says where to go."""
+    code = """
+import sys
+sys.modules["sparseps._sparseps"] = None  # an import of it now fails, as on another Python
+from sparseps import capi
+print(capi.library().sparseps_version().decode())
+import sparseps
+try:
+    sparseps.Worker
+except ImportError as e:
+    print("refused:", e)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={"PYTHONPATH": str(BUILD / "python"), "PATH": "/usr/bin:/bin"})
+    lines = out.stdout.splitlines()
+    assert lines[0].count(".") == 2, out  # the version, "0.1.0"
+    assert lines[1].startswith("refused:") and "sparseps import capi" in lines[1], out
