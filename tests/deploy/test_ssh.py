@@ -153,10 +153,16 @@ def test_a_failing_worker_stops_every_host(hosts, tmp_path):
 
 
 def wait_for_training(proc, run_dir, deadline_s=120):
+    """Until worker 1 trains: its log (streamed here) has the membership and its metrics CSV is
+    open on its host (under the job's remote directory; copied here at the end). The membership
+    alone came before the CSV, and a signal in between left nothing to copy (a flake seen once
+    in a fresh-clone CI run)."""
     end = time.time() + deadline_s
     log = run_dir / "worker-1.log"
+    remote = pathlib.Path(str(run_dir) + "-remote")
     while time.time() < end:
-        if log.exists() and "membership epoch 1" in log.read_text():
+        if (log.exists() and "membership epoch 1" in log.read_text()
+                and any(remote.rglob("metrics-worker-1.csv"))):
             return
         assert proc.poll() is None, proc.stdout.read()
         time.sleep(0.2)
