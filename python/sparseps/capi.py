@@ -136,7 +136,8 @@ class Worker:
         self._call(library().sparseps_worker_init, self._handle, p, a.size)
 
     def push_pull(self, grad, params):
-        """Aggregates grad (changed in place) and writes the job's new parameters into params."""
+        """Aggregates grad (changed in place) and writes the job's new parameters into params
+        (with SBC's local steps, the local copy the next gradient is computed at)."""
         g, gp = _floats(grad, "grad")
         a, p = _floats(params, "params")
         if g.size != a.size:

@@ -68,7 +68,9 @@ class Worker {
   void Init(std::span<float> params);
 
   /// One training step: aggregates `grad` (num_params() elements) with the other workers and
-  /// writes the job's new parameters into `params` (num_params() elements). `grad` is used in
+  /// writes the job's new parameters into `params` (num_params() elements; with SBC's local steps,
+  /// compression.local_iterations > 1, the local copy the next gradient is computed at, which
+  /// each push's pull replaces; params() is the job's). `grad` is used in
   /// place, without a copy, and its contents are changed (the residual is added to it). A
   /// gradient with NaN or Inf throws kInvalidArgument and changes nothing (the job goes on).
   void PushPull(std::span<float> grad, std::span<float> params);

@@ -43,7 +43,8 @@ void sparseps_worker_free(sparseps_worker* worker);
 int sparseps_worker_init(sparseps_worker* worker, float* params, size_t n, char* err,
                          size_t err_len);
 /* One step: aggregates grad (n elements; changed in place) and writes the job's new parameters
- * into params (n elements). NaN or Inf in grad: SPARSEPS_INVALID_ARGUMENT, nothing sent. */
+ * into params (n elements; with SBC's local steps, the local copy the next gradient is computed
+ * at). NaN or Inf in grad: SPARSEPS_INVALID_ARGUMENT, nothing sent. */
 int sparseps_worker_push_pull(sparseps_worker* worker, float* grad, float* params, size_t n,
                               char* err, size_t err_len);
 /* ssp / async: waits for every worker's pushes of as many steps and writes the parameters. */
