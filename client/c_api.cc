@@ -3,7 +3,6 @@
 #include <cstdio>
 #include <exception>
 #include <span>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -64,13 +63,13 @@ int sparseps_worker_new(const char* config_path, const char* const* overrides, s
   if (out == nullptr) return Missing("out", err, err_len);
   *out = nullptr;
   if (overrides == nullptr && num_overrides > 0) return Missing("overrides", err, err_len);
+  std::vector<std::string> sets;
+  for (size_t i = 0; i < num_overrides; ++i) {
+    if (overrides[i] == nullptr) return Missing("an override", err, err_len);
+    sets.emplace_back(overrides[i]);
+  }
   return Guard(
       [&] {
-        std::vector<std::string> sets;
-        for (size_t i = 0; i < num_overrides; ++i) {
-          if (overrides[i] == nullptr) throw std::invalid_argument("an override is NULL");
-          sets.emplace_back(overrides[i]);
-        }
         *out = new sparseps_worker{
             sparseps::client::Worker(config_path != nullptr ? config_path : "", sets, rank)};
       },

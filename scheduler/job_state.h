@@ -4,11 +4,11 @@
 // Thread-safety: used by the one thread that runs the Scheduler.
 #pragma once
 
-#include <chrono>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "common/clock.h"
 #include "common/log_limit.h"
 #include "common/status.h"
 #include "proto/config.pb.h"
@@ -18,11 +18,6 @@ namespace sparseps {
 
 // "1.5 s": a duration for a log line or an error.
 std::string FormatSeconds(double s);
-
-// Seconds from `from` to `to` (negative when `to` is earlier).
-inline double SecondsBetween(Clock::time_point from, Clock::time_point to) {
-  return std::chrono::duration<double>(to - from).count();
-}
 
 // One node that registered, as the scheduler knows it.
 struct SchedulerNode {

@@ -43,7 +43,7 @@ def test_every_written_up_section_is_in_the_log():
             assert e["log"] in headings, f"{e['title']}: no section '{e['log']}' in the log"
 
 
-def test_a_changed_result_changes_the_page(tmp_path, monkeypatch):
+def test_a_changed_result_changes_the_page(monkeypatch):
     module = renderer()
     page = module.render()
     original = module.load

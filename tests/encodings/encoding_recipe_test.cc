@@ -130,7 +130,7 @@ TEST(EncodingRecipe, ARegisteredEncodingIsFoundByIdAndRefusedTwice) {
   no_codec.name = "no_codec";
   no_codec.codec = nullptr;
   EXPECT_EQ(RegisterEncoding(no_codec).code(), StatusCode::kInvalidArgument);
-  EXPECT_STREQ(FindEncoding(kStride2)->name, "stride2");
+  EXPECT_STREQ(FindEncoding(kStride2)->name, "stride2");  // the refused rows changed nothing
   proto::JobConfig job;
   job.mutable_compression()->set_encoding(kStride2);
   EXPECT_TRUE(CheckEncoding(job).ok());
