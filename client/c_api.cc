@@ -1,5 +1,6 @@
 // The C interface (include/sparseps/sparseps.h) over the C++ Worker (include/sparseps/client.h):
 // every exception becomes a code and a message, nothing crosses the boundary.
+#include <algorithm>
 #include <cstdio>
 #include <exception>
 #include <span>
@@ -11,6 +12,7 @@
 
 struct sparseps_worker {
   sparseps::client::Worker worker;
+  sparseps::client::SparseUpdate sparse;  // the last sparse step's result
 };
 
 namespace {
@@ -34,6 +36,8 @@ int Guard(F&& f, char* err, size_t err_len) {
         return Fail(SPARSEPS_INVALID_ARGUMENT, e.what(), err, err_len);
       case sparseps::client::ErrorCode::kDeadlineExceeded:
         return Fail(SPARSEPS_DEADLINE_EXCEEDED, e.what(), err, err_len);
+      case sparseps::client::ErrorCode::kInterrupted:
+        return Fail(SPARSEPS_INTERRUPTED, e.what(), err, err_len);
       default:
         return Fail(SPARSEPS_FAILED, e.what(), err, err_len);
     }
@@ -47,6 +51,31 @@ int Guard(F&& f, char* err, size_t err_len) {
 // A null handle or pointer with a size: the same error everywhere.
 int Missing(const char* what, char* err, size_t err_len) {
   return Fail(SPARSEPS_INVALID_ARGUMENT, std::string(what) + " is NULL", err, err_len);
+}
+
+// count C buffers as the client library's; false when one has no memory.
+bool Buffers(const sparseps_buffer* in, size_t count, std::vector<sparseps::client::Buffer>* out) {
+  if (in == nullptr && count > 0) return false;
+  for (size_t i = 0; i < count; ++i) {
+    if (in[i].data == nullptr && in[i].size > 0) return false;
+    out->push_back({in[i].data, in[i].size, in[i].device});
+  }
+  return true;
+}
+
+// Copies `from` (of `what`) into out (n elements), which must match its size.
+int CopyOut(const std::vector<float>& from, const char* what, float* out, size_t n, char* err,
+            size_t err_len) {
+  if (n != from.size()) {
+    return Fail(SPARSEPS_INVALID_ARGUMENT,
+                std::string(what) + ": out has " + std::to_string(n) + " elements; the job has " +
+                    std::to_string(from.size()),
+                err, err_len);
+  }
+  if (n > 0 && out == nullptr) return Missing("out", err, err_len);
+  std::copy(from.begin(), from.end(), out);
+  if (err != nullptr && err_len > 0) err[0] = '\0';
+  return SPARSEPS_OK;
 }
 
 }  // namespace
@@ -71,12 +100,94 @@ int sparseps_worker_new(const char* config_path, const char* const* overrides, s
   return Guard(
       [&] {
         *out = new sparseps_worker{
-            sparseps::client::Worker(config_path != nullptr ? config_path : "", sets, rank)};
+            sparseps::client::Worker(config_path != nullptr ? config_path : "", sets, rank), {}};
       },
       err, err_len);
 }
 
 void sparseps_worker_free(sparseps_worker* worker) { delete worker; }
+
+int sparseps_cuda_build(void) { return sparseps::client::CudaBuild() ? 1 : 0; }
+int sparseps_device_of(const void* pointer) { return sparseps::client::DeviceOf(pointer); }
+
+int sparseps_worker_init_buffers(sparseps_worker* worker, const sparseps_buffer* params,
+                                 size_t count, const char* const* names, char* err,
+                                 size_t err_len) {
+  if (worker == nullptr) return Missing("worker", err, err_len);
+  std::vector<sparseps::client::Buffer> buffers;
+  if (!Buffers(params, count, &buffers)) return Missing("params", err, err_len);
+  std::vector<sparseps::client::TensorInfo> tensors;
+  for (size_t i = 0; names != nullptr && i < count; ++i) {
+    if (names[i] == nullptr) return Missing("a name", err, err_len);
+    tensors.push_back({names[i], {buffers[i].size}});
+  }
+  return Guard([&] { worker->worker.Init(buffers, tensors); }, err, err_len);
+}
+
+int sparseps_worker_push_pull_update(sparseps_worker* worker, const sparseps_buffer* grads,
+                                     size_t count, float* update, double loss, char* err,
+                                     size_t err_len) {
+  if (worker == nullptr) return Missing("worker", err, err_len);
+  std::vector<sparseps::client::Buffer> buffers;
+  if (!Buffers(grads, count, &buffers)) return Missing("grads", err, err_len);
+  return Guard([&] { worker->worker.PushPull(buffers, update, loss); }, err, err_len);
+}
+
+int sparseps_worker_push_pull_sparse(sparseps_worker* worker, const sparseps_buffer* grads,
+                                     size_t count, double loss, size_t* num_changed, char* err,
+                                     size_t err_len) {
+  if (worker == nullptr) return Missing("worker", err, err_len);
+  if (num_changed == nullptr) return Missing("num_changed", err, err_len);
+  std::vector<sparseps::client::Buffer> buffers;
+  if (!Buffers(grads, count, &buffers)) return Missing("grads", err, err_len);
+  worker->sparse = {};
+  const int code =
+      Guard([&] { worker->sparse = worker->worker.PushPullSparse(buffers, loss); }, err, err_len);
+  *num_changed = worker->sparse.keys.size();
+  return code;
+}
+
+int sparseps_worker_sparse_result(const sparseps_worker* worker, int64_t* keys, float* update,
+                                  float* params, size_t num_changed, char* err, size_t err_len) {
+  if (worker == nullptr) return Missing("worker", err, err_len);
+  const auto& u = worker->sparse;
+  if (num_changed != u.keys.size()) {
+    return Fail(SPARSEPS_INVALID_ARGUMENT,
+                "num_changed is " + std::to_string(num_changed) + "; the last sparse step has " +
+                    std::to_string(u.keys.size()),
+                err, err_len);
+  }
+  if (keys != nullptr) std::copy(u.keys.begin(), u.keys.end(), keys);
+  if (update != nullptr) std::copy(u.update.begin(), u.update.end(), update);
+  if (params != nullptr) std::copy(u.params.begin(), u.params.end(), params);
+  if (err != nullptr && err_len > 0) err[0] = '\0';
+  return SPARSEPS_OK;
+}
+
+int sparseps_worker_params(const sparseps_worker* worker, float* out, size_t n, char* err,
+                           size_t err_len) {
+  if (worker == nullptr) return Missing("worker", err, err_len);
+  std::vector<float> p;
+  const int code = Guard(
+      [&] {
+        const auto now = worker->worker.params();
+        p.assign(now.begin(), now.end());
+      },
+      err, err_len);
+  return code != SPARSEPS_OK ? code : CopyOut(p, "params", out, n, err, err_len);
+}
+
+int sparseps_worker_residual(const sparseps_worker* worker, float* out, size_t n, char* err,
+                             size_t err_len) {
+  if (worker == nullptr) return Missing("worker", err, err_len);
+  std::vector<float> r;
+  const int code = Guard([&] { r = worker->worker.residual(); }, err, err_len);
+  return code != SPARSEPS_OK ? code : CopyOut(r, "residual", out, n, err, err_len);
+}
+
+void sparseps_worker_set_interruptible(sparseps_worker* worker, int interruptible) {
+  if (worker != nullptr) worker->worker.set_interruptible(interruptible != 0);
+}
 
 int sparseps_worker_init(sparseps_worker* worker, float* params, size_t n, char* err,
                          size_t err_len) {
@@ -133,6 +244,37 @@ uint64_t sparseps_worker_bytes_sent(const sparseps_worker* w) {
 }
 uint64_t sparseps_worker_bytes_received(const sparseps_worker* w) {
   return w != nullptr ? w->worker.bytes_received() : 0;
+}
+
+int sparseps_worker_resumed(const sparseps_worker* w) {
+  return w != nullptr && w->worker.resumed() ? 1 : 0;
+}
+int sparseps_worker_checkpoint_due(const sparseps_worker* w) {
+  return w != nullptr && w->worker.checkpoint_due() ? 1 : 0;
+}
+int sparseps_worker_allreduce(const sparseps_worker* w) {
+  return w != nullptr && w->worker.allreduce() ? 1 : 0;
+}
+void sparseps_worker_last_step(const sparseps_worker* w, sparseps_step_counters* out) {
+  if (out == nullptr) return;
+  *out = {};
+  out->applied = -1;
+  if (w == nullptr) return;
+  const auto c = w->worker.last_step();
+  *out = {c.bytes_sent, c.bytes_received, c.selected, c.applied, c.encode_ms, c.comm_ms};
+}
+size_t sparseps_worker_live_workers(const sparseps_worker* w, int* ranks, size_t capacity) {
+  if (w == nullptr) return 0;
+  const auto live = w->worker.live_workers();
+  for (size_t i = 0; ranks != nullptr && i < live.size() && i < capacity; ++i) ranks[i] = live[i];
+  return live.size();
+}
+size_t sparseps_worker_config(const sparseps_worker* w, char* out, size_t out_len) {
+  if (w == nullptr) return 0;
+  std::string text;
+  for (const auto& [key, value] : w->worker.config()) text += key + " = " + value + "\n";
+  if (out != nullptr && out_len > 0) std::snprintf(out, out_len, "%s", text.c_str());
+  return text.size() + 1;
 }
 
 }  // extern "C"

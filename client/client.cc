@@ -1,14 +1,24 @@
 // The client library (include/sparseps/client.h): Worker on top of the same WorkerSession and
-// Aggregator as sparseps-worker and the Python module (worker/session.h).
+// Aggregator as sparseps-worker (worker/session.h). The Python module (python/) and the C
+// interface (c_api.cc) are layers on this Worker: a policy of a loop of the user's own is here
+// once.
 #include "sparseps/client.h"
 
+#include <algorithm>
+#include <chrono>
+#include <functional>
+#include <optional>
 #include <string>
 #include <utility>
 
+#include "client/update_recorder.h"
 #include "common/status.h"
 #include "common/tensor_layout.h"
 #include "config/config.h"
+#include "transport/van.h"
+#include "worker/device_buffer.h"
 #include "worker/session.h"
+#include "worker/training_log.h"
 
 namespace sparseps::client {
 namespace {
@@ -28,29 +38,71 @@ void Check(const Status& s) {
   if (!s.ok()) Raise(s);
 }
 
+std::string DeviceName(int device) {
+  return device == kHost ? "the CPU" : "CUDA device " + std::to_string(device);
+}
+
 }  // namespace
 
 std::string Version() { return SPARSEPS_VERSION; }
+bool CudaBuild() { return BuiltWithCuda(); }
+int DeviceOf(const void* pointer) { return DeviceOfPointer(pointer); }
 
 struct Worker::Impl {
   proto::JobConfig config;
   std::unique_ptr<WorkerSession> session;
   uint64_t steps = 0;
-  std::vector<TensorLayout> layers;  // the model file's one tensor, "params"
+  uint32_t epoch = 0;
+  std::vector<TensorLayout> layers;  // the model file's tensors
+  std::vector<size_t> sizes;         // Init's buffers' sizes (elements)
+  int device = kHost;                // Init's buffers' device
+  bool interruptible = false;
+  std::vector<float> gather;  // several host gradient buffers, gathered
+  DeviceBuffer gather_d;      // the same on the device
+  UpdateRecorder recorder;
+  std::optional<TrainingLog> log;  // the live metrics (metrics.port)
+  Clock::time_point last_return;   // when the last push-pull (or Init) returned
+  StepStats last;
 
   // The loop's position in a checkpoint: the steps done.
   std::function<void(StateArchive&)> LoopState() {
     return [this](StateArchive& archive) { archive.Value("step", &steps); };
   }
   Aggregator& agg() {
-    if (!session) Raise(Status::FailedPrecondition("call Init(params) first"));
+    if (!session) Raise(Status::FailedPrecondition("call init(params) first"));
     return session->aggregator();
   }
+  // Runs a call that may wait: with set_interruptible, SIGINT ends its waits; then its failure
+  // is kInterrupted.
+  void Wait(const std::function<Status()>& call, bool report_failure);
+  void Join(std::span<const Buffer> params, const std::vector<TensorInfo>& tensors);
+  // grads as one flat gradient on Init's device (in place, or gathered).
+  float* Gradient(std::span<const Buffer> grads);
+  // The step itself, with the change observer recording into `out` (null: sparse).
+  void Step(float* grad, float* out, double loss);
 };
+
+void Worker::Impl::Wait(const std::function<Status()>& call, bool report_failure) {
+  Status s;
+  bool interrupted = false;
+  {
+    std::optional<ScopedStopOnInterrupt> stop;
+    if (interruptible) stop.emplace();
+    s = call();
+    interrupted = stop && stop->interrupted();
+  }
+  if (s.ok()) return;
+  // A bad gradient changes nothing and the job goes on; anything else ends it.
+  if (report_failure && session && s.code() != StatusCode::kInvalidArgument) {
+    session->ReportFailure(s);
+  }
+  if (interrupted) throw Error(ErrorCode::kInterrupted, s.message());
+  Raise(s);
+}
 
 Worker::Worker(const std::string& config_path, const std::vector<std::string>& overrides, int rank)
     : impl_(std::make_unique<Impl>()) {
-  auto config = LoadOwnLoopConfig(config_path, overrides, rank, "a client-library loop");
+  auto config = LoadOwnLoopConfig(config_path, overrides, rank, "a training loop of its own");
   Check(config.status());
   impl_->config = std::move(*config);
 }
@@ -60,39 +112,193 @@ Worker::Worker(Worker&&) noexcept = default;
 Worker& Worker::operator=(Worker&&) noexcept = default;
 
 void Worker::Init(std::span<float> params) {
-  Impl& m = *impl_;
-  if (m.session) Raise(Status::FailedPrecondition("Init was called already"));
-  if (params.empty()) Raise(Status::InvalidArgument("Init: params is empty"));
-  m.layers = {{"params", {params.size()}, 0}};
-  std::vector<float> initial(params.begin(), params.end());
-  auto joined =
-      JoinOwnLoop(m.config, initial, /*on_device=*/false, m.LoopState(), "a client-library loop");
-  Check(joined.status());
-  m.session = std::move(*joined);
-  const auto& p = m.session->aggregator().params();
-  std::copy(p.begin(), p.end(), params.begin());
+  const Buffer one{params.data(), params.size(), kHost};
+  Init(std::span<const Buffer>(&one, 1));
+}
+
+void Worker::Init(std::span<const Buffer> params, const std::vector<TensorInfo>& tensors) {
+  impl_->Join(params, tensors);
+}
+
+void Worker::Impl::Join(std::span<const Buffer> params, const std::vector<TensorInfo>& tensors) {
+  if (session) Raise(Status::FailedPrecondition("init was called already"));
+  if (params.empty()) Raise(Status::InvalidArgument("params: no tensors"));
+  if (!tensors.empty() && tensors.size() != params.size()) {
+    Raise(Status::InvalidArgument("names: " + std::to_string(tensors.size()) + " names for " +
+                                  std::to_string(params.size()) + " tensors"));
+  }
+  device = params[0].device;
+  size_t total = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const Buffer& b = params[i];
+    const std::string what = params.size() > 1 ? "params[" + std::to_string(i) + "]" : "params";
+    if (b.device != kHost && !BuiltWithCuda()) {
+      Raise(Status::InvalidArgument(
+          what +
+          ": on a CUDA device, but this sparseps was built without CUDA (move the "
+          "tensors to the CPU, or build where nvcc is found)"));
+    }
+    if (b.device != device) {
+      Raise(Status::InvalidArgument(what + ": on another device than the first; sparseps takes "
+                                           "every tensor on one device"));
+    }
+    if (b.size == 0 || b.data == nullptr) Raise(Status::InvalidArgument(what + ": empty"));
+    TensorLayout layer{params.size() > 1 ? "param" + std::to_string(i) : "params", {b.size}, total};
+    if (!tensors.empty()) {
+      layer.name = tensors[i].name;
+      layer.shape = tensors[i].shape;
+    }
+    layers.push_back(std::move(layer));
+    sizes.push_back(b.size);
+    total += b.size;
+  }
+  // The device SBC compressor trains its local copy on the device, where the update's old values
+  // cannot be read between pushes.
+  if (device != kHost && config.compression().encoding() == proto::SBC &&
+      config.compression().local_iterations() > 1) {
+    Raise(Status::InvalidArgument(
+        "params: CUDA tensors with sbc and compression.local_iterations > 1 are not "
+        "supported; use CPU tensors or local_iterations: 1"));
+  }
+  std::vector<float> initial(total);
+  for (size_t i = 0, offset = 0; i < params.size(); offset += sizes[i], ++i) {
+    Check(CopyFloats(initial.data() + offset, false, params[i].data, device != kHost, sizes[i]));
+  }
+  Wait(
+      [&] {
+        auto joined = JoinOwnLoop(config, initial, device != kHost, LoopState(),
+                                  "a training loop of its own");
+        if (joined.ok()) session = std::move(*joined);
+        return joined.status();
+      },
+      /*report_failure=*/false);  // JoinOwnLoop reported it
+  Aggregator& a = session->aggregator();
+  a.set_change_observer([this](uint64_t begin, std::span<const uint32_t> keys, bool all) {
+    recorder.Observe(session->aggregator().host_model_params(), begin, keys, all);
+  });
+  // Live metrics (metrics.port), as sparseps-worker serves them; no CSV files or progress lines,
+  // which the loop writes itself.
+  log.emplace(config, session->rank(), 0, 0, /*leader=*/false);
+  Check(log->StartMetrics());
+  last_return = Clock::now();
+  for (size_t i = 0, offset = 0; i < params.size(); offset += sizes[i], ++i) {
+    Check(CopyFloats(params[i].data, device != kHost, a.params().data() + offset, false, sizes[i]));
+  }
+}
+
+float* Worker::Impl::Gradient(std::span<const Buffer> grads) {
+  const size_t n = agg().num_params();
+  for (size_t i = 0; i < grads.size(); ++i) {
+    if (grads[i].device != kHost && !BuiltWithCuda()) {
+      Raise(
+          Status::InvalidArgument("grads: on a CUDA device, but this sparseps was built "
+                                  "without CUDA (move the tensors to the CPU)"));
+    }
+    if (grads[i].device != device) {
+      Raise(Status::InvalidArgument("grads: on another device than init's params (" +
+                                    DeviceName(device) + ")"));
+    }
+  }
+  // Laid out as Init's buffers, or one flat buffer of them all.
+  if (grads.size() == 1 && grads[0].size == n) return grads[0].data;
+  if (grads.size() != sizes.size()) {
+    Raise(Status::InvalidArgument(
+        "grads: not laid out as init's params (" +
+        (sizes.size() > 1 ? "a list of " + std::to_string(sizes.size()) + " tensors"
+                          : std::string("one tensor")) +
+        ") nor one flat tensor of all " + std::to_string(n) + " elements"));
+  }
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (grads[i].size != sizes[i]) {
+      Raise(Status::InvalidArgument(
+          "grads" + (sizes.size() > 1 ? "[" + std::to_string(i) + "]" : std::string()) + ": " +
+          std::to_string(grads[i].size) + " elements; init's params had " +
+          std::to_string(sizes[i])));
+    }
+  }
+  if (grads.size() == 1) return grads[0].data;
+  float* grad = nullptr;
+  if (device != kHost) {
+    if (gather_d.size() != n) Check(gather_d.Allocate(n));
+    grad = gather_d.data();
+  } else {
+    gather.resize(n);
+    grad = gather.data();
+  }
+  for (size_t i = 0, offset = 0; i < grads.size(); offset += sizes[i], ++i) {
+    Check(CopyFloats(grad + offset, device != kHost, grads[i].data, device != kHost, sizes[i]));
+  }
+  return grad;
+}
+
+void Worker::Impl::Step(float* grad, float* out, double loss) {
+  Aggregator& a = agg();
+  // The loop's forward and backward: the time since the previous push-pull returned.
+  const double compute_ms =
+      steps == 0 ? 0.0
+                 : std::chrono::duration<double, std::milli>(Clock::now() - last_return).count();
+  const bool on_device = device != kHost;
+  recorder.Begin(out, a.num_params());
+  Wait(
+      [&] {
+        last = StepStats{};
+        if (on_device) {
+          auto p = a.ModelParams();  // the device copy, brought up to date
+          if (!p.ok()) return p.status();
+        }
+        return a.Step(grad, on_device, &last);
+      },
+      /*report_failure=*/true);
+  ++steps;
+  log->Step(steps, epoch + 1, loss, compute_ms, last, a);
+  Check(log->SampleResidual(a));
+  Check(session->AfterStep(LoopState(), layers));
+  last_return = Clock::now();
 }
 
 void Worker::PushPull(std::span<float> grad, std::span<float> params) {
   Impl& m = *impl_;
-  Aggregator& agg = m.agg();
-  const size_t n = agg.num_params();
-  if (grad.size() != n || params.size() != n) {
+  const size_t n = m.agg().num_params();
+  if (grad.size() != n || params.size() != n || m.device != kHost) {
     Raise(Status::InvalidArgument("PushPull: grad has " + std::to_string(grad.size()) +
                                   " and params " + std::to_string(params.size()) +
-                                  " elements; the job has " + std::to_string(n)));
+                                  " host elements; the job has " + std::to_string(n) + " on " +
+                                  DeviceName(m.device)));
   }
-  StepStats stats;
-  const Status s = agg.Step(grad.data(), /*grad_on_device=*/false, &stats);
-  if (!s.ok()) {
-    // A bad gradient changes nothing and the job goes on; anything else ends it.
-    if (s.code() != StatusCode::kInvalidArgument) m.session->ReportFailure(s);
-    Raise(s);
+  try {
+    m.Step(grad.data(), nullptr, std::numeric_limits<double>::quiet_NaN());
+  } catch (...) {
+    m.recorder.Cancel();
+    throw;
   }
-  ++m.steps;
-  Check(m.session->AfterStep(m.LoopState(), m.layers));
-  const float* now = agg.host_model_params();
+  m.recorder.Cancel();  // this form returns the parameters, not the update
+  const float* now = m.session->aggregator().host_model_params();
   std::copy(now, now + n, params.begin());
+}
+
+void Worker::PushPull(std::span<const Buffer> grads, float* update, double loss) {
+  Impl& m = *impl_;
+  if (update == nullptr) Raise(Status::InvalidArgument("update is null"));
+  float* grad = m.Gradient(grads);
+  try {
+    m.Step(grad, update, loss);
+  } catch (...) {
+    m.recorder.Cancel();
+    throw;
+  }
+  m.recorder.EndDense(m.session->aggregator().host_model_params());
+}
+
+SparseUpdate Worker::PushPullSparse(std::span<const Buffer> grads, double loss) {
+  Impl& m = *impl_;
+  float* grad = m.Gradient(grads);
+  try {
+    m.Step(grad, nullptr, loss);
+  } catch (...) {
+    m.recorder.Cancel();
+    throw;
+  }
+  return m.recorder.EndSparse(m.session->aggregator().host_model_params());
 }
 
 std::span<const float> Worker::params() const {
@@ -100,7 +306,18 @@ std::span<const float> Worker::params() const {
   return {p.data(), p.size()};
 }
 
-void Worker::SetEpoch(uint32_t epoch) { impl_->agg().SetEpoch(epoch); }
+std::vector<float> Worker::residual() const {
+  std::vector<float> r;
+  Check(impl_->agg().ReadResidual(&r));
+  return r;
+}
+
+void Worker::set_interruptible(bool interruptible) { impl_->interruptible = interruptible; }
+
+void Worker::SetEpoch(uint32_t epoch) {
+  impl_->epoch = epoch;
+  if (impl_->session) impl_->session->aggregator().SetEpoch(epoch);
+}
 
 void Worker::Synchronize(std::span<float> params) {
   Impl& m = *impl_;
@@ -110,11 +327,7 @@ void Worker::Synchronize(std::span<float> params) {
     Raise(Status::InvalidArgument("Synchronize: params has " + std::to_string(params.size()) +
                                   " elements; the job has " + std::to_string(n)));
   }
-  const Status s = agg.Synchronize();
-  if (!s.ok()) {
-    m.session->ReportFailure(s);
-    Raise(s);
-  }
+  m.Wait([&] { return agg.Synchronize(); }, /*report_failure=*/true);
   const float* now = agg.host_model_params();
   std::copy(now, now + n, params.begin());
 }
@@ -130,15 +343,24 @@ void Worker::Finish(double test_accuracy, double train_loss, double samples_per_
   stats.set_final_train_loss(train_loss);
   stats.set_samples_per_s(samples_per_s);
   stats.set_wall_s(train_s);
-  Status s;
-  if (m.session->is_leader() && m.config.checkpoint().save_model() &&
-      !m.config.run().dir().empty()) {
-    s = agg.Synchronize();  // ssp / async: the saved model has every worker's every push
-    if (s.ok()) s = m.session->SaveModel(m.config.run().dir() + "/model.safetensors", m.layers);
+  auto finish = [&] {
+    Status s;
+    // The trained model, as sparseps-worker's leader writes it (checkpoint.save_model).
+    if (m.session->is_leader() && m.config.checkpoint().save_model() &&
+        !m.config.run().dir().empty()) {
+      s = agg.Synchronize();  // ssp / async: the saved model has every worker's every push
+      if (s.ok()) s = m.session->SaveModel(m.config.run().dir() + "/model.safetensors", m.layers);
+    }
+    if (s.ok()) s = m.session->Finish(stats);
+    return s;
+  };
+  try {
+    m.Wait(finish, /*report_failure=*/false);
+  } catch (...) {
+    m.session.reset();
+    throw;
   }
-  if (s.ok()) s = m.session->Finish(stats);
   m.session.reset();
-  Check(s);
 }
 
 int Worker::rank() const {
@@ -156,6 +378,32 @@ uint64_t Worker::bytes_sent() const {
 }
 uint64_t Worker::bytes_received() const {
   return impl_->session ? impl_->session->aggregator().bytes_received() : 0;
+}
+StepCounters Worker::last_step() const {
+  const StepStats& s = impl_->last;
+  return {s.bytes_sent, s.bytes_received, s.selected, s.applied, s.encode_ms, s.comm_ms};
+}
+bool Worker::resumed() const { return impl_->session && impl_->session->resuming(); }
+bool Worker::checkpoint_due() const {
+  return impl_->session && impl_->session->aggregator().checkpoint_due();
+}
+std::vector<int> Worker::live_workers() const {
+  std::vector<int> ranks;
+  if (!impl_->session) return ranks;
+  for (const auto& node : impl_->session->control().membership().nodes()) {
+    if (node.role() == proto::WORKER) ranks.push_back(node.rank());
+  }
+  std::sort(ranks.begin(), ranks.end());
+  return ranks;
+}
+bool Worker::allreduce() const { return impl_->config.aggregation() == proto::ALLREDUCE; }
+std::vector<std::pair<std::string, std::string>> Worker::config() const {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const std::string& line : DescribeConfig(impl_->config)) {
+    const size_t eq = line.find(" = ");
+    out.emplace_back(line.substr(0, eq), line.substr(eq + 3));
+  }
+  return out;
 }
 
 }  // namespace sparseps::client

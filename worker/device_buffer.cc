@@ -1,6 +1,7 @@
 #include "worker/device_buffer.h"
 
 #include <algorithm>
+#include <cstring>
 #include <string>
 
 #if SPARSEPS_HAVE_CUDA
@@ -123,6 +124,43 @@ Status DeviceDownload(const float* device, float* host, size_t n) {
   (void)host;
   (void)n;
   return NoCuda();
+#endif
+}
+
+Status CopyFloats(float* dst, bool dst_on_device, const float* src, bool src_on_device, size_t n) {
+  if (!dst_on_device && !src_on_device) {
+    if (n > 0) std::memcpy(dst, src, n * sizeof(float));
+    return Status::OK();
+  }
+#if SPARSEPS_HAVE_CUDA
+  const cudaMemcpyKind kind =
+      dst_on_device ? (src_on_device ? cudaMemcpyDeviceToDevice : cudaMemcpyHostToDevice)
+                    : cudaMemcpyDeviceToHost;
+  return CudaStatus(cudaMemcpy(dst, src, n * sizeof(float), kind), "cudaMemcpy");
+#else
+  return NoCuda();
+#endif
+}
+
+int DeviceOfPointer(const void* pointer) {
+#if SPARSEPS_HAVE_CUDA
+  cudaPointerAttributes attr{};
+  if (pointer != nullptr && cudaPointerGetAttributes(&attr, pointer) == cudaSuccess &&
+      (attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged)) {
+    return attr.device;
+  }
+  cudaGetLastError();  // an unknown pointer's error is not the next call's
+#else
+  (void)pointer;
+#endif
+  return -1;
+}
+
+bool BuiltWithCuda() {
+#if SPARSEPS_HAVE_CUDA
+  return true;
+#else
+  return false;
 #endif
 }
 

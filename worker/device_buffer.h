@@ -55,6 +55,17 @@ Status DeviceAxpy(float a, const float* x, float* y, size_t n);
 // Copies n floats of device memory to the host (synchronous). Errors as DeviceAxpy.
 Status DeviceDownload(const float* device, float* host, size_t n);
 
+// Copies n floats from src to dst, either in host or (on_device) CUDA device memory; synchronous.
+// Errors as DeviceAxpy (a host-to-host copy never fails).
+Status CopyFloats(float* dst, bool dst_on_device, const float* src, bool src_on_device, size_t n);
+
+// The CUDA device ordinal that `pointer` belongs to; -1 for host memory, an unknown pointer, or a
+// build without CUDA.
+int DeviceOfPointer(const void* pointer);
+
+// True when this build has CUDA (device memory can be given to the aggregator).
+bool BuiltWithCuda();
+
 // Which parameters changed since a device copy was last brought up to date: the keys of pull
 // replies and of applied sparse updates, or all of them (at the start, after a dense change, or
 // once the keys pass a quarter of the vector, where one dense copy beats a scatter).

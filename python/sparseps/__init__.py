@@ -15,8 +15,9 @@ config file:
 params and grads are one float32 tensor or array, or a list of them (PyTorch CPU or CUDA tensors,
 NumPy arrays): whatever speaks DLPack, __cuda_array_interface__ or the buffer protocol; nothing
 here imports torch. sparseps.torch has a DistributedOptimizer and a DDP communication hook.
-docs/user-guide.md ("Python") has the whole story. sparseps.capi is the same worker through the
-client library's C interface and ctypes, for a Python the module was not built for.
+docs/user-guide.md ("Python") has the whole story. sparseps.capi is the same worker, with the
+same interface, through the client library's C interface and ctypes, for a Python the module was
+not built for; both are layers on the client library (libsparseps_client.so).
 """
 import json
 
@@ -24,8 +25,8 @@ __all__ = ["Error", "Worker", "cuda"]
 
 
 def _module():
-    """sparseps._sparseps, imported on first use: `from sparseps import capi` never loads it (the
-    two hold the same protobuf descriptors and cannot share a process)."""
+    """sparseps._sparseps, imported on first use: `from sparseps import capi` never loads it, so
+    capi works on a Python the module was not built for."""
     try:
         from . import _sparseps
     except ImportError as e:  # not built for this Python: sparseps.capi still works

@@ -1,28 +1,35 @@
 """sparseps through its C interface (libsparseps_client.so, include/sparseps/sparseps.h) and
-ctypes: a worker of a sparseps job from any CPython 3, with no module built for this Python or
-this PyTorch (the pybind11 module sparseps._sparseps is built for one Python version; this is
-not). Host memory, float32 NumPy arrays (or anything numpy.asarray takes; a torch CPU tensor
-through .numpy()).
+ctypes: a worker of a sparseps job from any CPython 3 and any PyTorch, with no module built for
+them (the pybind11 module sparseps._sparseps is built for one Python version; this is not).
+capi.Worker has sparseps.Worker's interface, so sparseps.torch takes either:
 
     from sparseps import capi
     w = capi.Worker("job.yaml", rank=0, overrides=["cluster.scheduler_port=7000"])
-    w.init(params)                 # float32 array, changed in place to the job's start
-    w.push_pull(grad, params)      # grad changed in place; params becomes the job's new ones
+    w.init(params)                 # float32 array or tensor (or a list), set to the job's start
+    params -= w.push_pull(grads)   # the update; push_pull(grads, sparse=True): (keys, update, new)
     w.finish(test_accuracy=acc)
+
+Tensors: float32, contiguous NumPy arrays (host), or PyTorch tensors on the CPU or (a CUDA
+build of the library: capi.cuda()) a CUDA device, read through their data_ptr (torch is not
+imported here); a list or tuple of them for a model of several tensors.
 
 The library is found at $SPARSEPS_CLIENT_LIBRARY, else next to this package in a build tree
 (<build>/client/libsparseps_client.so), else by the loader (libsparseps_client.so.0, as the
 Debian package installs it). Every call that can fail raises capi.Error with the library's
-message; ctypes releases the GIL during each call, so workers may be threads.
+message (KeyboardInterrupt when Ctrl-C ended a wait); ctypes releases the GIL during each call,
+so workers may be threads.
 """
 import ctypes
+import json
+import math
 import os
 
 import numpy as np
 
-__all__ = ["Error", "Worker", "library"]
+__all__ = ["Error", "Worker", "cuda", "library"]
 
-OK, INVALID_ARGUMENT, DEADLINE_EXCEEDED, FAILED = 0, 1, 2, 3
+OK, INVALID_ARGUMENT, DEADLINE_EXCEEDED, FAILED, INTERRUPTED = 0, 1, 2, 3, 4
+HOST = -1
 _ERR_LEN = 4096
 
 
@@ -32,6 +39,16 @@ class Error(RuntimeError):
     def __init__(self, code, message):
         super().__init__(message)
         self.code = code
+
+
+class _Buffer(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("size", ctypes.c_size_t), ("device", ctypes.c_int)]
+
+
+class _Counters(ctypes.Structure):
+    _fields_ = [("bytes_sent", ctypes.c_uint64), ("bytes_received", ctypes.c_uint64),
+                ("selected", ctypes.c_uint64), ("applied", ctypes.c_int64),
+                ("encode_ms", ctypes.c_double), ("comm_ms", ctypes.c_double)]
 
 
 def _candidates():
@@ -60,33 +77,45 @@ def _load():
 
 def _declare(lib):
     c_float_p = ctypes.POINTER(ctypes.c_float)
+    buffers = [ctypes.POINTER(_Buffer), ctypes.c_size_t]
     err = [ctypes.c_char_p, ctypes.c_size_t]
     handle = ctypes.c_void_p
-    lib.sparseps_version.restype = ctypes.c_char_p
-    lib.sparseps_version.argtypes = []
-    lib.sparseps_worker_new.restype = ctypes.c_int
-    lib.sparseps_worker_new.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_char_p),
-                                        ctypes.c_size_t, ctypes.c_int,
-                                        ctypes.POINTER(handle)] + err
-    lib.sparseps_worker_free.restype = None
-    lib.sparseps_worker_free.argtypes = [handle]
-    for name in ("init", "synchronize"):
-        f = getattr(lib, f"sparseps_worker_{name}")
-        f.restype = ctypes.c_int
-        f.argtypes = [handle, c_float_p, ctypes.c_size_t] + err
-    lib.sparseps_worker_push_pull.restype = ctypes.c_int
-    lib.sparseps_worker_push_pull.argtypes = [handle, c_float_p, c_float_p, ctypes.c_size_t] + err
-    lib.sparseps_worker_set_epoch.restype = ctypes.c_int
-    lib.sparseps_worker_set_epoch.argtypes = [handle, ctypes.c_uint32] + err
-    lib.sparseps_worker_finish.restype = ctypes.c_int
-    lib.sparseps_worker_finish.argtypes = [handle] + [ctypes.c_double] * 4 + err
+    signatures = {
+        "version": (ctypes.c_char_p, []),
+        "cuda_build": (ctypes.c_int, []),
+        "worker_new": (ctypes.c_int, [ctypes.c_char_p, ctypes.POINTER(ctypes.c_char_p),
+                                      ctypes.c_size_t, ctypes.c_int, ctypes.POINTER(handle)] + err),
+        "worker_free": (None, [handle]),
+        "worker_init_buffers": (ctypes.c_int, [handle] + buffers +
+                                [ctypes.POINTER(ctypes.c_char_p)] + err),
+        "worker_push_pull_update": (ctypes.c_int, [handle] + buffers +
+                                    [c_float_p, ctypes.c_double] + err),
+        "worker_push_pull_sparse": (ctypes.c_int, [handle] + buffers +
+                                    [ctypes.c_double, ctypes.POINTER(ctypes.c_size_t)] + err),
+        "worker_sparse_result": (ctypes.c_int, [handle, ctypes.POINTER(ctypes.c_int64), c_float_p,
+                                                c_float_p, ctypes.c_size_t] + err),
+        "worker_params": (ctypes.c_int, [handle, c_float_p, ctypes.c_size_t] + err),
+        "worker_residual": (ctypes.c_int, [handle, c_float_p, ctypes.c_size_t] + err),
+        "worker_synchronize": (ctypes.c_int, [handle, c_float_p, ctypes.c_size_t] + err),
+        "worker_set_epoch": (ctypes.c_int, [handle, ctypes.c_uint32] + err),
+        "worker_set_interruptible": (None, [handle, ctypes.c_int]),
+        "worker_finish": (ctypes.c_int, [handle] + [ctypes.c_double] * 4 + err),
+        "worker_last_step": (None, [handle, ctypes.POINTER(_Counters)]),
+        "worker_live_workers": (ctypes.c_size_t, [handle, ctypes.POINTER(ctypes.c_int),
+                                                  ctypes.c_size_t]),
+        "worker_config": (ctypes.c_size_t, [handle, ctypes.c_char_p, ctypes.c_size_t]),
+    }
     for name, restype in (("rank", ctypes.c_int), ("num_workers", ctypes.c_int),
                           ("is_leader", ctypes.c_int), ("num_params", ctypes.c_size_t),
                           ("step", ctypes.c_uint64), ("lr", ctypes.c_double),
-                          ("bytes_sent", ctypes.c_uint64), ("bytes_received", ctypes.c_uint64)):
-        f = getattr(lib, f"sparseps_worker_{name}")
+                          ("bytes_sent", ctypes.c_uint64), ("bytes_received", ctypes.c_uint64),
+                          ("resumed", ctypes.c_int), ("checkpoint_due", ctypes.c_int),
+                          ("allreduce", ctypes.c_int)):
+        signatures[f"worker_{name}"] = (restype, [handle])
+    for name, (restype, argtypes) in signatures.items():
+        f = getattr(lib, f"sparseps_{name}")
         f.restype = restype
-        f.argtypes = [handle]
+        f.argtypes = argtypes
 
 
 _lib = None
@@ -100,53 +129,129 @@ def library():
     return _lib
 
 
-def _floats(a, name):
-    """a as a writable, contiguous float32 NumPy array of its own memory (no copy)."""
-    if not isinstance(a, np.ndarray) or a.dtype != np.float32 or not a.flags.c_contiguous \
-            or not a.flags.writeable:
-        raise Error(INVALID_ARGUMENT,
-                    f"{name}: a writable, contiguous float32 numpy array is needed "
-                    f"(got {type(a).__name__} {getattr(a, 'dtype', '')})")
-    return a, a.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+def cuda():
+    """True when the library was built with CUDA: CUDA tensors are compressed on the device."""
+    return bool(library().sparseps_cuda_build())
+
+
+def _buffer(t, name):
+    """(buffer, shape) of a float32 NumPy array or PyTorch tensor, read in place."""
+    if isinstance(t, np.ndarray):
+        if t.dtype != np.float32 or not t.flags.c_contiguous or not t.flags.writeable:
+            raise Error(INVALID_ARGUMENT,
+                        f"{name}: a writable, contiguous float32 numpy array is needed "
+                        f"(got {t.dtype}{'' if t.flags.c_contiguous else ', not contiguous'})")
+        return _Buffer(t.ctypes.data, t.size, HOST), t.shape
+    if hasattr(t, "data_ptr") and hasattr(t, "is_contiguous"):  # a torch.Tensor
+        if str(t.dtype) != "torch.float32":
+            raise Error(INVALID_ARGUMENT, f"{name}: dtype {t.dtype}; sparseps takes float32 "
+                        "(call .float())")
+        if not t.is_contiguous():
+            raise Error(INVALID_ARGUMENT, f"{name}: not contiguous (call .contiguous())")
+        device = t.device.index if t.is_cuda else HOST
+        return _Buffer(t.data_ptr(), t.numel(), device), tuple(t.shape)
+    raise Error(INVALID_ARGUMENT, f"{name}: expected a float32 numpy array or torch tensor, "
+                f"got {type(t).__name__}")
+
+
+def _buffers(obj, name):
+    """(ctypes array of buffers, shapes, listed) of one tensor or a list of them."""
+    listed = isinstance(obj, (list, tuple))
+    items = list(obj) if listed else [obj]
+    if not items:
+        raise Error(INVALID_ARGUMENT, f"{name}: the list is empty")
+    parts = [_buffer(t, f"{name}[{i}]" if listed else name) for i, t in enumerate(items)]
+    array = (_Buffer * len(parts))(*[b for b, _ in parts])
+    return array, [s for _, s in parts], listed
 
 
 class Worker:
-    """One worker of a sparseps job, through the C interface (see the module's doc)."""
+    """One worker of a sparseps job, through the C interface (sparseps.Worker's interface)."""
 
-    def __init__(self, config="", rank=-1, overrides=()):
+    def __init__(self, config="", rank=None, overrides=()):
         lib = library()
         sets = [s.encode() for s in overrides]
         array = (ctypes.c_char_p * max(len(sets), 1))(*sets)
         handle = ctypes.c_void_p()
         self._handle = None
+        self._shapes = None
         self._call(lib.sparseps_worker_new, config.encode() if config else None, array,
-                   len(sets), rank, ctypes.byref(handle))
+                   len(sets), -1 if rank is None else rank, ctypes.byref(handle))
         self._handle = handle
+        lib.sparseps_worker_set_interruptible(handle, 1)  # Ctrl-C ends a wait
 
     @staticmethod
     def _call(f, *args):
         err = ctypes.create_string_buffer(_ERR_LEN)
         code = f(*args, err, _ERR_LEN)
+        if code == INTERRUPTED:
+            raise KeyboardInterrupt(err.value.decode(errors="replace"))
         if code != OK:
             raise Error(code, err.value.decode(errors="replace"))
 
-    def init(self, params):
-        """Joins the job with params.size parameters; params becomes the job's start."""
-        a, p = _floats(params, "params")
-        self._call(library().sparseps_worker_init, self._handle, p, a.size)
+    def init(self, params, names=None):
+        """Joins the job with the size of params (a float32 array or tensor, or a list of them)
+        and writes the job's starting parameters (worker 0's, or a checkpoint's) into them in
+        place; names name the model file's tensors (one per tensor)."""
+        array, shapes, listed = _buffers(params, "params")
+        c_names = None
+        if names is not None:
+            if len(names) != len(shapes):
+                raise Error(INVALID_ARGUMENT, f"names: {len(names)} names for {len(shapes)} "
+                            "tensors")
+            c_names = (ctypes.c_char_p * len(names))(*[n.encode() for n in names])
+        self._call(library().sparseps_worker_init_buffers, self._handle, array, len(shapes),
+                   c_names)
+        self._shapes = shapes if listed else None
 
-    def push_pull(self, grad, params):
-        """Aggregates grad (changed in place) and writes the job's new parameters into params
-        (with SBC's local steps, the local copy the next gradient is computed at)."""
-        g, gp = _floats(grad, "grad")
-        a, p = _floats(params, "params")
-        if g.size != a.size:
-            raise Error(INVALID_ARGUMENT, f"grad has {g.size} elements, params {a.size}")
-        self._call(library().sparseps_worker_push_pull, self._handle, gp, p, a.size)
+    def push_pull(self, grads, sparse=False, loss=None):
+        """Aggregates grads (laid out as init's params, or one flat tensor of all of them) and
+        returns the update (params -= update holds the job's new parameters): a float32 array,
+        or a list of them shaped like a list of grads. sparse=True: (keys, update, params) at
+        the keys that changed."""
+        array, shapes, listed = _buffers(grads, "grads")
+        lib = library()
+        loss = math.nan if loss is None else float(loss)
+        if sparse:
+            m = ctypes.c_size_t()
+            self._call(lib.sparseps_worker_push_pull_sparse, self._handle, array, len(shapes), loss,
+                       ctypes.byref(m))
+            keys = np.empty(m.value, dtype=np.int64)
+            update = np.empty(m.value, dtype=np.float32)
+            now = np.empty(m.value, dtype=np.float32)
+            self._call(lib.sparseps_worker_sparse_result, self._handle,
+                       keys.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), _floats(update),
+                       _floats(now), m.value)
+            return keys, update, now
+        update = np.zeros(self.num_params, dtype=np.float32)
+        self._call(lib.sparseps_worker_push_pull_update, self._handle, array, len(shapes),
+                   _floats(update), loss)
+        if not listed or self._shapes is None:
+            return update
+        out, offset = [], 0
+        for shape in self._shapes:
+            size = int(np.prod(shape, dtype=np.int64))
+            out.append(update[offset:offset + size].reshape(shape))
+            offset += size
+        return out
 
-    def synchronize(self, params):
-        a, p = _floats(params, "params")
-        self._call(library().sparseps_worker_synchronize, self._handle, p, a.size)
+    def _copy(self, f):
+        out = np.empty(self.num_params, dtype=np.float32)
+        self._call(f, self._handle, _floats(out), out.size)
+        return out
+
+    def params(self):
+        """The job's parameters as this worker holds them (a copy)."""
+        return self._copy(library().sparseps_worker_params)
+
+    def residual(self):
+        """What this worker holds back for later steps (its residual; a copy)."""
+        return self._copy(library().sparseps_worker_residual)
+
+    def synchronize(self):
+        """ssp / async: waits until every worker pushed as many steps and returns the job's
+        parameters then (a copy); bsp and allreduce: at once."""
+        return self._copy(library().sparseps_worker_synchronize)
 
     def set_epoch(self, epoch):
         self._call(library().sparseps_worker_set_epoch, self._handle, epoch)
@@ -154,6 +259,14 @@ class Worker:
     def finish(self, test_accuracy=-1.0, train_loss=0.0, samples_per_s=0.0, train_s=0.0):
         self._call(library().sparseps_worker_finish, self._handle, test_accuracy, train_loss,
                    samples_per_s, train_s)
+
+    def get(self, key):
+        """The resolved value of a config key, typed (as sparseps.Worker.get)."""
+        text = self.config[key]
+        try:
+            return json.loads(text)
+        except ValueError:
+            return text
 
     def _fact(self, name):
         return getattr(library(), f"sparseps_worker_{name}")(self._handle)
@@ -166,6 +279,30 @@ class Worker:
     lr = property(lambda self: self._fact("lr"))
     bytes_sent = property(lambda self: self._fact("bytes_sent"))
     bytes_received = property(lambda self: self._fact("bytes_received"))
+    resumed = property(lambda self: bool(self._fact("resumed")))
+    checkpoint_due = property(lambda self: bool(self._fact("checkpoint_due")))
+    aggregation = property(lambda self: "allreduce" if self._fact("allreduce") else "ps")
+
+    @property
+    def last_step(self):
+        c = _Counters()
+        library().sparseps_worker_last_step(self._handle, ctypes.byref(c))
+        return {name: getattr(c, name) for name, _ in _Counters._fields_}
+
+    @property
+    def live_workers(self):
+        n = library().sparseps_worker_live_workers(self._handle, None, 0)
+        ranks = (ctypes.c_int * max(n, 1))()
+        library().sparseps_worker_live_workers(self._handle, ranks, n)
+        return list(ranks[:n])
+
+    @property
+    def config(self):
+        lib = library()
+        size = lib.sparseps_worker_config(self._handle, None, 0)
+        text = ctypes.create_string_buffer(size)
+        lib.sparseps_worker_config(self._handle, text, size)
+        return dict(line.split(" = ", 1) for line in text.value.decode().splitlines())
 
     def close(self):
         """Frees the worker (a worker that did not finish leaves the job)."""
@@ -175,3 +312,7 @@ class Worker:
 
     def __del__(self):
         self.close()
+
+
+def _floats(a):
+    return a.ctypes.data_as(ctypes.POINTER(ctypes.c_float))

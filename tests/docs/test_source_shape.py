@@ -15,9 +15,7 @@ MAX_FUNCTION_LINES = 100
 SOURCE = ("*.cc", "*.h", "*.cu", "*.cuh", "*.py")
 # Files still over the limit, with the length they may not grow past; each is to be split
 # (issue 43) and then leaves this list.
-OVERSIZED = {
-    "python/sparseps_module.cc": 780,
-}
+OVERSIZED = {}
 # Lines a top-level definition may start with that are not a function's.
 NOT_FUNCTIONS = ("namespace", "class ", "struct ", "enum ", "union ", "extern ", "template",
                  "using ", "typedef", "static_assert", "#", "//", "}", "inline constexpr",

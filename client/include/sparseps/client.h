@@ -18,10 +18,12 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <span>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace sparseps::client {
@@ -31,6 +33,7 @@ enum class ErrorCode {
   kInvalidArgument,   ///< bad input or config (the message names the key, file or size)
   kDeadlineExceeded,  ///< a wait ran past its deadline (the message names who is missing)
   kFailed,            ///< anything else: the job ended, a peer failed, I/O
+  kInterrupted,       ///< SIGINT ended a wait (Worker::set_interruptible)
 };
 
 /// The exception every call throws; what() is the cause, in words.
@@ -45,6 +48,50 @@ class Error : public std::runtime_error {
 
 /// The library's version ("0.1.0"), the same as the daemons' --version.
 std::string Version();
+
+/// True when this library was built with CUDA: buffers may then be in CUDA device memory (the
+/// compression runs on that device).
+bool CudaBuild();
+
+/// Buffer::device of host memory.
+inline constexpr int kHost = -1;
+
+/// The CUDA device ordinal of a pointer, or kHost (host memory, an unknown pointer, or a library
+/// built without CUDA).
+int DeviceOf(const void* pointer);
+
+/// float32 elements lent for the length of one call: host memory (device kHost) or the memory
+/// of CUDA device `device` (a CUDA build only).
+struct Buffer {
+  float* data = nullptr;
+  size_t size = 0;  ///< elements
+  int device = kHost;
+};
+
+/// One tensor of the model file (run.dir/model.safetensors): its name and shape.
+struct TensorInfo {
+  std::string name;
+  std::vector<uint64_t> shape;  ///< the product is the tensor's elements
+};
+
+/// What the last push-pull did on this worker.
+struct StepCounters {
+  uint64_t bytes_sent = 0;      ///< bytes
+  uint64_t bytes_received = 0;  ///< bytes
+  uint64_t selected = 0;        ///< entries this worker's compression selected
+  int64_t applied = -1;         ///< allreduce: entries the update changed; -1: not counted (PS)
+  double encode_ms = 0.0;       ///< milliseconds selecting and encoding
+  double comm_ms = 0.0;         ///< milliseconds waiting for the network
+};
+
+/// A step's update in sparse form (Worker::PushPullSparse): the flat keys whose parameters
+/// changed (increasing; every key after a dense update), the update there (old minus new) and
+/// the new parameters there. The three have the same length.
+struct SparseUpdate {
+  std::vector<int64_t> keys;
+  std::vector<float> update;
+  std::vector<float> params;
+};
 
 /// One worker of a sparseps job.
 class Worker {
@@ -67,6 +114,14 @@ class Worker {
   /// step() is the steps done). Throws kDeadlineExceeded naming who did not register.
   void Init(std::span<float> params);
 
+  /// Init for a model of several tensors in host or CUDA device memory (all on one device; a
+  /// CUDA build for device memory): joins with the sum of their sizes and writes the job's
+  /// starting parameters into them, in order. `tensors` names and shapes them in the model file
+  /// (one per buffer; none: "params" for one buffer, else "param0", "param1", ..., flat).
+  /// Throws kInvalidArgument for buffers on several devices, device memory in a build without
+  /// CUDA, or device memory with SBC's local steps (compression.local_iterations > 1).
+  void Init(std::span<const Buffer> params, const std::vector<TensorInfo>& tensors = {});
+
   /// One training step: aggregates `grad` (num_params() elements) with the other workers and
   /// writes the job's new parameters into `params` (num_params() elements; with SBC's local steps,
   /// compression.local_iterations > 1, the local copy the next gradient is computed at, which
@@ -75,9 +130,32 @@ class Worker {
   /// gradient with NaN or Inf throws kInvalidArgument and changes nothing (the job goes on).
   void PushPull(std::span<float> grad, std::span<float> params);
 
+  /// One training step that returns the update: aggregates `grads` and writes, into `update`
+  /// (host memory, num_params() elements, zero on entry), the old parameters minus the new ones
+  /// at the keys that changed (the rest stays zero): `params -= update` holds the job's new
+  /// parameters. `grads` is laid out as Init's buffers (as many, of the same sizes) or is one
+  /// buffer of all num_params() elements, on Init's device; one buffer is used in place (and
+  /// changed: the residual is added), several are gathered into one first. `loss` is the step's
+  /// training loss for the live metrics (metrics.port; NaN: none). Throws as PushPull, and
+  /// kInvalidArgument naming the buffer whose size or device does not match Init's.
+  void PushPull(std::span<const Buffer> grads, float* update,
+                double loss = std::numeric_limits<double>::quiet_NaN());
+
+  /// PushPull that returns the update in sparse form (no array of num_params() elements).
+  SparseUpdate PushPullSparse(std::span<const Buffer> grads,
+                              double loss = std::numeric_limits<double>::quiet_NaN());
+
   /// The job's parameters as this worker holds them (num_params() elements), valid until the
   /// next call.
   std::span<const float> params() const;
+
+  /// What this worker holds back for later steps (its residual, num_params() elements; a copy).
+  std::vector<float> residual() const;
+
+  /// While true (default false), SIGINT during a call's wait ends it at once with kInterrupted
+  /// instead of at its deadline; the program's own SIGINT handler is back after each call. For a
+  /// host that handles Ctrl-C itself (Python).
+  void set_interruptible(bool interruptible);
 
   /// Tells the job which epoch the loop is in (for the logs and the metrics).
   void SetEpoch(uint32_t epoch);
@@ -104,6 +182,17 @@ class Worker {
   double lr() const;                ///< train.lr
   uint64_t bytes_sent() const;      ///< bytes this worker sent so far
   uint64_t bytes_received() const;  ///< bytes it received
+  StepCounters last_step() const;   ///< what the last push-pull did
+  bool resumed() const;             ///< whether the job resumed from a checkpoint (after Init)
+  /// Whether the last push-pull ended an iteration of which every node writes a checkpoint (the
+  /// loop saves its own optimizer state then).
+  bool checkpoint_due() const;
+  /// The ranks of the workers still in the job, increasing (cluster.on_worker_failure: continue
+  /// drops lost ones; the loop re-splits its data among these).
+  std::vector<int> live_workers() const;
+  bool allreduce() const;  ///< whether the job aggregates by allreduce (else a parameter server)
+  /// Every key of the resolved config with its value as `--get` prints it ({"train.lr", "0.05"}).
+  std::vector<std::pair<std::string, std::string>> config() const;
 
  private:
   struct Impl;

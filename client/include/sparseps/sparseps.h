@@ -22,14 +22,40 @@ enum {
   SPARSEPS_OK = 0,
   SPARSEPS_INVALID_ARGUMENT = 1, /* bad input or config (the cause names the key, file or size) */
   SPARSEPS_DEADLINE_EXCEEDED =
-      2,              /* a wait ran past its deadline (the cause names who is missing) */
-  SPARSEPS_FAILED = 3 /* anything else: the job ended, a peer failed, I/O */
+      2,                   /* a wait ran past its deadline (the cause names who is missing) */
+  SPARSEPS_FAILED = 3,     /* anything else: the job ended, a peer failed, I/O */
+  SPARSEPS_INTERRUPTED = 4 /* SIGINT ended a wait (sparseps_worker_set_interruptible) */
 };
+
+/* sparseps_buffer.device of host memory; a CUDA device's ordinal otherwise. */
+#define SPARSEPS_HOST (-1)
+
+/* float32 elements lent for the length of one call: host memory, or (device >= 0, a library
+ * built with CUDA: sparseps_cuda_build) that CUDA device's memory. */
+typedef struct sparseps_buffer {
+  float* data;
+  size_t size; /* elements */
+  int device;
+} sparseps_buffer;
+
+/* What the last push-pull did (see sparseps::client::StepCounters). */
+typedef struct sparseps_step_counters {
+  uint64_t bytes_sent;
+  uint64_t bytes_received;
+  uint64_t selected; /* entries this worker's compression selected */
+  int64_t applied;   /* allreduce: entries the update changed; -1: not counted (PS) */
+  double encode_ms;
+  double comm_ms;
+} sparseps_step_counters;
 
 typedef struct sparseps_worker sparseps_worker;
 
 /* The library's version ("0.1.0"), static storage. */
 const char* sparseps_version(void);
+/* 1 when the library was built with CUDA (buffers may be in device memory), else 0. */
+int sparseps_cuda_build(void);
+/* The CUDA device ordinal of a pointer, or SPARSEPS_HOST. */
+int sparseps_device_of(const void* pointer);
 
 /* Loads the job's config (config_path; NULL or "" for the defaults) with the overrides
  * ("key=value", num_overrides of them; NULL when none) and the rank (>= 0, else node.rank, else
@@ -47,6 +73,35 @@ int sparseps_worker_init(sparseps_worker* worker, float* params, size_t n, char*
  * at). NaN or Inf in grad: SPARSEPS_INVALID_ARGUMENT, nothing sent. */
 int sparseps_worker_push_pull(sparseps_worker* worker, float* grad, float* params, size_t n,
                               char* err, size_t err_len);
+/* Joins with a model of `count` buffers (all on one device) and writes the job's starting
+ * parameters into them; names (count of them, or NULL) name the model file's tensors. */
+int sparseps_worker_init_buffers(sparseps_worker* worker, const sparseps_buffer* params,
+                                 size_t count, const char* const* names, char* err, size_t err_len);
+/* One step returning the update: grads laid out as init's buffers (or one of all the elements),
+ * on init's device; update (host, num_params elements, zero on entry) gets old minus new
+ * parameters where they changed. loss: the step's training loss for the live metrics (NaN:
+ * none). */
+int sparseps_worker_push_pull_update(sparseps_worker* worker, const sparseps_buffer* grads,
+                                     size_t count, float* update, double loss, char* err,
+                                     size_t err_len);
+/* The same step with a sparse result: *num_changed is the number of keys that changed; read
+ * them with sparseps_worker_sparse_result before the next step. */
+int sparseps_worker_push_pull_sparse(sparseps_worker* worker, const sparseps_buffer* grads,
+                                     size_t count, double loss, size_t* num_changed, char* err,
+                                     size_t err_len);
+/* The last sparse step's keys (increasing), update (old minus new) and new parameters there,
+ * num_changed of each (any may be NULL: not wanted). */
+int sparseps_worker_sparse_result(const sparseps_worker* worker, int64_t* keys, float* update,
+                                  float* params, size_t num_changed, char* err, size_t err_len);
+/* Copies the job's parameters as this worker holds them, or its residual, into out (n:
+ * num_params). */
+int sparseps_worker_params(const sparseps_worker* worker, float* out, size_t n, char* err,
+                           size_t err_len);
+int sparseps_worker_residual(const sparseps_worker* worker, float* out, size_t n, char* err,
+                             size_t err_len);
+/* Nonzero: SIGINT during a call's wait ends it at once with SPARSEPS_INTERRUPTED (the program's
+ * own handler is back after each call). */
+void sparseps_worker_set_interruptible(sparseps_worker* worker, int interruptible);
 /* ssp / async: waits for every worker's pushes of as many steps and writes the parameters. */
 int sparseps_worker_synchronize(sparseps_worker* worker, float* params, size_t n, char* err,
                                 size_t err_len);
@@ -66,6 +121,17 @@ uint64_t sparseps_worker_step(const sparseps_worker* worker);
 double sparseps_worker_lr(const sparseps_worker* worker);
 uint64_t sparseps_worker_bytes_sent(const sparseps_worker* worker);
 uint64_t sparseps_worker_bytes_received(const sparseps_worker* worker);
+int sparseps_worker_resumed(const sparseps_worker* worker);        /* resumed from a checkpoint */
+int sparseps_worker_checkpoint_due(const sparseps_worker* worker); /* the last step checkpoints */
+int sparseps_worker_allreduce(const sparseps_worker* worker);      /* else a parameter server */
+/* What the last push-pull did (zeros for a NULL handle). */
+void sparseps_worker_last_step(const sparseps_worker* worker, sparseps_step_counters* out);
+/* The ranks of the live workers, increasing: writes at most capacity into ranks and returns how
+ * many there are. */
+size_t sparseps_worker_live_workers(const sparseps_worker* worker, int* ranks, size_t capacity);
+/* Every key of the resolved config as "key = value" lines (as --get prints them), NUL-terminated
+ * into out (at most out_len bytes); returns the bytes the whole text needs, NUL included. */
+size_t sparseps_worker_config(const sparseps_worker* worker, char* out, size_t out_len);
 
 #ifdef __cplusplus
 }

@@ -5,6 +5,7 @@
 // Prints "consumer: ok" and exits 0, or names what differed and exits 1.
 #include <sparseps/client.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -41,6 +42,36 @@ int main(int argc, char** argv) {
         }
       }
     }
+    // The forms a loop that applies the update itself uses: the update into a zeroed array, and
+    // the sparse form; dense pushes change every key, by exactly the gradient.
+    std::vector<float> update(n, 0.0f);
+    const sparseps::client::Buffer g{grad.data(), n, sparseps::client::kHost};
+    worker.PushPull(std::span<const sparseps::client::Buffer>(&g, 1), update.data());
+    for (size_t i = 0; i < n; ++i) {
+      if (update[i] != grad[i] || worker.params()[i] != params[i] - grad[i]) {
+        std::fprintf(stderr, "consumer: the update at %zu is %g, expected %g\n", i,
+                     static_cast<double>(update[i]), static_cast<double>(grad[i]));
+        return 1;
+      }
+      params[i] -= update[i];
+    }
+    // The sparse form: the keys whose parameters moved (the gradient's nonzero ones, here).
+    const sparseps::client::SparseUpdate sparse =
+        worker.PushPullSparse(std::span<const sparseps::client::Buffer>(&g, 1));
+    const size_t nonzero = static_cast<size_t>(
+        std::count_if(grad.begin(), grad.end(), [](float v) { return v != 0.0f; }));
+    bool exact = sparse.keys.size() == nonzero;
+    for (size_t j = 0; exact && j < sparse.keys.size(); ++j) {
+      const auto key = static_cast<size_t>(sparse.keys[j]);
+      exact = sparse.update[j] == grad[key] && sparse.params[j] == params[key] - grad[key];
+    }
+    if (!exact) {
+      std::fprintf(stderr,
+                   "consumer: the sparse update has %zu keys, not the %zu of the gradient\n",
+                   sparse.keys.size(), nonzero);
+      return 1;
+    }
+    for (size_t j = 0; j < sparse.keys.size(); ++j) params[sparse.keys[j]] = sparse.params[j];
     // A gradient of the wrong size is refused with kInvalidArgument, and the job goes on.
     std::vector<float> short_grad(n - 1);
     try {
