@@ -62,8 +62,20 @@ Status ApplyOverride(const std::string& assignment, proto::JobConfig* config,
 // Where `key` was set ("configs/x.yaml:12:3", "--set train.lr"), or "config (default)".
 std::string SourceOf(const ConfigSources& sources, const std::string& key);
 
-// Cross-key checks that one key's range cannot express (e.g. heartbeat timeout > interval).
+// Cross-key checks that one key's range cannot express (e.g. heartbeat timeout > interval), then
+// the checks the tables above config/ added (AddJobCheck).
 Status ValidateConfig(const proto::JobConfig& config, const ConfigSources& sources);
+
+// A check a table row owns (an encoding's, a collective's): InvalidArgument naming the file,
+// line and key (SourceOf) of what its algorithm cannot run with; OK otherwise.
+using JobCheck = Status (*)(const proto::JobConfig& config, const ConfigSources& sources);
+
+// Adds `check` to ValidateConfig's (once: a check added again is ignored). The encodings' table
+// and the collectives' add theirs when their file is linked into a program (encodings/registry.cc,
+// worker/collectives/collective.cc), so config/ names no encoding or collective: a program
+// without a table (the scheduler) does not check its rows. Thread-safety: called during static
+// initialisation or before any config is loaded.
+bool AddJobCheck(JobCheck check);
 
 // The model section's checks, the one place for them (ValidateConfig and the worker's MakeModel
 // both call it): model.type is one this worker builds (mlp, cnn), a cnn has channels and an odd

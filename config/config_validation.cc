@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <iterator>
 #include <string>
+#include <vector>
 
 #include "config/config.h"
 
@@ -35,7 +36,7 @@ Status ValidateModelConfig(const proto::ModelConfig& m, const ConfigSources* sou
 
 namespace {
 
-// The cluster and node sections, and what an allreduce job cannot have (--rejoin, CURVE with gloo).
+// The cluster and node sections, and what an allreduce job cannot have (--rejoin).
 Status ValidateCluster(const proto::JobConfig& config, const ConfigSources& sources) {
   const auto& c = config.cluster();
   if (c.heartbeat_timeout_s() <= c.heartbeat_interval_s()) {
@@ -63,19 +64,10 @@ Status ValidateCluster(const proto::JobConfig& config, const ConfigSources& sour
         ": key 'node.rejoin' (--rejoin): replacements join ps jobs only; an allreduce job restarts "
         "whole (deploy/launch.sh --max-restarts)");
   }
-  if (config.security().curve() && config.aggregation() == proto::ALLREDUCE &&
-      config.collective().algorithm() == proto::GLOO) {
-    return Status::InvalidArgument(
-        SourceOf(sources, "collective.algorithm") +
-        ": key 'collective.algorithm' is gloo but 'security.curve' is on: Gloo's TCP transport is "
-        "neither authenticated nor encrypted, and Debian's Gloo is built without its TLS transport "
-        "(GLOO_HAVE_TRANSPORT_TCP_TLS 0); use ring (dense, over our CURVE sockets) or turn CURVE "
-        "off");
-  }
   return Status::OK();
 }
 
-// aggregation: allreduce: the collective's teams, and no parameter-server encoding.
+// aggregation: allreduce: the collective's teams.
 Status ValidateAllreduce(const proto::JobConfig& config, const ConfigSources& sources) {
   const auto& c = config.cluster();
   if (config.aggregation() == proto::ALLREDUCE) {
@@ -85,13 +77,6 @@ Status ValidateAllreduce(const proto::JobConfig& config, const ConfigSources& so
                                      ": key 'collective.teams' (" + std::to_string(col.teams()) +
                                      ") must divide 'cluster.num_workers' (" +
                                      std::to_string(c.num_workers()) + ")");
-    }
-    const auto enc = config.compression().encoding();
-    if (enc == proto::SBC || enc == proto::SKETCH) {
-      return Status::InvalidArgument(
-          SourceOf(sources, "compression.encoding") +
-          ": key 'compression.encoding': sbc and sketch are parameter-server encodings; with "
-          "'aggregation: allreduce' the collective (collective.algorithm) decides what is sent");
     }
   }
   return Status::OK();
@@ -109,19 +94,6 @@ Status ValidateConsistency(const proto::JobConfig& config, const ConfigSources& 
           ": a collective has every worker in each iteration; ssp and async are for "
           "'aggregation: ps'");
     }
-    if (config.compression().sketch().second_round()) {
-      return Status::InvalidArgument(
-          why +
-          " but 'compression.sketch.second_round' is on: its candidates are chosen from "
-          "every worker's sketch of one iteration (bsp only)");
-    }
-    if (config.compression().encoding() == proto::SKETCH &&
-        config.compression().sketch().server_momentum()) {
-      return Status::InvalidArgument(
-          why +
-          " but 'compression.sketch.server_momentum' is on: FetchSGD's server momentum decays "
-          "once per iteration of every worker's sketch (bsp only)");
-    }
     if (config.checkpoint().every_steps() > 0 || config.checkpoint().every_s() > 0) {
       return Status::InvalidArgument(
           why +
@@ -135,42 +107,14 @@ Status ValidateConsistency(const proto::JobConfig& config, const ConfigSources& 
   return Status::OK();
 }
 
-// compression.sketch: options that exclude each other.
-Status ValidateSketch(const proto::JobConfig& config, const ConfigSources& sources) {
-  if (config.compression().sketch().partial_reset() &&
-      (config.compression().sketch().second_round() ||
-       config.compression().sketch().server_momentum())) {
-    return Status::InvalidArgument(
-        SourceOf(sources, "compression.sketch.partial_reset") +
-        ": key 'compression.sketch.partial_reset' is on but " +
-        (config.compression().sketch().second_round()
-             ? "'compression.sketch.second_round' applies exact values (nothing to keep)"
-             : "'compression.sketch.server_momentum' keeps the error on the servers (FetchSGD)"));
-  }
-  return Status::OK();
-}
-
 // train.overlap backward / delay: the aggregations and encodings each works with.
 Status ValidateOverlap(const proto::JobConfig& config, const ConfigSources& sources) {
   if (config.train().overlap() == proto::BACKWARD) {
     const std::string why =
         SourceOf(sources, "train.overlap") + ": key 'train.overlap' is backward";
-    if (config.aggregation() == proto::ALLREDUCE &&
-        config.collective().algorithm() != proto::RING) {
-      return Status::InvalidArgument(
-          why +
-          ": with 'aggregation: allreduce' only 'collective.algorithm: ring' goes layer by layer "
-          "(the sparse collectives select over the whole contribution; gloo's ring is not ours)");
-    }
     if (config.aggregation() == proto::ALLREDUCE && config.collective().measure_quality()) {
       return Status::InvalidArgument(
           why + " but 'collective.measure_quality' is on: its probe sums the whole contribution");
-    }
-    if (config.compression().sketch().second_round()) {
-      return Status::InvalidArgument(
-          why +
-          " but 'compression.sketch.second_round' is on: its candidate round follows every "
-          "range's sketch (use one or the other)");
     }
   }
   if (config.train().overlap() == proto::DELAY) {
@@ -180,12 +124,6 @@ Status ValidateOverlap(const proto::JobConfig& config, const ConfigSources& sour
           why +
           " but 'aggregation' is allreduce: the one-step delay is for PS mode (the "
           "collectives end with the update)");
-    }
-    if (config.compression().encoding() == proto::SBC) {
-      return Status::InvalidArgument(
-          why +
-          " but 'compression.encoding' is sbc: SBC trains a local copy that each pull "
-          "replaces (use topk, dense or sketch)");
     }
   }
   return Status::OK();
@@ -205,14 +143,28 @@ Status ValidateLogLevel(const proto::JobConfig& config, const ConfigSources& sou
 
 }  // namespace
 
+namespace {
+std::vector<JobCheck>& JobChecks() {
+  static std::vector<JobCheck> checks;
+  return checks;
+}
+}  // namespace
+
+bool AddJobCheck(JobCheck check) {
+  auto& checks = JobChecks();
+  if (std::find(checks.begin(), checks.end(), check) == checks.end()) checks.push_back(check);
+  return true;
+}
+
 Status ValidateConfig(const proto::JobConfig& config, const ConfigSources& sources) {
   SPARSEPS_RETURN_IF_ERROR(ValidateCluster(config, sources));
   SPARSEPS_RETURN_IF_ERROR(ValidateModelConfig(config.model(), &sources));
   SPARSEPS_RETURN_IF_ERROR(ValidateAllreduce(config, sources));
   SPARSEPS_RETURN_IF_ERROR(ValidateConsistency(config, sources));
-  SPARSEPS_RETURN_IF_ERROR(ValidateSketch(config, sources));
   SPARSEPS_RETURN_IF_ERROR(ValidateOverlap(config, sources));
-  return ValidateLogLevel(config, sources);
+  SPARSEPS_RETURN_IF_ERROR(ValidateLogLevel(config, sources));
+  for (JobCheck check : JobChecks()) SPARSEPS_RETURN_IF_ERROR(check(config, sources));
+  return Status::OK();
 }
 
 }  // namespace sparseps

@@ -20,16 +20,20 @@ const SbcCodec kSbc;
 const SketchCodec kSketch;
 
 // One row per encoding: id, name, codec, compressor, device compressor, server aggregation,
-// largest payload.
+// largest payload, PS only, its config checks.
 const EncodingSpec kEncodings[] = {
-    {proto::DENSE, "dense", &kDense, MakeDenseCompressor, nullptr, MakePairAggregation, nullptr},
+    {proto::DENSE, "dense", &kDense, MakeDenseCompressor, nullptr, MakePairAggregation, nullptr,
+     false, nullptr},
     {proto::TOPK, "topk", &kTopK, MakeTopKCompressor, MakeGpuTopKCompressor, MakePairAggregation,
-     nullptr},
+     nullptr, false, nullptr},
     {proto::SBC, "sbc", &kSbc, MakeSbcCompressor, MakeGpuSbcCompressor, MakePairAggregation,
-     nullptr},
+     nullptr, true, CheckSbcConfig},
     {proto::SKETCH, "sketch", &kSketch, MakeSketchCompressor, MakeGpuSketchCompressor,
-     MakeSketchAggregation, SketchMaxPayloadBytes},
+     MakeSketchAggregation, SketchMaxPayloadBytes, true, CheckSketchConfig},
 };
+
+// The table's checks are the config's wherever the table is linked in.
+[[maybe_unused]] const bool kChecksAdded = AddJobCheck(CheckEncodingConfig);
 
 // Rows added by RegisterEncoding (a deque: the rows found earlier stay where they are).
 std::deque<EncodingSpec>& Registered() {
@@ -94,6 +98,23 @@ Status CheckEncoding(const proto::JobConfig& job) {
       (e == proto::REGISTERED ? std::string(" (registered: the program registers its own with "
                                             "RegisterEncoding, encodings/registry.h)")
                               : std::string()));
+}
+
+Status CheckEncodingConfig(const proto::JobConfig& job, const ConfigSources& sources) {
+  const EncodingSpec* e = FindEncoding(job.compression().encoding());
+  if (e != nullptr && e->ps_only && job.aggregation() == proto::ALLREDUCE) {
+    return Status::InvalidArgument(
+        SourceOf(sources, "compression.encoding") + ": key 'compression.encoding': " + e->name +
+        " is a parameter-server encoding; with 'aggregation: allreduce' the collective "
+        "(collective.algorithm) decides what is sent");
+  }
+  for (const auto& row : kEncodings) {
+    if (row.check != nullptr) SPARSEPS_RETURN_IF_ERROR(row.check(job, sources));
+  }
+  for (const auto& row : Registered()) {
+    if (row.check != nullptr) SPARSEPS_RETURN_IF_ERROR(row.check(job, sources));
+  }
+  return Status::OK();
 }
 
 std::unique_ptr<Compressor> MakeCompressor(const proto::JobConfig& job, size_t num_params) {

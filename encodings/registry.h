@@ -4,7 +4,9 @@
 //   make_compressor   the worker's compressor with its residual (encodings/compressor.h);
 //   make_gpu_compressor  its device twin in a CUDA build (encodings/cuda/), or null;
 //   make_aggregation  how a server's shard adds the pushes and applies their sum
-//                     (encodings/aggregation.h).
+//                     (encodings/aggregation.h);
+//   facts and checks  its largest payload, whether only a parameter server aggregates it, and
+//                     the checks of its own config keys (added to the config's: AddJobCheck).
 // A new encoding is its own files (encodings/<name>.h and .cc, and encodings/cuda/<name>.cc for a
 // device compressor), its value in proto/messages.proto's Encoding, and one row in the table;
 // encodings/README.md says how.
@@ -17,6 +19,7 @@
 #include <memory>
 
 #include "common/status.h"
+#include "config/config.h"
 #include "encodings/aggregation.h"
 #include "encodings/codec.h"
 #include "encodings/compressor.h"
@@ -37,6 +40,13 @@ struct EncodingSpec {
   // bound), where it can exceed a top-k payload with every index (8 bytes an element); null
   // otherwise.
   uint64_t (*max_payload_bytes)(const proto::JobConfig& job, uint64_t num_params);
+  // True for an encoding only a parameter server aggregates (a server-side decode or round
+  // that no collective runs): aggregation: allreduce refuses it.
+  bool ps_only;
+  // The checks of the encoding's own keys (compression.<name>.*) and of what it cannot run with,
+  // run by ValidateConfig for every job (a key of its section set where it cannot work is refused
+  // whichever encoding the job uses); null: none.
+  JobCheck check;
 };
 
 // The row of `id`, or nullptr for an encoding that is not in the table.
@@ -53,6 +63,11 @@ Status RegisterEncoding(const EncodingSpec& spec);
 // naming it otherwise (compression.encoding: registered without a RegisterEncoding). The worker
 // and the server check it before making a compressor or a shard.
 Status CheckEncoding(const proto::JobConfig& job);
+
+// The table's config checks (added to ValidateConfig's where this file is linked): a ps_only
+// encoding with aggregation: allreduce, and every row's own check. Errors: InvalidArgument naming
+// the file, line and key.
+Status CheckEncodingConfig(const proto::JobConfig& job, const ConfigSources& sources);
 
 // The codec of `id`, or nullptr when unknown (received messages name their own encoding).
 const Codec* FindCodec(proto::Encoding id);

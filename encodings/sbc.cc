@@ -218,6 +218,16 @@ Status SbcCompressor::Compress(const float* grad, const std::vector<KeyRange>& r
   return Status::OK();
 }
 
+Status CheckSbcConfig(const proto::JobConfig& job, const ConfigSources& sources) {
+  if (job.train().overlap() == proto::DELAY && job.compression().encoding() == proto::SBC) {
+    return Status::InvalidArgument(
+        SourceOf(sources, "train.overlap") +
+        ": key 'train.overlap' is delay but 'compression.encoding' is sbc: SBC trains a local "
+        "copy that each pull replaces (use topk, dense or sketch)");
+  }
+  return Status::OK();
+}
+
 std::unique_ptr<Compressor> MakeSbcCompressor(const proto::JobConfig& job, size_t num_params) {
   return std::make_unique<SbcCompressor>(num_params, job.compression(),
                                          static_cast<float>(job.train().momentum()),

@@ -5,6 +5,7 @@
 
 #include <vector>
 
+#include "config/config.h"
 #include "encodings/codec.h"
 #include "encodings/compressor.h"
 
@@ -97,5 +98,9 @@ class SbcCompressor final : public Compressor {
 // The sbc compressor for `job` (compression.*, train.momentum, train.lr for the local steps);
 // the servers decode the positions and use MakePairAggregation.
 std::unique_ptr<Compressor> MakeSbcCompressor(const proto::JobConfig& job, size_t num_params);
+
+// SBC's config checks (its row's): not with train.overlap: delay (SBC trains a local copy that
+// each pull replaces). Errors: InvalidArgument naming the file, line and key.
+Status CheckSbcConfig(const proto::JobConfig& job, const ConfigSources& sources);
 
 }  // namespace sparseps

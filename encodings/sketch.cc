@@ -194,6 +194,42 @@ Status SketchCompressor::Compress(const float* grad, const std::vector<KeyRange>
   return Status::OK();
 }
 
+Status CheckSketchConfig(const proto::JobConfig& job, const ConfigSources& sources) {
+  const auto& sk = job.compression().sketch();
+  if (sk.partial_reset() && (sk.second_round() || sk.server_momentum())) {
+    return Status::InvalidArgument(
+        SourceOf(sources, "compression.sketch.partial_reset") +
+        ": key 'compression.sketch.partial_reset' is on but " +
+        (sk.second_round()
+             ? "'compression.sketch.second_round' applies exact values (nothing to keep)"
+             : "'compression.sketch.server_momentum' keeps the error on the servers (FetchSGD)"));
+  }
+  if (job.train().consistency() != proto::BSP) {
+    const std::string why = SourceOf(sources, "train.consistency") +
+                            ": key 'train.consistency' is " +
+                            (job.train().consistency() == proto::SSP ? "ssp" : "async");
+    if (sk.second_round()) {
+      return Status::InvalidArgument(
+          why +
+          " but 'compression.sketch.second_round' is on: its candidates are chosen from "
+          "every worker's sketch of one iteration (bsp only)");
+    }
+    if (job.compression().encoding() == proto::SKETCH && sk.server_momentum()) {
+      return Status::InvalidArgument(
+          why +
+          " but 'compression.sketch.server_momentum' is on: FetchSGD's server momentum decays "
+          "once per iteration of every worker's sketch (bsp only)");
+    }
+  }
+  if (job.train().overlap() == proto::BACKWARD && sk.second_round()) {
+    return Status::InvalidArgument(
+        SourceOf(sources, "train.overlap") +
+        ": key 'train.overlap' is backward but 'compression.sketch.second_round' is on: its "
+        "candidate round follows every range's sketch (use one or the other)");
+  }
+  return Status::OK();
+}
+
 bool SketchSecondRound(const proto::CompressionConfig& c) {
   return c.sketch().second_round() && !c.sketch().server_momentum();
 }

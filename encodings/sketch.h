@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "common/key_range.h"
+#include "config/config.h"
 #include "encodings/aggregation.h"
 #include "encodings/codec.h"
 #include "encodings/compressor.h"
@@ -57,6 +58,11 @@ size_t SketchTruncateK(const proto::CompressionConfig& c, size_t n);
 // servers apply their own estimate). What the worker's compressor, CPU or device, reports as
 // Compressor::second_round(), and what the servers expect (SketchAggregation).
 bool SketchSecondRound(const proto::CompressionConfig& c);
+
+// The sketch's config checks (its row's): partial_reset excludes second_round and
+// server_momentum; second_round and server_momentum need train.consistency: bsp; second_round
+// does not go with train.overlap: backward. Errors: InvalidArgument naming the file, line and key.
+Status CheckSketchConfig(const proto::JobConfig& job, const ConfigSources& sources);
 
 // `sketch`: Sketched SGD (Ivkin et al., NeurIPS 2019, Algorithm 1; docs/algorithms.md §3) with
 // Sketch-Fusion groups:

@@ -3,6 +3,7 @@
 // (RegisterEncoding, the table's entry point for an encoding outside registry.cc). Without a line
 // of the worker's or the server's code knowing it, the shards take its pushes, and every key's
 // applied update plus the workers' residuals is exactly the gradients' sum.
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <memory>
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "common/key_range.h"
+#include "config/config.h"
 #include "encodings/codec.h"
 #include "encodings/compressor.h"
 #include "encodings/registry.h"
@@ -21,6 +23,8 @@
 
 namespace sparseps {
 namespace {
+
+using ::testing::HasSubstr;
 
 // A program's own encoding takes the id REGISTERED.
 constexpr proto::Encoding kStride2 = proto::REGISTERED;
@@ -108,8 +112,19 @@ std::unique_ptr<Compressor> MakeStride2Compressor(const proto::JobConfig&, size_
 
 // The row: no device compressor, the servers add (index, value) pairs, no larger bound than a
 // top-k push.
-const EncodingSpec kRow = {kStride2, "stride2",           &kCodec, MakeStride2Compressor,
-                           nullptr,  MakePairAggregation, nullptr};
+// Its own config check: stride2 keeps every other key, so it refuses a density above one half.
+Status CheckStride2Config(const proto::JobConfig& job, const ConfigSources& sources) {
+  if (job.compression().encoding() == kStride2 && job.compression().density() > 0.5) {
+    return Status::InvalidArgument(SourceOf(sources, "compression.density") +
+                                   ": stride2 sends half the keys at most");
+  }
+  return Status::OK();
+}
+
+// Its row: no device compressor, the pair aggregation, no payload past top-k's, PS only.
+const EncodingSpec kRow = {kStride2,          "stride2",           &kCodec, MakeStride2Compressor,
+                           nullptr,           MakePairAggregation, nullptr, /*ps_only=*/true,
+                           CheckStride2Config};
 
 void RegisterOnce() {
   static const Status registered = RegisterEncoding(kRow);
@@ -134,6 +149,25 @@ TEST(EncodingRecipe, ARegisteredEncodingIsFoundByIdAndRefusedTwice) {
   proto::JobConfig job;
   job.mutable_compression()->set_encoding(kStride2);
   EXPECT_TRUE(CheckEncoding(job).ok());
+}
+
+// The row's facts and check are the config's: ValidateConfig refuses what the row says it
+// cannot run with, naming it, with no line of config/ knowing stride2.
+TEST(EncodingRecipe, TheRowsChecksAreTheConfigsChecks) {
+  ASSERT_NO_FATAL_FAILURE(RegisterOnce());
+  auto loaded = LoadConfig("", {}, [](const char*) -> const char* { return nullptr; });
+  ASSERT_TRUE(loaded.ok()) << loaded.status().message();
+  proto::JobConfig job = *loaded;
+  job.mutable_compression()->set_encoding(kStride2);
+  job.mutable_compression()->set_density(0.25);
+  const ConfigSources none;
+  EXPECT_TRUE(ValidateConfig(job, none).ok());
+  job.mutable_compression()->set_density(0.75);
+  EXPECT_THAT(ValidateConfig(job, none).message(), HasSubstr("stride2 sends half the keys"));
+  job.mutable_compression()->set_density(0.25);
+  job.set_aggregation(proto::ALLREDUCE);
+  EXPECT_THAT(ValidateConfig(job, none).message(),
+              HasSubstr("stride2 is a parameter-server encoding"));
 }
 
 TEST(EncodingRecipe, ItsCodecRejectsWhatItDoesNotWrite) {

@@ -210,24 +210,55 @@ Status AllGatherSparse(PeerGroup* group, uint64_t tag, std::span<const int> memb
 
 namespace {
 
-// One row per collective: the config's algorithm, its name, its factory (each in its file pair).
+// One row per collective: the config's algorithm, its name, its factory (each in its file pair),
+// its facts and its own config checks.
 struct CollectiveSpec {
   proto::CollectiveAlgorithm id;
   const char* name;
   Result<std::unique_ptr<Collective>> (*make)(const proto::JobConfig& job, PeerGroup* group,
                                               size_t num_params, size_t k);
+  // Reduces layer by layer as the backward pass hands them over (train.overlap: backward); the
+  // others select or reduce over the whole contribution at once.
+  bool layer_by_layer;
+  // Its own config checks, run by ValidateConfig for every job; null: none.
+  JobCheck check;
 };
 
 const CollectiveSpec kCollectives[] = {
-    {proto::RING, "ring", MakeRingCollective},
-    {proto::GLOO, "gloo", MakeGloo},
-    {proto::TOPK_ALLGATHER, "topk_allgather", MakeTopKAllGather},
-    {proto::GTOPK, "gtopk", MakeGTopK},
-    {proto::SPARDL, "spardl", MakeSparDL},
-    {proto::EXDYNA, "exdyna", MakeExDyna},
+    {proto::RING, "ring", MakeRingCollective, true, nullptr},
+    {proto::GLOO, "gloo", MakeGloo, false, CheckGlooConfig},
+    {proto::TOPK_ALLGATHER, "topk_allgather", MakeTopKAllGather, false, nullptr},
+    {proto::GTOPK, "gtopk", MakeGTopK, false, nullptr},
+    {proto::SPARDL, "spardl", MakeSparDL, false, nullptr},
+    {proto::EXDYNA, "exdyna", MakeExDyna, false, nullptr},
 };
 
+// The table's checks are the config's wherever the table is linked in.
+[[maybe_unused]] const bool kChecksAdded = AddJobCheck(CheckCollectiveConfig);
+
 }  // namespace
+
+Status CheckCollectiveConfig(const proto::JobConfig& config, const ConfigSources& sources) {
+  if (config.aggregation() == proto::ALLREDUCE && config.train().overlap() == proto::BACKWARD) {
+    std::string names;
+    bool layered = false;
+    for (const auto& c : kCollectives) {
+      if (!c.layer_by_layer) continue;
+      names += std::string(names.empty() ? "" : ", ") + "'collective.algorithm: " + c.name + "'";
+      layered = layered || c.id == config.collective().algorithm();
+    }
+    if (!layered) {
+      return Status::InvalidArgument(
+          SourceOf(sources, "train.overlap") +
+          ": key 'train.overlap' is backward: with 'aggregation: allreduce' only " + names +
+          " goes layer by layer (the others select or reduce over the whole contribution)");
+    }
+  }
+  for (const auto& c : kCollectives) {
+    if (c.check != nullptr) SPARSEPS_RETURN_IF_ERROR(c.check(config, sources));
+  }
+  return Status::OK();
+}
 
 Result<std::unique_ptr<Collective>> MakeCollective(const proto::JobConfig& config, PeerGroup* group,
                                                    size_t num_params) {

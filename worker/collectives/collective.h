@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "config/config.h"
 #include "encodings/compressor.h"
 #include "proto/config.pb.h"
 #include "transport/message.h"
@@ -181,6 +182,11 @@ class Collective {
 // cannot connect.
 Result<std::unique_ptr<Collective>> MakeCollective(const proto::JobConfig& config, PeerGroup* group,
                                                    size_t num_params);
+
+// The table's config checks (added to ValidateConfig's where this file is linked): with
+// train.overlap: backward only a collective whose row reduces layer by layer, and every row's own
+// check. Errors: InvalidArgument naming the file, line and key.
+Status CheckCollectiveConfig(const proto::JobConfig& config, const ConfigSources& sources);
 
 // ---- helpers shared by the sparse collectives (collective.cc) ----
 

@@ -100,4 +100,17 @@ Result<std::unique_ptr<Collective>> MakeGloo(const proto::JobConfig& job, PeerGr
   return MakeGlooCollective(group, num_params, job.node().host());
 }
 
+Status CheckGlooConfig(const proto::JobConfig& job, const ConfigSources& sources) {
+  if (job.security().curve() && job.aggregation() == proto::ALLREDUCE &&
+      job.collective().algorithm() == proto::GLOO) {
+    return Status::InvalidArgument(
+        SourceOf(sources, "collective.algorithm") +
+        ": key 'collective.algorithm' is gloo but 'security.curve' is on: Gloo's TCP transport is "
+        "neither authenticated nor encrypted, and Debian's Gloo is built without its TLS transport "
+        "(GLOO_HAVE_TRANSPORT_TCP_TLS 0); use ring (dense, over our CURVE sockets) or turn CURVE "
+        "off");
+  }
+  return Status::OK();
+}
+
 }  // namespace sparseps

@@ -5,6 +5,7 @@
 // counted as the ring algorithm sends them: 2 (P-1)/P * 4n each way per call.
 #pragma once
 
+#include "config/config.h"
 #include "worker/collectives/collective.h"
 
 namespace sparseps {
@@ -19,5 +20,9 @@ Result<std::unique_ptr<Collective>> MakeGlooCollective(PeerGroup* group, size_t 
 // (collective.cc).
 Result<std::unique_ptr<Collective>> MakeGloo(const proto::JobConfig& job, PeerGroup* group,
                                              size_t num_params, size_t k);
+
+// Gloo's config check (its row's): not with security.curve (Gloo's TCP transport is neither
+// authenticated nor encrypted). Errors: InvalidArgument naming the file, line and key.
+Status CheckGlooConfig(const proto::JobConfig& job, const ConfigSources& sources);
 
 }  // namespace sparseps
