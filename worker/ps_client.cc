@@ -91,7 +91,7 @@ Status PsClient::CheckPaused(int64_t iteration) const {
                              " is void until the job rolls back");
 }
 
-Status PsClient::Send(Peer& peer, Message& msg, proto::Command expected) {
+Status PsClient::Send(Peer& peer, Message& msg, proto::Command expected, Ticket* ticket) {
   // The membership this client was made for is void: its server may be gone, and a request to
   // its endpoint would only wait. The iteration ends here; the job rolls back.
   SPARSEPS_RETURN_IF_ERROR(CheckPaused(msg.header.iteration()));
@@ -100,6 +100,7 @@ Status PsClient::Send(Peer& peer, Message& msg, proto::Command expected) {
   h.set_sender_rank(worker_rank_);
   h.set_epoch(control_->membership().epoch());
   h.set_request_id(next_request_id_++);
+  if (ticket != nullptr) *ticket = h.request_id();
   Pending p{expected, {}, Later(retry_interval_s_)};
   const uint64_t before = bytes_sent_;
   const proto::Command command = h.command();  // h goes with msg below
@@ -203,10 +204,45 @@ void PsClient::BeginPushes() {
   pushed_ = Clock::now();
 }
 
+Result<PsClient::Ticket> PsClient::Push(size_t r, int64_t iteration, Message& push) {
+  if (r >= peers_.size()) return Status::Internal("Push: no key range " + std::to_string(r));
+  push.header.set_command(proto::PUSH);
+  push.header.set_iteration(iteration);
+  if (request_checkpoint_) push.header.set_checkpoint(true);
+  Ticket ticket = 0;
+  SPARSEPS_RETURN_IF_ERROR(Send(peers_[r], push, proto::PUSH_ACK, &ticket));
+  return ticket;
+}
+
+Result<PsClient::Ticket> PsClient::Pull(size_t r, int64_t iteration) {
+  if (r >= peers_.size()) return Status::Internal("Pull: no key range " + std::to_string(r));
+  Peer& p = peers_[r];
+  Message pull = Request(p, proto::PULL, iteration);
+  pull.header.set_have_version(p.version);
+  Ticket ticket = 0;
+  SPARSEPS_RETURN_IF_ERROR(Send(p, pull, proto::PULL_REPLY, &ticket));
+  return ticket;
+}
+
+Status PsClient::Wait(std::span<const Ticket> tickets, int64_t iteration, float* params) {
+  auto waits = [&](const Pending& q) {
+    return std::find(tickets.begin(), tickets.end(), q.request.header.request_id()) !=
+           tickets.end();
+  };
+  return AwaitUntil(
+      iteration, params,
+      [&] {
+        return std::none_of(peers_.begin(), peers_.end(), [&](const Peer& p) {
+          return std::any_of(p.pending.begin(), p.pending.end(), waits);
+        });
+      },
+      waits);
+}
+
 Status PsClient::PushRange(int64_t iteration, size_t r, Message& push) {
-  if (r >= peers_.size()) return Status::Internal("PushRange: no key range " + std::to_string(r));
-  SPARSEPS_RETURN_IF_ERROR(SendPush(peers_[r], push, iteration));
-  if (!commit_after_ack_) SPARSEPS_RETURN_IF_ERROR(SendPull(peers_[r], iteration));
+  auto pushed = Push(r, iteration, push);
+  if (!pushed.ok()) return pushed.status();
+  if (!commit_after_ack_) return Pull(r, iteration).status();
   return Status::OK();
 }
 
@@ -222,7 +258,9 @@ Status PsClient::CommitPushes(int64_t iteration, float* params) {
     // Every server holds this worker's push: the pulls commit it.
     SPARSEPS_RETURN_IF_ERROR(AwaitAll(iteration, params));
     pulled_ = Clock::now();
-    for (auto& p : peers_) SPARSEPS_RETURN_IF_ERROR(SendPull(p, iteration));
+    for (size_t r = 0; r < peers_.size(); ++r) {
+      SPARSEPS_RETURN_IF_ERROR(Pull(r, iteration).status());
+    }
   }
   return Status::OK();
 }
@@ -234,19 +272,6 @@ Status PsClient::AwaitPull(int64_t iteration, float* params) {
   return Status::OK();
 }
 
-Status PsClient::SendPush(Peer& p, Message& push, int64_t iteration) {
-  push.header.set_command(proto::PUSH);
-  push.header.set_iteration(iteration);
-  if (request_checkpoint_) push.header.set_checkpoint(true);
-  return Send(p, push, proto::PUSH_ACK);
-}
-
-Status PsClient::SendPull(Peer& p, int64_t iteration) {
-  Message pull = Request(p, proto::PULL, iteration);
-  pull.header.set_have_version(p.version);
-  return Send(p, pull, proto::PULL_REPLY);
-}
-
 Status PsClient::SketchTwoRounds(int64_t iteration, std::vector<Message>& sketches,
                                  const ExactPush& exact, float* params, bool await) {
   if (sketches.size() != peers_.size()) {
@@ -255,7 +280,7 @@ Status PsClient::SketchTwoRounds(int64_t iteration, std::vector<Message>& sketch
   checkpoint_after_last_ = false;
   for (size_t r = 0; r < peers_.size(); ++r) {
     sketches[r].header.set_phase(0);
-    SPARSEPS_RETURN_IF_ERROR(SendPush(peers_[r], sketches[r], iteration));
+    SPARSEPS_RETURN_IF_ERROR(Push(r, iteration, sketches[r]).status());
   }
   // The candidate requests commit the sketches: with commit_after_ack, once all are acknowledged.
   if (commit_after_ack_) SPARSEPS_RETURN_IF_ERROR(AwaitAll(iteration, params));

@@ -7,6 +7,11 @@
 // ready (ERROR with retryable), until the deadline. The servers answer repeats as the first
 // (server/shard_server.h); a reply to a request answered already is dropped and counted.
 //
+// The core is ps-lite's: Push and Pull send one range's request and return a ticket, Wait(tickets)
+// receives until those requests are answered (pulls applied). Every other call (PushPull, its two
+// halves, range by range, the sketch's two rounds, the initial and final pulls) is a composition
+// of these.
+//
 // Thread-safety: used by one thread.
 #pragma once
 
@@ -19,6 +24,7 @@
 #include <zmq.hpp>
 
 #include "common/key_range.h"
+#include "common/status.h"
 #include "transport/control_client.h"
 #include "transport/message.h"
 
@@ -41,6 +47,21 @@ class PsClient {
 
   // The key ranges, sorted (one per server).
   const std::vector<KeyRange>& ranges() const { return ranges_; }
+
+  // A request in flight: its id, which its reply echoes.
+  using Ticket = uint64_t;
+
+  // Sends range r's push (one Message as a Compressor makes it; command and iteration set here,
+  // and the checkpoint request of RequestCheckpoint) and returns its ticket; the PUSH_ACK is
+  // taken by a later Wait. Errors: Unavailable once the job paused (nothing sent), IoError.
+  Result<Ticket> Push(size_t r, int64_t iteration, Message& push);
+  // Sends range r's PULL of `iteration` (the server answers once it applied the iteration) and
+  // returns its ticket; a Wait applies the reply into its params. Errors as Push's.
+  Result<Ticket> Pull(size_t r, int64_t iteration);
+  // Receives until every one of `tickets` is answered, applying pull replies into params (any
+  // other reply that comes meanwhile is taken too). Errors as PushPull's; the deadline names the
+  // first server a ticket waits for.
+  Status Wait(std::span<const Ticket> tickets, int64_t iteration, float* params);
 
   // Sends the initial parameters (num_params floats) to their servers and waits for the acks.
   // Done by one worker (rank 0) before the others pull.
@@ -162,8 +183,9 @@ class PsClient {
   // client was made for paused or rolled back the job (ControlClient::CheckPausedSince).
   Status CheckPaused(int64_t iteration) const;
   // Sends `msg` (role, rank, epoch and a new request id set here) and waits for `expected` from
-  // the peer in the next AwaitAll. Unavailable, sending nothing, once the job paused.
-  Status Send(Peer& peer, Message& msg, proto::Command expected);
+  // the peer in the next AwaitAll; *ticket (when given) is the request id. Unavailable, sending
+  // nothing, once the job paused.
+  Status Send(Peer& peer, Message& msg, proto::Command expected, Ticket* ticket = nullptr);
   // Sends p.request again (a copy sharing its frames).
   Status Resend(Peer& peer, Pending& p);
   Message Request(const Peer& peer, proto::Command command, int64_t iteration);
@@ -174,11 +196,6 @@ class PsClient {
   // Receives until done() holds; the deadline names the first peer that `waits` says waits.
   Status AwaitUntil(int64_t iteration, float* params, const std::function<bool()>& done,
                     const std::function<bool(const Pending&)>& waits);
-  // Sends `push` (command and iteration set here); expects PUSH_ACK.
-  Status SendPush(Peer& peer, Message& push, int64_t iteration);
-  // Sends the PULL of `iteration` (the server answers it when the iteration is applied); expects
-  // PULL_REPLY.
-  Status SendPull(Peer& peer, int64_t iteration);
   // Pushes pushes[r] to range r and sends the pulls of the iteration: once every push is
   // acknowledged (commit_after_ack), or right behind the pushes. AwaitPull waits for the replies.
   Status PushThenPull(int64_t iteration, std::vector<Message>& pushes, float* params);

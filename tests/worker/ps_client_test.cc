@@ -216,6 +216,35 @@ TEST_F(PsClientTest, WorksAgainstARealShard) {
   EXPECT_TRUE(delta.empty());
 }
 
+// The core: a push and a pull each return a ticket; Wait takes the replies of the tickets given
+// (the push's ack, then the pull's reply, applied), and a ticket answered already waits for
+// nothing.
+TEST_F(PsClientTest, PushAndPullReturnTicketsThatWaitTakes) {
+  RealShard server(context_);
+  auto ps = Connect(server.port(), 10);
+  std::vector<float> params = {1, 2, 3, 4, 5, 6, 7, 8};
+  ASSERT_TRUE(ps->Init(params.data()).ok());
+  ASSERT_TRUE(ps->PullInitial(params.data()).ok());
+  auto pushes = OnePush();
+  auto pushed = ps->Push(0, 0, pushes[0]);
+  ASSERT_TRUE(pushed.ok()) << pushed.status().ToString();
+  const PsClient::Ticket push_ticket = *pushed;
+  ASSERT_TRUE(ps->Wait({&push_ticket, 1}, 0, params.data()).ok());
+  EXPECT_EQ(ps->version(0), 0) << "no pull was sent: nothing applied";
+  EXPECT_EQ(params[3], 4.0f);
+  auto pulled = ps->Pull(0, 0);
+  ASSERT_TRUE(pulled.ok()) << pulled.status().ToString();
+  EXPECT_GT(*pulled, push_ticket);
+  const PsClient::Ticket pull_ticket = *pulled;
+  Status s = ps->Wait({&pull_ticket, 1}, 0, params.data());
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  EXPECT_EQ(ps->version(0), 1);
+  EXPECT_EQ(params[3], 3.0f);  // 4 - lr * 1 / W
+  const PsClient::Ticket both[] = {push_ticket, pull_ticket};
+  EXPECT_TRUE(ps->Wait(both, 0, params.data()).ok()) << "answered tickets wait for nothing";
+  EXPECT_FALSE(ps->Push(7, 0, pushes[0]).ok()) << "no key range 7";
+}
+
 // train.overlap: backward: between pushes, Drain applies the replies that have come without
 // waiting for the rest; FinishPushes then has nothing left to wait for. A rejection met by Drain
 // is its error.
