@@ -250,9 +250,7 @@ void Worker::Impl::Step(float* grad, float* out, double loss) {
       },
       /*report_failure=*/true);
   ++steps;
-  log->Step(steps, epoch + 1, loss, compute_ms, last, a);
-  Check(log->SampleResidual(a));
-  Check(session->AfterStep(LoopState(), layers));
+  Check(session->RecordStep(*log, steps, epoch + 1, loss, compute_ms, last, LoopState(), layers));
   last_return = Clock::now();
 }
 
@@ -349,7 +347,8 @@ void Worker::Finish(double test_accuracy, double train_loss, double samples_per_
     if (m.session->is_leader() && m.config.checkpoint().save_model() &&
         !m.config.run().dir().empty()) {
       s = agg.Synchronize();  // ssp / async: the saved model has every worker's every push
-      if (s.ok()) s = m.session->SaveModel(m.config.run().dir() + "/model.safetensors", m.layers);
+      std::string path;
+      if (s.ok()) s = m.session->SaveTrainedModel(m.layers, &path);
     }
     if (s.ok()) s = m.session->Finish(stats);
     return s;

@@ -182,6 +182,22 @@ Status WorkerSession::SaveModel(const std::string& path, const std::vector<Tenso
   return WriteModelFile(path, aggregator_->params(), layers, ModelMetadata());
 }
 
+Status WorkerSession::RecordStep(TrainingLog& log, uint64_t step, uint32_t epoch, double loss,
+                                 double compute_ms, const StepStats& stats,
+                                 const std::function<void(StateArchive&)>& extra,
+                                 const std::vector<TensorLayout>& layers) {
+  log.Step(step, epoch, loss, compute_ms, stats, *aggregator_);
+  SPARSEPS_RETURN_IF_ERROR(log.SampleResidual(*aggregator_));
+  return AfterStep(extra, layers);
+}
+
+Status WorkerSession::SaveTrainedModel(const std::vector<TensorLayout>& layers, std::string* path) {
+  path->clear();
+  if (!config_.checkpoint().save_model() || config_.run().dir().empty()) return Status::OK();
+  *path = config_.run().dir() + "/model.safetensors";
+  return SaveModel(*path, layers);
+}
+
 Status WorkerSession::ReportWritten(bool wait) {
   auto done = writer_.TakeFinished(wait);
   if (!done.ok()) return done.status();

@@ -18,6 +18,7 @@
 #include "storage/checkpoint.h"
 #include "transport/control_client.h"
 #include "worker/aggregator.h"
+#include "worker/training_log.h"
 
 namespace sparseps {
 
@@ -81,6 +82,19 @@ class WorkerSession {
   // Writes the job's parameters (the aggregator's) to `path` as a safetensors file by `layers`,
   // with the iteration and the config's fingerprint in its metadata. Errors: IoError naming it.
   Status SaveModel(const std::string& path, const std::vector<TensorLayout>& layers);
+
+  // What every training loop does after an aggregation step (sparseps-worker's and the client
+  // library's alike): `log` records step `step` (1-based) of epoch `epoch` (1-based) with its loss
+  // (NaN: none), compute time and what the aggregation did, samples the residual for the metrics,
+  // then AfterStep writes a checkpoint that is due. Errors: those of SampleResidual and AfterStep.
+  Status RecordStep(TrainingLog& log, uint64_t step, uint32_t epoch, double loss, double compute_ms,
+                    const StepStats& stats, const std::function<void(StateArchive&)>& extra,
+                    const std::vector<TensorLayout>& layers);
+
+  // At the end, on the leader: the trained model as run.dir/model.safetensors when
+  // checkpoint.save_model and run.dir are set (nothing otherwise; *path is then empty). The
+  // caller synchronizes first (ssp / async: every worker's every push). Errors: SaveModel's.
+  Status SaveTrainedModel(const std::vector<TensorLayout>& layers, std::string* path);
 
   // Waits for checkpoint files still being written and reports them, sends DONE with this
   // worker's statistics and waits (cluster.request_timeout_s) for the

@@ -376,9 +376,8 @@ Status TrainingLoop::RunStep(uint64_t s) {
     SPARSEPS_RETURN_IF_ERROR(aggregator_.Flush(&stats));
   }
   trace_.Step(step_, t0, computed, Clock::now(), stats);
-  log_->Step(step_, epoch_ + 1, loss, compute_ms, stats, aggregator_);
-  SPARSEPS_RETURN_IF_ERROR(log_->SampleResidual(aggregator_));
-  SPARSEPS_RETURN_IF_ERROR(session_.AfterStep(loop_state, layers_));
+  SPARSEPS_RETURN_IF_ERROR(
+      session_.RecordStep(*log_, step_, epoch_ + 1, loss, compute_ms, stats, loop_state, layers_));
   if (!log_->leader() && session_.is_leader()) {
     spdlog::warn("the workers before this one were lost: this worker evaluates from now on");
     SPARSEPS_RETURN_IF_ERROR(log_->BecomeLeader());
@@ -394,11 +393,9 @@ Status TrainingLoop::Finish() {
     // ssp / async: the final model has every worker's every push.
     SPARSEPS_RETURN_IF_ERROR(aggregator_.Synchronize());
     SPARSEPS_RETURN_IF_ERROR(Evaluate(model_, aggregator_, data_.test, epoch_, step_, &*log_));
-    if (config_.checkpoint().save_model() && !config_.run().dir().empty()) {
-      const std::string path = config_.run().dir() + "/model.safetensors";
-      SPARSEPS_RETURN_IF_ERROR(session_.SaveModel(path, layers_));
-      spdlog::info("wrote the trained model to {}", path);
-    }
+    std::string path;
+    SPARSEPS_RETURN_IF_ERROR(session_.SaveTrainedModel(layers_, &path));
+    if (!path.empty()) spdlog::info("wrote the trained model to {}", path);
   }
   return session_.Finish(log_->Stats(step_, epoch_, aggregator_));
 }
