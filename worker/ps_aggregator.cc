@@ -19,12 +19,8 @@ class PsAggregator final : public Aggregator {
 
   Status Connect(ControlClient* control) override {
     control_ = control;
-    ps_ = std::make_unique<PsClient>(
-        context_, control->membership(), control->rank(), control,
-        config_.cluster().request_timeout_s(),
-        /*commit_after_ack=*/config_.cluster().on_worker_failure() == proto::CONTINUE,
-        config_.cluster().retry_interval_s());
-    ps_->set_push_window(config_.cluster().push_window());
+    ps_ = std::make_unique<PsClient>(context_, control->membership(), control->rank(), control,
+                                     PsClientOptionsFor(config_));
     auto made = MakeStepSchedule(
         PsStepContext{&config_, ps_.get(), &params_, &model_, &push_round_}, model_on_device_);
     if (!made.ok()) return made.status();

@@ -12,15 +12,24 @@
 
 namespace sparseps {
 
+PsClientOptions PsClientOptionsFor(const proto::JobConfig& config) {
+  PsClientOptions o;
+  o.request_timeout_s = config.cluster().request_timeout_s();
+  o.commit_after_ack = config.cluster().on_worker_failure() == proto::CONTINUE;
+  o.retry_interval_s = config.cluster().retry_interval_s();
+  o.push_window = config.cluster().push_window();
+  return o;
+}
+
 PsClient::PsClient(zmq::context_t& context, const proto::Membership& membership, int worker_rank,
-                   ControlClient* control, double request_timeout_s, bool commit_after_ack,
-                   double retry_interval_s)
+                   ControlClient* control, const PsClientOptions& options)
     : control_(control),
       epoch_(SettledEpoch(membership)),
       worker_rank_(worker_rank),
-      request_timeout_s_(request_timeout_s),
-      commit_after_ack_(commit_after_ack),
-      retry_interval_s_(retry_interval_s) {
+      request_timeout_s_(options.request_timeout_s),
+      commit_after_ack_(options.commit_after_ack),
+      retry_interval_s_(options.retry_interval_s),
+      push_window_(options.push_window) {
   // One routing id for every server (each has its own ROUTER): the one registered, which the
   // servers accept this worker's messages from, plus "/N" for the N-th client of this process: a
   // client made after a rollback must not reuse the id of the old one, whose connection a server's

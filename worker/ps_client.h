@@ -30,20 +30,30 @@
 
 namespace sparseps {
 
+// How a PsClient waits and sends, derived from the job config in one place (PsClientOptionsFor).
+struct PsClientOptions {
+  // Seconds a wait for a server's reply may take before it fails naming the server
+  // (cluster.request_timeout_s).
+  double request_timeout_s = 60.0;
+  // The pulls of an iteration leave only once every server acknowledged this worker's push (the
+  // servers add a push at its pull: server/shard_server.h); otherwise push and pull leave
+  // together. cluster.on_worker_failure: continue sets it.
+  bool commit_after_ack = false;
+  // Seconds before a request without a reply is sent again (cluster.retry_interval_s; 0: never).
+  double retry_interval_s = 0.0;
+  // At most this many pushes unacknowledged at once (cluster.push_window; 0: all at once):
+  // PushPull and SketchTwoRounds' exact values send the rest in key order as acks come.
+  size_t push_window = 0;
+};
+
+// The options of config.cluster.
+PsClientOptions PsClientOptionsFor(const proto::JobConfig& config);
+
 class PsClient {
  public:
-  // Connects to every server in the membership. `control` is polled during waits. With
-  // commit_after_ack (cluster.on_worker_failure: continue) the pulls of an iteration leave only
-  // once every server acknowledged this worker's push (the servers add a push at its pull: see
-  // server/shard_server.h); otherwise push and pull leave together.
-  // retry_interval_s: seconds before a request without a reply is sent again (0: never).
+  // Connects to every server in the membership. `control` is polled during waits.
   PsClient(zmq::context_t& context, const proto::Membership& membership, int worker_rank,
-           ControlClient* control, double request_timeout_s, bool commit_after_ack = false,
-           double retry_interval_s = 0.0);
-
-  // At most `window` pushes unacknowledged at once (cluster.push_window; 0: all at once): PushPull
-  // and SketchTwoRounds' exact values send the rest in key order as acks come.
-  void set_push_window(size_t window) { push_window_ = window; }
+           ControlClient* control, const PsClientOptions& options);
 
   // The key ranges, sorted (one per server).
   const std::vector<KeyRange>& ranges() const { return ranges_; }
@@ -217,7 +227,7 @@ class PsClient {
   const double request_timeout_s_;
   const bool commit_after_ack_;
   const double retry_interval_s_;
-  size_t push_window_ = 0;
+  const size_t push_window_;
   uint64_t resent_ = 0;
   uint64_t duplicate_replies_ = 0;
   std::vector<KeyRange> ranges_;

@@ -170,8 +170,11 @@ class PsClientTest : public ::testing::Test {
   }
   std::unique_ptr<PsClient> Connect(uint32_t port, double timeout_s, double retry_s = 0.0) {
     control_ = std::make_unique<ControlClient>(context_, config_, proto::WORKER);
+    PsClientOptions options;
+    options.request_timeout_s = timeout_s;
+    options.retry_interval_s = retry_s;
     return std::make_unique<PsClient>(context_, OneServer(port), /*worker_rank=*/0, control_.get(),
-                                      timeout_s, /*commit_after_ack=*/false, retry_s);
+                                      options);
   }
   // Connects to the server at `port` and pushes and pulls OnePush for iteration `iteration`
   // into *params (zeros when null).
@@ -544,8 +547,10 @@ TEST_F(PsClientTest, PushWindowHoldsTheNextPushUntilAnAck) {
       range->set_server_rank(static_cast<int>(r));
     }
     control_ = std::make_unique<ControlClient>(context_, config_, proto::WORKER);
-    PsClient ps(context_, m, /*worker_rank=*/0, control_.get(), 20);
-    ps.set_push_window(window);
+    PsClientOptions options;
+    options.request_timeout_s = 20;
+    options.push_window = window;
+    PsClient ps(context_, m, /*worker_rank=*/0, control_.get(), options);
     std::vector<float> params = {1, 2, 3, 4, 5, 6, 7, 8};
     ASSERT_TRUE(ps.Init(params.data()).ok());
     ASSERT_TRUE(ps.PullInitial(params.data()).ok());
@@ -641,9 +646,11 @@ class PsClientRollbackTest : public PsClientTest {
 TEST_F(PsClientRollbackTest, RollbackTakenWithThePauseEndsTheStepBeforeItSends) {
   FakeServer server(context_, [](const std::string&, Result<Message>, std::vector<Outgoing>*) {});
   StartScheduler(server.port());
+  PsClientOptions options;
+  options.request_timeout_s = 20;
+  options.retry_interval_s = 0.1;
   auto ps = std::make_unique<PsClient>(context_, OneServer(server.port()), /*worker_rank=*/0,
-                                       control_.get(), /*request_timeout_s=*/20,
-                                       /*commit_after_ack=*/false, /*retry_interval_s=*/0.1);
+                                       control_.get(), options);
   PauseAndRollBack();
   ASSERT_TRUE(control_->WaitForEpoch(3).ok());
   ASSERT_TRUE(control_->membership().rollback());
@@ -663,7 +670,9 @@ TEST_F(PsClientRollbackTest, RollbackTakenWithThePauseEndsTheStepBeforeItSends) 
   std::this_thread::sleep_for(std::chrono::milliseconds(300));  // 3 retry intervals
   EXPECT_EQ(server.received(), 0) << "a request went to the lost server's old endpoint";
   // A client made for the rollback's membership is not stopped by it.
-  PsClient next(context_, control_->membership(), 0, control_.get(), 0.3);
+  PsClientOptions short_wait;
+  short_wait.request_timeout_s = 0.3;
+  PsClient next(context_, control_->membership(), 0, control_.get(), short_wait);
   s = next.PushPull(100, pushes, params.data());
   EXPECT_EQ(s.code(), StatusCode::kDeadlineExceeded) << s.ToString();
 }
@@ -684,7 +693,9 @@ TEST_F(PsClientRollbackTest, PauseAndRollbackWhileWaitingForAnAckEndTheWait) {
     on_pull = [this] { PauseAndRollBack(); };  // once the push and its pull are at the server
   }
   constexpr double kTimeoutS = 60;
-  PsClient ps(context_, OneServer(server.port()), 0, control_.get(), kTimeoutS);
+  PsClientOptions options;
+  options.request_timeout_s = kTimeoutS;
+  PsClient ps(context_, OneServer(server.port()), 0, control_.get(), options);
   const auto start = std::chrono::steady_clock::now();
   std::vector<float> params(kParams, 0.0f);
   auto pushes = OnePush();

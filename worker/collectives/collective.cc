@@ -215,8 +215,7 @@ namespace {
 struct CollectiveSpec {
   proto::CollectiveAlgorithm id;
   const char* name;
-  Result<std::unique_ptr<Collective>> (*make)(const proto::JobConfig& job, PeerGroup* group,
-                                              size_t num_params, size_t k);
+  Result<std::unique_ptr<Collective>> (*make)(PeerGroup* group, const CollectiveOptions& options);
   // Reduces layer by layer as the backward pass hands them over (train.overlap: backward); the
   // others select or reduce over the whole contribution at once.
   bool layer_by_layer;
@@ -260,11 +259,23 @@ Status CheckCollectiveConfig(const proto::JobConfig& config, const ConfigSources
   return Status::OK();
 }
 
+CollectiveOptions CollectiveOptionsFor(const proto::JobConfig& config, size_t num_params) {
+  CollectiveOptions o;
+  o.num_params = num_params;
+  o.k = WarmupK(config.compression().density(), 0, 0, num_params);
+  o.selection = config.compression().selection();
+  o.sample_ratio = config.compression().sample_ratio();
+  o.segment_bytes = config.collective().segment_bytes();
+  o.teams = static_cast<int>(config.collective().teams());
+  o.host = config.node().host();
+  return o;
+}
+
 Result<std::unique_ptr<Collective>> MakeCollective(const proto::JobConfig& config, PeerGroup* group,
                                                    size_t num_params) {
-  const size_t k = WarmupK(config.compression().density(), 0, 0, num_params);
+  const CollectiveOptions options = CollectiveOptionsFor(config, num_params);
   for (const auto& c : kCollectives) {
-    if (c.id == config.collective().algorithm()) return c.make(config, group, num_params, k);
+    if (c.id == config.collective().algorithm()) return c.make(group, options);
   }
   return Status::InvalidArgument("unknown collective.algorithm " +
                                  std::to_string(static_cast<int>(config.collective().algorithm())));

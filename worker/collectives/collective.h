@@ -176,6 +176,30 @@ class Collective {
   Selector selector_;  // the host vector's selection (Contribution::Select)
 };
 
+// What a collective is made with, derived from the job config in one place
+// (CollectiveOptionsFor), as Gloo's options structs: each collective reads the fields it needs.
+struct CollectiveOptions {
+  // Elements of the flat vector each call reduces.
+  size_t num_params = 0;
+  // Entries each worker contributes per call in the sparse collectives: k = clamp(round(density *
+  // num_params), 1, num_params) (compression.density; the warm-up changes it per epoch).
+  size_t k = 0;
+  // How gtopk and topk_allgather select their k (compression.selection; default exact).
+  proto::Selection selection = proto::EXACT;
+  // sampled_threshold's sample, a fraction of the vector (compression.sample_ratio; 0: its own).
+  double sample_ratio = 0.0;
+  // ring and exdyna: bytes per message segment, so that sends and sums overlap
+  // (collective.segment_bytes; default 256 KiB).
+  uint64_t segment_bytes = 262144;
+  // spardl: teams d, dividing the workers (collective.teams; default 1).
+  int teams = 1;
+  // gloo: the address its TCP transport binds (node.host).
+  std::string host;
+};
+
+// The options of config.collective and config.compression for num_params parameters.
+CollectiveOptions CollectiveOptionsFor(const proto::JobConfig& config, size_t num_params);
+
 // The collective named by config.collective.algorithm for num_params parameters over `group`
 // (k = compression.density * num_params for the sparse ones). Errors: InvalidArgument for a
 // setting the algorithm cannot run (e.g. teams that do not divide the workers), IoError when Gloo

@@ -7,9 +7,10 @@
 
 namespace sparseps {
 
-ExDyna::ExDyna(PeerGroup* group, size_t num_params, size_t k, uint64_t segment_bytes)
-    : Collective(group, num_params, k),
-      segment_elems_(std::max<uint64_t>(1, segment_bytes / sizeof(float))) {
+ExDyna::ExDyna(PeerGroup* group, const CollectiveOptions& options)
+    : Collective(group, options.num_params, options.k),
+      segment_elems_(std::max<uint64_t>(1, options.segment_bytes / sizeof(float))) {
+  const size_t num_params = options.num_params;
   const size_t p = static_cast<size_t>(group->size());
   block_ = std::max<size_t>(1, num_params / 1024);
   if (block_ >= 64) block_ -= block_ % 32;
@@ -144,10 +145,8 @@ Status ExDyna::Allreduce(Contribution* x, CollectiveUpdate* update) {
   return Status::OK();
 }
 
-Result<std::unique_ptr<Collective>> MakeExDyna(const proto::JobConfig& job, PeerGroup* group,
-                                               size_t num_params, size_t k) {
-  return std::unique_ptr<Collective>(
-      new ExDyna(group, num_params, k, job.collective().segment_bytes()));
+Result<std::unique_ptr<Collective>> MakeExDyna(PeerGroup* group, const CollectiveOptions& options) {
+  return std::unique_ptr<Collective>(new ExDyna(group, options));
 }
 
 }  // namespace sparseps

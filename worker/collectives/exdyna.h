@@ -24,7 +24,8 @@ namespace sparseps {
 
 class ExDyna final : public Collective {
  public:
-  ExDyna(PeerGroup* group, size_t num_params, size_t k, uint64_t segment_bytes);
+  // Reads options.num_params, k and segment_bytes.
+  ExDyna(PeerGroup* group, const CollectiveOptions& options);
   using Collective::Allreduce;
   Status Allreduce(Contribution* x, CollectiveUpdate* update) override;
 
@@ -48,7 +49,6 @@ class ExDyna final : public Collective {
 
 // The `exdyna`: k, collective.segment_bytes for the ring of its values; a row of the table of
 // collectives (collective.cc).
-Result<std::unique_ptr<Collective>> MakeExDyna(const proto::JobConfig& job, PeerGroup* group,
-                                               size_t num_params, size_t k);
+Result<std::unique_ptr<Collective>> MakeExDyna(PeerGroup* group, const CollectiveOptions& options);
 
 }  // namespace sparseps

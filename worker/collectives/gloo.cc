@@ -95,9 +95,8 @@ Result<std::unique_ptr<Collective>> MakeGlooCollective(PeerGroup* group, size_t 
   }
 }
 
-Result<std::unique_ptr<Collective>> MakeGloo(const proto::JobConfig& job, PeerGroup* group,
-                                             size_t num_params, size_t k) {
-  return MakeGlooCollective(group, num_params, job.node().host());
+Result<std::unique_ptr<Collective>> MakeGloo(PeerGroup* group, const CollectiveOptions& options) {
+  return MakeGlooCollective(group, options.num_params, options.host);
 }
 
 Status CheckGlooConfig(const proto::JobConfig& job, const ConfigSources& sources) {

@@ -16,10 +16,9 @@ namespace sparseps {
 Result<std::unique_ptr<Collective>> MakeGlooCollective(PeerGroup* group, size_t num_params,
                                                        const std::string& host);
 
-// The `gloo`: Gloo binds on node.host (MakeGlooCollective); a row of the table of collectives
+// The `gloo`: Gloo binds on options.host (MakeGlooCollective); a row of the table of collectives
 // (collective.cc).
-Result<std::unique_ptr<Collective>> MakeGloo(const proto::JobConfig& job, PeerGroup* group,
-                                             size_t num_params, size_t k);
+Result<std::unique_ptr<Collective>> MakeGloo(PeerGroup* group, const CollectiveOptions& options);
 
 // Gloo's config check (its row's): not with security.curve (Gloo's TCP transport is neither
 // authenticated nor encrypted). Errors: InvalidArgument naming the file, line and key.

@@ -30,11 +30,10 @@ SparseVector MergeAdd(const SparseVector& a, const SparseVector& b) {
 
 }  // namespace
 
-GTopK::GTopK(PeerGroup* group, size_t num_params, size_t k, proto::Selection selection,
-             double sample_ratio)
-    : Collective(group, num_params, k, selection, sample_ratio),
-      dropped_(num_params, 0.0f),
-      in_global_(num_params, 0) {}
+GTopK::GTopK(PeerGroup* group, const CollectiveOptions& options)
+    : Collective(group, options.num_params, options.k, options.selection, options.sample_ratio),
+      dropped_(options.num_params, 0.0f),
+      in_global_(options.num_params, 0) {}
 
 Status GTopK::Allreduce(Contribution* x, CollectiveUpdate* update) {
   const uint64_t tag = NextCall();
@@ -135,11 +134,8 @@ Status GTopK::Allreduce(Contribution* x, CollectiveUpdate* update) {
   return Status::OK();
 }
 
-Result<std::unique_ptr<Collective>> MakeGTopK(const proto::JobConfig& job, PeerGroup* group,
-                                              size_t num_params, size_t k) {
-  const auto& c = job.compression();
-  return std::unique_ptr<Collective>(
-      new GTopK(group, num_params, k, c.selection(), c.sample_ratio()));
+Result<std::unique_ptr<Collective>> MakeGTopK(PeerGroup* group, const CollectiveOptions& options) {
+  return std::unique_ptr<Collective>(new GTopK(group, options));
 }
 
 }  // namespace sparseps

@@ -18,8 +18,8 @@ namespace sparseps {
 
 class GTopK final : public Collective {
  public:
-  GTopK(PeerGroup* group, size_t num_params, size_t k, proto::Selection selection,
-        double sample_ratio);
+  // Reads options.num_params, k, selection and sample_ratio.
+  GTopK(PeerGroup* group, const CollectiveOptions& options);
   using Collective::Allreduce;
   Status Allreduce(Contribution* x, CollectiveUpdate* update) override;
 
@@ -31,7 +31,6 @@ class GTopK final : public Collective {
 
 // The `gtopk`: k, compression.selection and sample_ratio; a row of the table of collectives
 // (collective.cc).
-Result<std::unique_ptr<Collective>> MakeGTopK(const proto::JobConfig& job, PeerGroup* group,
-                                              size_t num_params, size_t k);
+Result<std::unique_ptr<Collective>> MakeGTopK(PeerGroup* group, const CollectiveOptions& options);
 
 }  // namespace sparseps

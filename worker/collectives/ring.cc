@@ -103,9 +103,9 @@ Status RingAllreduce(PeerGroup* group, uint64_t tag_base, float* x, size_t n,
   return Status::OK();
 }
 
-RingCollective::RingCollective(PeerGroup* group, size_t num_params, uint64_t segment_bytes)
-    : Collective(group, num_params, num_params),
-      segment_elems_(std::max<uint64_t>(1, segment_bytes / sizeof(float))) {}
+RingCollective::RingCollective(PeerGroup* group, const CollectiveOptions& options)
+    : Collective(group, options.num_params, options.num_params),
+      segment_elems_(std::max<uint64_t>(1, options.segment_bytes / sizeof(float))) {}
 
 Status RingCollective::Allreduce(Contribution* x, CollectiveUpdate* update) {
   update->dense = true;
@@ -117,11 +117,9 @@ Status RingCollective::Allreduce(Contribution* x, CollectiveUpdate* update) {
   return Status::OK();
 }
 
-Result<std::unique_ptr<Collective>> MakeRingCollective(const proto::JobConfig& job,
-                                                       PeerGroup* group, size_t num_params,
-                                                       size_t k) {
-  return std::unique_ptr<Collective>(
-      new RingCollective(group, num_params, job.collective().segment_bytes()));
+Result<std::unique_ptr<Collective>> MakeRingCollective(PeerGroup* group,
+                                                       const CollectiveOptions& options) {
+  return std::unique_ptr<Collective>(new RingCollective(group, options));
 }
 
 }  // namespace sparseps

@@ -17,7 +17,8 @@ Status RingAllreduce(PeerGroup* group, uint64_t tag_base, float* x, size_t n, si
 
 class RingCollective final : public Collective {
  public:
-  RingCollective(PeerGroup* group, size_t num_params, uint64_t segment_bytes);
+  // Reads options.num_params and segment_bytes.
+  RingCollective(PeerGroup* group, const CollectiveOptions& options);
   using Collective::Allreduce;
   Status Allreduce(Contribution* x, CollectiveUpdate* update) override;
 
@@ -25,9 +26,8 @@ class RingCollective final : public Collective {
   size_t segment_elems_;
 };
 
-// The `ring`: collective.segment_bytes; a row of the table of collectives (collective.cc).
-Result<std::unique_ptr<Collective>> MakeRingCollective(const proto::JobConfig& job,
-                                                       PeerGroup* group, size_t num_params,
-                                                       size_t k);
+// The `ring`; a row of the table of collectives (collective.cc).
+Result<std::unique_ptr<Collective>> MakeRingCollective(PeerGroup* group,
+                                                       const CollectiveOptions& options);
 
 }  // namespace sparseps

@@ -8,12 +8,12 @@
 
 namespace sparseps {
 
-SparDL::SparDL(PeerGroup* group, size_t num_params, size_t k, int teams)
-    : Collective(group, num_params, k),
-      teams_(teams),
-      work_(num_params),
-      scratch_(num_params, 0.0f),
-      touched_(num_params, 0) {}
+SparDL::SparDL(PeerGroup* group, const CollectiveOptions& options)
+    : Collective(group, options.num_params, options.k),
+      teams_(options.teams),
+      work_(options.num_params),
+      scratch_(options.num_params, 0.0f),
+      touched_(options.num_params, 0) {}
 
 Status SparDL::Allreduce(Contribution* x, CollectiveUpdate* update) {
   const uint64_t tag = NextCall();
@@ -115,15 +115,13 @@ Status SparDL::Allreduce(Contribution* x, CollectiveUpdate* update) {
   return x->Set(dropped);
 }
 
-Result<std::unique_ptr<Collective>> MakeSparDL(const proto::JobConfig& job, PeerGroup* group,
-                                               size_t num_params, size_t k) {
-  const uint32_t teams = job.collective().teams();
-  if (group->size() % static_cast<int>(teams) != 0) {
-    return Status::InvalidArgument("collective.teams (" + std::to_string(teams) +
+Result<std::unique_ptr<Collective>> MakeSparDL(PeerGroup* group, const CollectiveOptions& options) {
+  if (options.teams < 1 || group->size() % options.teams != 0) {
+    return Status::InvalidArgument("collective.teams (" + std::to_string(options.teams) +
                                    ") must divide the number of workers (" +
                                    std::to_string(group->size()) + ")");
   }
-  return std::unique_ptr<Collective>(new SparDL(group, num_params, k, static_cast<int>(teams)));
+  return std::unique_ptr<Collective>(new SparDL(group, options));
 }
 
 }  // namespace sparseps

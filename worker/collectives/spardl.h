@@ -22,7 +22,8 @@ namespace sparseps {
 
 class SparDL final : public Collective {
  public:
-  SparDL(PeerGroup* group, size_t num_params, size_t k, int teams);
+  // Reads options.num_params, k and teams (which must divide the workers: MakeSparDL checks).
+  SparDL(PeerGroup* group, const CollectiveOptions& options);
   using Collective::Allreduce;
   Status Allreduce(Contribution* x, CollectiveUpdate* update) override;
 
@@ -35,7 +36,6 @@ class SparDL final : public Collective {
 
 // The `spardl`: k, collective.teams (InvalidArgument unless it divides the workers); a row of the
 // table of collectives (collective.cc).
-Result<std::unique_ptr<Collective>> MakeSparDL(const proto::JobConfig& job, PeerGroup* group,
-                                               size_t num_params, size_t k);
+Result<std::unique_ptr<Collective>> MakeSparDL(PeerGroup* group, const CollectiveOptions& options);
 
 }  // namespace sparseps

@@ -28,11 +28,10 @@ void SumSparse(std::span<const SparseVector> blocks, std::vector<float>* scratch
   }
 }
 
-TopKAllGather::TopKAllGather(PeerGroup* group, size_t num_params, size_t k,
-                             proto::Selection selection, double sample_ratio)
-    : Collective(group, num_params, k, selection, sample_ratio),
-      scratch_(num_params, 0.0f),
-      touched_(num_params, 0) {}
+TopKAllGather::TopKAllGather(PeerGroup* group, const CollectiveOptions& options)
+    : Collective(group, options.num_params, options.k, options.selection, options.sample_ratio),
+      scratch_(options.num_params, 0.0f),
+      touched_(options.num_params, 0) {}
 
 Status TopKAllGather::Allreduce(Contribution* x, CollectiveUpdate* update) {
   const uint64_t tag = NextCall();
@@ -55,11 +54,9 @@ Status TopKAllGather::Allreduce(Contribution* x, CollectiveUpdate* update) {
   return Status::OK();
 }
 
-Result<std::unique_ptr<Collective>> MakeTopKAllGather(const proto::JobConfig& job, PeerGroup* group,
-                                                      size_t num_params, size_t k) {
-  const auto& c = job.compression();
-  return std::unique_ptr<Collective>(
-      new TopKAllGather(group, num_params, k, c.selection(), c.sample_ratio()));
+Result<std::unique_ptr<Collective>> MakeTopKAllGather(PeerGroup* group,
+                                                      const CollectiveOptions& options) {
+  return std::unique_ptr<Collective>(new TopKAllGather(group, options));
 }
 
 }  // namespace sparseps

@@ -12,8 +12,8 @@ namespace sparseps {
 
 class TopKAllGather final : public Collective {
  public:
-  TopKAllGather(PeerGroup* group, size_t num_params, size_t k, proto::Selection selection,
-                double sample_ratio);
+  // Reads options.num_params, k, selection and sample_ratio.
+  TopKAllGather(PeerGroup* group, const CollectiveOptions& options);
   using Collective::Allreduce;
   Status Allreduce(Contribution* x, CollectiveUpdate* update) override;
 
@@ -31,7 +31,7 @@ void SumSparse(std::span<const SparseVector> blocks, std::vector<float>* scratch
 
 // The `topk_allgather`: k per worker, compression.selection and sample_ratio; a row of the table of
 // collectives (collective.cc).
-Result<std::unique_ptr<Collective>> MakeTopKAllGather(const proto::JobConfig& job, PeerGroup* group,
-                                                      size_t num_params, size_t k);
+Result<std::unique_ptr<Collective>> MakeTopKAllGather(PeerGroup* group,
+                                                      const CollectiveOptions& options);
 
 }  // namespace sparseps
