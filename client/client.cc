@@ -78,7 +78,8 @@ struct Worker::Impl {
   void Join(std::span<const Buffer> params, const std::vector<TensorInfo>& tensors);
   // grads as one flat gradient on Init's device (in place, or gathered).
   float* Gradient(std::span<const Buffer> grads);
-  // The step itself, with the change observer recording into `out` (null: sparse).
+  // The step itself, with the change observer recording into `out` (null: sparse); the caller
+  // ends the recording (a failed step cancels it).
   void Step(float* grad, float* out, double loss);
 };
 
@@ -239,16 +240,21 @@ void Worker::Impl::Step(float* grad, float* out, double loss) {
                  : std::chrono::duration<double, std::milli>(Clock::now() - last_return).count();
   const bool on_device = device != kHost;
   recorder.Begin(out, a.num_params());
-  Wait(
-      [&] {
-        last = StepStats{};
-        if (on_device) {
-          auto p = a.ModelParams();  // the device copy, brought up to date
-          if (!p.ok()) return p.status();
-        }
-        return a.Step(grad, on_device, &last);
-      },
-      /*report_failure=*/true);
+  try {
+    Wait(
+        [&] {
+          last = StepStats{};
+          if (on_device) {
+            auto p = a.ModelParams();  // the device copy, brought up to date
+            if (!p.ok()) return p.status();
+          }
+          return a.Step(grad, on_device, &last);
+        },
+        /*report_failure=*/true);
+  } catch (...) {
+    recorder.Cancel();  // a failed step records nothing
+    throw;
+  }
   ++steps;
   Check(session->RecordStep(*log, steps, epoch + 1, loss, compute_ms, last, LoopState(), layers));
   last_return = Clock::now();
@@ -263,12 +269,7 @@ void Worker::PushPull(std::span<float> grad, std::span<float> params) {
                                   " host elements; the job has " + std::to_string(n) + " on " +
                                   DeviceName(m.device)));
   }
-  try {
-    m.Step(grad.data(), nullptr, std::numeric_limits<double>::quiet_NaN());
-  } catch (...) {
-    m.recorder.Cancel();
-    throw;
-  }
+  m.Step(grad.data(), nullptr, std::numeric_limits<double>::quiet_NaN());
   m.recorder.Cancel();  // this form returns the parameters, not the update
   const float* now = m.session->aggregator().host_model_params();
   std::copy(now, now + n, params.begin());
@@ -277,25 +278,13 @@ void Worker::PushPull(std::span<float> grad, std::span<float> params) {
 void Worker::PushPull(std::span<const Buffer> grads, float* update, double loss) {
   Impl& m = *impl_;
   if (update == nullptr) Raise(Status::InvalidArgument("update is null"));
-  float* grad = m.Gradient(grads);
-  try {
-    m.Step(grad, update, loss);
-  } catch (...) {
-    m.recorder.Cancel();
-    throw;
-  }
+  m.Step(m.Gradient(grads), update, loss);
   m.recorder.EndDense(m.session->aggregator().host_model_params());
 }
 
 SparseUpdate Worker::PushPullSparse(std::span<const Buffer> grads, double loss) {
   Impl& m = *impl_;
-  float* grad = m.Gradient(grads);
-  try {
-    m.Step(grad, nullptr, loss);
-  } catch (...) {
-    m.recorder.Cancel();
-    throw;
-  }
+  m.Step(m.Gradient(grads), nullptr, loss);
   return m.recorder.EndSparse(m.session->aggregator().host_model_params());
 }
 

@@ -10,26 +10,15 @@
 #include <sstream>
 #include <string>
 
+#include "tests/support/config_file.h"
+
 namespace sparseps {
 namespace {
 
 using ::testing::HasSubstr;
 using ::testing::Not;
 
-class ConfigTest : public ::testing::Test {
- protected:
-  std::string Write(const std::string& text) {
-    path_ = ::testing::TempDir() + "sparseps_config_test_" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name() + ".yaml";
-    std::ofstream(path_) << text;
-    return path_;
-  }
-  void TearDown() override {
-    if (!path_.empty()) std::remove(path_.c_str());
-  }
-  static const char* NoEnv(const char*) { return nullptr; }
-  std::string path_;
-};
+class ConfigTest : public ConfigFileTest {};
 
 TEST_F(ConfigTest, LoadsQuickstart) {
   auto c = LoadConfig(std::string(SPARSEPS_SOURCE_DIR) + "/configs/quickstart.yaml", {}, NoEnv);

@@ -14,6 +14,7 @@ import torch
 
 import sparseps
 import sparseps.torch
+from sparseps import capi
 from conftest import BUILD, DATA, ROOT, run_threads
 
 needs_data = pytest.mark.skipif(not (DATA / "train-images-idx3-ubyte.gz").exists(),
@@ -50,8 +51,11 @@ def test_example_trains_a_cnn_through_two_servers(tmp_path):
     assert accuracy > 0.75  # 100 steps of 2 x 64 samples; 82.55% when measured
 
 
-@pytest.mark.parametrize("aggregation", ["ps", "allreduce"])
-def test_distributed_optimizer_starts_every_worker_from_worker_0(cluster, aggregation):
+@pytest.mark.parametrize("aggregation,kind", [("ps", "module"), ("allreduce", "module"),
+                                              ("ps", "capi")])
+def test_distributed_optimizer_starts_every_worker_from_worker_0(cluster, aggregation, kind):
+    """Through the pybind11 module or sparseps.capi (a list of torch tensors through data_ptr)."""
+    make = sparseps.Worker if kind == "module" else capi.Worker
     sets = ["aggregation=allreduce", "collective.algorithm=gtopk"] if aggregation == "allreduce" \
         else []
     c = cluster("train: {lr: 0.5, momentum: 0}\ncompression: {encoding: topk, density: 0.1}\n",
@@ -62,7 +66,7 @@ def test_distributed_optimizer_starts_every_worker_from_worker_0(cluster, aggreg
         model = torch.nn.Linear(30, 5)
         opt = sparseps.torch.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.5),
-            sparseps.Worker(str(c.job), rank=rank, overrides=c.overrides + sets))
+            make(str(c.job), rank=rank, overrides=c.overrides + sets))
         start = [p.detach().clone() for p in model.parameters()]
         for _ in range(5):
             opt.zero_grad()

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import sparseps
+from sparseps import capi
 from conftest import BUILD, run_threads
 
 N = 1000  # parameters
@@ -76,6 +77,39 @@ def replay(c, sets, steps, final=False):
     return steps_out, [np.fromfile(f, dtype=np.float32).reshape(2, N) for f in finals]
 
 
+def record_steps(w, rank):
+    """Trains w (any worker with sparseps.Worker's interface, initialised) for STEPS steps of
+    gradient(rank, t), the sparse form at odd steps: (params before, update, params after) each."""
+    before = w.params()
+    got = []
+    for t in range(STEPS):
+        if t % 2:
+            # The sparse form: the changed keys, the update and the new parameters there.
+            keys, values, now = w.push_pull(gradient(rank, t), sparse=True)
+            after = w.params()
+            assert keys.dtype == np.int64 and np.all(np.diff(keys) > 0)
+            np.testing.assert_array_equal(now, after[keys])
+            update = np.zeros(N, dtype=np.float32)
+            update[keys] = values
+        else:
+            update = w.push_pull(gradient(rank, t), loss=1.0)
+            after = w.params()
+        got.append((before, update, after))
+        before = after
+    return got
+
+
+def assert_equals_cpp(name, sets, got, cpp):
+    """Each worker's parameters after each step are the C++ worker's, bitwise, and the update is
+    exactly what they moved by (but with SBC's local copy)."""
+    sbc = "compression.encoding=sbc" in sets
+    for r in range(2):
+        for t, (before, update, after) in enumerate(got[r]):
+            np.testing.assert_array_equal(after, cpp[r][t], err_msg=f"{name} worker {r} step {t}")
+            if not sbc:
+                np.testing.assert_array_equal(update, before - after, err_msg=f"step {t}")
+
+
 @pytest.mark.parametrize("name", list(SETTINGS))
 def test_push_pull_equals_the_cpp_worker_bitwise(cluster, name):
     sets = SETTINGS[name]
@@ -87,37 +121,14 @@ def test_push_pull_equals_the_cpp_worker_bitwise(cluster, name):
 
     def python_worker(rank):
         w = sparseps.Worker(str(p.job), rank=rank, overrides=p.overrides + sets)
-        params = initial()
-        w.init(params)
-        before = w.params()
-        got = []
-        for t in range(STEPS):
-            if t % 2:
-                # The sparse form: the changed keys, the update and the new parameters there.
-                keys, values, now = w.push_pull(gradient(rank, t), sparse=True)
-                after = w.params()
-                assert keys.dtype == np.int64 and np.all(np.diff(keys) > 0)
-                np.testing.assert_array_equal(now, after[keys])
-                update = np.zeros(N, dtype=np.float32)
-                update[keys] = values
-            else:
-                update = w.push_pull(gradient(rank, t))
-                after = w.params()
-            got.append((before, update, after))
-            before = after
+        w.init(initial())
+        got = record_steps(w, rank)
         w.finish()
         return got
 
     py = run_threads([lambda r=r: python_worker(r) for r in range(2)])
     assert p.wait() == {k: 0 for k in p.wait()}
-    sbc = "compression.encoding=sbc" in sets
-    for r in range(2):
-        for t, (before, update, after) in enumerate(py[r]):
-            # The job's parameters after each step: bitwise those of the C++ worker.
-            np.testing.assert_array_equal(after, cpp[r][t], err_msg=f"{name} worker {r} step {t}")
-            if not sbc:
-                # The update is exactly what the parameters moved by.
-                np.testing.assert_array_equal(update, before - after, err_msg=f"step {t}")
+    assert_equals_cpp(name, sets, py, cpp)
 
 
 @pytest.mark.parametrize("name", ["ps_topk", "ps_topk_server_topk", "ps_dense",
@@ -330,10 +341,12 @@ def test_a_missing_scheduler_is_a_timeout_naming_it():
         w.init(initial())
 
 
-def test_ctrl_c_ends_a_blocking_call_at_once():
+@pytest.mark.parametrize("kind", ["module", "capi"])
+def test_ctrl_c_ends_a_blocking_call_at_once(kind):
     """SIGINT during a wait (here for a scheduler that never answers, 70 s deadline) ends it at
-    once as KeyboardInterrupt, as it would any Python call."""
-    w = sparseps.Worker("", overrides=["cluster.scheduler_port=1", "cluster.register_timeout_s=60"])
+    once as KeyboardInterrupt, as it would any Python call; through the module or sparseps.capi."""
+    make = sparseps.Worker if kind == "module" else capi.Worker
+    w = make("", overrides=["cluster.scheduler_port=1", "cluster.register_timeout_s=60"])
     timer = threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT))
     timer.start()
     start = time.monotonic()

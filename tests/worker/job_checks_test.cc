@@ -14,6 +14,7 @@
 
 #include "config/config.h"
 #include "encodings/registry.h"
+#include "tests/support/config_file.h"
 #include "worker/collectives/collective.h"
 
 namespace sparseps {
@@ -21,24 +22,13 @@ namespace {
 
 using ::testing::HasSubstr;
 
-class JobChecksTest : public ::testing::Test {
+class JobChecksTest : public ConfigFileTest {
  protected:
   // The tables add their checks where they are linked in; this binary links them.
   void SetUp() override {
     AddJobCheck(CheckEncodingConfig);
     AddJobCheck(CheckCollectiveConfig);
   }
-  std::string Write(const std::string& text) {
-    path_ = ::testing::TempDir() + "sparseps_job_checks_test_" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name() + ".yaml";
-    std::ofstream(path_) << text;
-    return path_;
-  }
-  void TearDown() override {
-    if (!path_.empty()) std::remove(path_.c_str());
-  }
-  static const char* NoEnv(const char*) { return nullptr; }
-  std::string path_;
 };
 
 // compression.sketch.partial_reset has nothing to do with the second round's exact values or
@@ -73,10 +63,7 @@ TEST_F(JobChecksTest, StaleConsistencyRefusesWhatNeedsBspNamingFileLineAndKey) {
       {"checkpoint.every_steps=10", "checkpoint.every_steps"},
       {"node.rejoin=true", "--rejoin"}};
   for (const auto& [set, why] : refused) {
-    std::vector<std::string> overrides;  // "a=b,c=d": two overrides
-    std::stringstream list(set);
-    for (std::string kv; std::getline(list, kv, ',');) overrides.push_back(kv);
-    c = LoadConfig(path, overrides, NoEnv);
+    c = LoadConfig(path, SplitOverrides(set), NoEnv);
     ASSERT_FALSE(c.ok()) << set;
     EXPECT_THAT(c.status().message(), HasSubstr(path + ":3:")) << set;
     EXPECT_THAT(c.status().message(), HasSubstr("'train.consistency' is ssp")) << set;
@@ -101,10 +88,7 @@ TEST_F(JobChecksTest, OverlapRefusesAllreduceAndTheSketchSecondRoundNamingFileLi
         {"aggregation=allreduce,collective.algorithm=ring,collective.measure_quality=true",
          "collective.measure_quality"},
         {"compression.sketch.second_round=true", "compression.sketch.second_round"}}) {
-    std::vector<std::string> overrides;  // "a=b,c=d": two overrides
-    std::stringstream list(set);
-    for (std::string kv; std::getline(list, kv, ',');) overrides.push_back(kv);
-    c = LoadConfig(path, overrides, NoEnv);
+    c = LoadConfig(path, SplitOverrides(set), NoEnv);
     ASSERT_FALSE(c.ok()) << set;
     EXPECT_THAT(c.status().message(), HasSubstr(path + ":3:")) << set;
     EXPECT_THAT(c.status().message(), HasSubstr("'train.overlap' is backward")) << set;
