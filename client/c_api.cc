@@ -249,6 +249,9 @@ uint64_t sparseps_worker_bytes_received(const sparseps_worker* w) {
 int sparseps_worker_resumed(const sparseps_worker* w) {
   return w != nullptr && w->worker.resumed() ? 1 : 0;
 }
+int sparseps_worker_rejoined(const sparseps_worker* w) {
+  return w != nullptr && w->worker.rejoined() ? 1 : 0;
+}
 int sparseps_worker_checkpoint_due(const sparseps_worker* w) {
   return w != nullptr && w->worker.checkpoint_due() ? 1 : 0;
 }

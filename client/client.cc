@@ -167,12 +167,12 @@ void Worker::Impl::Join(std::span<const Buffer> params, const std::vector<Tensor
   }
   Wait(
       [&] {
-        auto joined = JoinOwnLoop(config, initial, device != kHost, LoopState(),
-                                  "a training loop of its own");
+        auto joined = JoinOwnLoop(config, initial, device != kHost, LoopState());
         if (joined.ok()) session = std::move(*joined);
         return joined.status();
       },
-      /*report_failure=*/false);  // JoinOwnLoop reported it
+      /*report_failure=*/false);                                  // JoinOwnLoop reported it
+  if (session->rejoining()) steps = session->rejoin_iteration();  // the lost worker's
   Aggregator& a = session->aggregator();
   a.set_change_observer([this](uint64_t begin, std::span<const uint32_t> keys, bool all) {
     recorder.Observe(session->aggregator().host_model_params(), begin, keys, all);
@@ -372,6 +372,7 @@ StepCounters Worker::last_step() const {
   return {s.bytes_sent, s.bytes_received, s.selected, s.applied, s.encode_ms, s.comm_ms};
 }
 bool Worker::resumed() const { return impl_->session && impl_->session->resuming(); }
+bool Worker::rejoined() const { return impl_->session && impl_->session->rejoining(); }
 bool Worker::checkpoint_due() const {
   return impl_->session && impl_->session->aggregator().checkpoint_due();
 }

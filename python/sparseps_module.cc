@@ -401,7 +401,9 @@ float32 tensor or array, or a list of them), and makes the job's starting parame
 they are written into params in place on every worker. names (one per tensor) name the tensors of
 the model file (model.safetensors; default param0, param1, ...). When the job resumes from a
 checkpoint (--resume), params get the checkpoint's parameters instead, and `step` the steps done
-then: the loop goes on from there (its own optimizer state it restores itself).)doc")
+then: the loop goes on from there (its own optimizer state it restores itself). A replacement
+worker (node.rejoin=true, with the lost worker's rank) gets the job's parameters at the iteration
+it joins at and `step` that iteration (`rejoined` is True): it goes on from there too.)doc")
       .def("push_pull", &Worker::PushPull, py::arg("grads"), py::arg("sparse") = false,
            py::arg("loss") = py::none(), R"doc(
 Aggregates grads (laid out as init's params, or one flat tensor of all of them) with the job's
@@ -437,10 +439,15 @@ here), train_loss (the last epoch's mean), samples_per_s (this worker's), train_
                              "(values as `sparseps-worker --get` prints them; Worker.get parses)")
       .def_property_readonly(
           "step", [](const Worker& w) { return w.worker().step(); },
-          "Steps (push_pull calls) done, from the checkpoint's on a resumed job")
+          "Steps (push_pull calls) done, from the checkpoint's on a resumed job, from the "
+          "join iteration on a replacement")
       .def_property_readonly(
           "resumed", [](const Worker& w) { return w.worker().resumed(); },
           "True when the job resumed from a checkpoint (after init)")
+      .def_property_readonly(
+          "rejoined", [](const Worker& w) { return w.worker().rejoined(); },
+          "True for a replacement (node.rejoin, --rejoin) let into the running job (after init): "
+          "step is the iteration it pushes from; the loop goes on from there")
       .def_property_readonly(
           "checkpoint_due", [](const Worker& w) { return w.worker().checkpoint_due(); },
           "True when the last push_pull ended an iteration of which every node "

@@ -304,25 +304,20 @@ Result<proto::JobConfig> LoadOwnLoopConfig(const std::string& config_path,
 
 Result<std::unique_ptr<WorkerSession>> JoinOwnLoop(
     const proto::JobConfig& config, const std::vector<float>& initial, bool on_device,
-    const std::function<void(StateArchive&)>& loop_state, const std::string& loop) {
+    const std::function<void(StateArchive&)>& loop_state) {
   auto joined = WorkerSession::Join(config, initial.size(), on_device, /*name_log=*/false);
   if (!joined.ok()) return joined.status();
   if (*joined == nullptr) {
     return Status::Aborted("the job finished before this replacement worker could join");
   }
-  if ((*joined)->rejoining()) {
-    // The C++ worker runs through its loop to the others' position; such a loop would have to do
-    // the same with its own data order. Not reported: the scheduler removes this worker again
-    // once its connection is gone.
-    return Status::FailedPrecondition("--rejoin: " + loop +
-                                      " cannot join a running job yet; replacements are "
-                                      "sparseps-worker processes");
-  }
   std::unique_ptr<WorkerSession> session = std::move(*joined);
-  // A resumed job: the aggregator's state and the parameters come from the checkpoint (PS: from
-  // the servers), and the loop's position; otherwise worker 0's parameters become everyone's.
-  const Status s =
-      session->resuming() ? session->Resume(loop_state) : session->aggregator().Init(initial);
+  // A replacement (--rejoin): the job's parameters at its first iteration, empty residuals; the
+  // loop goes on from rejoin_iteration() as a resumed one does from its checkpoint's step. A
+  // resumed job: the aggregator's state and the parameters come from the checkpoint (PS: from the
+  // servers), and the loop's position; otherwise worker 0's parameters become everyone's.
+  const Status s = session->rejoining()  ? session->aggregator().Rejoin(session->rejoin_iteration())
+                   : session->resuming() ? session->Resume(loop_state)
+                                         : session->aggregator().Init(initial);
   if (!s.ok()) {
     session->ReportFailure(s);
     return s;

@@ -151,11 +151,12 @@ Result<proto::JobConfig> LoadOwnLoopConfig(const std::string& config_path,
 
 // Joins the job for such a loop with initial.size() parameters (device memory when on_device)
 // and sets its starting parameters: from the checkpoint when the job resumes (loop_state keeps
-// the loop's own position), else worker 0's `initial`. Refuses a replacement (--rejoin: the loop
-// would have to run to the others' position with its own data order) and a job that finished
-// before it joined (Aborted); a failure after joining is reported to the scheduler.
+// the loop's own position), the job's at rejoin_iteration() for a replacement (--rejoin; the
+// loop goes on from that step with its own data order), else worker 0's `initial`. A replacement
+// for a job that finished before it joined: Aborted. A failure after joining is reported to the
+// scheduler.
 Result<std::unique_ptr<WorkerSession>> JoinOwnLoop(
     const proto::JobConfig& config, const std::vector<float>& initial, bool on_device,
-    const std::function<void(StateArchive&)>& loop_state, const std::string& loop);
+    const std::function<void(StateArchive&)>& loop_state);
 
 }  // namespace sparseps

@@ -109,7 +109,8 @@ def _declare(lib):
                           ("is_leader", ctypes.c_int), ("num_params", ctypes.c_size_t),
                           ("step", ctypes.c_uint64), ("lr", ctypes.c_double),
                           ("bytes_sent", ctypes.c_uint64), ("bytes_received", ctypes.c_uint64),
-                          ("resumed", ctypes.c_int), ("checkpoint_due", ctypes.c_int),
+                          ("resumed", ctypes.c_int), ("rejoined", ctypes.c_int),
+                          ("checkpoint_due", ctypes.c_int),
                           ("allreduce", ctypes.c_int)):
         signatures[f"worker_{name}"] = (restype, [handle])
     for name, (restype, argtypes) in signatures.items():
@@ -280,6 +281,7 @@ class Worker:
     bytes_sent = property(lambda self: self._fact("bytes_sent"))
     bytes_received = property(lambda self: self._fact("bytes_received"))
     resumed = property(lambda self: bool(self._fact("resumed")))
+    rejoined = property(lambda self: bool(self._fact("rejoined")))
     checkpoint_due = property(lambda self: bool(self._fact("checkpoint_due")))
     aggregation = property(lambda self: "allreduce" if self._fact("allreduce") else "ps")
 

@@ -2,6 +2,7 @@
 push_pull equals the C++ worker's (tests/python/replay_worker.cc) bitwise for every kind of
 aggregation; nothing is lost between what was applied and the residuals; bad input is a clear
 Python exception that leaves the job running."""
+import json
 import os
 import pathlib
 import signal
@@ -339,6 +340,64 @@ def test_a_missing_scheduler_is_a_timeout_naming_it():
     w = sparseps.Worker("", overrides=["cluster.scheduler_port=1", "cluster.register_timeout_s=0.5"])
     with pytest.raises(TimeoutError, match="membership"):
         w.init(initial())
+
+
+def test_a_killed_python_worker_is_replaced_by_one_that_rejoins(cluster):
+    """A Python loop killed with kill -9 mid-job is replaced by another (node.rejoin=true, its
+    rank): init gives it the join iteration J as its step and the job's parameters there; it
+    trains from J to the end, the other worker never stops, and both end with the same
+    parameters; summary.json lists the replacement."""
+    steps = 120
+    c = cluster(BASE)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(BUILD / "python"),
+                                                      str(pathlib.Path(__file__).parent)]))
+    script = pathlib.Path(__file__).parent / "loop_worker.py"
+
+    def start(rank, out, extra=()):
+        return subprocess.Popen([sys.executable, str(script), str(c.job), str(rank), str(steps),
+                                 str(out)] + c.overrides + list(extra),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=env)
+
+    def worker0():
+        w = sparseps.Worker(str(c.job), rank=0, overrides=c.overrides)
+        params = initial()
+        w.init(params)
+        for t in range(steps):
+            params -= w.push_pull(gradient(0, t))
+            time.sleep(0.05)  # slower than worker 1: the replacement joins long before the end
+        final = w.params()
+        w.finish()
+        return final
+
+    done = {}
+    thread = threading.Thread(target=lambda: done.update(params=worker0()))
+    thread.start()
+    victim = start(1, c.dir / "lost.bin")
+    lines = []
+    for line in victim.stdout:
+        lines.append(line)
+        if line.strip() == "step 10":  # (the log lines come first)
+            break
+    victim.kill()
+    victim.wait()
+    assert lines and lines[-1].strip() == "step 10", "".join(lines)
+    replacement = start(1, c.dir / "replacement.bin", ["node.rejoin=true"])
+    out, _ = replacement.communicate(timeout=120)
+    thread.join(timeout=120)
+    assert replacement.returncode == 0, out
+    assert "params" in done, "worker 0 failed (its exception is above)"
+    first = next(line for line in out.splitlines() if line.startswith("start ")).split()
+    assert first[2] == "1", out  # rejoined
+    joined = int(first[1])
+    assert 10 <= joined < steps, out
+    assert out.splitlines()[-1] == f"step {steps}", out
+    assert c.wait() == {k: 0 for k in c.wait()}
+    np.testing.assert_array_equal(np.fromfile(c.dir / "replacement.bin", dtype=np.float32),
+                                  done["params"])
+    summary = json.loads((c.run_dir / "summary.json").read_text())
+    assert summary["status"] == "ok", summary
+    assert [(j["rank"], int(j["iteration"])) for j in summary["joined_workers"]] == [(1, joined)]
 
 
 @pytest.mark.parametrize("kind", ["module", "capi"])

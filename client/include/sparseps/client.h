@@ -110,8 +110,11 @@ class Worker {
 
   /// Joins the job with params.size() parameters (float32, host memory): registers with the
   /// scheduler and waits (cluster.register_timeout_s) for every node. On return `params` holds
-  /// the job's starting parameters (worker 0's, or a checkpoint's when the job resumes; then
-  /// step() is the steps done). Throws kDeadlineExceeded naming who did not register.
+  /// the job's starting parameters (worker 0's; a checkpoint's when the job resumes; for a
+  /// replacement, node.rejoin, the job's at the iteration it joins at), and step() is the steps
+  /// done (0, the checkpoint's, or that iteration): the loop goes on from there. Throws
+  /// kDeadlineExceeded naming who did not register, kFailed when a replacement comes after the
+  /// job finished.
   void Init(std::span<float> params);
 
   /// Init for a model of several tensors in host or CUDA device memory (all on one device; a
@@ -184,6 +187,9 @@ class Worker {
   uint64_t bytes_received() const;  ///< bytes it received
   StepCounters last_step() const;   ///< what the last push-pull did
   bool resumed() const;             ///< whether the job resumed from a checkpoint (after Init)
+  /// Whether this worker is a replacement (node.rejoin, --rejoin) let into the running job (after
+  /// Init): step() is then the iteration it pushes from; the loop goes on from there.
+  bool rejoined() const;
   /// Whether the last push-pull ended an iteration of which every node writes a checkpoint (the
   /// loop saves its own optimizer state then).
   bool checkpoint_due() const;

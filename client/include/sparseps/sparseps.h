@@ -122,6 +122,7 @@ double sparseps_worker_lr(const sparseps_worker* worker);
 uint64_t sparseps_worker_bytes_sent(const sparseps_worker* worker);
 uint64_t sparseps_worker_bytes_received(const sparseps_worker* worker);
 int sparseps_worker_resumed(const sparseps_worker* worker);        /* resumed from a checkpoint */
+int sparseps_worker_rejoined(const sparseps_worker* worker);       /* a replacement (node.rejoin) */
 int sparseps_worker_checkpoint_due(const sparseps_worker* worker); /* the last step checkpoints */
 int sparseps_worker_allreduce(const sparseps_worker* worker);      /* else a parameter server */
 /* What the last push-pull did (zeros for a NULL handle). */
