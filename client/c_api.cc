@@ -38,6 +38,8 @@ int Guard(F&& f, char* err, size_t err_len) {
         return Fail(SPARSEPS_DEADLINE_EXCEEDED, e.what(), err, err_len);
       case sparseps::client::ErrorCode::kInterrupted:
         return Fail(SPARSEPS_INTERRUPTED, e.what(), err, err_len);
+      case sparseps::client::ErrorCode::kRolledBack:
+        return Fail(SPARSEPS_ROLLED_BACK, e.what(), err, err_len);
       default:
         return Fail(SPARSEPS_FAILED, e.what(), err, err_len);
     }

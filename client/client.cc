@@ -73,8 +73,15 @@ struct Worker::Impl {
     return session->aggregator();
   }
   // Runs a call that may wait: with set_interruptible, SIGINT ends its waits; then its failure
-  // is kInterrupted.
+  // is kInterrupted. With report_failure (a step, a synchronize), a failure ends the job (but a
+  // bad gradient's), and a lost server rolls this worker back (kRolledBack).
   void Wait(const std::function<Status()>& call, bool report_failure);
+  // After a step failed with `lost` (Unavailable: a server was lost): waits for the rollback and
+  // resumes from this worker's file of the checkpoint. Unavailable naming the checkpoint's step
+  // when done; the wait's or the file's error otherwise.
+  Status RollBack(const Status& lost);
+  // Has the aggregator tell the recorder what each step is about to change.
+  void Observe();
   void Join(std::span<const Buffer> params, const std::vector<TensorInfo>& tensors);
   // grads as one flat gradient on Init's device (in place, or gathered).
   float* Gradient(std::span<const Buffer> grads);
@@ -93,12 +100,37 @@ void Worker::Impl::Wait(const std::function<Status()>& call, bool report_failure
     interrupted = stop && stop->interrupted();
   }
   if (s.ok()) return;
+  if (report_failure && session && s.code() == StatusCode::kUnavailable && !interrupted) {
+    // A server was lost: once its replacement holds the checkpoint, every worker goes back to it.
+    s = RollBack(s);
+  }
   // A bad gradient changes nothing and the job goes on; anything else ends it.
-  if (report_failure && session && s.code() != StatusCode::kInvalidArgument) {
+  if (report_failure && session && s.code() != StatusCode::kInvalidArgument &&
+      s.code() != StatusCode::kUnavailable) {
     session->ReportFailure(s);
   }
   if (interrupted) throw Error(ErrorCode::kInterrupted, s.message());
+  if (s.code() == StatusCode::kUnavailable) throw Error(ErrorCode::kRolledBack, s.message());
   Raise(s);
+}
+
+Status Worker::Impl::RollBack(const Status& lost) {
+  Status s = session->AwaitRollback();
+  if (s.ok()) s = session->Resume(LoopState());  // steps: the checkpoint's
+  if (!s.ok()) return s;
+  Observe();
+  session->aggregator().SetEpoch(epoch);
+  // Unavailable, with the checkpoint's step: Wait throws it as kRolledBack.
+  return Status::Unavailable(lost.message() + "; the job went back to the checkpoint of step " +
+                             std::to_string(steps) +
+                             ": restore the loop's state of that step and go on from step()");
+}
+
+void Worker::Impl::Observe() {
+  session->aggregator().set_change_observer(
+      [this](uint64_t begin, std::span<const uint32_t> keys, bool all) {
+        recorder.Observe(session->aggregator().host_model_params(), begin, keys, all);
+      });
 }
 
 Worker::Worker(const std::string& config_path, const std::vector<std::string>& overrides, int rank)
@@ -174,9 +206,7 @@ void Worker::Impl::Join(std::span<const Buffer> params, const std::vector<Tensor
       /*report_failure=*/false);                                  // JoinOwnLoop reported it
   if (session->rejoining()) steps = session->rejoin_iteration();  // the lost worker's
   Aggregator& a = session->aggregator();
-  a.set_change_observer([this](uint64_t begin, std::span<const uint32_t> keys, bool all) {
-    recorder.Observe(session->aggregator().host_model_params(), begin, keys, all);
-  });
+  Observe();
   // Live metrics (metrics.port), as sparseps-worker serves them; no CSV files or progress lines,
   // which the loop writes itself.
   log.emplace(config, session->rank(), 0, 0, /*leader=*/false);

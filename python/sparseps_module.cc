@@ -34,10 +34,11 @@ namespace py = pybind11;
 namespace sparseps {
 namespace {
 
-PyObject* g_error = nullptr;  // sparseps.Error
+PyObject* g_error = nullptr;        // sparseps.Error
+PyObject* g_rolled_back = nullptr;  // sparseps.RolledBack
 
 // The client library's errors as Python's: ValueError, TimeoutError, KeyboardInterrupt (Ctrl-C
-// ended a wait), sparseps.Error.
+// ended a wait), sparseps.RolledBack (a server was replaced), sparseps.Error.
 [[noreturn]] void Raise(const client::Error& e) {
   switch (e.code()) {
     case client::ErrorCode::kInvalidArgument:
@@ -47,6 +48,9 @@ PyObject* g_error = nullptr;  // sparseps.Error
       break;
     case client::ErrorCode::kInterrupted:
       PyErr_SetString(PyExc_KeyboardInterrupt, e.what());
+      break;
+    case client::ErrorCode::kRolledBack:
+      PyErr_SetString(g_rolled_back, e.what());
       break;
     default:
       PyErr_SetString(g_error, e.what());
@@ -383,6 +387,9 @@ PYBIND11_MODULE(_sparseps, m) {
   m.doc() = "sparseps: sparse, compressed gradient aggregation (parameter server or allreduce)";
   static py::exception<std::runtime_error> error(m, "Error", PyExc_RuntimeError);
   sparseps::g_error = error.ptr();
+  // A server was replaced: back at the checkpoint (step, params()); the loop goes on from there.
+  static py::exception<std::runtime_error> rolled_back(m, "RolledBack", error.ptr());
+  sparseps::g_rolled_back = rolled_back.ptr();
   m.attr("cuda") = sparseps::client::CudaBuild();  // CUDA tensors are compressed on the device
   py::class_<Worker>(m, "Worker", R"doc(
 One worker of a sparseps job, driven by a Python training loop.
@@ -414,7 +421,9 @@ With sparse=True it returns (keys, update, params) instead: the flat keys whose 
 (int64, increasing; every key after a dense update), the update there and the new parameters
 there, without a dense array. loss (optional, a float): the step's training loss, for the live
 metrics (metrics.port: sparseps_worker_loss). Raises ValueError for a gradient with
-NaN or Inf (nothing is sent; the job goes on), TimeoutError naming a missing peer.)doc")
+NaN or Inf (nothing is sent; the job goes on), TimeoutError naming a missing peer,
+sparseps.RolledBack when a lost server was replaced and the job went back to its newest
+checkpoint: `step` and params() are then the checkpoint's, and the loop goes on from there.)doc")
       .def("params", &Worker::Params, "The job's parameters as this worker holds them (a copy).")
       .def("residual", &Worker::Residual,
            "What this worker holds back for later steps (its residual; a copy).")

@@ -21,7 +21,7 @@ not built for; both are layers on the client library (libsparseps_client.so).
 """
 import json
 
-__all__ = ["Error", "Worker", "cuda"]
+__all__ = ["Error", "RolledBack", "Worker", "cuda"]
 
 
 def _module():

@@ -26,9 +26,9 @@ import os
 
 import numpy as np
 
-__all__ = ["Error", "Worker", "cuda", "library"]
+__all__ = ["Error", "RolledBack", "Worker", "cuda", "library"]
 
-OK, INVALID_ARGUMENT, DEADLINE_EXCEEDED, FAILED, INTERRUPTED = 0, 1, 2, 3, 4
+OK, INVALID_ARGUMENT, DEADLINE_EXCEEDED, FAILED, INTERRUPTED, ROLLED_BACK = 0, 1, 2, 3, 4, 5
 HOST = -1
 _ERR_LEN = 4096
 
@@ -39,6 +39,12 @@ class Error(RuntimeError):
     def __init__(self, code, message):
         super().__init__(message)
         self.code = code
+
+
+class RolledBack(Error):
+    """A server was lost and replaced: the job, and this worker, went back to the newest complete
+    checkpoint (step and params() are its). Restore the loop's own state of that step and go on
+    from step."""
 
 
 class _Buffer(ctypes.Structure):
@@ -187,6 +193,8 @@ class Worker:
         code = f(*args, err, _ERR_LEN)
         if code == INTERRUPTED:
             raise KeyboardInterrupt(err.value.decode(errors="replace"))
+        if code == ROLLED_BACK:
+            raise RolledBack(code, err.value.decode(errors="replace"))
         if code != OK:
             raise Error(code, err.value.decode(errors="replace"))
 

@@ -43,10 +43,22 @@ class Cluster:
         self.overrides = [f"run.dir={self.run_dir}", f"cluster.scheduler_port={self.port}",
                           f"cluster.num_servers={max(servers, 1)}",
                           f"cluster.num_workers={workers}"]
+        self._common = common
         for s in range(servers):
-            self._start(f"server-{s}", BUILD / "server" / "sparseps-server",
-                        common + ["--set", f"cluster.scheduler_port={self.port}",
-                                  "--set", f"node.rank={s}"])
+            self.start_server(s)
+
+    def start_server(self, rank, extra=()):
+        """Starts server `rank` (again: extra=["--rejoin"] for a replacement of a lost one)."""
+        name = f"server-{rank}" + ("-replacement" if "--rejoin" in extra else "")
+        self._start(name, BUILD / "server" / "sparseps-server",
+                    self._common + ["--set", f"cluster.scheduler_port={self.port}",
+                                    "--set", f"node.rank={rank}"] + list(extra))
+
+    def kill(self, name):
+        """kill -9 of the daemon `name` ("server-0"), by its pid."""
+        p = dict(self.procs)[name]
+        p.kill()
+        p.wait()
 
     def _start(self, name, binary, args):
         log = open(self.dir / f"{name}.log", "w")

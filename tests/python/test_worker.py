@@ -469,6 +469,53 @@ def _resume_case(cluster, aggregation):
     assert header["__metadata__"]["iteration"] == str(total)
 
 
+def test_a_python_loop_rolls_back_when_a_server_is_replaced(cluster):
+    """Server 0 killed with kill -9 mid-job and replaced (--rejoin): every Python worker's
+    push_pull raises sparseps.RolledBack once it is back at the newest complete checkpoint (step
+    and params() are its); each loop goes on from step and the job ends with the parameters and
+    residuals of a job never interrupted, bitwise (integer gradients, exact sums)."""
+    sets = ["train.momentum=0", "train.lr=2", "checkpoint.every_steps=4", "checkpoint.keep=0"]
+    total = 24
+
+    def run(c, kill_at=None):
+        rolled = {}
+
+        def worker(rank):
+            w = sparseps.Worker(str(c.job), rank=rank, overrides=c.overrides + sets)
+            w.init(np.zeros(N, dtype=np.float32))
+            t = w.step
+            while t < total:
+                try:
+                    w.push_pull(gradient(rank, t))
+                    t += 1
+                except sparseps.RolledBack:
+                    rolled[rank] = (t, w.step)
+                    t = w.step  # the loop's own state of that step: here, only its position
+                if rank == 0 and kill_at is not None and t == kill_at:
+                    c.kill("server-0")
+                    c.start_server(0, ["--rejoin"])
+                time.sleep(0.02)
+            out = (w.params(), w.residual())
+            w.finish()
+            return out
+        return run_threads([lambda r=r: worker(r) for r in range(2)], timeout_s=240), rolled
+
+    whole, _ = run(cluster(BASE, sets=sets))
+    cut = cluster(BASE, sets=sets)
+    again, rolled = run(cut, kill_at=10)
+    codes = cut.wait()
+    assert codes.pop("server-0") == -9 and codes == {k: 0 for k in codes}, codes
+    assert sorted(rolled) == [0, 1], rolled
+    for rank, (at, back_to) in rolled.items():
+        assert back_to % 4 == 0 and 0 < back_to <= at, rolled  # a checkpoint's step
+    for r in range(2):
+        np.testing.assert_array_equal(again[r][0], whole[r][0])
+        np.testing.assert_array_equal(again[r][1], whole[r][1])
+    summary = json.loads((cut.run_dir / "summary.json").read_text())
+    assert summary["status"] == "ok", summary
+    assert [s["rank"] for s in summary["replaced_servers"]] == [0], summary
+
+
 def test_python_workers_serve_live_metrics(cluster):
     """metrics.port: each sparseps.Worker serves /metrics at port + 1 + num_servers + rank, as
     sparseps-worker does: after 5 push_pull calls the step counter, iteration, the loss given, the

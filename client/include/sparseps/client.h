@@ -34,6 +34,10 @@ enum class ErrorCode {
   kDeadlineExceeded,  ///< a wait ran past its deadline (the message names who is missing)
   kFailed,            ///< anything else: the job ended, a peer failed, I/O
   kInterrupted,       ///< SIGINT ended a wait (Worker::set_interruptible)
+  /// A server was lost and replaced: the job went back to its newest complete checkpoint, and so
+  /// did this worker (step() and params() are the checkpoint's). The loop restores its own state
+  /// of that step (its optimizer's, its data position) and goes on from step().
+  kRolledBack,
 };
 
 /// The exception every call throws; what() is the cause, in words.
@@ -130,7 +134,9 @@ class Worker {
   /// compression.local_iterations > 1, the local copy the next gradient is computed at, which
   /// each push's pull replaces; params() is the job's). `grad` is used in
   /// place, without a copy, and its contents are changed (the residual is added to it). A
-  /// gradient with NaN or Inf throws kInvalidArgument and changes nothing (the job goes on).
+  /// gradient with NaN or Inf throws kInvalidArgument and changes nothing (the job goes on). A
+  /// lost server that was replaced throws kRolledBack once this worker is back at the job's
+  /// checkpoint (cluster.server_replacement_timeout_s; ps mode with checkpoints).
   void PushPull(std::span<float> grad, std::span<float> params);
 
   /// One training step that returns the update: aggregates `grads` and writes, into `update`

@@ -22,9 +22,11 @@ enum {
   SPARSEPS_OK = 0,
   SPARSEPS_INVALID_ARGUMENT = 1, /* bad input or config (the cause names the key, file or size) */
   SPARSEPS_DEADLINE_EXCEEDED =
-      2,                   /* a wait ran past its deadline (the cause names who is missing) */
-  SPARSEPS_FAILED = 3,     /* anything else: the job ended, a peer failed, I/O */
-  SPARSEPS_INTERRUPTED = 4 /* SIGINT ended a wait (sparseps_worker_set_interruptible) */
+      2,                    /* a wait ran past its deadline (the cause names who is missing) */
+  SPARSEPS_FAILED = 3,      /* anything else: the job ended, a peer failed, I/O */
+  SPARSEPS_INTERRUPTED = 4, /* SIGINT ended a wait (sparseps_worker_set_interruptible) */
+  SPARSEPS_ROLLED_BACK =
+      5 /* a server was replaced: back at the checkpoint (sparseps_worker_step) */
 };
 
 /* sparseps_buffer.device of host memory; a CUDA device's ordinal otherwise. */
