@@ -66,9 +66,8 @@ class AllreduceAggregator final : public Aggregator {
     }
 #endif
     if (model_on_device_) {
-      const auto a = config_.collective().algorithm();
       spdlog::info("allreduce contribution on the GPU ({})",
-                   a == proto::TOPK_ALLGATHER || a == proto::GTOPK || a == proto::EXDYNA
+                   collective_->takes_selected_only()
                        ? "only the selected entries come to the host"
                        : "this collective takes all of it to the host");
     }

@@ -143,6 +143,10 @@ class Collective {
   // Sets the per-worker budget k (elements) for the sparse collectives, e.g. under a density
   // warm-up; the dense ones ignore it.
   virtual void set_k(size_t k) { k_ = k; }
+
+  // True for a collective that only Takes the entries it selected from a Contribution (on a
+  // device contribution, only those come to the host); false for one that Reads all of it.
+  virtual bool takes_selected_only() const { return false; }
   size_t k() const { return k_; }
 
   // Saves or restores what the collective keeps across calls (the host selection's threshold;

@@ -28,6 +28,7 @@ class ExDyna final : public Collective {
   ExDyna(PeerGroup* group, const CollectiveOptions& options);
   using Collective::Allreduce;
   Status Allreduce(Contribution* x, CollectiveUpdate* update) override;
+  bool takes_selected_only() const override { return true; }
 
   float threshold() const { return threshold_; }
   void State(StateArchive& archive) override;

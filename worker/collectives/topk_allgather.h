@@ -16,6 +16,7 @@ class TopKAllGather final : public Collective {
   TopKAllGather(PeerGroup* group, const CollectiveOptions& options);
   using Collective::Allreduce;
   Status Allreduce(Contribution* x, CollectiveUpdate* update) override;
+  bool takes_selected_only() const override { return true; }
 
  private:
   std::vector<uint32_t> selected_;
