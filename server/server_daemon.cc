@@ -141,12 +141,15 @@ ShardOptions ShardOptionsFor(const proto::JobConfig& config, int rank, const pro
 // for the scheduler at the end.
 class ServerLoop {
  public:
+  // `reservation`: the data port, held from before registration until Open binds the data socket
+  // on it, so that no other process (another server's reservation of a free port) can take it.
   ServerLoop(const proto::JobConfig& config, zmq::context_t& context, std::string bind_host,
-             uint32_t port, ControlClient& control)
+             PortReservation reservation, ControlClient& control)
       : config_(config),
         context_(context),
         bind_host_(std::move(bind_host)),
-        port_(port),
+        port_(reservation.port()),
+        reservation_(std::move(reservation)),
         control_(control) {}
 
   // Serves until the scheduler's SHUTDOWN (OK) or FATAL, or a failure (its status).
@@ -179,6 +182,7 @@ class ServerLoop {
   zmq::context_t& context_;
   const std::string bind_host_;
   const uint32_t port_;
+  PortReservation reservation_;  // released right before the data socket binds
   ControlClient& control_;
   const Clock::time_point start_ = Clock::now();
   std::unique_ptr<ShardServer> shard_;
@@ -221,6 +225,7 @@ Status ServerLoop::MakeShard(const proto::Membership& m) {
 Status ServerLoop::Open() {
   SPARSEPS_RETURN_IF_ERROR(MakeShard(control_.membership()));
   const int64_t max_frame = JobMaxFrameBytes(config_, control_.membership().num_params());
+  reservation_.Release();
   auto bound = BindDataSocket(context_, bind_host_, port_, max_frame);
   if (!bound.ok()) return bound.status();
   data_ = std::move(*bound);
@@ -415,15 +420,14 @@ Status RunServer(const proto::JobConfig& config) {
   if (!curve.ok()) return curve.status();
   const std::string bind_host = BindHost(config, config.node().host());
   // The data port is reserved now (node.port, or a free one) and registered; the socket is bound
-  // again on it once the membership gives the job's largest frame.
-  uint32_t port = 0;
-  {
-    auto reserved = BindRouter(context, bind_host, config.node().port());
-    if (!reserved.ok()) return reserved.status();
-    port = reserved->port;
-  }
+  // on it once the membership gives the job's largest frame. The port stays held until then:
+  // released at once, another server reserving a free port could be given this one and both
+  // would register it (seen once in CI: a worker's INIT reached the other shard); held by a
+  // listener, a worker's first request could land on it as it closes (lost until resent).
+  auto reserved = PortReservation::Reserve(bind_host, config.node().port());
+  if (!reserved.ok()) return reserved.status();
   ControlClient control(context, config, proto::SERVER);
-  Status result = ServerLoop(config, context, bind_host, port, control).Run();
+  Status result = ServerLoop(config, context, bind_host, std::move(*reserved), control).Run();
   control.ReportFailure(result);
   return result;
 }

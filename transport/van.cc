@@ -1,9 +1,17 @@
 #include "transport/van.h"
 
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cmath>
 #include <csignal>
+#include <cstring>
 #include <mutex>
 #include <stdexcept>
 
@@ -37,6 +45,56 @@ Result<BoundRouter> BindRouter(zmq::context_t& context, const std::string& host,
     return Status::IoError("cannot bind " + ep + ": " + e.what());
   }
   return out;
+}
+
+Result<PortReservation> PortReservation::Reserve(const std::string& host, uint32_t port) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  addrinfo* found = nullptr;
+  const std::string service = std::to_string(port);
+  const bool any = host.empty() || host == "*" || host == "0.0.0.0";
+  if (any || getaddrinfo(host.c_str(), service.c_str(), &hints, &found) != 0) {
+    found = nullptr;  // an interface name, or every address: reserve on all of them
+    if (getaddrinfo(nullptr, service.c_str(), &hints, &found) != 0) found = nullptr;
+  }
+  std::string why = "no address";
+  for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) continue;
+    const int one = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);  // as ZeroMQ's listener
+    sockaddr_storage bound{};
+    socklen_t len = sizeof bound;
+    if (::bind(fd, a->ai_addr, a->ai_addrlen) == 0 &&
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &len) == 0) {
+      freeaddrinfo(found);
+      const uint16_t p = bound.ss_family == AF_INET6
+                             ? ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port)
+                             : ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+      return PortReservation(fd, p);
+    }
+    why = std::strerror(errno);
+    ::close(fd);
+  }
+  if (found != nullptr) freeaddrinfo(found);
+  return Status::IoError("cannot reserve port " + service + " on " + host + ": " + why);
+}
+
+PortReservation& PortReservation::operator=(PortReservation&& o) noexcept {
+  if (this != &o) {
+    Release();
+    fd_ = o.fd_;
+    port_ = o.port_;
+    o.fd_ = -1;
+  }
+  return *this;
+}
+
+void PortReservation::Release() {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
 }
 
 zmq::socket_t ConnectDealer(zmq::context_t& context, const std::string& host, uint32_t port,

@@ -48,6 +48,31 @@ struct BoundRouter {
 Result<BoundRouter> BindRouter(zmq::context_t& context, const std::string& host, uint32_t port,
                                int64_t max_frame_bytes = kControlMaxFrameBytes);
 
+// A TCP port held for a listener bound later (a server registers its data port before it knows
+// the job's largest frame, which its socket needs at bind time): a socket bound to host:port
+// (port 0: a free one) that does not listen, so no other process can take the port, and a peer
+// connecting early is refused and retries (ZeroMQ reconnects) instead of landing on a listener
+// about to close. Release() frees it right before the real bind. A host that is no address (a
+// ZeroMQ interface name) reserves on every address. Errors: IoError naming host and port.
+// Thread-safety: one thread.
+class PortReservation {
+ public:
+  static Result<PortReservation> Reserve(const std::string& host, uint32_t port);
+  PortReservation(PortReservation&& o) noexcept : fd_(o.fd_), port_(o.port_) { o.fd_ = -1; }
+  PortReservation& operator=(PortReservation&& o) noexcept;
+  PortReservation(const PortReservation&) = delete;
+  PortReservation& operator=(const PortReservation&) = delete;
+  ~PortReservation() { Release(); }
+
+  uint32_t port() const { return port_; }
+  void Release();
+
+ private:
+  PortReservation(int fd, uint32_t port) : fd_(fd), port_(port) {}
+  int fd_ = -1;
+  uint32_t port_ = 0;
+};
+
 // A DEALER socket connected to tcp://host:port with the given routing id (unique per process).
 // With a CurveContext on `context` it is a CURVE client of the server whose public key is
 // `server_key` (Z85; std::invalid_argument when empty then: the caller's bug).
