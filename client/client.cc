@@ -199,7 +199,7 @@ void Worker::Impl::Join(std::span<const Buffer> params, const std::vector<Tensor
   }
   Wait(
       [&] {
-        auto joined = JoinOwnLoop(config, initial, device != kHost, LoopState());
+        auto joined = JoinOwnLoop(config, initial, device != kHost, LoopState(), layers);
         if (joined.ok()) session = std::move(*joined);
         return joined.status();
       },

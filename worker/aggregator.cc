@@ -77,7 +77,8 @@ Result<const float*> Aggregator::JobParams() {
 
 Result<std::unique_ptr<Aggregator>> MakeAggregator(const proto::JobConfig& config,
                                                    zmq::context_t& context, size_t num_params,
-                                                   bool model_on_device) {
+                                                   bool model_on_device,
+                                                   std::vector<TensorLayout> layers) {
   if (config.aggregation() == proto::ALLREDUCE) {
     const int64_t max_frame = std::max<int64_t>(
         JobMaxFrameBytes(config, num_params),
@@ -86,7 +87,8 @@ Result<std::unique_ptr<Aggregator>> MakeAggregator(const proto::JobConfig& confi
         PeerGroup::Bind(context, BindHost(config, config.node().host()), config.collective().port(),
                         config.cluster().request_timeout_s(), max_frame);
     if (!group.ok()) return group.status();
-    return MakeAllreduceAggregator(config, std::move(*group), num_params, model_on_device);
+    return MakeAllreduceAggregator(config, std::move(*group), num_params, model_on_device,
+                                   std::move(layers));
   }
   return MakePsAggregator(config, context, num_params, model_on_device);
 }

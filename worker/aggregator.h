@@ -24,6 +24,7 @@
 #include <zmq.hpp>
 
 #include "common/status.h"
+#include "common/tensor_layout.h"
 #include "proto/config.pb.h"
 #include "storage/checkpoint.h"
 #include "transport/control_client.h"
@@ -242,11 +243,14 @@ class Aggregator {
   bool checkpoint_due_ = false;  // set by Aggregate
 };
 
-// The aggregator for config.aggregation, for num_params parameters, the model computing on the
-// device when model_on_device. Binds allreduce's data port on node.host:collective.port. Errors:
-// IoError when the port cannot be bound, FailedPrecondition for device memory.
+// The aggregator for config.aggregation, for num_params parameters laid out as `layers` (the
+// model's tensors, for a collective that works layer by layer; empty: unknown), the model
+// computing on the device when model_on_device. Binds allreduce's data port on
+// node.host:collective.port. Errors: IoError when the port cannot be bound, FailedPrecondition
+// for device memory.
 Result<std::unique_ptr<Aggregator>> MakeAggregator(const proto::JobConfig& config,
                                                    zmq::context_t& context, size_t num_params,
-                                                   bool model_on_device);
+                                                   bool model_on_device,
+                                                   std::vector<TensorLayout> layers = {});
 
 }  // namespace sparseps

@@ -29,8 +29,10 @@ std::unique_ptr<Aggregator> MakePsAggregator(const proto::JobConfig& config,
                                              bool model_on_device);
 
 // The workers sum among themselves over `group` (allreduce mode): allreduce_aggregator.cc.
+// `layers`: the model's tensors, for a collective that works layer by layer (powersgd).
 std::unique_ptr<Aggregator> MakeAllreduceAggregator(const proto::JobConfig& config,
                                                     std::unique_ptr<PeerGroup> group,
-                                                    size_t num_params, bool model_on_device);
+                                                    size_t num_params, bool model_on_device,
+                                                    std::vector<TensorLayout> layers);
 
 }  // namespace sparseps

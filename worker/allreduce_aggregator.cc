@@ -21,9 +21,10 @@ namespace {
 class AllreduceAggregator final : public Aggregator {
  public:
   AllreduceAggregator(const proto::JobConfig& config, std::unique_ptr<PeerGroup> group, size_t n,
-                      bool on_device)
+                      bool on_device, std::vector<TensorLayout> layers)
       : Aggregator(config, n, on_device),
         group_(std::move(group)),
+        layers_(std::move(layers)),
         momentum_(static_cast<float>(config.train().momentum())),
         step_scale_(static_cast<float>(config.train().lr()) /
                     static_cast<float>(config.cluster().num_workers())),
@@ -51,7 +52,7 @@ class AllreduceAggregator final : public Aggregator {
           return control->CheckWatched();
         },
         &control->socket());
-    auto made = MakeCollective(config_, group_.get(), num_params());
+    auto made = MakeCollective(config_, group_.get(), num_params(), layers_);
     if (!made.ok()) return made.status();
     collective_ = std::move(*made);
     velocity_.assign(num_params(), 0.0f);
@@ -167,6 +168,7 @@ class AllreduceAggregator final : public Aggregator {
 
  private:
   std::unique_ptr<PeerGroup> group_;
+  const std::vector<TensorLayout> layers_;  // the model's tensors (powersgd)
   ControlClient* control_ = nullptr;
   std::unique_ptr<Collective> collective_;
 #if SPARSEPS_HAVE_CUDA
@@ -186,9 +188,10 @@ class AllreduceAggregator final : public Aggregator {
 
 std::unique_ptr<Aggregator> MakeAllreduceAggregator(const proto::JobConfig& config,
                                                     std::unique_ptr<PeerGroup> group,
-                                                    size_t num_params, bool model_on_device) {
+                                                    size_t num_params, bool model_on_device,
+                                                    std::vector<TensorLayout> layers) {
   return std::make_unique<AllreduceAggregator>(config, std::move(group), num_params,
-                                               model_on_device);
+                                               model_on_device, std::move(layers));
 }
 
 }  // namespace sparseps

@@ -30,7 +30,8 @@ WorkerSession::~WorkerSession() { control_.StopHeartbeats(); }
 
 Result<std::unique_ptr<WorkerSession>> WorkerSession::Join(const proto::JobConfig& config,
                                                            size_t num_params, bool model_on_device,
-                                                           bool name_log) {
+                                                           bool name_log,
+                                                           std::vector<TensorLayout> layers) {
   if (config.checkpoint().every_s() > 0 && config.aggregation() == proto::ALLREDUCE) {
     return Status::InvalidArgument(
         "checkpoint.every_s works in ps mode only (the servers tell every worker when); use "
@@ -39,7 +40,8 @@ Result<std::unique_ptr<WorkerSession>> WorkerSession::Join(const proto::JobConfi
   std::unique_ptr<WorkerSession> s(new WorkerSession(config));
   if (!s->curve_status_.ok()) return s->curve_status_;
   s->model_on_device_ = model_on_device;
-  auto made = MakeAggregator(config, s->context_, num_params, model_on_device);
+  s->layers_ = std::move(layers);
+  auto made = MakeAggregator(config, s->context_, num_params, model_on_device, s->layers_);
   if (!made.ok()) return made.status();
   s->aggregator_ = std::move(*made);
   // Everything after registration reports its failure to the scheduler, which ends the job at
@@ -159,7 +161,7 @@ Status WorkerSession::AwaitRollback() {
   const size_t n = aggregator_->num_params();
   const bool on_device = model_on_device_;
   aggregator_.reset();
-  auto made = MakeAggregator(config_, context_, n, on_device);
+  auto made = MakeAggregator(config_, context_, n, on_device, layers_);
   if (!made.ok()) return made.status();
   aggregator_ = std::move(*made);
   rejoin_iteration_ = -1;
@@ -304,8 +306,8 @@ Result<proto::JobConfig> LoadOwnLoopConfig(const std::string& config_path,
 
 Result<std::unique_ptr<WorkerSession>> JoinOwnLoop(
     const proto::JobConfig& config, const std::vector<float>& initial, bool on_device,
-    const std::function<void(StateArchive&)>& loop_state) {
-  auto joined = WorkerSession::Join(config, initial.size(), on_device, /*name_log=*/false);
+    const std::function<void(StateArchive&)>& loop_state, const std::vector<TensorLayout>& layers) {
+  auto joined = WorkerSession::Join(config, initial.size(), on_device, /*name_log=*/false, layers);
   if (!joined.ok()) return joined.status();
   if (*joined == nullptr) {
     return Status::Aborted("the job finished before this replacement worker could join");

@@ -33,9 +33,12 @@ class WorkerSession {
   // returned. Errors: those of each step (a deadline naming who is missing, Aborted on FATAL,
   // IoError binding a port). A replacement (node.rejoin, --rejoin) waits until the scheduler let it
   // in (rejoining()); when the job ended normally before that, Join returns a null session.
+  // `layers`: the model's tensors (a collective that works layer by layer, powersgd, needs
+  // them; empty: unknown).
   static Result<std::unique_ptr<WorkerSession>> Join(const proto::JobConfig& config,
                                                      size_t num_params, bool model_on_device,
-                                                     bool name_log = true);
+                                                     bool name_log = true,
+                                                     std::vector<TensorLayout> layers = {});
   ~WorkerSession();
   WorkerSession(const WorkerSession&) = delete;
   WorkerSession& operator=(const WorkerSession&) = delete;
@@ -132,6 +135,7 @@ class WorkerSession {
   // or rollback after it ends every wait (ControlClient::WatchPauses).
   uint64_t connected_epoch_ = 0;
   bool model_on_device_ = false;
+  std::vector<TensorLayout> layers_;   // Join's, for the aggregator of a rollback
   BackgroundCheckpointWriter writer_;  // last member: its destructor waits for the disk first
   bool checkpoint_requested_ = false;
   bool resumed_without_file_ = false;
@@ -157,6 +161,7 @@ Result<proto::JobConfig> LoadOwnLoopConfig(const std::string& config_path,
 // scheduler.
 Result<std::unique_ptr<WorkerSession>> JoinOwnLoop(
     const proto::JobConfig& config, const std::vector<float>& initial, bool on_device,
-    const std::function<void(StateArchive&)>& loop_state);
+    const std::function<void(StateArchive&)>& loop_state,
+    const std::vector<TensorLayout>& layers = {});
 
 }  // namespace sparseps

@@ -480,7 +480,8 @@ Status RunWorker(const proto::JobConfig& config) {
   if (!data.ok()) return data.status();
   auto model = MakeModel(config.model(), data->train, *device);
   if (!model.ok()) return model.status();
-  auto session = WorkerSession::Join(config, (*model)->num_params(), (*model)->on_device());
+  auto session = WorkerSession::Join(config, (*model)->num_params(), (*model)->on_device(),
+                                     /*name_log=*/true, (*model)->Layers());
   if (!session.ok()) return session.status();
   if (*session == nullptr) return Status::OK();  // a replacement for a job that finished first
   Status result = Train(config, **model, *data, **session);

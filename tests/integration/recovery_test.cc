@@ -345,7 +345,9 @@ INSTANTIATE_TEST_SUITE_P(
         Setting{"ps_topk_delay", {"train.overlap=delay", "train.delay_warmup_steps=10"}},
         Setting{"ring_overlap",
                 {"aggregation=allreduce", "collective.algorithm=ring", "train.overlap=backward"}},
-        Setting{"allreduce_exdyna", {"aggregation=allreduce", "collective.algorithm=exdyna"}}),
+        Setting{"allreduce_exdyna", {"aggregation=allreduce", "collective.algorithm=exdyna"}},
+        // The warm-start Q of every layer is in the checkpoint.
+        Setting{"allreduce_powersgd", {"aggregation=allreduce", "collective.algorithm=powersgd"}}),
     [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace

@@ -48,6 +48,7 @@ SETTINGS = {
     "allreduce_gtopk": ["aggregation=allreduce", "collective.algorithm=gtopk"],
     "allreduce_spardl": ["aggregation=allreduce", "collective.algorithm=spardl"],
     "allreduce_exdyna": ["aggregation=allreduce", "collective.algorithm=exdyna"],
+    "allreduce_powersgd": ["aggregation=allreduce", "collective.algorithm=powersgd"],
     "allreduce_ring_aggregated": ["aggregation=allreduce", "collective.algorithm=ring",
                                   "collective.momentum=aggregated"],
 }

@@ -9,6 +9,7 @@
 #include "worker/collectives/exdyna.h"
 #include "worker/collectives/gloo.h"
 #include "worker/collectives/gtopk.h"
+#include "worker/collectives/powersgd.h"
 #include "worker/collectives/ring.h"
 #include "worker/collectives/spardl.h"
 #include "worker/collectives/topk_allgather.h"
@@ -230,6 +231,7 @@ const CollectiveSpec kCollectives[] = {
     {proto::GTOPK, "gtopk", MakeGTopK, false, nullptr},
     {proto::SPARDL, "spardl", MakeSparDL, false, nullptr},
     {proto::EXDYNA, "exdyna", MakeExDyna, false, nullptr},
+    {proto::POWERSGD, "powersgd", MakePowerSgd, false, nullptr},
 };
 
 // The table's checks are the config's wherever the table is linked in.
@@ -259,7 +261,8 @@ Status CheckCollectiveConfig(const proto::JobConfig& config, const ConfigSources
   return Status::OK();
 }
 
-CollectiveOptions CollectiveOptionsFor(const proto::JobConfig& config, size_t num_params) {
+CollectiveOptions CollectiveOptionsFor(const proto::JobConfig& config, size_t num_params,
+                                       const std::vector<TensorLayout>& layers) {
   CollectiveOptions o;
   o.num_params = num_params;
   o.k = WarmupK(config.compression().density(), 0, 0, num_params);
@@ -268,12 +271,16 @@ CollectiveOptions CollectiveOptionsFor(const proto::JobConfig& config, size_t nu
   o.segment_bytes = config.collective().segment_bytes();
   o.teams = static_cast<int>(config.collective().teams());
   o.host = config.node().host();
+  o.layers = layers;
+  o.powersgd_rank = config.collective().powersgd_rank();
+  o.seed = config.train().seed();
   return o;
 }
 
 Result<std::unique_ptr<Collective>> MakeCollective(const proto::JobConfig& config, PeerGroup* group,
-                                                   size_t num_params) {
-  const CollectiveOptions options = CollectiveOptionsFor(config, num_params);
+                                                   size_t num_params,
+                                                   const std::vector<TensorLayout>& layers) {
+  const CollectiveOptions options = CollectiveOptionsFor(config, num_params, layers);
   for (const auto& c : kCollectives) {
     if (c.id == config.collective().algorithm()) return c.make(group, options);
   }

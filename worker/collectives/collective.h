@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "common/tensor_layout.h"
 #include "config/config.h"
 #include "encodings/compressor.h"
 #include "proto/config.pb.h"
@@ -199,17 +200,26 @@ struct CollectiveOptions {
   int teams = 1;
   // gloo: the address its TCP transport binds (node.host).
   std::string host;
+  // powersgd: the model's tensors (their shapes give each layer's matrix; none: the whole vector
+  // as one matrix), the rank r of its factors (collective.powersgd_rank; default 4) and the seed
+  // of its first Q (train.seed).
+  std::vector<TensorLayout> layers;
+  uint32_t powersgd_rank = 4;
+  uint64_t seed = 0;
 };
 
-// The options of config.collective and config.compression for num_params parameters.
-CollectiveOptions CollectiveOptionsFor(const proto::JobConfig& config, size_t num_params);
+// The options of config.collective and config.compression for num_params parameters laid out as
+// `layers` (empty: unknown).
+CollectiveOptions CollectiveOptionsFor(const proto::JobConfig& config, size_t num_params,
+                                       const std::vector<TensorLayout>& layers = {});
 
 // The collective named by config.collective.algorithm for num_params parameters over `group`
 // (k = compression.density * num_params for the sparse ones). Errors: InvalidArgument for a
 // setting the algorithm cannot run (e.g. teams that do not divide the workers), IoError when Gloo
 // cannot connect.
 Result<std::unique_ptr<Collective>> MakeCollective(const proto::JobConfig& config, PeerGroup* group,
-                                                   size_t num_params);
+                                                   size_t num_params,
+                                                   const std::vector<TensorLayout>& layers = {});
 
 // The table's config checks (added to ValidateConfig's where this file is linked): with
 // train.overlap: backward only a collective whose row reduces layer by layer, and every row's own
