@@ -5,6 +5,8 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels/random.h"
+
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
@@ -29,12 +31,7 @@ inline uint64_t AddMod(uint64_t a, uint64_t b) {
 }
 
 // SplitMix64: expands the seed into hash coefficients.
-uint64_t NextRandom(uint64_t* state) {
-  uint64_t z = (*state += 0x9e3779b97f4a7c15ULL);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
+uint64_t NextRandom(uint64_t* state) { return SplitMix64(state); }
 
 inline uint64_t SubMod(uint64_t a, uint64_t b) { return a >= b ? a - b : a + kPrime - b; }
 

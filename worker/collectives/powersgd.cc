@@ -5,6 +5,7 @@
 #include <numeric>
 
 #include "kernels/dense.h"
+#include "kernels/random.h"
 #include "worker/collectives/ring.h"
 
 namespace sparseps {
@@ -26,13 +27,6 @@ uint64_t SquareishRows(uint64_t n) {
     if (n % d == 0) best = d;
   }
   return best;
-}
-
-uint64_t SplitMix64(uint64_t* state) {
-  uint64_t z = (*state += 0x9e3779b97f4a7c15ULL);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
 }
 
 }  // namespace
@@ -74,8 +68,8 @@ std::vector<float> PowerSgdInitialQ(uint64_t seed, size_t index, uint64_t cols, 
   std::vector<float> q(cols * rank);
   for (size_t i = 0; i < q.size(); i += 2) {
     // Box-Muller: two standard normal values from two uniform ones in (0, 1].
-    const double u1 = (static_cast<double>(SplitMix64(&state) >> 11) + 1.0) * 0x1.0p-53;
-    const double u2 = static_cast<double>(SplitMix64(&state) >> 11) * 0x1.0p-53;
+    const double u1 = (static_cast<double>(kernels::SplitMix64(&state) >> 11) + 1.0) * 0x1.0p-53;
+    const double u2 = static_cast<double>(kernels::SplitMix64(&state) >> 11) * 0x1.0p-53;
     const double radius = std::sqrt(-2.0 * std::log(u1));
     q[i] = static_cast<float>(radius * std::cos(2.0 * M_PI * u2));
     if (i + 1 < q.size()) q[i + 1] = static_cast<float>(radius * std::sin(2.0 * M_PI * u2));
