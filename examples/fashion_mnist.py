@@ -22,7 +22,10 @@ read its runs too.
 torch.distributed users get on CPU; GLOO_SOCKET_IFNAME picks the interface, eth0 on deploy/netns.sh
 hosts): the worker still joins the sparseps job, for its rank and so that the scheduler sees the
 job end, but no gradient goes through sparseps; the optimizer is torch's SGD with momentum
-train.momentum. bench/sparseps-compare runs both (configs/compare_torch_1gbit.yaml).
+train.momentum. --ddp-hook fp16 adds DDP's fp16_compress_hook (the gradients cast to half for the
+allreduce), --ddp-hook powersgd its powerSGD_hook at rank --powersgd-rank (Debian's torch 1.13
+aborts it with more than 2 Gloo ranks: sparseps's own, collective.algorithm: powersgd, is the
+PowerSGD that runs there). bench/sparseps-compare runs them all (configs/compare_torch_1gbit.yaml).
 
 Models: cnn (two 5x5 conv layers of 16 and 32 filters with 2x2 pooling, a 128-unit head: the C++
 worker's configs/cnn.yaml, 215,370 parameters), resnet18 (torchvision's, for 1x28x28: a 3x3 stem
@@ -138,6 +141,10 @@ def main():
                     help="torch threads (1: the workers of a machine share its cores)")
     ap.add_argument("--ddp", action="store_true",
                     help="torch DDP over Gloo instead of sparseps (the baseline)")
+    ap.add_argument("--ddp-hook", choices=["none", "fp16", "powersgd"], default="none",
+                    help="with --ddp: DDP's communication hook (fp16_compress_hook, powerSGD_hook)")
+    ap.add_argument("--powersgd-rank", type=int, default=4,
+                    help="with --ddp-hook powersgd: its matrix_approximation_rank")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     worker = sparseps.Worker(args.config, overrides=args.set)
@@ -156,6 +163,15 @@ def main():
         dist.init_process_group("gloo", init_method=f"file://{os.path.abspath(run_dir)}/ddp.init",
                                 rank=worker.rank, world_size=worker.num_workers)
         model = torch.nn.parallel.DistributedDataParallel(model)
+        if args.ddp_hook == "fp16":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+            model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif args.ddp_hook == "powersgd":
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+            state = powerSGD_hook.PowerSGDState(process_group=None,
+                                                matrix_approximation_rank=args.powersgd_rank,
+                                                start_powerSGD_iter=2)
+            model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         opt = torch.optim.SGD(model.parameters(), lr=get("train.lr"),
                               momentum=get("train.momentum"))
     else:
@@ -175,7 +191,7 @@ def main():
     if get("train.max_steps"):
         total = min(total, get("train.max_steps"))
     epochs = (total + steps_per_epoch - 1) // steps_per_epoch
-    method = ("torch DDP (gloo)" if args.ddp else f"{worker.aggregation} " + (
+    method = (f"torch DDP (gloo, {args.ddp_hook} hook)" if args.ddp else f"{worker.aggregation} " + (
         get("compression.encoding") if worker.aggregation == "ps" else get("collective.algorithm")))
     log(rank, "info", f"model: torch {args.model}, {n} parameters; {len(shard)} training samples "
         f"on this worker, {steps_per_epoch} steps per epoch; {method}")

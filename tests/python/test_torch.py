@@ -51,6 +51,43 @@ def test_example_trains_a_cnn_through_two_servers(tmp_path):
     assert accuracy > 0.75  # 100 steps of 2 x 64 samples; 82.55% when measured
 
 
+@needs_data
+@pytest.mark.parametrize("method", ["ddp", "ddp_fp16", "ddp_powersgd", "sparseps_powersgd"])
+def test_example_runs_the_baselines_and_sparseps_powersgd(tmp_path, method):
+    """The comparison's torch settings: the example under torch DDP over Gloo (plain, with DDP's
+    fp16 hook, with its PowerSGD hook at 2 ranks, where Debian's torch runs it) and through
+    sparseps.torch with collective.algorithm: powersgd (the torch model's tensors are its
+    layers); each trains 60 steps of the CNN on 2 workers and its loss falls."""
+    run = tmp_path / "run"
+    env = dict(os.environ, SPARSEPS_CACHE=str(tmp_path / "cache"), GLOO_SOCKET_IFNAME="lo")
+    command = f"{sys.executable} {ROOT / 'examples' / 'fashion_mnist.py'} --model cnn"
+    sets = ["--set", "train.max_steps=60", "--set", "data.max_test_samples=1000"]
+    if method.startswith("ddp"):
+        command += " --ddp" + ({"ddp_fp16": " --ddp-hook fp16",
+                                "ddp_powersgd": " --ddp-hook powersgd"}.get(method, ""))
+        sets += ["--set", "aggregation=allreduce"]
+    else:
+        sets += ["--set", "aggregation=allreduce", "--set", "collective.algorithm=powersgd"]
+    p = subprocess.run(
+        ["bash", str(ROOT / "deploy" / "launch.sh"), "--build-dir", str(BUILD), "--config",
+         str(ROOT / "examples" / "torch_cnn.yaml"), "--run-dir", str(run), "--quiet",
+         "--worker-command", command] + sets,
+        capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    for w in range(2):
+        loss = [float(r["loss"]) for r in read_csv(run / f"metrics-worker-{w}.csv")]
+        assert len(loss) == 60
+        assert sum(loss[-10:]) < 0.7 * sum(loss[:10]), (method, loss[:10], loss[-10:])
+    said = {"ddp": "torch DDP (gloo, none hook)", "ddp_fp16": "torch DDP (gloo, fp16 hook)",
+            "ddp_powersgd": "torch DDP (gloo, powersgd hook)",
+            "sparseps_powersgd": "allreduce powersgd"}[method]
+    assert said in (run / "worker-0.log").read_text()
+    if method == "sparseps_powersgd":
+        # Rank-4 factors of the conv and dense layers: far fewer bytes than the 215,370 floats.
+        rows = read_csv(run / "metrics-worker-0.csv")
+        assert all(0 < int(r["bytes_sent"]) < 0.2 * 4 * 215370 for r in rows[1:])
+
+
 @pytest.mark.parametrize("aggregation,kind", [("ps", "module"), ("allreduce", "module"),
                                               ("ps", "capi")])
 def test_distributed_optimizer_starts_every_worker_from_worker_0(cluster, aggregation, kind):
