@@ -347,7 +347,9 @@ INSTANTIATE_TEST_SUITE_P(
                 {"aggregation=allreduce", "collective.algorithm=ring", "train.overlap=backward"}},
         Setting{"allreduce_exdyna", {"aggregation=allreduce", "collective.algorithm=exdyna"}},
         // The warm-start Q of every layer is in the checkpoint.
-        Setting{"allreduce_powersgd", {"aggregation=allreduce", "collective.algorithm=powersgd"}}),
+        Setting{"allreduce_powersgd",
+                {"aggregation=allreduce", "collective.algorithm=powersgd",
+                 "collective.momentum=aggregated"}}),
     [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace

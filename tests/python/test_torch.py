@@ -67,7 +67,8 @@ def test_example_runs_the_baselines_and_sparseps_powersgd(tmp_path, method):
                                 "ddp_powersgd": " --ddp-hook powersgd"}.get(method, ""))
         sets += ["--set", "aggregation=allreduce"]
     else:
-        sets += ["--set", "aggregation=allreduce", "--set", "collective.algorithm=powersgd"]
+        sets += ["--set", "aggregation=allreduce", "--set", "collective.algorithm=powersgd",
+                 "--set", "collective.momentum=aggregated"]
     p = subprocess.run(
         ["bash", str(ROOT / "deploy" / "launch.sh"), "--build-dir", str(BUILD), "--config",
          str(ROOT / "examples" / "torch_cnn.yaml"), "--run-dir", str(run), "--quiet",

@@ -48,7 +48,8 @@ SETTINGS = {
     "allreduce_gtopk": ["aggregation=allreduce", "collective.algorithm=gtopk"],
     "allreduce_spardl": ["aggregation=allreduce", "collective.algorithm=spardl"],
     "allreduce_exdyna": ["aggregation=allreduce", "collective.algorithm=exdyna"],
-    "allreduce_powersgd": ["aggregation=allreduce", "collective.algorithm=powersgd"],
+    "allreduce_powersgd": ["aggregation=allreduce", "collective.algorithm=powersgd",
+                           "collective.momentum=aggregated"],
     "allreduce_ring_aggregated": ["aggregation=allreduce", "collective.algorithm=ring",
                                   "collective.momentum=aggregated"],
 }

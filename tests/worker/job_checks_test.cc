@@ -131,6 +131,15 @@ TEST_F(JobChecksTest, PsOnlyEncodingsAreRefusedWithAllreduce) {
   }
 }
 
+TEST_F(JobChecksTest, PowerSgdNeedsTheMomentumOnTheSum) {
+  auto path = Write("aggregation: allreduce\ncollective:\n  algorithm: powersgd\n");
+  auto c = LoadConfig(path, {}, NoEnv);
+  ASSERT_FALSE(c.ok());
+  EXPECT_THAT(c.status().message(), HasSubstr("collective.momentum: aggregated"));
+  EXPECT_TRUE(LoadConfig(path, {"collective.momentum=aggregated"}, NoEnv).ok());
+  EXPECT_TRUE(LoadConfig(path, {"train.momentum=0"}, NoEnv).ok());
+}
+
 TEST_F(JobChecksTest, GlooIsRefusedWithCurve) {
   auto path = Write("aggregation: allreduce\ncollective:\n  algorithm: gloo\n");
   ASSERT_TRUE(LoadConfig(path, {}, NoEnv).ok());

@@ -231,7 +231,7 @@ const CollectiveSpec kCollectives[] = {
     {proto::GTOPK, "gtopk", MakeGTopK, false, nullptr},
     {proto::SPARDL, "spardl", MakeSparDL, false, nullptr},
     {proto::EXDYNA, "exdyna", MakeExDyna, false, nullptr},
-    {proto::POWERSGD, "powersgd", MakePowerSgd, false, nullptr},
+    {proto::POWERSGD, "powersgd", MakePowerSgd, false, CheckPowerSgdConfig},
 };
 
 // The table's checks are the config's wherever the table is linked in.

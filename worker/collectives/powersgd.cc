@@ -220,6 +220,19 @@ void PowerSgd::State(StateArchive& archive) {
   }
 }
 
+Status CheckPowerSgdConfig(const proto::JobConfig& job, const ConfigSources& sources) {
+  if (job.aggregation() == proto::ALLREDUCE && job.collective().algorithm() == proto::POWERSGD &&
+      job.collective().momentum() == proto::CORRECTION && job.train().momentum() > 0) {
+    return Status::InvalidArgument(
+        SourceOf(sources, "collective.momentum") +
+        ": key 'collective.momentum' is correction but 'collective.algorithm' is powersgd: set "
+        "collective.momentum: aggregated (PowerSGD takes the momentum on the summed update, as "
+        "Vogels et al. 2019 do; a correction before its lossy update is counted twice, and rank 1 "
+        "diverged so) or train.momentum: 0");
+  }
+  return Status::OK();
+}
+
 Result<std::unique_ptr<Collective>> MakePowerSgd(PeerGroup* group,
                                                  const CollectiveOptions& options) {
   return std::unique_ptr<Collective>(new PowerSgd(group, options));

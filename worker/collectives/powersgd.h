@@ -71,6 +71,12 @@ class PowerSgd final : public Collective {
   std::vector<float> second_;  // the second ring: every Q_w
 };
 
+// PowerSGD's config check (its row's): with train.momentum, collective.momentum must be
+// aggregated (the momentum on the summed update, as Vogels et al. do): DGC's correction before a
+// dense but lossy update keeps the velocity in both the velocity and the residual, and rank 1
+// diverged so on the quickstart. Errors: InvalidArgument naming the file, line and key.
+Status CheckPowerSgdConfig(const proto::JobConfig& job, const ConfigSources& sources);
+
 // The `powersgd`; a row of the table of collectives (collective.cc).
 Result<std::unique_ptr<Collective>> MakePowerSgd(PeerGroup* group,
                                                  const CollectiveOptions& options);
