@@ -98,7 +98,8 @@ def comparison(c):
             "| received KB/step | final accuracy |",
             "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        t = f"{float(r['time_to_target_s']):.1f}" if r["time_to_target_s"] else "not reached"
+        reached = r["time_to_target_s"] not in ("", "nan")  # the driver writes nan when not
+        t = f"{float(r['time_to_target_s']):.1f}" if reached else "not reached"
         step = float(r["step_ms_median"])
         out.append(f"| {r['setting']} | {r['workers']} + {r['servers']} | {t} | {step:.1f} | "
                    f"{step / gloo:.2f}x | {float(r['sent_bytes_per_step']) / 1e3:.1f} | "
