@@ -116,13 +116,41 @@ def test_outputs_hold_the_ratio_to_gloo_and_every_number(tmp_path):
         md = f.read()
     assert "# synthetic" in md
     assert "- machine: test" in md
-    assert "| setting | step ms (median) | p90 | vs gloo |" in md
-    assert "time to 80% (s)" in md
-    assert "| gloo | 200.0 | 200.0 | 1.00x | 10 / 5 / 185 | 2.5 | 3.5 | 10.0 | 82.00% |" in md
-    assert "| ps_topk | 50.0 | 50.0 | 0.25x | 10 / 5 / 35 | 2.5 | 3.5 | 1.0 | 84.00% |" in md
-    assert "| exdyna | 40.0 | 40.0 | 0.20x | 10 / 5 / 25 | 2.5 | 3.5 | not reached | 70.00% |" in md
+    # Time to the target first, then the final accuracy, then step time and bytes.
+    assert "| setting | time to target (s) | final accuracy | step ms (median) | p90 | vs gloo |" in md
+    assert "| gloo | 10.0 | 82.00% | 200.0 | 200.0 | 1.00x | 10 / 5 / 185 | 2.5 | 3.5 |" in md
+    assert "| ps_topk | 1.0 | 84.00% | 50.0 | 50.0 | 0.25x | 10 / 5 / 35 | 2.5 | 3.5 |" in md
+    assert "| exdyna | not reached | 70.00% | 40.0 | 40.0 | 0.20x | 10 / 5 / 25 | 2.5 | 3.5 |" in md
     for png in ("step_time.png", "bytes.png", "accuracy.png"):
         assert os.path.getsize(os.path.join(out, png)) > 1000, png
+
+
+def test_a_target_relative_to_a_baseline_is_its_final_accuracy_minus_the_margin(tmp_path):
+    """target: {baseline: torch_ddp, minus: 0.005}: the target is the baseline's final accuracy
+    minus half a point, and each setting's time to it comes from its own curve."""
+    results = []
+    for name, evals in [("torch_ddp", [(4.0, 0.80), (8.0, 0.86), (12.0, 0.88)]),
+                        ("ps_topk", [(1.0, 0.85), (2.0, 0.876), (3.0, 0.90)]),
+                        ("exdyna", [(1.0, 0.80), (2.0, 0.87)])]:
+        run = str(tmp_path / name)
+        make_run(run, 10, step_ms=lambda i: 50.0, sent=lambda w, i: 1, received=lambda w, i: 1,
+                 evals=evals)
+        results.append(driver.summarize(name, run, target=0.8, workers=2))
+    cfg = {"target": {"baseline": "torch_ddp", "minus": 0.005}}
+    target, line = driver.apply_target(cfg, results)
+    assert target == pytest.approx(0.875)
+    assert line == "target: 87.50% test accuracy (torch_ddp's final 88.00% minus 0.5 point)"
+    times = {r["setting"]: r["time_to_target_s"] for r in results}
+    assert times["torch_ddp"] == 12.0 and times["ps_topk"] == 2.0
+    assert times["exdyna"] != times["exdyna"]  # 0.87 < 0.875: not reached
+    # Without the baseline's run there is no target: nothing is reached.
+    target, line = driver.apply_target(cfg, results[1:])
+    assert target != target and "did not finish" in line
+    assert all(r["time_to_target_s"] != r["time_to_target_s"] for r in results[1:])
+    # A fixed target_accuracy is still taken as it is.
+    target, line = driver.apply_target({"target_accuracy": 0.85}, results)
+    assert target == 0.85 and line == "target: 85.0% test accuracy"
+    assert results[1]["time_to_target_s"] == 1.0
 
 
 def test_without_gloo_there_is_no_ratio(tmp_path):
@@ -134,7 +162,7 @@ def test_without_gloo_there_is_no_ratio(tmp_path):
     driver.write_outputs(out, {"name": "x"}, ["m", "n", "o", "c"],
                          [driver.summarize("ring", run, 0.8, 2)])
     with open(os.path.join(out, "results.md")) as f:
-        assert "| ring | 30.0 | 30.0 |  | 10 / 5 / 15 |" in f.read()
+        assert "| ring | 1.0 | 90.00% | 30.0 | 30.0 |  | 10 / 5 / 15 |" in f.read()
 
 
 def test_bad_comparison_configs_are_refused_naming_the_key(tmp_path, capsys):
@@ -155,6 +183,11 @@ def test_bad_comparison_configs_are_refused_naming_the_key(tmp_path, capsys):
         "job: j.yaml\nworkers: 2\nsettings:\n  - {name: a, slow_worker: {rank: 2, rate: 1mbit}}\n")
     assert "slow_worker must be" in refused(
         "job: j.yaml\nworkers: 2\nsettings:\n  - {name: a, slow_worker: {rank: 1, rate: fast}}\n")
+    assert "key 'target' must be {baseline: SETTING, minus: X}" in refused(
+        "job: j.yaml\nworkers: 2\ntarget: {baseline: b, minus: 0.005}\nsettings:\n  - {name: a}\n")
+    assert "exclude each other" in refused(
+        "job: j.yaml\nworkers: 2\ntarget_accuracy: 0.8\ntarget: {baseline: a, minus: 0.005}\n"
+        "settings:\n  - {name: a}\n")
 
 
 def test_a_slow_worker_is_named_in_the_table_and_the_csv(tmp_path):
@@ -169,7 +202,7 @@ def test_a_slow_worker_is_named_in_the_table_and_the_csv(tmp_path):
                                                        "model: y", "command: z"], [r])
     assert read_results(out)["ssp_slow"]["slow_worker"] == "worker 1 at 100mbit"
     with open(os.path.join(out, "results.md")) as f:
-        assert "| ssp_slow (worker 1 at 100mbit) | 40.0 |" in f.read()
+        assert "| ssp_slow (worker 1 at 100mbit) | 1.0 | 90.00% | 40.0 |" in f.read()
 
 
 def test_scaling_compares_each_worker_count_with_gloo_at_it(tmp_path):
@@ -196,7 +229,7 @@ def test_scaling_compares_each_worker_count_with_gloo_at_it(tmp_path):
     assert float(rows["gloo_w4"]["sent_bytes_per_step"]) == pytest.approx(15.0)
     with open(os.path.join(out, "results.md")) as f:
         md = f.read()
-    assert "| setting | W + S | step ms (median) |" in md
-    assert "| ps_topk_w2 | 2 + 2 | 50.0 | 50.0 | 0.50x |" in md
-    assert "| ps_topk_w4 | 4 + 2 | 50.0 | 50.0 | 0.25x |" in md
+    assert "| setting | W + S | time to target (s) | final accuracy | step ms (median) |" in md
+    assert "| ps_topk_w2 | 2 + 2 | 1.0 | 90.00% | 50.0 | 50.0 | 0.50x |" in md
+    assert "| ps_topk_w4 | 4 + 2 | 1.0 | 90.00% | 50.0 | 50.0 | 0.25x |" in md
     assert os.path.getsize(os.path.join(out, "scaling.png")) > 0  # python3-matplotlib: deps
