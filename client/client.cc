@@ -85,9 +85,9 @@ struct Worker::Impl {
   void Join(std::span<const Buffer> params, const std::vector<TensorInfo>& tensors);
   // grads as one flat gradient on Init's device (in place, or gathered).
   float* Gradient(std::span<const Buffer> grads);
-  // The step itself, with the change observer recording into `out` (null: sparse); the caller
-  // ends the recording (a failed step cancels it).
-  void Step(float* grad, float* out, double loss);
+  // The step itself. With `record`, the change observer records the update into `out` (host,
+  // zeroed; null: the sparse form) and the caller ends the recording; a failed step cancels it.
+  void Step(float* grad, double loss, bool record, float* out = nullptr);
 };
 
 void Worker::Impl::Wait(const std::function<Status()>& call, bool report_failure) {
@@ -262,14 +262,14 @@ float* Worker::Impl::Gradient(std::span<const Buffer> grads) {
   return grad;
 }
 
-void Worker::Impl::Step(float* grad, float* out, double loss) {
+void Worker::Impl::Step(float* grad, double loss, bool record, float* out) {
   Aggregator& a = agg();
   // The loop's forward and backward: the time since the previous push-pull returned.
   const double compute_ms =
       steps == 0 ? 0.0
                  : std::chrono::duration<double, std::milli>(Clock::now() - last_return).count();
   const bool on_device = device != kHost;
-  recorder.Begin(out, a.num_params());
+  if (record) recorder.Begin(out, a.num_params());
   try {
     Wait(
         [&] {
@@ -281,12 +281,12 @@ void Worker::Impl::Step(float* grad, float* out, double loss) {
           return a.Step(grad, on_device, &last);
         },
         /*report_failure=*/true);
+    ++steps;
+    Check(session->RecordStep(*log, steps, epoch + 1, loss, compute_ms, last, LoopState(), layers));
   } catch (...) {
-    recorder.Cancel();  // a failed step records nothing
+    recorder.Cancel();  // a failed step records nothing, and nothing after it
     throw;
   }
-  ++steps;
-  Check(session->RecordStep(*log, steps, epoch + 1, loss, compute_ms, last, LoopState(), layers));
   last_return = Clock::now();
 }
 
@@ -299,22 +299,23 @@ void Worker::PushPull(std::span<float> grad, std::span<float> params) {
                                   " host elements; the job has " + std::to_string(n) + " on " +
                                   DeviceName(m.device)));
   }
-  m.Step(grad.data(), nullptr, std::numeric_limits<double>::quiet_NaN());
-  m.recorder.Cancel();  // this form returns the parameters, not the update
+  // This form returns the parameters, not the update: nothing is recorded.
+  m.Step(grad.data(), std::numeric_limits<double>::quiet_NaN(), /*record=*/false);
   const float* now = m.session->aggregator().host_model_params();
   std::copy(now, now + n, params.begin());
 }
 
 void Worker::PushPull(std::span<const Buffer> grads, float* update, double loss) {
   Impl& m = *impl_;
+  float* grad = m.Gradient(grads);  // before init: "call init(params) first"
   if (update == nullptr) Raise(Status::InvalidArgument("update is null"));
-  m.Step(m.Gradient(grads), update, loss);
+  m.Step(grad, loss, /*record=*/true, update);
   m.recorder.EndDense(m.session->aggregator().host_model_params());
 }
 
 SparseUpdate Worker::PushPullSparse(std::span<const Buffer> grads, double loss) {
   Impl& m = *impl_;
-  m.Step(m.Gradient(grads), nullptr, loss);
+  m.Step(m.Gradient(grads), loss, /*record=*/true, /*out=*/nullptr);
   return m.recorder.EndSparse(m.session->aggregator().host_model_params());
 }
 

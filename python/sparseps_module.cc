@@ -280,9 +280,6 @@ class Worker {
   // subtract from the parameters to hold the job's new ones (a float32 NumPy array, or a list of
   // them shaped like grads, views of one array); with `sparse`, (keys, update, params).
   py::object PushPull(py::object grads, bool sparse, std::optional<double> loss) {
-    if (worker_->num_params() == 0) {
-      Raise(client::Error(client::ErrorCode::kFailed, "call init(params) before push_pull"));
-    }
     Arrays a = Borrow(grads, "grads");
     const auto buffers = Buffers(a);
     const double l = loss.value_or(std::nan(""));

@@ -10,33 +10,20 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import BUILD, run_threads
+from conftest import BUILD
 from sparseps import capi
-from test_worker import (BASE, N, SETTINGS, STEPS, assert_equals_cpp, initial, record_steps,
-                         replay, servers_for)
+from test_worker import N, STEPS, equals_the_cpp_worker
 
 
 @pytest.mark.parametrize("name", ["ps_topk", "ps_sketch_second_round", "allreduce_gtopk"])
 def test_push_pull_equals_the_cpp_worker_bitwise(cluster, name):
-    sets = SETTINGS[name]
-    cpp = replay(cluster(BASE, servers=servers_for(sets), sets=sets), sets, STEPS)
-    p = cluster(BASE, servers=servers_for(sets), sets=sets)
-
-    def c_worker(rank):
-        w = capi.Worker(str(p.job), rank=rank, overrides=p.overrides + sets)
-        w.init(initial())
+    def check(w, rank):
         assert (w.rank, w.num_workers, w.num_params) == (rank, 2, N)
-        got = record_steps(w, rank)
         assert w.step == STEPS and w.bytes_sent > 0 and w.last_step["bytes_sent"] > 0
         assert w.live_workers == [0, 1] and w.get("cluster.num_workers") == 2
         assert w.residual().shape == (N,)
-        w.finish()
-        w.close()
-        return got
 
-    got = run_threads([lambda r=r: c_worker(r) for r in range(2)])
-    assert p.wait() == {k: 0 for k in p.wait()}
-    assert_equals_cpp(name, sets, got, cpp)
+    equals_the_cpp_worker(cluster, name, capi.Worker, check)
 
 
 def test_a_bad_config_is_an_error_naming_the_key(tmp_path):

@@ -113,25 +113,30 @@ def assert_equals_cpp(name, sets, got, cpp):
                 np.testing.assert_array_equal(update, before - after, err_msg=f"step {t}")
 
 
-@pytest.mark.parametrize("name", list(SETTINGS))
-def test_push_pull_equals_the_cpp_worker_bitwise(cluster, name):
+def equals_the_cpp_worker(cluster, name, make, check=lambda w, rank: None):
+    """Two workers made by make(job, rank, overrides) (sparseps.Worker or capi.Worker) train as
+    record_steps does; their parameters after every step are the C++ workers' on the same job,
+    bitwise. check(w, rank) looks at a worker after its steps."""
     sets = SETTINGS[name]
-    # The C++ workers.
     cpp = replay(cluster(BASE, servers=servers_for(sets), sets=sets), sets, STEPS)
-
-    # The same through the Python module.
     p = cluster(BASE, servers=servers_for(sets), sets=sets)
 
-    def python_worker(rank):
-        w = sparseps.Worker(str(p.job), rank=rank, overrides=p.overrides + sets)
+    def worker(rank):
+        w = make(str(p.job), rank=rank, overrides=p.overrides + sets)
         w.init(initial())
         got = record_steps(w, rank)
+        check(w, rank)
         w.finish()
         return got
 
-    py = run_threads([lambda r=r: python_worker(r) for r in range(2)])
+    got = run_threads([lambda r=r: worker(r) for r in range(2)])
     assert p.wait() == {k: 0 for k in p.wait()}
-    assert_equals_cpp(name, sets, py, cpp)
+    assert_equals_cpp(name, sets, got, cpp)
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_push_pull_equals_the_cpp_worker_bitwise(cluster, name):
+    equals_the_cpp_worker(cluster, name, sparseps.Worker)
 
 
 @pytest.mark.parametrize("name", ["ps_topk", "ps_topk_server_topk", "ps_dense",

@@ -155,7 +155,7 @@ Status PowerSgd::Allreduce(Contribution* x, CollectiveUpdate* update) {
     at += y.rows * y.rank;
     at_q += y.cols * y.rank;
   }
-  const std::vector<float> mine = second_;  // this worker's Q_w, for its residual
+  mine_ = second_;  // this worker's Q_w, for its residual (the buffer is reused)
   if (!second_.empty()) {
     SPARSEPS_RETURN_IF_ERROR(RingAllreduce(group_, call + (uint64_t{1} << 31), second_.data(),
                                            second_.size(), segment_elems_));
@@ -163,7 +163,9 @@ Status PowerSgd::Allreduce(Contribution* x, CollectiveUpdate* update) {
   // The update P^ Q^^T (dense layers: their sum), the residual M - P^ Q_w^T, and the warm start.
   update->dense = true;
   update->sum.assign(n_, 0.0f);
-  SparseVector residual;
+  SparseVector& residual = residual_;  // reused: its capacity stays from call to call
+  residual.indices.clear();
+  residual.values.clear();
   at = 0;
   at_q = 0;
   for (size_t l = 0; l < layers_.size(); ++l) {
@@ -186,8 +188,8 @@ Status PowerSgd::Allreduce(Contribution* x, CollectiveUpdate* update) {
     }
     // This worker's residual M - P^ Q_w^T, in place of M.
     float* m = m_.data() + y.first;
-    kernels::Gemm(false, true, y.rows, y.cols, y.rank, -1.0f, p, y.rank, mine.data() + at_q, y.rank,
-                  1.0f, m, y.cols);
+    kernels::Gemm(false, true, y.rows, y.cols, y.rank, -1.0f, p, y.rank, mine_.data() + at_q,
+                  y.rank, 1.0f, m, y.cols);
     for (uint64_t e = 0; e < y.rows * y.cols; ++e) {
       if (m[e] != 0.0f) {
         residual.indices.push_back(static_cast<uint32_t>(y.first + e));

@@ -69,6 +69,8 @@ class PowerSgd final : public Collective {
   std::vector<float> m_;       // this worker's contribution, read whole
   std::vector<float> first_;   // the first ring: every P, then the dense layers' elements
   std::vector<float> second_;  // the second ring: every Q_w
+  std::vector<float> mine_;    // this worker's Q_w, before the ring sums it
+  SparseVector residual_;      // what this worker keeps, put back into its contribution
 };
 
 // PowerSGD's config check (its row's): with train.momentum, collective.momentum must be
