@@ -124,6 +124,9 @@ __global__ void __launch_bounds__(kRadixThreads)
   const int nbins = static_cast<int>(bins);
   const int per = (nbins + kRadixThreads - 1) / kRadixThreads;
   const int t = static_cast<int>(threadIdx.x);
+  // Read before the scan's barriers: the one thread that narrows the state below writes
+  // st->remaining, and a warp reading it after that write would find a second bin.
+  const uint32_t remaining = st->remaining;
   uint32_t mine = 0;
   for (int j = 0; j < per; ++j) {
     const int b = nbins - 1 - (t * per + j);
@@ -137,7 +140,6 @@ __global__ void __launch_bounds__(kRadixThreads)
     sums[t] += add;
     __syncthreads();
   }
-  const uint32_t remaining = st->remaining;
   uint32_t before = t == 0 ? 0u : sums[t - 1];
   if (before < remaining && remaining <= sums[t]) {
     for (int j = 0; j < per; ++j) {

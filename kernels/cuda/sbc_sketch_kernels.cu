@@ -424,18 +424,28 @@ cudaError_t GpuCountSketch::Upload() {
   SPARSEPS_CUDA_TRY(
       cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   SPARSEPS_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  // Room for the coefficients' static shared memory next to the table.
+  // The table's room: what a block may opt in to, less the kernels' static shared memory (the
+  // coefficients; more where a tool such as compute-sanitizer's racecheck instruments them).
+  cudaFuncAttributes a32{}, a64{};
+  SPARSEPS_CUDA_TRY(cudaFuncGetAttributes(&a32, InsertDenseSharedKernel<uint32_t>));
+  SPARSEPS_CUDA_TRY(cudaFuncGetAttributes(&a64, InsertDenseSharedKernel<uint64_t>));
+  const size_t taken = std::max(a32.sharedSizeBytes, a64.sharedSizeBytes);
   const size_t limit = static_cast<size_t>(std::max(optin, 0));
-  shared_limit_ = limit > 6 * kMaxRows * sizeof(uint64_t) + 1024
-                      ? limit - 6 * kMaxRows * sizeof(uint64_t) - 1024
-                      : 0;
+  shared_limit_ = limit > taken ? limit - taken : 0;
   sms_ = static_cast<uint32_t>(std::max(sms, 1));
-  if (shared_limit_ > 0) {
+  // Where the runtime grants less than that, an eighth less each time; none: the global path.
+  while (shared_limit_ > 0) {
     const int want = static_cast<int>(shared_limit_);
-    SPARSEPS_CUDA_TRY(cudaFuncSetAttribute(InsertDenseSharedKernel<uint32_t>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize, want));
-    SPARSEPS_CUDA_TRY(cudaFuncSetAttribute(InsertDenseSharedKernel<uint64_t>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize, want));
+    cudaError_t e = cudaFuncSetAttribute(InsertDenseSharedKernel<uint32_t>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, want);
+    if (e == cudaSuccess) {
+      e = cudaFuncSetAttribute(InsertDenseSharedKernel<uint64_t>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, want);
+    }
+    if (e == cudaSuccess) break;
+    if (e != cudaErrorInvalidValue) return e;
+    (void)cudaGetLastError();  // clears the refusal
+    shared_limit_ = shared_limit_ > 4096 ? shared_limit_ - shared_limit_ / 8 : 0;
   }
   SPARSEPS_CUDA_TRY(
       cudaMalloc(reinterpret_cast<void**>(&coeffs_), host_coeffs_.size() * sizeof(uint64_t)));
