@@ -7,7 +7,7 @@ Started like the C++ worker, with the job's config and --set overrides, so deplo
 start it in place of sparseps-worker (examples/train_torch.sh does):
 
     examples/fashion_mnist.py --config examples/torch_cnn.yaml --set node.rank=0 \\
-        [--set key=value ...] [--model cnn|resnet18|mlp]
+        [--set key=value ...] [--model cnn|resnet18|mlp] [--device cuda]
 
 The config's train.* keys (epochs, batch_size, lr, seed, max_steps, eval_every_epochs,
 eval_every_steps), data.* (dir, max_train_samples, max_test_samples), run.dir and
@@ -33,6 +33,13 @@ a 3x3 stride-1 stem without max pooling, on Fashion-MNIST padded to 32x32: 11,17
 23,519,690 parameters), mlp (model.hidden of the config, ReLU, initialised as the C++ worker's
 MLP). --synthetic trains on random 1x32x32 data instead (a large model's step time and bytes
 where its data set is absent; the accuracy means nothing).
+
+--device cuda (default: the config's train.device) trains on the GPU: the model, the data set and
+the gradients stay on the device, and a CUDA build of sparseps compresses them there (PS top-k,
+SBC, sketches, the sparse collectives). The worker is sparseps.Worker, the pybind11 module, when it
+is built for this Python, else (or with --capi) sparseps.capi.Worker, the same worker through the
+client library's C interface: the way to run under a Python or PyTorch the module was not built
+for, e.g. a GPU machine's own.
 """
 import argparse
 import csv
@@ -49,8 +56,10 @@ import torchvision
 
 import sparseps
 import sparseps.torch
+from sparseps import capi
 
 MEAN, STD = 0.2860, 0.3530  # Fashion-MNIST's, as the C++ reader normalises
+ERRORS = [ValueError, TimeoutError, capi.Error]  # a clear message and exit code 1 or 2
 
 
 def log(rank, level, text):
@@ -142,6 +151,17 @@ def mlp(hidden):
     return nn.Sequential(*layers[:-1])
 
 
+def worker_backend(force_capi):
+    """(Worker class, its Error class): the pybind11 module's when it loads in this Python (and
+    not force_capi), else sparseps.capi's."""
+    if not force_capi:
+        try:
+            return sparseps.Worker, sparseps.Error
+        except ImportError:
+            pass
+    return capi.Worker, capi.Error
+
+
 def evaluate(model, x, y, batch=1000):
     model.eval()
     loss, correct = 0.0, 0
@@ -170,14 +190,23 @@ def main():
                     help="with --ddp: DDP's communication hook (fp16_compress_hook, powerSGD_hook)")
     ap.add_argument("--powersgd-rank", type=int, default=4,
                     help="with --ddp-hook powersgd: its matrix_approximation_rank")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                    help="where the model trains (default: the config's train.device)")
+    ap.add_argument("--capi", action="store_true",
+                    help="sparseps.capi's worker even where the pybind11 module loads")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    worker = sparseps.Worker(args.config, overrides=args.set)
+    Worker, error = worker_backend(args.capi)
+    ERRORS.append(error)
+    worker = Worker(args.config, overrides=args.set)
     get = worker.get
+    device = torch.device(args.device or get("train.device"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: this PyTorch sees no CUDA device")
     seed, batch = get("train.seed"), get("train.batch_size")
     torch.manual_seed(seed)  # the same initial model everywhere (worker 0's is used anyway)
     model = {"cnn": Cnn, "resnet18": resnet18, "resnet50": resnet50,
-             "mlp": lambda: mlp(get("model.hidden"))}[args.model]()
+             "mlp": lambda: mlp(get("model.hidden"))}[args.model]().to(device)
     n = sum(p.numel() for p in model.parameters())
     if args.ddp:
         # sparseps only for the rank and the job's end; DDP broadcasts worker 0's parameters.
@@ -187,7 +216,7 @@ def main():
         run_dir = get("run.dir") or "."
         dist.init_process_group("gloo", init_method=f"file://{os.path.abspath(run_dir)}/ddp.init",
                                 rank=worker.rank, world_size=worker.num_workers)
-        model = torch.nn.parallel.DistributedDataParallel(model)
+        model = torch.nn.parallel.DistributedDataParallel(model)  # Gloo takes CUDA tensors too
         if args.ddp_hook == "fp16":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
             model.register_comm_hook(None, default_hooks.fp16_compress_hook)
@@ -216,7 +245,9 @@ def main():
         x, y = x[:get("data.max_train_samples")], y[:get("data.max_train_samples")]
     if get("data.max_test_samples"):
         xt, yt = xt[:get("data.max_test_samples")], yt[:get("data.max_test_samples")]
+    x, y, xt, yt = x.to(device), y.to(device), xt.to(device), yt.to(device)
     shard = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))[rank::workers]
+    shard = shard.to(device)
     steps_per_epoch = len(shard) // batch
     total = get("train.epochs") * steps_per_epoch
     if get("train.max_steps"):
@@ -224,8 +255,8 @@ def main():
     epochs = (total + steps_per_epoch - 1) // steps_per_epoch
     method = (f"torch DDP (gloo, {args.ddp_hook} hook)" if args.ddp else f"{worker.aggregation} " + (
         get("compression.encoding") if worker.aggregation == "ps" else get("collective.algorithm")))
-    log(rank, "info", f"model: torch {args.model}, {n} parameters; {len(shard)} training samples "
-        f"on this worker, {steps_per_epoch} steps per epoch; {method}")
+    log(rank, "info", f"model: torch {args.model}, {n} parameters on {device}; {len(shard)} training "
+        f"samples on this worker, {steps_per_epoch} steps per epoch; {method}")
 
     run_dir = get("run.dir")
     metrics = evals = None
@@ -257,7 +288,7 @@ def main():
 
     for epoch in range(epochs):
         order = shard[torch.randperm(len(shard), generator=torch.Generator().manual_seed(
-            seed ^ (epoch + 1) * 0x9E3779B9 ^ rank))]
+            seed ^ (epoch + 1) * 0x9E3779B9 ^ rank)).to(device)]
         worker.set_epoch(epoch)
         epoch_loss, epoch_steps = 0.0, 0
         for s in range(steps_per_epoch):
@@ -268,6 +299,8 @@ def main():
             opt.zero_grad()
             loss = F.cross_entropy(model(x[idx]), y[idx])
             loss.backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # compute_ms: the forward and backward, finished
             t1 = time.monotonic()
             if args.ddp:
                 opt.step()
@@ -323,6 +356,6 @@ def main():
 if __name__ == "__main__":
     try:
         main()
-    except (ValueError, TimeoutError, sparseps.Error) as e:
+    except tuple(ERRORS) as e:
         print(f"fashion_mnist.py: {e}", file=sys.stderr)
         sys.exit(2 if isinstance(e, ValueError) else 1)

@@ -39,6 +39,13 @@ import torch
 __all__ = ["DistributedOptimizer", "SparseAllreduceState", "sparse_allreduce_hook"]
 
 
+def _finished(t):
+    """Waits until the work queued on `t`'s CUDA device is done (nothing for a CPU tensor): the
+    library reads a device tensor on its own streams, which do not wait for PyTorch's."""
+    if t.is_cuda:
+        torch.cuda.synchronize(t.device)
+
+
 def _float32_params(params, what):
     params = [p for p in params if p.requires_grad]
     if not params:
@@ -85,6 +92,7 @@ class DistributedOptimizer:
         # Each parameter's first flat key, and the end: where its keys start in push_pull's list.
         self._starts = torch.tensor(starts + [offset], dtype=torch.int64, device=device)
         # Every worker starts from worker 0's parameters (written into the model in place).
+        _finished(self._flat)
         with torch.no_grad():
             worker.init([p.detach() for p in self._params])
 
@@ -123,6 +131,7 @@ class DistributedOptimizer:
         reported = loss if loss is not None else closure_loss
         reported = None if reported is None else float(reported)
         self._gather()
+        _finished(self._flat)
         t = time.monotonic()
         keys, update, params = self.worker.push_pull(self._flat, sparse=True, loss=reported)
         self.last_push_pull_ms = 1000 * (time.monotonic() - t)
@@ -180,6 +189,7 @@ class SparseAllreduceState:
         self.flat = torch.zeros(offset, dtype=torch.float32, device=self.params[0].device)
         self.pending = []  # (bucket, future) of this step
         self.worker = worker
+        _finished(self.flat)
         with torch.no_grad():
             worker.init([p.detach() for p in self.params])
 
@@ -194,6 +204,7 @@ def sparse_allreduce_hook(state, bucket):
     future = torch.futures.Future()
     state.pending.append((bucket, future))
     if bucket.is_last():
+        _finished(state.flat)
         update = torch.from_numpy(state.worker.push_pull(state.flat))
         update = update.to(state.flat.device).div_(state.worker.lr)
         for b, f in state.pending:

@@ -27,14 +27,18 @@ def read_csv(path):
 
 
 @needs_data
-def test_example_trains_a_cnn_through_two_servers(tmp_path):
+@pytest.mark.parametrize("backend", ["module", "capi"])
+def test_example_trains_a_cnn_through_two_servers(tmp_path, backend):
+    """The example's worker is the pybind11 module's, or with --capi sparseps.capi's (what a
+    Python the module is not built for gets, e.g. a GPU machine's: tests/python/test_gpu.py)."""
     run = tmp_path / "run"
     env = dict(os.environ, SPARSEPS_CACHE=str(tmp_path / "cache"))
     p = subprocess.run(
         ["bash", str(ROOT / "deploy" / "launch.sh"), "--build-dir", str(BUILD), "--config",
          str(ROOT / "examples" / "torch_cnn.yaml"), "--run-dir", str(run), "--quiet",
          "--set", "train.max_steps=100", "--set", "data.max_test_samples=2000",
-         "--worker-command", f"{sys.executable} {ROOT / 'examples' / 'fashion_mnist.py'} --model cnn"],
+         "--worker-command", f"{sys.executable} {ROOT / 'examples' / 'fashion_mnist.py'} --model cnn"
+         + (" --capi" if backend == "capi" else "")],
         capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     for w in range(2):

@@ -1,0 +1,90 @@
+"""PyTorch on a CUDA device through sparseps (the path a PyTorch user with a GPU takes): the
+example trains the CNN with CUDA tensors through sparseps.torch.DistributedOptimizer, the PS's
+top-k compressing on the device, to the CPU run's test accuracy within half a point; DDP with
+sparse_allreduce_hook on CUDA tensors keeps the workers equal and the averaged gradient sparse.
+
+Where torch sees no CUDA device (CI) every test here skips. Only sparseps.capi is used: it loads
+in any Python 3 and any PyTorch (a GPU machine's own, which the pybind11 module is not built for);
+bench/device_run.sh's `pytorch` phase runs this file there."""
+import csv
+import ctypes
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import BUILD, DATA, ROOT
+from sparseps import capi
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+def read_csv(path):
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def test_the_library_sees_torch_tensors_on_the_device():
+    assert capi.cuda(), "libsparseps_client was built without CUDA"
+    lib = capi.library()
+    lib.sparseps_device_of.restype = ctypes.c_int
+    lib.sparseps_device_of.argtypes = [ctypes.c_void_p]
+    t = torch.zeros(4, device="cuda")
+    assert lib.sparseps_device_of(t.data_ptr()) == t.device.index
+    assert lib.sparseps_device_of(torch.zeros(4).data_ptr()) == capi.HOST
+
+
+@pytest.mark.skipif(not (DATA / "train-images-idx3-ubyte.gz").exists(),
+                    reason="Fashion-MNIST not installed (deploy/install-deps.sh)")
+def test_example_trains_on_the_gpu_to_the_cpu_accuracy(tmp_path):
+    """examples/torch_cnn.yaml (2 workers, 2 servers, top-k 1% with DGC momentum correction) for
+    its 2 epochs, on the GPU and on the CPU: the same data order and initial model, so the two
+    test accuracies differ by rounding's drift alone."""
+    accuracy = {}
+    for device in ("cuda", "cpu"):
+        run = tmp_path / device
+        env = dict(os.environ, SPARSEPS_CACHE=str(tmp_path / "cache"))
+        p = subprocess.run(
+            ["bash", str(ROOT / "deploy" / "launch.sh"), "--build-dir", str(BUILD), "--config",
+             str(ROOT / "examples" / "torch_cnn.yaml"), "--run-dir", str(run), "--quiet",
+             "--worker-command",
+             f"{sys.executable} {ROOT / 'examples' / 'fashion_mnist.py'} --capi --model cnn "
+             f"--device {device}"],
+            capture_output=True, text=True, env=env, timeout=900)
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert f"parameters on {device}" in (run / "worker-0.log").read_text()
+        rows = read_csv(run / "metrics-worker-0.csv")
+        assert len(rows) == 936  # 2 epochs of 30,000 samples in batches of 64
+        assert {int(r["selected"]) for r in rows} == {2154}  # k of 215,370 at 1%
+        accuracy[device] = float(read_csv(run / "eval-worker-0.csv")[-1]["test_accuracy"])
+        compute = sorted(float(r["compute_ms"]) for r in rows[10:])
+        encode = sorted(float(r["encode_ms"]) for r in rows[10:])
+        print(f"{device}: test accuracy {100 * accuracy[device]:.2f}%, median compute "
+              f"{compute[len(compute) // 2]:.2f} ms, encode {encode[len(encode) // 2]:.2f} ms")
+    assert accuracy["cuda"] > 0.85, accuracy
+    assert abs(accuracy["cuda"] - accuracy["cpu"]) <= 0.005, accuracy
+
+
+def test_ddp_hook_on_cuda_tensors_keeps_the_workers_equal_and_sparse(cluster, tmp_path):
+    sets = ["aggregation=allreduce", "collective.algorithm=topk_allgather", "train.lr=1",
+            "train.momentum=0", "compression.density=0.1"]
+    c = cluster("cluster: {register_timeout_s: 60}\n", servers=0, sets=sets)
+    init = tmp_path / "dist_init"
+    outs = [tmp_path / f"ddp-{r}.pt" for r in range(2)]
+    env = dict(os.environ, DDP_DEVICE="cuda")
+    procs = [subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "python" / "ddp_worker.py"), str(r), "2", str(init),
+         str(c.job), str(outs[r])] + sum((["--set", s] for s in c.overrides + sets), []),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for r in range(2)]
+    for p in procs:
+        out, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, out
+    got = [torch.load(o) for o in outs]
+    assert torch.equal(got[0]["params"], got[1]["params"])
+    n = got[0]["params"].numel()  # 1604; k = 160 per worker
+    for nz in got[0]["nonzero"]:
+        assert 0 < nz <= 2 * round(0.1 * n), got[0]["nonzero"]
+    loss = got[0]["loss"]
+    assert sum(loss[-5:]) < 0.6 * sum(loss[:5]), loss
