@@ -10,6 +10,16 @@
 #   bench    sparseps_gpu_bench's selections and sketch insertions, 3 repetitions
 #   goal4    configs/compare_short_1gbit.yaml (issue 21's goals 1, 3 and 4 on cores of their own)
 #   goal5    configs/compare_scaling_short_1gbit.yaml at W = 2 and 8 (goal 5)
+#   pytorch  tests/python/test_gpu.py under the machine's own python3 and PyTorch (sparseps.capi
+#            over the bundle's client library): the example on the GPU against the CPU, DDP's
+#            sparse_allreduce_hook on CUDA tensors
+#   step     the GPU step split (bench/gpu_step.py): cnn and the 5.8M MLP (the C++ worker,
+#            train.device=cuda) and resnet18 (the example, --device cuda), each with PS top-k 1%
+#            and SparDL, 2 workers on loopback, next to PyTorch's own step of each model
+#   sanitize the GPU tests, then under compute-sanitizer's memcheck, racecheck and synccheck
+#            (SANITIZERS: which of the three)
+# STEP_MODELS (cnn,mlp,resnet18), STEP_METHODS (ps_topk,spardl) and STEP_WORKERS (2) narrow the
+# step phase; with one worker the GPU is no worker's to share.
 #
 #   PHASES=tests,train,bench BUDGET=340 OUT=DIR bench/device_run.sh      # from the repository root
 #
@@ -35,7 +45,7 @@ pack() {
 exec > >(tee "$OUT/console.log") 2>&1
 echo "== setup at $(date -u +%T); phases $PHASES"
 mkdir -p .devrun/x && tar -xJf .devrun/bundle.tar.xz -C .devrun/x || exit 1
-export LD_LIBRARY_PATH=$R/.devrun/x/lib:/usr/local/cuda/lib64
+export LD_LIBRARY_PATH=$R/.devrun/x/lib:/usr/local/cuda/lib64:$R/.devrun/x/lib-cuda
 B=$R/.devrun/x/build
 D=$R/.devrun/data
 # The comparison job reads Fashion-MNIST where Debian's package puts it.
@@ -62,6 +72,52 @@ fi
 bash deploy/netns.sh down --prefix probe
 echo "netns works: $net"
 
+# The Python phases: the machine's own python3 and PyTorch, sparseps.capi over the bundle's
+# client library (the pybind11 module is built for Debian's Python, not this one).
+export PYTHONPATH=$R/python SPARSEPS_BUILD_DIR=$B SPARSEPS_CLIENT_LIBRARY=$B/client/libsparseps_client.so
+export PYTHONUNBUFFERED=1
+if want pytorch; then
+  echo "== pytorch at $(date -u +%T), $(left) s left"
+  python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda)"
+  mkdir -p /tmp/p1
+  timeout "$(cap 200)" python3 -m pytest -v -s -p no:cacheprovider tests/python/test_gpu.py \
+    2>&1 | tee /tmp/p1/test_gpu.log | grep -E "PASS|FAIL|SKIP|ERROR|accuracy|passed|failed|Error"
+  pack p1
+fi
+if want step; then
+  echo "== step at $(date -u +%T), $(left) s left"
+  STEP_METHODS=${STEP_METHODS:-ps_topk,spardl}
+  mkdir -p /tmp/s1
+  for run in cnn:configs/cnn.yaml mlp:configs/compare_job.yaml resnet18:examples/torch_cnn.yaml; do
+    model=${run%%:*}
+    cfg=${run#*:}
+    [[ ",${STEP_MODELS:-cnn,mlp,resnet18}," == *",$model,"* ]] || continue
+    for method in ${STEP_METHODS//,/ }; do
+      sets=(--set train.device=cuda --set train.max_steps=150
+        --set "cluster.num_workers=${STEP_WORKERS:-2}"
+        --set "data.dir=$D" --set data.max_test_samples=1000 --set train.eval_every_steps=0)
+      [[ $method == spardl ]] && sets+=(--set aggregation=allreduce --set collective.algorithm=spardl)
+      worker=()
+      [[ $model == resnet18 ]] && worker=(--worker-command
+        "python3 $R/examples/fashion_mnist.py --capi --model resnet18 --device cuda")
+      timeout "$(cap 60)" bash deploy/launch.sh --config "$cfg" --build-dir "$B" --quiet \
+        "${sets[@]}" "${worker[@]}" --run-dir "/tmp/s1/$model-$method" 2>&1 | tail -n 2
+    done
+  done
+  timeout "$(cap 60)" python3 bench/gpu_step.py --runs /tmp/s1/*-* --out /tmp/s1/gpu_step.json \
+    2>&1 | tee /tmp/s1/table.md
+  pack s1
+fi
+if want sanitize; then
+  echo "== sanitize at $(date -u +%T), $(left) s left"
+  timeout "$(cap 90)" bash bench/gpu_checks.sh --build-dir "$B" --data "$D" --out /tmp/z1 --steps tests
+  for tool in ${SANITIZERS:-memcheck racecheck synccheck}; do
+    echo "-- $tool at $(date -u +%T), $(left) s left"
+    timeout "$(cap 200)" bash bench/gpu_checks.sh --build-dir "$B" --data "$D" --out /tmp/z1/$tool \
+      --steps $tool
+  done
+  pack z1
+fi
 if want tests; then
   echo "== tests at $(date -u +%T), $(left) s left"
   timeout "$(cap 170)" bash bench/gpu_checks.sh --build-dir "$B" --data "$D" --out /tmp/g1 --steps tests

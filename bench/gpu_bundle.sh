@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
 # Packs a CUDA build for a GPU machine that lacks the build's dependencies (no apt there, no
 # network): what bench/gpu_checks.sh runs (the GPU tests, worker_test for its device tests,
-# sparseps_gpu_bench and the three daemons), stripped, with the shared libraries they load (but
-# glibc's, libstdc++/libgcc and cuBLAS, which the GPU machine's own CUDA provides), and
-# Fashion-MNIST.
+# sparseps_gpu_bench and the three daemons) and the client library that sparseps.capi loads (a
+# PyTorch worker in the GPU machine's own Python), stripped, with the shared libraries they load
+# (but glibc's, libstdc++/libgcc, zlib, libffi and CUDA's runtime and cuBLAS, which the GPU
+# machine has: a copy of those would shadow its PyTorch's; CUDA's runtime goes to lib-cuda/, for
+# the end of LD_LIBRARY_PATH), and Fashion-MNIST.
 #
 #   bench/gpu_bundle.sh [--build-dir B] [--out DIR] [--data DIR]
 #
 # B: a build configured with -DSPARSEPS_CUDA=ON (default build-gpu/; the targets are built first);
 # DIR: where the bundle goes (default .devrun/, which .gitignore lists); --data: Fashion-MNIST's
 # four .gz files (default /usr/share/datasets/fashion-mnist).
-# Writes DIR/bundle.tar.xz (build/{tests,bench,scheduler,server,worker}/..., lib/) and DIR/data/.
+# Writes DIR/bundle.tar.xz (build/{tests,bench,scheduler,server,worker,client}/..., lib/,
+# lib-cuda/) and DIR/data/.
 # On the GPU machine, from the repository root (DIR = .devrun):
 #   mkdir -p .devrun/x && tar -xJf .devrun/bundle.tar.xz -C .devrun/x
-#   export LD_LIBRARY_PATH=$PWD/.devrun/x/lib:/usr/local/cuda/lib64
+#   export LD_LIBRARY_PATH=$PWD/.devrun/x/lib:/usr/local/cuda/lib64:$PWD/.devrun/x/lib-cuda
 #   bash bench/gpu_checks.sh --build-dir .devrun/x/build --data $PWD/.devrun/data --steps tests
 set -euo pipefail
 
@@ -35,9 +38,13 @@ ls "$data"/*.gz >/dev/null 2>&1 || { echo "gpu_bundle.sh: no Fashion-MNIST .gz f
 
 binaries=(tests/gpu_kernels_test tests/gpu_models_test tests/collectives_test tests/worker_test
   bench/sparseps_gpu_bench scheduler/sparseps-scheduler server/sparseps-server
-  worker/sparseps-worker)
+  worker/sparseps-worker client/libsparseps_client.so)
 targets=()
-for b in "${binaries[@]}"; do targets+=("$(basename "$b")"); done
+for b in "${binaries[@]}"; do
+  t="$(basename "$b")"
+  [[ $t == lib*.so ]] && t="${t#lib}" && t="${t%.so}"
+  targets+=("$t")
+done
 cmake --build "$build_dir" --target "${targets[@]}" ||
   { echo "gpu_bundle.sh: building ${targets[*]} in $build_dir failed (configured with -DSPARSEPS_CUDA=ON?)" >&2; exit 1; }
 
@@ -46,14 +53,15 @@ trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage/lib"
 for b in "${binaries[@]}"; do
   mkdir -p "$stage/build/$(dirname "$b")"
-  cp "$build_dir/$b" "$stage/build/$b"
-  strip "$stage/build/$b"
+  cp -L "$build_dir/$b" "$stage/build/$b"
+  strip --strip-unneeded "$stage/build/$b"
 done
 # The libraries the binaries load, but those the GPU machine must have its own of.
 ldd "$stage"/build/*/* | awk '/=>/ {print $3}' | sort -u | while read -r lib; do
   case "$(basename "$lib")" in
     libc.so* | libm.so* | libdl.so* | libpthread.so* | librt.so* | libresolv.so* | libcublas* | \
-      libgcc_s* | libstdc++*) ;;
+      libgcc_s* | libstdc++* | libz.so* | libffi.so*) ;;
+    libcudart*) mkdir -p "$stage/lib-cuda" && cp -L "$lib" "$stage/lib-cuda/" ;;  # a fallback
     *) cp -L "$lib" "$stage/lib/" ;;
   esac
 done

@@ -9,7 +9,7 @@
 #
 # B: a build with CUDA (default build/); DIR: where the logs go (default runs/gpu-checks-<time>);
 # --data: Fashion-MNIST (default /usr/share/datasets/fashion-mnist); --steps: which checks, comma
-# separated, in this order: tests, memcheck, bench, torch, ncu, train (default
+# separated, in this order: tests, memcheck, racecheck, synccheck, bench, torch, ncu, train (default
 # tests,bench,torch,train; --skip-train drops train, --ncu adds ncu); --train: the runs, each a
 # config in configs/ with optional --set's (default: every device compressor: cnn, quickstart
 # (topk) with each selection mode, sbc (exact and sampled threshold), sketch, sketch_second_round,
@@ -23,7 +23,8 @@
 #   gpu_tests.log      gpu_kernels_test, gpu_models_test, collectives_test's GPU test, worker_test's
 #                      device tests (gtest)
 #   memcheck.log       the same tests under compute-sanitizer's memcheck (leaks too), but the
-#                      training run (GpuModels.TrainingReachesTheCpuAccuracy)
+#                      training run (GpuModels.TrainingReachesTheCpuAccuracy); racecheck.log and
+#                      synccheck.log the same under racecheck and synccheck
 #   gpu_bench.json/.log sparseps_gpu_bench (Google Benchmark, R repetitions, CUDA-event times)
 #   torch_topk.log     bench/torch_topk_baseline.py (when python3 has torch with CUDA)
 #   train.log          the training runs' final lines; train-runs.tar.gz their run directories
@@ -64,8 +65,8 @@ while [[ $# -gt 0 ]]; do
 done
 for s in ${steps//,/ }; do
   case "$s" in
-    tests|memcheck|bench|torch|ncu|train) ;;
-    *) echo "gpu_checks.sh: unknown step '$s' in --steps (tests, memcheck, bench, torch, ncu, train)" >&2
+    tests|memcheck|racecheck|synccheck|bench|torch|ncu|train) ;;
+    *) echo "gpu_checks.sh: unknown step '$s' in --steps (tests, memcheck, racecheck, synccheck, bench, torch, ncu, train)" >&2
        exit 2 ;;
   esac
 done
@@ -114,19 +115,23 @@ if want tests; then
   fi
 fi
 
-if want memcheck; then
-  # Out-of-bounds and misaligned accesses, and device memory still allocated at exit. A skipped
-  # test would pass unseen: the GPU must be there (the tests step says so).
+# compute-sanitizer: memcheck (out-of-bounds and misaligned accesses, device memory still
+# allocated at exit), racecheck (shared-memory hazards), synccheck (barriers not every thread
+# reaches). A skipped test would pass unseen: the GPU must be there (the tests step says so).
+sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+for tool in memcheck racecheck synccheck; do
+  want $tool || continue
+  flags=(--tool "$tool" --error-exitcode 1)
+  [[ $tool == memcheck ]] && flags+=(--leak-check full)
   for t in "${gpu_tests[@]}"; do
     read -r name bin filter <<<"$t"
     [[ "$filter" == "*" ]] && filter="*-GpuModels.TrainingReachesTheCpuAccuracy"
-    step "memcheck $name" "$out/memcheck.log" timeout 500 env SPARSEPS_FASHION_MNIST_DIR="$data" \
-      compute-sanitizer --tool memcheck --leak-check full --error-exitcode 1 \
-      "$build_dir/$bin" --gtest_filter="$filter"
+    step "$tool $name" "$out/$tool.log" timeout 500 env SPARSEPS_FASHION_MNIST_DIR="$data" \
+      "$sanitizer" "${flags[@]}" "$build_dir/$bin" --gtest_filter="$filter"
   done
-  grep -E "ERROR SUMMARY|LEAK SUMMARY|^\[  (SKIPPED|FAILED) \]" "$out/memcheck.log" | head -20 |
-    tee -a "$summary"
-fi
+  grep -E "ERROR SUMMARY|LEAK SUMMARY|RACECHECK SUMMARY|not supported|^\[  (SKIPPED|FAILED) \]" \
+    "$out/$tool.log" | head -20 | tee -a "$summary"
+done
 
 if want bench; then
   step sparseps_gpu_bench "$out/gpu_bench.log" timeout 300 "$build_dir/bench/sparseps_gpu_bench" \
