@@ -386,7 +386,8 @@ TEST(GpuSbcCompressor, LocalStepsAndPushesEqualTheCpuCompressor) {
 
 // The device sketch compressor against SketchCompressor: integer gradients and no momentum, so
 // the atomic insertions are exact and the pushes byte-identical, with truncation (fusion groups
-// across three key ranges) and without, and with server momentum (FetchSGD); then the second
+// across three key ranges) and without, with server momentum (FetchSGD), and with the tables
+// sent as fp16 (compression.fp16_values); then the second
 // round's exact values, the error reset at the keys a pull changed, and the partial reset there.
 TEST(GpuSketchCompressor, PushesEqualTheCpuCompressor) {
   SKIP_WITHOUT_GPU();
@@ -396,17 +397,21 @@ TEST(GpuSketchCompressor, PushesEqualTheCpuCompressor) {
     double truncate_factor;
     uint64_t fusion_group_size;
     bool server_momentum;
+    bool fp16_tables;
   };
-  for (const Case& k : {Case{2.0, 30000, false}, Case{0.0, 0, false}, Case{1.0, 0, true}}) {
+  for (const Case& k : {Case{2.0, 30000, false, false}, Case{0.0, 0, false, false},
+                        Case{1.0, 0, true, false}, Case{2.0, 30000, false, true}}) {
     const std::string where = "truncate " + std::to_string(k.truncate_factor) + " groups " +
                               std::to_string(k.fusion_group_size) +
-                              (k.server_momentum ? " server momentum" : "");
+                              (k.server_momentum ? " server momentum" : "") +
+                              (k.fp16_tables ? " fp16 tables" : "");
     proto::CompressionConfig c;
     c.set_encoding(proto::SKETCH);
     c.set_density(0.01);
     c.mutable_sketch()->set_truncate_factor(k.truncate_factor);
     c.mutable_sketch()->set_fusion_group_size(k.fusion_group_size);
     c.mutable_sketch()->set_server_momentum(k.server_momentum);
+    c.set_fp16_values(k.fp16_tables);
     SketchCompressor cpu(n, c, 0.0f, 1.0f);
     auto made = MakeGpuCompressor(GpuJob(c, 0.0f, 0.1f), n);
     ASSERT_TRUE(made.ok()) << made.status().message();
