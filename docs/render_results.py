@@ -141,7 +141,13 @@ def render():
             "tuning": entered(hand["tuning"]),
             "failures": entered(hand["failures"]),
             "gpu": entered(hand["gpu"]) + [
-                "Not run on a GPU since: the PyTorch GPU path end to end (issue 41)."]}
+                "Not measured on a GPU yet (issue 41): the host-device bytes of a step; "
+                "overlap of communication with the backward pass on the GPU (not built); real "
+                "models on GPU workers over emulated Ethernet (the GPU machine has no ip or tc: "
+                "bench/device_run.sh's NET_TOOLS must carry them); `train.overlap: delay` with a "
+                "GPU model; the device sketch's fp16 tables (a case of "
+                "GpuSketchCompressor.PushesEqualTheCpuCompressor not yet run on a GPU); "
+                "tests/python/test_gpu.py, memcheck and synccheck since f4b5423's kernel fix."]}
     out = ["# Results", "",
            "What sparseps measures now, one section per question. Every figure names its "
            "command, machine, date and commit. This page is rendered by "
