@@ -24,15 +24,15 @@
 #   PHASES=tests,train,bench BUDGET=340 OUT=DIR bench/device_run.sh      # from the repository root
 #
 # Needs .devrun/bundle.tar.xz and .devrun/data (bench/gpu_bundle.sh). The network phases need
-# root (ip netns); where the machine lacks ip or tc, NET_TOOLS (default .devx/net) may hold
-# bin/ip, bin/tc and the libraries they load, e.g. copied from a Debian 12 machine.
+# root (ip netns); where the machine lacks ip or tc, NET_TOOLS (default: the bundle's net/, which
+# bench/gpu_bundle.sh copies from the Debian machine) holds bin/ip, bin/tc and their libraries.
 set -u
 T0=$SECONDS
 BUDGET=${BUDGET:-560}
 PHASES=${PHASES:-tests,train,bench}
 R=$PWD
 OUT=${OUT:-$R/runs/device-$(date +%Y%m%d-%H%M%S)}
-NET_TOOLS=${NET_TOOLS:-$R/.devx/net}
+NET_TOOLS=${NET_TOOLS:-$R/.devrun/x/net}
 mkdir -p "$OUT"
 want() { [[ ",$PHASES," == *",$1,"* ]]; }
 left() { echo $((BUDGET - (SECONDS - T0))); }

@@ -13,7 +13,7 @@
 # DIR: where the bundle goes (default .devrun/, which .gitignore lists); --data: Fashion-MNIST's
 # four .gz files (default /usr/share/datasets/fashion-mnist).
 # Writes DIR/bundle.tar.xz (build/{tests,bench,scheduler,server,worker,client}/..., lib/,
-# lib-cuda/) and DIR/data/.
+# lib-cuda/, net/: iproute2's ip and tc with their libraries) and DIR/data/.
 # On the GPU machine, from the repository root (DIR = .devrun):
 #   mkdir -p .devrun/x && tar -xJf .devrun/bundle.tar.xz -C .devrun/x
 #   export LD_LIBRARY_PATH=$PWD/.devrun/x/lib:/usr/local/cuda/lib64:$PWD/.devrun/x/lib-cuda
@@ -64,6 +64,20 @@ ldd "$stage"/build/*/* | awk '/=>/ {print $3}' | sort -u | while read -r lib; do
     libcudart*) mkdir -p "$stage/lib-cuda" && cp -L "$lib" "$stage/lib-cuda/" ;;  # a fallback
     *) cp -L "$lib" "$stage/lib/" ;;
   esac
+done
+# iproute2's ip and tc with their libraries, for deploy/netns.sh on a GPU machine without them
+# (bench/device_run.sh's NET_TOOLS).
+mkdir -p "$stage/net/bin" "$stage/net/lib"
+for t in ip tc; do
+  p="$(command -v $t || true)"
+  [[ -n "$p" ]] || { echo "gpu_bundle.sh: $t (iproute2) not found: the bundle goes without it" >&2; continue; }
+  cp -L "$p" "$stage/net/bin/$t"
+  ldd "$p" | awk '/=>/ {print $3}' | while read -r lib; do
+    case "$(basename "$lib")" in
+      libc.so* | libm.so* | libdl.so* | libpthread.so* | librt.so* | libz.so*) ;;
+      *) cp -L "$lib" "$stage/net/lib/" ;;
+    esac
+  done
 done
 rm -rf "$out" && mkdir -p "$out/data"
 tar -C "$stage" -cJf "$out/bundle.tar.xz" .
