@@ -60,17 +60,36 @@ def _float32_params(params, what):
 
 
 class DistributedOptimizer:
-    """Wraps `optimizer` so that step() first aggregates its parameters' gradients through
-    `worker` (a sparseps.Worker, not yet initialised: this calls its init).
+    """Wraps `optimizer` so that step() aggregates through `worker` (a sparseps.Worker or
+    capi.Worker, not yet initialised: this calls its init) either its parameters' gradients
+    (aggregate="gradient", the default) or its own steps (aggregate="update").
+
+    aggregate="update" is error feedback on the optimizer's update: each worker's optimizer
+    (Adam, AdamW, any) steps on the worker's own gradient, and the step it took (old minus new
+    parameters) goes through sparseps instead of the gradient; sparseps's residual keeps what the
+    compression left out for the next steps, and every worker's model becomes the job's, old
+    minus the aggregated step (Chen et al., "Efficient-Adam: Communication-Efficient Distributed
+    Adam", IEEE Trans. Signal Processing 2023, compress Adam's update with error feedback the
+    same way). Each worker's optimizer state (Adam's moments) is its own, from its own gradients,
+    so sparse aggregation never feeds Adam's second moment the zeros and bursts of a sparse
+    gradient. Needs train.momentum: 0 (the optimizer has its own) and works for any train.lr.
 
     The gradients live in one flat float32 buffer of which every parameter's .grad is a view, so
     push_pull takes them without a copy (keep zero_grad's set_to_none False, the default here).
     Everything else (param_groups, state_dict, ...) is the wrapped optimizer's.
     """
 
-    def __init__(self, optimizer, worker):
+    def __init__(self, optimizer, worker, aggregate="gradient"):
+        if aggregate not in ("gradient", "update"):
+            raise ValueError(f"DistributedOptimizer: aggregate={aggregate!r}; 'gradient' or "
+                             "'update'")
+        if aggregate == "update" and worker.get("train.momentum") != 0:
+            raise ValueError("DistributedOptimizer(aggregate='update'): the job's train.momentum "
+                             f"is {worker.get('train.momentum')}; set it to 0 (the optimizer "
+                             "steps with its own momentum)")
         self.optimizer = optimizer
         self.worker = worker
+        self.aggregate = aggregate
         self.last_push_pull_ms = 0.0  # wall time of the last push_pull
         self._params = _float32_params(
             [p for group in optimizer.param_groups for p in group["params"]],
@@ -131,6 +150,8 @@ class DistributedOptimizer:
         reported = loss if loss is not None else closure_loss
         reported = None if reported is None else float(reported)
         self._gather()
+        if self.aggregate == "update":
+            self._local_step()  # the flat buffer now holds the step / train.lr
         _finished(self._flat)
         t = time.monotonic()
         keys, update, params = self.worker.push_pull(self._flat, sparse=True, loss=reported)
@@ -138,7 +159,7 @@ class DistributedOptimizer:
         device = self._flat.device
         keys = torch.from_numpy(keys).to(device)
         with torch.no_grad():
-            if self._plain_sgd():
+            if self.aggregate == "update" or self._plain_sgd():
                 params = torch.from_numpy(params).to(device)
                 bounds = torch.searchsorted(keys, self._starts).tolist()
                 for p, start, lo, hi in zip(self._params, self._starts.tolist(), bounds[:-1],
@@ -151,11 +172,28 @@ class DistributedOptimizer:
         self.optimizer.step()
         return closure_loss
 
+    def _local_step(self):
+        """aggregate="update": the wrapped optimizer steps on this worker's gradient, the
+        parameters go back to where they were, and the flat buffer gets the step / train.lr (the
+        job applies train.lr times the aggregate)."""
+        with torch.no_grad():
+            before = [p.detach().clone() for p in self._params]
+            self.optimizer.step()
+            for p, b, view in zip(self._params, before, self._views):
+                torch.sub(b, p, out=view)  # the step: old minus new
+                p.copy_(b)
+            self._flat.div_(self.worker.lr)
+
     def synchronize(self):
         """train.consistency ssp / async: waits until every worker has pushed as many steps as
         this one and copies the job's parameters then (no staleness) into the model's: call it
-        before the final evaluation and before saving the model. bsp: nothing changes."""
-        params = torch.from_numpy(self.worker.synchronize()).to(self._flat.device)
+        before the final evaluation and before saving the model. bsp: nothing changes. Where the
+        model is not the job's (another optimizer than plain SGD with aggregate="gradient": each
+        worker's optimizer steps on its own copy) it only waits."""
+        params = self.worker.synchronize()
+        if self.aggregate != "update" and not self._plain_sgd():
+            return
+        params = torch.from_numpy(params).to(self._flat.device)
         with torch.no_grad():
             offset = 0
             for p in self._params:
