@@ -36,17 +36,19 @@ def write_csv(path, columns, rows):
         w.writerows(rows)
 
 
-def make_run(run_dir, steps, step_ms, sent, received, evals, workers=2):
+def make_run(run_dir, steps, step_ms, sent, received, evals, workers=2, losses=None):
     """A run directory as the workers write it. Step i (1-based) of every worker takes
     compute 10 ms, encode 5 ms and comm step_ms(i) - 15 ms, and moves sent(w, i) and
-    received(w, i) bytes; evals are (train_s, test_accuracy) pairs."""
+    received(w, i) bytes; evals are (train_s, test_accuracy) pairs, with test losses `losses`
+    (0.5 each when None)."""
     os.makedirs(run_dir)
     for w in range(workers):
         rows = [[i, 1, 1.0, sent(w, i), received(w, i), 10, 10.0, 5.0, step_ms(i) - 15.0,
                  0.01 * i, -1, -1] for i in range(1, steps + 1)]
         write_csv(os.path.join(run_dir, f"metrics-worker-{w}.csv"), METRICS, rows)
     write_csv(os.path.join(run_dir, "eval-worker-0.csv"), EVALS,
-              [[1, 10 * (j + 1), t + 1.0, 0.5, acc, t] for j, (t, acc) in enumerate(evals)])
+              [[1, 10 * (j + 1), t + 1.0, 0.5 if losses is None else losses[j], acc, t]
+               for j, (t, acc) in enumerate(evals)])
 
 
 def test_summarize_computes_the_figures(tmp_path):
@@ -153,6 +155,38 @@ def test_a_target_relative_to_a_baseline_is_its_final_accuracy_minus_the_margin(
     assert results[1]["time_to_target_s"] == 1.0
 
 
+def test_a_perplexity_target_is_the_baselines_final_perplexity_times_the_factor(tmp_path):
+    """metric: perplexity (a language model): perplexity = exp(test loss), lower is better; the
+    target is the baseline's final perplexity times `times`, and the table and CSV say it."""
+    import math
+    results = []
+    for name, losses in [("torch_ddp", [6.0, 5.5, 5.0]), ("ps_topk", [5.8, 5.01, 4.9]),
+                         ("sbc", [6.5, 6.0, 5.5])]:
+        run = str(tmp_path / name)
+        make_run(run, 10, step_ms=lambda i: 50.0, sent=lambda w, i: 1, received=lambda w, i: 1,
+                 evals=[(4.0, 0.1), (8.0, 0.12), (12.0, 0.14)], losses=losses)
+        results.append(driver.summarize(name, run, target=0.8, workers=2))
+    cfg = {"name": "lm", "metric": "perplexity", "target": {"baseline": "torch_ddp", "times": 1.02}}
+    target, line = driver.apply_target(cfg, results)
+    assert target == pytest.approx(math.exp(5.0) * 1.02)
+    assert line == f"target: test perplexity {target:.2f} (torch_ddp's final {math.exp(5.0):.2f} " \
+        "times 1.02)"
+    times = {r["setting"]: r["time_to_target_s"] for r in results}
+    # exp(5.01) = 149.9 <= 1.02 * exp(5.0) = 151.4: ps_topk reaches it at its second evaluation.
+    assert times["torch_ddp"] == 12.0 and times["ps_topk"] == 8.0
+    assert times["sbc"] != times["sbc"]
+    out = str(tmp_path / "out")
+    os.makedirs(out)
+    driver.write_outputs(out, cfg, ["m", "n", "o", "c", line], results)
+    with open(os.path.join(out, "results.md")) as f:
+        text = f.read()
+    assert "| time to target (s) | final perplexity |" in text
+    assert f"| ps_topk | 8.0 | {math.exp(4.9):.2f} |" in text
+    with open(os.path.join(out, "results.csv")) as f:
+        rows = list(csv.DictReader(f))
+    assert float(rows[2]["final_perplexity"]) == pytest.approx(math.exp(5.5))
+
+
 def test_without_gloo_there_is_no_ratio(tmp_path):
     out = str(tmp_path / "out")
     os.makedirs(out)
@@ -185,6 +219,13 @@ def test_bad_comparison_configs_are_refused_naming_the_key(tmp_path, capsys):
         "job: j.yaml\nworkers: 2\nsettings:\n  - {name: a, slow_worker: {rank: 1, rate: fast}}\n")
     assert "key 'target' must be {baseline: SETTING, minus: X}" in refused(
         "job: j.yaml\nworkers: 2\ntarget: {baseline: b, minus: 0.005}\nsettings:\n  - {name: a}\n")
+    assert "metric: perplexity needs target" in refused(
+        "job: j.yaml\nworkers: 2\nmetric: perplexity\nsettings:\n  - {name: a}\n")
+    assert "key 'target' must be {baseline: SETTING, times: X}" in refused(
+        "job: j.yaml\nworkers: 2\nmetric: perplexity\ntarget: {baseline: a, minus: 0.005}\n"
+        "settings:\n  - {name: a}\n")
+    assert "key 'metric' must be accuracy or perplexity" in refused(
+        "job: j.yaml\nworkers: 2\nmetric: bleu\nsettings:\n  - {name: a}\n")
     assert "exclude each other" in refused(
         "job: j.yaml\nworkers: 2\ntarget_accuracy: 0.8\ntarget: {baseline: a, minus: 0.005}\n"
         "settings:\n  - {name: a}\n")
