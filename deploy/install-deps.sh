@@ -14,7 +14,7 @@ packages=(
   libyaml-cpp-dev libcli11-dev libspdlog-dev libfmt-dev nlohmann-json3-dev
   libopenblas-dev zlib1g-dev libxxhash-dev
   googletest libgtest-dev libgmock-dev libbenchmark-dev
-  dataset-fashion-mnist
+  dataset-fashion-mnist fortunes
   clang-format clang libclang-rt-14-dev iproute2 iperf3 procps python3 curl dpkg-dev
   slurm-wlm slurmctld slurmd slurm-client munge openssh-server openssh-client prometheus-cpp-dev libmicrohttpd-dev
   systemd

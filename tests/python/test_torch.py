@@ -4,6 +4,7 @@ local launcher and its loss falls; DDP with sparse_allreduce_hook keeps the work
 and sparse; bad tensors are clear exceptions."""
 import csv
 import os
+import pathlib
 import subprocess
 import sys
 import threading
@@ -53,6 +54,30 @@ def test_example_trains_a_cnn_through_two_servers(tmp_path, backend):
     assert '"status": "ok"' in summary
     accuracy = float(read_csv(run / "eval-worker-0.csv")[-1]["test_accuracy"])
     assert accuracy > 0.75  # 100 steps of 2 x 64 samples; 82.55% when measured
+
+
+@pytest.mark.skipif(not pathlib.Path("/usr/share/games/fortunes/fortunes").exists(),
+                    reason="Debian's fortunes not installed (deploy/install-deps.sh)")
+def test_the_language_model_trains_through_sparseps(tmp_path):
+    """examples/language_model.py (the Transformer on Debian's fortunes, examples/torch_lm.yaml:
+    AdamW with aggregate="update" through PS top-k 1%) trains 40 steps on 2 workers: the loss
+    falls, k = 1% of 2,506,240 entries a step, and the test perplexity is written."""
+    run = tmp_path / "run"
+    env = dict(os.environ, SPARSEPS_CACHE=str(tmp_path / "cache"))
+    p = subprocess.run(
+        ["bash", str(ROOT / "deploy" / "launch.sh"), "--build-dir", str(BUILD), "--config",
+         str(ROOT / "examples" / "torch_lm.yaml"), "--run-dir", str(run), "--quiet",
+         "--set", "train.max_steps=40", "--set", "data.max_test_samples=100",
+         "--worker-command", f"{sys.executable} {ROOT / 'examples' / 'language_model.py'} "
+         "--optimizer adamw --aggregate update"],
+        capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = read_csv(run / "metrics-worker-0.csv")
+    assert len(rows) == 40
+    assert {int(r["selected"]) for r in rows} == {25062}
+    loss = [float(r["loss"]) for r in rows]
+    assert sum(loss[-5:]) < 0.9 * sum(loss[:5]), loss  # from ln(8192) = 9.0 down
+    assert "test perplexity" in (run / "worker-0.log").read_text()
 
 
 @pytest.mark.parametrize("model", ["resnet18", "resnet50"])
@@ -226,6 +251,95 @@ def test_distributed_optimizer_hands_other_optimizers_the_aggregated_gradient(cl
     assert torch.equal(p0, p1)
     assert nz0 == nz1
     assert all(16 <= nz <= 32 for nz in nz0), nz0  # k = 16 of 155 per worker; the union
+
+
+def test_synchronize_keeps_a_model_that_is_not_the_jobs(cluster):
+    """Adam with aggregate="gradient": each worker's model is its own optimizer's, not the job's
+    (the servers' SGD at train.lr), so synchronize() waits but copies nothing into it."""
+    c = cluster("train: {lr: 0.5, momentum: 0}\ncompression: {encoding: topk, density: 0.1}\n")
+
+    def worker(rank):
+        torch.manual_seed(rank)
+        model = torch.nn.Linear(30, 5)
+        opt = sparseps.torch.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                                  sparseps.Worker(str(c.job), rank=rank,
+                                                                  overrides=c.overrides))
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(8, 30)).pow(2).mean().backward()
+            opt.step()
+        before = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        opt.synchronize()
+        after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        job = torch.from_numpy(opt.worker.params())
+        opt.worker.finish()
+        return before, after, job
+
+    for before, after, job in run_threads([lambda r=r: worker(r) for r in range(2)]):
+        assert torch.equal(before, after)
+        assert not torch.equal(after, job)  # the servers' SGD went elsewhere
+
+
+@pytest.mark.parametrize("aggregation", ["ps", "allreduce"])
+def test_aggregating_the_optimizers_update_loses_nothing(cluster, aggregation):
+    """aggregate="update" (error feedback on Adam's update): each worker's Adam steps on its own
+    gradient and only that step goes through sparseps. Conservation, exact up to rounding: the
+    model moved by the mean of every worker's every Adam step, less what the residuals hold back,
+    x0 - xT = (sum of steps - train.lr * sum of residuals) / W; the models stay equal and the
+    Adam states stay each worker's own."""
+    sets = ["aggregation=allreduce", "collective.algorithm=topk_allgather"] \
+        if aggregation == "allreduce" else []
+    c = cluster("train: {lr: 0.5, momentum: 0}\ncompression: {encoding: topk, density: 0.05}\n",
+                servers=0 if aggregation == "allreduce" else 2, sets=sets)
+
+    def worker(rank):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(30, 20), torch.nn.Tanh(),
+                                    torch.nn.Linear(20, 5))
+        adam = torch.optim.Adam(model.parameters(), lr=0.01)
+        opt = sparseps.torch.DistributedOptimizer(
+            adam, sparseps.Worker(str(c.job), rank=rank, overrides=c.overrides + sets),
+            aggregate="update")
+        start = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
+        steps = torch.zeros_like(start)
+        g = torch.Generator().manual_seed(rank)
+        losses = []
+        for _ in range(30):
+            opt.zero_grad()
+            x = torch.randn(16, 30, generator=g)
+            loss = (model(x) - x[:, :5]).pow(2).mean()
+            loss.backward()
+            opt.step()
+            steps += opt._flat.double() * opt.worker.lr  # this step: the pushed buffer x lr
+            losses.append(loss.item())
+        end = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
+        residual = torch.from_numpy(opt.worker.residual()).double()
+        state = adam.state[model[0].weight]["exp_avg_sq"].clone()
+        opt.worker.finish()
+        return start, end, steps, residual, state, losses
+
+    (s0, e0, d0, r0, v0, l0), (s1, e1, d1, r1, v1, l1) = run_threads(
+        [lambda r=r: worker(r) for r in range(2)])
+    assert torch.equal(s0, s1) and torch.equal(e0, e1)
+    moved = s0 - e0
+    expected = (d0 + d1 - 0.5 * (r0 + r1)) / 2
+    assert torch.allclose(moved, expected, rtol=0, atol=1e-5), (moved - expected).abs().max()
+    assert r0.abs().sum() > 0  # density 5%: the residuals do hold steps back
+    assert not torch.equal(v0, v1)  # each worker's Adam saw its own gradients
+    assert sum(l0[-5:]) < sum(l0[:5]), l0
+
+
+def test_aggregating_the_update_needs_no_job_momentum(cluster):
+    c = cluster("train: {lr: 0.5, momentum: 0.9}\ncompression: {encoding: topk, density: 0.1}\n",
+                workers=1)
+    w = sparseps.Worker(str(c.job), rank=0, overrides=c.overrides)
+    model = torch.nn.Linear(4, 2)
+    with pytest.raises(ValueError, match="train.momentum is 0.9; set it to 0"):
+        sparseps.torch.DistributedOptimizer(torch.optim.Adam(model.parameters()), w,
+                                            aggregate="update")
+    with pytest.raises(ValueError, match="'gradient' or 'update'"):
+        sparseps.torch.DistributedOptimizer(torch.optim.Adam(model.parameters()), w,
+                                            aggregate="weights")
 
 
 def test_distributed_optimizer_reports_the_loss_to_the_live_metrics(cluster):

@@ -1,0 +1,287 @@
+"""The training loop that the PyTorch examples share (examples/fashion_mnist.py,
+examples/language_model.py): one worker of a sparseps job through sparseps.torch, or of torch DDP
+over Gloo (the baseline users run today), started like the C++ worker with the job's config and
+--set overrides, writing the C++ worker's metrics and eval CSVs (so deploy/summarize.py and
+bench/sparseps-compare read its runs).
+
+An example supplies its models and its data; everything else is here:
+
+    import torch_job
+    args = torch_job.parser(__doc__, models=["cnn", "mlp"]).parse_args()
+    torch_job.run(args, build_model, load_data)   # build_model(name, get); load_data(args, get)
+
+The config's train.* keys (epochs, batch_size, lr, momentum, seed, max_steps, eval_every_epochs,
+eval_every_steps, device), data.max_train_samples, data.max_test_samples, run.dir and
+run.progress_interval_s mean what they mean for the C++ worker. Each worker trains on its own
+shard (a seeded permutation of the training samples dealt by rank).
+
+Optimizers (--optimizer): sgd (default) is torch's SGD at train.lr, with DGC's momentum
+correction (train.momentum) inside sparseps; adam and adamw are torch's at --opt-lr. With
+`--aggregate gradient` (default) sparseps aggregates the gradients and the optimizer steps with the
+aggregated one; with `--aggregate update` each worker's optimizer steps on its own gradient and
+sparseps aggregates those steps, error feedback keeping what the compression leaves out
+(sparseps.torch.DistributedOptimizer's aggregate="update": what Adam needs at low density).
+"""
+import argparse
+import csv
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import sparseps
+import sparseps.torch
+from sparseps import capi
+
+ERRORS = [ValueError, TimeoutError, capi.Error]  # a clear message and exit code 1 or 2
+
+
+def log(rank, level, text):
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    stream = sys.stderr if level in ("warning", "error") else sys.stdout
+    print(f"[{stamp}] [worker-{rank}] [{level}] {text}", file=stream, flush=True)
+
+
+def worker_backend(force_capi):
+    """(Worker class, its Error class): the pybind11 module's when it loads in this Python (and
+    not force_capi), else sparseps.capi's."""
+    if not force_capi:
+        try:
+            return sparseps.Worker, sparseps.Error
+        except ImportError:
+            pass
+    return capi.Worker, capi.Error
+
+
+def evaluate(model, x, y, batch=1000):
+    """(mean cross-entropy, accuracy) over (x, y): per sample for a classifier (outputs N x C),
+    per token for a language model (outputs N x T x V against N x T targets)."""
+    model.eval()
+    loss, correct = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, len(x), batch):
+            out = model(x[i:i + batch])
+            target = y[i:i + batch]
+            loss += F.cross_entropy(out.flatten(0, -2), target.flatten(), reduction="sum").item()
+            correct += (out.argmax(-1) == target).sum().item()
+    model.train()
+    return loss / y.numel(), correct / y.numel()
+
+
+def parser(doc, models, default_model=None):
+    """The examples' command line: --config, --set, --model (one of `models`) and the options of
+    the loop (devices, DDP and its hooks, optimizers, the Python backend)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--config", default="", help="the job's YAML config")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config key, as the daemons take it")
+    ap.add_argument("--model", choices=models, default=default_model or models[0])
+    ap.add_argument("--synthetic", action="store_true",
+                    help="random data instead of the data set (step time and bytes only)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (1: the workers of a machine share its cores)")
+    ap.add_argument("--ddp", action="store_true",
+                    help="torch DDP over Gloo instead of sparseps (the baseline)")
+    ap.add_argument("--ddp-hook", choices=["none", "fp16", "powersgd"], default="none",
+                    help="with --ddp: DDP's communication hook (fp16_compress_hook, powerSGD_hook)")
+    ap.add_argument("--powersgd-rank", type=int, default=4,
+                    help="with --ddp-hook powersgd: its matrix_approximation_rank")
+    ap.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], default="sgd",
+                    help="sgd at train.lr (momentum: train.momentum), or adam / adamw at --opt-lr")
+    ap.add_argument("--opt-lr", type=float, default=1e-3, help="adam's and adamw's learning rate")
+    ap.add_argument("--weight-decay", type=float, default=0.0, help="adam's and adamw's")
+    ap.add_argument("--aggregate", choices=["gradient", "update"], default="gradient",
+                    help="what sparseps aggregates: the gradients, or each worker's optimizer "
+                    "step (error feedback on the update)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                    help="where the model trains (default: the config's train.device)")
+    ap.add_argument("--capi", action="store_true",
+                    help="sparseps.capi's worker even where the pybind11 module loads")
+    return ap
+
+
+def make_optimizer(args, params, get, ddp):
+    """The torch optimizer of --optimizer: SGD at train.lr (with train.momentum under DDP; inside
+    sparseps otherwise), Adam / AdamW at --opt-lr."""
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=get("train.lr"),
+                               momentum=get("train.momentum") if ddp else 0.0)
+    cls = torch.optim.Adam if args.optimizer == "adam" else torch.optim.AdamW
+    return cls(params, lr=args.opt_lr, weight_decay=args.weight_decay)
+
+
+def run(args, build_model, load_data, perplexity=False):
+    """Trains one worker: build_model(name, get) -> torch module; load_data(args, get) ->
+    (x, y, xt, yt, what) training and test tensors on the CPU and a description for the log.
+    perplexity: the log reports exp(test loss) beside the accuracy (a language model)."""
+    torch.set_num_threads(args.threads)
+    Worker, error = worker_backend(args.capi)
+    ERRORS.append(error)
+    worker = Worker(args.config, overrides=args.set)
+    get = worker.get
+    device = torch.device(args.device or get("train.device"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: this PyTorch sees no CUDA device")
+    if args.aggregate == "update" and args.ddp:
+        raise ValueError("--aggregate update: sparseps's, not DDP's")
+    seed, batch = get("train.seed"), get("train.batch_size")
+    torch.manual_seed(seed)  # the same initial model everywhere (worker 0's is used anyway)
+    model = build_model(args.model, get).to(device)
+    n = sum(p.numel() for p in model.parameters())
+    if args.ddp:
+        # sparseps only for the rank and the job's end; DDP broadcasts worker 0's parameters.
+        with torch.no_grad():
+            worker.init([p.detach() for p in model.parameters()])
+        import torch.distributed as dist
+        run_dir = get("run.dir") or "."
+        dist.init_process_group("gloo", init_method=f"file://{os.path.abspath(run_dir)}/ddp.init",
+                                rank=worker.rank, world_size=worker.num_workers)
+        model = torch.nn.parallel.DistributedDataParallel(model)  # Gloo takes CUDA tensors too
+        if args.ddp_hook == "fp16":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+            model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif args.ddp_hook == "powersgd":
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+            state = powerSGD_hook.PowerSGDState(process_group=None,
+                                                matrix_approximation_rank=args.powersgd_rank,
+                                                start_powerSGD_iter=2)
+            model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        opt = make_optimizer(args, model.parameters(), get, ddp=True)
+    else:
+        opt = sparseps.torch.DistributedOptimizer(
+            make_optimizer(args, model.parameters(), get, ddp=False), worker,
+            aggregate=args.aggregate)
+    rank, workers = worker.rank, worker.num_workers
+
+    x, y, xt, yt, what = load_data(args, get)
+    if get("data.max_train_samples"):
+        x, y = x[:get("data.max_train_samples")], y[:get("data.max_train_samples")]
+    if get("data.max_test_samples"):
+        xt, yt = xt[:get("data.max_test_samples")], yt[:get("data.max_test_samples")]
+    x, y, xt, yt = x.to(device), y.to(device), xt.to(device), yt.to(device)
+    shard = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))[rank::workers]
+    shard = shard.to(device)
+    steps_per_epoch = len(shard) // batch
+    if steps_per_epoch == 0:
+        raise ValueError(f"{len(shard)} training samples on this worker: fewer than one batch "
+                         f"of train.batch_size {batch}")
+    total = get("train.epochs") * steps_per_epoch
+    if get("train.max_steps"):
+        total = min(total, get("train.max_steps"))
+    epochs = (total + steps_per_epoch - 1) // steps_per_epoch
+    optimizer = args.optimizer + (f" (lr {args.opt_lr})" if args.optimizer != "sgd" else "")
+    method = (f"torch DDP (gloo, {args.ddp_hook} hook)" if args.ddp else f"{worker.aggregation} " + (
+        get("compression.encoding") if worker.aggregation == "ps" else get("collective.algorithm"))
+        + f", aggregating the {args.aggregate}")
+    log(rank, "info", f"model: torch {args.model}, {n} parameters on {device}; {what}; "
+        f"{len(shard)} training samples on this worker, {steps_per_epoch} steps per epoch; "
+        f"{method}; optimizer {optimizer}")
+
+    run_dir = get("run.dir")
+    metrics = evals = None
+    if run_dir:
+        metrics = csv.writer(open(os.path.join(run_dir, f"metrics-worker-{rank}.csv"), "w", newline="",
+                                  buffering=1))
+        metrics.writerow(["step", "epoch", "loss", "bytes_sent", "bytes_received", "selected",
+                          "compute_ms", "encode_ms", "comm_ms", "wall_s", "applied", "topk_mass",
+                          "binding_ms"])
+        if rank == 0:
+            evals = csv.writer(open(os.path.join(run_dir, "eval-worker-0.csv"), "w", newline="",
+                                    buffering=1))
+            evals.writerow(["epoch", "step", "wall_s", "test_loss", "test_accuracy", "train_s"])
+    start = last = time.monotonic()
+    eval_s, accuracy, step, epoch_loss, epoch_steps = 0.0, -1.0, 0, 0.0, 0
+    progress_loss, progress_steps = 0.0, 0
+
+    def run_eval(epoch):
+        nonlocal eval_s, accuracy
+        t = time.monotonic()
+        test_loss, accuracy = evaluate(getattr(model, "module", model), xt, yt)
+        took = time.monotonic() - t
+        wall = t + took - start
+        if evals:
+            evals.writerow([epoch, step, wall, test_loss, accuracy, wall - eval_s - took])
+        eval_s += took
+        ppl = f", test perplexity {math.exp(min(test_loss, 50.0)):.2f}" if perplexity else ""
+        log(rank, "info", f"eval epoch {epoch} step {step}: test loss {test_loss:.4f}, "
+            f"test accuracy {100 * accuracy:.2f}%{ppl}")
+
+    for epoch in range(epochs):
+        order = shard[torch.randperm(len(shard), generator=torch.Generator().manual_seed(
+            seed ^ (epoch + 1) * 0x9E3779B9 ^ rank)).to(device)]
+        worker.set_epoch(epoch)
+        epoch_loss, epoch_steps = 0.0, 0
+        for s in range(steps_per_epoch):
+            if step >= total:
+                break
+            t0 = time.monotonic()
+            idx = order[s * batch:(s + 1) * batch]
+            opt.zero_grad()
+            out = model(x[idx])
+            loss = F.cross_entropy(out.flatten(0, -2), y[idx].flatten())
+            loss.backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # compute_ms: the forward and backward, finished
+            t1 = time.monotonic()
+            if args.ddp:
+                opt.step()
+            else:
+                opt.step(loss=loss)  # the live metrics' loss gauge
+            t2 = time.monotonic()
+            step += 1
+            loss = loss.item()
+            epoch_loss, epoch_steps = epoch_loss + loss, epoch_steps + 1
+            if metrics and args.ddp:
+                # DDP's allreduce runs inside backward (compute_ms); comm_ms is the optimizer step.
+                metrics.writerow([step, epoch + 1, loss, 0, 0, n, 1000 * (t1 - t0), 0,
+                                  1000 * (t2 - t1), t2 - start, n, -1, 0])
+            elif metrics:
+                last_step = worker.last_step
+                # comm_ms: push_pull and the optimizer's step less the aggregation's encoding;
+                # binding_ms: push_pull's time outside the C++ aggregation (tensor intake, the
+                # update's array, the GIL), the cost of being called from Python.
+                comm = 1000 * (t2 - t1) - last_step["encode_ms"]
+                binding = opt.last_push_pull_ms - last_step["encode_ms"] - last_step["comm_ms"]
+                metrics.writerow([step, epoch + 1, loss, last_step["bytes_sent"],
+                                  last_step["bytes_received"], last_step["selected"],
+                                  1000 * (t1 - t0), last_step["encode_ms"], comm, t2 - start,
+                                  last_step["applied"], -1, binding])
+            progress_loss, progress_steps = progress_loss + loss, progress_steps + 1
+            if rank == 0 and t2 - last >= get("run.progress_interval_s"):
+                acc = "n/a" if accuracy < 0 else f"{100 * accuracy:.2f}%"
+                log(rank, "info",
+                    f"progress epoch {epoch + 1}/{epochs} step {step}/{total} loss "
+                    f"{progress_loss / progress_steps:.4f} test_acc {acc} cluster "
+                    f"{progress_steps * batch * workers / (t2 - last):.0f} samples/s, this worker "
+                    f"sent {worker.bytes_sent / 1e6:.2f} MB and received "
+                    f"{worker.bytes_received / 1e6:.2f} MB in all")
+                last, progress_loss, progress_steps = t2, 0.0, 0
+            every = get("train.eval_every_steps")
+            if rank == 0 and every and step % every == 0 and step < total:
+                run_eval(epoch + 1)
+        every = get("train.eval_every_epochs")
+        if rank == 0 and every and (epoch + 1) % every == 0 and step < total:
+            run_eval(epoch + 1)
+    train_s = time.monotonic() - start
+    if rank == 0:
+        if not args.ddp:
+            opt.synchronize()  # ssp / async: the model with every worker's every push
+        run_eval(epochs)
+    log(rank, "info", f"training done: {step} steps in {train_s:.1f} s, "
+        f"{step * batch / train_s:.0f} samples/s on this worker"
+        + (f", final test accuracy {100 * accuracy:.2f}%" if rank == 0 else ""))
+    worker.finish(test_accuracy=accuracy, train_loss=epoch_loss / max(epoch_steps, 1),
+                  samples_per_s=step * batch / train_s, train_s=train_s)
+
+
+def main(fn, name):
+    """Runs fn() and turns the loop's errors into a message and exit code 2 (bad arguments or
+    config) or 1 (the job failed)."""
+    try:
+        fn()
+    except tuple(ERRORS) as e:
+        print(f"{name}: {e}", file=sys.stderr)
+        sys.exit(2 if isinstance(e, ValueError) else 1)
