@@ -16,6 +16,8 @@
 #   step     the GPU step split (bench/gpu_step.py): cnn and the 5.8M MLP (the C++ worker,
 #            train.device=cuda) and resnet18 (the example, --device cuda), each with PS top-k 1%
 #            and SparDL, 2 workers on loopback, next to PyTorch's own step of each model
+#   gpucompare configs/compare_torch_gpu_1gbit.yaml: ResNet-18 on 4 GPU workers at 1 Gbit/s,
+#            torch DDP (Gloo, fp16, PowerSGD hooks) against sparseps (issue 41, point 5)
 #   sanitize the GPU tests, then under compute-sanitizer's memcheck, racecheck and synccheck
 #            (SANITIZERS: which of the three)
 # STEP_MODELS (cnn,mlp,resnet18), STEP_METHODS (ps_topk,spardl) and STEP_WORKERS (2) narrow the
@@ -162,6 +164,12 @@ if [[ $net -eq 1 ]] && want goal5; then
     --out /tmp/c5 --build-dir "$B" \
     --only "${SCALING:-ps_topk_w2,ps_topk_w8,ps_topk_stk_w2,ps_topk_stk_w8,gtopk_w2,gtopk_w8,spardl_w2,spardl_w8,exdyna_w2,exdyna_w8,gloo_w2,gloo_w8}"
   pack c5
+fi
+if [[ $net -eq 1 ]] && want gpucompare; then
+  echo "== gpucompare at $(date -u +%T), $(left) s left"
+  timeout "$(cap 480)" python3 bench/sparseps-compare --config configs/compare_torch_gpu_1gbit.yaml \
+    --out /tmp/c6 --build-dir "$B"
+  pack c6
 fi
 bash deploy/netns.sh down --prefix spsc >/dev/null 2>&1
 echo "== end at $(date -u +%T), $(left) s left"
