@@ -6,7 +6,7 @@
 # examples/torch_cnn.yaml. Arguments:
 #
 #   examples/train_torch.sh                      # the small CNN, 2 epochs
-#   examples/train_torch.sh --model resnet18     # torchvision's ResNet-18 for 1x28x28
+#   examples/train_torch.sh --model resnet18     # torchvision's ResNet-18, CIFAR-style (32x32)
 #   examples/train_torch.sh --model mlp --set train.epochs=6
 #   examples/train_torch.sh --config F ...       # another job config; other arguments go to
 #                                                # deploy/launch.sh (--set, --run-dir, --quiet)

@@ -20,6 +20,11 @@ momentum correction, train.momentum, is inside sparseps). Any other optimizer (A
 momentum, with train.momentum: 0) gets the job's aggregated gradient, update / train.lr (zero
 where nothing changed), as .grad and steps with it.
 
+With aggregate="update" the wrapped optimizer (Adam, AdamW, ...) steps on each worker's own
+gradient and sparseps aggregates those steps instead, with error feedback on the update (the job
+needs train.momentum: 0): what Adam needs at low density, where a sparse aggregated gradient
+would feed its second moment zeros and bursts.
+
 sparse_allreduce_hook: a torch DDP communication hook that aggregates DDP's gradient buckets with
 a sparse collective of sparseps (topk_allgather, gtopk, spardl, exdyna; collective.algorithm)
 instead of Gloo's dense allreduce, as torch's own PowerSGD hook does with its state:

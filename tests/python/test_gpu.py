@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from conftest import BUILD, DATA, ROOT
+from conftest import BUILD, DATA, ROOT, ddp_hook_keeps_the_workers_equal_and_sparse
 from sparseps import capi
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -68,23 +68,4 @@ def test_example_trains_on_the_gpu_to_the_cpu_accuracy(tmp_path):
 
 
 def test_ddp_hook_on_cuda_tensors_keeps_the_workers_equal_and_sparse(cluster, tmp_path):
-    sets = ["aggregation=allreduce", "collective.algorithm=topk_allgather", "train.lr=1",
-            "train.momentum=0", "compression.density=0.1"]
-    c = cluster("cluster: {register_timeout_s: 60}\n", servers=0, sets=sets)
-    init = tmp_path / "dist_init"
-    outs = [tmp_path / f"ddp-{r}.pt" for r in range(2)]
-    env = dict(os.environ, DDP_DEVICE="cuda")
-    procs = [subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "python" / "ddp_worker.py"), str(r), "2", str(init),
-         str(c.job), str(outs[r])] + sum((["--set", s] for s in c.overrides + sets), []),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for r in range(2)]
-    for p in procs:
-        out, _ = p.communicate(timeout=300)
-        assert p.returncode == 0, out
-    got = [torch.load(o) for o in outs]
-    assert torch.equal(got[0]["params"], got[1]["params"])
-    n = got[0]["params"].numel()  # 1604; k = 160 per worker
-    for nz in got[0]["nonzero"]:
-        assert 0 < nz <= 2 * round(0.1 * n), got[0]["nonzero"]
-    loss = got[0]["loss"]
-    assert sum(loss[-5:]) < 0.6 * sum(loss[:5]), loss
+    ddp_hook_keeps_the_workers_equal_and_sparse(cluster, tmp_path, "cuda")

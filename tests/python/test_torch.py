@@ -16,7 +16,7 @@ import torch
 import sparseps
 import sparseps.torch
 from sparseps import capi
-from conftest import BUILD, DATA, ROOT, run_threads
+from conftest import BUILD, DATA, ROOT, ddp_hook_keeps_the_workers_equal_and_sparse, run_threads
 
 needs_data = pytest.mark.skipif(not (DATA / "train-images-idx3-ubyte.gz").exists(),
                                 reason="Fashion-MNIST not installed (deploy/install-deps.sh)")
@@ -181,26 +181,7 @@ def test_distributed_optimizer_starts_every_worker_from_worker_0(cluster, aggreg
 
 
 def test_ddp_hook_keeps_the_workers_equal_and_sparse(cluster, tmp_path):
-    sets = ["aggregation=allreduce", "collective.algorithm=topk_allgather", "train.lr=1",
-            "train.momentum=0", "compression.density=0.1"]
-    c = cluster("cluster: {register_timeout_s: 60}\n", servers=0, sets=sets)
-    init = tmp_path / "dist_init"
-    outs = [tmp_path / f"ddp-{r}.pt" for r in range(2)]
-    env = dict(os.environ)
-    procs = [subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "python" / "ddp_worker.py"), str(r), "2", str(init),
-         str(c.job), str(outs[r])] + sum((["--set", s] for s in c.overrides + sets), []),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for r in range(2)]
-    for p in procs:
-        out, _ = p.communicate(timeout=180)
-        assert p.returncode == 0, out
-    got = [torch.load(o) for o in outs]
-    assert torch.equal(got[0]["params"], got[1]["params"])
-    n = got[0]["params"].numel()  # 20*64 + 64 + 64*4 + 4 = 1604; k = 160 per worker
-    for nz in got[0]["nonzero"]:
-        assert 0 < nz <= 2 * round(0.1 * n), got[0]["nonzero"]
-    loss = got[0]["loss"]
-    assert sum(loss[-5:]) < 0.6 * sum(loss[:5]), loss
+    ddp_hook_keeps_the_workers_equal_and_sparse(cluster, tmp_path, "cpu")
 
 
 def test_bad_tensors_are_clear_exceptions(cluster):
@@ -229,7 +210,9 @@ def test_bad_tensors_are_clear_exceptions(cluster):
 
 def test_distributed_optimizer_hands_other_optimizers_the_aggregated_gradient(cluster):
     """Adam (train.momentum 0): every worker's .grad is the same sparse aggregated gradient,
-    update / train.lr, so the models stay equal and move only where the job applied."""
+    update / train.lr, so the models stay equal and move only where the job applied. Each
+    worker's model is its own optimizer's, not the job's (the servers' SGD at train.lr), so
+    synchronize() waits but copies nothing into it."""
     c = cluster("train: {lr: 0.5, momentum: 0}\ncompression: {encoding: topk, density: 0.1}\n")
 
     def worker(rank):
@@ -244,40 +227,18 @@ def test_distributed_optimizer_hands_other_optimizers_the_aggregated_gradient(cl
             model(torch.randn(8, 30)).pow(2).mean().backward()
             opt.step()
             nonzero.append(sum(int((p.grad != 0).sum()) for p in model.parameters()))
+        before = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        opt.synchronize()
+        job = torch.from_numpy(opt.worker.params())
         opt.worker.finish()
-        return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), nonzero
+        after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        assert torch.equal(before, after) and not torch.equal(after, job)
+        return after, nonzero
 
     (p0, nz0), (p1, nz1) = run_threads([lambda r=r: worker(r) for r in range(2)])
     assert torch.equal(p0, p1)
     assert nz0 == nz1
     assert all(16 <= nz <= 32 for nz in nz0), nz0  # k = 16 of 155 per worker; the union
-
-
-def test_synchronize_keeps_a_model_that_is_not_the_jobs(cluster):
-    """Adam with aggregate="gradient": each worker's model is its own optimizer's, not the job's
-    (the servers' SGD at train.lr), so synchronize() waits but copies nothing into it."""
-    c = cluster("train: {lr: 0.5, momentum: 0}\ncompression: {encoding: topk, density: 0.1}\n")
-
-    def worker(rank):
-        torch.manual_seed(rank)
-        model = torch.nn.Linear(30, 5)
-        opt = sparseps.torch.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
-                                                  sparseps.Worker(str(c.job), rank=rank,
-                                                                  overrides=c.overrides))
-        for _ in range(3):
-            opt.zero_grad()
-            model(torch.randn(8, 30)).pow(2).mean().backward()
-            opt.step()
-        before = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        opt.synchronize()
-        after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        job = torch.from_numpy(opt.worker.params())
-        opt.worker.finish()
-        return before, after, job
-
-    for before, after, job in run_threads([lambda r=r: worker(r) for r in range(2)]):
-        assert torch.equal(before, after)
-        assert not torch.equal(after, job)  # the servers' SGD went elsewhere
 
 
 @pytest.mark.parametrize("aggregation", ["ps", "allreduce"])
