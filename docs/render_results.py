@@ -85,38 +85,47 @@ def encodings(q):
 
 
 def comparison(c):
+    """A comparison's section: its header lines and table, each step time against the
+    entry's `baseline` setting (gloo when it names none); a language model's runs (a target in
+    perplexity) show their final perplexity instead of accuracy."""
     folder = os.path.join(ROOT, c["dir"])
     with open(os.path.join(folder, "results.md")) as f:
         header = [line[2:].strip() for line in f if line.startswith("- ")]
     with open(os.path.join(folder, "results.csv")) as f:
         rows = list(csv.DictReader(f))
-    gloo = next(float(r["step_ms_median"]) for r in rows if r["setting"] == "gloo")
+    baseline = c.get("baseline", "gloo")
+    base = next(float(r["step_ms_median"]) for r in rows if r["setting"] == baseline)
+    perplexity = any(h.startswith("target: test perplexity") for h in header)
     out = [f"### At {c['rate']}", ""]
     if not any(h.startswith("target:") for h in header):
         header.append("target: 80.0% test accuracy")  # runs from before the driver said it
     out += [f"- {h}" for h in header]
     out += [f"- date: {c['date']}; commit: {c['commit']}; files: {c['dir']}/ (plots too)", "",
-            "| setting | W + S | time to target (s) | step ms (median) | vs gloo | sent KB/step "
-            "| received KB/step | final accuracy |",
+            f"| setting | W + S | time to target (s) | step ms (median) | vs {baseline} | sent "
+            "KB/step | received KB/step | " + ("final perplexity" if perplexity else
+                                               "final accuracy") + " |",
             "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         reached = r["time_to_target_s"] not in ("", "nan")  # the driver writes nan when not
         t = f"{float(r['time_to_target_s']):.1f}" if reached else "not reached"
         step = float(r["step_ms_median"])
+        final = (f"{float(r['final_perplexity']):.2f}" if perplexity else
+                 percent(float(r["final_accuracy"])))
         out.append(f"| {r['setting']} | {r['workers']} + {r['servers']} | {t} | {step:.1f} | "
-                   f"{step / gloo:.2f}x | {float(r['sent_bytes_per_step']) / 1e3:.1f} | "
-                   f"{float(r['received_bytes_per_step']) / 1e3:.1f} | "
-                   f"{percent(float(r['final_accuracy']))} |")
+                   f"{step / base:.2f}x | {float(r['sent_bytes_per_step']) / 1e3:.1f} | "
+                   f"{float(r['received_bytes_per_step']) / 1e3:.1f} | {final} |")
+    if c.get("note"):
+        out += ["", c["note"]]
     out.append("")
     return out
 
 
 def compare():
-    out = ["Four workers (+ servers for the PS settings) on emulated hosts of their own "
-           "(deploy/netns.sh: one veth per host, tc tbf at the rate each way), the 5.8M-parameter "
-           "MLP at density 1%, 150 steps. Time to the target test accuracy first (each run says "
-           "its target); `vs gloo` is the "
-           "median step against Gloo's dense allreduce in the same run.", ""]
+    out = ["Workers (+ servers for the PS settings) on emulated hosts of their own "
+           "(deploy/netns.sh: one veth per host, tc tbf at the rate each way); unless a header says "
+           "otherwise, 4 workers and the 5.8M-parameter MLP at density 1%, 150 steps. Time to the "
+           "target first (each run says its target); `vs gloo` (or the baseline named) is the "
+           "median step against that setting's in the same run.", ""]
     for c in load("comparisons.json")["comparisons"]:
         out += comparison(c)
     return out
