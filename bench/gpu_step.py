@@ -31,13 +31,11 @@ import fashion_mnist as example  # noqa: E402  (the example's models)
 
 
 def model_of(name):
-    if name == "cnn":
-        return example.Cnn(), (1, 28, 28)
-    if name == "resnet18":
-        return example.resnet18(), (1, 32, 32)
-    if name == "mlp":
-        return example.mlp([2048, 2048]), (1, 28, 28)
-    raise SystemExit(f"gpu_step.py: unknown model {name!r} (cnn, resnet18, mlp)")
+    """The example's model `name` and its input's shape (the mlp: 784-2048-2048-10)."""
+    if name not in ("cnn", "resnet18", "mlp"):
+        raise SystemExit(f"gpu_step.py: unknown model {name!r} (cnn, resnet18, mlp)")
+    model = example.build_model(name, {"model.hidden": [2048, 2048]}.get)
+    return model, (1, 32, 32) if name.startswith("resnet") else (1, 28, 28)
 
 
 def torch_step_ms(name, batch, steps, device):

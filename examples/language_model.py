@@ -37,6 +37,7 @@ import torch_job
 
 VOCAB = 8192  # <unk>, <eos> and the 8,190 most frequent training tokens
 UNK, EOS = 0, 1
+BERT_VOCAB = 30522  # --model bert: BERT-base's WordPiece vocabulary size
 TOKEN = re.compile(r"[a-z0-9']+|[^\sa-z0-9']")
 
 
@@ -64,8 +65,8 @@ def tokenize(text):
 
 
 def corpus(data_dir, context):
-    """(x, y, xt, yt, vocabulary size): windows of `context` tokens and their next tokens, the
-    training set's and the test set's (every 10th fortune), as int64 tensors."""
+    """(x, y, xt, yt): windows of `context` tokens and their next tokens, the training set's and
+    the test set's (every 10th fortune), as int64 tensors of ids below VOCAB."""
     docs = [tokenize(t) for t in fortunes(data_dir)]
     train = [d for i, d in enumerate(docs) if i % 10]
     test = [d for i, d in enumerate(docs) if i % 10 == 0]
@@ -85,7 +86,7 @@ def corpus(data_dir, context):
 
     x, y = windows(train)
     xt, yt = windows(test)
-    return x, y, xt, yt, len(words)
+    return x, y, xt, yt
 
 
 class Decoder(nn.Module):
@@ -121,36 +122,23 @@ def main():
     args = ap.parse_args()
     if args.model == "bert" and not args.synthetic:
         raise ValueError("--model bert: --synthetic only (no data set of its size is packaged)")
-    vocab = {}
-
     def load_data(args, get):
         if args.synthetic:
-            v = 30522 if args.model == "bert" else VOCAB
+            v = BERT_VOCAB if args.model == "bert" else VOCAB
             g = torch.Generator().manual_seed(get("train.seed"))
             x = torch.randint(0, v, (20000, args.context + 1), generator=g)
             xt = torch.randint(0, v, (500, args.context + 1), generator=g)
-            vocab["size"] = v
             return x[:, :-1], x[:, 1:], xt[:, :-1], xt[:, 1:], f"random tokens (vocabulary {v})"
-        x, y, xt, yt, v = corpus(get("data.dir"), args.context)
-        vocab["size"] = v
+        x, y, xt, yt = corpus(get("data.dir"), args.context)
         return x, y, xt, yt, (f"Debian's fortunes, {x.numel()} training and {xt.numel()} test "
-                              f"tokens, vocabulary {v}")
-
-    # The data first (the vocabulary sizes the model); torch_job.run loads it through this.
-    loaded = {}
-
-    def load_once(args, get):
-        if "data" not in loaded:
-            loaded["data"] = load_data(args, get)
-        return loaded["data"]
+                              f"tokens, vocabulary {VOCAB}")
 
     def build_model(name, get):
-        load_once(args, get)
         if name == "bert":
-            return Decoder(vocab["size"], args.context, 768, 12, 12)
-        return Decoder(vocab["size"], args.context, args.dim, args.layers, args.heads)
+            return Decoder(BERT_VOCAB, args.context, 768, 12, 12)
+        return Decoder(VOCAB, args.context, args.dim, args.layers, args.heads)
 
-    torch_job.run(args, build_model, load_once, perplexity=True)
+    torch_job.run(args, build_model, load_data, perplexity=True)
 
 
 if __name__ == "__main__":

@@ -89,6 +89,7 @@ def _declare(lib):
     signatures = {
         "version": (ctypes.c_char_p, []),
         "cuda_build": (ctypes.c_int, []),
+        "device_of": (ctypes.c_int, [ctypes.c_void_p]),
         "worker_new": (ctypes.c_int, [ctypes.c_char_p, ctypes.POINTER(ctypes.c_char_p),
                                       ctypes.c_size_t, ctypes.c_int, ctypes.POINTER(handle)] + err),
         "worker_free": (None, [handle]),

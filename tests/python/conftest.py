@@ -157,3 +157,19 @@ def ddp_hook_keeps_the_workers_equal_and_sparse(cluster, tmp_path, device):
         assert 0 < nz <= 2 * round(0.1 * n), got[0]["nonzero"]
     loss = got[0]["loss"]
     assert sum(loss[-5:]) < 0.6 * sum(loss[:5]), loss
+
+
+def launch_example(tmp_path, config, command, sets=(), name="run", timeout=300):
+    """Runs a job of examples/CONFIG through deploy/launch.sh (1 scheduler, its servers, workers
+    started as COMMAND, a Python example) on loopback with the `sets` overrides; asserts that it
+    ended well and returns its run directory. The examples' data cache is the test's own."""
+    run = tmp_path / name
+    env = dict(os.environ, SPARSEPS_CACHE=str(tmp_path / "cache"))
+    args = ["bash", str(ROOT / "deploy" / "launch.sh"), "--build-dir", str(BUILD), "--config",
+            str(ROOT / "examples" / config), "--run-dir", str(run), "--quiet",
+            "--worker-command", command]
+    for s in sets:
+        args += ["--set", s]
+    p = subprocess.run(args, capture_output=True, text=True, env=env, timeout=timeout)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return run

@@ -7,15 +7,12 @@ Where torch sees no CUDA device (CI) every test here skips. Only sparseps.capi i
 in any Python 3 and any PyTorch (a GPU machine's own, which the pybind11 module is not built for);
 bench/device_run.sh's `pytorch` phase runs this file there."""
 import csv
-import ctypes
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import BUILD, DATA, ROOT, ddp_hook_keeps_the_workers_equal_and_sparse
+from conftest import DATA, ROOT, ddp_hook_keeps_the_workers_equal_and_sparse, launch_example
 from sparseps import capi
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -29,8 +26,6 @@ def read_csv(path):
 def test_the_library_sees_torch_tensors_on_the_device():
     assert capi.cuda(), "libsparseps_client was built without CUDA"
     lib = capi.library()
-    lib.sparseps_device_of.restype = ctypes.c_int
-    lib.sparseps_device_of.argtypes = [ctypes.c_void_p]
     t = torch.zeros(4, device="cuda")
     assert lib.sparseps_device_of(t.data_ptr()) == t.device.index
     assert lib.sparseps_device_of(torch.zeros(4).data_ptr()) == capi.HOST
@@ -44,16 +39,10 @@ def test_example_trains_on_the_gpu_to_the_cpu_accuracy(tmp_path):
     test accuracies differ by rounding's drift alone."""
     accuracy = {}
     for device in ("cuda", "cpu"):
-        run = tmp_path / device
-        env = dict(os.environ, SPARSEPS_CACHE=str(tmp_path / "cache"))
-        p = subprocess.run(
-            ["bash", str(ROOT / "deploy" / "launch.sh"), "--build-dir", str(BUILD), "--config",
-             str(ROOT / "examples" / "torch_cnn.yaml"), "--run-dir", str(run), "--quiet",
-             "--worker-command",
-             f"{sys.executable} {ROOT / 'examples' / 'fashion_mnist.py'} --capi --model cnn "
-             f"--device {device}"],
-            capture_output=True, text=True, env=env, timeout=900)
-        assert p.returncode == 0, p.stdout + p.stderr
+        run = launch_example(
+            tmp_path, "torch_cnn.yaml",
+            f"{sys.executable} {ROOT / 'examples' / 'fashion_mnist.py'} --capi --model cnn "
+            f"--device {device}", name=device, timeout=900)
         assert f"parameters on {device}" in (run / "worker-0.log").read_text()
         rows = read_csv(run / "metrics-worker-0.csv")
         assert len(rows) == 936  # 2 epochs of 30,000 samples in batches of 64

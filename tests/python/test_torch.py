@@ -16,7 +16,8 @@ import torch
 import sparseps
 import sparseps.torch
 from sparseps import capi
-from conftest import BUILD, DATA, ROOT, ddp_hook_keeps_the_workers_equal_and_sparse, run_threads
+from conftest import (BUILD, DATA, ROOT, ddp_hook_keeps_the_workers_equal_and_sparse,
+                      launch_example, run_threads)
 
 needs_data = pytest.mark.skipif(not (DATA / "train-images-idx3-ubyte.gz").exists(),
                                 reason="Fashion-MNIST not installed (deploy/install-deps.sh)")
@@ -32,16 +33,11 @@ def read_csv(path):
 def test_example_trains_a_cnn_through_two_servers(tmp_path, backend):
     """The example's worker is the pybind11 module's, or with --capi sparseps.capi's (what a
     Python the module is not built for gets, e.g. a GPU machine's: tests/python/test_gpu.py)."""
-    run = tmp_path / "run"
-    env = dict(os.environ, SPARSEPS_CACHE=str(tmp_path / "cache"))
-    p = subprocess.run(
-        ["bash", str(ROOT / "deploy" / "launch.sh"), "--build-dir", str(BUILD), "--config",
-         str(ROOT / "examples" / "torch_cnn.yaml"), "--run-dir", str(run), "--quiet",
-         "--set", "train.max_steps=100", "--set", "data.max_test_samples=2000",
-         "--worker-command", f"{sys.executable} {ROOT / 'examples' / 'fashion_mnist.py'} --model cnn"
-         + (" --capi" if backend == "capi" else "")],
-        capture_output=True, text=True, env=env, timeout=300)
-    assert p.returncode == 0, p.stdout + p.stderr
+    run = launch_example(
+        tmp_path, "torch_cnn.yaml",
+        f"{sys.executable} {ROOT / 'examples' / 'fashion_mnist.py'} --model cnn"
+        + (" --capi" if backend == "capi" else ""),
+        ["train.max_steps=100", "data.max_test_samples=2000"])
     for w in range(2):
         rows = read_csv(run / f"metrics-worker-{w}.csv")
         assert len(rows) == 100
@@ -62,16 +58,10 @@ def test_the_language_model_trains_through_sparseps(tmp_path):
     """examples/language_model.py (the Transformer on Debian's fortunes, examples/torch_lm.yaml:
     AdamW with aggregate="update" through PS top-k 1%) trains 40 steps on 2 workers: the loss
     falls, k = 1% of 2,506,240 entries a step, and the test perplexity is written."""
-    run = tmp_path / "run"
-    env = dict(os.environ, SPARSEPS_CACHE=str(tmp_path / "cache"))
-    p = subprocess.run(
-        ["bash", str(ROOT / "deploy" / "launch.sh"), "--build-dir", str(BUILD), "--config",
-         str(ROOT / "examples" / "torch_lm.yaml"), "--run-dir", str(run), "--quiet",
-         "--set", "train.max_steps=40", "--set", "data.max_test_samples=100",
-         "--worker-command", f"{sys.executable} {ROOT / 'examples' / 'language_model.py'} "
-         "--optimizer adamw --aggregate update"],
-        capture_output=True, text=True, env=env, timeout=300)
-    assert p.returncode == 0, p.stdout + p.stderr
+    run = launch_example(
+        tmp_path, "torch_lm.yaml",
+        f"{sys.executable} {ROOT / 'examples' / 'language_model.py'} --optimizer adamw "
+        "--aggregate update", ["train.max_steps=40", "data.max_test_samples=100"])
     rows = read_csv(run / "metrics-worker-0.csv")
     assert len(rows) == 40
     assert {int(r["selected"]) for r in rows} == {25062}
@@ -87,19 +77,13 @@ def test_the_resnets_train_through_sparseps(tmp_path, model):
     and records each step's bytes: 23.5M parameters at density 1%."""
     if model == "resnet18" and not (DATA / "train-images-idx3-ubyte.gz").exists():
         pytest.skip("Fashion-MNIST not installed (deploy/install-deps.sh)")
-    run = tmp_path / "run"
-    env = dict(os.environ, SPARSEPS_CACHE=str(tmp_path / "cache"))
     steps, batch = (16, 16) if model == "resnet18" else (2, 2)
     command = f"{sys.executable} {ROOT / 'examples' / 'fashion_mnist.py'} --model {model}"
     if model == "resnet50":
         command += " --synthetic"
-    p = subprocess.run(
-        ["bash", str(ROOT / "deploy" / "launch.sh"), "--build-dir", str(BUILD), "--config",
-         str(ROOT / "examples" / "torch_cnn.yaml"), "--run-dir", str(run), "--quiet",
-         "--worker-command", command, "--set", f"train.max_steps={steps}",
-         "--set", f"train.batch_size={batch}", "--set", "data.max_test_samples=200"],
-        capture_output=True, text=True, env=env, timeout=600)
-    assert p.returncode == 0, p.stdout + p.stderr
+    run = launch_example(tmp_path, "torch_cnn.yaml", command,
+                         [f"train.max_steps={steps}", f"train.batch_size={batch}",
+                          "data.max_test_samples=200"], timeout=600)
     rows = read_csv(run / "metrics-worker-0.csv")
     assert len(rows) == steps
     n = 11172810 if model == "resnet18" else 23519690
