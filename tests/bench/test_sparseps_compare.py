@@ -68,8 +68,10 @@ def test_summarize_computes_the_figures(tmp_path):
     # Mean over both workers' steps 3..20: (1000 + 2000) / 2; received 4000 + mean(3..20).
     assert r["sent_bytes_per_step"] == pytest.approx(1500.0)
     assert r["received_bytes_per_step"] == pytest.approx(4011.5)
-    # The first evaluation at or above the target, on the training clock.
+    # The first evaluation at or above the target, on the training clock; the compute to it:
+    # 10 ms a step over the 20 steps done by that evaluation (its step column says 20).
     assert r["time_to_target_s"] == 3.0
+    assert r["compute_to_target_s"] == pytest.approx(0.2)
     assert r["final_accuracy"] == 0.85
     assert r["train_s"] == 4.5
     assert r["curve"] == [(1.5, 0.62), (3.0, 0.81), (4.5, 0.85)]
@@ -81,6 +83,7 @@ def test_target_not_reached_and_missing_runs(tmp_path):
              evals=[(1.0, 0.5), (2.0, 0.7)])
     r = driver.summarize("slow", run, target=0.80, workers=2)
     assert r["time_to_target_s"] != r["time_to_target_s"]  # NaN: never reached
+    assert r["compute_to_target_s"] != r["compute_to_target_s"]
     assert r["final_accuracy"] == 0.7
     assert driver.summarize("none", str(tmp_path / "absent"), 0.8, 2) is None
 
@@ -119,10 +122,13 @@ def test_outputs_hold_the_ratio_to_gloo_and_every_number(tmp_path):
     assert "# synthetic" in md
     assert "- machine: test" in md
     # Time to the target first, then the final accuracy, then step time and bytes.
-    assert "| setting | time to target (s) | final accuracy | step ms (median) | p90 | vs gloo |" in md
-    assert "| gloo | 10.0 | 82.00% | 200.0 | 200.0 | 1.00x | 10 / 5 / 185 | 2.5 | 3.5 |" in md
-    assert "| ps_topk | 1.0 | 84.00% | 50.0 | 50.0 | 0.25x | 10 / 5 / 35 | 2.5 | 3.5 |" in md
-    assert "| exdyna | not reached | 70.00% | 40.0 | 40.0 | 0.20x | 10 / 5 / 25 | 2.5 | 3.5 |" in md
+    assert ("| setting | time to target (s) | compute to target (s) | final accuracy | "
+            "step ms (median) | p90 | vs gloo |") in md
+    # Compute to target: 10 ms of compute a step, all 10 steps done by the reaching evaluation.
+    assert "| gloo | 10.0 | 0.1 | 82.00% | 200.0 | 200.0 | 1.00x | 10 / 5 / 185 | 2.5 | 3.5 |" in md
+    assert "| ps_topk | 1.0 | 0.1 | 84.00% | 50.0 | 50.0 | 0.25x | 10 / 5 / 35 | 2.5 | 3.5 |" in md
+    assert "| exdyna | not reached |  | 70.00% | 40.0 | 40.0 | 0.20x | 10 / 5 / 25 | 2.5 | 3.5 |" \
+        in md
     for png in ("step_time.png", "bytes.png", "accuracy.png"):
         assert os.path.getsize(os.path.join(out, png)) > 1000, png
 
@@ -180,8 +186,8 @@ def test_a_perplexity_target_is_the_baselines_final_perplexity_times_the_factor(
     driver.write_outputs(out, cfg, ["m", "n", "o", "c", line], results)
     with open(os.path.join(out, "results.md")) as f:
         text = f.read()
-    assert "| time to target (s) | final perplexity |" in text
-    assert f"| ps_topk | 8.0 | {math.exp(4.9):.2f} |" in text
+    assert "| time to target (s) | compute to target (s) | final perplexity |" in text
+    assert f"| ps_topk | 8.0 | 0.1 | {math.exp(4.9):.2f} |" in text
     with open(os.path.join(out, "results.csv")) as f:
         rows = list(csv.DictReader(f))
     assert float(rows[2]["final_perplexity"]) == pytest.approx(math.exp(5.5))
@@ -196,7 +202,7 @@ def test_without_gloo_there_is_no_ratio(tmp_path):
     driver.write_outputs(out, {"name": "x"}, ["m", "n", "o", "c"],
                          [driver.summarize("ring", run, 0.8, 2)])
     with open(os.path.join(out, "results.md")) as f:
-        assert "| ring | 1.0 | 90.00% | 30.0 | 30.0 |  | 10 / 5 / 15 |" in f.read()
+        assert "| ring | 1.0 | 0.1 | 90.00% | 30.0 | 30.0 |  | 10 / 5 / 15 |" in f.read()
 
 
 def test_bad_comparison_configs_are_refused_naming_the_key(tmp_path, capsys):
@@ -243,7 +249,7 @@ def test_a_slow_worker_is_named_in_the_table_and_the_csv(tmp_path):
                                                        "model: y", "command: z"], [r])
     assert read_results(out)["ssp_slow"]["slow_worker"] == "worker 1 at 100mbit"
     with open(os.path.join(out, "results.md")) as f:
-        assert "| ssp_slow (worker 1 at 100mbit) | 1.0 | 90.00% | 40.0 |" in f.read()
+        assert "| ssp_slow (worker 1 at 100mbit) | 1.0 | 0.1 | 90.00% | 40.0 |" in f.read()
 
 
 def test_scaling_compares_each_worker_count_with_gloo_at_it(tmp_path):
@@ -270,7 +276,8 @@ def test_scaling_compares_each_worker_count_with_gloo_at_it(tmp_path):
     assert float(rows["gloo_w4"]["sent_bytes_per_step"]) == pytest.approx(15.0)
     with open(os.path.join(out, "results.md")) as f:
         md = f.read()
-    assert "| setting | W + S | time to target (s) | final accuracy | step ms (median) |" in md
-    assert "| ps_topk_w2 | 2 + 2 | 1.0 | 90.00% | 50.0 | 50.0 | 0.50x |" in md
-    assert "| ps_topk_w4 | 4 + 2 | 1.0 | 90.00% | 50.0 | 50.0 | 0.25x |" in md
+    assert ("| setting | W + S | time to target (s) | compute to target (s) | final accuracy | "
+            "step ms (median) |") in md
+    assert "| ps_topk_w2 | 2 + 2 | 1.0 | 0.1 | 90.00% | 50.0 | 50.0 | 0.50x |" in md
+    assert "| ps_topk_w4 | 4 + 2 | 1.0 | 0.1 | 90.00% | 50.0 | 50.0 | 0.25x |" in md
     assert os.path.getsize(os.path.join(out, "scaling.png")) > 0  # python3-matplotlib: deps
