@@ -12,6 +12,7 @@ import csv
 import json
 import os
 import re
+import statistics
 import sys
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -84,10 +85,50 @@ def encodings(q):
     return out
 
 
+def reached(r):
+    """A results.csv row's time to the target, or None where it was not reached (the driver
+    writes nan)."""
+    return None if r["time_to_target_s"] in ("", "nan") else float(r["time_to_target_s"])
+
+
+def seeds(rows, perplexity):
+    """The spread over seeds: each setting that has `NAME_seedN` runs beside it (NAME ran with
+    the job's own seed) gets a row with the median and the range of its time to the target and
+    of its final value. Returns the table's lines ([] without seeds)."""
+    runs = {}
+    for r in rows:
+        m = re.fullmatch(r"(.+)_seed\d+", r["setting"])
+        runs.setdefault(m.group(1) if m else r["setting"], []).append(r)
+    runs = {k: v for k, v in runs.items() if len(v) > 1}
+    if not runs:
+        return []
+    out = ["", "| setting | seeds | time to target (s): median (range) | final " +
+           ("perplexity" if perplexity else "accuracy") + ": median (range) |",
+           "|---|---:|---|---|"]
+    for name, rs in runs.items():
+        times = [reached(r) for r in rs]
+        got = sorted(t for t in times if t is not None)
+        if len(got) == len(times):
+            t = f"{statistics.median(got):.1f} ({got[0]:.1f}–{got[-1]:.1f})"
+        elif got:
+            t = f"reached by {len(got)} of {len(times)} ({got[0]:.1f}–{got[-1]:.1f})"
+        else:
+            t = "not reached"
+        key = "final_perplexity" if perplexity else "final_accuracy"
+        finals = sorted(float(r[key]) for r in rs)
+        fmt = (lambda x: f"{x:.2f}") if perplexity else percent
+        out.append(f"| {name} | {len(rs)} | {t} | {fmt(statistics.median(finals))} "
+                   f"({fmt(finals[0])}–{fmt(finals[-1])}) |")
+    return out
+
+
 def comparison(c):
     """A comparison's section: its header lines and table, each step time against the
     entry's `baseline` setting (gloo when it names none); a language model's runs (a target in
-    perplexity) show their final perplexity instead of accuracy."""
+    perplexity) show their final perplexity instead of accuracy; with `compute: true` the
+    compute to the target (worker 0's forward and backward seconds up to the evaluation that
+    reached it) beside the time to it; settings run with several seeds get a table of their
+    spread."""
     folder = os.path.join(ROOT, c["dir"])
     with open(os.path.join(folder, "results.md")) as f:
         header = [line[2:].strip() for line in f if line.startswith("- ")]
@@ -96,24 +137,29 @@ def comparison(c):
     baseline = c.get("baseline", "gloo")
     base = next(float(r["step_ms_median"]) for r in rows if r["setting"] == baseline)
     perplexity = any(h.startswith("target: test perplexity") for h in header)
+    compute = c.get("compute", False)
     out = [f"### At {c['rate']}", ""]
     if not any(h.startswith("target:") for h in header):
         header.append("target: 80.0% test accuracy")  # runs from before the driver said it
     out += [f"- {h}" for h in header]
     out += [f"- date: {c['date']}; commit: {c['commit']}; files: {c['dir']}/ (plots too)", "",
-            f"| setting | W + S | time to target (s) | step ms (median) | vs {baseline} | sent "
-            "KB/step | received KB/step | " + ("final perplexity" if perplexity else
-                                               "final accuracy") + " |",
-            "|---|---|---:|---:|---:|---:|---:|---:|"]
+            "| setting | W + S | time to target (s) | " +
+            ("compute to target (s) | " if compute else "") +
+            f"step ms (median) | vs {baseline} | sent KB/step | received KB/step | " +
+            ("final perplexity" if perplexity else "final accuracy") + " |",
+            "|---|---|---:|" + ("---:|" if compute else "") + "---:|---:|---:|---:|---:|"]
     for r in rows:
-        reached = r["time_to_target_s"] not in ("", "nan")  # the driver writes nan when not
-        t = f"{float(r['time_to_target_s']):.1f}" if reached else "not reached"
+        t = reached(r)
+        t = "not reached" if t is None else f"{t:.1f}"
+        if compute:
+            t += " | " + ("" if t == "not reached" else f"{float(r['compute_to_target_s']):.1f}")
         step = float(r["step_ms_median"])
         final = (f"{float(r['final_perplexity']):.2f}" if perplexity else
                  percent(float(r["final_accuracy"])))
         out.append(f"| {r['setting']} | {r['workers']} + {r['servers']} | {t} | {step:.1f} | "
                    f"{step / base:.2f}x | {float(r['sent_bytes_per_step']) / 1e3:.1f} | "
                    f"{float(r['received_bytes_per_step']) / 1e3:.1f} | {final} |")
+    out += seeds(rows, perplexity)
     if c.get("note"):
         out += ["", c["note"]]
     out.append("")
