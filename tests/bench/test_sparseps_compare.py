@@ -6,6 +6,8 @@ import csv
 import importlib.machinery
 import importlib.util
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -281,3 +283,38 @@ def test_scaling_compares_each_worker_count_with_gloo_at_it(tmp_path):
     assert "| ps_topk_w2 | 2 + 2 | 1.0 | 0.1 | 90.00% | 50.0 | 50.0 | 0.50x |" in md
     assert "| ps_topk_w4 | 4 + 2 | 1.0 | 0.1 | 90.00% | 50.0 | 50.0 | 0.25x |" in md
     assert os.path.getsize(os.path.join(out, "scaling.png")) > 0  # python3-matplotlib: deps
+
+
+def test_resume_keeps_finished_settings_and_runs_the_rest(tmp_path):
+    """--resume --out DIR: a setting whose runs/NAME/finished exists is summarized from its
+    files, not run again; one without it is launched (here launch.sh fails at once: the build
+    folder holds only a stand-in worker that answers --get), and --resume without --out is an
+    error."""
+    build = tmp_path / "build"
+    (build / "worker").mkdir(parents=True)
+    fake = build / "worker" / "sparseps-worker"
+    fake.write_text("#!/bin/sh\nprintf '[256, 128]\\n0.01\\n2\\nps\\n'\n")
+    fake.chmod(0o755)
+    cfg = tmp_path / "c.yaml"
+    job = os.path.abspath(os.path.join(SOURCE, "configs", "quickstart.yaml"))
+    cfg.write_text(f"name: resumed\njob: {job}\n"
+                   "workers: 2\nservers: 1\ntarget_accuracy: 0.8\n"
+                   "settings:\n  - {name: kept, set: [compression.encoding=topk]}\n"
+                   "  - {name: again, set: [compression.encoding=dense]}\n")
+    out = tmp_path / "out"
+    for name in ("kept", "again"):  # both ran before; only "kept" finished
+        make_run(str(out / "runs" / name), 10, step_ms=lambda i: 40.0, sent=lambda w, i: 1,
+                 received=lambda w, i: 1, evals=[(1.0, 0.85)])
+    (out / "runs" / "kept" / "finished").write_text("launch.sh ...\n")
+    driver_path = os.path.join(SOURCE, "bench", "sparseps-compare")
+    run = subprocess.run([sys.executable, driver_path, "--config", str(cfg), "--out", str(out),
+                          "--resume", "--no-netns", "--build-dir", str(build)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1, run.stderr  # a setting failed: the exit status says so
+    assert "kept: finished before, kept" in run.stdout
+    assert "again failed" in run.stderr
+    assert list(read_results(str(out))) == ["kept"]
+    assert not (out / "runs" / "again" / "finished").exists()
+    run = subprocess.run([sys.executable, driver_path, "--config", str(cfg), "--resume"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode != 0 and "--resume needs --out" in run.stderr
