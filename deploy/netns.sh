@@ -9,7 +9,8 @@
 #   deploy/netns.sh shape [--prefix P] --rate 100mbit [--delay D] 3   # host 3's link, both ways,
 #                                      # at another rate from now on (a slow host; delay anew)
 #   deploy/netns.sh exec [--prefix P] 2 CMD ...   # run CMD on host 2 (1-based)
-#   deploy/netns.sh addr 2             # host 2's address
+#   deploy/netns.sh addr [--prefix P] 2  # host 2's address, as its namespace has it (whatever
+#                                      # --subnet made it)
 #   deploy/netns.sh down [--prefix sps]   # deletes every namespace of the prefix (idempotent)
 #   deploy/netns.sh check              # exit 0 when ip netns works here, else 1 with the reason
 set -euo pipefail
@@ -121,8 +122,13 @@ case "$cmd" in
     exec ip netns exec "${prefix}-h${args[0]}" "${args[@]:1}"
     ;;
   addr)
-    [[ ${#args[@]} -eq 1 ]] || die "usage: netns.sh addr HOST"
-    echo "$subnet.${args[0]}"
+    [[ ${#args[@]} -eq 1 ]] || die "usage: netns.sh addr [--prefix P] HOST"
+    h="${prefix}-h${args[0]}"
+    ip netns list | awk '{print $1}' | grep -qx "$h" ||
+      die "no host $h (deploy/netns.sh up --prefix $prefix makes it)"
+    a="$(ip -n "$h" -4 -o addr show dev eth0 | awk '{split($4, a, "/"); print a[1]; exit}')"
+    [[ -n "$a" ]] || die "$h has no IPv4 address on eth0"
+    echo "$a"
     ;;
   down)
     for ns in $(ip netns list | awk '{print $1}' | grep -E "^${prefix}-(sw|h[0-9]+)$" || true); do

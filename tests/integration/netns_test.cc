@@ -111,6 +111,8 @@ bool HaveData() {
 
 // deploy/launch.sh --netns: each process runs on its emulated host and binds and announces that
 // host's address (server 0 on host 1, worker w on host 2 + w), and the job trains across them.
+// The hosts are made on a subnet of their own (--subnet 10.79.0): launch.sh asks netns.sh for
+// the address each namespace really has, not the default subnet's.
 TEST(EmulatedNetwork, LaunchPlacesEachProcessOnItsHost) {
   std::string why;
   if (Shell(kScript + " check", &why) != 0)
@@ -120,7 +122,13 @@ TEST(EmulatedNetwork, LaunchPlacesEachProcessOnItsHost) {
   {
     Teardown guard{prefix};
     std::string out;
-    ASSERT_EQ(Shell(kScript + " up --hosts 3 --rate 1gbit --prefix " + prefix, &out), 0) << out;
+    ASSERT_EQ(
+        Shell(kScript + " up --hosts 3 --rate 1gbit --subnet 10.79.0 --prefix " + prefix, &out), 0)
+        << out;
+    ASSERT_EQ(Shell(kScript + " addr --prefix " + prefix + " 3", &out), 0) << out;
+    EXPECT_EQ(out, "10.79.0.3\n");
+    EXPECT_NE(Shell(kScript + " addr --prefix " + prefix + " 4", &out), 0);
+    EXPECT_NE(out.find("no host " + prefix + "-h4"), std::string::npos) << out;
     testing::TempDir dir("launch-netns");
     const std::string run = dir.path() + "/run";
     testing::ChildProcess p({"/bin/bash",   std::string(SPARSEPS_SOURCE_DIR) + "/deploy/launch.sh",
@@ -138,11 +146,11 @@ TEST(EmulatedNetwork, LaunchPlacesEachProcessOnItsHost) {
     EXPECT_NE(testing::ReadFile(run + "/summary.json").find("\"status\": \"ok\""),
               std::string::npos);
     const std::string server = testing::ReadFile(run + "/server-0.log");
-    EXPECT_NE(server.find("data socket on tcp://10.77.0.1:"), std::string::npos) << server;
+    EXPECT_NE(server.find("data socket on tcp://10.79.0.1:"), std::string::npos) << server;
     const std::string scheduler = testing::ReadFile(run + "/scheduler.log");
-    EXPECT_NE(scheduler.find("scheduler listening on tcp://10.77.0.1:"), std::string::npos)
+    EXPECT_NE(scheduler.find("scheduler listening on tcp://10.79.0.1:"), std::string::npos)
         << scheduler;
-    for (const char* host : {"at 10.77.0.2:", "at 10.77.0.3:"}) {
+    for (const char* host : {"at 10.79.0.2:", "at 10.79.0.3:"}) {
       EXPECT_NE(scheduler.find(host), std::string::npos) << host << " in\n" << scheduler;
     }
   }
