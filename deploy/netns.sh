@@ -4,6 +4,8 @@
 # host linked by a veth pair whose both directions are shaped with `tc tbf` to RATE (host egress
 # on the host side, host ingress on the switch side), with optional one-way DELAY (netem).
 # Addresses: SUBNET.1 ... SUBNET.N (/24), inside the namespaces only. Needs root (ip netns).
+# Faults (loss, cut, heal) are iptables rules inside the host namespaces (iptables: the machine's
+# own firewall is never touched), tagged with the comment sparseps-fault.
 #
 #   deploy/netns.sh up --hosts 4 --rate 1gbit [--delay 0.1ms] [--prefix sps] [--subnet 10.77.0]
 #   deploy/netns.sh shape [--prefix P] --rate 100mbit [--delay D] 3   # host 3's link, both ways,
@@ -11,6 +13,10 @@
 #   deploy/netns.sh exec [--prefix P] 2 CMD ...   # run CMD on host 2 (1-based)
 #   deploy/netns.sh addr [--prefix P] 2  # host 2's address, as its namespace has it (whatever
 #                                      # --subnet made it)
+#   deploy/netns.sh loss [--prefix P] 1% [HOST ...]  # drop that share of the packets arriving at
+#                                      # each host (all hosts when none named; 0% ends it)
+#   deploy/netns.sh cut [--prefix P] HOST ...   # cut the hosts off: nothing in or out of eth0
+#   deploy/netns.sh heal [--prefix P] [HOST ...]  # undo loss and cut (all hosts when none named)
 #   deploy/netns.sh down [--prefix sps]   # deletes every namespace of the prefix (idempotent)
 #   deploy/netns.sh check              # exit 0 when ip netns works here, else 1 with the reason
 set -euo pipefail
@@ -73,7 +79,63 @@ shape() {
   fi
 }
 
+# hosts_or_all: the named hosts' namespaces, or every host of the prefix when none is named.
+hosts_or_all() {
+  local all
+  all="$(ip netns list | awk '{print $1}' | grep -E "^${prefix}-h[0-9]+$" | sort -V || true)"
+  [[ -n "$all" ]] || die "no hosts with prefix $prefix (netns.sh up --prefix $prefix first)"
+  if [[ $# -eq 0 ]]; then echo "$all"; return; fi
+  for n in "$@"; do
+    grep -qx "${prefix}-h$n" <<<"$all" || die "no host ${prefix}-h$n"
+    echo "${prefix}-h$n"
+  done
+}
+
+# heal_ns NS [TAG]: deletes NS's rules commented TAG (default: every sparseps-fault* rule).
+heal_ns() {
+  local ns="$1" tag="${2:-sparseps-fault}" chain line spec
+  for chain in INPUT OUTPUT; do
+    while read -r line; do
+      [[ -n "$line" ]] || continue
+      read -ra spec <<<"${line#-A }"
+      ip netns exec "$ns" iptables -D "${spec[@]}"
+    done < <(ip netns exec "$ns" iptables -S "$chain" | grep -e "--comment $tag" || true)
+  done
+}
+
 case "$cmd" in
+  loss)
+    [[ ${#args[@]} -ge 1 && "${args[0]}" =~ ^[0-9]*\.?[0-9]+%$ ]] ||
+      die "usage: netns.sh loss [--prefix P] PERCENT% [HOST ...] (e.g. 0.1%)"
+    command -v iptables >/dev/null || die "iptables not installed (deploy/install-deps.sh)"
+    p="$(awk -v x="${args[0]%\%}" 'BEGIN { if (x > 100) exit 1; printf "%.6f", x / 100 }')" ||
+      die "loss ${args[0]}: at most 100%"
+    hs="$(hosts_or_all "${args[@]:1}")"
+    for h in $hs; do
+      heal_ns "$h" sparseps-fault-loss
+      if [[ "$p" != "0.000000" ]]; then
+        ip netns exec "$h" iptables -A INPUT -i eth0 -m statistic --mode random --probability "$p" \
+          -m comment --comment sparseps-fault-loss -j DROP
+      fi
+    done
+    echo "netns.sh: ${args[0]} of the packets arriving at" $hs "dropped"
+    ;;
+  cut)
+    [[ ${#args[@]} -ge 1 ]] || die "usage: netns.sh cut [--prefix P] HOST ..."
+    command -v iptables >/dev/null || die "iptables not installed (deploy/install-deps.sh)"
+    hs="$(hosts_or_all "${args[@]}")"
+    for h in $hs; do
+      ip netns exec "$h" iptables -I INPUT -i eth0 -m comment --comment sparseps-fault-cut -j DROP
+      ip netns exec "$h" iptables -I OUTPUT -o eth0 -m comment --comment sparseps-fault-cut -j DROP
+      echo "netns.sh: $h cut off"
+    done
+    ;;
+  heal)
+    command -v iptables >/dev/null || die "iptables not installed (deploy/install-deps.sh)"
+    hs="$(hosts_or_all "${args[@]}")"
+    for h in $hs; do heal_ns "$h"; done
+    echo "netns.sh: faults removed"
+    ;;
   check)
     [[ $(id -u) -eq 0 ]] || die "needs root (network namespaces)"
     command -v tc >/dev/null || die "tc (iproute2) not installed"
@@ -138,5 +200,5 @@ case "$cmd" in
       ip netns del "$ns"
     done
     ;;
-  *) die "unknown command '${cmd}' (up, shape, exec, addr, down, check; see --help)" ;;
+  *) die "unknown command '${cmd}' (up, shape, exec, addr, loss, cut, heal, down, check; see --help)" ;;
 esac

@@ -24,6 +24,7 @@ sparseps aggregates those steps, error feedback keeping what the compression lea
 """
 import argparse
 import csv
+import datetime
 import math
 import os
 import sys
@@ -137,8 +138,11 @@ def run(args, build_model, load_data, perplexity=False):
             worker.init([p.detach() for p in model.parameters()])
         import torch.distributed as dist
         run_dir = get("run.dir") or "."
+        # Gloo's collectives fail after cluster.request_timeout_s instead of hanging (DDP's
+        # PowerSGD hook deadlocked at 4 Gloo ranks in Debian's torch 1.13).
         dist.init_process_group("gloo", init_method=f"file://{os.path.abspath(run_dir)}/ddp.init",
-                                rank=worker.rank, world_size=worker.num_workers)
+                                rank=worker.rank, world_size=worker.num_workers,
+                                timeout=datetime.timedelta(seconds=get("cluster.request_timeout_s")))
         model = torch.nn.parallel.DistributedDataParallel(model)  # Gloo takes CUDA tensors too
         if args.ddp_hook == "fp16":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
