@@ -223,6 +223,10 @@ def test_bad_comparison_configs_are_refused_naming_the_key(tmp_path, capsys):
     assert "settings[0] needs a name" in refused("job: j.yaml\nworkers: 2\nsettings:\n  - {}\n")
     assert "slow_worker must be {rank: R, rate: Nmbit}" in refused(
         "job: j.yaml\nworkers: 2\nsettings:\n  - {name: a, slow_worker: {rank: 2, rate: 1mbit}}\n")
+    assert "loss must be a share of the packets such as 0.1%" in refused(
+        "job: j.yaml\nworkers: 2\nsettings:\n  - {name: a, loss: 0.01}\n")
+    assert "host_sysctl must be a list of net.KEY=VALUE" in refused(
+        "job: j.yaml\nworkers: 2\nsettings:\n  - {name: a, host_sysctl: [kernel.x=1]}\n")
     assert "slow_worker must be" in refused(
         "job: j.yaml\nworkers: 2\nsettings:\n  - {name: a, slow_worker: {rank: 1, rate: fast}}\n")
     assert "key 'target' must be {baseline: SETTING, minus: X}" in refused(
