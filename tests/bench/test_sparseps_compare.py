@@ -163,6 +163,29 @@ def test_a_target_relative_to_a_baseline_is_its_final_accuracy_minus_the_margin(
     assert results[1]["time_to_target_s"] == 1.0
 
 
+def test_each_seed_is_judged_against_the_baselines_run_of_the_same_seed(tmp_path):
+    """NAME_seedN against BASELINE_seedN's final accuracy minus the margin; NAME (the job's own
+    seed) and settings without a seeded baseline against the baseline itself."""
+    results = []
+    for name, evals in [("ddp", [(4.0, 0.86), (8.0, 0.88)]),
+                        ("ddp_seed43", [(4.0, 0.84), (8.0, 0.85)]),
+                        ("ps", [(1.0, 0.86), (2.0, 0.875)]),
+                        ("ps_seed43", [(1.0, 0.846), (2.0, 0.85)]),
+                        ("ps_seed44", [(1.0, 0.846), (2.0, 0.876)])]:
+        run = str(tmp_path / name)
+        make_run(run, 10, step_ms=lambda i: 50.0, sent=lambda w, i: 1, received=lambda w, i: 1,
+                 evals=evals)
+        results.append(driver.summarize(name, run, target=0.8, workers=2))
+    target, line = driver.apply_target({"target": {"baseline": "ddp", "minus": 0.005}}, results)
+    assert target == pytest.approx(0.875)
+    assert line.endswith("; NAME_seedN settings against BASELINE_seedN's own end")
+    times = {r["setting"]: r["time_to_target_s"] for r in results}
+    # Seed 43's target is 0.845: its DDP reaches it at 8 s, its PS top-k at 1 s.
+    assert times["ddp_seed43"] == 8.0 and times["ps_seed43"] == 1.0
+    assert times["ddp"] == 8.0 and times["ps"] == 2.0
+    assert times["ps_seed44"] == 2.0  # no ddp_seed44: the baseline's own target, 0.875
+
+
 def test_a_perplexity_target_is_the_baselines_final_perplexity_times_the_factor(tmp_path):
     """metric: perplexity (a language model): perplexity = exp(test loss), lower is better; the
     target is the baseline's final perplexity times `times`, and the table and CSV say it."""
