@@ -34,6 +34,9 @@ std::string Status::ToString() const {
     case StatusCode::kUnavailable:
       name = "unavailable";
       break;
+    case StatusCode::kDisconnected:
+      name = "disconnected";
+      break;
   }
   return std::string(name) + ": " + message_;
 }

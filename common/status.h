@@ -20,6 +20,8 @@ enum class StatusCode {
   kAborted,      // the job was ended by the scheduler (FATAL) or by a signal
   kUnavailable,  // a server died: the work in progress is void until the job rolls back
   kInternal,
+  kDisconnected,  // this node heard nothing from the scheduler for cluster.heartbeat_timeout_s:
+                  // its host was cut off, or the scheduler died (daemons exit with code 3)
 };
 
 class [[nodiscard]] Status {
@@ -43,6 +45,7 @@ class [[nodiscard]] Status {
   static Status Aborted(std::string m) { return {StatusCode::kAborted, std::move(m)}; }
   static Status Internal(std::string m) { return {StatusCode::kInternal, std::move(m)}; }
   static Status Unavailable(std::string m) { return {StatusCode::kUnavailable, std::move(m)}; }
+  static Status Disconnected(std::string m) { return {StatusCode::kDisconnected, std::move(m)}; }
 
   bool ok() const { return code_ == StatusCode::kOk; }
   StatusCode code() const { return code_; }

@@ -128,7 +128,8 @@ void KeepFreedMessageBuffers() {
 
 int ExitCodeFor(const Status& status) {
   if (status.ok()) return 0;
-  return status.code() == StatusCode::kInvalidArgument ? 2 : 1;
+  if (status.code() == StatusCode::kInvalidArgument) return 2;
+  return status.code() == StatusCode::kDisconnected ? 3 : 1;
 }
 
 int DaemonMain(int argc, char** argv, const std::string& name, const std::string& description,

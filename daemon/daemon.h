@@ -13,8 +13,9 @@ namespace sparseps {
 // Parses `--config FILE` and repeated `--set key=value`, loads and validates the config (env
 // included), sets up logging at run.log_level, logs every resolved key, creates run.dir (when
 // set) on this host, installs the SIGINT/SIGTERM stop handlers and runs `body`. Returns the process
-// exit code: 0 on success, 2 for a bad command line, config or input (InvalidArgument), 1 for any
-// other error (logged first).
+// exit code: 0 on success, 2 for a bad command line, config or input (InvalidArgument), 3 when it
+// lost the scheduler (Disconnected: nothing heard for cluster.heartbeat_timeout_s; deploy/launch.sh
+// lets a ps worker that exits so go, as one killed), 1 for any other error (logged first).
 int DaemonMain(int argc, char** argv, const std::string& name, const std::string& description,
                const std::function<Status(const proto::JobConfig&)>& body);
 
@@ -35,7 +36,7 @@ inline constexpr size_t kMessageMmapThreshold = size_t{32} << 20;  // glibc's ma
 inline constexpr size_t kMessageTrimThreshold = size_t{128} << 20;
 void KeepFreedMessageBuffers();
 
-// Exit code for a status: 0 OK, 2 InvalidArgument, 1 otherwise.
+// Exit code for a status: 0 OK, 2 InvalidArgument, 3 Disconnected, 1 otherwise.
 int ExitCodeFor(const Status& status);
 
 }  // namespace sparseps

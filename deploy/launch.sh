@@ -63,7 +63,9 @@
 #
 # A worker killed by a signal (kill -9, a crash) in ps mode with cluster.on_worker_failure: continue
 # (the default) does not end the job: the scheduler drops it and the others go on (with
-# --max-restarts, a replacement joins as above). A worker that exits with an error (bad data, a
+# --max-restarts, a replacement joins as above). So does a worker whose host was cut off for longer
+# than cluster.heartbeat_timeout_s (it exits with code 3, naming the scheduler it lost); with
+# --max-restarts a server that exits so is replaced as one killed. A worker that exits with an error (bad data, a
 # diverging loss) ends the job as before.
 #
 # Exit code: 0 when the job finished, 2 for a bad config, 1 when a process failed.
@@ -387,18 +389,23 @@ run_job() {  # starts every process, waits; sets $failed to the name of a proces
       wait "$p"
       rc=$?
       exited[$p]=$rc
-      if [[ $rc -gt 128 && ${names[$i]} == server-* && $restarts -lt $max_restarts ]]; then
-        # Killed by a signal: a replacement takes its key range and the job rolls back to its
-        # newest complete checkpoint (the scheduler ends the job if it cannot, and then the
-        # whole job restarts below).
+      # Exit code 3: the daemon heard nothing from the scheduler for cluster.heartbeat_timeout_s
+      # (its host was cut off, or the scheduler died): lost to the job, as if killed. A dead
+      # scheduler is seen here too and ends the job.
+      if [[ ($rc -gt 128 || $rc -eq 3) && ${names[$i]} == server-* &&
+            $restarts -lt $max_restarts ]]; then
+        # Killed by a signal or cut off: a replacement takes its key range and the job rolls back
+        # to its newest complete checkpoint (the scheduler ends the job if it cannot, and then
+        # the whole job restarts below).
         restart_with_rejoin "$i" "$rc" \
           "a replacement takes its key range and the job rolls back to its newest checkpoint"
         continue
       fi
-      if [[ $rc -gt 128 && ${names[$i]} == worker-* && $aggregation != allreduce &&
+      if [[ ($rc -gt 128 || $rc -eq 3) && ${names[$i]} == worker-* && $aggregation != allreduce &&
             $on_worker_failure == continue ]]; then
-        # Killed by a signal: the scheduler drops it and the others go on (it ends the job below
-        # min_workers). A worker that exits with an error reports it, and that ends the job.
+        # Killed by a signal or cut off: the scheduler drops it and the others go on (it ends the
+        # job below min_workers). A worker that exits with an error reports it, and that ends
+        # the job.
         if [[ $restarts -lt $max_restarts ]]; then
           restart_with_rejoin "$i" "$rc" "a replacement joins the running job"
         else

@@ -82,7 +82,7 @@ Status ControlClient::Register(const std::string& host, uint32_t port, uint64_t 
 Status ControlClient::Poll() {
   while (true) {
     if (StopRequested()) return Status::Aborted("stopped by a signal");
-    if (scheduler_lost_) return Status::Aborted(fatal_);
+    if (scheduler_lost_) return Status::Disconnected(fatal_);
     if (!fatal_.empty()) return Status::Aborted("the scheduler ended the job: " + fatal_);
     auto ready = PollIn({&socket_}, 0);
     if (!ready[0]) {
@@ -94,7 +94,7 @@ Status ControlClient::Poll() {
                  std::to_string(SecondsSince(last_heard_)) + " s (cluster.heartbeat_timeout_s = " +
                  std::to_string(config_.cluster().heartbeat_timeout_s()) +
                  "): it is dead or unreachable";
-        return Status::Aborted(fatal_);
+        return Status::Disconnected(fatal_);
       }
       return Status::OK();
     }

@@ -43,11 +43,13 @@ class ControlClient {
 
   // Handles every message waiting from the scheduler: MEMBERSHIP, BARRIER_RELEASE, SHUTDOWN,
   // FATAL. Returns Aborted once FATAL arrived (the scheduler's reason in the message), or when a
-  // stop signal arrived; OK otherwise (check shutdown_requested()).
+  // stop signal arrived; Disconnected once nothing came from the scheduler for
+  // cluster.heartbeat_timeout_s (scheduler_lost()); OK otherwise (check shutdown_requested()).
   Status Poll();
 
   // Polls the scheduler socket until done() is true. Errors: DeadlineExceeded after timeout_s
-  // ("timed out after N s waiting for <what>"), Aborted on FATAL or a stop signal, Aborted on
+  // ("timed out after N s waiting for <what>"), Aborted on FATAL or a stop signal, Disconnected
+  // when the scheduler went silent, Aborted on
   // SHUTDOWN if done() is still false, Unavailable once a watched pause arrived (WatchPauses).
   Status WaitFor(const std::function<bool()>& done, double timeout_s, const std::string& what);
 
@@ -77,8 +79,8 @@ class ControlClient {
   void ReportFailure(const Status& error);
 
   // True when the scheduler went silent for cluster.heartbeat_timeout_s after the membership (it
-  // sends a HEARTBEAT every heartbeat_interval_s): Poll then fails with Unavailable-like Aborted
-  // naming the scheduler.
+  // sends a HEARTBEAT every heartbeat_interval_s): Poll then fails with Disconnected naming the
+  // scheduler.
   bool scheduler_lost() const { return scheduler_lost_; }
 
   bool has_membership() const { return has_membership_; }
