@@ -259,7 +259,7 @@ def run(args, build_model, load_data, perplexity=False):
                 log(rank, "info",
                     f"progress epoch {epoch + 1}/{epochs} step {step}/{total} loss "
                     f"{progress_loss / progress_steps:.4f} test_acc {acc} cluster "
-                    f"{progress_steps * batch * workers / (t2 - last):.0f} samples/s, this worker "
+                    f"{rate(progress_steps * batch * workers / (t2 - last))} samples/s, this worker "
                     f"sent {worker.bytes_sent / 1e6:.2f} MB and received "
                     f"{worker.bytes_received / 1e6:.2f} MB in all")
                 last, progress_loss, progress_steps = t2, 0.0, 0
@@ -275,10 +275,16 @@ def run(args, build_model, load_data, perplexity=False):
             opt.synchronize()  # ssp / async: the model with every worker's every push
         run_eval(epochs)
     log(rank, "info", f"training done: {step} steps in {train_s:.1f} s, "
-        f"{step * batch / train_s:.0f} samples/s on this worker"
+        f"{rate(step * batch / train_s)} samples/s on this worker"
         + (f", final test accuracy {100 * accuracy:.2f}%" if rank == 0 else ""))
     worker.finish(test_accuracy=accuracy, train_loss=epoch_loss / max(epoch_steps, 1),
                   samples_per_s=step * batch / train_s, train_s=train_s)
+
+
+def rate(x):
+    """A rate for the log: whole numbers from 10 up, two significant digits below (a large
+    model on the CPU trains under one sample a second)."""
+    return f"{x:.0f}" if x >= 10 else f"{x:.2g}"
 
 
 def main(fn, name):
