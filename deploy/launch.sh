@@ -176,11 +176,12 @@ if [[ -z "$run_dir" ]]; then
 fi
 mkdir -p "$run_dir"
 run_dir="$(cd "$run_dir" && pwd)"
+# A run directory used before holds the last scheduler's port: the workers would dial it.
+rm -f "$run_dir/scheduler.port" "$run_dir/summary.json"
 if [[ -z "$resume" ]]; then
   cp "$config" "$run_dir/config.yaml"
   printf '%s\n' "${sets[@]}" | paste -sd' ' > "$run_dir/overrides.txt"
 else
-  rm -f "$run_dir/scheduler.port" "$run_dir/summary.json"
   echo "sparseps: resuming the job in $run_dir from its newest complete checkpoint"
 fi
 
