@@ -119,6 +119,10 @@ struct RunSetup {
   uint32_t teams = 1;
   uint64_t segment_bytes = 1024;  // several segments per chunk even at this size
   uint32_t powersgd_rank = 4;
+  // At iteration switch_at (when >= 0) k becomes density_after * n (set_k, as SetEpoch does when
+  // DGC's density warm-up ends an epoch).
+  int switch_at = -1;
+  double density_after = 0;
 };
 
 // One child: runs the collective and writes, per iteration, the update (dense, n floats), the
@@ -184,6 +188,9 @@ struct RunSetup {
     CollectiveUpdate update;
     CountingContribution counting(&x, &selector);
     for (int t = 0; t < s.iterations; ++t) {
+      if (t == s.switch_at) {
+        (*collective)->set_k(static_cast<size_t>(s.density_after * static_cast<double>(s.n)));
+      }
       for (size_t i = 0; i < s.n; ++i) g[i] = Grad(rank, t, i);
       Status st;
       const uint64_t moved_before = counting.moved(), selected_before = counting.selected();
@@ -656,6 +663,31 @@ TEST(ExDynaDensity, GlobalCountStaysWithinTwentyPercentOfTheTarget) {
     const double mean = sum / (s.iterations - s.iterations / 2);
     EXPECT_NEAR(mean / k, 1.0, 0.2) << "mean global count " << mean << " for k = " << k;
   }
+}
+
+// DGC's density warm-up ends an epoch with 10x fewer keys (set_k): ExDyna estimates its threshold
+// afresh, so the global count is near the new k within a few iterations (walking there at 3% a
+// step took about 80 iterations, selecting several times k meanwhile).
+TEST(ExDynaDensity, ANewKIsReachedWithinAFewIterations) {
+  RunSetup s;
+  s.algorithm = proto::EXDYNA;
+  s.workers = 3;
+  s.n = 32768;
+  s.density = 0.05;
+  s.iterations = 80;
+  s.switch_at = 40;
+  s.density_after = 0.005;
+  Result r;
+  ASSERT_TRUE(RunWorkers(s, &r));
+  CheckInvariants(s, r);
+  const double k = s.density_after * static_cast<double>(s.n);
+  double sum = 0;
+  for (int t = s.switch_at + 5; t < s.iterations; ++t) {
+    sum += static_cast<double>(r.counts[0][static_cast<size_t>(t)]);
+  }
+  const double mean = sum / (s.iterations - s.switch_at - 5);
+  EXPECT_GT(mean / k, 0.5) << "mean global count " << mean << " for k = " << k;
+  EXPECT_LT(mean / k, 1.6) << "mean global count " << mean << " for k = " << k;
 }
 
 // Runs a and b (the same collective, another contribution) and expects bitwise the same

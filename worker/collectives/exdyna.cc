@@ -61,9 +61,11 @@ void ExDyna::State(StateArchive& archive) {
   archive.Value("previous_total", &prev_total_);
   archive.Value("calls", &t_);
   archive.Value("threshold", &threshold_);
+  archive.Size("k", &k_);  // a resumed warm-up estimates afresh exactly where the first run did
   if (!archive.saving() && archive.status().ok()) {
     bounds_.assign(bounds.begin(), bounds.end());
     prev_counts_.assign(counts.begin(), counts.end());
+    estimate_ = t_ == 0;
   }
 }
 
@@ -72,9 +74,10 @@ Status ExDyna::Allreduce(Contribution* x, CollectiveUpdate* update) {
   const int p = group_->size(), r = group_->rank();
   const std::vector<int> members = AllWorkers(p);
 
-  if (t_ == 0) {
-    // Initial threshold: the mean over the workers of the k_p-th magnitude of a 1% sample of
-    // their partition (sent as a one-entry block).
+  if (estimate_) {
+    // Initial threshold (and after a new k): the mean over the workers of the k_p-th magnitude of
+    // a 1% sample of their partition (sent as a one-entry block).
+    estimate_ = false;
     auto [b, e] = PartitionRange(r % p);
     const size_t len = e - b;
     const size_t kp =
@@ -143,6 +146,11 @@ Status ExDyna::Allreduce(Contribution* x, CollectiveUpdate* update) {
                                          update->values.size(), segment_elems_));
   ++t_;
   return Status::OK();
+}
+
+void ExDyna::set_k(size_t k) {
+  if (k != k_ && t_ > 0) estimate_ = true;
+  k_ = k;
 }
 
 Result<std::unique_ptr<Collective>> MakeExDyna(PeerGroup* group, const CollectiveOptions& options) {
