@@ -643,6 +643,13 @@ TEST(SparDLTeams, TwoTeamsOfTwoAndThreeTeamsOfTwoConserveExactly) {
   }
 }
 
+// Worker 0's mean global count over iterations [from, to).
+double MeanCount(const Result& r, int from, int to) {
+  double sum = 0;
+  for (int t = from; t < to; ++t) sum += static_cast<double>(r.counts[0][static_cast<size_t>(t)]);
+  return sum / (to - from);
+}
+
 TEST(ExDynaDensity, GlobalCountStaysWithinTwentyPercentOfTheTarget) {
   for (int workers : {2, 3, 4, 5}) {
     SCOPED_TRACE(std::to_string(workers) + " workers");
@@ -656,11 +663,7 @@ TEST(ExDynaDensity, GlobalCountStaysWithinTwentyPercentOfTheTarget) {
     ASSERT_TRUE(RunWorkers(s, &r));
     CheckInvariants(s, r);
     const double k = s.density * static_cast<double>(s.n);
-    double sum = 0;
-    for (int t = s.iterations / 2; t < s.iterations; ++t) {
-      sum += static_cast<double>(r.counts[0][static_cast<size_t>(t)]);
-    }
-    const double mean = sum / (s.iterations - s.iterations / 2);
+    const double mean = MeanCount(r, s.iterations / 2, s.iterations);
     EXPECT_NEAR(mean / k, 1.0, 0.2) << "mean global count " << mean << " for k = " << k;
   }
 }
@@ -681,11 +684,7 @@ TEST(ExDynaDensity, ANewKIsReachedWithinAFewIterations) {
   ASSERT_TRUE(RunWorkers(s, &r));
   CheckInvariants(s, r);
   const double k = s.density_after * static_cast<double>(s.n);
-  double sum = 0;
-  for (int t = s.switch_at + 5; t < s.iterations; ++t) {
-    sum += static_cast<double>(r.counts[0][static_cast<size_t>(t)]);
-  }
-  const double mean = sum / (s.iterations - s.switch_at - 5);
+  const double mean = MeanCount(r, s.switch_at + 5, s.iterations);
   EXPECT_GT(mean / k, 0.5) << "mean global count " << mean << " for k = " << k;
   EXPECT_LT(mean / k, 1.6) << "mean global count " << mean << " for k = " << k;
 }
