@@ -65,8 +65,8 @@
 # (the default) does not end the job: the scheduler drops it and the others go on (with
 # --max-restarts, a replacement joins as above). So does a worker whose host was cut off for longer
 # than cluster.heartbeat_timeout_s (it exits with code 3, naming the scheduler it lost); with
-# --max-restarts a server that exits so is replaced as one killed. A worker that exits with an error (bad data, a
-# diverging loss) ends the job as before.
+# --max-restarts a server that exits so is replaced as one killed. A worker that exits with an
+# error (bad data, a diverging loss) ends the job as before.
 #
 # Exit code: 0 when the job finished, 2 for a bad config, 1 when a process failed.
 set -uo pipefail

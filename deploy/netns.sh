@@ -91,6 +91,10 @@ hosts_or_all() {
   done
 }
 
+need_iptables() {
+  command -v iptables >/dev/null || die "iptables not installed (deploy/install-deps.sh)"
+}
+
 # heal_ns NS [TAG]: deletes NS's rules commented TAG (default: every sparseps-fault* rule).
 heal_ns() {
   local ns="$1" tag="${2:-sparseps-fault}" chain line spec
@@ -107,7 +111,7 @@ case "$cmd" in
   loss)
     [[ ${#args[@]} -ge 1 && "${args[0]}" =~ ^[0-9]*\.?[0-9]+%$ ]] ||
       die "usage: netns.sh loss [--prefix P] PERCENT% [HOST ...] (e.g. 0.1%)"
-    command -v iptables >/dev/null || die "iptables not installed (deploy/install-deps.sh)"
+    need_iptables
     p="$(awk -v x="${args[0]%\%}" 'BEGIN { if (x > 100) exit 1; printf "%.6f", x / 100 }')" ||
       die "loss ${args[0]}: at most 100%"
     hs="$(hosts_or_all "${args[@]:1}")"
@@ -122,7 +126,7 @@ case "$cmd" in
     ;;
   cut)
     [[ ${#args[@]} -ge 1 ]] || die "usage: netns.sh cut [--prefix P] HOST ..."
-    command -v iptables >/dev/null || die "iptables not installed (deploy/install-deps.sh)"
+    need_iptables
     hs="$(hosts_or_all "${args[@]}")"
     for h in $hs; do
       ip netns exec "$h" iptables -I INPUT -i eth0 -m comment --comment sparseps-fault-cut -j DROP
@@ -131,7 +135,7 @@ case "$cmd" in
     done
     ;;
   heal)
-    command -v iptables >/dev/null || die "iptables not installed (deploy/install-deps.sh)"
+    need_iptables
     hs="$(hosts_or_all "${args[@]}")"
     for h in $hs; do heal_ns "$h"; done
     echo "netns.sh: faults removed"
@@ -171,8 +175,7 @@ case "$cmd" in
   shape)
     [[ ${#args[@]} -eq 1 && "${args[0]}" =~ ^[0-9]+$ ]] || die "usage: netns.sh shape [--prefix P] --rate R [--delay D] HOST"
     rate_bytes "$rate" >/dev/null
-    h="${prefix}-h${args[0]}"
-    ip netns list | grep -q "^${h}\b" || die "no host $h (netns.sh up --prefix $prefix first)"
+    h="$(hosts_or_all "${args[0]}")"
     ip netns exec "$h" tc qdisc del dev eth0 root
     ip netns exec "$sw" tc qdisc del dev "p${args[0]}" root
     shape "$h" eth0
@@ -185,9 +188,7 @@ case "$cmd" in
     ;;
   addr)
     [[ ${#args[@]} -eq 1 ]] || die "usage: netns.sh addr [--prefix P] HOST"
-    h="${prefix}-h${args[0]}"
-    ip netns list | awk '{print $1}' | grep -qx "$h" ||
-      die "no host $h (deploy/netns.sh up --prefix $prefix makes it)"
+    h="$(hosts_or_all "${args[0]}")"
     a="$(ip -n "$h" -4 -o addr show dev eth0 | awk '{split($4, a, "/"); print a[1]; exit}')"
     [[ -n "$a" ]] || die "$h has no IPv4 address on eth0"
     echo "$a"
@@ -200,5 +201,6 @@ case "$cmd" in
       ip netns del "$ns"
     done
     ;;
-  *) die "unknown command '${cmd}' (up, shape, exec, addr, loss, cut, heal, down, check; see --help)" ;;
+  *) die "unknown command '${cmd}' (up, shape, exec, addr, loss, cut, heal, down, check;" \
+    "see --help)" ;;
 esac

@@ -102,6 +102,8 @@ def seeds(rows, perplexity):
     runs = {k: v for k, v in runs.items() if len(v) > 1}
     if not runs:
         return []
+    key = "final_perplexity" if perplexity else "final_accuracy"
+    fmt = (lambda x: f"{x:.2f}") if perplexity else percent
     out = ["", "| setting | seeds | time to target (s): median (range) | final " +
            ("perplexity" if perplexity else "accuracy") + ": median (range) |",
            "|---|---:|---|---|"]
@@ -114,9 +116,7 @@ def seeds(rows, perplexity):
             t = f"reached by {len(got)} of {len(times)} ({got[0]:.1f}–{got[-1]:.1f})"
         else:
             t = "not reached"
-        key = "final_perplexity" if perplexity else "final_accuracy"
         finals = sorted(float(r[key]) for r in rs)
-        fmt = (lambda x: f"{x:.2f}") if perplexity else percent
         out.append(f"| {name} | {len(rs)} | {t} | {fmt(statistics.median(finals))} "
                    f"({fmt(finals[0])}–{fmt(finals[-1])}) |")
     return out
@@ -150,9 +150,10 @@ def comparison(c):
             "|---|---|---:|" + ("---:|" if compute else "") + "---:|---:|---:|---:|---:|"]
     for r in rows:
         t = reached(r)
-        t = "not reached" if t is None else f"{t:.1f}"
-        if compute:
-            t += " | " + ("" if t == "not reached" else f"{float(r['compute_to_target_s']):.1f}")
+        if t is None:
+            t = "not reached" + (" | " if compute else "")
+        else:
+            t = f"{t:.1f}" + (f" | {float(r['compute_to_target_s']):.1f}" if compute else "")
         step = float(r["step_ms_median"])
         final = (f"{float(r['final_perplexity']):.2f}" if perplexity else
                  percent(float(r["final_accuracy"])))
