@@ -10,6 +10,13 @@ bool CudaDeviceAvailable(std::string* detail) {
 #if defined(SPARSEPS_HAVE_CUDA)
   int count = 0;
   const cudaError_t e = cudaGetDeviceCount(&count);
+  if (e == cudaErrorInsufficientDriver) {
+    // The runtime is linked statically; the driver (libcuda.so.1) comes with NVIDIA's kernel
+    // module and is absent on machines without an NVIDIA GPU.
+    *detail = "no NVIDIA driver on this machine (libcuda.so.1 not found, or older than CUDA " +
+              std::to_string(CUDART_VERSION / 1000) + " needs): install the NVIDIA driver";
+    return false;
+  }
   if (e != cudaSuccess) {
     *detail =
         std::string("no usable CUDA device (cudaGetDeviceCount: ") + cudaGetErrorString(e) + ")";

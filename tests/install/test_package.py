@@ -95,8 +95,7 @@ def test_depends_names_every_library_the_binaries_link(package):
     elves = [root / "usr" / "bin" / t for t in TOOLS]
     elves += list((root / "usr" / "lib").rglob("*.so*"))
     elves = [e for e in elves if e.is_file() and not e.is_symlink()]
-    # dpkg-shlibdeps wants a debian/control next to it; CUDA's libraries (not from a Debian
-    # package) have no dependency information and are left out.
+    # dpkg-shlibdeps wants a debian/control next to it.
     work = root.parent / "shlibdeps"
     (work / "debian").mkdir(parents=True, exist_ok=True)
     (work / "debian" / "control").write_text("Source: sparseps\n\nPackage: sparseps\n"
@@ -109,6 +108,19 @@ def test_depends_names_every_library_the_binaries_link(package):
               for d in r.stdout.split("=", 1)[1].split(",") if d.strip()}
     assert needed, r.stdout
     assert needed <= depends, f"missing from Depends: {sorted(needed - depends)}"
+
+
+def test_nothing_in_the_package_needs_an_nvidia_library(package):
+    """A CUDA build links the CUDA runtime statically and loads cuBLAS at run time: no binary or
+    library of the package names one of NVIDIA's libraries (it would not start without CUDA)."""
+    _, root = package
+    elves = [root / "usr" / "bin" / t for t in TOOLS]
+    elves += [e for e in (root / "usr" / "lib").rglob("*.so*") if not e.is_symlink()]
+    for elf in elves:
+        r = run(["readelf", "-d", str(elf)])
+        assert r.returncode == 0, r.stderr
+        nvidia = re.findall(r"NEEDED.*\[(lib(?:cuda|cudart|cublas|cublasLt)\.so[.0-9]*)\]", r.stdout)
+        assert not nvidia, f"{elf.relative_to(root)} needs {nvidia}"
 
 
 def test_systemd_unit_templates_verify(package):

@@ -27,6 +27,7 @@
 #include "storage/checkpoint.h"
 #include "storage/safetensors.h"
 #include "tests/support/gpu_testing.h"
+#include "worker/cuda/cublas_loader.h"
 #include "worker/device_buffer.h"
 #include "worker/model.h"
 
@@ -216,6 +217,22 @@ void ExpectSameGradient(const proto::ModelConfig& config, size_t batch) {
   }
   EXPECT_LE(std::fabs(gpu_grad[worst] - grad[worst]), tol)
       << "param " << worst << ": gpu " << gpu_grad[worst] << " cpu " << grad[worst];
+}
+
+// cuBLAS is loaded when a GPU model starts (nothing of NVIDIA's is needed to start the binaries):
+// in a CUDA build the toolkit's library resolves every entry point the models call, once. Needs
+// no device.
+TEST(CublasLoader, ResolvesEveryEntryPointOnce) {
+  Result<const CublasApi*> api = Cublas();
+  ASSERT_TRUE(api.ok()) << api.status().ToString();
+  const CublasApi& a = **api;
+  EXPECT_TRUE(a.create && a.destroy && a.set_stream && a.set_math_mode && a.sgemm);
+  // cuBLAS itself answers (its own wording: "the library was not initialized" in CUDA 13).
+  EXPECT_STRNE(a.status_string(CUBLAS_STATUS_NOT_INITIALIZED),
+               a.status_string(CUBLAS_STATUS_SUCCESS));
+  Result<const CublasApi*> again = Cublas();
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(*again, *api);
 }
 
 TEST(GpuModels, MlpGradientMatchesCpu) {

@@ -16,6 +16,7 @@
 #include "kernels/cuda/dense_kernels.h"
 #include "kernels/device.h"
 #include "worker/cnn.h"
+#include "worker/cuda/cublas_loader.h"
 #include "worker/cuda/gpu_models.h"
 #include "worker/mlp.h"
 
@@ -24,9 +25,9 @@ namespace {
 
 namespace gpu = kernels::gpu;
 
-Status BlasFailure(cublasStatus_t e, const char* what) {
+Status BlasFailure(const CublasApi& api, cublasStatus_t e, const char* what) {
   return Status::FailedPrecondition(std::string("cuBLAS error in ") + what + ": " +
-                                    cublasGetStatusString(e));
+                                    api.status_string(e));
 }
 
 #define GPU_TRY(expr, what)                             \
@@ -34,10 +35,10 @@ Status BlasFailure(cublasStatus_t e, const char* what) {
     const cudaError_t e_ = (expr);                      \
     if (e_ != cudaSuccess) return CudaStatus(e_, what); \
   } while (0)
-#define BLAS_TRY(expr, what)                                       \
-  do {                                                             \
-    const cublasStatus_t e_ = (expr);                              \
-    if (e_ != CUBLAS_STATUS_SUCCESS) return BlasFailure(e_, what); \
+#define BLAS_TRY(expr, what)                                                   \
+  do {                                                                         \
+    const cublasStatus_t e_ = (expr);                                          \
+    if (e_ != CUBLAS_STATUS_SUCCESS) return BlasFailure(*blas_api_, e_, what); \
   } while (0)
 
 class GpuNet final : public Model {
@@ -63,16 +64,19 @@ class GpuNet final : public Model {
   }
 
   ~GpuNet() override {
-    if (blas_ != nullptr) cublasDestroy(blas_);
+    if (blas_ != nullptr) blas_api_->destroy(blas_);
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
 
   Status Start() {
     GPU_TRY(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
-    BLAS_TRY(cublasCreate(&blas_), "cublasCreate");
-    BLAS_TRY(cublasSetStream(blas_, stream_), "cublasSetStream");
+    Result<const CublasApi*> api = Cublas();
+    if (!api.ok()) return api.status();
+    blas_api_ = *api;
+    BLAS_TRY(blas_api_->create(&blas_), "cublasCreate");
+    BLAS_TRY(blas_api_->set_stream(blas_, stream_), "cublasSetStream");
     // FP32 GEMMs (no TF32), so the GPU model stays within float rounding of the CPU model.
-    BLAS_TRY(cublasSetMathMode(blas_, CUBLAS_DEFAULT_MATH), "cublasSetMathMode");
+    BLAS_TRY(blas_api_->set_math_mode(blas_, CUBLAS_DEFAULT_MATH), "cublasSetMathMode");
     return Status::OK();
   }
 
@@ -128,10 +132,10 @@ class GpuNet final : public Model {
   Status Gemm(bool ta, bool tb, size_t m, size_t n, size_t k, const float* a, size_t lda,
               const float* b, size_t ldb, float* c, size_t ldc) {
     const float one = 1.0f, zero = 0.0f;
-    BLAS_TRY(cublasSgemm(blas_, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
-                         static_cast<int>(n), static_cast<int>(m), static_cast<int>(k), &one, b,
-                         static_cast<int>(ldb), a, static_cast<int>(lda), &zero, c,
-                         static_cast<int>(ldc)),
+    BLAS_TRY(blas_api_->sgemm(blas_, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
+                              static_cast<int>(n), static_cast<int>(m), static_cast<int>(k), &one,
+                              b, static_cast<int>(ldb), a, static_cast<int>(lda), &zero, c,
+                              static_cast<int>(ldc)),
              "cublasSgemm");
     return Status::OK();
   }
@@ -295,6 +299,7 @@ class GpuNet final : public Model {
   size_t head_offset_;
   std::vector<size_t> sizes_, w_offset_, b_offset_;
   cudaStream_t stream_ = nullptr;
+  const CublasApi* blas_api_ = nullptr;  // loaded at Start (dlopen)
   cublasHandle_t blas_ = nullptr;
   Status status_;
   size_t reserved_batch_ = 0;
