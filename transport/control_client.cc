@@ -4,6 +4,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <random>
 
 #include "config/config.h"
 #include "security/security.h"
@@ -12,7 +14,16 @@ namespace sparseps {
 
 std::string MakeRoutingId(proto::Role role, const std::string& tag) {
   static std::atomic<uint64_t> counter{0};
-  return RoleName(role) + "-" + std::to_string(getpid()) + "-" + tag + "-" +
+  // The pid alone is not unique across hosts: in containers every daemon is pid 1, and a ROUTER
+  // refuses a second peer with a routing id it already has (seen: two of five compose
+  // containers never registered). A random nonce, drawn once per process, makes it so.
+  static const std::string nonce = [] {
+    std::random_device rd;
+    char hex[17];
+    std::snprintf(hex, sizeof(hex), "%08x%08x", rd(), rd());
+    return std::string(hex);
+  }();
+  return RoleName(role) + "-" + std::to_string(getpid()) + "-" + nonce + "-" + tag + "-" +
          std::to_string(counter.fetch_add(1));
 }
 

@@ -162,7 +162,8 @@ class ControlClient {
   bool heartbeat_stop_ = false;
 };
 
-// A routing id unique to this process and purpose ("worker-<pid>-<tag>").
+// A routing id unique to this process and purpose, across hosts too
+// ("worker-<pid>-<64-bit random hex, once per process>-<tag>-<counter>"). Thread-safe.
 std::string MakeRoutingId(proto::Role role, const std::string& tag);
 
 }  // namespace sparseps
