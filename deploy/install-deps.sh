@@ -20,6 +20,7 @@ packages=(
   systemd
   libgloo-dev python3-yaml python3-matplotlib python3-pytest python3-prometheus-client
   pybind11-dev python3-dev libdlpack-dev python3-numpy python3-torch python3-torchvision
+  docker.io docker-compose mmdebstrap python3-kubernetes
 )
 
 missing=()
@@ -41,4 +42,14 @@ fi
 echo "install-deps: installing ${missing[*]}"
 export DEBIAN_FRONTEND=noninteractive
 "${sudo[@]}" apt-get update -q
+# No daemon that a package brings is started by its installation (policy-rc.d, as Debian's own
+# images do): docker.io's dockerd with its defaults would set the host's iptables FORWARD policy
+# to DROP, cutting the bridge that deploy/netns.sh's hosts share. The tests start their own.
+policy=/usr/sbin/policy-rc.d
+if [[ ! -e $policy ]]; then
+  trap '"${sudo[@]}" rm -f "$policy"' EXIT
+  printf '#!/bin/sh\n# deploy/install-deps.sh: no service starts while it installs\nexit 101\n' |
+    "${sudo[@]}" tee "$policy" >/dev/null
+  "${sudo[@]}" chmod 755 "$policy"
+fi
 "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}"
