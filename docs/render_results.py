@@ -25,6 +25,7 @@ SECTIONS = (
     ("compare", "PS against allreduce at 1 and 10 Gbit/s"),
     ("tuning", "What the settings for a network bought"),
     ("failures", "What survives which failure"),
+    ("advise", "Which setting for my network: sparseps-advise against measured runs"),
     ("gpu", "The GPU"),
 )
 
@@ -178,6 +179,60 @@ def compare():
     return out
 
 
+def advise_validation(entry):
+    """One validation: sparseps-advise's advice.json beside the comparison measured at the same
+    rate (bench/sparseps-compare): step time and time to the target, predicted and measured."""
+    with open(os.path.join(ROOT, entry["advice"])) as f:
+        advice = json.load(f)
+    with open(os.path.join(ROOT, entry["measured"], "results.csv")) as f:
+        measured = {r["setting"]: r for r in csv.DictReader(f)}
+    rows, errors = [], []
+    for a in advice["settings"]:
+        m = measured.get(a["setting"])
+        if m is None:
+            continue
+        step = float(m["step_ms_median"])
+        err = (a["step_ms"] - step) / step
+        errors.append(abs(err))
+        ttt = m["time_to_target_s"]
+        rows.append((a, step, err, float(ttt) if ttt else None))
+    def ttt_cell(v):
+        return "not reached" if v is None else f"{v:.1f}"
+    out = [f"### At {entry['rate']}, {advice['settings'][0]['workers']} workers", "",
+           f"- predicted: `{entry['advise_command']}` (link probed: "
+           f"{8 * advice['network']['bandwidth_Bps'] / 1e6:.0f} Mbit/s, round trip "
+           f"{1e3 * advice['network']['rtt_s']:.2f} ms)",
+           f"- measured: `{entry['measure_command']}`; files: {entry['advice']}, "
+           f"{entry['measured']}/",
+           f"- machine: {entry['machine']}; date: {entry['date']}; commit: {entry['commit']}", "",
+           "| setting | predicted step ms | measured step ms | step error | predicted time to "
+           "target (s) | measured time to target (s) |",
+           "|---|---:|---:|---:|---:|---:|"]
+    for a, step, err, ttt in rows:
+        out.append(f"| {a['setting']} | {a['step_ms']:.1f} | {step:.1f} | {100 * err:+.1f}% | "
+                   f"{ttt_cell(a['time_to_target_s'])} | {ttt_cell(ttt)} |")
+    reached = [(t, a["setting"]) for a, _, _, t in rows if t is not None]
+    best_measured = min(reached)
+    predicted_best = rows[0][0]["setting"]  # advice.json is ranked
+    measured_of_predicted = next(t for a, _, _, t in rows if a["setting"] == predicted_best)
+    within = [e for e in errors if e <= 0.15]
+    out += ["", f"Step time within 15% for {len(within)} of {len(errors)} settings (median error "
+            f"{100 * statistics.median(errors):.1f}%, largest {100 * max(errors):.1f}%). "
+            f"Predicted best: {predicted_best} (measured {ttt_cell(measured_of_predicted)} s); "
+            f"measured best: {best_measured[1]} ({best_measured[0]:.1f} s)" +
+            (f", {100 * (measured_of_predicted / best_measured[0] - 1):.1f}% behind it."
+             if measured_of_predicted is not None and predicted_best != best_measured[1]
+             else "."), ""]
+    if entry.get("note"):
+        out += [entry["note"], ""]
+    return out
+
+
+def advise():
+    entries = load("advise.json")["validations"]
+    return [x for e in entries for x in advise_validation(e)]
+
+
 def entered(entries):
     out = []
     for e in entries:
@@ -196,6 +251,7 @@ def render():
             "compare": compare(),
             "tuning": entered(hand["tuning"]),
             "failures": entered(hand["failures"]),
+            "advise": advise(),
             "gpu": entered(hand["gpu"]) + [
                 "Not measured on a GPU yet (issue 41): the host-device bytes of a step; "
                 "overlap of communication with the backward pass on the GPU (not built); real "
