@@ -20,7 +20,8 @@ packages=(
   systemd
   libgloo-dev python3-yaml python3-matplotlib python3-pytest python3-prometheus-client
   pybind11-dev python3-dev libdlpack-dev python3-numpy python3-torch python3-torchvision
-  docker.io docker-compose mmdebstrap python3-kubernetes
+  docker.io docker-compose mmdebstrap python3-kubernetes python3-zmq
+  python3-simgrid
 )
 
 missing=()

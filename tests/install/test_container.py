@@ -157,6 +157,8 @@ def test_the_package_trains_imports_and_names_what_cuda_needs(docker, image, tmp
           [ -L "$f" ] || ! ldd "$f" | grep 'not found'
         done
         python3 -c 'import sparseps, sparseps.capi; print("import ok", sparseps.__file__)'
+        sparseps-advise --help >/dev/null
+        sparseps-compare --help >/dev/null
         mkdir /tmp/empty && cd /tmp/empty
         sparseps-launch --set train.epochs=1 --run-dir /out/quickstart
         """, "--network", "none", "-v", f"{run_dir}:/out")

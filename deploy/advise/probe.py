@@ -1,0 +1,133 @@
+#!/usr/bin/python3
+"""The network between two hosts, measured with ZeroMQ as the job uses it (Debian's python3-zmq
+over the same libzmq): bandwidth each way and the round-trip latency.
+
+    probe.py serve --bind ADDR:PORT [--timeout S]     # on host A: answers one client, then exits
+    probe.py measure --connect ADDR:PORT [--seconds 2] [--message-bytes 1048576]
+                                                      # on host B: prints one JSON line
+Output (measure): {"up_Bps": B->A bytes/s, "down_Bps": A->B bytes/s, "rtt_s": median round
+trip of a 1-byte message, "seconds": each transfer's length}. A transfer streams messages of
+--message-bytes for --seconds (at least 2 s keeps a tc-shaped rate within a few percent); the
+rate counts from the first to the last message the receiver got. Errors: a peer silent for
+--timeout seconds (default 30) ends the command with exit code 2, naming the address.
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import zmq
+
+
+def fail(text):
+    print(f"probe: {text}", file=sys.stderr)
+    sys.exit(2)
+
+
+def recv(sock, timeout_s, who):
+    if not sock.poll(int(timeout_s * 1000)):
+        fail(f"{who} sent nothing for {timeout_s} s")
+    return sock.recv_multipart(copy=False)
+
+
+def serve(args):
+    """Answers one measuring client: ping, an upload it counts, a download it streams."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 1000)
+    # A few messages in flight, and a full pipe blocks the sender (not drops): the stream runs at
+    # the link's rate instead of filling memory.
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    sock.setsockopt(zmq.SNDHWM, 8)
+    sock.setsockopt(zmq.RCVHWM, 8)
+    sock.bind(f"tcp://{args.bind}")
+    who = f"the client of tcp://{args.bind}"
+    while True:
+        frames = recv(sock, args.timeout, who)
+        peer, kind = frames[0].bytes, frames[1].bytes
+        if kind == b"ping":
+            sock.send_multipart([peer, b"pong"])
+        elif kind == b"up":
+            total, first, last = 0, None, None
+            while True:
+                f = recv(sock, args.timeout, who)
+                if f[1].bytes == b"end":
+                    break
+                last = time.monotonic()
+                if first is None:
+                    first = last  # the first message starts the clock: it is not counted
+                else:
+                    total += len(f[2])
+            seconds = last - first if first is not None else 0.0
+            sock.send_multipart([peer, b"got", json.dumps(
+                {"bytes": total, "seconds": seconds}).encode()])
+        elif kind == b"down":
+            spec = json.loads(frames[2].bytes)
+            payload = b"\0" * spec["message_bytes"]
+            end = time.monotonic() + spec["seconds"]
+            while time.monotonic() < end:
+                sock.send_multipart([peer, b"data", payload])
+            sock.send_multipart([peer, b"end", b""])
+        elif kind == b"bye":
+            return
+
+
+def measure(args):
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.setsockopt(zmq.SNDHWM, 8)
+    sock.setsockopt(zmq.RCVHWM, 8)
+    sock.connect(f"tcp://{args.connect}")
+    who = f"the probe server at tcp://{args.connect}"
+    rtts = []
+    for _ in range(args.pings):
+        t = time.monotonic()
+        sock.send_multipart([b"ping"])
+        recv(sock, args.timeout, who)
+        rtts.append(time.monotonic() - t)
+    payload = b"\0" * args.message_bytes
+    sock.send_multipart([b"up"])
+    end = time.monotonic() + args.seconds
+    while time.monotonic() < end:
+        sock.send_multipart([b"data", payload])
+    sock.send_multipart([b"end"])
+    got = json.loads(recv(sock, args.timeout, who)[1].bytes)
+    up = got["bytes"] / got["seconds"] if got["seconds"] > 0 else 0.0
+    sock.send_multipart([b"down", json.dumps({"message_bytes": args.message_bytes,
+                                                "seconds": args.seconds}).encode()])
+    total, first, last = 0, None, None
+    while True:
+        f = recv(sock, args.timeout, who)
+        if f[0].bytes == b"end":
+            break
+        last = time.monotonic()
+        if first is None:
+            first = last  # the first message starts the clock
+        else:
+            total += len(f[1])
+    down = total / (last - first) if first is not None and last > first else 0.0
+    sock.send_multipart([b"bye"])
+    print(json.dumps({"up_Bps": up, "down_Bps": down, "rtt_s": statistics.median(rtts),
+                      "seconds": args.seconds}))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve")
+    s.add_argument("--bind", required=True, help="ADDR:PORT")
+    s.add_argument("--timeout", type=float, default=30)
+    m = sub.add_parser("measure")
+    m.add_argument("--connect", required=True, help="ADDR:PORT")
+    m.add_argument("--seconds", type=float, default=2.0)
+    m.add_argument("--message-bytes", type=int, default=1 << 20)
+    m.add_argument("--pings", type=int, default=50)
+    m.add_argument("--timeout", type=float, default=30)
+    args = ap.parse_args()
+    serve(args) if args.cmd == "serve" else measure(args)
+
+
+if __name__ == "__main__":
+    main()

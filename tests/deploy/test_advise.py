@@ -1,0 +1,217 @@
+"""sparseps-advise (deploy/advise): the cost models against hand-computed cases, the ZeroMQ probe
+on emulated hosts shaped to a known rate (deploy/netns.sh: needs root; skips elsewhere, fails in
+CI), and the advice (advice.json's fields, the ranking by time to the target) from a synthetic
+calibration with a given link. Run by ctest with Debian's python3 -m pytest."""
+import csv
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+ADVISE = ROOT / "deploy" / "advise"
+sys.path.insert(0, str(ADVISE))
+import cost_model  # noqa: E402
+
+STRICT = os.environ.get("CI", "").lower() not in ("", "0", "false")
+MB = 1e6
+
+
+def test_ring_moves_its_bytes_and_waits_its_rounds():
+    # 4 workers, 35 MB each way a step over 125 MB/s, 2(P-1) = 6 rounds of half a 0.2 ms RTT.
+    t = cost_model.network_s("allreduce", "gloo", 4, 0, 35 * MB, 35 * MB, 125 * MB, 0.0002)
+    assert t == pytest.approx(0.28 + 6 * 0.0001)
+
+
+def test_ps_pays_the_incast_at_its_servers():
+    # 4 workers push 2 MB each to 2 server hosts: each server takes the four workers' halves
+    # (4 x 1 MB) through its link; pulls of 8 MB likewise 16 MB per server.
+    t = cost_model.network_s("ps", "topk", 4, 2, 2 * MB, 8 * MB, 100 * MB, 0.001)
+    assert t == pytest.approx(4 / 100 + 16 / 100 + 0.002)
+    # As many server hosts as workers: no incast beyond each worker's own bytes.
+    t = cost_model.network_s("ps", "dense", 4, 4, 23 * MB, 23 * MB, 125 * MB, 0.0)
+    assert t == pytest.approx(2 * 23 / 125)
+
+
+def test_sparse_collectives_wait_log_rounds():
+    assert cost_model.network_s("allreduce", "topk_allgather", 8, 0, 1 * MB, 7 * MB, 100 * MB,
+                                0.002) == pytest.approx(0.07 + 3 * 0.001)
+    assert cost_model.network_s("allreduce", "gtopk", 8, 0, 1 * MB, 1 * MB, 100 * MB,
+                                0.002) == pytest.approx(0.01 + 6 * 0.001)
+    assert cost_model.network_s("allreduce", "exdyna", 4, 0, 1 * MB, 1 * MB, 100 * MB,
+                                0.002) == pytest.approx(0.01 + (2 + 6) * 0.001)
+
+
+def test_method_of_reads_the_overrides_with_the_defaults():
+    assert cost_model.method_of(["aggregation=allreduce", "collective.algorithm=spardl"]) == \
+        ("allreduce", "spardl")
+    assert cost_model.method_of(["aggregation=allreduce"]) == ("allreduce", "ring")
+    assert cost_model.method_of(["compression.encoding=sbc"]) == ("ps", "sbc")
+    assert cost_model.method_of([]) == ("ps", "topk")
+
+
+def test_predict_adds_the_network_time_per_step_to_the_calibration():
+    c = {"kind": "allreduce", "name": "ring", "workers": 2, "server_hosts": 0,
+         "sent": 10 * MB, "received": 10 * MB, "step_s": 0.1, "steps_to_target": 50,
+         "train_s_to_target": 6.0}
+    lo = {"bandwidth": 1000 * MB, "rtt": 0.0}
+    at = {"bandwidth": 100 * MB, "rtt": 0.0}
+    p = cost_model.predict(c, lo, at)
+    assert p["network_s"] == pytest.approx(0.1 - 0.01)
+    assert p["step_s"] == pytest.approx(0.19)
+    assert p["time_to_target_s"] == pytest.approx(6.0 + 50 * 0.09)
+    c["steps_to_target"] = None
+    assert cost_model.predict(c, lo, at)["time_to_target_s"] is None
+
+
+def write_calibration(folder):
+    """A comparison folder as sparseps-compare writes it: results.csv, results.md's target and
+    each run's evaluations: a dense ring (slow step, reaches at step 60) and PS top-k (fast step,
+    reaches at step 90) and SBC (never reaches)."""
+    rows = [("ring", 2, 0, 120, 60, 40, 20, 12 * MB, 12 * MB),
+            ("ps_topk", 2, 2, 150, 60, 45, 45, 0.3 * MB, 0.6 * MB),
+            ("ps_sbc", 2, 2, 120, 60, 30, 30, 0.1 * MB, 0.2 * MB)]
+    with open(folder / "results.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["setting", "method", "workers", "servers", "steps", "step_ms_median",
+                    "step_ms_p90", "compute_ms_median", "encode_ms_median", "comm_ms_median",
+                    "sent_bytes_per_step", "received_bytes_per_step", "time_to_target_s",
+                    "compute_to_target_s", "train_s", "final_accuracy", "final_perplexity",
+                    "slow_worker"])
+        for name, wk, sv, step, comp, enc, comm, sent, recv in rows:
+            w.writerow([name, name, wk, sv, 150, step, step * 1.1, comp, enc, comm, sent, recv,
+                        "", "", "", 0.85, "", ""])
+    (folder / "results.md").write_text("# c\n\n- target: 83.00% test accuracy (given)\n")
+    reach = {"ring": 60, "ps_topk": 90, "ps_sbc": None}
+    for name, *_ in rows:
+        run = folder / "runs" / name
+        run.mkdir(parents=True)
+        with open(run / "eval-worker-0.csv", "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["epoch", "step", "wall_s", "test_loss", "test_accuracy", "train_s"])
+            for step in (30, 60, 90, 120, 150):
+                acc = 0.84 if reach[name] is not None and step >= reach[name] else 0.80
+                w.writerow([1, step, step * 0.1, 0.5, acc, step * 0.05])
+
+
+def test_advice_ranks_by_time_to_target_and_writes_its_json(tmp_path):
+    cal = tmp_path / "cal"
+    cal.mkdir()
+    write_calibration(cal)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("name: c\njob: j.yaml\nworkers: 2\nservers: 2\nsettings:\n"
+                   "  - {name: ring, set: [aggregation=allreduce, collective.algorithm=ring]}\n"
+                   "  - {name: ps_topk, set: [aggregation=ps, compression.encoding=topk]}\n"
+                   "  - {name: ps_sbc, set: [aggregation=ps, compression.encoding=sbc]}\n")
+    out = tmp_path / "out"
+    r = subprocess.run(["/usr/bin/python3", str(ADVISE / "sparseps-advise"), "--config", str(cfg),
+                        "--calibration", str(cal), "--link", "12.5e6,0.001", "--out", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    advice = json.loads((out / "advice.json").read_text())
+    assert advice["network"]["bandwidth_Bps"] == 12.5e6 and advice["network"]["rtt_s"] == 0.001
+    names = [s["setting"] for s in advice["settings"]]
+    # At 100 Mbit/s the ring's 12 MB a step costs about 1 s; PS top-k's 0.9 MB about 0.1 s: the
+    # faster step wins though it needs 90 steps against 60; SBC never reaches: last.
+    assert names == ["ps_topk", "ring", "ps_sbc"], names
+    assert advice["best"] == {"setting": "ps_topk",
+                              "set": ["aggregation=ps", "compression.encoding=topk"]}
+    for s in advice["settings"]:
+        assert set(s) >= {"setting", "method", "set", "step_ms", "compute_ms", "encode_ms",
+                          "communication_ms", "network_ms", "sent_bytes_per_step",
+                          "received_bytes_per_step", "steps_to_target", "time_to_target_s"}
+        assert s["step_ms"] == pytest.approx(
+            s["compute_ms"] + s["encode_ms"] + s["communication_ms"])
+    ring = advice["settings"][1]
+    assert ring["steps_to_target"] == 60
+    # its loopback 3.0 s to the target plus 60 steps of the network time the model adds
+    assert ring["time_to_target_s"] == pytest.approx(3.0 + 60 * ring["network_ms"] / 1000)
+    assert advice["settings"][2]["time_to_target_s"] is None
+    assert "best: ps_topk" in r.stdout
+
+
+def test_the_simulator_gives_the_closed_form_on_two_hosts():
+    """SimGrid (python3-simgrid) on 2 hosts: the ring's 2 rounds of half the volume each way at
+    once (split duplex, nothing shared) take volume / B + a round trip; PS with 1 worker and 1
+    server host: push / B + pull / B + a round trip (half each way)."""
+    if not STRICT:
+        pytest.importorskip("simgrid")
+    import simulate
+    t = simulate.network_step_s("allreduce", "ring", 2, 0, 10 * MB, 10 * MB, 10 * MB, 0.002)
+    assert t == pytest.approx(1.0 + 0.002, rel=1e-6)
+    t = simulate.network_step_s("ps", "topk", 1, 1, 1 * MB, 3 * MB, 10 * MB, 0.002)
+    assert t == pytest.approx(0.1 + 0.3 + 0.002, rel=1e-6)
+    # 4 workers, 2 server hosts: each server link takes 4 x half a push (the incast)
+    t = simulate.network_step_s("ps", "topk", 4, 2, 1 * MB, 2 * MB, 10 * MB, 0.002)
+    assert t == pytest.approx(0.2 + 0.4 + 0.002, rel=1e-6)
+
+
+def test_growth_of_bytes_with_w_and_where_scaling_stops():
+    import simulate
+    assert simulate.scale_bytes("allreduce", "ring", 4, 30.0, 30.0, 16) == \
+        pytest.approx((30 * (15 / 16) / (3 / 4),) * 2)
+    assert simulate.scale_bytes("allreduce", "topk_allgather", 4, 3.0, 3.0, 9) == (8.0, 8.0)
+    assert simulate.scale_bytes("ps", "topk", 4, 1.0, 4.0, 16, union_cap=10.0) == (1.0, 10.0)
+    assert simulate.scale_bytes("ps", "dense", 4, 5.0, 5.0, 64) == (5.0, 5.0)
+    # W / step: 2/1 -> 4/1 (doubles), 4/1 -> 8/1.6 (x1.25, less than half of x2's growth)
+    assert simulate.stops_scaling([(2, 1.0), (4, 1.0), (8, 1.6)]) == 4
+    assert simulate.stops_scaling([(2, 1.0), (4, 1.0), (8, 1.2)]) is None
+
+
+def test_advice_simulates_larger_clusters(tmp_path):
+    if not STRICT:
+        pytest.importorskip("simgrid")
+    cal = tmp_path / "cal"
+    cal.mkdir()
+    write_calibration(cal)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("name: c\njob: j.yaml\nworkers: 2\nservers: 2\nsettings:\n"
+                   "  - {name: ring, set: [aggregation=allreduce, collective.algorithm=ring]}\n"
+                   "  - {name: ps_topk, set: [aggregation=ps, compression.encoding=topk]}\n")
+    out = tmp_path / "out"
+    r = subprocess.run(["/usr/bin/python3", str(ADVISE / "sparseps-advise"), "--config", str(cfg),
+                        "--calibration", str(cal), "--link", "12.5e6,0.001", "--out", str(out),
+                        "--simulate", "2,8,32"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    sim = json.loads((out / "advice.json").read_text())["simulation"]
+    assert sim["workers"] == [2, 8, 32]
+    by = {s["setting"]: s for s in sim["settings"]}
+    ring = [p["step_ms"] for p in by["ring"]["points"]]
+    assert ring[0] < ring[1] < ring[2]  # more bytes (P-1)/P and more rounds
+    # PS top-k's pulls are a union: they grow with W (and its servers with them)
+    topk = by["ps_topk"]["points"]
+    assert topk[2]["received_bytes_per_step"] == pytest.approx(0.6 * MB * 16)
+    assert topk[2]["server_hosts"] == 32
+    assert "W = 32" in (out / "advice.md").read_text()
+
+
+def test_the_probe_measures_a_shaped_link_within_a_fifth(tmp_path):
+    """Two hosts at 100 Mbit/s (deploy/netns.sh, tc tbf both ways), 2-second transfers each way
+    with ZeroMQ: both directions within 20% of 12.5 MB/s; a round trip under 5 ms."""
+    if os.geteuid() != 0 or subprocess.run([str(ROOT / "deploy" / "netns.sh"), "check"],
+                                           capture_output=True).returncode != 0:
+        if STRICT:
+            pytest.fail("needs root and ip netns (CI has both)")
+        pytest.skip("needs root and ip netns")
+    netns = str(ROOT / "deploy" / "netns.sh")
+    prefix = f"spat{os.getpid() % 1000}"
+    r = subprocess.run([netns, "up", "--hosts", "2", "--rate", "100mbit", "--prefix", prefix,
+                        "--subnet", "10.76.0"], capture_output=True, text=True)
+    try:
+        assert r.returncode == 0, r.stderr
+        sys.argv = ["sparseps-advise"]
+        import importlib.machinery
+        import importlib.util
+        loader = importlib.machinery.SourceFileLoader("advise", str(ADVISE / "sparseps-advise"))
+        spec = importlib.util.spec_from_loader("advise", loader)
+        advise = importlib.util.module_from_spec(spec)
+        loader.exec_module(advise)
+        m = advise.probe_netns(prefix)
+        for direction in ("up_Bps", "down_Bps"):
+            assert m[direction] == pytest.approx(12.5e6, rel=0.2), m
+        assert 0 < m["rtt_s"] < 0.005, m
+    finally:
+        subprocess.run([netns, "down", "--prefix", prefix], capture_output=True)
