@@ -46,9 +46,12 @@ def ps_network_s(workers, server_hosts, sent, received, bandwidth, rtt):
 def allreduce_network_s(algorithm, workers, sent, received, bandwidth, rtt):
     """A collective among P workers: every link carries its worker's bytes at once (the ring and
     the exchanges of the sparse collectives are balanced), so the busier direction's bytes over
-    the bandwidth, plus the rounds it waits for in turn (half a round trip each)."""
+    the bandwidth, plus the rounds it waits for in turn (half a round trip each). gTop-k's tree
+    is the exception: its root (worker 0, whose bytes the job reports) receives in the rounds up
+    and sends in the rounds down, one after the other, so its bytes add."""
     rounds = ROUNDS.get(algorithm, ROUNDS["ring"])(workers)
-    return max(sent, received) / bandwidth + rounds * rtt / 2
+    volume = sent + received if algorithm == "gtopk" else max(sent, received)
+    return volume / bandwidth + rounds * rtt / 2
 
 
 def network_s(kind, name, workers, server_hosts, sent, received, bandwidth, rtt):

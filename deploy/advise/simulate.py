@@ -8,8 +8,8 @@ A method is a sequence of rounds; in each round every flow of the round starts a
 round ends when the last one has arrived (incast at a server, a shared backbone, a busy link are
 what the simulation resolves). The rounds follow docs/algorithms.md §5: the ring's 2(P-1)
 neighbour steps (PowerSGD: two rings), Bruck's all-gather (TopK-AllGather; ExDyna's keys, then
-its ring), gTop-k's and SparDL's 2 log2 P pairwise exchanges, and the PS push to every server host
-then the pull from each. A worker's bytes per step at W workers come from the calibration at its
+its ring), gTop-k's binomial tree up to worker 0 and back down, SparDL's 2 log2 P pairwise
+exchanges, and the PS push to every server host then the pull from each. A worker's bytes per step at W workers come from the calibration at its
 W by each method's growth (scale_bytes). Thread-safety: one simulation per process (SimGrid's
 engine is a singleton): simulate_steps runs each in a child process.
 """
@@ -64,6 +64,14 @@ def rounds(kind, name, p, h, sent, received):
         return [([(("w", i), ("w", (i - 2 ** r) % p), min(2 ** r, p - 2 ** r) * chunk)
                   for i in range(p)], 1) for r in range(log)]
 
+    def tree(total):
+        # gTop-k: log2 P rounds up a binomial tree to worker 0, then log2 P rounds down
+        up = [([(("w", i), ("w", i - 2 ** r), total / (2 * log)) for i in range(p)
+                if i % 2 ** (r + 1) == 2 ** r], 1) for r in range(log)]
+        down = [([(("w", i - 2 ** r), ("w", i), total / (2 * log)) for i in range(p)
+                  if i % 2 ** (r + 1) == 2 ** r], 1) for r in reversed(range(log))]
+        return up + down
+
     def pairwise(n):
         return [([(("w", i), ("w", i ^ (1 << (r % log))), volume / n) for i in range(p)
                   if (i ^ (1 << (r % log))) < p], 1) for r in range(n)]
@@ -77,7 +85,9 @@ def rounds(kind, name, p, h, sent, received):
     if name == "exdyna":
         # the keys (4 bytes each) all-gathered, then their values (4 each) summed by the ring
         return bruck(volume / 3) + ring(2 * (p - 1), 2 * volume / 3)
-    return pairwise(2 * log)  # gtopk, spardl
+    if name == "gtopk":
+        return tree(sent + received)
+    return pairwise(2 * log)  # spardl
 
 
 def _simulate(args, out):
