@@ -30,12 +30,13 @@ SCALING = {
 PS_UNION = ("topk", "sbc")
 
 
-def scale_bytes(kind, name, p_cal, sent, received, p, union_cap=float("inf")):
+def scale_bytes(kind, name, p_cal, sent, received, p, union_cap=float("inf"), union=True):
     """(sent, received) per worker per step at P workers, from the calibration's at P_cal.
-    PS: pushes keep their size; pulls of a union (topk, sbc without server_topk) grow with P up
-    to union_cap (the dense pull); other pulls keep theirs."""
+    PS: pushes keep their size; pulls of a union (topk, sbc; union False: with
+    compression.server_topk, whose pulls are the top k of the sum) grow with P up to union_cap
+    (the dense pull); other pulls keep theirs."""
     if kind == "ps":
-        if name in PS_UNION:
+        if name in PS_UNION and union:
             received = min(union_cap, received * p / p_cal)
         return sent, received
     f = SCALING.get(name, SCALING["ring"])

@@ -156,6 +156,7 @@ def test_growth_of_bytes_with_w_and_where_scaling_stops():
         pytest.approx((30 * (15 / 16) / (3 / 4),) * 2)
     assert simulate.scale_bytes("allreduce", "topk_allgather", 4, 3.0, 3.0, 9) == (8.0, 8.0)
     assert simulate.scale_bytes("ps", "topk", 4, 1.0, 4.0, 16, union_cap=10.0) == (1.0, 10.0)
+    assert simulate.scale_bytes("ps", "topk", 4, 1.0, 4.0, 16, union=False) == (1.0, 4.0)
     assert simulate.scale_bytes("ps", "dense", 4, 5.0, 5.0, 64) == (5.0, 5.0)
     # W / step: 2/1 -> 4/1 (doubles), 4/1 -> 8/1.6 (x1.25, less than half of x2's growth)
     assert simulate.stops_scaling([(2, 1.0), (4, 1.0), (8, 1.6)]) == 4
