@@ -35,6 +35,7 @@ Status BlasFailure(const CublasApi& api, cublasStatus_t e, const char* what) {
     const cudaError_t e_ = (expr);                      \
     if (e_ != cudaSuccess) return CudaStatus(e_, what); \
   } while (0)
+// In GpuNet's members only: the message comes from the loaded cuBLAS (blas_api_).
 #define BLAS_TRY(expr, what)                                                   \
   do {                                                                         \
     const cublasStatus_t e_ = (expr);                                          \
