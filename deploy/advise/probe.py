@@ -31,16 +31,38 @@ def recv(sock, timeout_s, who):
     return sock.recv_multipart(copy=False)
 
 
-def serve(args):
-    """Answers one measuring client: ping, an upload it counts, a download it streams."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
+def stream_socket(kind):
+    """A socket with a few messages in flight, whose full pipe blocks the sender (a ROUTER too,
+    not dropping): a stream then runs at the link's rate instead of filling memory."""
+    sock = zmq.Context.instance().socket(kind)
     sock.setsockopt(zmq.LINGER, 1000)
-    # A few messages in flight, and a full pipe blocks the sender (not drops): the stream runs at
-    # the link's rate instead of filling memory.
-    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     sock.setsockopt(zmq.SNDHWM, 8)
     sock.setsockopt(zmq.RCVHWM, 8)
+    if kind == zmq.ROUTER:
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    return sock
+
+
+def receive_stream(sock, timeout_s, who, at):
+    """Receives "data" messages until "end" (their kind in frame `at`: 1 behind a ROUTER's peer
+    frame, else 0); returns (bytes, seconds) counted from the first message, which starts the
+    clock and is not counted, to the last."""
+    total, first, last = 0, None, None
+    while True:
+        f = recv(sock, timeout_s, who)
+        if f[at].bytes == b"end":
+            break
+        last = time.monotonic()
+        if first is None:
+            first = last
+        else:
+            total += len(f[at + 1])
+    return total, (last - first if first is not None else 0.0)
+
+
+def serve(args):
+    """Answers one measuring client: ping, an upload it counts, a download it streams."""
+    sock = stream_socket(zmq.ROUTER)
     sock.bind(f"tcp://{args.bind}")
     who = f"the client of tcp://{args.bind}"
     while True:
@@ -49,17 +71,7 @@ def serve(args):
         if kind == b"ping":
             sock.send_multipart([peer, b"pong"])
         elif kind == b"up":
-            total, first, last = 0, None, None
-            while True:
-                f = recv(sock, args.timeout, who)
-                if f[1].bytes == b"end":
-                    break
-                last = time.monotonic()
-                if first is None:
-                    first = last  # the first message starts the clock: it is not counted
-                else:
-                    total += len(f[2])
-            seconds = last - first if first is not None else 0.0
+            total, seconds = receive_stream(sock, args.timeout, who, 1)
             sock.send_multipart([peer, b"got", json.dumps(
                 {"bytes": total, "seconds": seconds}).encode()])
         elif kind == b"down":
@@ -74,11 +86,7 @@ def serve(args):
 
 
 def measure(args):
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 1000)
-    sock.setsockopt(zmq.SNDHWM, 8)
-    sock.setsockopt(zmq.RCVHWM, 8)
+    sock = stream_socket(zmq.DEALER)
     sock.connect(f"tcp://{args.connect}")
     who = f"the probe server at tcp://{args.connect}"
     rtts = []
@@ -97,17 +105,8 @@ def measure(args):
     up = got["bytes"] / got["seconds"] if got["seconds"] > 0 else 0.0
     sock.send_multipart([b"down", json.dumps({"message_bytes": args.message_bytes,
                                                 "seconds": args.seconds}).encode()])
-    total, first, last = 0, None, None
-    while True:
-        f = recv(sock, args.timeout, who)
-        if f[0].bytes == b"end":
-            break
-        last = time.monotonic()
-        if first is None:
-            first = last  # the first message starts the clock
-        else:
-            total += len(f[1])
-    down = total / (last - first) if first is not None and last > first else 0.0
+    total, seconds = receive_stream(sock, args.timeout, who, 0)
+    down = total / seconds if seconds > 0 else 0.0
     sock.send_multipart([b"bye"])
     print(json.dumps({"up_Bps": up, "down_Bps": down, "rtt_s": statistics.median(rtts),
                       "seconds": args.seconds}))

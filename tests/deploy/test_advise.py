@@ -98,20 +98,30 @@ def write_calibration(folder):
                 w.writerow([1, step, step * 0.1, 0.5, acc, step * 0.05])
 
 
-def test_advice_ranks_by_time_to_target_and_writes_its_json(tmp_path):
+SETTINGS = {"ring": "[aggregation=allreduce, collective.algorithm=ring]",
+            "ps_topk": "[aggregation=ps, compression.encoding=topk]",
+            "ps_sbc": "[aggregation=ps, compression.encoding=sbc]"}
+
+
+def advise(tmp_path, settings, *extra):
+    """sparseps-advise over write_calibration's folder with a config of those settings and a
+    100 Mbit/s link given; returns (the completed process, the output folder)."""
     cal = tmp_path / "cal"
     cal.mkdir()
     write_calibration(cal)
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("name: c\njob: j.yaml\nworkers: 2\nservers: 2\nsettings:\n"
-                   "  - {name: ring, set: [aggregation=allreduce, collective.algorithm=ring]}\n"
-                   "  - {name: ps_topk, set: [aggregation=ps, compression.encoding=topk]}\n"
-                   "  - {name: ps_sbc, set: [aggregation=ps, compression.encoding=sbc]}\n")
+    cfg.write_text("name: c\njob: j.yaml\nworkers: 2\nservers: 2\nsettings:\n" + "".join(
+        f"  - {{name: {s}, set: {SETTINGS[s]}}}\n" for s in settings))
     out = tmp_path / "out"
     r = subprocess.run(["/usr/bin/python3", str(ADVISE / "sparseps-advise"), "--config", str(cfg),
-                        "--calibration", str(cal), "--link", "12.5e6,0.001", "--out", str(out)],
-                       capture_output=True, text=True, timeout=120)
+                        "--calibration", str(cal), "--link", "12.5e6,0.001", "--out", str(out),
+                        *extra], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
+    return r, out
+
+
+def test_advice_ranks_by_time_to_target_and_writes_its_json(tmp_path):
+    r, out = advise(tmp_path, ["ring", "ps_topk", "ps_sbc"])
     advice = json.loads((out / "advice.json").read_text())
     assert advice["network"]["bandwidth_Bps"] == 12.5e6 and advice["network"]["rtt_s"] == 0.001
     names = [s["setting"] for s in advice["settings"]]
@@ -166,18 +176,7 @@ def test_growth_of_bytes_with_w_and_where_scaling_stops():
 def test_advice_simulates_larger_clusters(tmp_path):
     if not STRICT:
         pytest.importorskip("simgrid")
-    cal = tmp_path / "cal"
-    cal.mkdir()
-    write_calibration(cal)
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text("name: c\njob: j.yaml\nworkers: 2\nservers: 2\nsettings:\n"
-                   "  - {name: ring, set: [aggregation=allreduce, collective.algorithm=ring]}\n"
-                   "  - {name: ps_topk, set: [aggregation=ps, compression.encoding=topk]}\n")
-    out = tmp_path / "out"
-    r = subprocess.run(["/usr/bin/python3", str(ADVISE / "sparseps-advise"), "--config", str(cfg),
-                        "--calibration", str(cal), "--link", "12.5e6,0.001", "--out", str(out),
-                        "--simulate", "2,8,32"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
+    _, out = advise(tmp_path, ["ring", "ps_topk"], "--simulate", "2,8,32")
     sim = json.loads((out / "advice.json").read_text())["simulation"]
     assert sim["workers"] == [2, 8, 32]
     by = {s["setting"]: s for s in sim["settings"]}
