@@ -3,21 +3,27 @@ on emulated hosts shaped to a known rate (deploy/netns.sh: needs root; skips els
 CI), and the advice (advice.json's fields, the ranking by time to the target) from a synthetic
 calibration with a given link. Run by ctest with Debian's python3 -m pytest."""
 import csv
+import importlib.machinery
+import importlib.util
 import json
 import os
-import pathlib
 import subprocess
 import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from conftest import ROOT, cannot_run, distinct_hosts
+
 ADVISE = ROOT / "deploy" / "advise"
 sys.path.insert(0, str(ADVISE))
 import cost_model  # noqa: E402
 
-STRICT = os.environ.get("CI", "").lower() not in ("", "0", "false")
 MB = 1e6
+
+
+def needs_simgrid():
+    if importlib.util.find_spec("simgrid") is None:
+        cannot_run("python3-simgrid is not installed (deploy/install-deps.sh installs it)")
 
 
 def test_ring_moves_its_bytes_and_waits_its_rounds():
@@ -148,8 +154,7 @@ def test_the_simulator_gives_the_closed_form_on_two_hosts():
     """SimGrid (python3-simgrid) on 2 hosts: the ring's 2 rounds of half the volume each way at
     once (split duplex, nothing shared) take volume / B + a round trip; PS with 1 worker and 1
     server host: push / B + pull / B + a round trip (half each way)."""
-    if not STRICT:
-        pytest.importorskip("simgrid")
+    needs_simgrid()
     import simulate
     t = simulate.network_step_s("allreduce", "ring", 2, 0, 10 * MB, 10 * MB, 10 * MB, 0.002)
     assert t == pytest.approx(1.0 + 0.002, rel=1e-6)
@@ -174,8 +179,7 @@ def test_growth_of_bytes_with_w_and_where_scaling_stops():
 
 
 def test_advice_simulates_larger_clusters(tmp_path):
-    if not STRICT:
-        pytest.importorskip("simgrid")
+    needs_simgrid()
     _, out = advise(tmp_path, ["ring", "ps_topk"], "--simulate", "2,8,32")
     sim = json.loads((out / "advice.json").read_text())["simulation"]
     assert sim["workers"] == [2, 8, 32]
@@ -192,25 +196,21 @@ def test_advice_simulates_larger_clusters(tmp_path):
 def test_the_probe_measures_a_shaped_link_within_a_fifth(tmp_path):
     """Two hosts at 100 Mbit/s (deploy/netns.sh, tc tbf both ways), 2-second transfers each way
     with ZeroMQ: both directions within 20% of 12.5 MB/s; a round trip under 5 ms."""
-    if os.geteuid() != 0 or subprocess.run([str(ROOT / "deploy" / "netns.sh"), "check"],
-                                           capture_output=True).returncode != 0:
-        if STRICT:
-            pytest.fail("needs root and ip netns (CI has both)")
-        pytest.skip("needs root and ip netns")
+    if os.geteuid() != 0:
+        cannot_run("needs root for the network namespaces")
+    if not distinct_hosts():
+        cannot_run("deploy/netns.sh check failed: no network namespaces here")
     netns = str(ROOT / "deploy" / "netns.sh")
     prefix = f"spat{os.getpid() % 1000}"
     r = subprocess.run([netns, "up", "--hosts", "2", "--rate", "100mbit", "--prefix", prefix,
                         "--subnet", "10.76.0"], capture_output=True, text=True)
     try:
         assert r.returncode == 0, r.stderr
-        sys.argv = ["sparseps-advise"]
-        import importlib.machinery
-        import importlib.util
+        # the script's own probe_netns (it has no .py suffix to import it by)
         loader = importlib.machinery.SourceFileLoader("advise", str(ADVISE / "sparseps-advise"))
-        spec = importlib.util.spec_from_loader("advise", loader)
-        advise = importlib.util.module_from_spec(spec)
-        loader.exec_module(advise)
-        m = advise.probe_netns(prefix)
+        script = importlib.util.module_from_spec(importlib.util.spec_from_loader("advise", loader))
+        loader.exec_module(script)
+        m = script.probe_netns(prefix)
         for direction in ("up_Bps", "down_Bps"):
             assert m[direction] == pytest.approx(12.5e6, rel=0.2), m
         assert 0 < m["rtt_s"] < 0.005, m

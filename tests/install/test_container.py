@@ -14,7 +14,6 @@ in CI. Run by ctest (plain build only) with Debian's python3 -m pytest."""
 import json
 import os
 import pathlib
-import re
 import shutil
 import signal
 import subprocess
@@ -24,27 +23,12 @@ import time
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-BUILD = pathlib.Path(os.environ.get("SPARSEPS_BUILD_DIR", ROOT / "build"))
-VERSION = re.search(r"project\(sparseps VERSION ([0-9.]+)",
-                    (ROOT / "CMakeLists.txt").read_text()).group(1)
+from conftest import BUILD, ROOT, VERSION, cannot_run, run
+
 DOCKER = "/usr/bin/docker"  # Debian's client (docker.io), not another one earlier on PATH
 BASE = "sparseps-test/debian:bookworm"
 IMAGE = "sparseps-test/sparseps:test"
 PROJECT = "sparsepstest"  # the compose project: its containers, network and volume
-STRICT = os.environ.get("CI", "").lower() not in ("", "0", "false")
-
-
-def cannot_run(why):
-    """Skips where a part this needs is missing; fails in CI (deploy/install-deps.sh ran as
-    root there)."""
-    if STRICT:
-        pytest.fail(why + " (in CI, where deploy/install-deps.sh ran as root, this is a failure)")
-    pytest.skip(why)
-
-
-def run(cmd, timeout=300, **kw):
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
 
 
 def firewall():
@@ -220,8 +204,9 @@ def test_compose_trains_the_quickstart_as_five_containers(docker, image):
             codes[service] = int(w.stdout.strip())
         logs = docker.compose("logs", "--no-color").stdout
         assert set(codes.values()) == {0}, f"exit codes {codes}\n{logs[-4000:]}"
-        r = docker("run", "--rm", "-v", f"{PROJECT}_run:/run/sparseps", image,
-                   "cat", "/run/sparseps/summary.json")
+        # the user guide's command for the job's summary
+        r = docker.compose("run", "--rm", "--entrypoint", "cat", "scheduler",
+                           "/run/sparseps/summary.json")
         assert r.returncode == 0, r.stderr
         summary = json.loads(r.stdout)
         assert summary["status"] == "ok", summary

@@ -6,8 +6,6 @@ systemd-analyze verify; the installed launcher runs; and a consumer project outs
 through the client library against daemons from the package, checking the parameters exactly.
 Run by ctest with Debian's python3 -m pytest."""
 import json
-import os
-import pathlib
 import re
 import shutil
 import signal
@@ -16,31 +14,10 @@ import time
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-BUILD = pathlib.Path(os.environ.get("SPARSEPS_BUILD_DIR", ROOT / "build"))
+from conftest import BUILD, ROOT, VERSION, cannot_run, run
+
 TOOLS = ("sparseps-scheduler", "sparseps-server", "sparseps-worker", "sparseps-keygen",
          "sparseps-eval")
-VERSION = re.search(r"project\(sparseps VERSION ([0-9.]+)",
-                    (ROOT / "CMakeLists.txt").read_text()).group(1)
-
-
-# In CI (CI=true: root, deploy/install-deps.sh ran) every part of this test runs as written: a
-# missing part fails it instead of narrowing it.
-STRICT = os.environ.get("CI", "").lower() not in ("", "0", "false")
-
-
-def cannot_run(why):
-    """Skips the test where a part it needs is missing; fails it in CI."""
-    if STRICT:
-        pytest.fail(why + " (in CI, where deploy/install-deps.sh ran as root, this is a failure)")
-    pytest.skip(why)
-
-
-def run(cmd, **kw):
-    kw.setdefault("capture_output", True)
-    kw.setdefault("text", True)
-    kw.setdefault("timeout", 300)
-    return subprocess.run(cmd, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +96,8 @@ def test_nothing_in_the_package_needs_an_nvidia_library(package):
     for elf in elves:
         r = run(["readelf", "-d", str(elf)])
         assert r.returncode == 0, r.stderr
-        nvidia = re.findall(r"NEEDED.*\[(lib(?:cuda|cudart|cublas|cublasLt)\.so[.0-9]*)\]", r.stdout)
+        nvidia = re.findall(r"NEEDED.*\[(lib(?:cuda|cudart|cublas|cublasLt)\.so[.0-9]*)\]",
+                            r.stdout)
         assert not nvidia, f"{elf.relative_to(root)} needs {nvidia}"
 
 

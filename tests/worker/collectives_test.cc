@@ -650,15 +650,21 @@ double MeanCount(const Result& r, int from, int to) {
   return sum / (to - from);
 }
 
+// An ExDyna run of `workers` workers over n keys at `density` for `iterations` iterations.
+RunSetup ExDynaSetup(int workers, size_t n, double density, int iterations) {
+  RunSetup s;
+  s.algorithm = proto::EXDYNA;
+  s.workers = workers;
+  s.n = n;
+  s.density = density;
+  s.iterations = iterations;
+  return s;
+}
+
 TEST(ExDynaDensity, GlobalCountStaysWithinTwentyPercentOfTheTarget) {
   for (int workers : {2, 3, 4, 5}) {
     SCOPED_TRACE(std::to_string(workers) + " workers");
-    RunSetup s;
-    s.algorithm = proto::EXDYNA;
-    s.workers = workers;
-    s.n = 8192;
-    s.density = 0.05;
-    s.iterations = 160;
+    const RunSetup s = ExDynaSetup(workers, 8192, 0.05, 160);
     Result r;
     ASSERT_TRUE(RunWorkers(s, &r));
     CheckInvariants(s, r);
@@ -672,12 +678,7 @@ TEST(ExDynaDensity, GlobalCountStaysWithinTwentyPercentOfTheTarget) {
 // afresh, so the global count is near the new k within a few iterations (walking there at 3% a
 // step took about 80 iterations, selecting several times k meanwhile).
 TEST(ExDynaDensity, ANewKIsReachedWithinAFewIterations) {
-  RunSetup s;
-  s.algorithm = proto::EXDYNA;
-  s.workers = 3;
-  s.n = 32768;
-  s.density = 0.05;
-  s.iterations = 80;
+  RunSetup s = ExDynaSetup(3, 32768, 0.05, 80);
   s.switch_at = 40;
   s.density_after = 0.005;
   Result r;
