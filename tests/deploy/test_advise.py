@@ -150,6 +150,22 @@ def test_advice_ranks_by_time_to_target_and_writes_its_json(tmp_path):
     assert "best: ps_topk" in r.stdout
 
 
+@pytest.mark.parametrize("args,says", [
+    (["--link", "fast"], "--link 'fast': BYTES_PER_S,RTT_S"),
+    (["--link", "0,0.001"], "a positive bandwidth"),
+    (["--link", "1e8,0.001", "--calibration", "/nonexistent"], "/nonexistent/results.csv: missing"),
+    (["--link", "1e8,0.001", "--simulate", "1,8"], "worker counts of at least 2"),
+])
+def test_bad_input_is_named_before_anything_runs(tmp_path, args, says):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("name: c\njob: j.yaml\nworkers: 2\nsettings:\n  - {name: ring}\n")
+    r = subprocess.run(["/usr/bin/python3", str(ADVISE / "sparseps-advise"), "--config", str(cfg),
+                        "--out", str(tmp_path / "out"), *args],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and says in r.stderr, r.stderr
+    assert not (tmp_path / "out" / "advice.json").exists()
+
+
 def test_the_simulator_gives_the_closed_form_on_two_hosts():
     """SimGrid (python3-simgrid) on 2 hosts: the ring's 2 rounds of half the volume each way at
     once (split duplex, nothing shared) take volume / B + a round trip; PS with 1 worker and 1
