@@ -99,6 +99,10 @@ class CountingContribution final : public Contribution {
     moved_ += size();
     return host_.Read(out, zero);
   }
+  Status Write(const float* in) override {
+    moved_ += size();
+    return host_.Write(in);
+  }
   uint64_t moved() const { return moved_; }
   // Keys the selections returned.
   uint64_t selected() const { return selected_; }

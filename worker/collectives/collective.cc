@@ -101,6 +101,12 @@ Status HostContribution::Read(float* out, bool zero) {
   return Status::OK();
 }
 
+Status HostContribution::Write(const float* in) {
+  ApplyDeferred();
+  std::copy_n(in, x_->size(), x_->begin());
+  return Status::OK();
+}
+
 Result<SparseVector> TakeEntries(Contribution* x, std::vector<uint32_t> keys) {
   SparseVector out;
   out.values.resize(keys.size());

@@ -77,6 +77,9 @@ class Contribution {
 
   // out[0, n) = x; with zero, x = 0 afterwards.
   virtual Status Read(float* out, bool zero) = 0;
+
+  // x = in[0, n): a dense residual put back whole (PowerSGD's) instead of as n entries.
+  virtual Status Write(const float* in) = 0;
 };
 
 // A Contribution in host memory: a vector the caller owns and a Selector (the collective's).
@@ -102,6 +105,7 @@ class HostContribution final : public Contribution {
   Status Add(const SparseVector& entries) override;
   Status Set(const SparseVector& entries) override;
   Status Read(float* out, bool zero) override;
+  Status Write(const float* in) override;
 
  private:
   std::vector<float>* x_;

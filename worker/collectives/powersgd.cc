@@ -121,7 +121,7 @@ PowerSgd::PowerSgd(PeerGroup* group, const CollectiveOptions& options)
 
 Status PowerSgd::Allreduce(Contribution* x, CollectiveUpdate* update) {
   m_.resize(n_);
-  SPARSEPS_RETURN_IF_ERROR(x->Read(m_.data(), /*zero=*/true));
+  SPARSEPS_RETURN_IF_ERROR(x->Read(m_.data(), /*zero=*/false));  // Write replaces it
   // P = M Q for every compressed layer, then the dense layers' elements: one ring.
   size_t at = 0;
   for (size_t l = 0; l < layers_.size(); ++l) {
@@ -162,45 +162,46 @@ Status PowerSgd::Allreduce(Contribution* x, CollectiveUpdate* update) {
   }
   // The update P^ Q^^T (dense layers: their sum), the residual M - P^ Q_w^T, and the warm start.
   update->dense = true;
-  update->sum.assign(n_, 0.0f);
-  SparseVector& residual = residual_;  // reused: its capacity stays from call to call
-  residual.indices.clear();
-  residual.values.clear();
+  update->sum.resize(n_);
   at = 0;
   at_q = 0;
   for (size_t l = 0; l < layers_.size(); ++l) {
     const PowerSgdLayer& y = layers_[l];
     float* sum = update->sum.data() + y.first;
+    float* m = m_.data() + y.first;
     if (y.rank == 0) {
       std::copy_n(first_.data() + at, y.rows * y.cols, sum);
+      std::fill_n(m, y.rows * y.cols, 0.0f);  // summed exactly: nothing left behind
       at += y.rows * y.cols;
       continue;
     }
     const float* p = first_.data() + at;
     const float* q = second_.data() + at_q;
     // The update from the ring's sums in a fixed order (not BLAS): bitwise the same everywhere.
+    // Q^ transposed (rank x cols), so that each row of the update is rank passes over contiguous
+    // floats, each entry summed over k in order from 0 as a dot product would be.
+    qt_.resize(y.cols * y.rank);
+    for (uint64_t j = 0; j < y.cols; ++j) {
+      for (uint32_t k = 0; k < y.rank; ++k) qt_[k * y.cols + j] = q[j * y.rank + k];
+    }
     for (uint64_t i = 0; i < y.rows; ++i) {
-      for (uint64_t j = 0; j < y.cols; ++j) {
-        float a = 0.0f;
-        for (uint32_t k = 0; k < y.rank; ++k) a += p[i * y.rank + k] * q[j * y.rank + k];
-        sum[i * y.cols + j] = a;
+      float* row = sum + i * y.cols;
+      std::fill_n(row, y.cols, 0.0f);
+      for (uint32_t k = 0; k < y.rank; ++k) {
+        const float pk = p[i * y.rank + k];
+        const float* qk = qt_.data() + k * y.cols;
+        for (uint64_t j = 0; j < y.cols; ++j) row[j] += pk * qk[j];
       }
     }
     // This worker's residual M - P^ Q_w^T, in place of M.
-    float* m = m_.data() + y.first;
     kernels::Gemm(false, true, y.rows, y.cols, y.rank, -1.0f, p, y.rank, mine_.data() + at_q,
                   y.rank, 1.0f, m, y.cols);
-    for (uint64_t e = 0; e < y.rows * y.cols; ++e) {
-      if (m[e] != 0.0f) {
-        residual.indices.push_back(static_cast<uint32_t>(y.first + e));
-        residual.values.push_back(m[e]);
-      }
-    }
     std::copy_n(q, y.cols * y.rank, q_[l].begin());
     at += y.rows * y.rank;
     at_q += y.cols * y.rank;
   }
-  return x->Add(residual);
+  // The residual goes back whole (the contribution was read and zeroed above).
+  return x->Write(m_.data());
 }
 
 void PowerSgd::State(StateArchive& archive) {

@@ -70,7 +70,7 @@ class PowerSgd final : public Collective {
   std::vector<float> first_;   // the first ring: every P, then the dense layers' elements
   std::vector<float> second_;  // the second ring: every Q_w
   std::vector<float> mine_;    // this worker's Q_w, before the ring sums it
-  SparseVector residual_;      // what this worker keeps, put back into its contribution
+  std::vector<float> qt_;      // a layer's Q^ transposed (rank x cols), for the update
 };
 
 // PowerSGD's config check (its row's): with train.momentum, collective.momentum must be

@@ -177,6 +177,13 @@ Status GpuContribution::Read(float* out, bool zero) {
   return CudaStatus(cudaStreamSynchronize(st.stream), "cudaMemset");
 }
 
+Status GpuContribution::Write(const float* in) {
+  State& st = *state_;
+  SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(st.stream), "the stream"));
+  return CudaStatus(cudaMemcpy(st.x.p, in, st.n * sizeof(float), cudaMemcpyHostToDevice),
+                    "writing the contribution");
+}
+
 Status GpuContribution::MaskMomentum(std::span<const uint32_t> keys) {
   State& st = *state_;
   if (st.aggregated || keys.empty()) return Status::OK();

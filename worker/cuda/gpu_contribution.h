@@ -57,6 +57,7 @@ class GpuContribution final : public Contribution {
   Status Add(const SparseVector& entries) override;
   Status Set(const SparseVector& entries) override;
   Status Read(float* out, bool zero) override;
+  Status Write(const float* in) override;
 
  private:
   struct State;
