@@ -3,6 +3,7 @@
 over the same libzmq): bandwidth each way and the round-trip latency.
 
     probe.py serve --bind ADDR:PORT [--timeout S]     # on host A: answers one client, then exits
+                                                      # (PORT * : a free one); prints {"port": N}
     probe.py measure --connect ADDR:PORT [--seconds 2] [--message-bytes 1048576]
                                                       # on host B: prints one JSON line
 Output (measure): {"up_Bps": B->A bytes/s, "down_Bps": A->B bytes/s, "rtt_s": median round
@@ -13,16 +14,21 @@ rate counts from the first to the last message the receiver got. Errors: a peer 
 """
 import argparse
 import json
+import socket
 import statistics
 import sys
 import time
 
-import zmq
-
 
 def fail(text):
-    print(f"probe: {text}", file=sys.stderr)
+    print(f"probe on {socket.gethostname()}: {text}", file=sys.stderr)
     sys.exit(2)
+
+
+try:
+    import zmq
+except ImportError:
+    fail("python3-zmq is missing here (apt-get install python3-zmq)")
 
 
 def recv(sock, timeout_s, who):
@@ -61,9 +67,15 @@ def receive_stream(sock, timeout_s, who, at):
 
 
 def serve(args):
-    """Answers one measuring client: ping, an upload it counts, a download it streams."""
+    """Prints the port it bound ({"port": N}, one line) and answers one measuring client: ping,
+    an upload it counts, a download it streams."""
     sock = stream_socket(zmq.ROUTER)
-    sock.bind(f"tcp://{args.bind}")
+    try:
+        sock.bind(f"tcp://{args.bind}")
+    except zmq.ZMQError as e:
+        fail(f"cannot bind tcp://{args.bind}: {e}")
+    port = int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+    print(json.dumps({"port": port}), flush=True)
     who = f"the client of tcp://{args.bind}"
     while True:
         frames = recv(sock, args.timeout, who)
@@ -116,7 +128,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve")
-    s.add_argument("--bind", required=True, help="ADDR:PORT")
+    s.add_argument("--bind", required=True, help="ADDR:PORT (PORT *: a free one, printed)")
     s.add_argument("--timeout", type=float, default=30)
     m = sub.add_parser("measure")
     m.add_argument("--connect", required=True, help="ADDR:PORT")

@@ -2,7 +2,6 @@
 on emulated hosts shaped to a known rate (deploy/netns.sh: needs root; skips elsewhere, fails in
 CI), and the advice (advice.json's fields, the ranking by time to the target) from a synthetic
 calibration with a given link. Run by ctest with Debian's python3 -m pytest."""
-import csv
 import importlib.machinery
 import importlib.util
 import json
@@ -12,13 +11,10 @@ import sys
 
 import pytest
 
-from conftest import ROOT, cannot_run, distinct_hosts
+from conftest import ADVISE, MB, ROOT, advise_inputs, cannot_run, distinct_hosts
 
-ADVISE = ROOT / "deploy" / "advise"
 sys.path.insert(0, str(ADVISE))
 import cost_model  # noqa: E402
-
-MB = 1e6
 
 
 def needs_simgrid():
@@ -74,50 +70,10 @@ def test_predict_adds_the_network_time_per_step_to_the_calibration():
     assert cost_model.predict(c, lo, at)["time_to_target_s"] is None
 
 
-def write_calibration(folder):
-    """A comparison folder as sparseps-compare writes it: results.csv, results.md's target and
-    each run's evaluations: a dense ring (slow step, reaches at step 60) and PS top-k (fast step,
-    reaches at step 90) and SBC (never reaches)."""
-    rows = [("ring", 2, 0, 120, 60, 40, 20, 12 * MB, 12 * MB),
-            ("ps_topk", 2, 2, 150, 60, 45, 45, 0.3 * MB, 0.6 * MB),
-            ("ps_sbc", 2, 2, 120, 60, 30, 30, 0.1 * MB, 0.2 * MB)]
-    with open(folder / "results.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["setting", "method", "workers", "servers", "steps", "step_ms_median",
-                    "step_ms_p90", "compute_ms_median", "encode_ms_median", "comm_ms_median",
-                    "sent_bytes_per_step", "received_bytes_per_step", "time_to_target_s",
-                    "compute_to_target_s", "train_s", "final_accuracy", "final_perplexity",
-                    "slow_worker"])
-        for name, wk, sv, step, comp, enc, comm, sent, recv in rows:
-            w.writerow([name, name, wk, sv, 150, step, step * 1.1, comp, enc, comm, sent, recv,
-                        "", "", "", 0.85, "", ""])
-    (folder / "results.md").write_text("# c\n\n- target: 83.00% test accuracy (given)\n")
-    reach = {"ring": 60, "ps_topk": 90, "ps_sbc": None}
-    for name, *_ in rows:
-        run = folder / "runs" / name
-        run.mkdir(parents=True)
-        with open(run / "eval-worker-0.csv", "w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(["epoch", "step", "wall_s", "test_loss", "test_accuracy", "train_s"])
-            for step in (30, 60, 90, 120, 150):
-                acc = 0.84 if reach[name] is not None and step >= reach[name] else 0.80
-                w.writerow([1, step, step * 0.1, 0.5, acc, step * 0.05])
-
-
-SETTINGS = {"ring": "[aggregation=allreduce, collective.algorithm=ring]",
-            "ps_topk": "[aggregation=ps, compression.encoding=topk]",
-            "ps_sbc": "[aggregation=ps, compression.encoding=sbc]"}
-
-
 def advise(tmp_path, settings, *extra):
     """sparseps-advise over write_calibration's folder with a config of those settings and a
     100 Mbit/s link given; returns (the completed process, the output folder)."""
-    cal = tmp_path / "cal"
-    cal.mkdir()
-    write_calibration(cal)
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text("name: c\njob: j.yaml\nworkers: 2\nservers: 2\nsettings:\n" + "".join(
-        f"  - {{name: {s}, set: {SETTINGS[s]}}}\n" for s in settings))
+    cfg, cal = advise_inputs(tmp_path, settings)
     out = tmp_path / "out"
     r = subprocess.run(["/usr/bin/python3", str(ADVISE / "sparseps-advise"), "--config", str(cfg),
                         "--calibration", str(cal), "--link", "12.5e6,0.001", "--out", str(out),
@@ -155,13 +111,21 @@ def test_advice_ranks_by_time_to_target_and_writes_its_json(tmp_path):
     (["--link", "0,0.001"], "a positive bandwidth"),
     (["--link", "1e8,0.001", "--calibration", "/nonexistent"], "/nonexistent/results.csv: missing"),
     (["--link", "1e8,0.001", "--simulate", "1,8"], "worker counts of at least 2"),
+    (["--hosts", "/nonexistent"], "--hosts /nonexistent: No such file or directory"),
+    (["--hosts", "ONE_HOST"], "at least two hosts to measure between (1 listed)"),
+    (["--hosts", "UNRESOLVABLE"], ":2: cannot resolve no-such-host.invalid here; give addr=A"),
+    (["--slurm"], "--slurm: not inside a Slurm allocation"),
 ])
 def test_bad_input_is_named_before_anything_runs(tmp_path, args, says):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("name: c\njob: j.yaml\nworkers: 2\nsettings:\n  - {name: ring}\n")
+    (tmp_path / "one").write_text("127.0.0.1 scheduler worker   # only one\n")
+    (tmp_path / "bad").write_text("127.0.0.1 scheduler\nno-such-host.invalid worker\n")
+    files = {"ONE_HOST": str(tmp_path / "one"), "UNRESOLVABLE": str(tmp_path / "bad")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     r = subprocess.run(["/usr/bin/python3", str(ADVISE / "sparseps-advise"), "--config", str(cfg),
-                        "--out", str(tmp_path / "out"), *args],
-                       capture_output=True, text=True, timeout=60)
+                        "--out", str(tmp_path / "out"), *(files.get(a, a) for a in args)],
+                       capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 1 and says in r.stderr, r.stderr
     assert not (tmp_path / "out" / "advice.json").exists()
 

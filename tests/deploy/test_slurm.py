@@ -2,7 +2,8 @@
 slurmctld and three slurmd nodes (each an emulated host in a network namespace; one node on
 127.0.0.1 where ip netns does not work here), the quickstart is submitted with sbatch and waited
 for with a deadline; the accuracy comes from the job's summary.json, the state and exit code from
-scontrol. Skips, saying why, only where slurmctld cannot start (not root, Slurm not installed).
+scontrol; sparseps-advise --slurm measures the nodes' shaped links through srun from an
+allocation. Skips, saying why, only where slurmctld cannot start (not root, Slurm not installed).
 Run by ctest with Debian's python3 -m pytest."""
 import json
 import os
@@ -14,7 +15,7 @@ import tempfile
 import time
 
 import pytest
-from conftest import cannot_run, distinct_hosts
+from conftest import ADVISE, advise_inputs, cannot_run, distinct_hosts
 from test_metrics import free_base  # a port below the ephemeral range
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -133,3 +134,41 @@ def test_a_task_count_that_does_not_match_the_config_is_refused(slurm, tmp_path)
     out = slurm.output(job)
     assert (state, code) == ("FAILED", "2:0"), out
     assert "sbatch --ntasks=5" in out, out
+
+
+def test_the_advisor_probes_the_allocation_through_srun(slurm, tmp_path):
+    """sparseps-advise --slurm inside an sbatch allocation of every node: probe.py runs on each
+    node through srun (the script on its stdin), node 1 against nodes 2 and 3, each node's link
+    shaped to 100 Mbit/s (tc tbf both ways): every pair within 20% of 12.5 MB/s each way."""
+    if slurm.nodes < 2:
+        cannot_run("one Slurm node only (no network namespaces here): nothing to measure between")
+    netns = str(ROOT / "deploy" / "netns.sh")
+    prefix = slurm.args[slurm.args.index("--prefix") + 1]
+    nodes = [str(k) for k in range(1, slurm.nodes + 1)]
+    cfg, cal = advise_inputs(tmp_path)
+    out = tmp_path / "out"
+    try:
+        for k in nodes:
+            r = subprocess.run([netns, "shape", "--prefix", prefix, "--rate", "100mbit", k],
+                               capture_output=True, text=True)
+            assert r.returncode == 0, r.stderr
+        r = slurm.run("sbatch", "--parsable", f"--nodes={slurm.nodes}",
+                      f"--ntasks={slurm.nodes}", f"--output={slurm.dir}/job-%j.out", "--wrap",
+                      f"/usr/bin/python3 {ADVISE / 'sparseps-advise'} --config {cfg} "
+                      f"--calibration {cal} --slurm --out {out}")
+        assert r.returncode == 0, r.stderr
+        job = r.stdout.strip().split(";")[0]
+        state, code = slurm.wait(job, deadline_s=300)
+    finally:
+        for k in nodes:
+            subprocess.run([netns, "shape", "--prefix", prefix, "--rate", "10gbit", k],
+                           capture_output=True)
+    assert (state, code) == ("COMPLETED", "0:0"), slurm.output(job)
+    net = json.loads((out / "advice.json").read_text())["network"]
+    assert [(p["from"], p["to"]) for p in net["pairs"]] == [
+        ("node1", f"node{k}") for k in nodes[1:]]
+    for p in net["pairs"]:
+        for direction in ("up_Bps", "down_Bps"):
+            assert p[direction] == pytest.approx(12.5e6, rel=0.2), p
+    assert net["bandwidth_Bps"] == min(min(p["up_Bps"], p["down_Bps"]) for p in net["pairs"])
+    assert "best: " in slurm.output(job)

@@ -3,7 +3,8 @@ hosts (network namespaces), each with an sshd of its own (Debian's openssh-serve
 for the test, and the launcher runs on host 1 as on a login node. Checked: the quickstart trains
 across the hosts with every process on its host's address, worker 0's progress streamed and every
 host's files copied back; a failing worker, a SIGTERM and a SIGKILL of the launcher each leave no
-process of the job on any host; a bad hosts file is refused naming its line. Skips, saying why,
+process of the job on any host; a bad hosts file is refused naming its line; sparseps-advise
+--hosts measures the hosts' shaped links over ssh. Skips, saying why,
 only where sshd cannot start (not root, openssh-server missing). With no network namespaces here
 the one host is 127.0.0.1. Run by ctest with Debian's python3 -m pytest."""
 import json
@@ -17,7 +18,7 @@ import tempfile
 import time
 
 import pytest
-from conftest import cannot_run, distinct_hosts
+from conftest import ADVISE, advise_inputs, cannot_run, distinct_hosts
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BUILD = pathlib.Path(os.environ.get("SPARSEPS_BUILD_DIR", ROOT / "build"))
@@ -220,3 +221,41 @@ def test_a_bad_hosts_file_is_refused_naming_the_line(hosts, tmp_path):
     assert r.returncode == 1, r.stdout + r.stderr
     assert f"host {host}:2 (" in r.stderr and "refused" in r.stderr, r.stderr
     assert not (tmp_path / "run" / "scheduler.log").exists()
+
+
+def test_the_advisor_probes_the_hosts_over_ssh(hosts, tmp_path):
+    """sparseps-advise --hosts over the same hosts file, from the login node: probe.py goes over
+    ssh to each host's python3; host 1 against hosts 2 and 3, each link shaped to 100 Mbit/s
+    (tc tbf both ways): every pair within 20% of 12.5 MB/s each way, the slowest taken."""
+    netns = str(ROOT / "deploy" / "netns.sh")
+    prefix = hosts.args[hosts.args.index("--prefix") + 1]
+    if hosts.count == 3:
+        for h in ("1", "2", "3"):
+            r = subprocess.run([netns, "shape", "--prefix", prefix, "--rate", "100mbit", h],
+                               capture_output=True, text=True)
+            assert r.returncode == 0, r.stderr
+    try:
+        cfg, cal = advise_inputs(tmp_path)
+        out = tmp_path / "out"
+        r = subprocess.run([str(LOCAL_SSH), "run", "--dir", str(hosts.dir), "/usr/bin/python3",
+                            str(ADVISE / "sparseps-advise"), "--config", str(cfg),
+                            "--calibration", str(cal), "--hosts",
+                            str(hosts.hosts_file(tmp_path / "hosts")), "--out", str(out)],
+                           capture_output=True, text=True, timeout=300)
+    finally:
+        if hosts.count == 3:
+            for h in ("1", "2", "3"):
+                subprocess.run([netns, "shape", "--prefix", prefix, "--rate", "10gbit", h],
+                               capture_output=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    net = json.loads((out / "advice.json").read_text())["network"]
+    assert [(p["from"], p["to"]) for p in net["pairs"]] == [
+        (hosts.dests[0], d) for d in (hosts.dests * 3)[1:3]]
+    assert "over ssh, probed (2 pairs" in net["where"]
+    assert net["bandwidth_Bps"] == min(min(p["up_Bps"], p["down_Bps"]) for p in net["pairs"])
+    if hosts.count == 3:
+        for p in net["pairs"]:
+            for direction in ("up_Bps", "down_Bps"):
+                assert p[direction] == pytest.approx(12.5e6, rel=0.2), p
+    # Nothing of the probe is left on the hosts (nor its ssh clients here).
+    assert not job_processes("python3 - serve --bind") + job_processes("python3 - measure")
