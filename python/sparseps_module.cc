@@ -231,6 +231,14 @@ void Call(F&& f) {
   }
 }
 
+// A NumPy array that owns `v` (moved, not copied): freed when the array is.
+template <typename T>
+py::array_t<T> Owned(std::vector<T>&& v) {
+  auto* owned = new std::vector<T>(std::move(v));
+  py::capsule owner(owned, [](void* p) { delete static_cast<std::vector<T>*>(p); });
+  return py::array_t<T>(static_cast<py::ssize_t>(owned->size()), owned->data(), owner);
+}
+
 // A Python object's tensors as the client library's buffers (lent for the length of a call).
 std::vector<client::Buffer> Buffers(const Arrays& a) {
   std::vector<client::Buffer> out;
@@ -286,10 +294,9 @@ class Worker {
     if (sparse) {
       client::SparseUpdate u;
       Call([&] { u = worker_->PushPullSparse(buffers, l); });
-      return py::make_tuple(
-          py::array_t<int64_t>(static_cast<py::ssize_t>(u.keys.size()), u.keys.data()),
-          py::array_t<float>(static_cast<py::ssize_t>(u.update.size()), u.update.data()),
-          py::array_t<float>(static_cast<py::ssize_t>(u.params.size()), u.params.data()));
+      // The arrays own the library's vectors (no copy: a dense method's step returns every key).
+      return py::make_tuple(Owned(std::move(u.keys)), Owned(std::move(u.update)),
+                            Owned(std::move(u.params)));
     }
     // The update comes into a zeroed array (numpy.zeros: pages the step does not touch stay
     // untouched); the library writes the keys that changed.

@@ -162,18 +162,28 @@ class DistributedOptimizer:
         keys, update, params = self.worker.push_pull(self._flat, sparse=True, loss=reported)
         self.last_push_pull_ms = 1000 * (time.monotonic() - t)
         device = self._flat.device
+        # Every key changed (a dense method: ring, Gloo, PowerSGD): copies, not scatters.
+        dense = len(keys) == self._flat.numel()
         keys = torch.from_numpy(keys).to(device)
         with torch.no_grad():
             if self.aggregate == "update" or self._plain_sgd():
                 params = torch.from_numpy(params).to(device)
+                if dense:
+                    for p, start in zip(self._params, self._starts.tolist()):
+                        p.view(-1).copy_(params[start:start + p.numel()])
+                    return closure_loss
                 bounds = torch.searchsorted(keys, self._starts).tolist()
                 for p, start, lo, hi in zip(self._params, self._starts.tolist(), bounds[:-1],
                                             bounds[1:]):
                     if hi > lo:
                         p.view(-1).index_copy_(0, keys[lo:hi] - start, params[lo:hi])
                 return closure_loss
-            self._flat.zero_()
-            self._flat.index_put_((keys,), torch.from_numpy(update).to(device) / self.worker.lr)
+            update = torch.from_numpy(update).to(device)
+            if dense:
+                torch.div(update, self.worker.lr, out=self._flat)
+            else:
+                self._flat.zero_()
+                self._flat.index_put_((keys,), update / self.worker.lr)
         self.optimizer.step()
         return closure_loss
 
