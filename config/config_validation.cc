@@ -1,5 +1,6 @@
 // The job config's cross-key checks (ValidateConfig) and the model section's (ValidateModelConfig).
 #include <algorithm>
+#include <cctype>
 #include <iterator>
 #include <string>
 #include <vector>
@@ -129,6 +130,34 @@ Status ValidateOverlap(const proto::JobConfig& config, const ConfigSources& sour
   return Status::OK();
 }
 
+// compression.adaptive_comm_ratio: top-k pushes in PS mode, whose k each worker may choose.
+Status ValidateAdaptiveDensity(const proto::JobConfig& config, const ConfigSources& sources) {
+  const proto::CompressionConfig& c = config.compression();
+  if (c.adaptive_comm_ratio() <= 0) return Status::OK();
+  const std::string why = SourceOf(sources, "compression.adaptive_comm_ratio") +
+                          ": key 'compression.adaptive_comm_ratio' is set";
+  if (config.aggregation() != proto::PS) {
+    return Status::InvalidArgument(
+        why +
+        " but 'aggregation' is allreduce: the collectives need every worker's k to agree "
+        "(the adaptive density is for PS top-k, where each worker picks its own)");
+  }
+  if (c.encoding() != proto::TOPK) {
+    std::string encoding = proto::Encoding_Name(c.encoding());
+    std::transform(encoding.begin(), encoding.end(), encoding.begin(),
+                   [](unsigned char ch) { return static_cast<char>(std::tolower(ch)); });
+    return Status::InvalidArgument(why + " but 'compression.encoding' is " + encoding +
+                                   ": the adaptive density scales top-k's k (encoding: topk)");
+  }
+  if (c.min_density() > c.density()) {
+    return Status::InvalidArgument(
+        SourceOf(sources, "compression.min_density") + ": key 'compression.min_density' (" +
+        std::to_string(c.min_density()) + ") is above 'compression.density' (" +
+        std::to_string(c.density()) + "): the adaptive density's floor is at most the density");
+  }
+  return Status::OK();
+}
+
 // run.log_level: one of spdlog's levels.
 Status ValidateLogLevel(const proto::JobConfig& config, const ConfigSources& sources) {
   static const char* kLevels[] = {"trace", "debug", "info", "warn", "error", "critical", "off"};
@@ -162,6 +191,7 @@ Status ValidateConfig(const proto::JobConfig& config, const ConfigSources& sourc
   SPARSEPS_RETURN_IF_ERROR(ValidateAllreduce(config, sources));
   SPARSEPS_RETURN_IF_ERROR(ValidateConsistency(config, sources));
   SPARSEPS_RETURN_IF_ERROR(ValidateOverlap(config, sources));
+  SPARSEPS_RETURN_IF_ERROR(ValidateAdaptiveDensity(config, sources));
   SPARSEPS_RETURN_IF_ERROR(ValidateLogLevel(config, sources));
   for (JobCheck check : JobChecks()) SPARSEPS_RETURN_IF_ERROR(check(config, sources));
   return Status::OK();

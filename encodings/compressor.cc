@@ -42,6 +42,11 @@ size_t WarmupK(double density, uint32_t warmup_epochs, uint32_t epoch, size_t n)
   return std::min(n, std::max<size_t>(1, k));
 }
 
+size_t ScaledK(size_t k, double scale) {
+  if (scale >= 1.0) return k;
+  return std::max<size_t>(1, static_cast<size_t>(std::llround(scale * static_cast<double>(k))));
+}
+
 Selector::Selector(proto::Selection mode, double sample_ratio, size_t k)
     : mode_(mode), sample_ratio_(sample_ratio), scaled_(k) {}
 

@@ -55,6 +55,11 @@ class Compressor {
   // Sets the epoch (0-based) for the density warm-up schedule.
   virtual void SetEpoch(uint32_t epoch) {}
 
+  // Scales the density by `scale` (in (0, 1]) from the next Compress on: the adaptive density's
+  // choice (compression.adaptive_comm_ratio). k = max(1, round(scale * the epoch's k)).
+  // Encodings without a per-push density (dense, SBC, the sketch) ignore it.
+  virtual void SetDensityScale(double scale) {}
+
   // Elements selected in the last Compress call (all of them for dense).
   virtual size_t last_selected() const = 0;
 
@@ -134,5 +139,8 @@ class Selector {
 // k for a density and an epoch under DGC's warm-up (density^((e + 1) / (W + 1)) for e < W):
 // max(1, round(density * n)), at most n.
 size_t WarmupK(double density, uint32_t warmup_epochs, uint32_t epoch, size_t n);
+
+// k scaled by the adaptive density's `scale` (in (0, 1]): max(1, round(scale * k)).
+size_t ScaledK(size_t k, double scale);
 
 }  // namespace sparseps

@@ -118,7 +118,14 @@ TopKCompressor::TopKCompressor(size_t num_params, const proto::CompressionConfig
       residual_(num_params, 0.0f) {}
 
 void TopKCompressor::SetEpoch(uint32_t epoch) {
-  k_ = WarmupK(config_.density(), config_.warmup_epochs(), epoch, residual_.size());
+  epoch_ = epoch;
+  k_ = ScaledK(WarmupK(config_.density(), config_.warmup_epochs(), epoch_, residual_.size()),
+               scale_);
+}
+
+void TopKCompressor::SetDensityScale(double scale) {
+  scale_ = scale;
+  SetEpoch(epoch_);
 }
 
 Status TopKCompressor::Compress(const float* grad, const std::vector<KeyRange>& ranges,

@@ -48,6 +48,7 @@ class TopKCompressor final : public Compressor {
   Status Compress(const float* grad, const std::vector<KeyRange>& ranges,
                   std::vector<Message>* out) override;
   void SetEpoch(uint32_t epoch) override;
+  void SetDensityScale(double scale) override;
   size_t last_selected() const override { return last_selected_; }
   Status ReadResidual(std::vector<float>* out) const override {
     *out = residual_;
@@ -67,6 +68,8 @@ class TopKCompressor final : public Compressor {
 
  private:
   proto::CompressionConfig config_;
+  uint32_t epoch_ = 0;
+  double scale_ = 1.0;  // the adaptive density's
   size_t k_;
   float momentum_;
   Selector selector_;

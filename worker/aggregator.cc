@@ -1,5 +1,7 @@
 #include "worker/aggregator.h"
 
+#include <spdlog/spdlog.h>
+
 #include <algorithm>
 
 #include "encodings/registry.h"
@@ -13,7 +15,13 @@ Aggregator::Aggregator(const proto::JobConfig& config, size_t num_params, bool m
     : config_(config),
       params_(num_params, 0.0f),
       model_on_device_(model_on_device),
-      changed_(num_params) {}
+      changed_(num_params) {
+  const proto::CompressionConfig& c = config.compression();
+  if (c.adaptive_comm_ratio() > 0 && config.aggregation() == proto::PS) {
+    const double floor = c.min_density() > 0 ? c.min_density() : c.density() / 10;
+    adaptive_.emplace(c.adaptive_comm_ratio(), floor / c.density());
+  }
+}
 
 Status Aggregator::Flush(StepStats* stats) {
   const uint64_t sent0 = bytes_sent(), received0 = bytes_received();
@@ -46,9 +54,25 @@ Status Aggregator::Step(float* grad, bool grad_on_device, StepStats* stats) {
       kernels::Axpy(wd, model, grad, n);
     }
   }
+  const auto begin = std::chrono::steady_clock::now();
   SPARSEPS_RETURN_IF_ERROR(Aggregate(grad, grad_on_device, stats));
   stats->bytes_sent += bytes_sent() - sent0;
   stats->bytes_received += bytes_received() - received0;
+  if (adaptive_) {
+    const auto end = std::chrono::steady_clock::now();
+    using Ms = std::chrono::duration<double, std::milli>;
+    if (last_step_end_ &&
+        adaptive_->Add(Ms(begin - *last_step_end_).count(), Ms(end - begin).count())) {
+      const double d = config_.compression().density();
+      spdlog::info(
+          "adaptive density: the aggregation took {:.2f}x the time outside it (target {:.2f}x): "
+          "density {:.3g} from the next step ({:.3g} of compression.density {:.3g})",
+          adaptive_->share(), config_.compression().adaptive_comm_ratio(), d * adaptive_->scale(),
+          adaptive_->scale(), d);
+      SetDensityScale(adaptive_->scale());
+    }
+    last_step_end_ = end;
+  }
   return Status::OK();
 }
 

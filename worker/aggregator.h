@@ -16,9 +16,11 @@
 // Thread-safety: one thread.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <vector>
 #include <zmq.hpp>
@@ -29,6 +31,7 @@
 #include "storage/checkpoint.h"
 #include "transport/control_client.h"
 #include "transport/message.h"
+#include "worker/adaptive_density.h"
 #include "worker/device_buffer.h"
 
 namespace sparseps {
@@ -126,6 +129,10 @@ class Aggregator {
 
   // Sets the epoch (0-based) for the density warm-up (compression.warmup_epochs).
   virtual void SetEpoch(uint32_t epoch) = 0;
+
+  // The adaptive density's scale (compression.adaptive_comm_ratio; Step sets it itself): PS
+  // top-k's k becomes scale times the epoch's. Allreduce ignores it.
+  virtual void SetDensityScale(double scale) {}
 
   // One aggregation of `grad` (num_params() floats; device memory when grad_on_device, which
   // needs a CUDA build) and the update of params(). Adds train.weight_decay times the model's
@@ -241,6 +248,12 @@ class Aggregator {
   ChangeObserver observer_;
   uint64_t iteration_ = 0;       // aggregation rounds completed
   bool checkpoint_due_ = false;  // set by Aggregate
+
+ private:
+  // compression.adaptive_comm_ratio: fed by Step with its own time and the time since the last
+  // Step ended.
+  std::optional<AdaptiveDensity> adaptive_;
+  std::optional<std::chrono::steady_clock::time_point> last_step_end_;
 };
 
 // The aggregator for config.aggregation, for num_params parameters laid out as `layers` (the

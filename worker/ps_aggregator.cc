@@ -93,6 +93,7 @@ class PsAggregator final : public Aggregator {
 
   void RequestCheckpoint() override { ps_->RequestCheckpoint(); }
   void SetEpoch(uint32_t epoch) override { schedule_->SetEpoch(epoch); }
+  void SetDensityScale(double scale) override { schedule_->SetDensityScale(scale); }
   bool takes_device_gradient() const override { return schedule_->takes_device_gradient(); }
   bool overlaps() const override { return schedule_->overlaps(); }
   bool delays() const override { return schedule_->delays(); }

@@ -36,7 +36,13 @@ class GpuTopKCompressor final : public GpuCompressorBase {
         format_{c.fp16_values(), c.varint_indices()} {}
 
   void SetEpoch(uint32_t epoch) override {
-    k_ = WarmupK(config_.density(), config_.warmup_epochs(), epoch, n_);
+    epoch_ = epoch;
+    k_ = ScaledK(WarmupK(config_.density(), config_.warmup_epochs(), epoch_, n_), scale_);
+  }
+
+  void SetDensityScale(double scale) override {
+    scale_ = scale;
+    SetEpoch(epoch_);
   }
 
   Status Compress(const float* grad, const std::vector<KeyRange>& ranges,
@@ -96,6 +102,8 @@ class GpuTopKCompressor final : public GpuCompressorBase {
 
  private:
   proto::CompressionConfig config_;
+  uint32_t epoch_ = 0;
+  double scale_ = 1.0;  // the adaptive density's
   size_t k_;
   float momentum_;
   DeviceSelector selector_;

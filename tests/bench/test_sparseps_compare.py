@@ -252,6 +252,12 @@ def test_bad_comparison_configs_are_refused_naming_the_key(tmp_path, capsys):
         "job: j.yaml\nworkers: 2\nsettings:\n  - {name: a, host_sysctl: [kernel.x=1]}\n")
     assert "slow_worker must be" in refused(
         "job: j.yaml\nworkers: 2\nsettings:\n  - {name: a, slow_worker: {rank: 1, rate: fast}}\n")
+    assert "with after_s: S (seconds, >= 0)" in refused(
+        "job: j.yaml\nworkers: 2\nsettings:\n"
+        "  - {name: a, slow_worker: {rank: 1, rate: 1mbit, after_s: -5}}\n")
+    assert "slow_worker must be" in refused(
+        "job: j.yaml\nworkers: 2\nsettings:\n"
+        "  - {name: a, slow_worker: {rank: 1, rate: 1mbit, at: 5}}\n")
     assert "key 'target' must be {baseline: SETTING, minus: X}" in refused(
         "job: j.yaml\nworkers: 2\ntarget: {baseline: b, minus: 0.005}\nsettings:\n  - {name: a}\n")
     assert "metric: perplexity needs target" in refused(

@@ -24,6 +24,7 @@ class DelayedStep final : public StepSchedule {
 
   void State(StateArchive& archive) override { inner_->State(archive); }
   void SetEpoch(uint32_t epoch) override { inner_->SetEpoch(epoch); }
+  void SetDensityScale(double scale) override { inner_->SetDensityScale(scale); }
   Status ReadResidual(std::vector<float>* out) override { return inner_->ReadResidual(out); }
   void OnChanged(uint64_t begin, std::span<const uint32_t> keys,
                  std::span<const float> delta) override {

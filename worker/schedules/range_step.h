@@ -28,6 +28,9 @@ class RangeStep final : public StepSchedule {
   bool overlaps() const override { return true; }
 
   void State(StateArchive& archive) override;
+  void SetDensityScale(double scale) override {
+    for (auto& c : slices_) c->SetDensityScale(scale);
+  }
   void SetEpoch(uint32_t epoch) override {
     for (auto& c : slices_) c->SetEpoch(epoch);
   }

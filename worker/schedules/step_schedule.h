@@ -76,6 +76,8 @@ class StepSchedule {
   // floats), and the keys the pulls changed (begin: the range's first key; keys relative to it).
   virtual void State(StateArchive& archive) = 0;
   virtual void SetEpoch(uint32_t epoch) = 0;
+  // The adaptive density's scale for the compressors (Compressor::SetDensityScale).
+  virtual void SetDensityScale(double scale) = 0;
   virtual Status ReadResidual(std::vector<float>* out) = 0;
   virtual void OnChanged(uint64_t begin, std::span<const uint32_t> keys,
                          std::span<const float> delta) = 0;

@@ -29,6 +29,7 @@ class WholeStep : public StepSchedule {
 
   void State(StateArchive& archive) override;
   void SetEpoch(uint32_t epoch) override { compressor_->SetEpoch(epoch); }
+  void SetDensityScale(double scale) override { compressor_->SetDensityScale(scale); }
   Status ReadResidual(std::vector<float>* out) override { return compressor_->ReadResidual(out); }
   void OnChanged(uint64_t begin, std::span<const uint32_t> keys,
                  std::span<const float> delta) override {
