@@ -43,10 +43,7 @@ std::string EnumChoices(const pb::EnumDescriptor* e) {
     const std::string& n = e->value(i)->name();
     if (n.find("UNSPECIFIED") != std::string::npos) continue;
     if (!out.empty()) out += ", ";
-    std::string lower = n;
-    std::transform(lower.begin(), lower.end(), lower.begin(),
-                   [](unsigned char c) { return std::tolower(c); });
-    out += lower;
+    out += ConfigSpelling(n);
   }
   return out;
 }
@@ -256,10 +253,7 @@ std::string FieldValueText(const pb::Message& msg, const pb::FieldDescriptor* f,
       os << '"' << (rep ? r->GetRepeatedString(msg, f, index) : r->GetString(msg, f)) << '"';
       break;
     case pb::FieldDescriptor::CPPTYPE_ENUM: {
-      std::string n = (rep ? r->GetRepeatedEnum(msg, f, index) : r->GetEnum(msg, f))->name();
-      std::transform(n.begin(), n.end(), n.begin(),
-                     [](unsigned char c) { return std::tolower(c); });
-      os << n;
+      os << ConfigSpelling((rep ? r->GetRepeatedEnum(msg, f, index) : r->GetEnum(msg, f))->name());
       break;
     }
     case pb::FieldDescriptor::CPPTYPE_MESSAGE:
@@ -504,6 +498,12 @@ std::vector<std::string> ConfigDifferences(const std::string& ours, const std::s
     if (!a.count(key)) out.push_back(key + ": (absent) vs " + value);
   }
   return out;
+}
+
+std::string ConfigSpelling(std::string enum_name) {
+  std::transform(enum_name.begin(), enum_name.end(), enum_name.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return enum_name;
 }
 
 }  // namespace sparseps

@@ -37,6 +37,9 @@ enum class RankEnv {
   kSparsepsRankOrRank,  // SPARSEPS_RANK, else RANK (a worker)
 };
 
+// An enum value's name as a config spells it: lower case ("TOPK" -> "topk").
+std::string ConfigSpelling(std::string enum_name);
+
 // The environment variables LoadConfig reads, one line each ("NAME  meaning"), for --help.
 std::vector<std::string> EnvironmentHelp(RankEnv rank_env);
 

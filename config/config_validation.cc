@@ -1,6 +1,5 @@
 // The job config's cross-key checks (ValidateConfig) and the model section's (ValidateModelConfig).
 #include <algorithm>
-#include <cctype>
 #include <iterator>
 #include <string>
 #include <vector>
@@ -143,10 +142,8 @@ Status ValidateAdaptiveDensity(const proto::JobConfig& config, const ConfigSourc
         "(the adaptive density is for PS top-k, where each worker picks its own)");
   }
   if (c.encoding() != proto::TOPK) {
-    std::string encoding = proto::Encoding_Name(c.encoding());
-    std::transform(encoding.begin(), encoding.end(), encoding.begin(),
-                   [](unsigned char ch) { return static_cast<char>(std::tolower(ch)); });
-    return Status::InvalidArgument(why + " but 'compression.encoding' is " + encoding +
+    return Status::InvalidArgument(why + " but 'compression.encoding' is " +
+                                   ConfigSpelling(proto::Encoding_Name(c.encoding())) +
                                    ": the adaptive density scales top-k's k (encoding: topk)");
   }
   if (c.min_density() > c.density()) {

@@ -65,10 +65,13 @@ Status Aggregator::Step(float* grad, bool grad_on_device, StepStats* stats) {
         adaptive_->Add(Ms(begin - *last_step_end_).count(), Ms(end - begin).count())) {
       const double d = config_.compression().density();
       spdlog::info(
-          "adaptive density: the aggregation took {:.2f}x the time outside it (target {:.2f}x): "
+          "adaptive density: the aggregation took {:.2f}x the time outside it (target {:.2f}x{}): "
           "density {:.3g} from the next step ({:.3g} of compression.density {:.3g})",
-          adaptive_->share(), config_.compression().adaptive_comm_ratio(), d * adaptive_->scale(),
-          adaptive_->scale(), d);
+          adaptive_->share(), config_.compression().adaptive_comm_ratio(),
+          adaptive_->undone() ? "; the last step down did not shorten it: undone, and held for "
+                                "10 windows"
+                              : "",
+          d * adaptive_->scale(), adaptive_->scale(), d);
       SetDensityScale(adaptive_->scale());
     }
     last_step_end_ = end;

@@ -1,7 +1,8 @@
 """compression.adaptive_comm_ratio through deploy/launch.sh on loopback: the quickstart's job
-(PS top-k 1%, 2 workers, 1 epoch) with a target ratio no step can meet walks every worker's
-density down to the floor (a tenth of compression.density) window by window, logging each
-change, and still trains; with a ratio every step meets, k never moves. The timing rule itself is
+(PS top-k 1%, 2 workers, 1 epoch) with a target ratio no step can meet steps every worker's
+density down after the first window, logging it, keeps to the densities the rule can reach (the
+floor, a tenth of compression.density, or a step undone), and still trains; with a ratio every
+step meets, k never moves. The timing rule itself is
 tests/worker/adaptive_density_test.cc's; the slow-link comparison is
 configs/compare_adaptive_1gbit.yaml. Run by ctest with Debian's python3 -m pytest."""
 import csv
@@ -33,18 +34,20 @@ def train(tmp_path, ratio):
     return run, summary, selected
 
 
-def test_a_ratio_no_step_meets_walks_the_density_to_its_floor(tmp_path):
+def test_a_ratio_no_step_meets_steps_the_density_down(tmp_path):
     run, summary, selected = train(tmp_path, 0.001)
     for w in (0, 1):
         s = selected[w]
         # The first window (10 steps timed from the second on) at k; then a quarter of it (the
-        # most one window may take); then the floor, a tenth of k, to the end.
+        # most one window may take: the share is hundreds of times the target).
         assert s[:11] == [K] * 11, s[:12]
         assert s[11:21] == [round(K / 4)] * 10, s[9:23]
-        assert set(s[21:]) == {round(K / 10)}, sorted(set(s[21:]))
+        # Then the floor, a tenth of k, or that step undone where it did not shorten the
+        # aggregation (loopback: little of it is bytes): no other k.
+        assert set(s[21:]) <= {K, round(K / 4), round(K / 10)}, sorted(set(s[21:]))
         log = (run / f"worker-{w}.log").read_text()
-        assert log.count("adaptive density:") == 2, log
-        assert "density 0.001 from the next step (0.1 of compression.density 0.01)" in log
+        assert "adaptive density: the aggregation took" in log, log
+        assert "density 0.0025 from the next step (0.25 of compression.density 0.01)" in log
     assert summary["status"] == "ok"
     assert summary["final_test_accuracy"] >= 0.80, summary
 

@@ -26,6 +26,13 @@ std::vector<double> Feed(AdaptiveDensity* a, double outside_ms, double aggregate
   return scales;
 }
 
+// One window of steps whose aggregation takes `share` times the 100 ms outside it; returns the
+// scale after it.
+double Window(AdaptiveDensity* a, double share) {
+  for (size_t s = 0; s < AdaptiveDensity::kWindow; ++s) a->Add(100, 100 * share);
+  return a->scale();
+}
+
 TEST(AdaptiveDensity, KeepsTheDensityWhileTheShareIsWithinTheBand) {
   AdaptiveDensity a(0.5, 0.01);
   // 40 ms of aggregation against 100 outside: 0.4, inside (0.25, 0.625]: nothing changes.
@@ -34,15 +41,45 @@ TEST(AdaptiveDensity, KeepsTheDensityWhileTheShareIsWithinTheBand) {
   EXPECT_EQ(Feed(&a, 100, 10, 1), std::vector<double>{1.0});
 }
 
-TEST(AdaptiveDensity, ScalesDownByTheTargetOverTheShareAtMostFourTimesAWindow) {
-  AdaptiveDensity a(0.5, 0.01);
+TEST(AdaptiveDensity, StepsDownByTheTargetOverTheShareWhileEachStepPays) {
+  AdaptiveDensity a(1.0, 0.01);
   // Nothing is decided before a window is full.
-  for (size_t s = 0; s + 1 < AdaptiveDensity::kWindow; ++s) EXPECT_FALSE(a.Add(100, 100));
-  EXPECT_TRUE(a.Add(100, 100));  // share 1.0, target 0.5: half the density
-  EXPECT_DOUBLE_EQ(a.share(), 1.0);
-  EXPECT_DOUBLE_EQ(a.scale(), 0.5);
-  // share 8: at most a quarter a window, never below min_scale.
-  EXPECT_EQ(Feed(&a, 100, 800, 4), (std::vector<double>{0.125, 0.03125, 0.01, 0.01}));
+  for (size_t s = 0; s + 1 < AdaptiveDensity::kWindow; ++s) EXPECT_FALSE(a.Add(100, 800));
+  EXPECT_TRUE(a.Add(100, 800));  // share 8: to a quarter, the most one window may take
+  EXPECT_DOUBLE_EQ(a.share(), 8.0);
+  EXPECT_DOUBLE_EQ(a.scale(), 0.25);
+  EXPECT_DOUBLE_EQ(Window(&a, 4), 0.0625);     // 4 <= 0.9 x 8: paid; down by 1/4
+  EXPECT_DOUBLE_EQ(Window(&a, 2), 0.03125);    // paid; down by 1/2
+  EXPECT_DOUBLE_EQ(Window(&a, 1.1), 0.03125);  // paid, and within the band: stays
+  EXPECT_DOUBLE_EQ(Window(&a, 1.1), 0.03125);
+}
+
+TEST(AdaptiveDensity, NeverGoesBelowTheFloor) {
+  AdaptiveDensity a(1.0, 0.1);
+  EXPECT_DOUBLE_EQ(Window(&a, 8), 0.25);
+  EXPECT_DOUBLE_EQ(Window(&a, 6), 0.1);  // a quarter of 0.25 is below the floor
+  EXPECT_DOUBLE_EQ(Window(&a, 5), 0.1);  // at the floor: nothing more to take
+  EXPECT_FALSE(a.undone());
+}
+
+TEST(AdaptiveDensity, UndoesAStepDownThatDidNotShortenTheAggregationAndHolds) {
+  AdaptiveDensity a(1.0, 0.01);
+  // The CPU, not the link: a step down leaves the share where it was.
+  EXPECT_DOUBLE_EQ(Window(&a, 1.6), 1.0 / 1.6);
+  EXPECT_DOUBLE_EQ(Window(&a, 1.5), 1.0);  // 1.5 > 0.9 x 1.6: undone
+  EXPECT_TRUE(a.undone());
+  for (int w = 0; w < AdaptiveDensity::kHoldWindows; ++w) {
+    EXPECT_DOUBLE_EQ(Window(&a, 1.6), 1.0) << "window " << w << " of the hold";
+  }
+  EXPECT_DOUBLE_EQ(Window(&a, 1.6), 1.0 / 1.6);  // the hold is over: tried again
+}
+
+TEST(AdaptiveDensity, AHoldEndsWhenTheLinkGetsSlower) {
+  AdaptiveDensity a(1.0, 0.01);
+  Window(&a, 1.6);
+  ASSERT_DOUBLE_EQ(Window(&a, 1.5), 1.0);   // undone, held
+  EXPECT_DOUBLE_EQ(Window(&a, 2.0), 1.0);   // not half as much again as 1.6: still held
+  EXPECT_DOUBLE_EQ(Window(&a, 4.0), 0.25);  // the link got slower: down again
 }
 
 TEST(AdaptiveDensity, TheMedianIgnoresAnEvaluationBetweenSteps) {
@@ -52,12 +89,12 @@ TEST(AdaptiveDensity, TheMedianIgnoresAnEvaluationBetweenSteps) {
   EXPECT_DOUBLE_EQ(a.scale(), 0.5);
 }
 
-TEST(AdaptiveDensity, ComesBackUpAtMostTwiceAWindowWhenTheLinkRecovers) {
-  AdaptiveDensity a(0.5, 0.001);
-  Feed(&a, 100, 400, 2);  // share 4, twice: a quarter each window (the cap)
-  ASSERT_DOUBLE_EQ(a.scale(), 1.0 / 16);
-  // The link is fast again: share 0.05, a tenth of the target: doubles each window up to 1.
-  EXPECT_EQ(Feed(&a, 100, 5, 5), (std::vector<double>{1.0 / 8, 0.25, 0.5, 1.0, 1.0}));
+TEST(AdaptiveDensity, ComesBackUpAtMostDoublingAWindowWhenTheLinkRecovers) {
+  AdaptiveDensity a(1.0, 0.001);
+  Window(&a, 8);                              // 0.25
+  ASSERT_DOUBLE_EQ(Window(&a, 4), 1.0 / 16);  // paid
+  // The link is fast again: share 0.1, a tenth of the target: doubles each window up to 1.
+  EXPECT_EQ(Feed(&a, 100, 10, 5), (std::vector<double>{1.0 / 8, 0.25, 0.5, 1.0, 1.0}));
 }
 
 TEST(AdaptiveDensity, TopKSelectsTheScaledKThroughTheWarmUp) {
