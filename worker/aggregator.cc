@@ -18,8 +18,8 @@ Aggregator::Aggregator(const proto::JobConfig& config, size_t num_params, bool m
       changed_(num_params) {
   const proto::CompressionConfig& c = config.compression();
   if (c.adaptive_comm_ratio() > 0 && config.aggregation() == proto::PS) {
-    const double floor = c.min_density() > 0 ? c.min_density() : c.density() / 10;
-    adaptive_.emplace(c.adaptive_comm_ratio(), floor / c.density());
+    const double min_density = c.min_density() > 0 ? c.min_density() : c.density() / 10;
+    adaptive_.emplace(c.adaptive_comm_ratio(), min_density / c.density());
   }
 }
 
@@ -33,6 +33,7 @@ Status Aggregator::Flush(StepStats* stats) {
 }
 
 Status Aggregator::Step(float* grad, bool grad_on_device, StepStats* stats) {
+  const auto begin = std::chrono::steady_clock::now();  // the adaptive density's clock
   const size_t n = num_params();
   // train.overlap: delay: the previous iteration is applied before the weight decay reads the
   // parameters (Flush, unless the caller did).
@@ -54,7 +55,6 @@ Status Aggregator::Step(float* grad, bool grad_on_device, StepStats* stats) {
       kernels::Axpy(wd, model, grad, n);
     }
   }
-  const auto begin = std::chrono::steady_clock::now();
   SPARSEPS_RETURN_IF_ERROR(Aggregate(grad, grad_on_device, stats));
   stats->bytes_sent += bytes_sent() - sent0;
   stats->bytes_received += bytes_received() - received0;
