@@ -200,7 +200,7 @@ Status PowerSgd::Allreduce(Contribution* x, CollectiveUpdate* update) {
     at += y.rows * y.rank;
     at_q += y.cols * y.rank;
   }
-  // The residual goes back whole (the contribution was read and zeroed above).
+  // The residual replaces the contribution read above, whole (a failed ring left it as it was).
   return x->Write(m_.data());
 }
 
