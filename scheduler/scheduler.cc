@@ -155,6 +155,13 @@ proto::RunSummary Scheduler::Summary(Clock::time_point now) const {
   if (reporting > 0) {
     s.set_bytes_sent_per_worker_per_step(sent / static_cast<double>(reporting));
     s.set_bytes_received_per_worker_per_step(received / static_cast<double>(reporting));
+    // PowerSGD has no density of its own: its factors' floats a step, from the bytes its two
+    // rings sent (a ring sends 2 (P-1)/P of its floats, 4 bytes each), over the parameters.
+    const double p = static_cast<double>(job_.config.cluster().num_workers());
+    const double n = static_cast<double>(job_.membership.num_params());
+    if (allreduce && job_.config.collective().algorithm() == proto::POWERSGD && p > 1 && n > 0) {
+      s.set_density(s.bytes_sent_per_worker_per_step() * p / (8.0 * (p - 1.0) * n));
+    }
   }
   if (!membership_.worker_stats().empty()) {
     // The leader evaluated: worker 0, or the lowest rank left after losing worker 0.

@@ -800,5 +800,29 @@ TEST_F(ServerLossTest, WithoutACompleteCheckpointTheJobEndsAtOnce) {
               HasSubstr("no server of the job is lost"));
 }
 
+// PowerSGD's summary density: the floats its rings carried a step over the parameters, from the
+// bytes the workers reported (2 workers: a ring sends 2 (P-1)/P = 1 of its floats, 4 bytes each).
+TEST_F(SchedulerTest, PowerSgdSummaryDensityComesFromTheBytesSent) {
+  config_.set_aggregation(proto::ALLREDUCE);
+  config_.mutable_collective()->set_algorithm(proto::POWERSGD);
+  config_.mutable_compression()->set_density(0.01);  // not PowerSGD's: ignored
+  Scheduler s(config_, t0_);
+  Send(s, "w-b", Register(proto::WORKER, 1, 101, 6001), t0_);
+  Send(s, "w-a", Register(proto::WORKER, 0, 101, 6002), t0_);
+  ASSERT_TRUE(s.has_membership());
+  for (const char* w : {"w-a", "w-b"}) {
+    Message done;
+    done.header.set_command(proto::DONE);
+    auto* st = done.header.mutable_done()->mutable_stats();
+    st->set_steps(10);
+    st->set_steps_run(10);
+    st->set_bytes_sent(10 * 20 * 4);  // 20 floats a step
+    Send(s, w, std::move(done), t0_);
+  }
+  ASSERT_TRUE(s.finished());
+  const auto summary = s.Summary(t0_ + seconds(1));
+  EXPECT_EQ(summary.collective(), "powersgd");
+  EXPECT_DOUBLE_EQ(summary.density(), 20.0 / 101.0);
+}
 }  // namespace
 }  // namespace sparseps
