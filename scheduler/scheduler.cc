@@ -3,7 +3,8 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
-#include <cctype>
+
+#include "config/config.h"
 
 namespace sparseps {
 
@@ -121,20 +122,15 @@ proto::RunSummary Scheduler::Summary(Clock::time_point now) const {
   s.set_status(!job_.finished ? "running" : job_.finished->ok() ? "ok" : job_.finished->message());
   s.set_num_workers(static_cast<uint32_t>(job_.expected_workers));
   s.set_num_servers(static_cast<uint32_t>(job_.expected_servers));
-  auto lower = [](std::string name) {
-    std::transform(name.begin(), name.end(), name.begin(),
-                   [](unsigned char c) { return std::tolower(c); });
-    return name;
-  };
   const bool allreduce = job_.config.aggregation() == proto::ALLREDUCE;
   s.set_aggregation(allreduce ? "allreduce" : "ps");
   bool dense = false;
   if (allreduce) {
     const auto algorithm = job_.config.collective().algorithm();
-    s.set_collective(lower(proto::CollectiveAlgorithm_Name(algorithm)));
+    s.set_collective(ConfigSpelling(proto::CollectiveAlgorithm_Name(algorithm)));
     dense = algorithm == proto::RING || algorithm == proto::GLOO;
   } else {
-    s.set_encoding(lower(proto::Encoding_Name(job_.config.compression().encoding())));
+    s.set_encoding(ConfigSpelling(proto::Encoding_Name(job_.config.compression().encoding())));
     dense = job_.config.compression().encoding() == proto::DENSE;
   }
   s.set_density(dense ? 1.0 : job_.config.compression().density());
