@@ -1,8 +1,9 @@
 // Micro-benchmarks of the allreduce methods' own CPU work on one call, on one worker (a group of
 // one: the ring sends nothing), so that what a method costs beside its bytes can be read apart
-// from the network. Sizes: the comparison's MLP (784-2048-2048-10, 5,824,522 floats, its layers
-// as the C++ model lays them out); PowerSGD at rank 4 (Vogels et al., NeurIPS 2019, Algorithm 1:
-// two products, an orthonormalisation, the update and the residual).
+// from the network. Sizes: the comparison's MLP (784-2048-2048-10, 5,824,522 floats) laid out as
+// sparseps.torch hands PyTorch's tensors over (Linear weights [outputs x inputs], then biases; the
+// C++ Mlp keeps the transpose, worker/mlp.h); PowerSGD at rank 4 (Vogels et al., NeurIPS 2019,
+// Algorithm 1: two products, an orthonormalisation, the update and the residual).
 #include <benchmark/benchmark.h>
 
 #include <random>
@@ -13,7 +14,8 @@
 
 namespace {
 
-std::vector<sparseps::TensorLayout> MlpLayers() {
+// The MLP's tensors as PyTorch's nn.Linear has them (the torch comparisons' PowerSGD rows).
+std::vector<sparseps::TensorLayout> TorchMlpLayers() {
   std::vector<sparseps::TensorLayout> layers;
   uint64_t at = 0;
   const uint64_t widths[] = {784, 2048, 2048, 10};
@@ -37,7 +39,7 @@ void BM_PowerSgdCall(benchmark::State& state) {
   }
   (*group)->Connect(0, {{"127.0.0.1", (*group)->port(), ""}});
   sparseps::CollectiveOptions options;
-  options.layers = MlpLayers();
+  options.layers = TorchMlpLayers();
   options.num_params = options.layers.back().offset + options.layers.back().shape[0];
   options.powersgd_rank = static_cast<uint32_t>(state.range(0));
   sparseps::PowerSgd powersgd(group->get(), options);

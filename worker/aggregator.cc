@@ -33,7 +33,9 @@ Status Aggregator::Flush(StepStats* stats) {
 }
 
 Status Aggregator::Step(float* grad, bool grad_on_device, StepStats* stats) {
-  const auto begin = std::chrono::steady_clock::now();  // the adaptive density's clock
+  // The adaptive density's clock (read only when it is on).
+  const auto begin =
+      adaptive_ ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
   const size_t n = num_params();
   // train.overlap: delay: the previous iteration is applied before the weight decay reads the
   // parameters (Flush, unless the caller did).
