@@ -155,6 +155,27 @@ Status ValidateAdaptiveDensity(const proto::JobConfig& config, const ConfigSourc
   return Status::OK();
 }
 
+// compression.warmup_density: where the density warm-up starts, so with warmup_epochs and at
+// least the density.
+Status ValidateWarmupDensity(const proto::JobConfig& config, const ConfigSources& sources) {
+  const proto::CompressionConfig& c = config.compression();
+  if (c.warmup_density() <= 0) return Status::OK();
+  const std::string where = SourceOf(sources, "compression.warmup_density") +
+                            ": key 'compression.warmup_density' (" +
+                            std::to_string(c.warmup_density()) + ")";
+  if (c.warmup_epochs() == 0) {
+    return Status::InvalidArgument(where +
+                                   " is set but 'compression.warmup_epochs' is 0: the warm-up "
+                                   "it starts has no epochs (set warmup_epochs, e.g. 1)");
+  }
+  if (c.warmup_density() < c.density()) {
+    return Status::InvalidArgument(where + " is below 'compression.density' (" +
+                                   std::to_string(c.density()) +
+                                   "): a warm-up starts at the density or above it");
+  }
+  return Status::OK();
+}
+
 // run.log_level: one of spdlog's levels.
 Status ValidateLogLevel(const proto::JobConfig& config, const ConfigSources& sources) {
   static const char* kLevels[] = {"trace", "debug", "info", "warn", "error", "critical", "off"};
@@ -189,6 +210,7 @@ Status ValidateConfig(const proto::JobConfig& config, const ConfigSources& sourc
   SPARSEPS_RETURN_IF_ERROR(ValidateConsistency(config, sources));
   SPARSEPS_RETURN_IF_ERROR(ValidateOverlap(config, sources));
   SPARSEPS_RETURN_IF_ERROR(ValidateAdaptiveDensity(config, sources));
+  SPARSEPS_RETURN_IF_ERROR(ValidateWarmupDensity(config, sources));
   SPARSEPS_RETURN_IF_ERROR(ValidateLogLevel(config, sources));
   for (JobCheck check : JobChecks()) SPARSEPS_RETURN_IF_ERROR(check(config, sources));
   return Status::OK();

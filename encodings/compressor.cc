@@ -33,9 +33,13 @@ Message NewPush(const KeyRange& r) {
   return m;
 }
 
-size_t WarmupK(double density, uint32_t warmup_epochs, uint32_t epoch, size_t n) {
+size_t WarmupK(double density, uint32_t warmup_epochs, uint32_t epoch, size_t n,
+               double warmup_density) {
   double d = density;
-  if (epoch < warmup_epochs) {
+  if (epoch < warmup_epochs && warmup_density > 0) {
+    d = warmup_density * std::pow(density / warmup_density,
+                                  static_cast<double>(epoch) / static_cast<double>(warmup_epochs));
+  } else if (epoch < warmup_epochs) {
     d = std::pow(density, static_cast<double>(epoch + 1) / static_cast<double>(warmup_epochs + 1));
   }
   const size_t k = static_cast<size_t>(std::llround(d * static_cast<double>(n)));

@@ -136,9 +136,11 @@ class Selector {
   kernels::ScaledThreshold scaled_;
 };
 
-// k for a density and an epoch under DGC's warm-up (density^((e + 1) / (W + 1)) for e < W):
-// max(1, round(density * n)), at most n.
-size_t WarmupK(double density, uint32_t warmup_epochs, uint32_t epoch, size_t n);
+// k for a density and an epoch under DGC's warm-up (density^((e + 1) / (W + 1)) for e < W; from
+// warmup_density when it is positive: warmup_density * (density / warmup_density)^(e / W), the
+// same schedule started elsewhere): max(1, round(density * n)), at most n.
+size_t WarmupK(double density, uint32_t warmup_epochs, uint32_t epoch, size_t n,
+               double warmup_density = 0);
 
 // k scaled by the adaptive density's `scale` (in (0, 1]): max(1, round(scale * k)).
 size_t ScaledK(size_t k, double scale);

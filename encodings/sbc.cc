@@ -71,7 +71,7 @@ void EncodeSbcPushes(const std::vector<uint32_t>& chosen, float value,
 SbcCompressor::SbcCompressor(size_t num_params, const proto::CompressionConfig& c, float momentum,
                              float lr)
     : config_(c),
-      k_(WarmupK(c.density(), c.warmup_epochs(), 0, num_params)),
+      k_(WarmupK(c.density(), c.warmup_epochs(), 0, num_params, c.warmup_density())),
       momentum_(momentum),
       lr_(lr),
       pos_selector_(c.selection(), c.sample_ratio(), k_),
@@ -81,7 +81,8 @@ SbcCompressor::SbcCompressor(size_t num_params, const proto::CompressionConfig& 
       residual_(num_params, 0.0f) {}
 
 void SbcCompressor::SetEpoch(uint32_t epoch) {
-  k_ = WarmupK(config_.density(), config_.warmup_epochs(), epoch, residual_.size());
+  k_ = WarmupK(config_.density(), config_.warmup_epochs(), epoch, residual_.size(),
+               config_.warmup_density());
 }
 
 bool SbcCompressor::LocalStep(const float* grad, float* params) {

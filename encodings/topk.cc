@@ -110,7 +110,7 @@ void EncodeTopKPushes(const std::vector<uint32_t>& selected, const std::vector<f
 
 TopKCompressor::TopKCompressor(size_t num_params, const proto::CompressionConfig& c, float momentum)
     : config_(c),
-      k_(WarmupK(c.density(), c.warmup_epochs(), 0, num_params)),
+      k_(WarmupK(c.density(), c.warmup_epochs(), 0, num_params, c.warmup_density())),
       momentum_(momentum),
       selector_(c.selection(), c.sample_ratio(), k_),
       format_{c.fp16_values(), c.varint_indices()},
@@ -119,7 +119,8 @@ TopKCompressor::TopKCompressor(size_t num_params, const proto::CompressionConfig
 
 void TopKCompressor::SetEpoch(uint32_t epoch) {
   epoch_ = epoch;
-  k_ = ScaledK(WarmupK(config_.density(), config_.warmup_epochs(), epoch_, residual_.size()),
+  k_ = ScaledK(WarmupK(config_.density(), config_.warmup_epochs(), epoch_, residual_.size(),
+                       config_.warmup_density()),
                scale_);
 }
 

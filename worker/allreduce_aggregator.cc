@@ -110,7 +110,8 @@ class AllreduceAggregator final : public Aggregator {
 
   void SetEpoch(uint32_t epoch) override {
     const auto& c = config_.compression();
-    collective_->set_k(WarmupK(c.density(), c.warmup_epochs(), epoch, num_params()));
+    collective_->set_k(
+        WarmupK(c.density(), c.warmup_epochs(), epoch, num_params(), c.warmup_density()));
   }
 
   Status Resume(StateArchive& archive) override {

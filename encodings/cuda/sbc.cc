@@ -30,7 +30,7 @@ class GpuSbcCompressor final : public GpuCompressorBase {
   GpuSbcCompressor(size_t n, const proto::CompressionConfig& c, float momentum, float lr)
       : GpuCompressorBase(n),
         config_(c),
-        k_(WarmupK(c.density(), c.warmup_epochs(), 0, n)),
+        k_(WarmupK(c.density(), c.warmup_epochs(), 0, n, c.warmup_density())),
         momentum_(momentum),
         lr_(lr),
         pos_selector_(c.selection(), c.sample_ratio(), k_),
@@ -43,7 +43,7 @@ class GpuSbcCompressor final : public GpuCompressorBase {
   }
 
   void SetEpoch(uint32_t epoch) override {
-    k_ = WarmupK(config_.density(), config_.warmup_epochs(), epoch, n_);
+    k_ = WarmupK(config_.density(), config_.warmup_epochs(), epoch, n_, config_.warmup_density());
   }
 
   // As SbcCompressor's: the worker computes at the copy LocalStep trains (here the device copy

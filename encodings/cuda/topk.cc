@@ -30,14 +30,16 @@ class GpuTopKCompressor final : public GpuCompressorBase {
   GpuTopKCompressor(size_t n, const proto::CompressionConfig& c, float momentum)
       : GpuCompressorBase(n),
         config_(c),
-        k_(WarmupK(c.density(), c.warmup_epochs(), 0, n)),
+        k_(WarmupK(c.density(), c.warmup_epochs(), 0, n, c.warmup_density())),
         momentum_(momentum),
         selector_(c.selection(), c.sample_ratio(), k_),
         format_{c.fp16_values(), c.varint_indices()} {}
 
   void SetEpoch(uint32_t epoch) override {
     epoch_ = epoch;
-    k_ = ScaledK(WarmupK(config_.density(), config_.warmup_epochs(), epoch_, n_), scale_);
+    k_ = ScaledK(
+        WarmupK(config_.density(), config_.warmup_epochs(), epoch_, n_, config_.warmup_density()),
+        scale_);
   }
 
   void SetDensityScale(double scale) override {

@@ -120,6 +120,21 @@ TEST_F(ConfigTest, CnnSettingsAreCheckedNamingFileLineAndKey) {
   EXPECT_TRUE(ValidateModelConfig(m).ok());
 }
 
+TEST_F(ConfigTest, WarmupDensityNeedsAWarmupAndIsAtLeastTheDensityNamingFileLineAndKey) {
+  auto path = Write("compression:\n  density: 0.001\n  warmup_epochs: 2\n  warmup_density: 1\n");
+  auto c = LoadConfig(path, {}, NoEnv);
+  ASSERT_TRUE(c.ok()) << c.status().message();
+  EXPECT_DOUBLE_EQ(c->compression().warmup_density(), 1.0);
+  c = LoadConfig(path, {"compression.warmup_epochs=0"}, NoEnv);
+  ASSERT_FALSE(c.ok());
+  EXPECT_THAT(c.status().message(), HasSubstr(path + ":4:"));
+  EXPECT_THAT(c.status().message(), HasSubstr("'compression.warmup_density' (1.000000) is set"));
+  EXPECT_THAT(c.status().message(), HasSubstr("'compression.warmup_epochs' is 0"));
+  c = LoadConfig(path, {"compression.warmup_density=0.0001"}, NoEnv);
+  ASSERT_FALSE(c.ok());
+  EXPECT_THAT(c.status().message(), HasSubstr("is below 'compression.density'"));
+}
+
 TEST_F(ConfigTest, UnknownEncodingIsRejected) {
   auto path = Write("compression:\n  encoding: topq\n");
   auto c = LoadConfig(path, {}, NoEnv);

@@ -721,5 +721,15 @@ TEST(WarmupK, FollowsDgcSchedule) {
   EXPECT_EQ(WarmupK(1.0, 0, 0, n), n);
 }
 
+TEST(WarmupK, StartsAtTheWarmupDensityThenFallsGeometricallyToTheDensity) {
+  // compression.warmup_density 1 over 2 epochs to 0.001: 100%, 1000^(-1/2) = 3.16%, then 0.1%.
+  const size_t n = 1000000;
+  EXPECT_EQ(WarmupK(0.001, 2, 0, n, 1.0), n);
+  EXPECT_EQ(WarmupK(0.001, 2, 1, n, 1.0), static_cast<size_t>(std::llround(std::sqrt(0.001) * n)));
+  EXPECT_EQ(WarmupK(0.001, 2, 2, n, 1.0), 1000u);
+  // DGC's own start reproduces its schedule.
+  EXPECT_EQ(WarmupK(0.001, 4, 3, n, std::pow(0.001, 0.2)), WarmupK(0.001, 4, 3, n));
+}
+
 }  // namespace
 }  // namespace sparseps
