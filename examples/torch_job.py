@@ -97,6 +97,10 @@ def parser(doc, models, default_model=None):
     ap.add_argument("--aggregate", choices=["gradient", "update"], default="gradient",
                     help="what sparseps aggregates: the gradients, or each worker's optimizer "
                     "step (error feedback on the update)")
+    ap.add_argument("--freeze-variance-step", type=int, default=None, metavar="N",
+                    help="adam / adamw through sparseps: freeze the second moment after N "
+                    "steps (1-bit Adam's compression stage; DistributedOptimizer's "
+                    "freeze_variance_step)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default=None,
                     help="where the model trains (default: the config's train.device)")
     ap.add_argument("--capi", action="store_true",
@@ -128,6 +132,8 @@ def run(args, build_model, load_data, perplexity=False):
         raise ValueError("--device cuda: this PyTorch sees no CUDA device")
     if args.aggregate == "update" and args.ddp:
         raise ValueError("--aggregate update: sparseps's, not DDP's")
+    if args.freeze_variance_step is not None and args.ddp:
+        raise ValueError("--freeze-variance-step: sparseps's DistributedOptimizer's, not DDP's")
     seed, batch = get("train.seed"), get("train.batch_size")
     torch.manual_seed(seed)  # the same initial model everywhere (worker 0's is used anyway)
     model = build_model(args.model, get).to(device)
@@ -157,7 +163,7 @@ def run(args, build_model, load_data, perplexity=False):
     else:
         opt = sparseps.torch.DistributedOptimizer(
             make_optimizer(args, model.parameters(), get, ddp=False), worker,
-            aggregate=args.aggregate)
+            aggregate=args.aggregate, freeze_variance_step=args.freeze_variance_step)
     rank, workers = worker.rank, worker.num_workers
 
     x, y, xt, yt, what = load_data(args, get)

@@ -37,6 +37,7 @@ aggregated gradient (update / train.lr), so train.lr: 1 is exact.
 
 Only torch is imported here, not linked: any PyTorch with DLPack works (Debian's 1.13 is tested).
 """
+import math
 import time
 
 import torch
@@ -64,6 +65,100 @@ def _float32_params(params, what):
     return params
 
 
+def _check_freeze(optimizer, freeze_variance_step):
+    """Raises ValueError unless freeze_variance_step is None, or a positive step count with a
+    torch Adam or AdamW (without amsgrad or maximize) to freeze."""
+    if freeze_variance_step is None:
+        return
+    if isinstance(freeze_variance_step, bool) or not isinstance(freeze_variance_step, int) or \
+            freeze_variance_step < 1:
+        raise ValueError(f"DistributedOptimizer: freeze_variance_step={freeze_variance_step!r}; "
+                         "a step count of at least 1 (or None)")
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        raise ValueError("DistributedOptimizer: freeze_variance_step needs torch.optim.Adam or "
+                         f"AdamW, not {type(optimizer).__name__}")
+    for group in optimizer.param_groups:
+        for flag in ("amsgrad", "maximize"):
+            if group.get(flag):
+                raise ValueError(f"DistributedOptimizer: freeze_variance_step with {flag}=True "
+                                 "(not supported: 1-bit Adam's step has neither)")
+
+
+def _step_count(state):
+    step = state["step"]
+    return int(step.item()) if torch.is_tensor(step) else int(step)
+
+
+def _frozen(optimizer, freeze_variance_step):
+    """True once the optimizer has taken freeze_variance_step steps (its first parameter's)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            if state and "step" in state:
+                return _step_count(state) >= freeze_variance_step
+    return False
+
+
+def _frozen_adam_step(optimizer, denoms):
+    """One step of torch's Adam / AdamW with the second moment frozen at its value after the
+    last ordinary step (1-bit Adam's compression stage: Tang et al., "1-bit Adam:
+    Communication Efficient Large-Scale Training with Adam's Convergence Speed", ICML 2021, §4,
+    Algorithm 1): the first moment and the step count go on as Adam's (exp_avg = beta1 exp_avg +
+    (1 - beta1) grad, its bias correction at the current step), exp_avg_sq stays as it was and
+    the denominator is sqrt(exp_avg_sq / (1 - beta2^t_frozen)) + eps, computed once per
+    parameter (denoms: parameter -> [exp_avg_sq, denominator, unseen], the cache; rebuilt when the
+    state is replaced, as by load_state_dict). The step then depends linearly on the gradients,
+    which is what lets error feedback compensate the compression exactly.
+
+    One departure from the paper: an entry that has had no gradient before the freeze (a sparse
+    aggregated gradient that never selected it, an embedding row of a token not yet seen) has a
+    second moment of 0, and m / (0 + eps) would step it 1e8 times its first gradient. Such an
+    entry's second moment goes on as Adam's until its first nonzero gradient and freezes there
+    (`unseen`, the entries still waiting; an entry of a dense gradient waits at most one step).
+    Each parameter's state keeps variance_frozen_step, t_frozen, so a saved and reloaded
+    optimizer stays frozen where it was. Call under torch.no_grad()."""
+    decoupled = isinstance(optimizer, torch.optim.AdamW)
+    for group in optimizer.param_groups:
+        beta1, beta2 = group["betas"]
+        lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = optimizer.state[p]
+            if "exp_avg_sq" not in state:
+                raise RuntimeError("DistributedOptimizer: a parameter without Adam's second moment "
+                                   "at freeze_variance_step (it had no gradient before): freeze "
+                                   "later")
+            frozen_at = state.setdefault("variance_frozen_step", _step_count(state))
+            correction2 = math.sqrt(1 - beta2**frozen_at)
+            cached = denoms.get(p)
+            if cached is None or cached[0] is not state["exp_avg_sq"]:
+                variance = state["exp_avg_sq"]
+                unseen = variance == 0
+                cached = denoms[p] = [variance, (variance.sqrt() / correction2).add_(eps),
+                                      unseen if bool(unseen.any()) else None]
+            step = _step_count(state) + 1
+            if torch.is_tensor(state["step"]):
+                state["step"].fill_(step)
+            else:
+                state["step"] = step
+            grad = p.grad
+            if decoupled:
+                p.mul_(1 - lr * weight_decay)
+            elif weight_decay:
+                grad = grad.add(p, alpha=weight_decay)
+            state["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
+            unseen = cached[2]
+            if unseen is not None:  # Adam's second moment where it is still 0 (beta2 * 0 + ...)
+                first = grad[unseen]
+                state["exp_avg_sq"][unseen] = (1 - beta2) * first * first
+                cached[1][unseen] = (state["exp_avg_sq"][unseen].sqrt() / correction2).add_(eps)
+                unseen &= state["exp_avg_sq"] == 0
+                if not bool(unseen.any()):
+                    cached[2] = None
+            p.addcdiv_(state["exp_avg"], cached[1], value=-lr / (1 - beta1**step))
+
+
 class DistributedOptimizer:
     """Wraps `optimizer` so that step() aggregates through `worker` (a sparseps.Worker or
     capi.Worker, not yet initialised: this calls its init) either its parameters' gradients
@@ -79,15 +174,30 @@ class DistributedOptimizer:
     so sparse aggregation never feeds Adam's second moment the zeros and bursts of a sparse
     gradient. Needs train.momentum: 0 (the optimizer has its own) and works for any train.lr.
 
+    freeze_variance_step=N (torch Adam or AdamW, without amsgrad or maximize) is 1-bit Adam's
+    scheme (Tang et al., ICML 2021): the first N steps are the optimizer's own, and then its
+    second moment freezes, so each step is linear in the gradients (_frozen_adam_step) and error
+    feedback compensates the compression exactly. Run the first N steps dense or nearly so
+    (compression.warmup_epochs: 1 with warmup_density: 1 and N the steps of an epoch: the
+    paper's uncompressed warm-up), since the frozen variance is what they leave. With
+    aggregate="gradient" the pushed gradient is then divided by the frozen denominators and the
+    aggregate multiplied back: top-k ranks the entries by the step each would take (a raw
+    gradient's size says little once Adam rescales it) and the residual keeps the rest in those
+    units (docs/results.md, "AdamW at density 0.1%", measures it on the language model).
+
     The gradients live in one flat float32 buffer of which every parameter's .grad is a view, so
     push_pull takes them without a copy (keep zero_grad's set_to_none False, the default here).
     Everything else (param_groups, state_dict, ...) is the wrapped optimizer's.
     """
 
-    def __init__(self, optimizer, worker, aggregate="gradient"):
+    def __init__(self, optimizer, worker, aggregate="gradient", freeze_variance_step=None):
         if aggregate not in ("gradient", "update"):
             raise ValueError(f"DistributedOptimizer: aggregate={aggregate!r}; 'gradient' or "
                              "'update'")
+        _check_freeze(optimizer, freeze_variance_step)
+        self.freeze_variance_step = freeze_variance_step
+        self._frozen_denoms = {}  # parameter -> sqrt(frozen variance, bias-corrected) + eps
+        self._scale = None  # aggregate="gradient", frozen: the flat denominators (_frozen_scale)
         if aggregate == "update" and worker.get("train.momentum") != 0:
             raise ValueError("DistributedOptimizer(aggregate='update'): the job's train.momentum "
                              f"is {worker.get('train.momentum')}; set it to 0 (the optimizer "
@@ -155,8 +265,13 @@ class DistributedOptimizer:
         reported = loss if loss is not None else closure_loss
         reported = None if reported is None else float(reported)
         self._gather()
+        scale = None
         if self.aggregate == "update":
             self._local_step()  # the flat buffer now holds the step / train.lr
+        else:
+            scale = self._frozen_scale()
+            if scale is not None:
+                self._flat.div_(scale)
         _finished(self._flat)
         t = time.monotonic()
         keys, update, params = self.worker.push_pull(self._flat, sparse=True, loss=reported)
@@ -184,7 +299,9 @@ class DistributedOptimizer:
             else:
                 self._flat.zero_()
                 self._flat.index_put_((keys,), update / self.worker.lr)
-        self.optimizer.step()
+            if scale is not None:
+                self._flat.mul_(scale)
+        self._optimizer_step()
         return closure_loss
 
     def _local_step(self):
@@ -193,11 +310,43 @@ class DistributedOptimizer:
         job applies train.lr times the aggregate)."""
         with torch.no_grad():
             before = [p.detach().clone() for p in self._params]
-            self.optimizer.step()
+            self._optimizer_step()
             for p, b, view in zip(self._params, before, self._views):
                 torch.sub(b, p, out=view)  # the step: old minus new
                 p.copy_(b)
             self._flat.div_(self.worker.lr)
+
+    def _frozen_scale(self):
+        """aggregate="gradient" with the variance frozen: the flat frozen denominators (Adam's
+        sqrt(v / (1 - beta2^t_frozen)) + eps; 1 where the second moment is still 0), by which the
+        pushed gradient is divided and the aggregate multiplied back, so that the compression
+        selects by the step each entry would take and its residual is kept in those units (exact
+        while the denominators stay fixed). None before the freeze."""
+        if self.freeze_variance_step is None or not _frozen(self.optimizer,
+                                                            self.freeze_variance_step):
+            return None
+        if self._scale is None:
+            parts = []
+            for group in self.optimizer.param_groups:
+                beta2 = group["betas"][1]
+                for p in (p for p in group["params"] if p.requires_grad):  # self._params'
+                    state = self.optimizer.state[p]
+                    frozen_at = state.get("variance_frozen_step", _step_count(state))
+                    v = state["exp_avg_sq"]
+                    d = (v.sqrt() / math.sqrt(1 - beta2**frozen_at)).add_(group["eps"])
+                    parts.append(torch.where(v == 0, torch.ones_like(d), d).reshape(-1))
+            self._scale = torch.cat(parts)
+        return self._scale
+
+    def _optimizer_step(self):
+        """The wrapped optimizer's step, or after freeze_variance_step of them Adam's with its
+        second moment frozen (_frozen_adam_step)."""
+        if self.freeze_variance_step is None or not _frozen(self.optimizer,
+                                                            self.freeze_variance_step):
+            self.optimizer.step()
+            return
+        with torch.no_grad():
+            _frozen_adam_step(self.optimizer, self._frozen_denoms)
 
     def synchronize(self):
         """train.consistency ssp / async: waits until every worker has pushed as many steps as

@@ -225,13 +225,15 @@ def test_distributed_optimizer_hands_other_optimizers_the_aggregated_gradient(cl
     assert all(16 <= nz <= 32 for nz in nz0), nz0  # k = 16 of 155 per worker; the union
 
 
-@pytest.mark.parametrize("aggregation", ["ps", "allreduce"])
-def test_aggregating_the_optimizers_update_loses_nothing(cluster, aggregation):
+@pytest.mark.parametrize("aggregation,freeze", [("ps", None), ("allreduce", None), ("ps", 10)])
+def test_aggregating_the_optimizers_update_loses_nothing(cluster, aggregation, freeze):
     """aggregate="update" (error feedback on Adam's update): each worker's Adam steps on its own
     gradient and only that step goes through sparseps. Conservation, exact up to rounding: the
     model moved by the mean of every worker's every Adam step, less what the residuals hold back,
     x0 - xT = (sum of steps - train.lr * sum of residuals) / W; the models stay equal and the
-    Adam states stay each worker's own."""
+    Adam states stay each worker's own. With freeze_variance_step (1-bit Adam's frozen
+    variance) the same holds, and the second moment after the freeze is the one at it, bit for
+    bit."""
     sets = ["aggregation=allreduce", "collective.algorithm=topk_allgather"] \
         if aggregation == "allreduce" else []
     c = cluster("train: {lr: 0.5, momentum: 0}\ncompression: {encoding: topk, density: 0.05}\n",
@@ -244,12 +246,12 @@ def test_aggregating_the_optimizers_update_loses_nothing(cluster, aggregation):
         adam = torch.optim.Adam(model.parameters(), lr=0.01)
         opt = sparseps.torch.DistributedOptimizer(
             adam, sparseps.Worker(str(c.job), rank=rank, overrides=c.overrides + sets),
-            aggregate="update")
+            aggregate="update", freeze_variance_step=freeze)
         start = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
         steps = torch.zeros_like(start)
         g = torch.Generator().manual_seed(rank)
         losses = []
-        for _ in range(30):
+        for i in range(30):
             opt.zero_grad()
             x = torch.randn(16, 30, generator=g)
             loss = (model(x) - x[:, :5]).pow(2).mean()
@@ -257,6 +259,12 @@ def test_aggregating_the_optimizers_update_loses_nothing(cluster, aggregation):
             opt.step()
             steps += opt._flat.double() * opt.worker.lr  # this step: the pushed buffer x lr
             losses.append(loss.item())
+            if freeze is not None and i + 1 == freeze:
+                at_freeze = adam.state[model[0].weight]["exp_avg_sq"].clone()
+        if freeze is not None:
+            weight = adam.state[model[0].weight]
+            assert torch.equal(weight["exp_avg_sq"], at_freeze)
+            assert weight["variance_frozen_step"] == freeze and int(weight["step"]) == 30
         end = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
         residual = torch.from_numpy(opt.worker.residual()).double()
         state = adam.state[model[0].weight]["exp_avg_sq"].clone()
@@ -272,6 +280,100 @@ def test_aggregating_the_optimizers_update_loses_nothing(cluster, aggregation):
     assert r0.abs().sum() > 0  # density 5%: the residuals do hold steps back
     assert not torch.equal(v0, v1)  # each worker's Adam saw its own gradients
     assert sum(l0[-5:]) < sum(l0[:5]), l0
+
+
+@pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW])
+def test_frozen_variance_adam_is_adam_with_the_second_moment_held(cluster, cls):
+    """freeze_variance_step=5 with aggregate="gradient": the first 5 steps are torch's own, then
+    1-bit Adam's compression stage (Tang et al. 2021, Algorithm 1): the first moment and the bias
+    correction of the step go on, the second moment and its bias correction stay at step 5.
+    Against a float64 reference of that algorithm fed the same aggregated gradients (.grad after
+    each step), with weight decay (Adam's L2, AdamW's decoupled). Top-k 30% leaves entries
+    without any gradient before the freeze (AdamW: second moment 0): theirs freezes at their
+    first gradient instead of dividing it by eps."""
+    c = cluster("train: {lr: 1, momentum: 0}\ncompression: {encoding: topk, density: 0.3}\n")
+    lr, wd, (b1, b2), eps, freeze = 0.02, 0.1, (0.9, 0.999), 1e-8, 5
+
+    def worker(rank):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(12, 4)
+        opt = sparseps.torch.DistributedOptimizer(
+            cls(model.parameters(), lr=lr, weight_decay=wd),
+            sparseps.Worker(str(c.job), rank=rank, overrides=c.overrides),
+            freeze_variance_step=freeze)
+        start = [p.detach().double().clone() for p in model.parameters()]
+        grads = []
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(24):
+            opt.zero_grad()
+            model(torch.randn(8, 12, generator=g)).pow(2).mean().backward()
+            opt.step()
+            grads.append([p.grad.double().clone() for p in model.parameters()])
+        end = [p.detach().double() for p in model.parameters()]
+        opt.worker.finish()
+        return start, grads, end
+
+    for start, grads, end in run_threads([lambda r=r: worker(r) for r in range(2)]):
+        late = 0  # entries whose second moment froze after the freeze step
+        for i, x in enumerate(start):
+            m, v = torch.zeros_like(x), torch.zeros_like(x)
+            for t, step_grads in enumerate(grads, start=1):
+                grad = step_grads[i]
+                if cls is torch.optim.AdamW:
+                    x = x * (1 - lr * wd)
+                else:
+                    grad = grad + wd * x
+                m = b1 * m + (1 - b1) * grad
+                if t <= freeze:
+                    v = b2 * v + (1 - b2) * grad * grad
+                else:
+                    late += int(((v == 0) & (grad != 0)).sum())
+                    v = torch.where(v == 0, (1 - b2) * grad * grad, v)
+                denom = (v / (1 - b2**min(t, freeze))).sqrt() + eps
+                x = x - lr / (1 - b1**t) * m / denom
+            assert torch.allclose(end[i], x, rtol=0, atol=1e-5), (end[i] - x).abs().max()
+        assert (late > 0) == (cls is torch.optim.AdamW), late
+
+
+def test_frozen_variance_selects_by_the_step_each_entry_would_take(cluster):
+    """aggregate="gradient" after the freeze: the pushed gradient is divided by Adam's frozen
+    denominators, so top-k ranks entries by the step they would take, not by raw size, and the
+    residual keeps the rest in those units. Two entries, a dense warm-up epoch (warmup_density 1)
+    with gradients (10, 1), then k = 1: the gradient (5, 1) sends the second (1 / 1 > 5 / 10) and
+    keeps 0.5 of the first."""
+    c = cluster("train: {lr: 1, momentum: 0}\ncompression: {encoding: topk, density: 0.5, "
+                "warmup_epochs: 1, warmup_density: 1}\n", workers=1, servers=1)
+    x = torch.nn.Parameter(torch.zeros(2))
+    w = sparseps.Worker(str(c.job), rank=0, overrides=c.overrides)
+    opt = sparseps.torch.DistributedOptimizer(torch.optim.Adam([x], lr=0.01), w,
+                                              freeze_variance_step=3)
+    for grad in [(10.0, 1.0)] * 3:
+        opt.zero_grad()
+        (x * torch.tensor(grad)).sum().backward()
+        opt.step()
+        assert torch.equal(x.grad, torch.tensor(grad))  # dense: both entries every step
+    w.set_epoch(1)  # k = 1 of 2
+    opt.zero_grad()
+    (x * torch.tensor([5.0, 1.0])).sum().backward()
+    opt.step()
+    assert x.grad[0] == 0 and torch.isclose(x.grad[1], torch.tensor(1.0), rtol=1e-6), x.grad
+    residual = torch.from_numpy(w.residual())
+    assert torch.allclose(residual, torch.tensor([0.5, 0.0]), rtol=1e-6, atol=0), residual
+    w.finish()
+
+
+def test_freeze_variance_step_needs_adam(cluster):
+    c = cluster("train: {lr: 0.5, momentum: 0}\ncompression: {encoding: topk, density: 0.1}\n",
+                workers=1)
+    w = sparseps.Worker(str(c.job), rank=0, overrides=c.overrides)
+    params = list(torch.nn.Linear(4, 2).parameters())
+    for opt, freeze, message in [
+            (torch.optim.SGD(params, lr=0.1), 10, "needs torch.optim.Adam or AdamW, not SGD"),
+            (torch.optim.Adam(params), 0, "freeze_variance_step=0; a step count of at least 1"),
+            (torch.optim.Adam(params), 2.5, "freeze_variance_step=2.5"),
+            (torch.optim.AdamW(params, amsgrad=True), 10, "with amsgrad=True")]:
+        with pytest.raises(ValueError, match=message):
+            sparseps.torch.DistributedOptimizer(opt, w, freeze_variance_step=freeze)
 
 
 def test_aggregating_the_update_needs_no_job_momentum(cluster):
