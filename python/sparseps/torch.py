@@ -196,8 +196,8 @@ class DistributedOptimizer:
                              "'update'")
         _check_freeze(optimizer, freeze_variance_step)
         self.freeze_variance_step = freeze_variance_step
-        self._frozen_denoms = {}  # parameter -> sqrt(frozen variance, bias-corrected) + eps
-        self._scale = None  # aggregate="gradient", frozen: the flat denominators (_frozen_scale)
+        self._frozen_denoms = {}  # _frozen_adam_step's cache: parameter -> [v, denominator, unseen]
+        self._scale = None  # aggregate="gradient", frozen: (first v, flat denominators)
         if aggregate == "update" and worker.get("train.momentum") != 0:
             raise ValueError("DistributedOptimizer(aggregate='update'): the job's train.momentum "
                              f"is {worker.get('train.momentum')}; set it to 0 (the optimizer "
@@ -321,11 +321,13 @@ class DistributedOptimizer:
         sqrt(v / (1 - beta2^t_frozen)) + eps; 1 where the second moment is still 0), by which the
         pushed gradient is divided and the aggregate multiplied back, so that the compression
         selects by the step each entry would take and its residual is kept in those units (exact
-        while the denominators stay fixed). None before the freeze."""
+        while the denominators stay fixed; rebuilt when the optimizer's state is replaced, as by
+        load_state_dict). None before the freeze."""
         if self.freeze_variance_step is None or not _frozen(self.optimizer,
                                                             self.freeze_variance_step):
             return None
-        if self._scale is None:
+        first = self.optimizer.state[self._params[0]]["exp_avg_sq"]
+        if self._scale is None or self._scale[0] is not first:
             parts = []
             for group in self.optimizer.param_groups:
                 beta2 = group["betas"][1]
@@ -335,8 +337,8 @@ class DistributedOptimizer:
                     v = state["exp_avg_sq"]
                     d = (v.sqrt() / math.sqrt(1 - beta2**frozen_at)).add_(group["eps"])
                     parts.append(torch.where(v == 0, torch.ones_like(d), d).reshape(-1))
-            self._scale = torch.cat(parts)
-        return self._scale
+            self._scale = (first, torch.cat(parts))
+        return self._scale[1]
 
     def _optimizer_step(self):
         """The wrapped optimizer's step, or after freeze_variance_step of them Adam's with its
