@@ -15,6 +15,44 @@ void Gemm(bool trans_a, bool trans_b, size_t m, size_t n, size_t k, float alpha,
               static_cast<blasint>(ldb), beta, c, static_cast<blasint>(ldc));
 }
 
+void LowRankProduct(const float* p, const float* qt, size_t rows, size_t cols, uint32_t rank,
+                    float* out) {
+  // Blocks of 8 entries of a row, their sums in registers over every k (one store each): the
+  // block's fixed width lets the compiler vectorise it at -O2. Each entry is 0 + its products in
+  // order of k, the same floats as a plain loop.
+  constexpr size_t kBlock = 8;
+  for (size_t i = 0; i < rows; ++i) {
+    const float* pi = p + i * rank;
+    float* row = out + i * cols;
+    size_t j = 0;
+    for (; j + kBlock <= cols; j += kBlock) {
+      float acc[kBlock] = {};
+      for (uint32_t k = 0; k < rank; ++k) {
+        const float pk = pi[k];
+        const float* q = qt + static_cast<size_t>(k) * cols + j;
+        for (size_t l = 0; l < kBlock; ++l) acc[l] += pk * q[l];
+      }
+      std::copy_n(acc, kBlock, row + j);
+    }
+    for (; j < cols; ++j) {
+      float acc = 0.0f;
+      for (uint32_t k = 0; k < rank; ++k) acc += pi[k] * qt[static_cast<size_t>(k) * cols + j];
+      row[j] = acc;
+    }
+  }
+}
+
+double Dot(const float* x, const float* y, size_t n) {
+  double s[4] = {0.0, 0.0, 0.0, 0.0};
+  size_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    for (size_t l = 0; l < 4; ++l) s[l] += double{x[i + l]} * double{y[i + l]};
+  }
+  double sum = (s[0] + s[1]) + (s[2] + s[3]);
+  for (; i < n; ++i) sum += double{x[i]} * double{y[i]};
+  return sum;
+}
+
 void AddBiasRows(float* y, const float* bias, size_t rows, size_t cols) {
   for (size_t r = 0; r < rows; ++r) {
     float* row = y + r * cols;

@@ -14,6 +14,17 @@ namespace sparseps::kernels {
 void Gemm(bool trans_a, bool trans_b, size_t m, size_t n, size_t k, float alpha, const float* a,
           size_t lda, const float* b, size_t ldb, float beta, float* c, size_t ldc);
 
+// out (rows x cols) = p (rows x rank) times qt (rank x cols), all row-major, each entry summed
+// over k = 0, 1, ..., rank - 1 in that order (no BLAS, whose order depends on the machine and
+// the threads: the same inputs give bitwise the same out on every machine running this build;
+// PowerSGD's update must be the same on every worker). Vectorised across each row.
+void LowRankProduct(const float* p, const float* qt, size_t rows, size_t cols, uint32_t rank,
+                    float* out);
+
+// sum of x[i] * y[i] over n elements in double, as four interleaved partial sums (i mod 4) added
+// in a fixed order: the same inputs give bitwise the same result on every machine.
+double Dot(const float* x, const float* y, size_t n);
+
 // y[r, c] += bias[c] for a rows x cols matrix.
 void AddBiasRows(float* y, const float* bias, size_t rows, size_t cols);
 

@@ -37,7 +37,7 @@ void GatherAndZero(float* v, float* u, const uint32_t* idx, size_t k, float* out
 // dst[idx[j]] += vals[j] for j in [0, k). Duplicate indices accumulate.
 void ScatterAdd(float* dst, const uint32_t* idx, const float* vals, size_t k);
 
-// y += a * x over n elements.
+// y += a * x over n elements (x may be y). Each element as the scalar loop computes it.
 void Axpy(float a, const float* x, float* y, size_t n);
 
 // x *= a over n elements.

@@ -26,6 +26,41 @@ TEST(Gemm, AllTransposeCombinations) {
   EXPECT_EQ(acc, (std::vector<float>{9, 11, 21, 23}));
 }
 
+TEST(LowRankProduct, IsEachEntrySummedOverRankInOrderBitForBit) {
+  // rows x cols = 5 x 37 (not a multiple of the 8-wide blocks) at rank 6, against the plain
+  // triple loop summing k = 0..5 in order: the same floats exactly, not just close.
+  const size_t rows = 5, cols = 37;
+  const uint32_t rank = 6;
+  std::vector<float> p(rows * rank), qt(rank * cols), out(rows * cols, 1.0f);
+  for (size_t i = 0; i < p.size(); ++i) p[i] = std::sin(0.7f * static_cast<float>(i)) * 3.1f;
+  for (size_t i = 0; i < qt.size(); ++i) qt[i] = std::cos(1.3f * static_cast<float>(i)) / 7.0f;
+  LowRankProduct(p.data(), qt.data(), rows, cols, rank, out.data());
+  for (size_t i = 0; i < rows; ++i) {
+    for (size_t j = 0; j < cols; ++j) {
+      float want = 0.0f;
+      for (uint32_t k = 0; k < rank; ++k) want += p[i * rank + k] * qt[k * cols + j];
+      ASSERT_EQ(out[i * cols + j], want) << i << "," << j;
+    }
+  }
+}
+
+TEST(Dot, SumsInDoubleInFourPartialSums) {
+  std::vector<float> x(1003), y(1003);
+  double s[4] = {0, 0, 0, 0}, exact = 0.0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    x[i] = std::sin(static_cast<float>(i)) * 1e3f;
+    y[i] = std::cos(static_cast<float>(i)) * 1e-3f;
+    exact += double{x[i]} * double{y[i]};
+  }
+  for (size_t i = 0; i < 1000; ++i) s[i % 4] += double{x[i]} * double{y[i]};
+  double want = (s[0] + s[1]) + (s[2] + s[3]);
+  for (size_t i = 1000; i < x.size(); ++i) want += double{x[i]} * double{y[i]};
+  EXPECT_EQ(Dot(x.data(), y.data(), x.size()), want);
+  EXPECT_NEAR(Dot(x.data(), y.data(), x.size()), exact, 1e-9 * std::abs(exact) + 1e-12);
+  EXPECT_EQ(Dot(x.data(), y.data(), 3),
+            double{x[0]} * y[0] + double{x[1]} * y[1] + double{x[2]} * y[2]);
+}
+
 TEST(Bias, AddAndSumRows) {
   std::vector<float> y = {1, 2, 3, 4, 5, 6};
   std::vector<float> bias = {10, 20, 30};

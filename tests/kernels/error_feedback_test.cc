@@ -56,6 +56,15 @@ TEST(Axpy, LongVector) {
   for (size_t i = 0; i < y.size(); ++i) ASSERT_EQ(y[i], 1.0f - 2.0f * static_cast<float>(i));
 }
 
+TEST(Axpy, OnItselfIsTheScalarLoop) {
+  // x and y the same array (the blocks load before they store): y = y + a y, element by element.
+  std::vector<float> y(1003), want(1003);
+  for (size_t i = 0; i < y.size(); ++i) y[i] = want[i] = 0.37f * static_cast<float>(i) - 100.0f;
+  for (float& v : want) v += 0.3f * v;
+  Axpy(0.3f, y.data(), y.data(), y.size());
+  EXPECT_EQ(y, want);
+}
+
 TEST(AllFinite, DetectsNanAndInf) {
   std::vector<float> x(100, 1.0f);
   EXPECT_TRUE(AllFinite(x.data(), x.size()));

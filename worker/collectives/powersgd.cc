@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <vector>
 
 #include "kernels/dense.h"
+#include "kernels/error_feedback.h"
 #include "kernels/random.h"
 #include "worker/collectives/ring.h"
 
@@ -78,24 +80,28 @@ std::vector<float> PowerSgdInitialQ(uint64_t seed, size_t index, uint64_t cols, 
 }
 
 void Orthonormalize(float* p, uint64_t rows, uint32_t rank) {
+  // The columns, each contiguous (rank x rows): every pass below streams one or two of them.
+  std::vector<float> cols(rows * rank);
+  for (uint64_t i = 0; i < rows; ++i) {
+    for (uint32_t k = 0; k < rank; ++k) cols[k * rows + i] = p[i * rank + k];
+  }
   for (uint32_t k = 0; k < rank; ++k) {
-    double before = 0.0;
-    for (uint64_t i = 0; i < rows; ++i) before += double{p[i * rank + k]} * p[i * rank + k];
+    float* c = cols.data() + k * rows;
+    const double before = kernels::Dot(c, c, rows);
     for (uint32_t j = 0; j < k; ++j) {
-      double dot = 0.0;
-      for (uint64_t i = 0; i < rows; ++i) dot += double{p[i * rank + k]} * p[i * rank + j];
-      for (uint64_t i = 0; i < rows; ++i) {
-        p[i * rank + k] -= static_cast<float>(dot) * p[i * rank + j];
-      }
+      const float* earlier = cols.data() + j * rows;
+      kernels::Axpy(-static_cast<float>(kernels::Dot(c, earlier, rows)), earlier, c, rows);
     }
-    double norm = 0.0;
-    for (uint64_t i = 0; i < rows; ++i) norm += double{p[i * rank + k]} * p[i * rank + k];
+    double norm = kernels::Dot(c, c, rows);
     // What is left of a column (nearly) in the span of the earlier ones is rounding noise:
     // normalised it would be a direction of no meaning, so it becomes 0.
     const bool spanned = norm <= 1e-10 * before;
     norm = std::sqrt(norm);
     const float scale = norm > 0.0 && !spanned ? static_cast<float>(1.0 / norm) : 0.0f;
-    for (uint64_t i = 0; i < rows; ++i) p[i * rank + k] *= scale;
+    kernels::Scale(scale, c, rows);
+  }
+  for (uint64_t i = 0; i < rows; ++i) {
+    for (uint32_t k = 0; k < rank; ++k) p[i * rank + k] = cols[k * rows + i];
   }
 }
 
@@ -184,15 +190,7 @@ Status PowerSgd::Allreduce(Contribution* x, CollectiveUpdate* update) {
     for (uint64_t j = 0; j < y.cols; ++j) {
       for (uint32_t k = 0; k < y.rank; ++k) qt_[k * y.cols + j] = q[j * y.rank + k];
     }
-    for (uint64_t i = 0; i < y.rows; ++i) {
-      float* row = sum + i * y.cols;
-      std::fill_n(row, y.cols, 0.0f);
-      for (uint32_t k = 0; k < y.rank; ++k) {
-        const float pk = p[i * y.rank + k];
-        const float* qk = qt_.data() + k * y.cols;
-        for (uint64_t j = 0; j < y.cols; ++j) row[j] += pk * qk[j];
-      }
-    }
+    kernels::LowRankProduct(p, qt_.data(), y.rows, y.cols, y.rank, sum);
     // This worker's residual M - P^ Q_w^T, in place of M.
     kernels::Gemm(false, true, y.rows, y.cols, y.rank, -1.0f, p, y.rank, mine_.data() + at_q,
                   y.rank, 1.0f, m, y.cols);
