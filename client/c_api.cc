@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <exception>
+#include <numeric>
 #include <span>
 #include <string>
 #include <vector>
@@ -145,7 +146,7 @@ int sparseps_worker_push_pull_sparse(sparseps_worker* worker, const sparseps_buf
   worker->sparse = {};
   const int code =
       Guard([&] { worker->sparse = worker->worker.PushPullSparse(buffers, loss); }, err, err_len);
-  *num_changed = worker->sparse.keys.size();
+  *num_changed = worker->sparse.update.size();  // every key after a dense step (no keys kept)
   return code;
 }
 
@@ -153,13 +154,17 @@ int sparseps_worker_sparse_result(const sparseps_worker* worker, int64_t* keys, 
                                   float* params, size_t num_changed, char* err, size_t err_len) {
   if (worker == nullptr) return Missing("worker", err, err_len);
   const auto& u = worker->sparse;
-  if (num_changed != u.keys.size()) {
+  if (num_changed != u.update.size()) {
     return Fail(SPARSEPS_INVALID_ARGUMENT,
                 "num_changed is " + std::to_string(num_changed) + "; the last sparse step has " +
-                    std::to_string(u.keys.size()),
+                    std::to_string(u.update.size()),
                 err, err_len);
   }
-  if (keys != nullptr) std::copy(u.keys.begin(), u.keys.end(), keys);
+  if (keys != nullptr && u.all) {
+    std::iota(keys, keys + num_changed, int64_t{0});  // a dense step: every key
+  } else if (keys != nullptr) {
+    std::copy(u.keys.begin(), u.keys.end(), keys);
+  }
   if (update != nullptr) std::copy(u.update.begin(), u.update.end(), update);
   if (params != nullptr) std::copy(u.params.begin(), u.params.end(), params);
   if (err != nullptr && err_len > 0) err[0] = '\0';

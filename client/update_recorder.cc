@@ -47,16 +47,23 @@ void UpdateRecorder::EndDense(const float* params) {
 SparseUpdate UpdateRecorder::EndSparse(const float* params) {
   active_ = false;
   if (!all_) OrderTouched();
-  const size_t m = all_ ? n_ : touched_.size();
   SparseUpdate u;
+  u.all = all_;
+  if (all_) {
+    u.update.resize(n_);
+    u.params.assign(params, params + n_);
+    for (size_t j = 0; j < n_; ++j) u.update[j] = scratch_[j] - params[j];
+    return u;
+  }
+  const size_t m = touched_.size();
   u.keys.resize(m);
   u.update.resize(m);
   u.params.resize(m);
   for (size_t j = 0; j < m; ++j) {
-    const size_t key = all_ ? j : touched_[j];
+    const size_t key = touched_[j];
     u.keys[j] = static_cast<int64_t>(key);
     u.params[j] = params[key];
-    u.update[j] = (all_ ? scratch_[key] : old_[j]) - params[key];
+    u.update[j] = old_[j] - params[key];
   }
   return u;
 }

@@ -24,7 +24,8 @@ class UpdateRecorder {
   void Observe(const float* params, uint64_t begin, std::span<const uint32_t> keys, bool all);
   // After the step, with the new parameters `params`: subtracts them at the keys recorded (dense).
   void EndDense(const float* params);
-  // After the step: the keys recorded in increasing order, the update and the new values there.
+  // After the step: the keys recorded in increasing order, the update and the new values there
+  // (after a dense change: `all`, no keys, every key's update and value).
   SparseUpdate EndSparse(const float* params);
   // Drops the step in progress (it failed); the observer then records nothing.
   void Cancel() { active_ = false; }

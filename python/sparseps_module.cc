@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <numeric>
 #include <optional>
 #include <span>
 #include <string>
@@ -294,9 +295,22 @@ class Worker {
     if (sparse) {
       client::SparseUpdate u;
       Call([&] { u = worker_->PushPullSparse(buffers, l); });
-      // The arrays own the library's vectors (no copy: a dense method's step returns every key).
-      return py::make_tuple(Owned(std::move(u.keys)), Owned(std::move(u.update)),
-                            Owned(std::move(u.params)));
+      // The arrays own the library's vectors (no copy). A dense method's step changed every key:
+      // its keys are one read-only array 0, 1, ..., n - 1, made once.
+      py::object keys;
+      if (u.all) {
+        if (!all_keys_) {
+          std::vector<int64_t> k(worker_->num_params());
+          std::iota(k.begin(), k.end(), int64_t{0});
+          py::array_t<int64_t> a = Owned(std::move(k));
+          a.attr("setflags")(py::arg("write") = false);
+          all_keys_ = a;
+        }
+        keys = all_keys_;
+      } else {
+        keys = Owned(std::move(u.keys));
+      }
+      return py::make_tuple(keys, Owned(std::move(u.update)), Owned(std::move(u.params)));
     }
     // The update comes into a zeroed array (numpy.zeros: pages the step does not touch stay
     // untouched); the library writes the keys that changed.
@@ -381,6 +395,7 @@ class Worker {
   std::vector<size_t> sizes_;
   std::vector<std::vector<py::ssize_t>> shapes_;
   py::object np_zeros_;  // numpy.zeros, looked up once
+  py::object all_keys_;  // push_pull(sparse=True)'s keys after a dense step: 0..n-1, read-only
 };
 
 }  // namespace
@@ -422,8 +437,8 @@ encoding or collective, and returns the update: subtract it from the parameters 
 new ones (params -= update). A float32 NumPy array, or a list of arrays shaped like grads (views
 of one array). A single tensor is read in place; a list is gathered into one buffer first.
 With sparse=True it returns (keys, update, params) instead: the flat keys whose parameters changed
-(int64, increasing; every key after a dense update), the update there and the new parameters
-there, without a dense array. loss (optional, a float): the step's training loss, for the live
+(int64, increasing; every key after a dense update, then one read-only array shared by every such
+step), the update there and the new parameters there, without a dense array. loss (optional, a float): the step's training loss, for the live
 metrics (metrics.port: sparseps_worker_loss). Raises ValueError for a gradient with
 NaN or Inf (nothing is sent; the job goes on), TimeoutError naming a missing peer,
 sparseps.RolledBack when a lost server was replaced and the job went back to its newest

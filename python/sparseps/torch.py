@@ -277,9 +277,11 @@ class DistributedOptimizer:
         keys, update, params = self.worker.push_pull(self._flat, sparse=True, loss=reported)
         self.last_push_pull_ms = 1000 * (time.monotonic() - t)
         device = self._flat.device
-        # Every key changed (a dense method: ring, Gloo, PowerSGD): copies, not scatters.
+        # Every key changed (a dense method: ring, Gloo, PowerSGD): copies, not scatters (and the
+        # keys, then one read-only array, are not read).
         dense = len(keys) == self._flat.numel()
-        keys = torch.from_numpy(keys).to(device)
+        if not dense:
+            keys = torch.from_numpy(keys).to(device)
         with torch.no_grad():
             if self.aggregate == "update" or self._plain_sgd():
                 params = torch.from_numpy(params).to(device)

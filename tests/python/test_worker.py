@@ -80,11 +80,15 @@ def replay(c, sets, steps, final=False):
     return steps_out, [np.fromfile(f, dtype=np.float32).reshape(2, N) for f in finals]
 
 
-def record_steps(w, rank):
+def record_steps(w, rank, sets=()):
     """Trains w (any worker with sparseps.Worker's interface, initialised) for STEPS steps of
-    gradient(rank, t), the sparse form at odd steps: (params before, update, params after) each."""
+    gradient(rank, t), the sparse form at odd steps: (params before, update, params after) each.
+    Where every step changes every key (ring, PowerSGD, SBC's local copy; PS dense pulls per key
+    range, which the recorder takes as sparse) sparseps.Worker's sparse keys are one read-only
+    array 0..N-1, every such step the same."""
     before = w.params()
     got = []
+    every_key = []  # the keys of the dense steps' sparse results
     for t in range(STEPS):
         if t % 2:
             # The sparse form: the changed keys, the update and the new parameters there.
@@ -92,6 +96,8 @@ def record_steps(w, rank):
             after = w.params()
             assert keys.dtype == np.int64 and np.all(np.diff(keys) > 0)
             np.testing.assert_array_equal(now, after[keys])
+            if not keys.flags.writeable:
+                every_key.append(keys)
             update = np.zeros(N, dtype=np.float32)
             update[keys] = values
         else:
@@ -99,6 +105,10 @@ def record_steps(w, rank):
             after = w.params()
         got.append((before, update, after))
         before = after
+    # sparseps.Worker after a dense method's steps: their keys are one read-only 0..N-1.
+    assert all(k is every_key[0] for k in every_key) and all(len(k) == N for k in every_key)
+    dense = any(s.endswith(("=powersgd", "=ring", "local_iterations=2")) for s in sets)
+    assert bool(every_key) == (dense and not isinstance(w, capi.Worker)), (len(every_key), dense)
     return got
 
 
@@ -124,7 +134,7 @@ def equals_the_cpp_worker(cluster, name, make, check=lambda w, rank: None):
     def worker(rank):
         w = make(str(p.job), rank=rank, overrides=p.overrides + sets)
         w.init(initial())
-        got = record_steps(w, rank)
+        got = record_steps(w, rank, sets)
         check(w, rank)
         w.finish()
         return got

@@ -89,12 +89,15 @@ struct StepCounters {
 };
 
 /// A step's update in sparse form (Worker::PushPullSparse): the flat keys whose parameters
-/// changed (increasing; every key after a dense update), the update there (old minus new) and
-/// the new parameters there. The three have the same length.
+/// changed (increasing), the update there (old minus new) and the new parameters there, the
+/// three of the same length. After a dense update (`all`: ring, Gloo, PowerSGD, PS dense) every
+/// key changed: `keys` is then left empty (it would be 0, 1, ..., num_params - 1, a wasted 8
+/// bytes a parameter a step) and update and params hold every key's value in key order.
 struct SparseUpdate {
   std::vector<int64_t> keys;
   std::vector<float> update;
   std::vector<float> params;
+  bool all = false;  ///< every key changed; keys is empty
 };
 
 /// One worker of a sparseps job.
