@@ -22,7 +22,8 @@ void LowRankProduct(const float* p, const float* qt, size_t rows, size_t cols, u
                     float* out);
 
 // sum of x[i] * y[i] over n elements in double, as four interleaved partial sums (i mod 4) added
-// in a fixed order: the same inputs give bitwise the same result on every machine.
+// in a fixed order: the same inputs give bitwise the same result on every machine running this
+// build.
 double Dot(const float* x, const float* y, size_t n);
 
 // y[r, c] += bias[c] for a rows x cols matrix.

@@ -90,8 +90,8 @@ struct StepCounters {
 
 /// A step's update in sparse form (Worker::PushPullSparse): the flat keys whose parameters
 /// changed (increasing), the update there (old minus new) and the new parameters there, the
-/// three of the same length. After a dense update (`all`: ring, Gloo, PowerSGD, PS dense) every
-/// key changed: `keys` is then left empty (it would be 0, 1, ..., num_params - 1, a wasted 8
+/// three of the same length. After a dense update (`all`: ring, Gloo, PowerSGD, SBC's local copy)
+/// every key changed: `keys` is then left empty (it would be 0, 1, ..., num_params - 1, a wasted 8
 /// bytes a parameter a step) and update and params hold every key's value in key order.
 struct SparseUpdate {
   std::vector<int64_t> keys;
