@@ -438,11 +438,11 @@ new ones (params -= update). A float32 NumPy array, or a list of arrays shaped l
 of one array). A single tensor is read in place; a list is gathered into one buffer first.
 With sparse=True it returns (keys, update, params) instead: the flat keys whose parameters changed
 (int64, increasing; every key after a dense update, then one read-only array shared by every such
-step), the update there and the new parameters there, without a dense array. loss (optional, a float): the step's training loss, for the live
-metrics (metrics.port: sparseps_worker_loss). Raises ValueError for a gradient with
-NaN or Inf (nothing is sent; the job goes on), TimeoutError naming a missing peer,
-sparseps.RolledBack when a lost server was replaced and the job went back to its newest
-checkpoint: `step` and params() are then the checkpoint's, and the loop goes on from there.)doc")
+step), the update there and the new parameters there, without a dense array. loss (optional, a
+float): the step's training loss, for the live metrics (metrics.port: sparseps_worker_loss).
+Raises ValueError for a gradient with NaN or Inf (nothing is sent; the job goes on), TimeoutError
+naming a missing peer, sparseps.RolledBack when a lost server was replaced and the job went back to
+its newest checkpoint: `step` and params() are then the checkpoint's, and the loop goes on from there.)doc")
       .def("params", &Worker::Params, "The job's parameters as this worker holds them (a copy).")
       .def("residual", &Worker::Residual,
            "What this worker holds back for later steps (its residual; a copy).")

@@ -90,13 +90,21 @@ def _step_count(state):
 
 
 def _frozen(optimizer, freeze_variance_step):
-    """True once the optimizer has taken freeze_variance_step steps (its first parameter's)."""
+    """True once the optimizer has taken freeze_variance_step steps (its first parameter's); never
+    when freeze_variance_step is None."""
+    if freeze_variance_step is None:
+        return False
     for group in optimizer.param_groups:
         for p in group["params"]:
             state = optimizer.state.get(p)
             if state and "step" in state:
                 return _step_count(state) >= freeze_variance_step
     return False
+
+
+def _frozen_denominator(variance, beta2, frozen_at, eps):
+    """Adam's denominator over a frozen second moment: sqrt(v / (1 - beta2^t_frozen)) + eps."""
+    return (variance.sqrt() / math.sqrt(1 - beta2**frozen_at)).add_(eps)
 
 
 def _frozen_adam_step(optimizer, denoms):
@@ -130,12 +138,12 @@ def _frozen_adam_step(optimizer, denoms):
                                    "at freeze_variance_step (it had no gradient before): freeze "
                                    "later")
             frozen_at = state.setdefault("variance_frozen_step", _step_count(state))
-            correction2 = math.sqrt(1 - beta2**frozen_at)
             cached = denoms.get(p)
             if cached is None or cached[0] is not state["exp_avg_sq"]:
                 variance = state["exp_avg_sq"]
                 unseen = variance == 0
-                cached = denoms[p] = [variance, (variance.sqrt() / correction2).add_(eps),
+                cached = denoms[p] = [variance,
+                                      _frozen_denominator(variance, beta2, frozen_at, eps),
                                       unseen if bool(unseen.any()) else None]
             step = _step_count(state) + 1
             if torch.is_tensor(state["step"]):
@@ -152,7 +160,8 @@ def _frozen_adam_step(optimizer, denoms):
             if unseen is not None:  # Adam's second moment where it is still 0 (beta2 * 0 + ...)
                 first = grad[unseen]
                 state["exp_avg_sq"][unseen] = (1 - beta2) * first * first
-                cached[1][unseen] = (state["exp_avg_sq"][unseen].sqrt() / correction2).add_(eps)
+                cached[1][unseen] = _frozen_denominator(state["exp_avg_sq"][unseen], beta2,
+                                                        frozen_at, eps)
                 unseen &= state["exp_avg_sq"] == 0
                 if not bool(unseen.any()):
                     cached[2] = None
@@ -325,8 +334,7 @@ class DistributedOptimizer:
         selects by the step each entry would take and its residual is kept in those units (exact
         while the denominators stay fixed; rebuilt when the optimizer's state is replaced, as by
         load_state_dict). None before the freeze."""
-        if self.freeze_variance_step is None or not _frozen(self.optimizer,
-                                                            self.freeze_variance_step):
+        if not _frozen(self.optimizer, self.freeze_variance_step):
             return None
         first = self.optimizer.state[self._params[0]]["exp_avg_sq"]
         if self._scale is None or self._scale[0] is not first:
@@ -337,7 +345,7 @@ class DistributedOptimizer:
                     state = self.optimizer.state[p]
                     frozen_at = state.get("variance_frozen_step", _step_count(state))
                     v = state["exp_avg_sq"]
-                    d = (v.sqrt() / math.sqrt(1 - beta2**frozen_at)).add_(group["eps"])
+                    d = _frozen_denominator(v, beta2, frozen_at, group["eps"])
                     parts.append(torch.where(v == 0, torch.ones_like(d), d).reshape(-1))
             self._scale = (first, torch.cat(parts))
         return self._scale[1]
@@ -345,8 +353,7 @@ class DistributedOptimizer:
     def _optimizer_step(self):
         """The wrapped optimizer's step, or after freeze_variance_step of them Adam's with its
         second moment frozen (_frozen_adam_step)."""
-        if self.freeze_variance_step is None or not _frozen(self.optimizer,
-                                                            self.freeze_variance_step):
+        if not _frozen(self.optimizer, self.freeze_variance_step):
             self.optimizer.step()
             return
         with torch.no_grad():
