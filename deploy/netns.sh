@@ -3,6 +3,8 @@
 # (the "switch", in a namespace of its own so the machine's own network is never touched), each
 # host linked by a veth pair whose both directions are shaped with `tc tbf` to RATE (host egress
 # on the host side, host ingress on the switch side), with optional one-way DELAY (netem).
+# RATE `unshaped` leaves the links at veth speed (the same hosts with the network free: the
+# reference a compute-bound job's time is held against), still with DELAY if given.
 # Addresses: SUBNET.1 ... SUBNET.N (/24), inside the namespaces only. Needs root (ip netns).
 # Faults (loss, cut, heal) are iptables rules inside the host namespaces (iptables: the machine's
 # own firewall is never touched), tagged with the comment sparseps-fault.
@@ -49,9 +51,10 @@ sw="${prefix}-sw"
 
 die() { echo "netns.sh: $*" >&2; exit 1; }
 
-# Bytes per second of a tc rate such as 1gbit, 100mbit, 500kbit.
+# Bytes per second of a tc rate such as 1gbit, 100mbit, 500kbit (0 for unshaped).
 rate_bytes() {
   local r="${1,,}" n unit
+  [[ "$r" == unshaped ]] && { echo 0; return; }
   n="${r%%[a-z]*}"
   unit="${r#"$n"}"
   case "$unit" in
@@ -59,15 +62,22 @@ rate_bytes() {
     mbit) echo $((n * 125000)) ;;
     kbit) echo $((n * 125)) ;;
     bit) echo $((n / 8)) ;;
-    *) die "rate '$1': use Nkbit, Nmbit or Ngbit" ;;
+    *) die "rate '$1': use Nkbit, Nmbit, Ngbit or unshaped" ;;
   esac
 }
 
 # shape NS DEV: tbf at $rate (bucket of 1 ms of traffic, at least 64 KiB), behind netem if a delay
-# is asked for.
+# is asked for; with rate unshaped only the netem delay, if any.
 shape() {
   local ns="$1" dev="$2" bytes burst
   bytes="$(rate_bytes "$rate")"
+  if ((bytes == 0)); then
+    if [[ -n "$delay" ]]; then
+      ip -n "$ns" link set "$dev" txqueuelen 10000
+      ip netns exec "$ns" tc qdisc add dev "$dev" root handle 1: netem delay "$delay" limit 100000
+    fi
+    return 0
+  fi
   burst=$((bytes / 1000))
   ((burst < 65536)) && burst=65536
   if [[ -n "$delay" ]]; then
@@ -176,8 +186,9 @@ case "$cmd" in
     [[ ${#args[@]} -eq 1 && "${args[0]}" =~ ^[0-9]+$ ]] || die "usage: netns.sh shape [--prefix P] --rate R [--delay D] HOST"
     rate_bytes "$rate" >/dev/null
     h="$(hosts_or_all "${args[0]}")"
-    ip netns exec "$h" tc qdisc del dev eth0 root
-    ip netns exec "$sw" tc qdisc del dev "p${args[0]}" root
+    # (an unshaped link without a delay has no root qdisc of ours to delete)
+    ip netns exec "$h" tc qdisc del dev eth0 root 2>/dev/null || true
+    ip netns exec "$sw" tc qdisc del dev "p${args[0]}" root 2>/dev/null || true
     shape "$h" eth0
     shape "$sw" "p${args[0]}"
     echo "netns.sh: $h at $rate${delay:+, delay $delay} each way"

@@ -109,6 +109,44 @@ bool HaveData() {
   return std::filesystem::exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz");
 }
 
+// --rate unshaped: the same hosts with no token bucket on either side of any link (the network
+// free: the reference a compute-bound job is held against), and `shape` can still slow one host
+// down from there, both ways.
+TEST(EmulatedNetwork, UnshapedHostsHaveNoTokenBucketUntilShaped) {
+  std::string why;
+  if (Shell(kScript + " check", &why) != 0)
+    GTEST_SKIP() << "network namespaces unavailable: " << why;
+  const std::string prefix = "spu" + std::to_string(getpid());
+  {
+    Teardown guard{prefix};
+    std::string out;
+    ASSERT_EQ(
+        Shell(kScript + " up --hosts 2 --rate unshaped --subnet 10.81.0 --prefix " + prefix, &out),
+        0)
+        << out;
+    EXPECT_NE(out.find("unshaped"), std::string::npos) << out;
+    auto qdiscs = [&](const std::string& ns, const std::string& dev) {
+      std::string q;
+      Shell("ip netns exec " + ns + " tc qdisc show dev " + dev, &q);
+      return q;
+    };
+    for (int h : {1, 2}) {
+      EXPECT_EQ(qdiscs(prefix + "-h" + std::to_string(h), "eth0").find("tbf"), std::string::npos);
+      EXPECT_EQ(qdiscs(prefix + "-sw", "p" + std::to_string(h)).find("tbf"), std::string::npos);
+    }
+    ASSERT_EQ(Shell(kScript + " shape --prefix " + prefix + " --rate 50mbit 2", &out), 0) << out;
+    EXPECT_NE(qdiscs(prefix + "-h2", "eth0").find("rate 50Mbit"), std::string::npos)
+        << qdiscs(prefix + "-h2", "eth0");
+    EXPECT_NE(qdiscs(prefix + "-sw", "p2").find("rate 50Mbit"), std::string::npos);
+    EXPECT_EQ(qdiscs(prefix + "-h1", "eth0").find("tbf"), std::string::npos);
+    // and a bad rate is refused, naming what it takes
+    EXPECT_NE(Shell(kScript + " shape --prefix " + prefix + " --rate fast 2", &out), 0);
+    EXPECT_NE(out.find("unshaped"), std::string::npos) << out;
+  }
+  std::string list;
+  Shell("ip netns list", &list);
+  EXPECT_EQ(list.find(prefix), std::string::npos) << "namespaces left behind: " << list;
+}
 // deploy/launch.sh --netns: each process runs on its emulated host and binds and announces that
 // host's address (server 0 on host 1, worker w on host 2 + w), and the job trains across them.
 // The hosts are made on a subnet of their own (--subnet 10.79.0): launch.sh asks netns.sh for
