@@ -596,6 +596,17 @@ void ShardServer::HandlePull(const std::string& peer, const Message& msg,
   AnswerReadyPulls(out);
 }
 
+TopKFormat ShardServer::PullReplyFormat(const std::vector<uint32_t>& keys) const {
+  // The new values stay float32 (they are parameters, not updates: no residual would keep a
+  // rounding); the keys as varint gaps when the job asks for them, as its pushes have them.
+  TopKFormat format;
+  format.varint_indices = options_.compression.varint_indices() &&
+                          std::adjacent_find(keys.begin(), keys.end(), [](uint32_t a, uint32_t b) {
+                            return a >= b;
+                          }) == keys.end();
+  return format;
+}
+
 Outgoing ShardServer::MakePullReply(const PendingPull& pull) const {
   proto::Header request;
   request.set_iteration(pull.wanted_version - 1);
@@ -609,7 +620,8 @@ Outgoing ShardServer::MakePullReply(const PendingPull& pull) const {
   if (sparse) {
     std::vector<float> values(last_changed_.size());
     for (size_t j = 0; j < last_changed_.size(); ++j) values[j] = params_[last_changed_[j]];
-    EncodeTopK(std::vector<uint32_t>(last_changed_), std::move(values), &o.msg);
+    EncodeTopK(std::vector<uint32_t>(last_changed_), std::move(values), &o.msg,
+               PullReplyFormat(last_changed_));
     o.msg.header.set_have_version(version_ - 1);
   } else {
     EncodeDense(std::vector<float>(params_), &o.msg);
@@ -641,7 +653,7 @@ Outgoing ShardServer::MakeSspPullReply(const PendingPull& pull) {
     std::sort(keys.begin(), keys.end());
     std::vector<float> values(keys.size());
     for (size_t j = 0; j < keys.size(); ++j) values[j] = params_[keys[j]];
-    EncodeTopK(std::vector<uint32_t>(keys), std::move(values), &o.msg);
+    EncodeTopK(std::vector<uint32_t>(keys), std::move(values), &o.msg, PullReplyFormat(keys));
     o.msg.header.set_have_version(sent_version_[w]);
   } else {
     EncodeDense(std::vector<float>(params_), &o.msg);

@@ -17,6 +17,7 @@
 #include "common/key_range.h"
 #include "common/log_limit.h"
 #include "encodings/aggregation.h"
+#include "encodings/topk.h"
 #include "proto/config.pb.h"
 #include "storage/checkpoint.h"
 #include "transport/van.h"
@@ -185,6 +186,9 @@ class ShardServer {
   void Apply();
   void AnswerReadyPulls(std::vector<Outgoing>* out);
   Outgoing MakePullReply(const PendingPull& pull) const;
+  // A sparse pull reply's format: the keys as varint gaps under compression.varint_indices (when
+  // strictly increasing, as every aggregation leaves them), the values always float32.
+  TopKFormat PullReplyFormat(const std::vector<uint32_t>& keys) const;
   // ssp / async: applies worker `rank`'s added push on its own and advances its clock.
   void ApplyPush(int rank);
   // ssp: the lowest clock of the active workers.

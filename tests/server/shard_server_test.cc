@@ -356,6 +356,53 @@ TEST(ShardServer, ServerTopKPullsCarryTheLargestOfAggregatePlusResidual) {
   }
 }
 
+// compression.varint_indices: a sparse pull reply's keys go as varint gaps (a U8 frame) and its
+// values stay float32, in plain aggregation and with server top-k; the reply says exactly what
+// the plain one says, in fewer bytes.
+TEST(ShardServer, VarintIndicesShrinkSparsePullRepliesAndChangeNothingElse) {
+  constexpr size_t kKeys = 5000;
+  const KeyRange r{0, kKeys};
+  for (bool server_topk : {false, true}) {
+    std::vector<Message> replies;
+    for (bool varint : {false, true}) {
+      proto::CompressionConfig c;
+      c.set_density(0.01);
+      c.set_server_topk(server_topk);
+      c.set_varint_indices(varint);
+      ShardServer s({r, 0, 2, 2.0, c, 0.0});
+      std::vector<float> init(kKeys);
+      for (size_t i = 0; i < kKeys; ++i) init[i] = 0.25f * static_cast<float>(i % 7);
+      ASSERT_EQ(Only(Send(s, Init(r, init))), proto::INIT_ACK);
+      std::mt19937 rng(9);
+      for (int w = 0; w < 2; ++w) {
+        std::set<uint32_t> keys;
+        while (keys.size() < 80) keys.insert(static_cast<uint32_t>(rng() % kKeys));
+        std::vector<uint32_t> idx(keys.begin(), keys.end());
+        std::vector<float> val(idx.size());
+        for (float& v : val) v = static_cast<float>(static_cast<int>(rng() % 101) - 50) / 8;
+        ASSERT_EQ(Only(Send(s, Push(r, 0, w, idx, val), "w" + std::to_string(w))), proto::PUSH_ACK);
+      }
+      auto out = Send(s, Pull(r, 0, 0, 0), "w0");
+      ASSERT_EQ(Only(out), proto::PULL_REPLY);
+      ASSERT_EQ(out[0].msg.header.encoding(), proto::TOPK) << server_topk << varint;
+      EXPECT_EQ(out[0].msg.header.frames(0).type(), varint ? proto::U8 : proto::U32);
+      EXPECT_EQ(out[0].msg.header.frames(1).type(), proto::F32);
+      replies.push_back(std::move(out[0].msg));
+    }
+    DecodedPayload plain, coded;
+    ASSERT_TRUE(FindCodec(proto::TOPK)->Decode(replies[0], kKeys, &plain).ok());
+    ASSERT_TRUE(FindCodec(proto::TOPK)->Decode(replies[1], kKeys, &coded).ok());
+    ASSERT_EQ(plain.nnz(), server_topk ? 50u : 159u)  // k = 50, or the pushes' union (1 shared)
+        << "server_topk " << server_topk;
+    EXPECT_EQ(std::vector<uint32_t>(coded.indices.begin(), coded.indices.end()),
+              std::vector<uint32_t>(plain.indices.begin(), plain.indices.end()));
+    EXPECT_EQ(std::vector<float>(coded.values.begin(), coded.values.end()),
+              std::vector<float>(plain.values.begin(), plain.values.end()));
+    // gaps of about 5000 / k keys: 1 or 2 bytes each instead of 4
+    EXPECT_LE(replies[1].frames[0].size(), replies[0].frames[0].size() / 2);
+  }
+}
+
 // What a sketch server refuses, each with its reason, and nothing of it counted: a sketch of
 // another layout, a push for the wrong phase of the second round, a top-k push where a sketch is
 // due, exact values at other keys than the candidates, candidate requests for another iteration
