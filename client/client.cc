@@ -313,8 +313,10 @@ void Worker::PushPull(std::span<const Buffer> grads, float* update, double loss)
   m.recorder.EndDense(m.session->aggregator().host_model_params());
 }
 
-SparseUpdate Worker::PushPullSparse(std::span<const Buffer> grads, double loss) {
+SparseUpdate Worker::PushPullSparse(std::span<const Buffer> grads, double loss, float* dense_update,
+                                    float* dense_params) {
   Impl& m = *impl_;
+  m.recorder.set_dense_outputs(dense_update, dense_params);
   m.Step(m.Gradient(grads), loss, /*record=*/true, /*out=*/nullptr);
   return m.recorder.EndSparse(m.session->aggregator().host_model_params());
 }

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "kernels/error_feedback.h"
+
 namespace sparseps::client {
 
 void UpdateRecorder::Begin(float* out, size_t n) {
@@ -12,7 +14,7 @@ void UpdateRecorder::Begin(float* out, size_t n) {
   touched_.clear();
   old_.clear();
   segments_.clear();
-  if (out_ == nullptr) scratch_.resize(n);
+  if (out_ == nullptr && dense_update_ == nullptr) scratch_.resize(n);
 }
 
 void UpdateRecorder::Observe(const float* params, uint64_t begin, std::span<const uint32_t> keys,
@@ -20,7 +22,7 @@ void UpdateRecorder::Observe(const float* params, uint64_t begin, std::span<cons
   if (!active_ || all_) return;
   if (all) {
     all_ = true;
-    std::copy(params, params + n_, out_ != nullptr ? out_ : scratch_.data());
+    std::copy(params, params + n_, OldValues());
     return;
   }
   if (!keys.empty()) segments_.push_back(touched_.size());
@@ -46,9 +48,17 @@ void UpdateRecorder::EndDense(const float* params) {
 
 SparseUpdate UpdateRecorder::EndSparse(const float* params) {
   active_ = false;
+  float* const dense_update = dense_update_;
+  float* const dense_params = dense_params_;
+  set_dense_outputs(nullptr, nullptr);  // one step's
   if (!all_) OrderTouched();
   SparseUpdate u;
   u.all = all_;
+  if (all_ && (dense_update != nullptr || dense_params != nullptr)) {
+    if (dense_update != nullptr) kernels::Axpy(-1.0f, params, dense_update, n_);  // old - new
+    if (dense_params != nullptr) std::copy(params, params + n_, dense_params);
+    return u;
+  }
   if (all_) {
     u.update.resize(n_);
     u.params.assign(params, params + n_);

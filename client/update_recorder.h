@@ -27,10 +27,26 @@ class UpdateRecorder {
   // After the step: the keys recorded in increasing order, the update and the new values there
   // (after a dense change: `all`, no keys, every key's update and value).
   SparseUpdate EndSparse(const float* params);
+  // Sparse steps: where a dense change's update (computed in place from the old values) and new
+  // parameters go (n elements each, the caller's, or null; both null: SparseUpdate's own
+  // arrays). For one step: set before Begin; Begin with a dense `out` ignores them.
+  void set_dense_outputs(float* dense_update, float* dense_params) {
+    dense_update_ = dense_update;
+    dense_params_ = dense_params;
+  }
   // Drops the step in progress (it failed); the observer then records nothing.
-  void Cancel() { active_ = false; }
+  void Cancel() {
+    active_ = false;
+    set_dense_outputs(nullptr, nullptr);
+  }
 
  private:
+  // Where a dense change's old values go: the dense `out`, else the caller's dense_update_, else
+  // scratch_.
+  float* OldValues() {
+    if (out_ != nullptr) return out_;
+    return dense_update_ != nullptr ? dense_update_ : scratch_.data();
+  }
   // Puts touched_ in increasing order (each announcement is one key range's keys, increasing;
   // the ranges are disjoint but arrive in any order: the segments are ordered, a few per step).
   void OrderTouched();
@@ -38,9 +54,11 @@ class UpdateRecorder {
   bool active_ = false;
   float* out_ = nullptr;  // dense: the update array; null when sparse
   size_t n_ = 0;
-  bool all_ = false;            // every key changed (a dense update)
-  std::vector<float> old_;      // sparse: the old values, in the order of touched_
-  std::vector<float> scratch_;  // sparse after a dense change: every old value
+  bool all_ = false;               // every key changed (a dense update)
+  std::vector<float> old_;         // sparse: the old values, in the order of touched_
+  std::vector<float> scratch_;     // sparse after a dense change: every old value
+  float* dense_update_ = nullptr;  // sparse after a dense change: the caller's arrays instead
+  float* dense_params_ = nullptr;
   std::vector<uint32_t> touched_;
   std::vector<size_t> segments_;  // where each announcement's keys start in touched_
 };

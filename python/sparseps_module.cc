@@ -288,36 +288,30 @@ class Worker {
   // Aggregates `grads` (the same layout as init's params) and returns the update: what to
   // subtract from the parameters to hold the job's new ones (a float32 NumPy array, or a list of
   // them shaped like grads, views of one array); with `sparse`, (keys, update, params).
-  py::object PushPull(py::object grads, bool sparse, std::optional<double> loss) {
+  py::object PushPull(py::object grads, bool sparse, std::optional<double> loss, py::object out,
+                      py::object params_out) {
     Arrays a = Borrow(grads, "grads");
     const auto buffers = Buffers(a);
     const double l = loss.value_or(std::nan(""));
+    const Borrowed dense_update = DenseOut(out, "out", sparse);
+    const Borrowed dense_params = DenseOut(params_out, "params_out", sparse);
     if (sparse) {
       client::SparseUpdate u;
-      Call([&] { u = worker_->PushPullSparse(buffers, l); });
+      Call([&] { u = worker_->PushPullSparse(buffers, l, dense_update.data, dense_params.data); });
+      if (u.all && (dense_update.data != nullptr || dense_params.data != nullptr)) {
+        return py::make_tuple(AllKeys(), out, params_out);  // None for the one not given
+      }
       // The arrays own the library's vectors (no copy). A dense method's step changed every key:
       // its keys are one read-only array 0, 1, ..., n - 1, made once.
-      py::object keys;
-      if (u.all) {
-        if (!all_keys_) {
-          std::vector<int64_t> k(worker_->num_params());
-          std::iota(k.begin(), k.end(), int64_t{0});
-          py::array_t<int64_t> a = Owned(std::move(k));
-          a.attr("setflags")(py::arg("write") = false);
-          all_keys_ = a;
-        }
-        keys = all_keys_;
-      } else {
-        keys = Owned(std::move(u.keys));
-      }
+      py::object keys = u.all ? AllKeys() : py::object(Owned(std::move(u.keys)));
       return py::make_tuple(keys, Owned(std::move(u.update)), Owned(std::move(u.params)));
     }
     // The update comes into a zeroed array (numpy.zeros: pages the step does not touch stay
     // untouched); the library writes the keys that changed.
     if (!np_zeros_) np_zeros_ = py::module_::import("numpy").attr("zeros");
     py::array_t<float> update = np_zeros_(worker_->num_params(), "float32");
-    float* out = update.mutable_data();
-    Call([&] { worker_->PushPull(buffers, out, l); });
+    float* into = update.mutable_data();
+    Call([&] { worker_->PushPull(buffers, into, l); });
     if (!a.listed) return update;
     py::list parts;
     size_t offset = 0;
@@ -328,6 +322,37 @@ class Worker {
       offset += sizes_[i];
     }
     return parts;
+  }
+
+  // push_pull's out or params_out: none, or a writable float32 host array of the model's size.
+  Borrowed DenseOut(py::handle obj, const std::string& name, bool sparse) {
+    if (obj.is_none()) return {};
+    if (!sparse) {
+      throw py::value_error("push_pull: " + name + " is for sparse=True (a dense step's result)");
+    }
+    if (py::hasattr(obj, "flags") && !obj.attr("flags").attr("writeable").cast<bool>()) {
+      throw py::value_error("push_pull: " + name + " is read-only");
+    }
+    Borrowed b = Borrowed::From(obj, name);
+    if (b.size != worker_->num_params() || b.device != client::kHost) {
+      throw py::value_error("push_pull: " + name + " has " + std::to_string(b.size) + " elements" +
+                            (b.device != client::kHost ? " on a GPU" : "") +
+                            "; it takes the model's " + std::to_string(worker_->num_params()) +
+                            " in host memory");
+    }
+    return b;
+  }
+
+  // A dense step's keys: one read-only array 0, 1, ..., n - 1, made once.
+  py::object AllKeys() {
+    if (!all_keys_) {
+      std::vector<int64_t> k(worker_->num_params());
+      std::iota(k.begin(), k.end(), int64_t{0});
+      py::array_t<int64_t> a = Owned(std::move(k));
+      a.attr("setflags")(py::arg("write") = false);
+      all_keys_ = a;
+    }
+    return all_keys_;
   }
 
   // The job's parameters as this worker holds them (a copy, float32).
@@ -431,14 +456,20 @@ then: the loop goes on from there (its own optimizer state it restores itself). 
 worker (node.rejoin=true, with the lost worker's rank) gets the job's parameters at the iteration
 it joins at and `step` that iteration (`rejoined` is True): it goes on from there too.)doc")
       .def("push_pull", &Worker::PushPull, py::arg("grads"), py::arg("sparse") = false,
-           py::arg("loss") = py::none(), R"doc(
+           py::arg("loss") = py::none(), py::arg("out") = py::none(),
+           py::arg("params_out") = py::none(), R"doc(
 Aggregates grads (laid out as init's params, or one flat tensor of all of them) with the job's
 encoding or collective, and returns the update: subtract it from the parameters to hold the job's
 new ones (params -= update). A float32 NumPy array, or a list of arrays shaped like grads (views
 of one array). A single tensor is read in place; a list is gathered into one buffer first.
 With sparse=True it returns (keys, update, params) instead: the flat keys whose parameters changed
 (int64, increasing; every key after a dense update, then one read-only array shared by every such
-step), the update there and the new parameters there, without a dense array. loss (optional, a
+step), the update there and the new parameters there, without a dense array. out and params_out
+(optional, with sparse=True: writable float32 arrays or CPU tensors of the model's size, kept from
+step to step): a step that changes every key (a dense method: ring, Gloo, PowerSGD) writes its
+update into out and its new parameters into params_out and returns (keys, out, params_out), None
+for the one not given, making no array of the model's size; a sparse step leaves them untouched.
+loss (optional, a
 float): the step's training loss, for the live metrics (metrics.port: sparseps_worker_loss).
 Raises ValueError for a gradient with NaN or Inf (nothing is sent; the job goes on), TimeoutError
 naming a missing peer, sparseps.RolledBack when a lost server was replaced and the job went back to

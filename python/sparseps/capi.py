@@ -214,11 +214,16 @@ class Worker:
                    c_names)
         self._shapes = shapes if listed else None
 
-    def push_pull(self, grads, sparse=False, loss=None):
+    def push_pull(self, grads, sparse=False, loss=None, out=None, params_out=None):
         """Aggregates grads (laid out as init's params, or one flat tensor of all of them) and
         returns the update (params -= update holds the job's new parameters): a float32 array,
         or a list of them shaped like a list of grads. sparse=True: (keys, update, params) at
-        the keys that changed."""
+        the keys that changed; with `out` and/or `params_out` (writable float32 arrays or CPU
+        tensors of the model's size) a step that changed every key copies its update and new
+        parameters there and returns (keys, out, params_out), as sparseps.Worker.push_pull does
+        without the copies."""
+        targets = [self._dense_out(o, name, sparse)
+                   for o, name in ((out, "out"), (params_out, "params_out"))]
         array, shapes, listed = _buffers(grads, "grads")
         lib = library()
         loss = math.nan if loss is None else float(loss)
@@ -232,6 +237,11 @@ class Worker:
             self._call(lib.sparseps_worker_sparse_result, self._handle,
                        keys.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), _floats(update),
                        _floats(now), m.value)
+            if m.value == self.num_params and (out is not None or params_out is not None):
+                for target, result in zip(targets, (update, now)):
+                    if target is not None:
+                        np.copyto(target, result)
+                return keys, out, params_out
             return keys, update, now
         update = np.zeros(self.num_params, dtype=np.float32)
         self._call(lib.sparseps_worker_push_pull_update, self._handle, array, len(shapes),
@@ -244,6 +254,19 @@ class Worker:
             out.append(update[offset:offset + size].reshape(shape))
             offset += size
         return out
+
+    def _dense_out(self, obj, name, sparse):
+        """push_pull's out or params_out as a flat NumPy view (None when not given)."""
+        if obj is None:
+            return None
+        if not sparse:
+            raise ValueError(f"push_pull: {name} is for sparse=True (a dense step's result)")
+        target = np.asarray(obj)
+        if (target.dtype != np.float32 or target.size != self.num_params or
+                not target.flags.writeable or not target.flags.c_contiguous):
+            raise ValueError(f"push_pull: {name} must be a writable contiguous float32 array of "
+                             f"the model's {self.num_params} elements in host memory")
+        return target.reshape(-1)
 
     def _copy(self, f):
         out = np.empty(self.num_params, dtype=np.float32)

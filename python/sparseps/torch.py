@@ -215,6 +215,7 @@ class DistributedOptimizer:
         self.worker = worker
         self.aggregate = aggregate
         self.last_push_pull_ms = 0.0  # wall time of the last push_pull
+        self._dense = None  # push_pull's out or params_out (on the CPU), made at first use
         self._params = _float32_params(
             [p for group in optimizer.param_groups for p in group["params"]],
             "DistributedOptimizer")
@@ -282,8 +283,20 @@ class DistributedOptimizer:
             if scale is not None:
                 self._flat.div_(scale)
         _finished(self._flat)
+        # A dense method's result comes into one array kept from step to step (not two new arrays
+        # of the model's size a step): the new parameters where they are copied into the model
+        # (plain SGD, aggregate="update"), else the update.
+        out = params_out = None
+        if self._flat.device.type == "cpu":
+            if self._dense is None:
+                self._dense = torch.empty_like(self._flat)
+            if self.aggregate == "update" or self._plain_sgd():
+                params_out = self._dense
+            else:
+                out = self._dense
         t = time.monotonic()
-        keys, update, params = self.worker.push_pull(self._flat, sparse=True, loss=reported)
+        keys, update, params = self.worker.push_pull(self._flat, sparse=True, loss=reported,
+                                                     out=out, params_out=params_out)
         self.last_push_pull_ms = 1000 * (time.monotonic() - t)
         device = self._flat.device
         # Every key changed (a dense method: ring, Gloo, PowerSGD): copies, not scatters (and the
@@ -293,7 +306,8 @@ class DistributedOptimizer:
             keys = torch.from_numpy(keys).to(device)
         with torch.no_grad():
             if self.aggregate == "update" or self._plain_sgd():
-                params = torch.from_numpy(params).to(device)
+                if params is not params_out:
+                    params = torch.from_numpy(params).to(device)
                 if dense:
                     for p, start in zip(self._params, self._starts.tolist()):
                         p.view(-1).copy_(params[start:start + p.numel()])
@@ -304,7 +318,8 @@ class DistributedOptimizer:
                     if hi > lo:
                         p.view(-1).index_copy_(0, keys[lo:hi] - start, params[lo:hi])
                 return closure_loss
-            update = torch.from_numpy(update).to(device)
+            if update is not out:
+                update = torch.from_numpy(update).to(device)
             if dense:
                 torch.div(update, self.worker.lr, out=self._flat)
             else:

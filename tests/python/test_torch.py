@@ -132,12 +132,13 @@ def test_example_runs_the_baselines_and_sparseps_powersgd(tmp_path, method):
 
 
 @pytest.mark.parametrize("aggregation,kind", [("ps", "module"), ("allreduce", "module"),
-                                              ("ps", "capi")])
+                                              ("ps", "capi"), ("ring", "module"), ("ring", "capi")])
 def test_distributed_optimizer_starts_every_worker_from_worker_0(cluster, aggregation, kind):
-    """Through the pybind11 module or sparseps.capi (a list of torch tensors through data_ptr)."""
+    """Through the pybind11 module or sparseps.capi (a list of torch tensors through data_ptr);
+    ring: a dense method, whose new parameters come through push_pull's params_out."""
     make = sparseps.Worker if kind == "module" else capi.Worker
-    sets = ["aggregation=allreduce", "collective.algorithm=gtopk"] if aggregation == "allreduce" \
-        else []
+    sets = {"allreduce": ["aggregation=allreduce", "collective.algorithm=gtopk"],
+            "ring": ["aggregation=allreduce", "collective.algorithm=ring"]}.get(aggregation, [])
     c = cluster("train: {lr: 0.5, momentum: 0}\ncompression: {encoding: topk, density: 0.1}\n",
                 servers=0 if sets else 2, sets=sets)
 
@@ -162,6 +163,38 @@ def test_distributed_optimizer_starts_every_worker_from_worker_0(cluster, aggreg
     for a, b in zip(s0, s1):
         assert torch.equal(a, b), "init did not make worker 0's parameters everyone's"
     np.testing.assert_array_equal(f0, f1)
+
+
+@pytest.mark.parametrize("kind", ["module", "capi"])
+def test_a_dense_methods_gradient_comes_through_out(cluster, kind):
+    """A dense method (ring) with an optimizer that is not plain SGD at train.lr: .grad becomes
+    the job's update / train.lr exactly (push_pull's out), and the optimizer steps with it."""
+    make = sparseps.Worker if kind == "module" else capi.Worker
+    sets = ["aggregation=allreduce", "collective.algorithm=ring"]
+    c = cluster("train: {lr: 0.5, momentum: 0}\n", servers=0, sets=sets)
+
+    def worker(rank):
+        torch.manual_seed(rank)
+        model = torch.nn.Linear(30, 5)
+        opt = sparseps.torch.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.25),
+            make(str(c.job), rank=rank, overrides=c.overrides + sets))
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(8, 30)).pow(2).mean().backward()
+            job_before = opt.worker.params()
+            model_before = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            opt.step()
+            update = job_before - opt.worker.params()
+            grad = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy()
+            np.testing.assert_array_equal(grad, update / 0.5)
+            # the update came through the array kept from step to step
+            np.testing.assert_array_equal(opt._dense.numpy(), update)
+            model_after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            assert torch.equal(model_after, model_before - 0.25 * torch.from_numpy(grad))
+        opt.worker.finish()
+
+    run_threads([lambda r=r: worker(r) for r in range(2)])
 
 
 def test_ddp_hook_keeps_the_workers_equal_and_sparse(cluster, tmp_path):

@@ -89,13 +89,32 @@ def record_steps(w, rank, sets=()):
     before = w.params()
     got = []
     every_key = []  # the keys of the dense steps' sparse results
+    out = np.empty(N, dtype=np.float32)
+    params_out = np.empty(N, dtype=np.float32)
     for t in range(STEPS):
         if t % 2:
-            # The sparse form: the changed keys, the update and the new parameters there.
-            keys, values, now = w.push_pull(gradient(rank, t), sparse=True)
+            # The sparse form: the changed keys, the update and the new parameters there; with
+            # `out` (t = 3, 7, 11) or `params_out` (t = 5, 9), where a dense step writes its update
+            # or its new parameters instead (and returns None for the other).
+            out.fill(np.nan)
+            params_out.fill(np.nan)
+            given = {3: {"out": out}, 1: {"params_out": params_out}}.get(t % 4, {}) if t > 1 else {}
+            keys, values, now = w.push_pull(gradient(rank, t), sparse=True, **given)
             after = w.params()
             assert keys.dtype == np.int64 and np.all(np.diff(keys) > 0)
-            np.testing.assert_array_equal(now, after[keys])
+            if values is out or now is params_out:  # a dense step, into the caller's array
+                assert len(keys) == N
+                assert (values is out) == ("out" in given) and (values is None) != ("out" in given)
+                assert (now is params_out) == ("params_out" in given)
+                assert (now is None) != ("params_out" in given)
+                if now is params_out:
+                    np.testing.assert_array_equal(params_out, after)
+                    values = before - after  # not returned
+            else:
+                assert np.isnan(out).all() and np.isnan(params_out).all()  # left alone
+                np.testing.assert_array_equal(now, after[keys])
+                # sparseps.Worker: a dense method's step (its keys the read-only 0..N-1) takes them
+                assert not given or keys.flags.writeable
             if not keys.flags.writeable:
                 every_key.append(keys)
             update = np.zeros(N, dtype=np.float32)
@@ -321,6 +340,17 @@ def test_bad_input_is_a_clear_exception_and_the_job_goes_on(cluster):
                 w.push_pull(nan)
             with pytest.raises(sparseps.Error, match="init was called already"):
                 w.init(initial())
+            g = gradient(0, 0)
+            with pytest.raises(ValueError, match="out is for sparse=True"):
+                w.push_pull(g, out=np.empty(N, dtype=np.float32))
+            with pytest.raises(ValueError, match="params_out has 1001 elements; it takes"):
+                w.push_pull(g, sparse=True, params_out=np.empty(N + 1, dtype=np.float32))
+            with pytest.raises(ValueError, match="out has 999 elements; it takes the model's 1000"):
+                w.push_pull(g, sparse=True, out=np.empty(N - 1, dtype=np.float32))
+            frozen = np.empty(N, dtype=np.float32)
+            frozen.setflags(write=False)
+            with pytest.raises(ValueError, match="out is read-only"):
+                w.push_pull(g, sparse=True, out=frozen)
         # The job goes on: a good push_pull on both workers.
         good[rank] = w.push_pull(gradient(rank, 0))
         w.finish()

@@ -92,7 +92,8 @@ struct StepCounters {
 /// changed (increasing), the update there (old minus new) and the new parameters there, the
 /// three of the same length. After a dense update (`all`: ring, Gloo, PowerSGD, SBC's local copy)
 /// every key changed: `keys` is then left empty (it would be 0, 1, ..., num_params - 1, a wasted 8
-/// bytes a parameter a step) and update and params hold every key's value in key order.
+/// bytes a parameter a step) and update and params hold every key's value in key order (or stay
+/// empty too, written into PushPullSparse's `dense_update` and `dense_params`).
 struct SparseUpdate {
   std::vector<int64_t> keys;
   std::vector<float> update;
@@ -154,8 +155,14 @@ class Worker {
                 double loss = std::numeric_limits<double>::quiet_NaN());
 
   /// PushPull that returns the update in sparse form (no array of num_params() elements).
+  /// `dense_update` and `dense_params` (host memory, num_params() elements each, or null): where
+  /// a step that changes every key (`all`: a dense method) writes its update (old minus new, every
+  /// key) and its new parameters instead; when either is given SparseUpdate's update and params
+  /// stay empty, so no array of num_params() elements is made a step (the one not given is not
+  /// written anywhere). A sparse step leaves both untouched.
   SparseUpdate PushPullSparse(std::span<const Buffer> grads,
-                              double loss = std::numeric_limits<double>::quiet_NaN());
+                              double loss = std::numeric_limits<double>::quiet_NaN(),
+                              float* dense_update = nullptr, float* dense_params = nullptr);
 
   /// The job's parameters as this worker holds them (num_params() elements), valid until the
   /// next call.
