@@ -293,8 +293,11 @@ class Worker {
     Arrays a = Borrow(grads, "grads");
     const auto buffers = Buffers(a);
     const double l = loss.value_or(std::nan(""));
-    const Borrowed dense_update = DenseOut(out, "out", sparse);
-    const Borrowed dense_params = DenseOut(params_out, "params_out", sparse);
+    const Borrowed dense_update = DenseOut(out, "out", sparse, buffers);
+    const Borrowed dense_params = DenseOut(params_out, "params_out", sparse, buffers);
+    if (dense_update.data != nullptr && dense_update.data == dense_params.data) {
+      throw py::value_error("push_pull: out and params_out are the same array");
+    }
     if (sparse) {
       client::SparseUpdate u;
       Call([&] { u = worker_->PushPullSparse(buffers, l, dense_update.data, dense_params.data); });
@@ -324,8 +327,10 @@ class Worker {
     return parts;
   }
 
-  // push_pull's out or params_out: none, or a writable float32 host array of the model's size.
-  Borrowed DenseOut(py::handle obj, const std::string& name, bool sparse) {
+  // push_pull's out or params_out: none, or a writable float32 host array of the model's size
+  // that shares no memory with the gradients (the library reads them during the step).
+  Borrowed DenseOut(py::handle obj, const std::string& name, bool sparse,
+                    const std::vector<client::Buffer>& grads) {
     if (obj.is_none()) return {};
     if (!sparse) {
       throw py::value_error("push_pull: " + name + " is for sparse=True (a dense step's result)");
@@ -339,6 +344,14 @@ class Worker {
                             (b.device != client::kHost ? " on a GPU" : "") +
                             "; it takes the model's " + std::to_string(worker_->num_params()) +
                             " in host memory");
+    }
+    const auto begin = reinterpret_cast<uintptr_t>(b.data);
+    const uintptr_t end = begin + b.size * sizeof(float);
+    for (const client::Buffer& g : grads) {
+      const auto g_begin = reinterpret_cast<uintptr_t>(g.data);
+      if (begin < g_begin + g.size * sizeof(float) && g_begin < end) {
+        throw py::value_error("push_pull: " + name + " shares memory with grads");
+      }
     }
     return b;
   }

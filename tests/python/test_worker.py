@@ -345,6 +345,11 @@ def test_bad_input_is_a_clear_exception_and_the_job_goes_on(cluster):
                 w.push_pull(g, out=np.empty(N, dtype=np.float32))
             with pytest.raises(ValueError, match="params_out has 1001 elements; it takes"):
                 w.push_pull(g, sparse=True, params_out=np.empty(N + 1, dtype=np.float32))
+            with pytest.raises(ValueError, match="out shares memory with grads"):
+                w.push_pull(g, sparse=True, out=g)
+            same = np.empty(N, dtype=np.float32)
+            with pytest.raises(ValueError, match="out and params_out are the same array"):
+                w.push_pull(g, sparse=True, out=same, params_out=same)
             with pytest.raises(ValueError, match="out has 999 elements; it takes the model's 1000"):
                 w.push_pull(g, sparse=True, out=np.empty(N - 1, dtype=np.float32))
             frozen = np.empty(N, dtype=np.float32)
