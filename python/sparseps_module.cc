@@ -439,6 +439,25 @@ class Worker {
 }  // namespace
 }  // namespace sparseps
 
+// sparseps.Worker.push_pull's docstring.
+constexpr const char* kPushPullDoc = R"doc(
+Aggregates grads (laid out as init's params, or one flat tensor of all of them) with the job's
+encoding or collective, and returns the update: subtract it from the parameters to hold the job's
+new ones (params -= update). A float32 NumPy array, or a list of arrays shaped like grads (views
+of one array). A single tensor is read in place; a list is gathered into one buffer first.
+With sparse=True it returns (keys, update, params) instead: the flat keys whose parameters changed
+(int64, increasing; every key after a dense update, then one read-only array shared by every such
+step), the update there and the new parameters there, without a dense array. out and params_out
+(optional, with sparse=True: writable float32 arrays or CPU tensors of the model's size, kept from
+step to step): a step that changes every key (a dense method: ring, Gloo, PowerSGD) writes its
+update into out and its new parameters into params_out and returns (keys, out, params_out), None
+for the one not given, making no array of the model's size; a sparse step leaves them untouched.
+loss (optional, a
+float): the step's training loss, for the live metrics (metrics.port: sparseps_worker_loss).
+Raises ValueError for a gradient with NaN or Inf (nothing is sent; the job goes on), TimeoutError
+naming a missing peer, sparseps.RolledBack when a lost server was replaced and the job went back to
+its newest checkpoint: `step` and params() are then the checkpoint's, and the loop goes on from there.)doc";
+
 PYBIND11_MODULE(_sparseps, m) {
   using sparseps::Worker;
   m.doc() = "sparseps: sparse, compressed gradient aggregation (parameter server or allreduce)";
@@ -470,23 +489,7 @@ worker (node.rejoin=true, with the lost worker's rank) gets the job's parameters
 it joins at and `step` that iteration (`rejoined` is True): it goes on from there too.)doc")
       .def("push_pull", &Worker::PushPull, py::arg("grads"), py::arg("sparse") = false,
            py::arg("loss") = py::none(), py::arg("out") = py::none(),
-           py::arg("params_out") = py::none(), R"doc(
-Aggregates grads (laid out as init's params, or one flat tensor of all of them) with the job's
-encoding or collective, and returns the update: subtract it from the parameters to hold the job's
-new ones (params -= update). A float32 NumPy array, or a list of arrays shaped like grads (views
-of one array). A single tensor is read in place; a list is gathered into one buffer first.
-With sparse=True it returns (keys, update, params) instead: the flat keys whose parameters changed
-(int64, increasing; every key after a dense update, then one read-only array shared by every such
-step), the update there and the new parameters there, without a dense array. out and params_out
-(optional, with sparse=True: writable float32 arrays or CPU tensors of the model's size, kept from
-step to step): a step that changes every key (a dense method: ring, Gloo, PowerSGD) writes its
-update into out and its new parameters into params_out and returns (keys, out, params_out), None
-for the one not given, making no array of the model's size; a sparse step leaves them untouched.
-loss (optional, a
-float): the step's training loss, for the live metrics (metrics.port: sparseps_worker_loss).
-Raises ValueError for a gradient with NaN or Inf (nothing is sent; the job goes on), TimeoutError
-naming a missing peer, sparseps.RolledBack when a lost server was replaced and the job went back to
-its newest checkpoint: `step` and params() are then the checkpoint's, and the loop goes on from there.)doc")
+           py::arg("params_out") = py::none(), kPushPullDoc)
       .def("params", &Worker::Params, "The job's parameters as this worker holds them (a copy).")
       .def("residual", &Worker::Residual,
            "What this worker holds back for later steps (its residual; a copy).")
