@@ -14,7 +14,8 @@ void UpdateRecorder::Begin(float* out, size_t n) {
   touched_.clear();
   old_.clear();
   segments_.clear();
-  if (out_ == nullptr && dense_update_ == nullptr) scratch_.resize(n);
+  // scratch_ holds a dense change's old values only when no array of the caller's takes them
+  if (out_ == nullptr && dense_update_ == nullptr && dense_params_ == nullptr) scratch_.resize(n);
 }
 
 void UpdateRecorder::Observe(const float* params, uint64_t begin, std::span<const uint32_t> keys,
@@ -22,7 +23,7 @@ void UpdateRecorder::Observe(const float* params, uint64_t begin, std::span<cons
   if (!active_ || all_) return;
   if (all) {
     all_ = true;
-    std::copy(params, params + n_, OldValues());
+    if (float* old = OldValues(); old != nullptr) std::copy(params, params + n_, old);
     return;
   }
   if (!keys.empty()) segments_.push_back(touched_.size());

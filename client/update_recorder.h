@@ -42,10 +42,11 @@ class UpdateRecorder {
 
  private:
   // Where a dense change's old values go: the dense `out`, else the caller's dense_update_, else
-  // scratch_.
+  // scratch_; null when nothing reads them (the caller takes only the new parameters).
   float* OldValues() {
     if (out_ != nullptr) return out_;
-    return dense_update_ != nullptr ? dense_update_ : scratch_.data();
+    if (dense_update_ != nullptr) return dense_update_;
+    return dense_params_ != nullptr ? nullptr : scratch_.data();
   }
   // Puts touched_ in increasing order (each announcement is one key range's keys, increasing;
   // the ranges are disjoint but arrive in any order: the segments are ordered, a few per step).

@@ -180,7 +180,9 @@ case "$cmd" in
       shape "$sw" "p$i"    # host ingress
     done
     trap - ERR
-    echo "netns.sh: $hosts hosts ${prefix}-h1..${prefix}-h$hosts at $subnet.1..$subnet.$hosts, $rate${delay:+, delay $delay} each way"
+    links="$rate each way"
+    [[ "${rate,,}" == unshaped ]] && links="links unshaped"
+    echo "netns.sh: $hosts hosts ${prefix}-h1..${prefix}-h$hosts at $subnet.1..$subnet.$hosts, $links${delay:+, delay $delay}"
     ;;
   shape)
     [[ ${#args[@]} -eq 1 && "${args[0]}" =~ ^[0-9]+$ ]] || die "usage: netns.sh shape [--prefix P] --rate R [--delay D] HOST"

@@ -286,11 +286,12 @@ class DistributedOptimizer:
         # A dense method's result comes into one array kept from step to step (not two new arrays
         # of the model's size a step): the new parameters where they are copied into the model
         # (plain SGD, aggregate="update"), else the update.
+        copy_params = self.aggregate == "update" or self._plain_sgd()
         out = params_out = None
         if self._flat.device.type == "cpu":
             if self._dense is None:
                 self._dense = torch.empty_like(self._flat)
-            if self.aggregate == "update" or self._plain_sgd():
+            if copy_params:
                 params_out = self._dense
             else:
                 out = self._dense
@@ -305,7 +306,7 @@ class DistributedOptimizer:
         if not dense:
             keys = torch.from_numpy(keys).to(device)
         with torch.no_grad():
-            if self.aggregate == "update" or self._plain_sgd():
+            if copy_params:
                 if params is not params_out:
                     params = torch.from_numpy(params).to(device)
                 if dense:

@@ -15,13 +15,26 @@ from sparseps import capi
 from test_worker import N, STEPS, equals_the_cpp_worker
 
 
-@pytest.mark.parametrize("name", ["ps_topk", "ps_sketch_second_round", "allreduce_gtopk"])
+@pytest.mark.parametrize("name", ["ps_topk", "ps_sketch_second_round", "allreduce_gtopk",
+                                  "allreduce_ring_aggregated"])
 def test_push_pull_equals_the_cpp_worker_bitwise(cluster, name):
+    """allreduce_ring_aggregated: a dense method, whose steps with out / params_out copy there."""
     def check(w, rank):
         assert (w.rank, w.num_workers, w.num_params) == (rank, 2, N)
         assert w.step == STEPS and w.bytes_sent > 0 and w.last_step["bytes_sent"] > 0
         assert w.live_workers == [0, 1] and w.get("cluster.num_workers") == 2
         assert w.residual().shape == (N,)
+        # out / params_out are refused before the library sees the step
+        g = np.zeros(N, dtype=np.float32)
+        with pytest.raises(ValueError, match="out is for sparse=True"):
+            w.push_pull(g, out=np.empty(N, dtype=np.float32))
+        with pytest.raises(ValueError, match=f"params_out must be .* of the model's {N} elements"):
+            w.push_pull(g, sparse=True, params_out=np.empty(N + 1, dtype=np.float32))
+        frozen = np.empty(N, dtype=np.float32)
+        frozen.setflags(write=False)
+        with pytest.raises(ValueError, match="out must be a writable"):
+            w.push_pull(g, sparse=True, out=frozen)
+        assert w.step == STEPS  # nothing was pushed
 
     equals_the_cpp_worker(cluster, name, capi.Worker, check)
 
