@@ -321,11 +321,11 @@ def test_frozen_variance_adam_is_adam_with_the_second_moment_held(cluster, cls):
     1-bit Adam's compression stage (Tang et al. 2021, Algorithm 1): the first moment and the bias
     correction of the step go on, the second moment and its bias correction stay at step 5.
     Against a float64 reference of that algorithm fed the same aggregated gradients (.grad after
-    each step), with weight decay (Adam's L2, AdamW's decoupled). Top-k 30% leaves entries
-    without any gradient before the freeze (AdamW: second moment 0; Adam's L2 term gives every
-    entry one). With AdamW input 0 is zero until the freeze and large after it, so the 4 weights it
-    feeds surely have their first gradient late: theirs freezes at their first gradient instead of
-    dividing it by eps."""
+    each step), with weight decay (Adam's L2, AdamW's decoupled). An entry without any gradient
+    before the freeze has a second moment of 0 there (AdamW; Adam's L2 term gives every entry a
+    gradient): theirs freezes at their first gradient instead of dividing it by eps. Top-k 30% may
+    or may not leave such entries (PS sums are not bitwise repeatable), so with AdamW input 0 is
+    zero until the freeze and large after it: the 4 weights it feeds surely have them."""
     c = cluster("train: {lr: 1, momentum: 0}\ncompression: {encoding: topk, density: 0.3}\n")
     lr, wd, (b1, b2), eps, freeze = 0.02, 0.1, (0.9, 0.999), 1e-8, 5
 
