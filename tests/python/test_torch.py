@@ -323,7 +323,7 @@ def test_frozen_variance_adam_is_adam_with_the_second_moment_held(cluster, cls):
     Against a float64 reference of that algorithm fed the same aggregated gradients (.grad after
     each step), with weight decay (Adam's L2, AdamW's decoupled). An entry without any gradient
     before the freeze has a second moment of 0 there (AdamW; Adam's L2 term gives every entry a
-    gradient): theirs freezes at their first gradient instead of dividing it by eps. Top-k 30% may
+    gradient): it freezes at the entry's first gradient instead of dividing it by eps. Top-k 30% may
     or may not leave such entries (PS sums are not bitwise repeatable), so with AdamW input 0 is
     zero until the freeze and large after it: the 4 weights it feeds surely have them."""
     c = cluster("train: {lr: 1, momentum: 0}\ncompression: {encoding: topk, density: 0.3}\n")
