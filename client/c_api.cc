@@ -150,6 +150,22 @@ int sparseps_worker_push_pull_sparse(sparseps_worker* worker, const sparseps_buf
   return code;
 }
 
+int sparseps_worker_begin_step(sparseps_worker* worker, const sparseps_buffer* grad, int* begun,
+                               char* err, size_t err_len) {
+  if (worker == nullptr) return Missing("worker", err, err_len);
+  if (begun == nullptr) return Missing("begun", err, err_len);
+  std::vector<sparseps::client::Buffer> buffers;
+  if (!Buffers(grad, 1, &buffers)) return Missing("grad", err, err_len);
+  *begun = 0;
+  return Guard([&] { *begun = worker->worker.BeginStep(buffers[0]) ? 1 : 0; }, err, err_len);
+}
+
+int sparseps_worker_gradient_ready(sparseps_worker* worker, size_t key_begin, char* err,
+                                   size_t err_len) {
+  if (worker == nullptr) return Missing("worker", err, err_len);
+  return Guard([&] { worker->worker.GradientReady(key_begin); }, err, err_len);
+}
+
 int sparseps_worker_sparse_result(const sparseps_worker* worker, int64_t* keys, float* update,
                                   float* params, size_t num_changed, char* err, size_t err_len) {
   if (worker == nullptr) return Missing("worker", err, err_len);

@@ -5,6 +5,7 @@
 #include "sparseps/client.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <optional>
@@ -63,6 +64,9 @@ struct Worker::Impl {
   std::optional<TrainingLog> log;  // the live metrics (metrics.port)
   Clock::time_point last_return;   // when the last push-pull (or Init) returned
   StepStats last;
+  // BeginStep started this step's aggregation (its recording too) on begun_grad.
+  std::atomic<bool> begun{false};
+  float* begun_grad = nullptr;
 
   // The loop's position in a checkpoint: the steps done.
   std::function<void(StateArchive&)> LoopState() {
@@ -269,7 +273,12 @@ void Worker::Impl::Step(float* grad, double loss, bool record, float* out) {
       steps == 0 ? 0.0
                  : std::chrono::duration<double, std::milli>(Clock::now() - last_return).count();
   const bool on_device = device != kHost;
-  if (record) recorder.Begin(out, a.num_params());
+  if (begun && (!record || out != nullptr)) {
+    Raise(Status::FailedPrecondition(
+        "begin_step started this step: finish it with push_pull(sparse=True) (PushPullSparse)"));
+  }
+  if (record && !begun) recorder.Begin(out, a.num_params());
+  begun = false;
   try {
     Wait(
         [&] {
@@ -316,9 +325,39 @@ void Worker::PushPull(std::span<const Buffer> grads, float* update, double loss)
 SparseUpdate Worker::PushPullSparse(std::span<const Buffer> grads, double loss, float* dense_update,
                                     float* dense_params) {
   Impl& m = *impl_;
+  float* grad = m.Gradient(grads);
+  if (m.begun && grad != m.begun_grad) {
+    Raise(Status::InvalidArgument("push_pull: not the buffer begin_step started this step on"));
+  }
   m.recorder.set_dense_outputs(dense_update, dense_params);
-  m.Step(m.Gradient(grads), loss, /*record=*/true, /*out=*/nullptr);
+  m.Step(grad, loss, /*record=*/true, /*out=*/nullptr);
   return m.recorder.EndSparse(m.session->aggregator().host_model_params());
+}
+
+bool Worker::BeginStep(Buffer grad) {
+  Impl& m = *impl_;
+  Aggregator& a = m.agg();
+  const size_t n = a.num_params();
+  if (m.begun) Raise(Status::FailedPrecondition("begin_step: this step has begun already"));
+  if (m.config.aggregation() != proto::PS || !a.overlaps() || m.device != kHost) return false;
+  if (grad.size != n || grad.device != kHost || grad.data == nullptr) {
+    Raise(Status::InvalidArgument("begin_step: grad has " + std::to_string(grad.size) +
+                                  " elements on " + DeviceName(grad.device) +
+                                  "; it must be the one flat host buffer of all " +
+                                  std::to_string(n) + " that push_pull will get"));
+  }
+  // The pull replies that come during the backward pass change the parameters: the recording
+  // starts now (the observer runs on the aggregation's thread; the step reads it after the join).
+  m.recorder.Begin(nullptr, n);
+  m.begun_grad = grad.data;
+  m.begun = a.BeginStep(grad.data);
+  if (!m.begun) m.recorder.Cancel();
+  return m.begun;
+}
+
+void Worker::GradientReady(size_t key_begin) {
+  Impl& m = *impl_;
+  if (m.begun) m.agg().GradientReady(key_begin);
 }
 
 std::span<const float> Worker::params() const {

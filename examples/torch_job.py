@@ -101,6 +101,9 @@ def parser(doc, models, default_model=None):
                     help="adam / adamw through sparseps: freeze the second moment after N "
                     "steps (1-bit Adam's compression stage; DistributedOptimizer's "
                     "freeze_variance_step)")
+    ap.add_argument("--overlap", action="store_true",
+                    help="push each server's key range during the backward pass "
+                    "(DistributedOptimizer's overlap; the job needs train.overlap=backward)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default=None,
                     help="where the model trains (default: the config's train.device)")
     ap.add_argument("--capi", action="store_true",
@@ -132,6 +135,8 @@ def run(args, build_model, load_data, perplexity=False):
         raise ValueError("--device cuda: this PyTorch sees no CUDA device")
     if args.aggregate == "update" and args.ddp:
         raise ValueError("--aggregate update: sparseps's, not DDP's")
+    if args.overlap and args.ddp:
+        raise ValueError("--overlap: sparseps's DistributedOptimizer's (DDP overlaps its own)")
     if args.freeze_variance_step is not None and args.ddp:
         raise ValueError("--freeze-variance-step: sparseps's DistributedOptimizer's, not DDP's")
     seed, batch = get("train.seed"), get("train.batch_size")
@@ -163,7 +168,8 @@ def run(args, build_model, load_data, perplexity=False):
     else:
         opt = sparseps.torch.DistributedOptimizer(
             make_optimizer(args, model.parameters(), get, ddp=False), worker,
-            aggregate=args.aggregate, freeze_variance_step=args.freeze_variance_step)
+            aggregate=args.aggregate, freeze_variance_step=args.freeze_variance_step,
+            overlap=args.overlap)
     rank, workers = worker.rank, worker.num_workers
 
     x, y, xt, yt, what = load_data(args, get)

@@ -327,6 +327,23 @@ class Worker {
     return parts;
   }
 
+  // train.overlap: backward: starts the step's pushes on `grad` (one flat tensor) while the
+  // backward pass writes it; False where the job does not overlap.
+  bool BeginStep(py::object grad) {
+    Arrays a = Borrow(grad, "grad");
+    if (a.listed) {
+      throw py::value_error("begin_step: grad is one flat tensor of all the model's elements");
+    }
+    const auto buffers = Buffers(a);
+    bool begun = false;
+    Call([&] { begun = worker_->BeginStep(buffers[0]); });
+    return begun;
+  }
+
+  void GradientReady(size_t key_begin) {
+    Call([&] { worker_->GradientReady(key_begin); });
+  }
+
   // push_pull's out or params_out: none, or a writable float32 host array of the model's size
   // that shares no memory with the gradients (the library reads them during the step).
   Borrowed DenseOut(py::handle obj, const std::string& name, bool sparse,
@@ -490,6 +507,16 @@ it joins at and `step` that iteration (`rejoined` is True): it goes on from ther
       .def("push_pull", &Worker::PushPull, py::arg("grads"), py::arg("sparse") = false,
            py::arg("loss") = py::none(), py::arg("out") = py::none(),
            py::arg("params_out") = py::none(), kPushPullDoc)
+      .def("begin_step", &Worker::BeginStep, py::arg("grad"), R"doc(
+train.overlap: backward (ps mode, CPU tensors): starts this step's aggregation before the gradient
+is whole. grad: the one flat float32 tensor of all the model's elements that the backward pass is
+writing and that this step's push_pull(grad, sparse=True) gets; each server key range of it is
+compressed and pushed, on a thread of the library's own, once gradient_ready has reported it.
+Returns False and starts nothing where the job does not overlap (push_pull then does the whole
+step). sparseps.torch.DistributedOptimizer(overlap=True) calls it from gradient hooks.)doc")
+      .def("gradient_ready", &Worker::GradientReady, py::arg("key_begin"),
+           "After begin_step: grad[key_begin:] is final for this step (every key from key_begin "
+           "on). Thread-safe; does nothing without begin_step.")
       .def("params", &Worker::Params, "The job's parameters as this worker holds them (a copy).")
       .def("residual", &Worker::Residual,
            "What this worker holds back for later steps (its residual; a copy).")

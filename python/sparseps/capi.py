@@ -99,6 +99,9 @@ def _declare(lib):
                                     [c_float_p, ctypes.c_double] + err),
         "worker_push_pull_sparse": (ctypes.c_int, [handle] + buffers +
                                     [ctypes.c_double, ctypes.POINTER(ctypes.c_size_t)] + err),
+        "worker_begin_step": (ctypes.c_int, [handle, ctypes.POINTER(_Buffer),
+                                             ctypes.POINTER(ctypes.c_int)] + err),
+        "worker_gradient_ready": (ctypes.c_int, [handle, ctypes.c_size_t] + err),
         "worker_sparse_result": (ctypes.c_int, [handle, ctypes.POINTER(ctypes.c_int64), c_float_p,
                                                 c_float_p, ctypes.c_size_t] + err),
         "worker_params": (ctypes.c_int, [handle, c_float_p, ctypes.c_size_t] + err),
@@ -254,6 +257,22 @@ class Worker:
             out.append(update[offset:offset + size].reshape(shape))
             offset += size
         return out
+
+    def begin_step(self, grad):
+        """train.overlap: backward (ps mode, CPU tensors): starts this step's aggregation on
+        grad, the one flat float32 tensor the backward pass is writing and this step's
+        push_pull(grad, sparse=True) gets (sparseps.Worker.begin_step). False: the job does not
+        overlap, nothing started."""
+        array, shapes, listed = _buffers(grad, "grad")
+        if listed:
+            raise ValueError("begin_step: grad is one flat tensor of all the model's elements")
+        begun = ctypes.c_int()
+        self._call(library().sparseps_worker_begin_step, self._handle, array, ctypes.byref(begun))
+        return bool(begun.value)
+
+    def gradient_ready(self, key_begin):
+        """After begin_step: grad[key_begin:] is final for this step. Thread-safe."""
+        self._call(library().sparseps_worker_gradient_ready, self._handle, int(key_begin))
 
     def _dense_out(self, obj, name, sparse):
         """push_pull's out or params_out as a flat NumPy view (None when not given)."""

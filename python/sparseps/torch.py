@@ -194,15 +194,29 @@ class DistributedOptimizer:
     gradient's size says little once Adam rescales it) and the residual keeps the rest in those
     units (docs/results.md, "AdamW at density 0.1%", measures it on the language model).
 
+    overlap=True (a job with train.overlap: backward, ps mode, CPU tensors) pushes each server's
+    key range of the gradient while the backward pass goes on, as torch DDP's buckets and
+    Horovod's hooks do: a hook on each parameter's gradient accumulation starts the step
+    (worker.begin_step) at the first gradient of the step and reports the part of the flat buffer
+    whose gradients are all in (worker.gradient_ready); step() then waits for the rest. One
+    backward pass per step (the pushes leave as the first one ends); with aggregate="gradient"
+    only and without freeze_variance_step (both change the gradient in step(), after the pushes
+    left). Where the job does not overlap, step() does the whole step as without it.
+
     The gradients live in one flat float32 buffer of which every parameter's .grad is a view, so
     push_pull takes them without a copy (keep zero_grad's set_to_none False, the default here).
     Everything else (param_groups, state_dict, ...) is the wrapped optimizer's.
     """
 
-    def __init__(self, optimizer, worker, aggregate="gradient", freeze_variance_step=None):
+    def __init__(self, optimizer, worker, aggregate="gradient", freeze_variance_step=None,
+                 overlap=False):
         if aggregate not in ("gradient", "update"):
             raise ValueError(f"DistributedOptimizer: aggregate={aggregate!r}; 'gradient' or "
                              "'update'")
+        if overlap and (aggregate != "gradient" or freeze_variance_step is not None):
+            raise ValueError("DistributedOptimizer: overlap=True needs aggregate='gradient' and "
+                             "no freeze_variance_step (they change the gradient after the pushes "
+                             "would have left)")
         _check_freeze(optimizer, freeze_variance_step)
         self.freeze_variance_step = freeze_variance_step
         self._frozen_denoms = {}  # _frozen_adam_step's cache: parameter -> [v, denominator, unseen]
@@ -239,6 +253,39 @@ class DistributedOptimizer:
         _finished(self._flat)
         with torch.no_grad():
             worker.init([p.detach() for p in self._params])
+        self._accumulators = []  # overlap: each parameter's gradient accumulation node, hooked
+        if overlap:
+            self._end_step()
+            for i, p in enumerate(self._params):
+                node = p.expand_as(p).grad_fn.next_functions[0][0]
+                node.register_hook(lambda *_, i=i: self._gradient_in(i))
+                self._accumulators.append(node)
+
+    def _end_step(self):
+        """overlap: no step begun, no gradient in."""
+        self._begun = None  # None: not tried this step; then begin_step's answer
+        self._in = [False] * len(self._params)
+        self._ready_from = len(self._params)  # parameters [_ready_from:] all have their gradient
+
+    def _gradient_in(self, i):
+        """overlap, after parameter i's gradient accumulated in the backward pass: begins the step
+        at its first gradient and reports the flat buffer's longest suffix whose gradients are
+        all in."""
+        if self._begun is None:
+            self._begun = self.worker.begin_step(self._flat)
+        if not self._begun:
+            return
+        p = self._params[i]
+        if p.grad is not None and p.grad.data_ptr() != self._views[i].data_ptr():
+            with torch.no_grad():  # a .grad replaced behind our back: its values go out
+                self._views[i].copy_(p.grad)
+        self._in[i] = True
+        ready = self._ready_from
+        while ready > 0 and self._in[ready - 1]:
+            ready -= 1
+        if ready < self._ready_from:
+            self._ready_from = ready
+            self.worker.gradient_ready(int(self._starts[ready]))
 
     def _gather(self):
         # A .grad replaced behind our back (zero_grad(set_to_none=True) elsewhere) goes back into
@@ -296,8 +343,12 @@ class DistributedOptimizer:
             else:
                 out = self._dense
         t = time.monotonic()
-        keys, update, params = self.worker.push_pull(self._flat, sparse=True, loss=reported,
-                                                     out=out, params_out=params_out)
+        try:
+            keys, update, params = self.worker.push_pull(self._flat, sparse=True, loss=reported,
+                                                         out=out, params_out=params_out)
+        finally:
+            if self._accumulators:
+                self._end_step()
         self.last_push_pull_ms = 1000 * (time.monotonic() - t)
         device = self._flat.device
         # Every key changed (a dense method: ring, Gloo, PowerSGD): copies, not scatters (and the

@@ -91,6 +91,15 @@ int sparseps_worker_push_pull_update(sparseps_worker* worker, const sparseps_buf
 int sparseps_worker_push_pull_sparse(sparseps_worker* worker, const sparseps_buffer* grads,
                                      size_t count, double loss, size_t* num_changed, char* err,
                                      size_t err_len);
+/* train.overlap: backward (ps mode, host memory): starts this step's aggregation on grad, the
+ * one flat buffer of all num_params elements that the backward pass is writing and that the
+ * step's push_pull_sparse gets; each server key range is pushed once gradient_ready has reported
+ * it. *begun: 1, or 0 (nothing started) where the job does not overlap. */
+int sparseps_worker_begin_step(sparseps_worker* worker, const sparseps_buffer* grad, int* begun,
+                               char* err, size_t err_len);
+/* After begin_step: grad[key_begin, num_params) is final for this step. Thread-safe. */
+int sparseps_worker_gradient_ready(sparseps_worker* worker, size_t key_begin, char* err,
+                                   size_t err_len);
 /* The last sparse step's keys (increasing), update (old minus new) and new parameters there,
  * num_changed of each (any may be NULL: not wanted). */
 int sparseps_worker_sparse_result(const sparseps_worker* worker, int64_t* keys, float* update,
