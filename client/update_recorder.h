@@ -2,7 +2,9 @@
 // PushPull with an update, PushPullSparse): fed by the aggregator's change observer with the
 // keys about to change, it keeps their old values, and after the step writes old minus new.
 //
-// Thread-safety: one thread (the aggregator calls the observer on the stepping thread).
+// Thread-safety: one thread at a time. The aggregator calls the observer on the stepping thread,
+// or, after Worker::BeginStep (train.overlap: backward), on its own aggregation thread: Begin
+// runs before that thread starts and the end of the step after it is joined.
 #pragma once
 
 #include <cstddef>
