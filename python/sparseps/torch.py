@@ -248,7 +248,8 @@ class DistributedOptimizer:
             self._views.append(view)
             offset += p.numel()
         # Each parameter's first flat key, and the end: where its keys start in push_pull's list.
-        self._starts = torch.tensor(starts + [offset], dtype=torch.int64, device=device)
+        self._start_keys = starts + [offset]  # the same as a list, made once
+        self._starts = torch.tensor(self._start_keys, dtype=torch.int64, device=device)
         # Every worker starts from worker 0's parameters (written into the model in place).
         _finished(self._flat)
         with torch.no_grad():
@@ -285,7 +286,7 @@ class DistributedOptimizer:
             ready -= 1
         if ready < self._ready_from:
             self._ready_from = ready
-            self.worker.gradient_ready(int(self._starts[ready]))
+            self.worker.gradient_ready(self._start_keys[ready])
 
     def _gather(self):
         # A .grad replaced behind our back (zero_grad(set_to_none=True) elsewhere) goes back into
@@ -361,11 +362,11 @@ class DistributedOptimizer:
                 if params is not params_out:
                     params = torch.from_numpy(params).to(device)
                 if dense:
-                    for p, start in zip(self._params, self._starts.tolist()):
+                    for p, start in zip(self._params, self._start_keys):
                         p.view(-1).copy_(params[start:start + p.numel()])
                     return closure_loss
                 bounds = torch.searchsorted(keys, self._starts).tolist()
-                for p, start, lo, hi in zip(self._params, self._starts.tolist(), bounds[:-1],
+                for p, start, lo, hi in zip(self._params, self._start_keys, bounds[:-1],
                                             bounds[1:]):
                     if hi > lo:
                         p.view(-1).index_copy_(0, keys[lo:hi] - start, params[lo:hi])
