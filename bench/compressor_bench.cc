@@ -17,6 +17,7 @@
 #include "encodings/sbc.h"
 #include "encodings/sketch.h"
 #include "encodings/topk.h"
+#include "server/shard_server.h"
 
 namespace {
 
@@ -252,6 +253,92 @@ BENCHMARK(BM_SketchServerRound)
     ->Args({5'800'000, 3, 2, 1, 256})
     ->Args({5'800'000, 3, 2, 1, 0})
     ->Args({5'800'000, 3, 1, 1, 256})
+    ->Unit(benchmark::kMillisecond);
+
+// One ShardServer's whole iteration on range 0 of TwoRanges(n), as the server daemon runs it:
+// Handle the 4 workers' top-k pushes (decode, add, apply), then their 4 pulls, each answered with
+// the iteration's changes (PULL_REPLY). Args: n, compression.server_topk, compression
+// .varint_indices (the compact replies), dense pushes (1: PS dense, the whole shard in every
+// reply). The pushes are made outside the timing.
+void BM_ShardServerIteration(benchmark::State& state) {
+  const size_t n = static_cast<size_t>(state.range(0));
+  auto config = Config(state.range(3) != 0 ? sparseps::proto::DENSE : sparseps::proto::TOPK);
+  config.set_server_topk(state.range(1) != 0);
+  config.set_varint_indices(state.range(2) != 0);
+  constexpr int kWorkers = 4;
+  const auto ranges = TwoRanges(n);
+  const sparseps::KeyRange r = ranges[0];
+  // Two iterations' pushes of every worker (two gradients each, through its own compressor),
+  // copied into each timed iteration (zmq::message_t::copy shares the payload).
+  std::vector<std::vector<sparseps::Message>> made(2 * kWorkers);
+  for (int w = 0; w < kWorkers; ++w) {
+    sparseps::proto::JobConfig job;
+    *job.mutable_compression() = config;
+    job.mutable_train()->set_momentum(0.9);
+    auto c = sparseps::MakeCompressor(job, n);
+    for (int i = 0; i < 2; ++i) {
+      auto s = c->Compress(Gradient(n, static_cast<uint32_t>(10 * w + i)).data(), ranges,
+                           &made[static_cast<size_t>(2 * w + i)]);
+      if (!s.ok()) return state.SkipWithError(s.ToString().c_str());
+    }
+  }
+  sparseps::ShardServer shard({r, 0, kWorkers, 0.05, config, 0.9});
+  auto header = [&](sparseps::proto::Command c, int64_t iteration, int rank) {
+    sparseps::proto::Header h;
+    h.set_command(c);
+    h.set_sender_role(sparseps::proto::WORKER);
+    h.set_sender_rank(rank);
+    h.set_iteration(iteration);
+    h.set_key_begin(r.begin);
+    h.set_key_end(r.end);
+    return h;
+  };
+  std::vector<sparseps::Outgoing> out;
+  {
+    sparseps::Message init;
+    init.header = header(sparseps::proto::INIT, -1, 0);
+    sparseps::EncodeDense(std::vector<float>(r.size(), 0.0f), &init);
+    shard.Handle("w0", sparseps::Result<sparseps::Message>(std::move(init)), &out);
+  }
+  int64_t t = 0;
+  size_t reply_bytes = 0;
+  for (auto _ : state) {
+    state.PauseTiming();
+    std::vector<sparseps::Message> pushes(kWorkers);
+    for (int w = 0; w < kWorkers; ++w) {
+      const sparseps::Message& m = made[static_cast<size_t>(2 * w + t % 2)][0];
+      auto& push = pushes[static_cast<size_t>(w)];
+      push.header = m.header;
+      push.header.MergeFrom(header(sparseps::proto::PUSH, t, w));
+      for (const auto& f : m.frames)
+        push.frames.emplace_back().copy(const_cast<zmq::message_t&>(f));
+    }
+    out.clear();
+    state.ResumeTiming();
+    for (int w = 0; w < kWorkers; ++w) {
+      const std::string peer = "w" + std::to_string(w);
+      shard.Handle(peer,
+                   sparseps::Result<sparseps::Message>(std::move(pushes[static_cast<size_t>(w)])),
+                   &out);
+      sparseps::Message pull;
+      pull.header = header(sparseps::proto::PULL, t, w);
+      pull.header.set_have_version(t);
+      pull.header.set_request_id(static_cast<uint64_t>(w + 1));
+      shard.Handle(peer, sparseps::Result<sparseps::Message>(std::move(pull)), &out);
+    }
+    ++t;
+    benchmark::DoNotOptimize(out.data());
+    reply_bytes = out.back().msg.WireBytes();
+  }
+  if (shard.counters().rejected != 0) state.SkipWithError("the shard rejected a message");
+  state.counters["reply_bytes"] = static_cast<double>(reply_bytes);
+  state.counters["sparse_replies"] = static_cast<double>(shard.counters().sparse_pull_replies);
+}
+BENCHMARK(BM_ShardServerIteration)
+    ->Args({5'800'000, 0, 0, 0})
+    ->Args({5'800'000, 1, 0, 0})
+    ->Args({5'800'000, 1, 1, 0})
+    ->Args({5'800'000, 0, 0, 1})
     ->Unit(benchmark::kMillisecond);
 
 }  // namespace

@@ -607,7 +607,7 @@ TopKFormat ShardServer::PullReplyFormat(const std::vector<uint32_t>& keys) const
   return format;
 }
 
-Outgoing ShardServer::MakePullReply(const PendingPull& pull) const {
+Outgoing ShardServer::MakePullReply(const PendingPull& pull, ReplyPayloads* payloads) const {
   proto::Header request;
   request.set_iteration(pull.wanted_version - 1);
   request.set_request_id(pull.request_id);
@@ -617,15 +617,23 @@ Outgoing ShardServer::MakePullReply(const PendingPull& pull) const {
   // smaller than the dense shard (4 B per key).
   const bool sparse = !last_changed_all_ && pull.have_version == version_ - 1 &&
                       2 * last_changed_.size() < params_.size();
-  if (sparse) {
-    std::vector<float> values(last_changed_.size());
-    for (size_t j = 0; j < last_changed_.size(); ++j) values[j] = params_[last_changed_[j]];
-    EncodeTopK(std::vector<uint32_t>(last_changed_), std::move(values), &o.msg,
-               PullReplyFormat(last_changed_));
-    o.msg.header.set_have_version(version_ - 1);
-  } else {
-    EncodeDense(std::vector<float>(params_), &o.msg);
+  Message& payload = sparse ? payloads->sparse : payloads->dense;
+  bool& have = sparse ? payloads->have_sparse : payloads->have_dense;
+  if (!have) {
+    if (sparse) {
+      std::vector<float> values(last_changed_.size());
+      for (size_t j = 0; j < last_changed_.size(); ++j) values[j] = params_[last_changed_[j]];
+      EncodeTopK(std::vector<uint32_t>(last_changed_), std::move(values), &payload,
+                 PullReplyFormat(last_changed_));
+    } else {
+      EncodeDense(std::vector<float>(params_), &payload);
+    }
+    have = true;
   }
+  o.msg.header.set_encoding(payload.header.encoding());
+  *o.msg.header.mutable_frames() = payload.header.frames();
+  for (auto& frame : payload.frames) o.msg.frames.emplace_back().copy(frame);
+  if (sparse) o.msg.header.set_have_version(version_ - 1);
   return o;
 }
 
@@ -668,10 +676,11 @@ Outgoing ShardServer::MakeSspPullReply(const PendingPull& pull) {
 
 void ShardServer::AnswerReadyPulls(std::vector<Outgoing>* out) {
   if (!initialized()) return;
+  ReplyPayloads payloads;
   auto it = pending_pulls_.begin();
   while (it != pending_pulls_.end()) {
     if (ssp_ ? PullReady(*it) : version_ >= it->wanted_version) {
-      out->push_back(ssp_ ? MakeSspPullReply(*it) : MakePullReply(*it));
+      out->push_back(ssp_ ? MakeSspPullReply(*it) : MakePullReply(*it, &payloads));
       if (out->back().msg.header.encoding() == proto::TOPK) {
         ++counters_.sparse_pull_replies;
       } else {

@@ -185,7 +185,14 @@ class ShardServer {
                 const proto::Header& h);
   void Apply();
   void AnswerReadyPulls(std::vector<Outgoing>* out);
-  Outgoing MakePullReply(const PendingPull& pull) const;
+  // The payloads of the BSP pull replies answered together (one AnswerReadyPulls, nothing changes
+  // the shard in between): the sparse changes of the last iteration and the dense shard, each
+  // encoded once for every puller and shared (zmq::message_t::copy: no copy of the bytes).
+  struct ReplyPayloads {
+    Message sparse, dense;
+    bool have_sparse = false, have_dense = false;
+  };
+  Outgoing MakePullReply(const PendingPull& pull, ReplyPayloads* payloads) const;
   // A sparse pull reply's format: the keys as varint gaps under compression.varint_indices (when
   // strictly increasing, as every aggregation leaves them), the values always float32.
   TopKFormat PullReplyFormat(const std::vector<uint32_t>& keys) const;

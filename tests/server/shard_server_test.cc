@@ -277,6 +277,63 @@ TEST(ShardServer, PullWaitsForTheIterationAndIsSparseWhenPossible) {
   EXPECT_EQ(s.counters().sparse_pull_replies, 1u);
 }
 
+// Pulls answered together share one encoded payload per kind (sparse for those holding the last
+// version, dense for the others): every reply carries its own header and the same exact values,
+// and keeps them after the shard has moved on to the next iteration.
+TEST(ShardServer, PullsAnsweredTogetherShareTheirPayloadAndKeepIt) {
+  constexpr int kWorkers = 4;
+  const KeyRange r{0, 1000};
+  proto::CompressionConfig c;
+  c.set_varint_indices(true);
+  ShardServer s({r, 0, kWorkers, static_cast<double>(kWorkers), c, 0.0});
+  ASSERT_EQ(Only(Send(s, Init(r, std::vector<float>(1000, 1.0f)))), proto::INIT_ACK);
+  // Workers 0-2 push and pull iteration 0 (worker 2 holding no version: dense); worker 3's push
+  // completes the iteration and answers the three waiting pulls at once.
+  for (int w = 0; w < kWorkers - 1; ++w) {
+    const std::string peer = "w" + std::to_string(w);
+    ASSERT_EQ(Only(Send(s, Push(r, 0, w, {static_cast<uint32_t>(10 * w), 500}, {1, 2}), peer)),
+              proto::PUSH_ACK);
+    ASSERT_TRUE(Send(s, Pull(r, 0, w, w == 2 ? -1 : 0), peer).empty());
+  }
+  auto out = Send(s, Push(r, 0, 3, {30, 999}, {4, 8}), "w3");
+  ASSERT_EQ(out.size(), 4u);  // PUSH_ACK, then the three replies in the order of their pulls
+  const std::vector<uint32_t> changed = {0, 10, 20, 30, 500, 999};
+  const std::vector<float> values = {0, 0, 0, -3, -5, -7};
+  for (int w = 0; w < kWorkers - 1; ++w) {
+    const Message& m = out[static_cast<size_t>(w + 1)].msg;
+    EXPECT_EQ(out[static_cast<size_t>(w + 1)].to, "w" + std::to_string(w));
+    ASSERT_EQ(m.header.command(), proto::PULL_REPLY);
+    EXPECT_EQ(m.header.version(), 1);
+    DecodedPayload p;
+    if (w == 2) {
+      ASSERT_EQ(m.header.encoding(), proto::DENSE);
+      ASSERT_TRUE(FindCodec(proto::DENSE)->Decode(m, 1000, &p).ok());
+      for (size_t j = 0; j < changed.size(); ++j) EXPECT_EQ(p.dense[changed[j]], values[j]);
+      EXPECT_EQ(p.dense[1], 1.0f);
+      continue;
+    }
+    ASSERT_EQ(m.header.encoding(), proto::TOPK);
+    EXPECT_EQ(m.header.have_version(), 0);
+    EXPECT_EQ(m.header.frames(0).type(), proto::U8);  // varint gaps
+    ASSERT_TRUE(FindCodec(proto::TOPK)->Decode(m, 1000, &p).ok());
+    EXPECT_EQ(std::vector<uint32_t>(p.indices.begin(), p.indices.end()), changed);
+    EXPECT_EQ(std::vector<float>(p.values.begin(), p.values.end()), values);
+  }
+  // The next iteration changes the shard; the replies sent before still hold iteration 0's.
+  for (int w = 0; w < kWorkers; ++w) {
+    ASSERT_EQ(Only(Send(s, Push(r, 1, w, {0, 10, 20, 30}, {1, 1, 1, 1}), "w" + std::to_string(w))),
+              proto::PUSH_ACK);
+  }
+  EXPECT_EQ(s.params()[0], -4.0f);
+  DecodedPayload p;
+  ASSERT_TRUE(FindCodec(proto::TOPK)->Decode(out[1].msg, 1000, &p).ok());
+  EXPECT_EQ(std::vector<float>(p.values.begin(), p.values.end()), values);
+  ASSERT_TRUE(FindCodec(proto::DENSE)->Decode(out[3].msg, 1000, &p).ok());
+  EXPECT_EQ(p.dense[0], 0.0f);
+  EXPECT_EQ(s.counters().sparse_pull_replies, 2u);
+  EXPECT_EQ(s.counters().dense_pull_replies, 1u);
+}
+
 TEST(ShardServer, AnswersPingAndRejectsOtherCommands) {
   KeyRange r{0, 2};
   ShardServer s({r, 0, 1, 1.0, {}, 0.0});
