@@ -251,7 +251,7 @@ def render():
             "compare": compare(),
             "tuning": entered(hand["tuning"]),
             "failures": entered(hand["failures"]),
-            "advise": advise(),
+            "advise": advise() + entered(hand.get("advise", [])),
             "gpu": entered(hand["gpu"]) + [
                 "Not measured on a GPU yet (issue 41): the host-device bytes of a step; "
                 "overlap of communication with the backward pass on the GPU (not built); real "
