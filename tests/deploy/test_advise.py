@@ -173,6 +173,22 @@ def test_advice_simulates_larger_clusters(tmp_path):
     assert "W = 32" in (out / "advice.md").read_text()
 
 
+def test_simulated_server_hosts_can_stay_as_many(tmp_path):
+    """--simulate-server-hosts 1: one server host takes every worker's push and pull at every W
+    (the incast), where hosts grown with W (the calibration's 2 per 2 workers) share them."""
+    needs_simgrid()
+    _, out = advise(tmp_path, ["ps_topk"], "--simulate", "2,8", "--simulate-server-hosts", "1")
+    fixed = json.loads((out / "advice.json").read_text())["simulation"]["settings"][0]["points"]
+    assert [p["server_hosts"] for p in fixed] == [1, 1]
+    (tmp_path / "grown").mkdir()
+    _, out = advise(tmp_path / "grown", ["ps_topk"], "--simulate", "2,8")
+    grown = json.loads((out / "advice.json").read_text())["simulation"]["settings"][0]["points"]
+    assert [p["server_hosts"] for p in grown] == [2, 8]
+    # At W = 8 the same bytes per worker cross one server link instead of eight: 8x the time
+    # (the pushes' and the pulls' rounds each, less the round trips)
+    assert fixed[1]["network_ms"] == pytest.approx(8 * grown[1]["network_ms"], rel=0.05)
+
+
 def test_the_probe_measures_a_shaped_link_within_a_fifth(tmp_path):
     """Two hosts at 100 Mbit/s (deploy/netns.sh, tc tbf both ways), 2-second transfers each way
     with ZeroMQ: both directions within 20% of 12.5 MB/s; a round trip under 5 ms."""
