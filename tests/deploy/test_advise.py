@@ -106,11 +106,19 @@ def test_advice_ranks_by_time_to_target_and_writes_its_json(tmp_path):
     assert "best: ps_topk" in r.stdout
 
 
+def test_only_restricts_the_advice_over_a_larger_calibration(tmp_path):
+    _, out = advise(tmp_path, ["ring", "ps_topk", "ps_sbc"], "--only", "ring,ps_sbc")
+    advice = json.loads((out / "advice.json").read_text())
+    assert [s["setting"] for s in advice["settings"]] == ["ring", "ps_sbc"]
+    assert advice["best"]["setting"] == "ring"
+
+
 @pytest.mark.parametrize("args,says", [
     (["--link", "fast"], "--link 'fast': BYTES_PER_S,RTT_S"),
     (["--link", "0,0.001"], "a positive bandwidth"),
     (["--link", "1e8,0.001", "--calibration", "/nonexistent"], "/nonexistent/results.csv: missing"),
     (["--link", "1e8,0.001", "--simulate", "1,8"], "worker counts of at least 2"),
+    (["--link", "1e8,0.001", "--only", "ring,nope"], "--only: unknown settings nope"),
     (["--hosts", "/nonexistent"], "--hosts /nonexistent: No such file or directory"),
     (["--hosts", "ONE_HOST"], "at least two hosts to measure between (1 listed)"),
     (["--hosts", "UNRESOLVABLE"], ":2: cannot resolve no-such-host.invalid here; give addr=A"),
