@@ -153,6 +153,44 @@ def test_the_simulator_gives_the_closed_form_on_two_hosts():
     assert t == pytest.approx(0.2 + 0.4 + 0.002, rel=1e-6)
 
 
+def test_gtopk_on_32_workers_is_the_papers_alpha_beta_formula():
+    """gTop-k (Shi et al., ICDCS 2019) with the paper's link (alpha 0.436 ms, 9 ns a byte) at
+    P = 32, k = 14,730 (density 0.001 of VGG-16): log2 P rounds up the tree and log2 P down, k
+    (key, value) pairs of 8 bytes each: 2 log2 P alpha + 2 log2 P 8 k beta, in the cost model
+    and in the simulation (bench/advise_gtopk_paper.py sets them beside the paper's measurement)."""
+    needs_simgrid()
+    import simulate
+    alpha, beta, k = 0.436e-3, 9e-9, 14730
+    expected = 2 * 5 * alpha + 2 * 5 * 8 * k * beta
+    root = 8 * k * 5  # worker 0's bytes each way: k pairs a round, 5 rounds
+    assert cost_model.network_s("allreduce", "gtopk", 32, 0, root, root, 1 / beta,
+                                2 * alpha) == pytest.approx(expected, rel=1e-9)
+    assert simulate.network_step_s("allreduce", "gtopk", 32, 0, root, root, 1 / beta,
+                                   2 * alpha) == pytest.approx(expected, rel=1e-6)
+
+
+def test_the_scaling_check_sets_the_simulation_beside_measured_runs(tmp_path):
+    """bench/advise_scaling_check.py: a simulated point against a measured results.csv row, as
+    simulated and with the measured compute and encode put in the calibration's place."""
+    advice = {"settings": [{"setting": "ring", "compute_ms": 40.0, "encode_ms": 2.0}],
+              "simulation": {"settings": [{"setting": "ring", "points": [
+                  {"workers": 2, "step_ms": 110.0, "network_ms": 60.0},
+                  {"workers": 8, "step_ms": 200.0, "network_ms": 150.0}]}]}}
+    (tmp_path / "advice.json").write_text(json.dumps(advice))
+    (tmp_path / "w2").mkdir()
+    (tmp_path / "w2" / "results.csv").write_text(
+        "setting,step_ms_median,compute_ms_median,encode_ms_median\nring,100.0,20.0,2.0\n")
+    r = subprocess.run(["/usr/bin/python3", str(ROOT / "bench" / "advise_scaling_check.py"),
+                        str(tmp_path / "advice.json"), f"2={tmp_path / 'w2'}"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    # 110 against 100: +10.0%; with the measured 22 ms of compute and encode instead of the
+    # calibration's 42: 90, -10.0%; the measured step less compute and encode: 78
+    assert "| ring | 2 | 110.0 | 100.0 | +10.0% | 60.0 | 78.0 | 90.0 | -10.0% |" in r.stdout
+    assert "| ring | 8 |" not in r.stdout  # no run measured at W = 8
+    assert "as simulated: 1 of 1 within 15%" in r.stdout
+
+
 def test_growth_of_bytes_with_w_and_where_scaling_stops():
     import simulate
     assert simulate.scale_bytes("allreduce", "ring", 4, 30.0, 30.0, 16) == \
