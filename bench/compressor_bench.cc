@@ -306,12 +306,11 @@ void BM_ShardServerIteration(benchmark::State& state) {
     state.PauseTiming();
     std::vector<sparseps::Message> pushes(kWorkers);
     for (int w = 0; w < kWorkers; ++w) {
-      const sparseps::Message& m = made[static_cast<size_t>(2 * w + t % 2)][0];
+      sparseps::Message& m = made[static_cast<size_t>(2 * w + t % 2)][0];
       auto& push = pushes[static_cast<size_t>(w)];
       push.header = m.header;
       push.header.MergeFrom(header(sparseps::proto::PUSH, t, w));
-      for (const auto& f : m.frames)
-        push.frames.emplace_back().copy(const_cast<zmq::message_t&>(f));
+      for (auto& f : m.frames) push.frames.emplace_back().copy(f);
     }
     out.clear();
     state.ResumeTiming();

@@ -276,10 +276,8 @@ class DistributedOptimizer:
             self._begun = self.worker.begin_step(self._flat)
         if not self._begun:
             return
-        p = self._params[i]
-        if p.grad is not None and p.grad.data_ptr() != self._views[i].data_ptr():
-            with torch.no_grad():  # a .grad replaced behind our back: its values go out
-                self._views[i].copy_(p.grad)
+        with torch.no_grad():
+            self._copy_replaced(i)  # its values go out with the flat buffer
         self._in[i] = True
         ready = self._ready_from
         while ready > 0 and self._in[ready - 1]:
@@ -288,14 +286,19 @@ class DistributedOptimizer:
             self._ready_from = ready
             self.worker.gradient_ready(self._start_keys[ready])
 
+    def _copy_replaced(self, i):
+        """Parameter i's .grad into the flat buffer where it was replaced behind our back
+        (zero_grad(set_to_none=True) elsewhere; none: zeros)."""
+        p = self._params[i]
+        if p.grad is None:
+            self._views[i].zero_()
+        elif p.grad.data_ptr() != self._views[i].data_ptr():
+            self._views[i].copy_(p.grad)
+
     def _gather(self):
-        # A .grad replaced behind our back (zero_grad(set_to_none=True) elsewhere) goes back into
-        # the flat buffer, and becomes a view again.
+        # Every .grad into the flat buffer, and a view of it again.
         for i, p in enumerate(self._params):
-            if p.grad is None:
-                self._views[i].zero_()
-            elif p.grad.data_ptr() != self._views[i].data_ptr():
-                self._views[i].copy_(p.grad)
+            self._copy_replaced(i)
             p.grad = self._views[i]
 
     def _plain_sgd(self):
