@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # What a lent GPU machine (the workplace's device tool: one GPU, 16 cores, no network, none of the
 # build's dependencies) checks in one call: unpacks bench/gpu_bundle.sh's bundle, then runs the
-# phases asked for, each bounded by what is left of BUDGET seconds, and packs each phase's files
-# into OUT as it ends (so a call cut short still brings back what finished):
+# phases asked for, in the order asked, each bounded by what is left of BUDGET seconds (a phase
+# is skipped under 20 s left), and packs each phase's files into OUT as it ends (so a call cut
+# short still brings back what finished):
 #   tests    the GPU tests (bench/gpu_checks.sh --steps tests)
 #   train    every device compressor's config trained on the GPU (gpu_checks.sh --steps train)
 #   retrain  sketch_second_round and sbc on both devices (within a point of each other), then
 #            sketch_fetchsgd and allreduce mode's device contribution on the GPU
+#   delay    train.overlap: delay on the GPU: cnn with and without it, quickstart on both devices
 #   bench    sparseps_gpu_bench's selections and sketch insertions, 3 repetitions
 #   goal4    configs/compare_short_1gbit.yaml (issue 21's goals 1, 3 and 4 on cores of their own)
 #   goal5    configs/compare_scaling_short_1gbit.yaml at W = 2 and 8 (goal 5)
@@ -38,7 +40,8 @@ NET_TOOLS=${NET_TOOLS:-$R/.devrun/x/net}
 mkdir -p "$OUT"
 want() { [[ ",$PHASES," == *",$1,"* ]]; }
 left() { echo $((BUDGET - (SECONDS - T0))); }
-cap() { local l; l=$(left); [[ $l -lt $1 ]] && echo "$l" || echo "$1"; }
+# At most $1 seconds, and no more than the budget's rest (at least 1: `timeout 0` never ends).
+cap() { local l; l=$(left); [[ $l -lt 1 ]] && l=1; [[ $l -lt $1 ]] && echo "$l" || echo "$1"; }
 pack() {
   for d in "$@"; do
     [[ -d /tmp/$d ]] && tar --exclude='*.safetensors' --exclude='*.ckpt' -czf "$OUT/$d.tar.gz" -C /tmp "$d"
@@ -78,15 +81,15 @@ echo "netns works: $net"
 # client library (the pybind11 module is built for Debian's Python, not this one).
 export PYTHONPATH=$R/python SPARSEPS_BUILD_DIR=$B SPARSEPS_CLIENT_LIBRARY=$B/client/libsparseps_client.so
 export PYTHONUNBUFFERED=1
-if want pytorch; then
+phase_pytorch() {
   echo "== pytorch at $(date -u +%T), $(left) s left"
   python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda)"
   mkdir -p /tmp/p1
   timeout "$(cap 200)" python3 -m pytest -v -s -p no:cacheprovider tests/python/test_gpu.py \
     2>&1 | tee /tmp/p1/test_gpu.log | grep -E "PASS|FAIL|SKIP|ERROR|accuracy|passed|failed|Error"
   pack p1
-fi
-if want step; then
+}
+phase_step() {
   echo "== step at $(date -u +%T), $(left) s left"
   STEP_METHODS=${STEP_METHODS:-ps_topk,spardl}
   mkdir -p /tmp/s1
@@ -109,8 +112,8 @@ if want step; then
   timeout "$(cap 60)" python3 bench/gpu_step.py --runs /tmp/s1/*-* --out /tmp/s1/gpu_step.json \
     2>&1 | tee /tmp/s1/table.md
   pack s1
-fi
-if want sanitize; then
+}
+phase_sanitize() {
   echo "== sanitize at $(date -u +%T), $(left) s left"
   timeout "$(cap 90)" bash bench/gpu_checks.sh --build-dir "$B" --data "$D" --out /tmp/z1 --steps tests
   for tool in ${SANITIZERS:-memcheck racecheck synccheck}; do
@@ -119,19 +122,19 @@ if want sanitize; then
       --steps $tool
   done
   pack z1
-fi
-if want tests; then
+}
+phase_tests() {
   echo "== tests at $(date -u +%T), $(left) s left"
   timeout "$(cap 170)" bash bench/gpu_checks.sh --build-dir "$B" --data "$D" --out /tmp/g1 --steps tests
   pack g1
-fi
-if want train; then
+}
+phase_train() {
   echo "== train at $(date -u +%T), $(left) s left"
   timeout "$(cap 200)" bash bench/gpu_checks.sh --build-dir "$B" --data "$D" --out /tmp/g2 --steps train \
     --devices cuda
   pack g2
-fi
-if want retrain; then
+}
+phase_retrain() {
   echo "== retrain at $(date -u +%T), $(left) s left"
   ar="quickstart:aggregation=allreduce:collective.algorithm"
   timeout "$(cap 130)" bash bench/gpu_checks.sh --build-dir "$B" --data "$D" --out /tmp/g4 --steps train \
@@ -141,8 +144,17 @@ if want retrain; then
     --train "sketch_fetchsgd $ar=topk_allgather $ar=gtopk $ar=gtopk:compression.selection=scaled_threshold $ar=exdyna $ar=spardl" \
     --devices cuda
   pack g5
-fi
-if want bench; then
+}
+phase_delay() {
+  # train.overlap: delay with a GPU model: the CNN with and without it on the GPU, the quickstart
+  # MLP with it on both devices (within a point of each other).
+  timeout "$(cap 90)" bash bench/gpu_checks.sh --build-dir "$B" --data "$D" --out /tmp/g6 --steps train \
+    --train "cnn cnn:train.overlap=delay" --devices cuda
+  timeout "$(cap 60)" bash bench/gpu_checks.sh --build-dir "$B" --data "$D" --out /tmp/g7 --steps train \
+    --train "quickstart:train.overlap=delay" --devices "cuda cpu"
+  pack g6 g7
+}
+phase_bench() {
   echo "== bench at $(date -u +%T), $(left) s left"
   mkdir -p /tmp/g3
   timeout "$(cap 70)" "$B/bench/sparseps_gpu_bench" --benchmark_repetitions=3 \
@@ -151,25 +163,37 @@ if want bench; then
     --benchmark_out=/tmp/g3/gpu_bench.json --benchmark_out_format=json 2>&1 |
     tee /tmp/g3/gpu_bench.log | grep -E "median"
   pack g3
-fi
-if [[ $net -eq 1 ]] && want goal4; then
+}
+phase_goal4() {
+  [[ $net -eq 1 ]] || { echo "== $FUNCNAME skipped: no network namespaces here"; return; }
   echo "== goal 4 at $(date -u +%T), $(left) s left"
   timeout "$(cap 150)" python3 bench/sparseps-compare --config configs/compare_short_1gbit.yaml \
     --out /tmp/c4 --build-dir "$B"
   pack c4
-fi
-if [[ $net -eq 1 ]] && want goal5; then
+}
+phase_goal5() {
+  [[ $net -eq 1 ]] || { echo "== $FUNCNAME skipped: no network namespaces here"; return; }
   echo "== goal 5 at $(date -u +%T), $(left) s left"
   timeout "$(cap 400)" python3 bench/sparseps-compare --config configs/compare_scaling_short_1gbit.yaml \
     --out /tmp/c5 --build-dir "$B" \
     --only "${SCALING:-ps_topk_w2,ps_topk_w8,ps_topk_stk_w2,ps_topk_stk_w8,gtopk_w2,gtopk_w8,spardl_w2,spardl_w8,exdyna_w2,exdyna_w8,gloo_w2,gloo_w8}"
   pack c5
-fi
-if [[ $net -eq 1 ]] && want gpucompare; then
+}
+phase_gpucompare() {
+  [[ $net -eq 1 ]] || { echo "== $FUNCNAME skipped: no network namespaces here"; return; }
   echo "== gpucompare at $(date -u +%T), $(left) s left"
   timeout "$(cap 480)" python3 bench/sparseps-compare --config configs/compare_torch_gpu_1gbit.yaml \
     --out /tmp/c6 --build-dir "$B"
   pack c6
-fi
+}
+for phase in ${PHASES//,/ }; do
+  if ! declare -F "phase_$phase" >/dev/null; then
+    echo "== unknown phase '$phase' (see the list at the top of bench/device_run.sh)"
+  elif [[ $(left) -lt 20 ]]; then
+    echo "== $phase skipped: $(left) s of the budget left"
+  else
+    "phase_$phase"
+  fi
+done
 bash deploy/netns.sh down --prefix spsc >/dev/null 2>&1
 echo "== end at $(date -u +%T), $(left) s left"

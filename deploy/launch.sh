@@ -176,8 +176,9 @@ if [[ -z "$run_dir" ]]; then
 fi
 mkdir -p "$run_dir"
 run_dir="$(cd "$run_dir" && pwd)"
-# A run directory used before holds the last scheduler's port: the workers would dial it.
-rm -f "$run_dir/scheduler.port" "$run_dir/summary.json"
+# A run directory used before holds the last scheduler's port (the workers would dial it) and the
+# last PyTorch DDP job's file store (examples/torch_job.py: its ranks would count the old ones).
+rm -f "$run_dir/scheduler.port" "$run_dir/summary.json" "$run_dir/ddp.init"
 if [[ -z "$resume" ]]; then
   cp "$config" "$run_dir/config.yaml"
   printf '%s\n' "${sets[@]}" | paste -sd' ' > "$run_dir/overrides.txt"
