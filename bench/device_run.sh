@@ -22,6 +22,8 @@
 #            torch DDP (Gloo, fp16, PowerSGD hooks) against sparseps (issue 41, point 5)
 #   sanitize the GPU tests, then under compute-sanitizer's memcheck, racecheck and synccheck
 #            (SANITIZERS: which of the three)
+# RESUME=1: the comparison phases go on with the runs already in /tmp/c4, /tmp/c5 or /tmp/c6
+# (sparseps-compare --resume: finished settings kept, the others run).
 # STEP_MODELS (cnn,mlp,resnet18), STEP_METHODS (ps_topk,spardl) and STEP_WORKERS (2) narrow the
 # step phase; with one worker the GPU is no worker's to share.
 #
@@ -168,14 +170,14 @@ phase_goal4() {
   [[ $net -eq 1 ]] || { echo "== $FUNCNAME skipped: no network namespaces here"; return; }
   echo "== goal 4 at $(date -u +%T), $(left) s left"
   timeout "$(cap 150)" python3 bench/sparseps-compare --config configs/compare_short_1gbit.yaml \
-    --out /tmp/c4 --build-dir "$B"
+    --out /tmp/c4 --build-dir "$B" ${RESUME:+--resume}
   pack c4
 }
 phase_goal5() {
   [[ $net -eq 1 ]] || { echo "== $FUNCNAME skipped: no network namespaces here"; return; }
   echo "== goal 5 at $(date -u +%T), $(left) s left"
   timeout "$(cap 400)" python3 bench/sparseps-compare --config configs/compare_scaling_short_1gbit.yaml \
-    --out /tmp/c5 --build-dir "$B" \
+    --out /tmp/c5 --build-dir "$B" ${RESUME:+--resume} \
     --only "${SCALING:-ps_topk_w2,ps_topk_w8,ps_topk_stk_w2,ps_topk_stk_w8,gtopk_w2,gtopk_w8,spardl_w2,spardl_w8,exdyna_w2,exdyna_w8,gloo_w2,gloo_w8}"
   pack c5
 }
@@ -183,7 +185,7 @@ phase_gpucompare() {
   [[ $net -eq 1 ]] || { echo "== $FUNCNAME skipped: no network namespaces here"; return; }
   echo "== gpucompare at $(date -u +%T), $(left) s left"
   timeout "$(cap 480)" python3 bench/sparseps-compare --config configs/compare_torch_gpu_1gbit.yaml \
-    --out /tmp/c6 --build-dir "$B"
+    --out /tmp/c6 --build-dir "$B" ${RESUME:+--resume}
   pack c6
 }
 for phase in ${PHASES//,/ }; do

@@ -163,7 +163,18 @@ def run(args, build_model, load_data, perplexity=False):
             state = powerSGD_hook.PowerSGDState(process_group=None,
                                                 matrix_approximation_rank=args.powersgd_rank,
                                                 start_powerSGD_iter=2)
-            model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+            hook = powerSGD_hook.powerSGD_hook
+            if device.type == "cuda":
+                # Gloo completes a CUDA bucket's allreduce on a thread of its own, where the hook
+                # starts the next of its chain (P, then Q): two buckets' chains then interleave
+                # differently on each rank and Gloo pairs tensors of different sizes (an H100,
+                # torch 2.11: "Received data size doesn't match expected size"). One bucket's
+                # chain ends before the next bucket's starts.
+                def hook(state, bucket, chain=powerSGD_hook.powerSGD_hook):
+                    fut = chain(state, bucket)
+                    fut.wait()
+                    return fut
+            model.register_comm_hook(state, hook)
         opt = make_optimizer(args, model.parameters(), get, ddp=True)
     else:
         opt = sparseps.torch.DistributedOptimizer(

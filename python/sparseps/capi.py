@@ -95,6 +95,9 @@ def _declare(lib):
         "worker_free": (None, [handle]),
         "worker_init_buffers": (ctypes.c_int, [handle] + buffers +
                                 [ctypes.POINTER(ctypes.c_char_p)] + err),
+        "worker_init_tensors": (ctypes.c_int, [handle] + buffers +
+                                [ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_size_t),
+                                 ctypes.POINTER(ctypes.c_uint64)] + err),
         "worker_push_pull_update": (ctypes.c_int, [handle] + buffers +
                                     [c_float_p, ctypes.c_double] + err),
         "worker_push_pull_sparse": (ctypes.c_int, [handle] + buffers +
@@ -213,8 +216,12 @@ class Worker:
                 raise Error(INVALID_ARGUMENT, f"names: {len(names)} names for {len(shapes)} "
                             "tensors")
             c_names = (ctypes.c_char_p * len(names))(*[n.encode() for n in names])
-        self._call(library().sparseps_worker_init_buffers, self._handle, array, len(shapes),
-                   c_names)
+        # The tensors' shapes: a method that works layer by layer (powersgd) needs them.
+        ndims = (ctypes.c_size_t * len(shapes))(*[len(s) for s in shapes])
+        flat = [int(d) for s in shapes for d in s]
+        dims = (ctypes.c_uint64 * max(len(flat), 1))(*flat)
+        self._call(library().sparseps_worker_init_tensors, self._handle, array, len(shapes),
+                   c_names, ndims, dims)
         self._shapes = shapes if listed else None
 
     def push_pull(self, grads, sparse=False, loss=None, out=None, params_out=None):
