@@ -4,6 +4,7 @@ push_pull equal the C++ worker's (tests/python/replay_worker.cc) bitwise, and th
 or sparse) is what they moved by (sparseps.torch's DistributedOptimizer on a capi.Worker is in
 test_torch.py); a bad config is a clear error naming the key; and capi loads where the pybind11
 module does not (another Python version)."""
+import ctypes
 import subprocess
 import sys
 
@@ -57,6 +58,24 @@ def test_arrays_that_are_not_float32_are_refused_before_the_library_sees_them(tm
     w = capi.Worker(str(job))
     with pytest.raises(capi.Error, match="float32"):
         w.init(np.zeros(10, dtype=np.float64))
+    w.close()
+
+
+def test_a_shape_that_is_not_its_buffers_size_is_refused(tmp_path):
+    """sparseps_worker_init_tensors, which capi.Worker.init calls with each tensor's shape: a
+    shape whose product is not its buffer's size is an error naming the tensor, before the job
+    is joined (no scheduler here to join)."""
+    job = tmp_path / "job.yaml"
+    job.write_text("train: {lr: 0.1}\n")
+    w = capi.Worker(str(job))
+    a, b = np.zeros(6, dtype=np.float32), np.zeros(16, dtype=np.float32)
+    array = (capi._Buffer * 2)(capi._Buffer(a.ctypes.data, 6, capi.HOST),
+                               capi._Buffer(b.ctypes.data, 16, capi.HOST))
+    ndims = (ctypes.c_size_t * 2)(2, 2)
+    dims = (ctypes.c_uint64 * 4)(2, 3, 3, 5)  # 6 elements, then 15 for a buffer of 16
+    with pytest.raises(capi.Error, match=r"params\[1\]: its shape has 15 elements, its buffer 16"):
+        w._call(capi.library().sparseps_worker_init_tensors, w._handle, array, 2, None, ndims,
+                dims)
     w.close()
 
 

@@ -95,12 +95,14 @@ def test_the_resnets_train_through_sparseps(tmp_path, model):
 
 
 @needs_data
-@pytest.mark.parametrize("method", ["ddp", "ddp_fp16", "ddp_powersgd", "sparseps_powersgd"])
+@pytest.mark.parametrize("method", ["ddp", "ddp_fp16", "ddp_powersgd", "sparseps_powersgd",
+                                    "sparseps_powersgd_capi"])
 def test_example_runs_the_baselines_and_sparseps_powersgd(tmp_path, method):
     """The comparison's torch settings: the example under torch DDP over Gloo (plain, with DDP's
     fp16 hook, with its PowerSGD hook at 2 ranks, where Debian's torch runs it) and through
     sparseps.torch with collective.algorithm: powersgd (the torch model's tensors are its
-    layers); each trains 60 steps of the CNN on 2 workers and its loss falls."""
+    layers; through the pybind11 module or sparseps.capi, which hands the library their shapes
+    too); each trains 60 steps of the CNN on 2 workers and its loss falls."""
     run = tmp_path / "run"
     env = dict(os.environ, SPARSEPS_CACHE=str(tmp_path / "cache"), GLOO_SOCKET_IFNAME="lo")
     command = f"{sys.executable} {ROOT / 'examples' / 'fashion_mnist.py'} --model cnn"
@@ -110,6 +112,7 @@ def test_example_runs_the_baselines_and_sparseps_powersgd(tmp_path, method):
                                 "ddp_powersgd": " --ddp-hook powersgd"}.get(method, ""))
         sets += ["--set", "aggregation=allreduce"]
     else:
+        command += " --capi" if method.endswith("capi") else ""
         sets += ["--set", "aggregation=allreduce", "--set", "collective.algorithm=powersgd",
                  "--set", "collective.momentum=aggregated"]
     p = subprocess.run(
@@ -124,9 +127,10 @@ def test_example_runs_the_baselines_and_sparseps_powersgd(tmp_path, method):
         assert sum(loss[-10:]) < 0.7 * sum(loss[:10]), (method, loss[:10], loss[-10:])
     said = {"ddp": "torch DDP (gloo, none hook)", "ddp_fp16": "torch DDP (gloo, fp16 hook)",
             "ddp_powersgd": "torch DDP (gloo, powersgd hook)",
-            "sparseps_powersgd": "allreduce powersgd"}[method]
+            "sparseps_powersgd": "allreduce powersgd",
+            "sparseps_powersgd_capi": "allreduce powersgd"}[method]
     assert said in (run / "worker-0.log").read_text()
-    if method == "sparseps_powersgd":
+    if method.startswith("sparseps"):
         # Rank-4 factors of the conv and dense layers: far fewer bytes than the 215,370 floats.
         rows = read_csv(run / "metrics-worker-0.csv")
         assert all(0 < int(r["bytes_sent"]) < 0.2 * 4 * 215370 for r in rows[1:])

@@ -79,6 +79,15 @@ int sparseps_worker_push_pull(sparseps_worker* worker, float* grad, float* param
  * parameters into them; names (count of them, or NULL) name the model file's tensors. */
 int sparseps_worker_init_buffers(sparseps_worker* worker, const sparseps_buffer* params,
                                  size_t count, const char* const* names, char* err, size_t err_len);
+/* As sparseps_worker_init_buffers, with each tensor's shape: tensor i has ndims[i] dimensions,
+ * the next ndims[i] entries of dims (all the shapes one after the other; their product is the
+ * buffer's size, or SPARSEPS_INVALID_ARGUMENT). A method that works layer by layer
+ * (collective.algorithm: powersgd) compresses each tensor as the matrix of its first dimension
+ * by the rest; with init_buffers every tensor is a vector, which it sums densely. names: count
+ * of them, or NULL ("param<i>"; "params" for one tensor). */
+int sparseps_worker_init_tensors(sparseps_worker* worker, const sparseps_buffer* params,
+                                 size_t count, const char* const* names, const size_t* ndims,
+                                 const uint64_t* dims, char* err, size_t err_len);
 /* One step returning the update: grads laid out as init's buffers (or one of all the elements),
  * on init's device; update (host, num_params elements, zero on entry) gets old minus new
  * parameters where they changed. loss: the step's training loss for the live metrics (NaN:
