@@ -254,12 +254,10 @@ def render():
             "advise": advise() + entered(hand.get("advise", [])),
             "gpu": entered(hand["gpu"]) + [
                 "Not measured on a GPU yet (issue 41): the host-device bytes of a step; "
-                "overlap of communication with the backward pass on the GPU (not built); real "
-                "models on GPU workers over emulated Ethernet (the GPU machine has no ip or tc: "
-                "bench/device_run.sh's NET_TOOLS must carry them); `train.overlap: delay` with a "
-                "GPU model; the device sketch's fp16 tables (a case of "
-                "GpuSketchCompressor.PushesEqualTheCpuCompressor not yet run on a GPU); "
-                "tests/python/test_gpu.py, memcheck and synccheck since f4b5423's kernel fix."]}
+                "overlap of communication with the backward pass on the GPU (not built); "
+                "sparseps's own PowerSGD on GPU workers (its row in the ResNet-18 comparison ran "
+                "densely, before a5935e0); the GPU comparison at 10 Gbit/s and with the language "
+                "model; racecheck on an H100 since f4b5423 (it ran there on an H200)."]}
     out = ["# Results", "",
            "What sparseps measures now, one section per question. Every figure names its "
            "command, machine, date and commit. This page is rendered by "
