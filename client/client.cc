@@ -8,6 +8,8 @@
 #include <atomic>
 #include <chrono>
 #include <functional>
+#include <limits>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <utility>
@@ -19,6 +21,7 @@
 #include "transport/van.h"
 #include "worker/device_buffer.h"
 #include "worker/session.h"
+#include "worker/step_trace.h"
 #include "worker/training_log.h"
 
 namespace sparseps::client {
@@ -67,6 +70,11 @@ struct Worker::Impl {
   // BeginStep started this step's aggregation (its recording too) on begun_grad.
   std::atomic<bool> begun{false};
   float* begun_grad = nullptr;
+  // metrics.trace_steps: trace-worker-<rank>.csv, as sparseps-worker writes it; the compute lane
+  // runs from the last push-pull's return to this one's call, split where GradientReady reported.
+  StepTrace trace;
+  bool tracing = false;  // the next step is traced
+  std::mutex trace_mu;   // GradientReady's reports (any thread)
 
   // The loop's position in a checkpoint: the steps done.
   std::function<void(StateArchive&)> LoopState() {
@@ -215,6 +223,8 @@ void Worker::Impl::Join(std::span<const Buffer> params, const std::vector<Tensor
   // which the loop writes itself.
   log.emplace(config, session->rank(), 0, 0, /*leader=*/false);
   Check(log->StartMetrics());
+  Check(trace.Open(config, session->rank(), layers));
+  tracing = trace.traced(steps + 1);
   last_return = Clock::now();
   for (size_t i = 0, offset = 0; i < params.size(); offset += sizes[i], ++i) {
     Check(CopyFloats(params[i].data, device != kHost, a.params().data() + offset, false, sizes[i]));
@@ -267,6 +277,7 @@ float* Worker::Impl::Gradient(std::span<const Buffer> grads) {
 }
 
 void Worker::Impl::Step(float* grad, double loss, bool record, float* out) {
+  const auto called = Clock::now();
   Aggregator& a = agg();
   // The loop's forward and backward: the time since the previous push-pull returned.
   const double compute_ms =
@@ -278,19 +289,27 @@ void Worker::Impl::Step(float* grad, double loss, bool record, float* out) {
         "begin_step started this step: finish it with push_pull(sparse=True) (PushPullSparse)"));
   }
   if (record && !begun) recorder.Begin(out, a.num_params());
+  const bool was_begun = begun;
   begun = false;
   try {
     Wait(
         [&] {
           last = StepStats{};
-          if (on_device) {
-            auto p = a.ModelParams();  // the device copy, brought up to date
+          // The device copy, brought up to date; a begun step's was at BeginStep (its pushes'
+          // thread is applying pull replies now).
+          if (on_device && !was_begun) {
+            auto p = a.ModelParams();
             if (!p.ok()) return p.status();
           }
           return a.Step(grad, on_device, &last);
         },
         /*report_failure=*/true);
     ++steps;
+    if (tracing) {
+      std::lock_guard<std::mutex> lock(trace_mu);
+      trace.Step(steps, last_return, called, Clock::now(), last);
+    }
+    tracing = trace.traced(steps + 1);
     Check(session->RecordStep(*log, steps, epoch + 1, loss, compute_ms, last, LoopState(), layers));
   } catch (...) {
     recorder.Cancel();  // a failed step records nothing, and nothing after it
@@ -339,17 +358,30 @@ bool Worker::BeginStep(Buffer grad) {
   Aggregator& a = m.agg();
   const size_t n = a.num_params();
   if (m.begun) Raise(Status::FailedPrecondition("begin_step: this step has begun already"));
-  if (m.config.aggregation() != proto::PS || !a.overlaps() || m.device != kHost) return false;
-  if (grad.size != n || grad.device != kHost || grad.data == nullptr) {
+  // On the device the schedule must compress there (a device compressor per key range).
+  if (m.config.aggregation() != proto::PS || !a.overlaps() ||
+      (m.device != kHost && !a.takes_device_gradient())) {
+    return false;
+  }
+  if (grad.size != n || grad.device != m.device || grad.data == nullptr) {
     Raise(Status::InvalidArgument("begin_step: grad has " + std::to_string(grad.size) +
                                   " elements on " + DeviceName(grad.device) +
-                                  "; it must be the one flat host buffer of all " +
-                                  std::to_string(n) + " that push_pull will get"));
+                                  "; it must be the one flat buffer of all " + std::to_string(n) +
+                                  " on " + DeviceName(m.device) + " that push_pull will get"));
   }
   // The pull replies that come during the backward pass change the parameters: the recording
   // starts now (the observer runs on the aggregation's thread; the step reads it after the join).
   m.recorder.Begin(nullptr, n);
   m.begun_grad = grad.data;
+  if (m.device != kHost) {
+    // Weight decay reads the device copy of the parameters while the pushes go: up to date now,
+    // before the pushes' thread applies this step's pull replies.
+    auto p = a.ModelParams();
+    if (!p.ok()) {
+      m.recorder.Cancel();
+      Raise(p.status());
+    }
+  }
   m.begun = a.BeginStep(grad.data);
   if (!m.begun) m.recorder.Cancel();
   return m.begun;
@@ -357,7 +389,12 @@ bool Worker::BeginStep(Buffer grad) {
 
 void Worker::GradientReady(size_t key_begin) {
   Impl& m = *impl_;
-  if (m.begun) m.agg().GradientReady(key_begin);
+  if (!m.begun) return;
+  if (m.tracing) {
+    std::lock_guard<std::mutex> lock(m.trace_mu);
+    m.trace.LayerDone(key_begin, Clock::now());
+  }
+  m.agg().GradientReady(key_begin);
 }
 
 std::span<const float> Worker::params() const {

@@ -508,15 +508,17 @@ it joins at and `step` that iteration (`rejoined` is True): it goes on from ther
            py::arg("loss") = py::none(), py::arg("out") = py::none(),
            py::arg("params_out") = py::none(), kPushPullDoc)
       .def("begin_step", &Worker::BeginStep, py::arg("grad"), R"doc(
-train.overlap: backward (ps mode, CPU tensors): starts this step's aggregation before the gradient
-is whole. grad: the one flat float32 tensor of all the model's elements that the backward pass is
-writing and that this step's push_pull(grad, sparse=True) gets; each server key range of it is
-compressed and pushed, on a thread of the library's own, once gradient_ready has reported it.
+train.overlap: backward (ps mode; CPU tensors, or CUDA tensors where the encoding has a device
+compressor): starts this step's aggregation before the gradient is whole. grad: the one flat
+float32 tensor of all the model's elements that the backward pass is writing and that this step's
+push_pull(grad, sparse=True) gets; each server key range of it is compressed and pushed, on a
+thread of the library's own, once gradient_ready has reported it.
 Returns False and starts nothing where the job does not overlap (push_pull then does the whole
 step). sparseps.torch.DistributedOptimizer(overlap=True) calls it from gradient hooks.)doc")
       .def("gradient_ready", &Worker::GradientReady, py::arg("key_begin"),
            "After begin_step: grad[key_begin:] is final for this step (every key from key_begin "
-           "on). Thread-safe; does nothing without begin_step.")
+           "on; CUDA: the kernels that wrote it have completed). Thread-safe; does nothing "
+           "without begin_step.")
       .def("params", &Worker::Params, "The job's parameters as this worker holds them (a copy).")
       .def("residual", &Worker::Residual,
            "What this worker holds back for later steps (its residual; a copy).")

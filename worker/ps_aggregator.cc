@@ -21,8 +21,9 @@ class PsAggregator final : public Aggregator {
     control_ = control;
     ps_ = std::make_unique<PsClient>(context_, control->membership(), control->rank(), control,
                                      PsClientOptionsFor(config_));
-    auto made = MakeStepSchedule(
-        PsStepContext{&config_, ps_.get(), &params_, &model_, &push_round_}, model_on_device_);
+    auto made = MakeStepSchedule(PsStepContext{&config_, ps_.get(), &params_, &model_, &push_round_,
+                                               model_on_device_ ? &params_d_ : nullptr},
+                                 model_on_device_);
     if (!made.ok()) return made.status();
     schedule_ = std::move(*made);
     WillChangeFn will_change = [this](uint64_t begin, std::span<const uint32_t> keys, bool all) {

@@ -298,6 +298,11 @@ Status TrainingLoop::Open() {
   // train.overlap: backward hands each layer's gradient to the aggregator as the backward pass
   // finishes it; the trace records when.
   overlap_ = aggregator_.overlaps() && !on_device_;
+  if (aggregator_.overlaps() && on_device_) {
+    spdlog::warn(
+        "train.overlap: backward: the GPU models do not report their layers' gradients yet; "
+        "this worker's communication starts after the backward pass");
+  }
   if (overlap_ || trace_.traced(1)) {
     model_.set_gradient_ready([this](size_t key) {
       if (tracing_) trace_.LayerDone(key, Clock::now());

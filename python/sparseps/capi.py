@@ -266,10 +266,10 @@ class Worker:
         return out
 
     def begin_step(self, grad):
-        """train.overlap: backward (ps mode, CPU tensors): starts this step's aggregation on
-        grad, the one flat float32 tensor the backward pass is writing and this step's
-        push_pull(grad, sparse=True) gets (sparseps.Worker.begin_step). False: the job does not
-        overlap, nothing started."""
+        """train.overlap: backward (ps mode; CPU tensors, or CUDA tensors where the encoding has
+        a device compressor): starts this step's aggregation on grad, the one flat float32
+        tensor the backward pass is writing and this step's push_pull(grad, sparse=True) gets
+        (sparseps.Worker.begin_step). False: the job does not overlap, nothing started."""
         array, shapes, listed = _buffers(grad, "grad")
         if listed:
             raise ValueError("begin_step: grad is one flat tensor of all the model's elements")
@@ -278,7 +278,8 @@ class Worker:
         return bool(begun.value)
 
     def gradient_ready(self, key_begin):
-        """After begin_step: grad[key_begin:] is final for this step. Thread-safe."""
+        """After begin_step: grad[key_begin:] is final for this step (CUDA: the kernels that
+        wrote it have completed). Thread-safe."""
         self._call(library().sparseps_worker_gradient_ready, self._handle, int(key_begin))
 
     def _dense_out(self, obj, name, sparse):

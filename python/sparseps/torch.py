@@ -194,11 +194,13 @@ class DistributedOptimizer:
     gradient's size says little once Adam rescales it) and the residual keeps the rest in those
     units (docs/results.md, "AdamW at density 0.1%", measures it on the language model).
 
-    overlap=True (a job with train.overlap: backward, ps mode, CPU tensors) pushes each server's
-    key range of the gradient while the backward pass goes on, as torch DDP's buckets and
-    Horovod's hooks do: a hook on each parameter's gradient accumulation starts the step
-    (worker.begin_step) at the first gradient of the step and reports the part of the flat buffer
-    whose gradients are all in (worker.gradient_ready); step() then waits for the rest. One
+    overlap=True (a job with train.overlap: backward, ps mode; CPU tensors, or CUDA tensors
+    where the encoding has a device compressor, each range then compressed on the GPU) pushes
+    each server's key range of the gradient while the backward pass goes on, as torch DDP's
+    buckets and Horovod's hooks do: a hook on each parameter's gradient accumulation starts the
+    step (worker.begin_step) at the first gradient of the step and reports the part of the flat
+    buffer whose gradients are all in (worker.gradient_ready; on a GPU once the backward pass's
+    stream has run that far); step() then waits for the rest. One
     backward pass per step (the pushes leave as the first one ends); with aggregate="gradient"
     only and without freeze_variance_step (both change the gradient in step(), after the pushes
     left). Where the job does not overlap, step() does the whole step as without it.
@@ -284,6 +286,10 @@ class DistributedOptimizer:
             ready -= 1
         if ready < self._ready_from:
             self._ready_from = ready
+            if self._flat.is_cuda:
+                # The library reads the range on streams of its own: the gradient's kernels and
+                # the copies above, queued on the backward pass's stream, must have run.
+                torch.cuda.current_stream(self._flat.device).synchronize()
             self.worker.gradient_ready(self._start_keys[ready])
 
     def _copy_replaced(self, i):

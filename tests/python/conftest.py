@@ -1,6 +1,7 @@
 """Test support for the Python module: a sparseps job's scheduler and servers started as the real
 daemons (from the build, SPARSEPS_BUILD_DIR), stopped by pid when a test ends, and workers run as
 threads of the test (each sparseps.Worker releases the GIL while it waits)."""
+import csv
 import os
 import pathlib
 import subprocess
@@ -173,3 +174,64 @@ def launch_example(tmp_path, config, command, sets=(), name="run", timeout=300):
     p = subprocess.run(args, capture_output=True, text=True, env=env, timeout=timeout)
     assert p.returncode == 0, p.stdout + p.stderr
     return run
+
+
+def overlap_pushes_during_the_backward_pass_and_changes_nothing(cluster, backend, device):
+    """DistributedOptimizer(overlap=True) with train.overlap: backward, one worker, two servers
+    (two key ranges), PS top-k 30% with momentum, the model on `device` (cuda: each range
+    compressed on the GPU): the last layer (keys 52 to 371) covers the second range, so its push
+    leaves while the first layer's gradient is still to come (a hook on that gradient waits for
+    bytes_sent to grow; without the overlap nothing has left then). The same job stepped without
+    the hooks (the ranges compressed one after the other in step()) ends with the same
+    parameters bit for bit. The trace (metrics.trace_steps, trace-worker-0.csv) shows it: with
+    the hooks range 1's encoding starts before the backward pass ends, without them after.
+    `backend`: sparseps.Worker or sparseps.capi.Worker."""
+    import torch  # only the tests that use it need it
+    import sparseps.torch
+
+    def train(overlap):
+        c = cluster("train: {lr: 0.1, momentum: 0.9, overlap: backward}\n"
+                    "compression: {encoding: topk, density: 0.3}\n"
+                    "metrics: {trace_steps: 10}\n", workers=1)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(12, 4), torch.nn.ReLU(),
+                                    torch.nn.Linear(4, 64)).to(device)
+        opt = sparseps.torch.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            backend(str(c.job), rank=0, overrides=c.overrides), overlap=overlap)
+        sent_early = []
+
+        def first_layer_gradient(grad):
+            deadline = time.monotonic() + (20 if overlap else 0)
+            while opt.worker.bytes_sent == before and time.monotonic() < deadline:
+                time.sleep(0.001)
+            sent_early.append(opt.worker.bytes_sent > before)
+
+        model[0].weight.register_hook(first_layer_gradient)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(10):
+            opt.zero_grad()
+            before = opt.worker.bytes_sent
+            model(torch.randn(8, 12, generator=g).to(device)).pow(2).mean().backward()
+            assert sent_early == [overlap] * len(sent_early), sent_early
+            opt.step()
+        params = [p.detach().cpu().clone() for p in model.parameters()]
+        opt.worker.finish()
+        assert len(sent_early) == 10
+        backward_end, range1_from = {}, {}
+        with open(c.run_dir / "trace-worker-0.csv") as f:
+            for row in csv.DictReader(f):
+                step = int(row["step"])
+                if row["lane"] == "compute":
+                    backward_end[step] = max(backward_end.get(step, 0.0), float(row["end_ms"]))
+                if row["lane"] == "range1" and row["event"] == "encode":
+                    range1_from[step] = float(row["start_ms"])
+        assert sorted(backward_end) == sorted(range1_from) == list(range(1, 11))
+        early = [range1_from[s] < backward_end[s] for s in range(1, 11)]
+        assert early == [overlap] * 10, (backward_end, range1_from)
+        return params
+
+    overlapped = train(True)
+    plain = train(False)
+    for a, b in zip(overlapped, plain):
+        assert torch.equal(a, b)

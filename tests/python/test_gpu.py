@@ -1,7 +1,9 @@
 """PyTorch on a CUDA device through sparseps (the path a PyTorch user with a GPU takes): the
 example trains the CNN with CUDA tensors through sparseps.torch.DistributedOptimizer, the PS's
 top-k compressing on the device, to the CPU run's test accuracy within half a point; DDP with
-sparse_allreduce_hook on CUDA tensors keeps the workers equal and the averaged gradient sparse.
+sparse_allreduce_hook on CUDA tensors keeps the workers equal and the averaged gradient sparse;
+train.overlap: backward pushes each key range, compressed on the device, during the backward
+pass.
 
 Where torch sees no CUDA device (CI) every test here skips. Only sparseps.capi is used: it loads
 in any Python 3 and any PyTorch (a GPU machine's own, which the pybind11 module is not built for);
@@ -12,7 +14,8 @@ import sys
 import pytest
 import torch
 
-from conftest import DATA, ROOT, ddp_hook_keeps_the_workers_equal_and_sparse, launch_example
+from conftest import (DATA, ROOT, ddp_hook_keeps_the_workers_equal_and_sparse, launch_example,
+                      overlap_pushes_during_the_backward_pass_and_changes_nothing)
 from sparseps import capi
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -58,3 +61,9 @@ def test_example_trains_on_the_gpu_to_the_cpu_accuracy(tmp_path):
 
 def test_ddp_hook_on_cuda_tensors_keeps_the_workers_equal_and_sparse(cluster, tmp_path):
     ddp_hook_keeps_the_workers_equal_and_sparse(cluster, tmp_path, "cuda")
+
+
+def test_overlap_pushes_during_the_backward_pass_on_the_gpu(cluster):
+    """train.overlap: backward with CUDA tensors: each key range compressed on the GPU and pushed
+    while the backward pass goes on, the result bit for bit the job stepped without the hooks."""
+    overlap_pushes_during_the_backward_pass_and_changes_nothing(cluster, capi.Worker, "cuda")

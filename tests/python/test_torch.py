@@ -8,7 +8,6 @@ import pathlib
 import subprocess
 import sys
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -18,7 +17,8 @@ import sparseps
 import sparseps.torch
 from sparseps import capi
 from conftest import (BUILD, DATA, ROOT, ddp_hook_keeps_the_workers_equal_and_sparse,
-                      launch_example, run_threads)
+                      launch_example, overlap_pushes_during_the_backward_pass_and_changes_nothing,
+                      run_threads)
 
 needs_data = pytest.mark.skipif(not (DATA / "train-images-idx3-ubyte.gz").exists(),
                                 reason="Fashion-MNIST not installed (deploy/install-deps.sh)")
@@ -380,45 +380,8 @@ def test_frozen_variance_adam_is_adam_with_the_second_moment_held(cluster, cls):
 
 @pytest.mark.parametrize("backend", [sparseps.Worker, capi.Worker], ids=["module", "capi"])
 def test_overlap_pushes_during_the_backward_pass_and_changes_nothing(cluster, backend):
-    """DistributedOptimizer(overlap=True) with train.overlap: backward, one worker, two servers
-    (two key ranges), PS top-k 30% with momentum: the last layer (keys 52 to 371) covers the
-    second range, so its push leaves while the first layer's gradient is still to come (a hook on
-    that gradient waits for bytes_sent to grow; without the overlap nothing has left then). The
-    same job stepped without the hooks (the ranges compressed one after the other in step())
-    ends with the same parameters bit for bit. Through the pybind11 module and through capi."""
-    def train(overlap):
-        c = cluster("train: {lr: 0.1, momentum: 0.9, overlap: backward}\n"
-                    "compression: {encoding: topk, density: 0.3}\n", workers=1)
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(12, 4), torch.nn.ReLU(), torch.nn.Linear(4, 64))
-        opt = sparseps.torch.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.1),
-            backend(str(c.job), rank=0, overrides=c.overrides), overlap=overlap)
-        sent_early = []
-
-        def first_layer_gradient(grad):
-            deadline = time.monotonic() + (20 if overlap else 0)
-            while opt.worker.bytes_sent == before and time.monotonic() < deadline:
-                time.sleep(0.001)
-            sent_early.append(opt.worker.bytes_sent > before)
-
-        model[0].weight.register_hook(first_layer_gradient)
-        g = torch.Generator().manual_seed(1)
-        for _ in range(10):
-            opt.zero_grad()
-            before = opt.worker.bytes_sent
-            model(torch.randn(8, 12, generator=g)).pow(2).mean().backward()
-            assert sent_early == [overlap] * len(sent_early), sent_early
-            opt.step()
-        params = [p.detach().clone() for p in model.parameters()]
-        opt.worker.finish()
-        assert len(sent_early) == 10
-        return params
-
-    overlapped = train(True)
-    plain = train(False)
-    for a, b in zip(overlapped, plain):
-        assert torch.equal(a, b)
+    """Through the pybind11 module and through capi, on the CPU (test_gpu.py: on a GPU)."""
+    overlap_pushes_during_the_backward_pass_and_changes_nothing(cluster, backend, "cpu")
 
 
 def test_overlap_is_refused_where_step_changes_the_gradient(cluster):

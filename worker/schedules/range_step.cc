@@ -8,22 +8,48 @@
 #include "encodings/registry.h"
 #include "kernels/error_feedback.h"
 #include "worker/aggregator_internal.h"
+#include "worker/device_buffer.h"
 
 namespace sparseps {
 
-RangeStep::RangeStep(const PsStepContext& ctx) : ctx_(ctx) {
+std::unique_ptr<StepSchedule> RangeStep::OnHost(const PsStepContext& ctx) {
+  std::vector<std::unique_ptr<Compressor>> slices;
+  for (const auto& r : ctx.ps->ranges()) slices.push_back(MakeCompressor(*ctx.config, r.size()));
+  return std::unique_ptr<StepSchedule>(new RangeStep(ctx, std::move(slices), false));
+}
+
+Result<std::unique_ptr<StepSchedule>> RangeStep::OnDevice(const PsStepContext& ctx) {
+  const proto::JobConfig& config = *ctx.config;
+  if (config.compression().local_iterations() > 1) return std::unique_ptr<StepSchedule>();
+  std::vector<std::unique_ptr<Compressor>> slices;
+  for (const auto& r : ctx.ps->ranges()) {
+    if (r.size() == 0) {  // a server without keys (more servers than keys): nothing to compress
+      slices.push_back(MakeCompressor(config, 0));
+      continue;
+    }
+    auto made = MakeGpuCompressor(config, r.size());
+    if (!made.ok()) return made.status();
+    if (!*made) return std::unique_ptr<StepSchedule>();  // no device compressor
+    slices.push_back(std::move(*made));
+  }
+  return std::unique_ptr<StepSchedule>(new RangeStep(ctx, std::move(slices), true));
+}
+
+RangeStep::RangeStep(const PsStepContext& ctx, std::vector<std::unique_ptr<Compressor>> slices,
+                     bool on_device)
+    : ctx_(ctx), slices_(std::move(slices)), on_device_(on_device) {
   const proto::JobConfig& config = *ctx_.config;
-  for (const auto& r : ctx_.ps->ranges()) {
-    slices_.push_back(MakeCompressor(config, r.size()));
-    slices_.back()->set_key_base(r.begin);
+  for (size_t r = 0; r < slices_.size(); ++r) {
+    slices_[r]->set_key_base(ctx_.ps->ranges()[r].begin);
     // After every push the pulled parameters replace SBC's local copy.
-    slices_.back()->set_pull_replaces_params(true);
+    slices_[r]->set_pull_replaces_params(true);
   }
   times_.assign(ctx_.ps->ranges().size(), RangeTimes{});
   spdlog::info(
-      "train.overlap: backward: {} key ranges, each pushed as soon as the backward pass has "
+      "train.overlap: backward: {} key ranges, each {}pushed as soon as the backward pass has "
       "finished it ({} first)",
-      slices_.size(), config.train().overlap_priority() == proto::FRONT_FIRST ? "front" : "back");
+      slices_.size(), on_device_ ? "compressed on the device and " : "",
+      config.train().overlap_priority() == proto::FRONT_FIRST ? "front" : "back");
 }
 
 RangeStep::~RangeStep() {
@@ -115,12 +141,28 @@ Status RangeStep::PushRange(size_t r, float* grad, bool* pushed) {
   RangeTimes& t = times_[r];
   t.encoded_from = Clock::now();
   float* g = grad + range.begin;
-  float* model = (*ctx_.model)->Trained(/*on_device=*/false, nullptr) + range.begin;
-  if (const float wd = static_cast<float>(ctx_.config->train().weight_decay()); wd > 0.0f) {
-    kernels::Axpy(wd, model, g, range.size());
-  }
   Compressor& c = *slices_[r];
-  *pushed = c.LocalStep(g, model);
+  if (on_device_) {
+    // The model's parameters on the device, as WholeStep hands them to a device compressor.
+    float* model = ctx_.params_d != nullptr && ctx_.params_d->size() == num_params()
+                       ? ctx_.params_d->data() + range.begin
+                       : nullptr;
+    if (const float wd = static_cast<float>(ctx_.config->train().weight_decay()); wd > 0.0f) {
+      if (model == nullptr) {
+        return Status::FailedPrecondition(
+            "train.weight_decay with train.overlap: backward on the device: the model's "
+            "parameters are not on the device");
+      }
+      SPARSEPS_RETURN_IF_ERROR(DeviceAxpy(wd, model, g, range.size()));
+    }
+    *pushed = c.LocalStep(g, model);  // no local copy on the device ranges (OnDevice)
+  } else {
+    float* model = (*ctx_.model)->Trained(/*on_device=*/false, nullptr) + range.begin;
+    if (const float wd = static_cast<float>(ctx_.config->train().weight_decay()); wd > 0.0f) {
+      kernels::Axpy(wd, model, g, range.size());
+    }
+    *pushed = c.LocalStep(g, model);
+  }
   if (*pushed) {
     one_.clear();
     SPARSEPS_RETURN_IF_ERROR(c.Compress(g, {KeyRange{0, range.size()}}, &one_));

@@ -16,9 +16,19 @@ namespace sparseps {
 // from a thread of the schedule's own while the model computes (BeginStep / GradientReady), in
 // train.overlap_priority's order; while it waits for the next range it applies the pull replies
 // that came. Weight decay goes range by range here, with the compression.
+//
+// On the device (OnDevice) the gradient is device memory and each range's compressor is the
+// encoding's device compressor: only a range's encoded payload comes to the host. The caller
+// reports a range with GradientReady once the device has finished writing it (the gradient's
+// kernels completed, not only queued: the compressors read it on streams of their own).
 class RangeStep final : public StepSchedule {
  public:
-  explicit RangeStep(const PsStepContext& ctx);
+  // The host's schedule: the encoding's CPU compressor per key range.
+  static std::unique_ptr<StepSchedule> OnHost(const PsStepContext& ctx);
+  // The device's: the encoding's device compressor per key range, or null (not an error) when the
+  // encoding has none (or the build no CUDA) or trains a local copy (local_iterations > 1), which
+  // the ranges cannot do on the device. Errors: device memory or a stream for a compressor.
+  static Result<std::unique_ptr<StepSchedule>> OnDevice(const PsStepContext& ctx);
   // A step abandoned between BeginStep and Step (the trainer failed): its thread gives up.
   ~RangeStep() override;
 
@@ -38,8 +48,11 @@ class RangeStep final : public StepSchedule {
   void OnChanged(uint64_t begin, std::span<const uint32_t> keys,
                  std::span<const float> delta) override;
   bool trains_local_copy() const override { return slices_.front()->trains_local_copy(); }
+  bool takes_device_gradient() const override { return on_device_; }
 
  private:
+  RangeStep(const PsStepContext& ctx, std::vector<std::unique_ptr<Compressor>> slices,
+            bool on_device);
   size_t num_params() const { return ctx_.params->size(); }
   // Ranges that every key from `key_begin` on covers become ready at `now` (under mu_, or before
   // the thread starts).
@@ -57,6 +70,7 @@ class RangeStep final : public StepSchedule {
 
   PsStepContext ctx_;
   std::vector<std::unique_ptr<Compressor>> slices_;  // one per key range, in key order
+  const bool on_device_;                             // the gradient and the slices' work
   std::vector<Message> one_;                         // the push of one range
   std::vector<RangeTimes> times_;                    // this step's, per range
   std::thread comm_;                                 // the step's pushes (BeginStep to Step)

@@ -15,10 +15,16 @@ Result<std::unique_ptr<StepSchedule>> MakeStepSchedule(const PsStepContext& ctx,
   SPARSEPS_RETURN_IF_ERROR(CheckEncoding(config));
   const proto::Overlap overlap = config.train().overlap();
   if (overlap == proto::BACKWARD) {
-    if (!model_on_device) return std::unique_ptr<StepSchedule>(new RangeStep(ctx));
+    if (!model_on_device) return RangeStep::OnHost(ctx);
+    auto ranged = RangeStep::OnDevice(ctx);
+    if (!ranged.ok()) return ranged.status();
+    if (*ranged) return std::move(*ranged);
     spdlog::warn(
-        "train.overlap: backward: the GPU models do not report their layers' gradients yet; "
-        "this worker pushes after the backward pass (as with train.overlap: none)");
+        "train.overlap: backward: compression.encoding {} {} on the device range by range; this "
+        "worker pushes after the backward pass (as with train.overlap: none)",
+        FindEncoding(config.compression().encoding())->name,
+        config.compression().local_iterations() > 1 ? "with local_iterations > 1 does not run"
+                                                    : "has no compressor that runs");
   }
   std::unique_ptr<Compressor> compressor;
   if (model_on_device) {

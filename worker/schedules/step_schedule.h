@@ -6,7 +6,8 @@
 //   DelayedStep   one iteration in flight: the pull is applied at the next step's start
 //                 (train.overlap: delay, after train.delay_warmup_steps), around either of those;
 //   RangeStep     each key range compressed and pushed as soon as the backward pass finished it,
-//                 from a thread of its own (train.overlap: backward).
+//                 from a thread of its own (train.overlap: backward; on the host, or on the
+//                 device with the encoding's device compressor per range).
 // The PS aggregator (ps_aggregator.cc) holds what every schedule shares (the client, the
 // parameters, where the model computes: model_copy.h, the iteration counter) and keeps the books
 // after a step: the iteration, a checkpoint due, the model's copy told.
@@ -38,6 +39,9 @@ struct PsStepContext {
   // schedule, read at each step.
   const std::unique_ptr<ModelCopy>* model = nullptr;
   int64_t* push_round = nullptr;  // the iteration the next push is of
+  // The model's parameters on the device (a model on the device: weight decay reads them where
+  // a schedule adds it on the device; synced before each step's forward pass). Null on the host.
+  DeviceBuffer* params_d = nullptr;
 };
 
 // How a step ended.
@@ -87,10 +91,11 @@ class StepSchedule {
   virtual bool trains_local_copy() const = 0;
 };
 
-// The schedule for ctx's job: RangeStep for train.overlap: backward on the host (a model on the
-// device pushes after the backward pass: logged), else WholeStep or TwoRoundStep (the sketch's
-// second round), inside a DelayedStep for train.overlap: delay. A model on the device gets the
-// encoding's device compressor where it has one. Errors: device memory for that compressor.
+// The schedule for ctx's job: RangeStep for train.overlap: backward (a model on the device: with
+// a device compressor per key range where the encoding has one and trains no local copy; else it
+// pushes after the backward pass, logged), else WholeStep or TwoRoundStep (the sketch's second
+// round), inside a DelayedStep for train.overlap: delay. A model on the device gets the
+// encoding's device compressor where it has one. Errors: device memory for those compressors.
 Result<std::unique_ptr<StepSchedule>> MakeStepSchedule(const PsStepContext& ctx,
                                                        bool model_on_device);
 

@@ -164,20 +164,23 @@ class Worker {
                               double loss = std::numeric_limits<double>::quiet_NaN(),
                               float* dense_update = nullptr, float* dense_params = nullptr);
 
-  /// train.overlap: backward (PS mode, host buffers): starts this step's aggregation before the
-  /// gradient is whole. `grad` is the one flat buffer of all num_params() elements that the
+  /// train.overlap: backward (PS mode): starts this step's aggregation before the gradient is
+  /// whole. `grad` is the one flat buffer of all num_params() elements (on init's device) that the
   /// backward pass is writing and that the step's PushPullSparse will get; each server key range
-  /// of it is compressed and pushed on a thread of the library's own as soon as GradientReady has
+  /// of it is compressed (on a CUDA device: by the encoding's device compressor, only the payload
+  /// coming to the host) and pushed on a thread of the library's own as soon as GradientReady has
   /// reported it, while the caller's backward pass goes on (BytePS's and DDP's overlap, Horovod's
   /// hooks). Returns false and starts nothing where the job does not overlap (another
-  /// train.overlap, allreduce, a device buffer): PushPullSparse then does the whole step. Call at
-  /// most once per step, then PushPullSparse (the other forms refuse a begun step). Throws
-  /// kInvalidArgument for a buffer that is not one flat host buffer of num_params() elements.
+  /// train.overlap, allreduce, a device buffer whose encoding has no device compressor):
+  /// PushPullSparse then does the whole step. Call at most once per step, then PushPullSparse (the
+  /// other forms refuse a begun step). Throws kInvalidArgument for a buffer that is not one flat
+  /// buffer of num_params() elements on init's device.
   bool BeginStep(Buffer grad);
 
   /// After BeginStep, from the thread running the backward pass: grad[key_begin, num_params())
-  /// is final for this step (every key from key_begin on). Reports of keys already reported are
-  /// ignored; without BeginStep it does nothing. Thread-safe.
+  /// is final for this step (every key from key_begin on; on a device: written, the kernels that
+  /// wrote it completed, since the library reads it on streams of its own). Reports of keys
+  /// already reported are ignored; without BeginStep it does nothing. Thread-safe.
   void GradientReady(size_t key_begin);
 
   /// The job's parameters as this worker holds them (num_params() elements), valid until the

@@ -100,13 +100,15 @@ int sparseps_worker_push_pull_update(sparseps_worker* worker, const sparseps_buf
 int sparseps_worker_push_pull_sparse(sparseps_worker* worker, const sparseps_buffer* grads,
                                      size_t count, double loss, size_t* num_changed, char* err,
                                      size_t err_len);
-/* train.overlap: backward (ps mode, host memory): starts this step's aggregation on grad, the
- * one flat buffer of all num_params elements that the backward pass is writing and that the
- * step's push_pull_sparse gets; each server key range is pushed once gradient_ready has reported
- * it. *begun: 1, or 0 (nothing started) where the job does not overlap. */
+/* train.overlap: backward (ps mode; host memory, or a CUDA device where the encoding has a device
+ * compressor): starts this step's aggregation on grad, the one flat buffer of all num_params
+ * elements on init's device that the backward pass is writing and that the step's
+ * push_pull_sparse gets; each server key range is pushed once gradient_ready has reported it.
+ * *begun: 1, or 0 (nothing started) where the job does not overlap. */
 int sparseps_worker_begin_step(sparseps_worker* worker, const sparseps_buffer* grad, int* begun,
                                char* err, size_t err_len);
-/* After begin_step: grad[key_begin, num_params) is final for this step. Thread-safe. */
+/* After begin_step: grad[key_begin, num_params) is final for this step (on a device: the kernels
+ * that wrote it completed). Thread-safe. */
 int sparseps_worker_gradient_ready(sparseps_worker* worker, size_t key_begin, char* err,
                                    size_t err_len);
 /* The last sparse step's keys (increasing), update (old minus new) and new parameters there,
