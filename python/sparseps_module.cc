@@ -475,6 +475,15 @@ Raises ValueError for a gradient with NaN or Inf (nothing is sent; the job goes 
 naming a missing peer, sparseps.RolledBack when a lost server was replaced and the job went back to
 its newest checkpoint: `step` and params() are then the checkpoint's, and the loop goes on from there.)doc";
 
+constexpr char kBeginStepDoc[] = R"doc(
+train.overlap: backward (ps mode; CPU tensors, or CUDA tensors where the encoding has a device
+compressor): starts this step's aggregation before the gradient is whole. grad: the one flat
+float32 tensor of all the model's elements that the backward pass is writing and that this step's
+push_pull(grad, sparse=True) gets; each server key range of it is compressed and pushed, on a
+thread of the library's own, once gradient_ready has reported it.
+Returns False and starts nothing where the job does not overlap (push_pull then does the whole
+step). sparseps.torch.DistributedOptimizer(overlap=True) calls it from gradient hooks.)doc";
+
 PYBIND11_MODULE(_sparseps, m) {
   using sparseps::Worker;
   m.doc() = "sparseps: sparse, compressed gradient aggregation (parameter server or allreduce)";
@@ -507,14 +516,7 @@ it joins at and `step` that iteration (`rejoined` is True): it goes on from ther
       .def("push_pull", &Worker::PushPull, py::arg("grads"), py::arg("sparse") = false,
            py::arg("loss") = py::none(), py::arg("out") = py::none(),
            py::arg("params_out") = py::none(), kPushPullDoc)
-      .def("begin_step", &Worker::BeginStep, py::arg("grad"), R"doc(
-train.overlap: backward (ps mode; CPU tensors, or CUDA tensors where the encoding has a device
-compressor): starts this step's aggregation before the gradient is whole. grad: the one flat
-float32 tensor of all the model's elements that the backward pass is writing and that this step's
-push_pull(grad, sparse=True) gets; each server key range of it is compressed and pushed, on a
-thread of the library's own, once gradient_ready has reported it.
-Returns False and starts nothing where the job does not overlap (push_pull then does the whole
-step). sparseps.torch.DistributedOptimizer(overlap=True) calls it from gradient hooks.)doc")
+      .def("begin_step", &Worker::BeginStep, py::arg("grad"), kBeginStepDoc)
       .def("gradient_ready", &Worker::GradientReady, py::arg("key_begin"),
            "After begin_step: grad[key_begin:] is final for this step (every key from key_begin "
            "on; CUDA: the kernels that wrote it have completed). Thread-safe; does nothing "
