@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Packs a CUDA build for a GPU machine that lacks the build's dependencies (no apt there, no
 # network): what bench/gpu_checks.sh runs (the GPU tests, worker_test for its device tests,
-# sparseps_gpu_bench and the three daemons) and the client library that sparseps.capi loads (a
+# integration_test for its GPU overlap cases, sparseps_gpu_bench and the three daemons) and the
+# client library that sparseps.capi loads (a
 # PyTorch worker in the GPU machine's own Python), stripped, with the shared libraries they load
 # (but glibc's, libstdc++/libgcc, zlib, libffi and CUDA's runtime and cuBLAS, which the GPU
 # machine has: a copy of those would shadow its PyTorch's; CUDA's runtime goes to lib-cuda/, for
@@ -37,7 +38,7 @@ done
 ls "$data"/*.gz >/dev/null 2>&1 || { echo "gpu_bundle.sh: no Fashion-MNIST .gz files in $data" >&2; exit 1; }
 
 binaries=(tests/gpu_kernels_test tests/gpu_models_test tests/collectives_test tests/worker_test
-  bench/sparseps_gpu_bench scheduler/sparseps-scheduler server/sparseps-server
+  tests/integration_test bench/sparseps_gpu_bench scheduler/sparseps-scheduler server/sparseps-server
   worker/sparseps-worker client/libsparseps_client.so)
 targets=()
 for b in "${binaries[@]}"; do

@@ -47,8 +47,9 @@ class Model {
   // Called during ForwardBackward, in the backward pass's order (last layer first), each time
   // grad[key_begin, num_params()) is final and the call will not read params there again: what a
   // worker may compress and push, and its pull overwrite, before the backward pass ends
-  // (train.overlap: backward). Called on the thread of ForwardBackward; CPU models only (a GPU
-  // model never calls it). Null: no calls.
+  // (train.overlap: backward). Called on the thread of ForwardBackward. A GPU model calls it once
+  // the kernels that wrote the range have completed (it synchronises its stream for each call,
+  // only while a hook is set). Null: no calls.
   using GradientReadyHook = std::function<void(size_t key_begin)>;
   virtual void set_gradient_ready(GradientReadyHook hook) { gradient_ready_ = std::move(hook); }
 
@@ -67,6 +68,8 @@ class Model {
   void GradientReady(size_t key_begin) const {
     if (gradient_ready_) gradient_ready_(key_begin);
   }
+  // A hook is set: GradientReady's calls are heard.
+  bool reports_gradients() const { return static_cast<bool>(gradient_ready_); }
 
  private:
   GradientReadyHook gradient_ready_;

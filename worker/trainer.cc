@@ -297,12 +297,8 @@ Status TrainingLoop::Open() {
   SPARSEPS_RETURN_IF_ERROR(trace_.Open(config_, rank_, layers_));
   // train.overlap: backward hands each layer's gradient to the aggregator as the backward pass
   // finishes it; the trace records when.
-  overlap_ = aggregator_.overlaps() && !on_device_;
-  if (aggregator_.overlaps() && on_device_) {
-    spdlog::warn(
-        "train.overlap: backward: the GPU models do not report their layers' gradients yet; "
-        "this worker's communication starts after the backward pass");
-  }
+  // (A model on the device: only PS mode's ranges overlap there, compressed on the device.)
+  overlap_ = aggregator_.overlaps();
   if (overlap_ || trace_.traced(1)) {
     model_.set_gradient_ready([this](size_t key) {
       if (tracing_) trace_.LayerDone(key, Clock::now());

@@ -248,8 +248,14 @@ TEST_P(OverlapTest, SendsEachPartDuringTheBackwardPass) {
   if (!std::filesystem::exists(std::string(kData) + "/train-images-idx3-ubyte.gz")) {
     GTEST_SKIP() << "Fashion-MNIST not installed (deploy/install-deps.sh installs it)";
   }
-  const auto& [encoding, model] = GetParam();
+  const auto& [encoding, param_model] = GetParam();
   const bool ring = encoding == "ring";
+  // "<model>_cuda": the GPU model, each key range compressed on the device.
+  const bool cuda = param_model.ends_with("_cuda");
+  const std::string model = cuda ? param_model.substr(0, param_model.size() - 5) : param_model;
+  if (cuda) {
+    if (const std::string why = testing::NoGpuInAChild(); !why.empty()) GTEST_SKIP() << why;
+  }
   TempDir dir("overlap");
   const std::string config = std::string(SPARSEPS_SOURCE_DIR) + "/configs/quickstart.yaml";
   std::vector<std::string> sets = {"train.overlap=backward",        "data.max_train_samples=4096",
@@ -257,6 +263,7 @@ TEST_P(OverlapTest, SendsEachPartDuringTheBackwardPass) {
                                    "train.batch_size=64",           "metrics.trace_steps=40",
                                    "cluster.register_timeout_s=60", "run.progress_interval_s=0"};
   sets.push_back(ring ? "aggregation=allreduce" : "compression.encoding=" + encoding);
+  if (cuda) sets.push_back("train.device=cuda");
   if (ring) sets.push_back("collective.algorithm=ring");
   if (model == "cnn") {
     sets.insert(sets.end(), {"model.type=cnn", "model.channels=[8]", "model.hidden=[256]"});
@@ -315,7 +322,8 @@ INSTANTIATE_TEST_SUITE_P(
     Encodings, OverlapTest,
     ::testing::Values(std::make_pair("topk", "mlp"), std::make_pair("sbc", "mlp"),
                       std::make_pair("dense", "mlp"), std::make_pair("sketch", "mlp"),
-                      std::make_pair("topk", "cnn"), std::make_pair("ring", "mlp")),
+                      std::make_pair("topk", "cnn"), std::make_pair("ring", "mlp"),
+                      std::make_pair("topk", "mlp_cuda"), std::make_pair("sketch", "cnn_cuda")),
     [](const auto& info) { return info.param.first + "_" + info.param.second; });
 
 // train.overlap: delay with real daemons: each worker pushes step t and computes step t + 1

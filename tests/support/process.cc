@@ -17,6 +17,8 @@
 #include <sstream>
 #include <thread>
 
+#include "kernels/device.h"
+
 extern char** environ;
 
 namespace sparseps::testing {
@@ -149,7 +151,9 @@ bool WaitForCsvRows(const std::string& path, int64_t rows, double timeout_s) {
 }
 
 std::string BinaryPath(const std::string& relative) {
-  return std::string(SPARSEPS_BINARY_DIR) + "/" + relative;
+  const char* moved = std::getenv("SPARSEPS_TEST_BINARY_DIR");  // a build unpacked elsewhere
+  return std::string(moved != nullptr && *moved != '\0' ? moved : SPARSEPS_BINARY_DIR) + "/" +
+         relative;
 }
 
 void CsvColumn(const std::string& path, const std::string& name, std::vector<double>* values) {
@@ -171,6 +175,17 @@ void CsvColumn(const std::string& path, const std::string& name, std::vector<dou
     ASSERT_GT(cells.size(), col) << path << ": a row without column '" << name << "': " << line;
     values->push_back(std::stod(cells[col]));
   }
+}
+
+std::string NoGpuInAChild() {
+  const pid_t pid = fork();
+  if (pid == 0) {
+    std::string why;
+    _exit(kernels::CudaDeviceAvailable(&why) ? 0 : 1);
+  }
+  int status = 0;
+  if (pid < 0 || waitpid(pid, &status, 0) != pid) return "fork failed";
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0 ? "" : "no CUDA device answers";
 }
 
 }  // namespace sparseps::testing

@@ -68,7 +68,11 @@ bool WaitForCsvRows(const std::string& path, int64_t rows, double timeout_s);
 // missing column or a row without that cell fails the test fatally: call it through
 // ASSERT_NO_FATAL_FAILURE.
 void CsvColumn(const std::string& path, const std::string& name, std::vector<double>* values);
-// Path of a built daemon, e.g. BinaryPath("server/sparseps-server").
+// Path of a built daemon, e.g. BinaryPath("server/sparseps-server"): under the build's folder,
+// or $SPARSEPS_TEST_BINARY_DIR where set (a build unpacked on another machine).
 std::string BinaryPath(const std::string& relative);
+// Why no CUDA device can run a test here ("" when one answers), asked in a child process: a
+// test that forks daemons or workers must not touch CUDA itself first.
+std::string NoGpuInAChild();
 
 }  // namespace sparseps::testing

@@ -22,8 +22,8 @@
 #include <numeric>
 
 #include "encodings/compressor.h"
-#include "kernels/device.h"
 #include "kernels/error_feedback.h"
+#include "tests/support/process.h"
 #include "worker/collectives/collective.h"
 #include "worker/collectives/exdyna.h"
 #include "worker/collectives/powersgd.h"
@@ -812,21 +812,6 @@ TEST(Contribution, DeferredMomentumCorrectionGivesTheSameRuns) {
   }
 }
 
-#if SPARSEPS_HAVE_CUDA
-// Whether a CUDA device answers, asked in a child process: the workers are forked, and a process
-// that has touched CUDA must not fork children that use it.
-std::string NoGpuInAChild() {
-  const pid_t pid = fork();
-  if (pid == 0) {
-    std::string why;
-    _exit(kernels::CudaDeviceAvailable(&why) ? 0 : 1);
-  }
-  int status = 0;
-  if (pid < 0 || waitpid(pid, &status, 0) != pid) return "fork failed";
-  return WIFEXITED(status) && WEXITSTATUS(status) == 0 ? "" : "no CUDA device answers";
-}
-#endif
-
 // A GPU worker's allreduce (GpuContribution: momentum correction, residual and the collective's
 // operations on the device) gives bitwise the updates and residuals of the host path, for every
 // collective and selection mode.
@@ -834,7 +819,7 @@ TEST(GpuContribution, SameUpdatesAndResidualsAsTheHostPath) {
 #if !SPARSEPS_HAVE_CUDA
   GTEST_SKIP() << "no CUDA in this build";
 #else
-  if (const std::string why = NoGpuInAChild(); !why.empty()) GTEST_SKIP() << why;
+  if (const std::string why = sparseps::testing::NoGpuInAChild(); !why.empty()) GTEST_SKIP() << why;
   for (const RunSetup& s : ContributionSetups()) {
     SCOPED_TRACE(SetupName(s));
     RunSetup on_gpu = s;

@@ -177,6 +177,8 @@ TEST(GpuDenseKernels, BiasReluSumRowsSoftmaxMatchCpu) {
 
 // The GPU model's loss, predictions and gradient against the CPU model's on one batch: cuBLAS
 // adds in another order, so equal within float rounding (relative 1e-4 of the largest entry).
+// Both report the same layers in the same order (Model::set_gradient_ready), and what the GPU
+// model reported final was: the gradient read at each report (grad[key, n)) equals the end's.
 void ExpectSameGradient(const proto::ModelConfig& config, size_t batch) {
   Dataset shape;
   shape.rows = shape.cols = 28;
@@ -200,15 +202,36 @@ void ExpectSameGradient(const proto::ModelConfig& config, size_t batch) {
   std::vector<uint8_t> y(batch);
   for (size_t b = 0; b < batch; ++b) y[b] = static_cast<uint8_t>((b * 3) % 10);
   size_t cpu_correct = 0, gpu_correct = 0;
+  std::vector<size_t> cpu_reports, gpu_reports;
+  (*cpu)->set_gradient_ready([&](size_t key) { cpu_reports.push_back(key); });
   const double cpu_loss =
       (*cpu)->ForwardBackward(params.data(), x.data(), y.data(), batch, grad.data(), &cpu_correct);
   DeviceVector<float> d_params(params), d_grad(n);
+  // A stale device gradient: what a report reads must be this step's.
+  CUDA_OK(cudaMemset(d_grad.get(), 0xff, n * sizeof(float)));
+  std::vector<std::vector<float>> read_at_report;
+  (*gpu)->set_gradient_ready([&](size_t key) {
+    gpu_reports.push_back(key);
+    std::vector<float> tail(n - key);
+    EXPECT_EQ(cudaMemcpy(tail.data(), d_grad.get() + key, tail.size() * sizeof(float),
+                         cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    read_at_report.push_back(std::move(tail));
+  });
   const double gpu_loss = (*gpu)->ForwardBackward(d_params.get(), x.data(), y.data(), batch,
                                                   d_grad.get(), &gpu_correct);
   ASSERT_TRUE((*gpu)->status().ok()) << (*gpu)->status().message();
+  EXPECT_EQ(gpu_reports, cpu_reports);
+  ASSERT_FALSE(gpu_reports.empty());
+  EXPECT_EQ(gpu_reports.back(), 0u);
   EXPECT_NEAR(gpu_loss, cpu_loss, 1e-5 * std::fabs(cpu_loss));
   EXPECT_EQ(gpu_correct, cpu_correct);
   const auto gpu_grad = d_grad.ToHost();
+  for (size_t r = 0; r < gpu_reports.size(); ++r) {
+    EXPECT_TRUE(std::equal(read_at_report[r].begin(), read_at_report[r].end(),
+                           gpu_grad.begin() + static_cast<std::ptrdiff_t>(gpu_reports[r])))
+        << "grad[" << gpu_reports[r] << ", n) changed after it was reported final";
+  }
   const float tol = 1e-4f * MaxAbs(grad);
   ASSERT_GT(MaxAbs(grad), 0.0f);
   size_t worst = 0;

@@ -243,6 +243,7 @@ class GpuNet final : public Model {
           SPARSEPS_RETURN_IF_ERROR(Gemm(false, true, batch, n_in, n_out, delta_.p, n_out,
                                         head + w_offset_[l], n_out, d_pooled_.p, n_in));
         }
+        SPARSEPS_RETURN_IF_ERROR(Report(head_offset_ + w_offset_[l]));
         break;
       }
       SPARSEPS_RETURN_IF_ERROR(Gemm(false, true, batch, n_in, n_out, delta_.p, n_out,
@@ -250,6 +251,8 @@ class GpuNet final : public Model {
       GPU_TRY(gpu::ReluBackward(delta_prev_.p, fc_[l - 1].p, batch * n_in, stream_), "relu");
       std::swap(delta_.p, delta_prev_.p);
       std::swap(delta_.cap, delta_prev_.cap);
+      // Layer l's weights and biases (the layout's tail from there), as the CPU model reports.
+      SPARSEPS_RETURN_IF_ERROR(Report(head_offset_ + w_offset_[l]));
     }
     for (size_t i = convs_.size(); i-- > 0;) {
       const Cnn::Conv& c = convs_[i];
@@ -264,12 +267,22 @@ class GpuNet final : public Model {
       GPU_TRY(
           gpu::SumRows(d_act_.p, positions, c.c_out, grad + c.b_offset, sum_scratch_.p, stream_),
           "bias gradient");
-      if (i == 0) break;
+      if (i == 0) return Report(c.w_offset);
       SPARSEPS_RETURN_IF_ERROR(Gemm(false, false, positions, patch, c.c_out, d_act_.p, c.c_out,
                                     params + c.w_offset, patch, d_col_.p, patch));
       GPU_TRY(gpu::Col2ImSame(d_col_.p, batch, c.h, c.w, c.c_in, kernel_, d_pooled_.p, stream_),
               "col2im");
+      SPARSEPS_RETURN_IF_ERROR(Report(c.w_offset));  // conv i's weights and biases on
     }
+    return Status::OK();
+  }
+
+  // grad[key, n) is final: with a hook set (train.overlap: backward, or a trace), once the
+  // kernels queued so far have run, since the hook's reader works on streams of its own.
+  Status Report(size_t key) {
+    if (!reports_gradients()) return Status::OK();
+    GPU_TRY(cudaStreamSynchronize(stream_), "the backward pass up to a layer");
+    GradientReady(key);
     return Status::OK();
   }
 

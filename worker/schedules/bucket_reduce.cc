@@ -157,8 +157,9 @@ std::unique_ptr<ReduceSchedule> MakeReduceSchedule(const ReduceContext& ctx) {
   if (ctx.config->train().overlap() != proto::BACKWARD) return std::make_unique<WholeReduce>(ctx);
   if (ctx.model_on_device) {
     spdlog::warn(
-        "train.overlap: backward: the GPU models do not report their layers' gradients yet; this "
-        "worker runs the collective after the backward pass (as with train.overlap: none)");
+        "train.overlap: backward: allreduce's buckets are not built for a model on the device "
+        "yet; this worker runs the collective after the backward pass (as with "
+        "train.overlap: none)");
     return std::make_unique<WholeReduce>(ctx);
   }
   return std::make_unique<BucketReduce>(ctx);
