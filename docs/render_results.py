@@ -254,7 +254,9 @@ def render():
             "advise": advise() + entered(hand.get("advise", [])),
             "gpu": entered(hand["gpu"]) + [
                 "Not measured on a GPU yet (issue 41): the host-device bytes of a step; "
-                "overlap of communication with the backward pass on the GPU (not built); "
+                "overlap of communication with the backward pass on the GPU (built since 3ab83f3 and "
+                "514d81d, its tests and configs/compare_torch_gpu_1gbit.yaml's overlap setting "
+                "not yet run on a GPU); "
                 "sparseps's own PowerSGD on GPU workers (its row in the ResNet-18 comparison ran "
                 "densely, before a5935e0); the GPU comparison at 10 Gbit/s and with the language "
                 "model; racecheck on an H100 since f4b5423 (it ran there on an H200)."]}
