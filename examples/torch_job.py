@@ -90,6 +90,8 @@ def parser(doc, models, default_model=None):
                     help="with --ddp: DDP's communication hook (fp16_compress_hook, powerSGD_hook)")
     ap.add_argument("--powersgd-rank", type=int, default=4,
                     help="with --ddp-hook powersgd: its matrix_approximation_rank")
+    ap.add_argument("--bucket-cap-mb", type=float, default=25.0,
+                    help="with --ddp: DDP's bucket_cap_mb (the gradient bucket's size)")
     ap.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], default="sgd",
                     help="sgd at train.lr (momentum: train.momentum), or adam / adamw at --opt-lr")
     ap.add_argument("--opt-lr", type=float, default=1e-3, help="adam's and adamw's learning rate")
@@ -154,7 +156,8 @@ def run(args, build_model, load_data, perplexity=False):
         dist.init_process_group("gloo", init_method=f"file://{os.path.abspath(run_dir)}/ddp.init",
                                 rank=worker.rank, world_size=worker.num_workers,
                                 timeout=datetime.timedelta(seconds=get("cluster.request_timeout_s")))
-        model = torch.nn.parallel.DistributedDataParallel(model)  # Gloo takes CUDA tensors too
+        model = torch.nn.parallel.DistributedDataParallel(  # Gloo takes CUDA tensors too
+            model, bucket_cap_mb=args.bucket_cap_mb)
         if args.ddp_hook == "fp16":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
             model.register_comm_hook(None, default_hooks.fp16_compress_hook)
@@ -163,17 +166,15 @@ def run(args, build_model, load_data, perplexity=False):
             state = powerSGD_hook.PowerSGDState(process_group=None,
                                                 matrix_approximation_rank=args.powersgd_rank,
                                                 start_powerSGD_iter=2)
-            hook = powerSGD_hook.powerSGD_hook
-            if device.type == "cuda":
-                # Gloo completes a CUDA bucket's allreduce on a thread of its own, where the hook
-                # starts the next of its chain (P, then Q): two buckets' chains then interleave
-                # differently on each rank and Gloo pairs tensors of different sizes (an H100,
-                # torch 2.11: "Received data size doesn't match expected size"). One bucket's
-                # chain ends before the next bucket's starts.
-                def hook(state, bucket, chain=powerSGD_hook.powerSGD_hook):
-                    fut = chain(state, bucket)
-                    fut.wait()
-                    return fut
+            # Gloo completes a bucket's allreduce on a thread of its own, where the hook starts
+            # the next of its chain (P, then Q): two buckets' chains then interleave differently
+            # on each rank and Gloo pairs tensors of different sizes ("op.preamble.length <=
+            # op.nbytes", an abort: Debian's torch 1.13 at 4 ranks on the CPU, torch 2.11 on an
+            # H100). One bucket's chain ends before the next bucket's starts.
+            def hook(state, bucket):
+                fut = powerSGD_hook.powerSGD_hook(state, bucket)
+                fut.wait()
+                return fut
             model.register_comm_hook(state, hook)
         opt = make_optimizer(args, model.parameters(), get, ddp=True)
     else:
