@@ -20,9 +20,11 @@
 #            and SparDL, 2 workers on loopback, next to PyTorch's own step of each model
 #   gpucompare configs/compare_torch_gpu_1gbit.yaml: ResNet-18 on 4 GPU workers at 1 Gbit/s,
 #            torch DDP (Gloo, fp16, PowerSGD hooks) against sparseps (issue 41, point 5)
+#   gpucompare10 the same at 10 Gbit/s (sparseps-compare --rate 10gbit)
+#   gpulm    configs/compare_lm_gpu_1gbit.yaml: the language model on 4 GPU workers at 1 Gbit/s
 #   sanitize the GPU tests, then under compute-sanitizer's memcheck, racecheck and synccheck
 #            (SANITIZERS: which of the three)
-# RESUME=1: the comparison phases go on with the runs already in /tmp/c4, /tmp/c5 or /tmp/c6
+# RESUME=1: the comparison phases go on with the runs already in their /tmp/cN (c4 to c8)
 # (sparseps-compare --resume: finished settings kept, the others run).
 # STEP_MODELS (cnn,mlp,resnet18), STEP_METHODS (ps_topk,spardl) and STEP_WORKERS (2) narrow the
 # step phase; with one worker the GPU is no worker's to share.
@@ -57,6 +59,10 @@ B=$R/.devrun/x/build
 D=$R/.devrun/data
 # The comparison job reads Fashion-MNIST where Debian's package puts it.
 mkdir -p /usr/share/datasets/fashion-mnist && cp "$D"/*.gz /usr/share/datasets/fashion-mnist/
+# The language model's, where Debian's fortunes package puts them.
+if [[ -d $D/fortunes ]]; then
+  mkdir -p /usr/share/games/fortunes && cp "$D"/fortunes/* /usr/share/games/fortunes/
+fi
 nproc
 nvidia-smi -L
 grep PRETTY /etc/os-release
@@ -187,6 +193,20 @@ phase_gpucompare() {
   timeout "$(cap 480)" python3 bench/sparseps-compare --config configs/compare_torch_gpu_1gbit.yaml \
     --out /tmp/c6 --build-dir "$B" ${RESUME:+--resume}
   pack c6
+}
+phase_gpucompare10() {
+  [[ $net -eq 1 ]] || { echo "== $FUNCNAME skipped: no network namespaces here"; return; }
+  echo "== gpucompare10 at $(date -u +%T), $(left) s left"
+  timeout "$(cap 480)" python3 bench/sparseps-compare --config configs/compare_torch_gpu_1gbit.yaml \
+    --rate 10gbit --out /tmp/c7 --build-dir "$B" ${RESUME:+--resume}
+  pack c7
+}
+phase_gpulm() {
+  [[ $net -eq 1 ]] || { echo "== $FUNCNAME skipped: no network namespaces here"; return; }
+  echo "== gpulm at $(date -u +%T), $(left) s left"
+  timeout "$(cap 480)" python3 bench/sparseps-compare --config configs/compare_lm_gpu_1gbit.yaml \
+    --out /tmp/c8 --build-dir "$B" ${RESUME:+--resume}
+  pack c8
 }
 for phase in ${PHASES//,/ }; do
   if ! declare -F "phase_$phase" >/dev/null; then

@@ -14,7 +14,8 @@
 # DIR: where the bundle goes (default .devrun/, which .gitignore lists); --data: Fashion-MNIST's
 # four .gz files (default /usr/share/datasets/fashion-mnist).
 # Writes DIR/bundle.tar.xz (build/{tests,bench,scheduler,server,worker,client}/..., lib/,
-# lib-cuda/, net/: iproute2's ip and tc with their libraries) and DIR/data/.
+# lib-cuda/, net/: iproute2's ip and tc with their libraries) and DIR/data/ (Fashion-MNIST, and
+# Debian's fortunes in data/fortunes/ where installed).
 # On the GPU machine, from the repository root (DIR = .devrun):
 #   mkdir -p .devrun/x && tar -xJf .devrun/bundle.tar.xz -C .devrun/x
 #   export LD_LIBRARY_PATH=$PWD/.devrun/x/lib:/usr/local/cuda/lib64:$PWD/.devrun/x/lib-cuda
@@ -83,4 +84,8 @@ done
 rm -rf "$out" && mkdir -p "$out/data"
 tar -C "$stage" -cJf "$out/bundle.tar.xz" .
 cp "$data"/*.gz "$out/data/"
+# Debian's fortunes, the language model's text (examples/language_model.py), where installed.
+if [[ -d /usr/share/games/fortunes ]]; then
+  mkdir -p "$out/data/fortunes" && cp -L /usr/share/games/fortunes/* "$out/data/fortunes/"
+fi
 du -sh "$out"/*
