@@ -22,9 +22,11 @@
 #            torch DDP (Gloo, fp16, PowerSGD hooks) against sparseps (issue 41, point 5)
 #   gpucompare10 the same at 10 Gbit/s (sparseps-compare --rate 10gbit)
 #   gpulm    configs/compare_lm_gpu_1gbit.yaml: the language model on 4 GPU workers at 1 Gbit/s
+#   scaling46 issue 46 on the 16 cores: configs/compare_advise.yaml's calibration on loopback and
+#            its settings (ADVISE_ONLY) at W = ADVISE_WORKERS (2 4 8) and ADVISE_RATE (1gbit)
 #   sanitize the GPU tests, then under compute-sanitizer's memcheck, racecheck and synccheck
 #            (SANITIZERS: which of the three)
-# RESUME=1: the comparison phases go on with the runs already in their /tmp/cN (c4 to c8)
+# RESUME=1: the comparison phases go on with the runs already in their /tmp/cN (c4 to c9)
 # (sparseps-compare --resume: finished settings kept, the others run).
 # STEP_MODELS (cnn,mlp,resnet18), STEP_METHODS (ps_topk,spardl) and STEP_WORKERS (2) narrow the
 # step phase; with one worker the GPU is no worker's to share.
@@ -207,6 +209,24 @@ phase_gpulm() {
   timeout "$(cap 480)" python3 bench/sparseps-compare --config configs/compare_lm_gpu_1gbit.yaml \
     --out /tmp/c8 --build-dir "$B" ${RESUME:+--resume}
   pack c8
+}
+phase_scaling46() {
+  # Issue 46: the simulator against runs on 16 cores. sparseps-advise's calibration (the
+  # comparison on loopback, W = 4) and the same settings measured at W = ADVISE_WORKERS on
+  # emulated hosts at ADVISE_RATE; the simulation and bench/advise_scaling_check.py run on the
+  # Debian machine afterwards (python3-simgrid), from what comes back.
+  [[ $net -eq 1 ]] || { echo "== $FUNCNAME skipped: no network namespaces here"; return; }
+  echo "== scaling46 at $(date -u +%T), $(left) s left"
+  local only=${ADVISE_ONLY:-gloo,ps_topk,ps_topk_server_topk,topk_allgather,gtopk,spardl,exdyna}
+  mkdir -p /tmp/c9
+  timeout "$(cap 150)" python3 bench/sparseps-compare --config configs/compare_advise.yaml \
+    --no-netns --only "$only" --out /tmp/c9/calibration --build-dir "$B" ${RESUME:+--resume}
+  for w in ${ADVISE_WORKERS:-2 4 8}; do
+    timeout "$(cap 200)" python3 bench/sparseps-compare --config configs/compare_advise.yaml \
+      --only "$only" --workers "$w" --rate "${ADVISE_RATE:-1gbit}" --out "/tmp/c9/w$w" \
+      --build-dir "$B" ${RESUME:+--resume}
+  done
+  pack c9
 }
 for phase in ${PHASES//,/ }; do
   if ! declare -F "phase_$phase" >/dev/null; then
