@@ -114,7 +114,7 @@ phase_step() {
       [[ $method == spardl ]] && sets+=(--set aggregation=allreduce --set collective.algorithm=spardl)
       worker=()
       [[ $model == resnet18 ]] && worker=(--worker-command
-        "python3 $R/examples/fashion_mnist.py --capi --model resnet18 --device cuda")
+        "python3 $R/examples/fashion_mnist.py --capi --model resnet18 --device cuda --profile-memcpy 20")
       timeout "$(cap 60)" bash deploy/launch.sh --config "$cfg" --build-dir "$B" --quiet \
         "${sets[@]}" "${worker[@]}" --run-dir "/tmp/s1/$model-$method" 2>&1 | tail -n 2
     done

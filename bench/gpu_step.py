@@ -13,7 +13,8 @@ events around each step: the median of --steps steps after 20 warm-up steps.
 --runs: run directories of sparseps jobs trained on the GPU (deploy/launch.sh's; the C++ worker
 with train.device=cuda or the example with --device cuda), each named MODEL-METHOD (cnn-ps_topk,
 resnet18-spardl, ...): worker 0's metrics, the median per step of compute_ms, encode_ms, comm_ms
-and bytes sent, after the first 10 steps. Prints one table: each run's split, PyTorch's step of
+and bytes sent, after the first 10 steps, and the host-device bytes per step where the run counted
+them (the example's --profile-memcpy: memcpy-worker-0.json). Prints one table: each run's split, PyTorch's step of
 its model, and (compute + encode) / PyTorch's step, the issue's goal being at most 1.2.
 """
 import argparse
@@ -70,8 +71,15 @@ def run_split(run_dir):
     def med(column):
         return statistics.median(float(r[column]) for r in rows)
 
-    return {"steps": len(rows) + 10, "compute_ms": med("compute_ms"), "encode_ms": med("encode_ms"),
-            "comm_ms": med("comm_ms"), "bytes_sent": med("bytes_sent")}
+    split = {"steps": len(rows) + 10, "compute_ms": med("compute_ms"),
+             "encode_ms": med("encode_ms"), "comm_ms": med("comm_ms"),
+             "bytes_sent": med("bytes_sent")}
+    # The example's --profile-memcpy: host-device copies per step (PyTorch's and sparseps's).
+    copies = os.path.join(run_dir, "memcpy-worker-0.json")
+    if os.path.exists(copies):
+        with open(copies) as f:
+            split.update(json.load(f))
+    return split
 
 
 def main():
@@ -95,14 +103,17 @@ def main():
         result["runs"][os.path.basename(run.rstrip("/"))] = run_split(run)
     print(f"\n{result['device']}, torch {result['torch']} (CUDA {result['cuda']}), batch "
           f"{args.batch} per worker; medians per step of worker 0\n")
-    print("| run | compute ms | encode ms | comm ms | bytes sent | PyTorch step ms | "
-          "(compute+encode)/PyTorch |")
-    print("|---|---|---|---|---|---|---|")
+    print("| run | compute ms | encode ms | comm ms | bytes sent | host to device bytes | "
+          "device to host bytes | PyTorch step ms | (compute+encode)/PyTorch |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, r in result["runs"].items():
         base = result["torch_step_ms"].get(name.split("-")[0])
         ratio = "" if base is None else f"{(r['compute_ms'] + r['encode_ms']) / base:.2f}x"
+        h2d = f"{r['h2d_bytes_per_step']:.0f}" if "h2d_bytes_per_step" in r else "not counted"
+        d2h = f"{r['d2h_bytes_per_step']:.0f}" if "d2h_bytes_per_step" in r else "not counted"
         print(f"| {name} | {r['compute_ms']:.2f} | {r['encode_ms']:.2f} | {r['comm_ms']:.2f} | "
-              f"{r['bytes_sent']:.0f} | {'' if base is None else f'{base:.2f}'} | {ratio} |")
+              f"{r['bytes_sent']:.0f} | {h2d} | {d2h} | {'' if base is None else f'{base:.2f}'} | "
+              f"{ratio} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

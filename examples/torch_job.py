@@ -25,6 +25,7 @@ sparseps aggregates those steps, error feedback keeping what the compression lea
 import argparse
 import csv
 import datetime
+import json
 import math
 import os
 import sys
@@ -44,6 +45,58 @@ def log(rank, level, text):
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     stream = sys.stderr if level in ("warning", "error") else sys.stdout
     print(f"[{stamp}] [worker-{rank}] [{level}] {text}", file=stream, flush=True)
+
+
+class MemcpyCount:
+    """--profile-memcpy N: torch.profiler over steps 11 to 10 + N (after the first steps' warm-up),
+    its trace's device copies (CUPTI's, so the library's own cudaMemcpy calls count as PyTorch's
+    do) summed by direction and written, per step, as memcpy-worker-<rank>.json in run_dir:
+    {"steps": N, "h2d_bytes_per_step": .., "d2h_bytes_per_step": .., "d2d_bytes_per_step": ..}.
+    Without a CUDA device the counts are 0."""
+
+    FIRST = 10  # steps before the window
+
+    def __init__(self, steps, run_dir, rank, cuda):
+        self.steps, self.rank, self.cuda = steps, rank, cuda
+        self.path = os.path.join(run_dir or ".", f"memcpy-worker-{rank}.json")
+        self.prof = None
+
+    def before(self, step):
+        """Called before step `step` (0-based) runs."""
+        if self.steps and step == self.FIRST:
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if self.cuda:
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            self.prof = torch.profiler.profile(activities=acts)
+            self.prof.start()
+
+    def after(self, step):
+        """Called after step `step` (1-based: the steps done) ended."""
+        if self.prof is None or step != self.FIRST + self.steps:
+            return
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.prof.stop()
+        trace = self.path + ".trace.json"
+        self.prof.export_chrome_trace(trace)
+        with open(trace) as f:
+            events = json.load(f)
+        events = events.get("traceEvents", events) if isinstance(events, dict) else events
+        total = {"HtoD": 0, "DtoH": 0, "DtoD": 0}
+        for e in events:
+            if e.get("cat") != "gpu_memcpy":
+                continue
+            for d in total:
+                if d in e.get("name", ""):
+                    total[d] += int(e.get("args", {}).get("bytes", 0))
+        os.remove(trace)
+        with open(self.path, "w") as f:
+            json.dump({"steps": self.steps,
+                       "h2d_bytes_per_step": total["HtoD"] / self.steps,
+                       "d2h_bytes_per_step": total["DtoH"] / self.steps,
+                       "d2d_bytes_per_step": total["DtoD"] / self.steps}, f)
+            f.write("\n")
+        self.prof = None
 
 
 def worker_backend(force_capi):
@@ -110,6 +163,9 @@ def parser(doc, models, default_model=None):
                     help="where the model trains (default: the config's train.device)")
     ap.add_argument("--capi", action="store_true",
                     help="sparseps.capi's worker even where the pybind11 module loads")
+    ap.add_argument("--profile-memcpy", type=int, default=0, metavar="N",
+                    help="count the host-device copies of steps 11 to 10 + N (torch.profiler: "
+                    "PyTorch's and sparseps's alike) into memcpy-worker-R.json in run.dir")
     return ap
 
 
@@ -220,6 +276,7 @@ def run(args, build_model, load_data, perplexity=False):
             evals = csv.writer(open(os.path.join(run_dir, "eval-worker-0.csv"), "w", newline="",
                                     buffering=1))
             evals.writerow(["epoch", "step", "wall_s", "test_loss", "test_accuracy", "train_s"])
+    memcpy = MemcpyCount(args.profile_memcpy, run_dir, rank, device.type == "cuda")
     start = last = time.monotonic()
     eval_s, accuracy, step, epoch_loss, epoch_steps = 0.0, -1.0, 0, 0.0, 0
     progress_loss, progress_steps = 0.0, 0
@@ -245,6 +302,7 @@ def run(args, build_model, load_data, perplexity=False):
         for s in range(steps_per_epoch):
             if step >= total:
                 break
+            memcpy.before(step)
             t0 = time.monotonic()
             idx = order[s * batch:(s + 1) * batch]
             opt.zero_grad()
@@ -261,6 +319,7 @@ def run(args, build_model, load_data, perplexity=False):
             t2 = time.monotonic()
             step += 1
             loss = loss.item()
+            memcpy.after(step)
             epoch_loss, epoch_steps = epoch_loss + loss, epoch_steps + 1
             if metrics and args.ddp:
                 # DDP's allreduce runs inside backward (compute_ms); comm_ms is the optimizer step.

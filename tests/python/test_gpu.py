@@ -9,6 +9,7 @@ Where torch sees no CUDA device (CI) every test here skips. Only sparseps.capi i
 in any Python 3 and any PyTorch (a GPU machine's own, which the pybind11 module is not built for);
 bench/device_run.sh's `pytorch` phase runs this file there."""
 import csv
+import json
 import sys
 
 import pytest
@@ -45,7 +46,8 @@ def test_example_trains_on_the_gpu_to_the_cpu_accuracy(tmp_path):
         run = launch_example(
             tmp_path, "torch_cnn.yaml",
             f"{sys.executable} {ROOT / 'examples' / 'fashion_mnist.py'} --capi --model cnn "
-            f"--device {device}", name=device, timeout=900)
+            f"--device {device}" + (" --profile-memcpy 20" if device == "cuda" else ""),
+            name=device, timeout=900)
         assert f"parameters on {device}" in (run / "worker-0.log").read_text()
         rows = read_csv(run / "metrics-worker-0.csv")
         assert len(rows) == 936  # 2 epochs of 30,000 samples in batches of 64
@@ -55,6 +57,12 @@ def test_example_trains_on_the_gpu_to_the_cpu_accuracy(tmp_path):
         encode = sorted(float(r["encode_ms"]) for r in rows[10:])
         print(f"{device}: test accuracy {100 * accuracy[device]:.2f}%, median compute "
               f"{compute[len(compute) // 2]:.2f} ms, encode {encode[len(encode) // 2]:.2f} ms")
+    # The GPU run's host-device copies (torch.profiler over steps 11-30): the compressed
+    # gradient comes down, the changed parameters go up; far less than the 215,370 floats.
+    copies = json.loads((tmp_path / "cuda" / "memcpy-worker-0.json").read_text())
+    print(f"cuda: host-device copies per step {copies}")
+    assert 0 < copies["d2h_bytes_per_step"] < 4 * 215370, copies
+    assert 0 < copies["h2d_bytes_per_step"] < 4 * 215370, copies
     assert accuracy["cuda"] > 0.85, accuracy
     assert abs(accuracy["cuda"] - accuracy["cpu"]) <= 0.005, accuracy
 
