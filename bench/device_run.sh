@@ -174,42 +174,27 @@ phase_bench() {
     tee /tmp/g3/gpu_bench.log | grep -E "median"
   pack g3
 }
-phase_goal4() {
-  [[ $net -eq 1 ]] || { echo "== $FUNCNAME skipped: no network namespaces here"; return; }
-  echo "== goal 4 at $(date -u +%T), $(left) s left"
-  timeout "$(cap 150)" python3 bench/sparseps-compare --config configs/compare_short_1gbit.yaml \
-    --out /tmp/c4 --build-dir "$B" ${RESUME:+--resume}
-  pack c4
+# One comparison phase: compare NAME DIR CAP_S ARGS... runs bench/sparseps-compare ARGS into
+# /tmp/DIR for at most CAP_S seconds (and the budget's rest) and packs it; skipped without netns.
+compare() {
+  local name=$1 dir=$2 cap_s=$3
+  shift 3
+  [[ $net -eq 1 ]] || { echo "== $name skipped: no network namespaces here"; return; }
+  echo "== $name at $(date -u +%T), $(left) s left"
+  timeout "$(cap "$cap_s")" python3 bench/sparseps-compare "$@" --out "/tmp/$dir" --build-dir "$B" \
+    ${RESUME:+--resume}
+  pack "$dir"
 }
+phase_goal4() { compare "goal 4" c4 150 --config configs/compare_short_1gbit.yaml; }
 phase_goal5() {
-  [[ $net -eq 1 ]] || { echo "== $FUNCNAME skipped: no network namespaces here"; return; }
-  echo "== goal 5 at $(date -u +%T), $(left) s left"
-  timeout "$(cap 400)" python3 bench/sparseps-compare --config configs/compare_scaling_short_1gbit.yaml \
-    --out /tmp/c5 --build-dir "$B" ${RESUME:+--resume} \
+  compare "goal 5" c5 400 --config configs/compare_scaling_short_1gbit.yaml \
     --only "${SCALING:-ps_topk_w2,ps_topk_w8,ps_topk_stk_w2,ps_topk_stk_w8,gtopk_w2,gtopk_w8,spardl_w2,spardl_w8,exdyna_w2,exdyna_w8,gloo_w2,gloo_w8}"
-  pack c5
 }
-phase_gpucompare() {
-  [[ $net -eq 1 ]] || { echo "== $FUNCNAME skipped: no network namespaces here"; return; }
-  echo "== gpucompare at $(date -u +%T), $(left) s left"
-  timeout "$(cap 480)" python3 bench/sparseps-compare --config configs/compare_torch_gpu_1gbit.yaml \
-    --out /tmp/c6 --build-dir "$B" ${RESUME:+--resume}
-  pack c6
-}
+phase_gpucompare() { compare gpucompare c6 480 --config configs/compare_torch_gpu_1gbit.yaml; }
 phase_gpucompare10() {
-  [[ $net -eq 1 ]] || { echo "== $FUNCNAME skipped: no network namespaces here"; return; }
-  echo "== gpucompare10 at $(date -u +%T), $(left) s left"
-  timeout "$(cap 480)" python3 bench/sparseps-compare --config configs/compare_torch_gpu_1gbit.yaml \
-    --rate 10gbit --out /tmp/c7 --build-dir "$B" ${RESUME:+--resume}
-  pack c7
+  compare gpucompare10 c7 480 --config configs/compare_torch_gpu_1gbit.yaml --rate 10gbit
 }
-phase_gpulm() {
-  [[ $net -eq 1 ]] || { echo "== $FUNCNAME skipped: no network namespaces here"; return; }
-  echo "== gpulm at $(date -u +%T), $(left) s left"
-  timeout "$(cap 480)" python3 bench/sparseps-compare --config configs/compare_lm_gpu_1gbit.yaml \
-    --out /tmp/c8 --build-dir "$B" ${RESUME:+--resume}
-  pack c8
-}
+phase_gpulm() { compare gpulm c8 480 --config configs/compare_lm_gpu_1gbit.yaml; }
 phase_scaling46() {
   # Issue 46: the simulator against runs on 16 cores. sparseps-advise's calibration (the
   # comparison on loopback, W = 4) and the same settings measured at W = ADVISE_WORKERS on
