@@ -237,7 +237,7 @@ def run(args, build_model, load_data, perplexity=False):
         opt = sparseps.torch.DistributedOptimizer(
             make_optimizer(args, model.parameters(), get, ddp=False), worker,
             aggregate=args.aggregate, freeze_variance_step=args.freeze_variance_step,
-            overlap=args.overlap)
+            overlap=args.overlap, names=[n for n, _ in model.named_parameters()])
     rank, workers = worker.rank, worker.num_workers
 
     x, y, xt, yt, what = load_data(args, get)

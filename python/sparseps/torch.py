@@ -208,10 +208,16 @@ class DistributedOptimizer:
     The gradients live in one flat float32 buffer of which every parameter's .grad is a view, so
     push_pull takes them without a copy (keep zero_grad's set_to_none False, the default here).
     Everything else (param_groups, state_dict, ...) is the wrapped optimizer's.
+
+    names (optional): one per parameter, in the optimizer's order, for instance
+    [n for n, _ in model.named_parameters()] when the optimizer was made from
+    model.parameters(): the trained model file (<run.dir>/model.safetensors) then holds the
+    tensors under the model's own names and shapes (model.load_state_dict takes them), and the
+    traces (metrics.trace_steps) name the layers so. Without them: "param0", "param1", ...
     """
 
     def __init__(self, optimizer, worker, aggregate="gradient", freeze_variance_step=None,
-                 overlap=False):
+                 overlap=False, names=None):
         if aggregate not in ("gradient", "update"):
             raise ValueError(f"DistributedOptimizer: aggregate={aggregate!r}; 'gradient' or "
                              "'update'")
@@ -232,9 +238,13 @@ class DistributedOptimizer:
         self.aggregate = aggregate
         self.last_push_pull_ms = 0.0  # wall time of the last push_pull
         self._dense = None  # push_pull's out or params_out (on the CPU), made at first use
-        self._params = _float32_params(
-            [p for group in optimizer.param_groups for p in group["params"]],
-            "DistributedOptimizer")
+        every = [p for group in optimizer.param_groups for p in group["params"]]
+        if names is not None:
+            if len(names) != len(every):
+                raise ValueError(f"DistributedOptimizer: {len(names)} names for the optimizer's "
+                                 f"{len(every)} parameters")
+            names = [str(n) for n, p in zip(names, every) if p.requires_grad]
+        self._params = _float32_params(every, "DistributedOptimizer")
         total = sum(p.numel() for p in self._params)
         device = self._params[0].device
         self._flat = torch.zeros(total, dtype=torch.float32, device=device)
@@ -255,7 +265,7 @@ class DistributedOptimizer:
         # Every worker starts from worker 0's parameters (written into the model in place).
         _finished(self._flat)
         with torch.no_grad():
-            worker.init([p.detach() for p in self._params])
+            worker.init([p.detach() for p in self._params], names=names)
         self._accumulators = []  # overlap: each parameter's gradient accumulation node, hooked
         if overlap:
             self._end_step()
@@ -470,7 +480,8 @@ class SparseAllreduceState:
         if worker.aggregation != "allreduce":
             raise ValueError("sparse_allreduce_hook needs a job with aggregation: allreduce")
         module = getattr(model, "module", model)
-        self.params = _float32_params(list(module.parameters()), "SparseAllreduceState")
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.params = _float32_params([p for _, p in named], "SparseAllreduceState")
         self.offset = {}
         offset = 0
         for p in self.params:
@@ -481,7 +492,8 @@ class SparseAllreduceState:
         self.worker = worker
         _finished(self.flat)
         with torch.no_grad():
-            worker.init([p.detach() for p in self.params])
+            # The model file and the traces under the module's own names.
+            worker.init([p.detach() for p in self.params], names=[n for n, _ in named])
 
 
 def sparse_allreduce_hook(state, bucket):

@@ -393,6 +393,41 @@ def test_overlap_pushes_during_the_backward_pass_and_changes_nothing(cluster, ba
     overlap_pushes_during_the_backward_pass_and_changes_nothing(cluster, backend, "cpu")
 
 
+@pytest.mark.parametrize("backend", [sparseps.Worker, capi.Worker], ids=["module", "capi"])
+def test_the_model_file_holds_the_models_own_names(cluster, backend):
+    """DistributedOptimizer(names=...) with the model's named_parameters (a frozen one among them,
+    which the optimizer holds but sparseps leaves out): <run.dir>/model.safetensors holds the
+    trained tensors under those names and shapes, and load_state_dict takes them back."""
+    from test_model_file import read_safetensors
+    c = cluster("train: {lr: 0.1, momentum: 0}\n"
+                "compression: {encoding: topk, density: 0.5}\n", workers=1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    model[2].bias.requires_grad_(False)
+    named = list(model.named_parameters())
+    opt = sparseps.torch.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        backend(str(c.job), rank=0, overrides=c.overrides), names=[n for n, _ in named])
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(4, 5)).pow(2).mean().backward()
+        opt.step()
+    opt.worker.finish()
+    tensors, _ = read_safetensors(c.run_dir / "model.safetensors")
+    trained = {n: p for n, p in named if p.requires_grad}
+    assert sorted(tensors) == sorted(trained) == ["0.bias", "0.weight", "2.weight"]
+    for n, p in trained.items():
+        assert tensors[n].shape == tuple(p.shape)
+        assert np.array_equal(tensors[n], p.detach().numpy()), n
+    fresh = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    fresh.load_state_dict({n: torch.from_numpy(t.copy()) for n, t in tensors.items()},
+                          strict=False)
+    assert torch.equal(fresh[0].weight, model[0].weight.detach())
+    with pytest.raises(ValueError, match="2 names for the optimizer's 4 parameters"):
+        sparseps.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                            opt.worker, names=["a", "b"])
+
+
 def test_overlap_is_refused_where_step_changes_the_gradient(cluster):
     c = cluster("train: {lr: 1, momentum: 0}\n", workers=1)
     model = torch.nn.Linear(3, 2)
