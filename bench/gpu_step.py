@@ -14,8 +14,9 @@ events around each step: the median of --steps steps after 20 warm-up steps.
 with train.device=cuda or the example with --device cuda), each named MODEL-METHOD (cnn-ps_topk,
 resnet18-spardl, ...): worker 0's metrics, the median per step of compute_ms, encode_ms, comm_ms
 and bytes sent, after the first 10 steps, and the host-device bytes per step where the run counted
-them (the example's --profile-memcpy: memcpy-worker-0.json). Prints one table: each run's split, PyTorch's step of
-its model, and (compute + encode) / PyTorch's step, the issue's goal being at most 1.2.
+them (the example's --profile-memcpy: memcpy-worker-0.json). Prints one table: each run's split,
+PyTorch's step of its model, and (compute + encode) / PyTorch's step, the issue's goal being at
+most 1.2.
 """
 import argparse
 import csv

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <exception>
-#include <functional>
 #include <numeric>
 #include <span>
 #include <string>
@@ -117,15 +116,12 @@ int sparseps_device_of(const void* pointer) { return sparseps::client::DeviceOf(
 int sparseps_worker_init_buffers(sparseps_worker* worker, const sparseps_buffer* params,
                                  size_t count, const char* const* names, char* err,
                                  size_t err_len) {
-  if (worker == nullptr) return Missing("worker", err, err_len);
-  std::vector<sparseps::client::Buffer> buffers;
-  if (!Buffers(params, count, &buffers)) return Missing("params", err, err_len);
-  std::vector<sparseps::client::TensorInfo> tensors;
-  for (size_t i = 0; names != nullptr && i < count; ++i) {
-    if (names[i] == nullptr) return Missing("a name", err, err_len);
-    tensors.push_back({names[i], {buffers[i].size}});
-  }
-  return Guard([&] { worker->worker.Init(buffers, tensors); }, err, err_len);
+  // Each buffer a vector of its size.
+  std::vector<size_t> ndims(count, 1);
+  std::vector<uint64_t> dims(count);
+  for (size_t i = 0; params != nullptr && i < count; ++i) dims[i] = params[i].size;
+  return sparseps_worker_init_tensors(worker, params, count, names, ndims.data(), dims.data(), err,
+                                      err_len);
 }
 
 int sparseps_worker_init_tensors(sparseps_worker* worker, const sparseps_buffer* params,
@@ -140,20 +136,9 @@ int sparseps_worker_init_tensors(sparseps_worker* worker, const sparseps_buffer*
   for (size_t i = 0; i < count; ++i) {
     if (names != nullptr && names[i] == nullptr) return Missing("a name", err, err_len);
     if (ndims[i] > 0 && dims == nullptr) return Missing("dims", err, err_len);
-    std::vector<uint64_t> shape(next, next + ndims[i]);
+    // An empty name: the library's own (Init checks each shape against its buffer).
+    tensors.push_back({names != nullptr ? names[i] : "", {next, next + ndims[i]}});
     next += ndims[i];
-    const uint64_t elements =
-        std::accumulate(shape.begin(), shape.end(), uint64_t{1}, std::multiplies<>());
-    if (elements != buffers[i].size) {
-      return Fail(SPARSEPS_INVALID_ARGUMENT,
-                  "params[" + std::to_string(i) + "]: its shape has " + std::to_string(elements) +
-                      " elements, its buffer " + std::to_string(buffers[i].size),
-                  err, err_len);
-    }
-    tensors.push_back({names != nullptr ? names[i]
-                       : count > 1      ? "param" + std::to_string(i)
-                                        : "params",
-                       std::move(shape)});
   }
   return Guard([&] { worker->worker.Init(buffers, tensors); }, err, err_len);
 }

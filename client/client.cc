@@ -10,6 +10,7 @@
 #include <functional>
 #include <limits>
 #include <mutex>
+#include <numeric>
 #include <optional>
 #include <string>
 #include <utility>
@@ -190,8 +191,15 @@ void Worker::Impl::Join(std::span<const Buffer> params, const std::vector<Tensor
     if (b.size == 0 || b.data == nullptr) Raise(Status::InvalidArgument(what + ": empty"));
     TensorLayout layer{params.size() > 1 ? "param" + std::to_string(i) : "params", {b.size}, total};
     if (!tensors.empty()) {
-      layer.name = tensors[i].name;
-      layer.shape = tensors[i].shape;
+      const auto& shape = tensors[i].shape;
+      const uint64_t elements =
+          std::accumulate(shape.begin(), shape.end(), uint64_t{1}, std::multiplies<>());
+      if (elements != b.size) {
+        Raise(Status::InvalidArgument(what + ": its shape has " + std::to_string(elements) +
+                                      " elements, its buffer " + std::to_string(b.size)));
+      }
+      if (!tensors[i].name.empty()) layer.name = tensors[i].name;
+      layer.shape = shape;
     }
     layers.push_back(std::move(layer));
     sizes.push_back(b.size);

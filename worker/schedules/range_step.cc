@@ -142,27 +142,23 @@ Status RangeStep::PushRange(size_t r, float* grad, bool* pushed) {
   t.encoded_from = Clock::now();
   float* g = grad + range.begin;
   Compressor& c = *slices_[r];
-  if (on_device_) {
-    // The model's parameters on the device, as WholeStep hands them to a device compressor.
-    float* model = ctx_.params_d != nullptr && ctx_.params_d->size() == num_params()
-                       ? ctx_.params_d->data() + range.begin
-                       : nullptr;
-    if (const float wd = static_cast<float>(ctx_.config->train().weight_decay()); wd > 0.0f) {
-      if (model == nullptr) {
-        return Status::FailedPrecondition(
-            "train.weight_decay with train.overlap: backward on the device: the model's "
-            "parameters are not on the device");
-      }
+  // Where the model computes (ModelCopy::Trained, as the aggregator hands it to WholeStep); on
+  // the device null until the parameters are there.
+  const bool there =
+      !on_device_ || (ctx_.params_d != nullptr && ctx_.params_d->size() == num_params());
+  float* model = there ? (*ctx_.model)->Trained(on_device_, ctx_.params_d) + range.begin : nullptr;
+  if (const float wd = static_cast<float>(ctx_.config->train().weight_decay()); wd > 0.0f) {
+    if (!on_device_) {
+      kernels::Axpy(wd, model, g, range.size());
+    } else if (model == nullptr) {
+      return Status::FailedPrecondition(
+          "train.weight_decay with train.overlap: backward on the device: the model's "
+          "parameters are not on the device");
+    } else {
       SPARSEPS_RETURN_IF_ERROR(DeviceAxpy(wd, model, g, range.size()));
     }
-    *pushed = c.LocalStep(g, model);  // no local copy on the device ranges (OnDevice)
-  } else {
-    float* model = (*ctx_.model)->Trained(/*on_device=*/false, nullptr) + range.begin;
-    if (const float wd = static_cast<float>(ctx_.config->train().weight_decay()); wd > 0.0f) {
-      kernels::Axpy(wd, model, g, range.size());
-    }
-    *pushed = c.LocalStep(g, model);
   }
+  *pushed = c.LocalStep(g, model);
   if (*pushed) {
     one_.clear();
     SPARSEPS_RETURN_IF_ERROR(c.Compress(g, {KeyRange{0, range.size()}}, &one_));

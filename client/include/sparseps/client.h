@@ -74,8 +74,8 @@ struct Buffer {
 
 /// One tensor of the model file (run.dir/model.safetensors): its name and shape.
 struct TensorInfo {
-  std::string name;
-  std::vector<uint64_t> shape;  ///< the product is the tensor's elements
+  std::string name;             ///< empty: "param<i>" ("params" for a model of one tensor)
+  std::vector<uint64_t> shape;  ///< the product is the tensor's elements (else Init throws)
 };
 
 /// What the last push-pull did on this worker.
