@@ -106,15 +106,16 @@ def test_example_runs_the_baselines_and_sparseps_powersgd(tmp_path, method):
     too); each trains 60 steps of the CNN on 2 workers (of the MLP on 4) and its loss falls."""
     run = tmp_path / "run"
     env = dict(os.environ, SPARSEPS_CACHE=str(tmp_path / "cache"), GLOO_SOCKET_IFNAME="lo")
-    # At 4 ranks the MLP (5.8M parameters) in DDP buckets of 1 MB: 23 buckets whose chains of
-    # allreduces could interleave differently on the ranks. (On loopback the allreduces end too
-    # fast for the abort to show without the example's serialization; over emulated 1 Gbit/s
-    # links it did: docs/log/benchmarks-2026-11.md, "torch DDP's PowerSGD hook at 4 ranks".)
+    # At 4 ranks the comparison's MLP (5.8M parameters) in DDP buckets of 1 MB: 23 buckets whose
+    # chains of allreduces interleave differently on the ranks without the example's
+    # serialization (then Gloo aborts at the third step, on loopback too; checked by undoing it).
     workers = 4 if method.endswith("_4") else 2
     model = "mlp --bucket-cap-mb 1" if workers == 4 else "cnn"
     command = f"{sys.executable} {ROOT / 'examples' / 'fashion_mnist.py'} --model {model}"
     sets = ["--set", "train.max_steps=60", "--set", "data.max_test_samples=1000"]
     sets += ["--set", f"cluster.num_workers={workers}"]
+    if workers == 4:
+        sets += ["--set", "model.hidden=[2048,2048]"]
     if method.startswith("ddp"):
         command += " --ddp" + (" --ddp-hook fp16" if method == "ddp_fp16" else
                                " --ddp-hook powersgd" if "powersgd" in method else "")
