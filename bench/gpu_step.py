@@ -14,7 +14,8 @@ events around each step: the median of --steps steps after 20 warm-up steps.
 with train.device=cuda or the example with --device cuda), each named MODEL-METHOD (cnn-ps_topk,
 resnet18-spardl, ...): worker 0's metrics, the median per step of compute_ms, encode_ms, comm_ms
 and bytes sent, after the first 10 steps, and the host-device bytes per step where the run counted
-them (the example's --profile-memcpy: memcpy-worker-0.json). Prints one table: each run's split,
+them (memcpy-worker-0.json: the C++ worker writes it on the GPU, the example with
+--profile-memcpy). Prints one table: each run's split,
 PyTorch's step of its model, and (compute + encode) / PyTorch's step, the issue's goal being at
 most 1.2.
 """
@@ -75,11 +76,12 @@ def run_split(run_dir):
     split = {"steps": len(rows) + 10, "compute_ms": med("compute_ms"),
              "encode_ms": med("encode_ms"), "comm_ms": med("comm_ms"),
              "bytes_sent": med("bytes_sent")}
-    # The example's --profile-memcpy: host-device copies per step (PyTorch's and sparseps's).
+    # Host-device copies per step: the C++ worker's own count on the GPU, or the example's
+    # --profile-memcpy (PyTorch's and sparseps's copies); "steps" stays the run's.
     copies = os.path.join(run_dir, "memcpy-worker-0.json")
     if os.path.exists(copies):
         with open(copies) as f:
-            split.update(json.load(f))
+            split.update({k: v for k, v in json.load(f).items() if k != "steps"})
     return split
 
 

@@ -8,6 +8,7 @@
 #include <cuda_runtime_api.h>
 
 #include "encodings/cuda/cuda_status.h"
+#include "kernels/cuda/counted_memcpy.h"
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/gpu_kernels.h"
 #endif
@@ -47,7 +48,7 @@ Status DeviceBuffer::Allocate(size_t n) {
 
 Status DeviceBuffer::Upload(const float* host) {
 #if SPARSEPS_HAVE_CUDA
-  return CudaStatus(cudaMemcpy(data_, host, size_ * sizeof(float), cudaMemcpyHostToDevice),
+  return CudaStatus(CountedMemcpy(data_, host, size_ * sizeof(float), cudaMemcpyHostToDevice),
                     "copying to the device");
 #else
   (void)host;
@@ -57,7 +58,7 @@ Status DeviceBuffer::Upload(const float* host) {
 
 Status DeviceBuffer::Download(float* host) const {
 #if SPARSEPS_HAVE_CUDA
-  return CudaStatus(cudaMemcpy(host, data_, size_ * sizeof(float), cudaMemcpyDeviceToHost),
+  return CudaStatus(CountedMemcpy(host, data_, size_ * sizeof(float), cudaMemcpyDeviceToHost),
                     "copying from the device");
 #else
   (void)host;
@@ -83,9 +84,9 @@ Status DeviceBuffer::UploadKeys(const float* host, std::span<const uint32_t> key
   std::copy(keys.begin(), keys.end(), staging_);
   float* vals = reinterpret_cast<float*>(staging_ + k);
   for (size_t j = 0; j < k; ++j) vals[j] = host[keys[j]];
-  SPARSEPS_RETURN_IF_ERROR(
-      CudaStatus(cudaMemcpy(scratch_, staging_, 2 * k * sizeof(uint32_t), cudaMemcpyHostToDevice),
-                 "copying the changed parameters"));
+  SPARSEPS_RETURN_IF_ERROR(CudaStatus(
+      CountedMemcpy(scratch_, staging_, 2 * k * sizeof(uint32_t), cudaMemcpyHostToDevice),
+      "copying the changed parameters"));
   SPARSEPS_RETURN_IF_ERROR(
       CudaStatus(kernels::gpu::ScatterSet(data_, scratch_,
                                           reinterpret_cast<const float*>(scratch_ + k), k, nullptr),
@@ -117,7 +118,7 @@ Status DeviceAxpy(float a, const float* x, float* y, size_t n) {
 
 Status DeviceDownload(const float* device, float* host, size_t n) {
 #if SPARSEPS_HAVE_CUDA
-  return CudaStatus(cudaMemcpy(host, device, n * sizeof(float), cudaMemcpyDeviceToHost),
+  return CudaStatus(CountedMemcpy(host, device, n * sizeof(float), cudaMemcpyDeviceToHost),
                     "copying from the device");
 #else
   (void)device;
@@ -136,7 +137,7 @@ Status CopyFloats(float* dst, bool dst_on_device, const float* src, bool src_on_
   const cudaMemcpyKind kind =
       dst_on_device ? (src_on_device ? cudaMemcpyDeviceToDevice : cudaMemcpyHostToDevice)
                     : cudaMemcpyDeviceToHost;
-  return CudaStatus(cudaMemcpy(dst, src, n * sizeof(float), kind), "cudaMemcpy");
+  return CudaStatus(CountedMemcpy(dst, src, n * sizeof(float), kind), "cudaMemcpy");
 #else
   return NoCuda();
 #endif

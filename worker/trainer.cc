@@ -398,6 +398,7 @@ Status TrainingLoop::Finish() {
     SPARSEPS_RETURN_IF_ERROR(session_.SaveTrainedModel(layers_, &path));
     if (!path.empty()) spdlog::info("wrote the trained model to {}", path);
   }
+  if (Status c = log_->WriteDeviceCopies(); !c.ok()) spdlog::warn("{}", c.message());
   return session_.Finish(log_->Stats(step_, epoch_, aggregator_));
 }
 

@@ -137,6 +137,7 @@ void TrainingLog::Step(uint64_t step, uint32_t epoch, double loss, double comput
     live_->steps.Increment();
     live_->traffic.Update(aggregator.traffic());
   }
+  copies_.StepEnded(step - std::min(step, first_step_));
   metrics_.Row({static_cast<double>(step), static_cast<double>(epoch), loss,
                 static_cast<double>(s.bytes_sent), static_cast<double>(s.bytes_received),
                 static_cast<double>(s.selected), compute_ms, s.encode_ms, s.comm_ms, train_s_,
@@ -170,6 +171,7 @@ void TrainingLog::Step(uint64_t step, uint32_t epoch, double loss, double comput
 }
 
 void TrainingLog::EndEval(uint32_t epoch, uint64_t steps, double test_loss, double test_accuracy) {
+  copies_.EndEval();
   const double took = SecondsSince(eval_start_);
   const double wall = SecondsSince(start_);
   test_accuracy_ = test_accuracy;
@@ -207,6 +209,24 @@ proto::WorkerStats TrainingLog::Stats(uint64_t steps, uint32_t epochs,
       static_cast<double>(stats.bytes_received()) * per_step,
       leader_ ? fmt::format(", final test accuracy {:.2f}%", 100 * test_accuracy_) : "");
   return stats;
+}
+
+Status TrainingLog::WriteDeviceCopies() const {
+  const std::string dir = config_.run().dir();
+  if (dir.empty()) return Status::OK();
+  bool written = false;
+  const std::string path = dir + "/memcpy-worker-" + std::to_string(rank_) + ".json";
+  SPARSEPS_RETURN_IF_ERROR(copies_.Write(path, &written));
+  if (written) {
+    const DeviceCopies b = copies_.bytes();
+    const double n = static_cast<double>(copies_.steps()) * 1e6;
+    spdlog::info(
+        "host-device copies over the last {} steps: {:.3f} MB to the device, {:.3f} MB to the "
+        "host, {:.3f} MB on the device a step ({})",
+        copies_.steps(), static_cast<double>(b.to_device) / n, static_cast<double>(b.to_host) / n,
+        static_cast<double>(b.on_device) / n, path);
+  }
+  return Status::OK();
 }
 
 }  // namespace sparseps

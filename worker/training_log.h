@@ -15,6 +15,7 @@
 #include "proto/config.pb.h"
 #include "transport/van.h"
 #include "worker/aggregator.h"
+#include "worker/device_copy_window.h"
 
 namespace sparseps {
 
@@ -62,7 +63,10 @@ class TrainingLog {
   }
 
   // Marks the start of an evaluation: its time is left out of train_s.
-  void BeginEval() { eval_start_ = Clock::now(); }
+  void BeginEval() {
+    eval_start_ = Clock::now();
+    copies_.BeginEval();
+  }
   // The evaluation begun last ran in epoch `epoch` (1-based) after `steps` steps.
   void EndEval(uint32_t epoch, uint64_t steps, double test_loss, double test_accuracy);
 
@@ -71,6 +75,10 @@ class TrainingLog {
   // The statistics of the DONE report after `steps` steps and `epochs` epochs; logs the
   // "training done" line.
   proto::WorkerStats Stats(uint64_t steps, uint32_t epochs, const Aggregator& aggregator) const;
+  // Writes the host-device bytes per step of the steps since the first ten (evaluations left out)
+  // to memcpy-worker-<rank>.json in run.dir and logs them, when the run copied any (a GPU model
+  // or compressor: kernels/device_copies.h); nothing otherwise. Errors: IoError naming the file.
+  Status WriteDeviceCopies() const;
 
  private:
   const proto::JobConfig& config_;
@@ -103,6 +111,7 @@ class TrainingLog {
   uint64_t epoch_steps_ = 0;
   double epoch_loss_ = 0.0, last_epoch_loss_ = 0.0;
   double test_accuracy_ = -1.0;
+  DeviceCopyWindow copies_;  // host-device bytes over the steady state
 };
 
 }  // namespace sparseps

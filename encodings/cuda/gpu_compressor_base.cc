@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "encodings/cuda/gpu_compressors.h"
+#include "kernels/cuda/counted_memcpy.h"
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/gpu_kernels.h"
 
@@ -34,13 +35,13 @@ void GpuCompressorBase::DeviceArrayState(StateArchive& archive, std::string_view
   std::vector<float> h(n_);
   Status s = CudaStatus(cudaStreamSynchronize(stream_), "the stream");
   if (s.ok() && archive.saving()) {
-    s = CudaStatus(cudaMemcpy(h.data(), d, n_ * sizeof(float), cudaMemcpyDeviceToHost),
+    s = CudaStatus(CountedMemcpy(h.data(), d, n_ * sizeof(float), cudaMemcpyDeviceToHost),
                    "copying the device state to the host");
   }
   if (!s.ok()) return archive.Fail(s.message());
   archive.Array(name, &h);  // loading: must hold n_ values
   if (archive.saving() || !archive.status().ok()) return;
-  s = CudaStatus(cudaMemcpy(d, h.data(), n_ * sizeof(float), cudaMemcpyHostToDevice),
+  s = CudaStatus(CountedMemcpy(d, h.data(), n_ * sizeof(float), cudaMemcpyHostToDevice),
                  "restoring the device state");
   if (!s.ok()) archive.Fail(s.message());
 }

@@ -16,6 +16,7 @@
 #include "encodings/compressor.h"
 #include "encodings/cuda/cuda_arrays.h"
 #include "encodings/cuda/cuda_status.h"
+#include "kernels/cuda/counted_memcpy.h"
 #include "kernels/cuda/gpu_kernels.h"
 #include "kernels/select.h"
 #include "proto/config.pb.h"
@@ -59,11 +60,11 @@ class GpuCompressorBase : public Compressor {
     residual->resize(n_);
     velocity->resize(n_);
     SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream_), "the stream"));
-    SPARSEPS_RETURN_IF_ERROR(
-        CudaStatus(cudaMemcpy(residual->data(), v_.p, n_ * sizeof(float), cudaMemcpyDeviceToHost),
-                   "copying the residual"));
+    SPARSEPS_RETURN_IF_ERROR(CudaStatus(
+        CountedMemcpy(residual->data(), v_.p, n_ * sizeof(float), cudaMemcpyDeviceToHost),
+        "copying the residual"));
     return CudaStatus(
-        cudaMemcpy(velocity->data(), u_.p, n_ * sizeof(float), cudaMemcpyDeviceToHost),
+        CountedMemcpy(velocity->data(), u_.p, n_ * sizeof(float), cudaMemcpyDeviceToHost),
         "copying the velocity");
   }
 

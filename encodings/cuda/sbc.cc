@@ -11,6 +11,7 @@
 
 #include "encodings/cuda/gpu_compressor_base.h"
 #include "encodings/cuda/gpu_compressors.h"
+#include "kernels/cuda/counted_memcpy.h"
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/gpu_kernels.h"
 
@@ -93,9 +94,10 @@ class GpuSbcCompressor final : public GpuCompressorBase {
       SPARSEPS_RETURN_IF_ERROR(CudaStatus(e, "SBC binarisation"));
     }
     SPARSEPS_RETURN_IF_ERROR(host_.Reserve(count));
-    SPARSEPS_RETURN_IF_ERROR(CudaStatus(
-        cudaMemcpyAsync(host_.p, chosen, count * sizeof(uint32_t), cudaMemcpyDeviceToHost, stream_),
-        "copying the positions"));
+    SPARSEPS_RETURN_IF_ERROR(
+        CudaStatus(CountedMemcpyAsync(host_.p, chosen, count * sizeof(uint32_t),
+                                      cudaMemcpyDeviceToHost, stream_),
+                   "copying the positions"));
     SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream_), "copying the positions"));
     chosen_.assign(host_.p, host_.p + count);
     last_selected_ = count;

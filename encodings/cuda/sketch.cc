@@ -13,6 +13,7 @@
 #include "encodings/cuda/gpu_compressors.h"
 #include "encodings/topk.h"
 #include "kernels/count_sketch.h"
+#include "kernels/cuda/counted_memcpy.h"
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/gpu_kernels.h"
 
@@ -40,7 +41,7 @@ class GpuSketchCompressor final : public GpuCompressorBase {
     if (config_.sketch().server_momentum()) {
       // FetchSGD: the raw gradient is sketched whole; momentum and error live on the servers.
       SPARSEPS_RETURN_IF_ERROR(CudaStatus(
-          cudaMemcpyAsync(v_.p, grad, n_ * sizeof(float), cudaMemcpyDeviceToDevice, stream_),
+          CountedMemcpyAsync(v_.p, grad, n_ * sizeof(float), cudaMemcpyDeviceToDevice, stream_),
           "copying the gradient"));
     } else {
       SPARSEPS_RETURN_IF_ERROR(
@@ -58,8 +59,8 @@ class GpuSketchCompressor final : public GpuCompressorBase {
       SPARSEPS_RETURN_IF_ERROR(CudaStatus(
           gpu::Gather(v_.p, trunc_idx_.p, kept, trunc_vals_.p, stream_), "the truncation"));
       SPARSEPS_RETURN_IF_ERROR(
-          CudaStatus(cudaMemcpyAsync(host_idx_.p, trunc_idx_.p, kept * sizeof(uint32_t),
-                                     cudaMemcpyDeviceToHost, stream_),
+          CudaStatus(CountedMemcpyAsync(host_idx_.p, trunc_idx_.p, kept * sizeof(uint32_t),
+                                        cudaMemcpyDeviceToHost, stream_),
                      "the truncation"));
       SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream_), "the truncation"));
     }
@@ -95,8 +96,8 @@ class GpuSketchCompressor final : public GpuCompressorBase {
         table += g.table_size;
       }
       SPARSEPS_RETURN_IF_ERROR(
-          CudaStatus(cudaMemcpyAsync(host_table_.p, table_.p, range_cells * sizeof(float),
-                                     cudaMemcpyDeviceToHost, stream_),
+          CudaStatus(CountedMemcpyAsync(host_table_.p, table_.p, range_cells * sizeof(float),
+                                        cudaMemcpyDeviceToHost, stream_),
                      "copying the sketch"));
       SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream_), "copying the sketch"));
       Message m = NewPush(r);
@@ -123,14 +124,14 @@ class GpuSketchCompressor final : public GpuCompressorBase {
     SPARSEPS_RETURN_IF_ERROR(vals_.Reserve(m));
     SPARSEPS_RETURN_IF_ERROR(host_vals_.Reserve(m));
     SPARSEPS_RETURN_IF_ERROR(
-        CudaStatus(cudaMemcpyAsync(keys_.p, candidates.data(), m * sizeof(uint32_t),
-                                   cudaMemcpyHostToDevice, stream_),
+        CudaStatus(CountedMemcpyAsync(keys_.p, candidates.data(), m * sizeof(uint32_t),
+                                      cudaMemcpyHostToDevice, stream_),
                    "copying the candidates"));
     SPARSEPS_RETURN_IF_ERROR(CudaStatus(gpu::Gather(v_.p + r.begin, keys_.p, m, vals_.p, stream_),
                                         "gathering the candidates' values"));
-    SPARSEPS_RETURN_IF_ERROR(CudaStatus(
-        cudaMemcpyAsync(host_vals_.p, vals_.p, m * sizeof(float), cudaMemcpyDeviceToHost, stream_),
-        "copying the candidates' values"));
+    SPARSEPS_RETURN_IF_ERROR(CudaStatus(CountedMemcpyAsync(host_vals_.p, vals_.p, m * sizeof(float),
+                                                           cudaMemcpyDeviceToHost, stream_),
+                                        "copying the candidates' values"));
     SPARSEPS_RETURN_IF_ERROR(
         CudaStatus(cudaStreamSynchronize(stream_), "copying the candidates' values"));
     push->header.set_key_begin(r.begin);
@@ -146,8 +147,8 @@ class GpuSketchCompressor final : public GpuCompressorBase {
     if (config_.sketch().server_momentum() || keys.empty() || !status_.ok()) return;
     status_ = keys_.Reserve(keys.size());
     if (status_.ok()) {
-      status_ = CudaStatus(cudaMemcpyAsync(keys_.p, keys.data(), keys.size() * sizeof(uint32_t),
-                                           cudaMemcpyHostToDevice, stream_),
+      status_ = CudaStatus(CountedMemcpyAsync(keys_.p, keys.data(), keys.size() * sizeof(uint32_t),
+                                              cudaMemcpyHostToDevice, stream_),
                            "copying the changed keys");
     }
     // partial_reset: v -= this worker's share of what the servers applied, -delta / lr, clipped
@@ -157,9 +158,10 @@ class GpuSketchCompressor final : public GpuCompressorBase {
     if (status_.ok() && partial) {
       status_ = delta_.Reserve(delta.size());
       if (status_.ok()) {
-        status_ = CudaStatus(cudaMemcpyAsync(delta_.p, delta.data(), delta.size() * sizeof(float),
-                                             cudaMemcpyHostToDevice, stream_),
-                             "copying the pulled changes");
+        status_ =
+            CudaStatus(CountedMemcpyAsync(delta_.p, delta.data(), delta.size() * sizeof(float),
+                                          cudaMemcpyHostToDevice, stream_),
+                       "copying the pulled changes");
       }
       if (status_.ok()) {
         status_ = CudaStatus(gpu::PartialResetAt(v_.p + key_begin, u_.p + key_begin, keys_.p,

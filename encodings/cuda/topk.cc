@@ -11,6 +11,7 @@
 
 #include "encodings/cuda/gpu_compressor_base.h"
 #include "encodings/cuda/gpu_compressors.h"
+#include "kernels/cuda/counted_memcpy.h"
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/gpu_kernels.h"
 #include "kernels/pack.h"
@@ -60,14 +61,14 @@ class GpuTopKCompressor final : public GpuCompressorBase {
     uint32_t* idx = payload_.p;
     float* vals = reinterpret_cast<float*>(payload_.p + k);
     SPARSEPS_RETURN_IF_ERROR(
-        CudaStatus(cudaMemcpyAsync(idx, selector_.indices(), k * sizeof(uint32_t),
-                                   cudaMemcpyDeviceToDevice, stream_),
+        CudaStatus(CountedMemcpyAsync(idx, selector_.indices(), k * sizeof(uint32_t),
+                                      cudaMemcpyDeviceToDevice, stream_),
                    "copying the indices"));
     SPARSEPS_RETURN_IF_ERROR(
         CudaStatus(gpu::GatherAndZero(v_.p, u_.p, idx, k, vals, stream_), "gathering the values"));
     SPARSEPS_RETURN_IF_ERROR(
-        CudaStatus(cudaMemcpyAsync(host_.p, payload_.p, 2 * k * sizeof(uint32_t),
-                                   cudaMemcpyDeviceToHost, stream_),
+        CudaStatus(CountedMemcpyAsync(host_.p, payload_.p, 2 * k * sizeof(uint32_t),
+                                      cudaMemcpyDeviceToHost, stream_),
                    "copying the payload"));
     SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream_), "the selection"));
     selected_.assign(host_.p, host_.p + k);
@@ -83,7 +84,7 @@ class GpuTopKCompressor final : public GpuCompressorBase {
         values_[j] = sent;
       }
       SPARSEPS_RETURN_IF_ERROR(CudaStatus(
-          cudaMemcpyAsync(vals, errors, k * sizeof(float), cudaMemcpyHostToDevice, stream_),
+          CountedMemcpyAsync(vals, errors, k * sizeof(float), cudaMemcpyHostToDevice, stream_),
           "copying the rounding errors"));
       SPARSEPS_RETURN_IF_ERROR(
           CudaStatus(gpu::ScatterAdd(v_.p, idx, vals, k, stream_), "keeping the rounding errors"));

@@ -7,6 +7,7 @@
 #include <cub/device/device_scan.cuh>
 #include <cub/device/device_select.cuh>
 
+#include "kernels/cuda/counted_memcpy.h"
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/gpu_kernels.h"
 #include "kernels/error_feedback.h"
@@ -172,7 +173,7 @@ cudaError_t StreamingSum(const float* x, size_t n, double* scratch, double* host
     SPARSEPS_CUDA_TRY(cudaGetLastError());
   }
   SPARSEPS_CUDA_TRY(
-      cudaMemcpyAsync(host_sum, scratch, sizeof(double), cudaMemcpyDeviceToHost, stream));
+      CountedMemcpyAsync(host_sum, scratch, sizeof(double), cudaMemcpyDeviceToHost, stream));
   return cudaStreamSynchronize(stream);
 }
 
@@ -184,7 +185,8 @@ cudaError_t CountNonFinite(const float* x, size_t n, unsigned long long* scratch
     SPARSEPS_CUDA_TRY(cudaGetLastError());
   }
   unsigned long long count = 0;
-  SPARSEPS_CUDA_TRY(cudaMemcpyAsync(&count, scratch, sizeof count, cudaMemcpyDeviceToHost, stream));
+  SPARSEPS_CUDA_TRY(
+      CountedMemcpyAsync(&count, scratch, sizeof count, cudaMemcpyDeviceToHost, stream));
   SPARSEPS_CUDA_TRY(cudaStreamSynchronize(stream));
   *host_count = count;
   return cudaSuccess;

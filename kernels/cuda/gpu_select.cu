@@ -7,6 +7,7 @@
 #include <cub/device/device_scan.cuh>
 #include <cub/device/device_select.cuh>
 
+#include "kernels/cuda/counted_memcpy.h"
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/gpu_kernels.h"
 #include "kernels/error_feedback.h"
@@ -377,8 +378,8 @@ cudaError_t SortIndices(uint32_t* keys, uint32_t* tmp, size_t k, int end_bit,
   SPARSEPS_CUDA_TRY(
       cub::DeviceRadixSort::SortKeys(*cub_tmp, need, buf, static_cast<int>(k), 0, end_bit, stream));
   if (buf.Current() != keys) {
-    SPARSEPS_CUDA_TRY(cudaMemcpyAsync(keys, buf.Current(), k * sizeof(uint32_t),
-                                      cudaMemcpyDeviceToDevice, stream));
+    SPARSEPS_CUDA_TRY(CountedMemcpyAsync(keys, buf.Current(), k * sizeof(uint32_t),
+                                         cudaMemcpyDeviceToDevice, stream));
   }
   return cudaSuccess;
 }
@@ -445,7 +446,7 @@ cudaError_t GpuTopK::Select(const float* x, size_t n, size_t k, uint32_t* idx_ou
                                     &scratch_, &counters_[0], stream));
     uint32_t found = 0;
     SPARSEPS_CUDA_TRY(
-        cudaMemcpyAsync(&found, counters_, sizeof(found), cudaMemcpyDeviceToHost, stream));
+        CountedMemcpyAsync(&found, counters_, sizeof(found), cudaMemcpyDeviceToHost, stream));
     SPARSEPS_CUDA_TRY(cudaStreamSynchronize(stream));
     if (found >= k && found <= cap_) {
       last_used_sample_ = true;
@@ -453,7 +454,7 @@ cudaError_t GpuTopK::Select(const float* x, size_t n, size_t k, uint32_t* idx_ou
       SPARSEPS_CUDA_TRY(RadixSelect(cands, found, static_cast<uint32_t>(k), st, hist_, stream));
       RadixState host_st{};
       SPARSEPS_CUDA_TRY(
-          cudaMemcpyAsync(&host_st, st, sizeof(host_st), cudaMemcpyDeviceToHost, stream));
+          CountedMemcpyAsync(&host_st, st, sizeof(host_st), cudaMemcpyDeviceToHost, stream));
       SPARSEPS_CUDA_TRY(cudaStreamSynchronize(stream));
       if (host_st.bucket_count == host_st.remaining) {
         // Every tie at T is taken: the candidates with key >= T (exactly k), kept in index
@@ -485,7 +486,8 @@ cudaError_t GpuTopK::Select(const float* x, size_t n, size_t k, uint32_t* idx_ou
   const VectorSource vec{x, n};
   SPARSEPS_CUDA_TRY(RadixSelect(vec, n, static_cast<uint32_t>(k), st, hist_, stream));
   RadixState host_st{};
-  SPARSEPS_CUDA_TRY(cudaMemcpyAsync(&host_st, st, sizeof(host_st), cudaMemcpyDeviceToHost, stream));
+  SPARSEPS_CUDA_TRY(
+      CountedMemcpyAsync(&host_st, st, sizeof(host_st), cudaMemcpyDeviceToHost, stream));
   SPARSEPS_CUDA_TRY(cudaStreamSynchronize(stream));
   SPARSEPS_CUDA_TRY(Grow(&tie_idx_, &tie_cap_, host_st.bucket_count));
   SPARSEPS_CUDA_TRY(cudaMemsetAsync(counters_, 0, 4 * sizeof(uint32_t), stream));
@@ -498,9 +500,9 @@ cudaError_t GpuTopK::Finish(size_t n, size_t k, uint32_t* idx_out, cudaStream_t 
   RadixState host_st{};
   uint32_t counts[4] = {0, 0, 0, 0};
   SPARSEPS_CUDA_TRY(
-      cudaMemcpyAsync(&host_st, state_, sizeof(host_st), cudaMemcpyDeviceToHost, stream));
+      CountedMemcpyAsync(&host_st, state_, sizeof(host_st), cudaMemcpyDeviceToHost, stream));
   SPARSEPS_CUDA_TRY(
-      cudaMemcpyAsync(counts, counters_, sizeof(counts), cudaMemcpyDeviceToHost, stream));
+      CountedMemcpyAsync(counts, counters_, sizeof(counts), cudaMemcpyDeviceToHost, stream));
   SPARSEPS_CUDA_TRY(cudaStreamSynchronize(stream));
   const size_t above = counts[1], ties = std::min<size_t>(counts[2], tie_cap_);
   const size_t need = k - above;  // == host_st.remaining
@@ -512,8 +514,8 @@ cudaError_t GpuTopK::Finish(size_t n, size_t k, uint32_t* idx_out, cudaStream_t 
         SortIndices(tie_idx_, sort_tmp_, ties, end_bit, &cub_tmp_, &cub_tmp_bytes_, stream));
   }
   if (need > 0) {
-    SPARSEPS_CUDA_TRY(cudaMemcpyAsync(idx_out + above, tie_idx_, need * sizeof(uint32_t),
-                                      cudaMemcpyDeviceToDevice, stream));
+    SPARSEPS_CUDA_TRY(CountedMemcpyAsync(idx_out + above, tie_idx_, need * sizeof(uint32_t),
+                                         cudaMemcpyDeviceToDevice, stream));
   }
   SPARSEPS_CUDA_TRY(
       SortIndices(idx_out, sort_tmp_, k, end_bit, &cub_tmp_, &cub_tmp_bytes_, stream));
@@ -548,7 +550,7 @@ cudaError_t GpuThresholdSelect::Select(const float* x, size_t n, float threshold
                                   counter_, stream));
   uint32_t count = 0;
   SPARSEPS_CUDA_TRY(
-      cudaMemcpyAsync(&count, counter_, sizeof(count), cudaMemcpyDeviceToHost, stream));
+      CountedMemcpyAsync(&count, counter_, sizeof(count), cudaMemcpyDeviceToHost, stream));
   SPARSEPS_CUDA_TRY(cudaStreamSynchronize(stream));
   *host_count = count;
   return cudaSuccess;
@@ -576,8 +578,8 @@ cudaError_t GpuSampledThresholdSelect::Threshold(const float* x, size_t n, size_
       for (size_t u = 0; u < len; ++u) host_pos.push_back(static_cast<uint32_t>(start + u));
     });
     SPARSEPS_CUDA_TRY(Grow(&pos_, &pos_cap_, host_pos.size()));
-    SPARSEPS_CUDA_TRY(cudaMemcpy(pos_, host_pos.data(), host_pos.size() * sizeof(uint32_t),
-                                 cudaMemcpyHostToDevice));
+    SPARSEPS_CUDA_TRY(CountedMemcpy(pos_, host_pos.data(), host_pos.size() * sizeof(uint32_t),
+                                    cudaMemcpyHostToDevice));
     pos_n_ = n;
     pos_sample_ = sample;
     pos_count_ = host_pos.size();
@@ -595,7 +597,7 @@ cudaError_t GpuSampledThresholdSelect::Threshold(const float* x, size_t n, size_
   MinAbsKeyKernel<<<Blocks(taken), kThreads, 0, stream>>>(sample_, sel_, taken, key_);
   SPARSEPS_CUDA_TRY(cudaGetLastError());
   uint32_t key = 0;
-  SPARSEPS_CUDA_TRY(cudaMemcpyAsync(&key, key_, sizeof(key), cudaMemcpyDeviceToHost, stream));
+  SPARSEPS_CUDA_TRY(CountedMemcpyAsync(&key, key_, sizeof(key), cudaMemcpyDeviceToHost, stream));
   SPARSEPS_CUDA_TRY(cudaStreamSynchronize(stream));
   std::memcpy(host_threshold, &key, sizeof(key));
   return cudaSuccess;

@@ -1,6 +1,7 @@
 // SBC binarisation and the count sketch on the device (see gpu_kernels.h).
 #include <cub/device/device_select.cuh>
 
+#include "kernels/cuda/counted_memcpy.h"
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/gpu_kernels.h"
 
@@ -328,7 +329,7 @@ cudaError_t GpuSbc::BinarizeSelected(const SideSelect& select, float* residual, 
                                             static_cast<int>(selected), NonZeroAt{side_}, stream));
     int kept = 0;
     SPARSEPS_CUDA_TRY(
-        cudaMemcpyAsync(&kept, kept_count_, sizeof(int), cudaMemcpyDeviceToHost, stream));
+        CountedMemcpyAsync(&kept, kept_count_, sizeof(int), cudaMemcpyDeviceToHost, stream));
     SPARSEPS_CUDA_TRY(cudaStreamSynchronize(stream));
     count[s] = static_cast<size_t>(kept);
     if (count[s] == 0) continue;
@@ -336,7 +337,7 @@ cudaError_t GpuSbc::BinarizeSelected(const SideSelect& select, float* residual, 
     SumAbsKernel<<<Blocks(count[s]), kThreads, 0, stream>>>(residual, kept_[s], count[s], sum_);
     SPARSEPS_CUDA_TRY(cudaGetLastError());
     double sum = 0.0;
-    SPARSEPS_CUDA_TRY(cudaMemcpyAsync(&sum, sum_, sizeof(sum), cudaMemcpyDeviceToHost, stream));
+    SPARSEPS_CUDA_TRY(CountedMemcpyAsync(&sum, sum_, sizeof(sum), cudaMemcpyDeviceToHost, stream));
     SPARSEPS_CUDA_TRY(cudaStreamSynchronize(stream));
     mean[s] = sum / static_cast<double>(count[s]);
   }
@@ -373,7 +374,7 @@ cudaError_t GpuSbc::Binarize(float* residual, float* velocity, size_t n, size_t 
     SPARSEPS_CUDA_TRY(cudaGetLastError());
     unsigned long long nonzeros = 0;
     SPARSEPS_CUDA_TRY(
-        cudaMemcpyAsync(&nonzeros, nonzeros_, sizeof(nonzeros), cudaMemcpyDeviceToHost, stream));
+        CountedMemcpyAsync(&nonzeros, nonzeros_, sizeof(nonzeros), cudaMemcpyDeviceToHost, stream));
     SPARSEPS_CUDA_TRY(cudaStreamSynchronize(stream));
     const size_t want = std::min<size_t>(k, nonzeros);
     if (want == 0) continue;
@@ -382,7 +383,7 @@ cudaError_t GpuSbc::Binarize(float* residual, float* velocity, size_t n, size_t 
     SumAbsKernel<<<Blocks(count[s]), kThreads, 0, stream>>>(residual, idx, count[s], sum_);
     SPARSEPS_CUDA_TRY(cudaGetLastError());
     double sum = 0.0;
-    SPARSEPS_CUDA_TRY(cudaMemcpyAsync(&sum, sum_, sizeof(sum), cudaMemcpyDeviceToHost, stream));
+    SPARSEPS_CUDA_TRY(CountedMemcpyAsync(&sum, sum_, sizeof(sum), cudaMemcpyDeviceToHost, stream));
     SPARSEPS_CUDA_TRY(cudaStreamSynchronize(stream));
     mean[s] = sum / static_cast<double>(count[s]);
   }
@@ -390,8 +391,8 @@ cudaError_t GpuSbc::Binarize(float* residual, float* velocity, size_t n, size_t 
   const size_t chosen = positive ? count[0] : count[1];
   const float value = static_cast<float>(positive ? mean[0] : -mean[1]);
   if (positive && chosen > 0) {
-    SPARSEPS_CUDA_TRY(cudaMemcpyAsync(idx_out, other_, chosen * sizeof(uint32_t),
-                                      cudaMemcpyDeviceToDevice, stream));
+    SPARSEPS_CUDA_TRY(CountedMemcpyAsync(idx_out, other_, chosen * sizeof(uint32_t),
+                                         cudaMemcpyDeviceToDevice, stream));
   }
   if (chosen > 0) {
     ApplyKernel<<<Blocks(chosen), kThreads, 0, stream>>>(residual, velocity, idx_out, chosen,
@@ -449,8 +450,8 @@ cudaError_t GpuCountSketch::Upload() {
   }
   SPARSEPS_CUDA_TRY(
       cudaMalloc(reinterpret_cast<void**>(&coeffs_), host_coeffs_.size() * sizeof(uint64_t)));
-  return cudaMemcpy(coeffs_, host_coeffs_.data(), host_coeffs_.size() * sizeof(uint64_t),
-                    cudaMemcpyHostToDevice);
+  return CountedMemcpy(coeffs_, host_coeffs_.data(), host_coeffs_.size() * sizeof(uint64_t),
+                       cudaMemcpyHostToDevice);
 }
 
 // Whether keys [key_begin, key_begin + n) are all below 2^32 (the cheaper key type applies).

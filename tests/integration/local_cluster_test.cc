@@ -287,6 +287,30 @@ TEST_P(OverlapTest, SendsEachPartDuringTheBackwardPass) {
     EXPECT_EQ(st.pushes(), 2u * 40u) << json;
     EXPECT_EQ(st.rejected(), 0u) << json;
   }
+  // A GPU run counts its host-device copies over steps 11 to 40: at least each step's batch of
+  // 64 images up, something down (the compressed range, the loss), and for top-k far less than
+  // the model each way (the pulls' changed keys, not the parameters); a CPU run writes no file.
+  const std::string copies_path = dir.path() + "/memcpy-worker-0.json";
+  if (cuda) {
+    const std::string copies = testing::ReadFile(copies_path);
+    double steps = -1, h2d = -1, d2h = -1;
+    ASSERT_EQ(
+        std::sscanf(copies.c_str(),
+                    "{\"steps\": %lf, \"h2d_bytes_per_step\": %lf, \"d2h_bytes_per_step\": %lf",
+                    &steps, &h2d, &d2h),
+        3)
+        << copies;
+    EXPECT_EQ(steps, 30) << copies;
+    EXPECT_GE(h2d, 64.0 * 784 * 4) << copies;
+    EXPECT_GT(d2h, 0) << copies;
+    if (encoding == "topk") {
+      const double model_bytes = 4.0 * (784 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 10 + 10);
+      EXPECT_LT(h2d, 0.5 * model_bytes) << copies;
+      EXPECT_LT(d2h, 0.5 * model_bytes) << copies;
+    }
+  } else {
+    EXPECT_FALSE(std::filesystem::exists(copies_path));
+  }
   // The trace: per step, when the backward pass ended and range (bucket) 1's encoding began.
   const std::string part = ring ? "bucket0" : "range1";
   std::map<int, double> backward_end, part_from;

@@ -4,10 +4,15 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cstdio>
+#include <fstream>
+#include <sstream>
 #include <string>
 #include <vector>
 
+#include "kernels/device_copies.h"
 #include "worker/device_buffer.h"
+#include "worker/device_copy_window.h"
 #include "worker/trainer.h"
 
 namespace sparseps {
@@ -93,6 +98,91 @@ TEST(ChangedKeys, SyncWithoutADeviceFailsAndKeepsTheKeys) {
   std::vector<float> host(10, 1.0f);
   EXPECT_FALSE(SyncToDevice(host.data(), &changed, &device).ok());
   EXPECT_EQ(changed.keys(), (std::vector<uint32_t>{4}));
+}
+
+// The host-device bytes per step: the steps after the first ten, an evaluation between two of
+// them left out, as is the final one after the last step; counted from any thread.
+TEST(DeviceCopyWindow, CountsTheStepsAfterTheFirstTenLeavingEvaluationsOut) {
+  DeviceCopyWindow w;
+  for (uint64_t step = 1; step <= 10; ++step) {
+    CountDeviceCopy(CopyDirection::kToDevice, 1'000'000);  // warm-up: left out
+    w.StepEnded(step);
+  }
+  EXPECT_EQ(w.steps(), 0u);
+  for (uint64_t step = 11; step <= 30; ++step) {
+    CountDeviceCopy(CopyDirection::kToDevice, 400);
+    CountDeviceCopy(CopyDirection::kToHost, 100);
+    CountDeviceCopy(CopyDirection::kOnDevice, 8);
+    w.StepEnded(step);
+    if (step == 20) {
+      w.BeginEval();
+      CountDeviceCopy(CopyDirection::kToDevice, 777'777);  // the test set
+      CountDeviceCopy(CopyDirection::kToHost, 3);
+      w.EndEval();
+    }
+  }
+  w.BeginEval();  // the final evaluation, after the last step
+  CountDeviceCopy(CopyDirection::kToHost, 555);
+  w.EndEval();
+  EXPECT_EQ(w.steps(), 20u);
+  const DeviceCopies b = w.bytes();
+  EXPECT_EQ(b.to_device, 20u * 400);
+  EXPECT_EQ(b.to_host, 20u * 100);
+  EXPECT_EQ(b.on_device, 20u * 8);
+
+  const std::string path = ::testing::TempDir() + "/memcpy-worker-0.json";
+  bool written = false;
+  ASSERT_TRUE(w.Write(path, &written).ok());
+  ASSERT_TRUE(written);
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  EXPECT_EQ(text.str(),
+            "{\"steps\": 20, \"h2d_bytes_per_step\": 400, \"d2h_bytes_per_step\": 100, "
+            "\"d2d_bytes_per_step\": 8}\n");
+  std::remove(path.c_str());
+}
+
+// A run that copied nothing (a CPU model) or stopped within the first ten steps writes no file.
+TEST(DeviceCopyWindow, WritesNothingWithoutCopiesOrSteps) {
+  const std::string path = ::testing::TempDir() + "/memcpy-none.json";
+  DeviceCopyWindow short_run;
+  for (uint64_t step = 1; step <= 10; ++step) short_run.StepEnded(step);
+  bool written = true;
+  ASSERT_TRUE(short_run.Write(path, &written).ok());
+  EXPECT_FALSE(written);
+  DeviceCopyWindow cpu_run;
+  for (uint64_t step = 1; step <= 30; ++step) cpu_run.StepEnded(step);
+  ASSERT_TRUE(cpu_run.Write(path, &written).ok());
+  EXPECT_FALSE(written);
+  EXPECT_EQ(std::fopen(path.c_str(), "r"), nullptr);
+  DeviceCopyWindow unwritable;
+  for (uint64_t step = 1; step <= 12; ++step) {
+    CountDeviceCopy(CopyDirection::kToHost, 4);
+    unwritable.StepEnded(step);
+  }
+  const Status s = unwritable.Write("/nonexistent-dir/memcpy.json", &written);
+  EXPECT_FALSE(s.ok());
+  EXPECT_THAT(s.message(), HasSubstr("/nonexistent-dir/memcpy.json"));
+}
+
+// On a GPU every copy of the project's CUDA code counts: a DeviceBuffer's upload and download
+// of n floats add exactly 4 n bytes each way.
+TEST(DeviceCopies, DeviceBufferCopiesCountExactly) {
+  std::string why;
+  if (!kernels::CudaDeviceAvailable(&why)) GTEST_SKIP() << why;
+  const size_t n = 12345;
+  std::vector<float> host(n, 1.5f), back(n, 0.0f);
+  DeviceBuffer d;
+  ASSERT_TRUE(d.Allocate(n).ok());
+  const DeviceCopies before = DeviceCopiesSoFar();
+  ASSERT_TRUE(d.Upload(host.data()).ok());
+  ASSERT_TRUE(d.Download(back.data()).ok());
+  const DeviceCopies moved = DeviceCopiesSoFar() - before;
+  EXPECT_EQ(moved.to_device, 4 * n);
+  EXPECT_EQ(moved.to_host, 4 * n);
+  EXPECT_EQ(moved.on_device, 0u);
+  EXPECT_EQ(back, host);
 }
 
 }  // namespace

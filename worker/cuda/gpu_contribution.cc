@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "encodings/cuda/gpu_compressor_base.h"
+#include "kernels/cuda/counted_memcpy.h"
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/gpu_kernels.h"
 
@@ -75,8 +76,8 @@ Status GpuContribution::Upload(std::span<const uint32_t> keys, const float* valu
   SPARSEPS_RETURN_IF_ERROR(st.host.Reserve(2 * m));
   std::memcpy(st.host.p, keys.data(), m * sizeof(uint32_t));
   if (values != nullptr) std::memcpy(st.host.p + m, values, m * sizeof(float));
-  return CudaStatus(cudaMemcpyAsync(st.entries.p, st.host.p, words * sizeof(uint32_t),
-                                    cudaMemcpyHostToDevice, st.stream),
+  return CudaStatus(CountedMemcpyAsync(st.entries.p, st.host.p, words * sizeof(uint32_t),
+                                       cudaMemcpyHostToDevice, st.stream),
                     "copying keys to the device");
 }
 
@@ -86,8 +87,8 @@ Status GpuContribution::Select(size_t k, std::vector<uint32_t>* keys) {
   SPARSEPS_RETURN_IF_ERROR(st.selector.Select(st.x.p, st.n, k, &count, st.stream));
   SPARSEPS_RETURN_IF_ERROR(st.host.Reserve(count));
   SPARSEPS_RETURN_IF_ERROR(
-      CudaStatus(cudaMemcpyAsync(st.host.p, st.selector.indices(), count * sizeof(uint32_t),
-                                 cudaMemcpyDeviceToHost, st.stream),
+      CudaStatus(CountedMemcpyAsync(st.host.p, st.selector.indices(), count * sizeof(uint32_t),
+                                    cudaMemcpyDeviceToHost, st.stream),
                  "copying the selected keys"));
   SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(st.stream), "the selection"));
   keys->assign(st.host.p, st.host.p + count);
@@ -109,8 +110,8 @@ Status GpuContribution::SelectAtLeast(size_t begin, size_t end, float threshold,
   }
   SPARSEPS_RETURN_IF_ERROR(st.host.Reserve(found));
   SPARSEPS_RETURN_IF_ERROR(
-      CudaStatus(cudaMemcpyAsync(st.host.p, st.entries.p, found * sizeof(uint32_t),
-                                 cudaMemcpyDeviceToHost, st.stream),
+      CudaStatus(CountedMemcpyAsync(st.host.p, st.entries.p, found * sizeof(uint32_t),
+                                    cudaMemcpyDeviceToHost, st.stream),
                  "copying the selected keys"));
   SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(st.stream), "the selection"));
   keys->resize(found);
@@ -125,8 +126,8 @@ Status GpuContribution::SampledMagnitude(size_t begin, size_t end, size_t sample
   std::vector<float> range(end - begin);
   SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(st.stream), "the stream"));
   SPARSEPS_RETURN_IF_ERROR(
-      CudaStatus(cudaMemcpy(range.data(), st.x.p + begin, range.size() * sizeof(float),
-                            cudaMemcpyDeviceToHost),
+      CudaStatus(CountedMemcpy(range.data(), st.x.p + begin, range.size() * sizeof(float),
+                               cudaMemcpyDeviceToHost),
                  "copying the sampled range"));
   *out = kernels::SampledMagnitude(range.data(), range.size(), sample, rank);
   return Status::OK();
@@ -141,7 +142,7 @@ Status GpuContribution::Take(std::span<const uint32_t> keys, float* values) {
   SPARSEPS_RETURN_IF_ERROR(CudaStatus(
       gpu::GatherAndZero(st.x.p, nullptr, st.entries.p, m, vals, st.stream), "taking entries"));
   SPARSEPS_RETURN_IF_ERROR(CudaStatus(
-      cudaMemcpyAsync(st.host.p + m, vals, m * sizeof(float), cudaMemcpyDeviceToHost, st.stream),
+      CountedMemcpyAsync(st.host.p + m, vals, m * sizeof(float), cudaMemcpyDeviceToHost, st.stream),
       "copying the taken values"));
   SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(st.stream), "taking entries"));
   std::memcpy(values, st.host.p + m, m * sizeof(float));
@@ -169,7 +170,7 @@ Status GpuContribution::Read(float* out, bool zero) {
   State& st = *state_;
   SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(st.stream), "the stream"));
   SPARSEPS_RETURN_IF_ERROR(
-      CudaStatus(cudaMemcpy(out, st.x.p, st.n * sizeof(float), cudaMemcpyDeviceToHost),
+      CudaStatus(CountedMemcpy(out, st.x.p, st.n * sizeof(float), cudaMemcpyDeviceToHost),
                  "copying the contribution"));
   if (!zero) return Status::OK();
   SPARSEPS_RETURN_IF_ERROR(
@@ -180,7 +181,7 @@ Status GpuContribution::Read(float* out, bool zero) {
 Status GpuContribution::Write(const float* in) {
   State& st = *state_;
   SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(st.stream), "the stream"));
-  return CudaStatus(cudaMemcpy(st.x.p, in, st.n * sizeof(float), cudaMemcpyHostToDevice),
+  return CudaStatus(CountedMemcpy(st.x.p, in, st.n * sizeof(float), cudaMemcpyHostToDevice),
                     "writing the contribution");
 }
 
@@ -200,7 +201,7 @@ Status GpuContribution::ReadVelocity(float* out) const {
     return Status::OK();
   }
   SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(st.stream), "the stream"));
-  return CudaStatus(cudaMemcpy(out, st.u.p, st.n * sizeof(float), cudaMemcpyDeviceToHost),
+  return CudaStatus(CountedMemcpy(out, st.u.p, st.n * sizeof(float), cudaMemcpyDeviceToHost),
                     "copying the velocity");
 }
 

@@ -12,6 +12,7 @@
 
 #include "encodings/cuda/cuda_arrays.h"
 #include "encodings/cuda/cuda_status.h"
+#include "kernels/cuda/counted_memcpy.h"
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/dense_kernels.h"
 #include "kernels/device.h"
@@ -187,9 +188,10 @@ class GpuNet final : public Model {
     const size_t nx = batch * features();
     std::memcpy(x_host_.p, x, nx * sizeof(float));
     std::memcpy(y_host_.p, y, batch);
-    GPU_TRY(cudaMemcpyAsync(x_.p, x_host_.p, nx * sizeof(float), cudaMemcpyHostToDevice, stream_),
-            "copying the batch");
-    GPU_TRY(cudaMemcpyAsync(y_.p, y_host_.p, batch, cudaMemcpyHostToDevice, stream_),
+    GPU_TRY(
+        CountedMemcpyAsync(x_.p, x_host_.p, nx * sizeof(float), cudaMemcpyHostToDevice, stream_),
+        "copying the batch");
+    GPU_TRY(CountedMemcpyAsync(y_.p, y_host_.p, batch, cudaMemcpyHostToDevice, stream_),
             "copying the labels");
     return Status::OK();
   }
@@ -289,11 +291,11 @@ class GpuNet final : public Model {
   // Copies the per-row losses back (the one synchronisation of a step) and sums them in row
   // order, as the CPU does.
   Status SumLoss(size_t batch, double* loss, size_t* correct) {
-    GPU_TRY(cudaMemcpyAsync(loss_host_.p, row_loss_.p, batch * sizeof(double),
-                            cudaMemcpyDeviceToHost, stream_),
+    GPU_TRY(CountedMemcpyAsync(loss_host_.p, row_loss_.p, batch * sizeof(double),
+                               cudaMemcpyDeviceToHost, stream_),
             "copying the losses");
     GPU_TRY(
-        cudaMemcpyAsync(correct_host_.p, row_correct_.p, batch, cudaMemcpyDeviceToHost, stream_),
+        CountedMemcpyAsync(correct_host_.p, row_correct_.p, batch, cudaMemcpyDeviceToHost, stream_),
         "copying the predictions");
     GPU_TRY(cudaStreamSynchronize(stream_), "the step");
     double total = 0.0;
