@@ -254,8 +254,8 @@ def render():
             "advise": advise() + entered(hand.get("advise", [])),
             "gpu": entered(hand["gpu"]) + [
                 "Not measured on a GPU yet (issue 41): the host-device bytes of a step (counted "
-                "for the PyTorch path by the examples' --profile-memcpy since 2859c66, not yet "
-                "run; the C++ worker's not counted); "
+                "for the PyTorch path by the examples' --profile-memcpy since 2859c66 and by the "
+                "C++ worker itself since 835ec7f, neither yet run on a GPU); "
                 "overlap of communication with the backward pass on the GPU (built since 3ab83f3 and "
                 "514d81d, its tests and configs/compare_torch_gpu_1gbit.yaml's overlap setting "
                 "not yet run on a GPU); "
