@@ -13,8 +13,9 @@
 #   goal4    configs/compare_short_1gbit.yaml (issue 21's goals 1, 3 and 4 on cores of their own)
 #   goal5    configs/compare_scaling_short_1gbit.yaml at W = 2 and 8 (goal 5)
 #   pytorch  tests/python/test_gpu.py under the machine's own python3 and PyTorch (sparseps.capi
-#            over the bundle's client library): the example on the GPU against the CPU, DDP's
-#            sparse_allreduce_hook on CUDA tensors
+#            over the bundle's client library, and the pybind11 module built there by
+#            python/build_module.sh): the example on the GPU against the CPU, DDP's
+#            sparse_allreduce_hook on CUDA tensors, overlap through both layers
 #   step     the GPU step split (bench/gpu_step.py): cnn and the 5.8M MLP (the C++ worker,
 #            train.device=cuda) and resnet18 (the example, --device cuda), each with PS top-k 1%
 #            and SparDL, 2 workers on loopback, next to PyTorch's own step of each model
@@ -88,14 +89,22 @@ bash deploy/netns.sh down --prefix probe
 echo "netns works: $net"
 
 # The Python phases: the machine's own python3 and PyTorch, sparseps.capi over the bundle's
-# client library (the pybind11 module is built for Debian's Python, not this one).
+# client library (the CMake build's pybind11 module is Debian's Python's; the pytorch phase builds
+# one for this Python).
 export PYTHONPATH=$R/python SPARSEPS_BUILD_DIR=$B SPARSEPS_CLIENT_LIBRARY=$B/client/libsparseps_client.so
 export PYTHONUNBUFFERED=1
 phase_pytorch() {
   echo "== pytorch at $(date -u +%T), $(left) s left"
   python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda)"
   mkdir -p /tmp/p1
-  timeout "$(cap 200)" python3 -m pytest -v -s -p no:cacheprovider tests/python/test_gpu.py \
+  # The pybind11 module for this machine's python3 (python/build_module.sh over the bundle's
+  # client library): test_gpu.py's module cases run with it, and skip where it cannot be built.
+  local path=$R/python
+  if python/build_module.sh --client-lib "$B/client" --out /tmp/pymod --dlpack "$R/.devrun/x/include" \
+      2>&1 | tee /tmp/p1/build_module.log; then
+    path=/tmp/pymod
+  fi
+  PYTHONPATH=$path timeout "$(cap 200)" python3 -m pytest -v -s -p no:cacheprovider tests/python/test_gpu.py \
     2>&1 | tee /tmp/p1/test_gpu.log | grep -E "PASS|FAIL|SKIP|ERROR|accuracy|passed|failed|Error"
   pack p1
 }

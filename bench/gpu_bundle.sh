@@ -14,8 +14,8 @@
 # DIR: where the bundle goes (default .devrun/, which .gitignore lists); --data: Fashion-MNIST's
 # four .gz files (default /usr/share/datasets/fashion-mnist).
 # Writes DIR/bundle.tar.xz (build/{tests,bench,scheduler,server,worker,client}/..., lib/,
-# lib-cuda/, net/: iproute2's ip and tc with their libraries) and DIR/data/ (Fashion-MNIST, and
-# Debian's fortunes in data/fortunes/ where installed).
+# lib-cuda/, net/: iproute2's ip and tc with their libraries, include/dlpack/dlpack.h) and
+# DIR/data/ (Fashion-MNIST, and Debian's fortunes in data/fortunes/ where installed).
 # On the GPU machine, from the repository root (DIR = .devrun):
 #   mkdir -p .devrun/x && tar -xJf .devrun/bundle.tar.xz -C .devrun/x
 #   export LD_LIBRARY_PATH=$PWD/.devrun/x/lib:/usr/local/cuda/lib64:$PWD/.devrun/x/lib-cuda
@@ -81,6 +81,10 @@ for t in ip tc; do
     esac
   done
 done
+# dlpack/dlpack.h (Debian's libdlpack-dev), for python/build_module.sh on the GPU machine.
+if [[ -f /usr/include/dlpack/dlpack.h ]]; then
+  mkdir -p "$stage/include/dlpack" && cp /usr/include/dlpack/dlpack.h "$stage/include/dlpack/"
+fi
 rm -rf "$out" && mkdir -p "$out/data"
 tar -C "$stage" -cJf "$out/bundle.tar.xz" .
 cp "$data"/*.gz "$out/data/"

@@ -262,7 +262,8 @@ def run(args, build_model, load_data, perplexity=False):
         + f", aggregating the {args.aggregate}")
     log(rank, "info", f"model: torch {args.model}, {n} parameters on {device}; {what}; "
         f"{len(shard)} training samples on this worker, {steps_per_epoch} steps per epoch; "
-        f"{method}; optimizer {optimizer}")
+        f"{method}; optimizer {optimizer}; through "
+        f"{'sparseps.capi' if Worker is capi.Worker else 'the pybind11 module'}")
 
     run_dir = get("run.dir")
     metrics = evals = None

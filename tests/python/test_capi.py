@@ -2,16 +2,19 @@
 job (scheduler and servers as daemons, workers as threads): the job's parameters after each
 push_pull equal the C++ worker's (tests/python/replay_worker.cc) bitwise, and the update (dense
 or sparse) is what they moved by (sparseps.torch's DistributedOptimizer on a capi.Worker is in
-test_torch.py); a bad config is a clear error naming the key; and capi loads where the pybind11
-module does not (another Python version)."""
+test_torch.py); a bad config is a clear error naming the key; capi loads where the pybind11
+module does not (another Python version); and python/build_module.sh builds the module for a
+Python of the user's choosing, over the client library, which then passes the module's own
+bitwise and conservation tests."""
 import ctypes
+import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from conftest import BUILD
+from conftest import BUILD, ROOT
 from sparseps import capi
 from test_worker import N, STEPS, equals_the_cpp_worker
 
@@ -98,3 +101,42 @@ except ImportError as e:
     lines = out.stdout.splitlines()
     assert lines[0].count(".") == 2, out  # the version, "0.1.0"
     assert lines[1].startswith("refused:") and "sparseps import capi" in lines[1], out
+
+
+def test_build_module_makes_a_module_that_passes_the_module_tests(tmp_path):
+    """python/build_module.sh for this python3 over the build's client library (one compiler
+    call, as on a GPU machine whose Python the CMake build did not target): the package it
+    writes imports its own module, and test_worker.py's bitwise and conservation cases pass
+    through it (a separate pytest, whose sparseps is the one built here)."""
+    out = tmp_path / "pymod"
+    built = subprocess.run(
+        ["bash", str(ROOT / "python" / "build_module.sh"), "--client-lib", str(BUILD / "client"),
+         "--python", sys.executable, "--out", str(out)], capture_output=True, text=True,
+        timeout=300)
+    assert built.returncode == 0, built.stdout + built.stderr
+    env = dict(os.environ, PYTHONPATH=str(out))
+    where = subprocess.run(
+        [sys.executable, "-c", "import sparseps, sparseps._sparseps as m; "
+         "print(sparseps.__file__); print(m.__file__)"],
+        capture_output=True, text=True, env=env, timeout=60)
+    assert where.returncode == 0, where.stderr
+    assert all(line.startswith(str(out)) for line in where.stdout.split("\n")[:2]), where.stdout
+    tests = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         str(ROOT / "tests" / "python" / "test_worker.py"), "-k",
+         "test_push_pull_equals_the_cpp_worker_bitwise and ps_topk or "
+         "test_conservation_with_integer_gradients"],
+        capture_output=True, text=True, env=env, timeout=500)
+    assert tests.returncode == 0, tests.stdout[-3000:] + tests.stderr[-3000:]
+    assert " passed" in tests.stdout and "failed" not in tests.stdout, tests.stdout[-2000:]
+
+
+def test_build_module_names_what_is_missing(tmp_path):
+    """No client library where --client-lib points, or no such interpreter: exit 1 naming it."""
+    script = str(ROOT / "python" / "build_module.sh")
+    p = subprocess.run(["bash", script, "--client-lib", str(tmp_path)], capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 1 and f"no libsparseps_client.so in {tmp_path}" in p.stderr, p.stderr
+    p = subprocess.run(["bash", script, "--client-lib", str(BUILD / "client"), "--python",
+                        "/nonexistent/python3"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and "no interpreter '/nonexistent/python3'" in p.stderr, p.stderr

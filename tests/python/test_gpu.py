@@ -5,9 +5,10 @@ sparse_allreduce_hook on CUDA tensors keeps the workers equal and the averaged g
 train.overlap: backward pushes each key range, compressed on the device, during the backward
 pass.
 
-Where torch sees no CUDA device (CI) every test here skips. Only sparseps.capi is used: it loads
-in any Python 3 and any PyTorch (a GPU machine's own, which the pybind11 module is not built for);
-bench/device_run.sh's `pytorch` phase runs this file there."""
+Where torch sees no CUDA device (CI) every test here skips. sparseps.capi loads in any Python 3
+and any PyTorch (a GPU machine's own); the pybind11 module's cases run where it was built for
+this Python (python/build_module.sh) and skip elsewhere. bench/device_run.sh's `pytorch` phase
+builds the module there and runs this file."""
 import csv
 import json
 import sys
@@ -20,6 +21,20 @@ from conftest import (DATA, ROOT, ddp_hook_keeps_the_workers_equal_and_sparse, l
 from sparseps import capi
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+def module_worker():
+    """sparseps.Worker (the pybind11 module) where it loads in this Python, else None."""
+    import sparseps
+    try:
+        return sparseps.Worker
+    except ImportError:
+        return None
+
+
+needs_module = pytest.mark.skipif(
+    module_worker() is None,
+    reason="the pybind11 module is not built for this Python (python/build_module.sh)")
 
 
 def read_csv(path):
@@ -48,7 +63,8 @@ def test_example_trains_on_the_gpu_to_the_cpu_accuracy(tmp_path):
             f"{sys.executable} {ROOT / 'examples' / 'fashion_mnist.py'} --capi --model cnn "
             f"--device {device}" + (" --profile-memcpy 20" if device == "cuda" else ""),
             name=device, timeout=900)
-        assert f"parameters on {device}" in (run / "worker-0.log").read_text()
+        log = (run / "worker-0.log").read_text()
+        assert f"parameters on {device}" in log and "through sparseps.capi" in log
         rows = read_csv(run / "metrics-worker-0.csv")
         assert len(rows) == 936  # 2 epochs of 30,000 samples in batches of 64
         assert {int(r["selected"]) for r in rows} == {2154}  # k of 215,370 at 1%
@@ -75,3 +91,29 @@ def test_overlap_pushes_during_the_backward_pass_on_the_gpu(cluster):
     """train.overlap: backward with CUDA tensors: each key range compressed on the GPU and pushed
     while the backward pass goes on, the result bit for bit the job stepped without the hooks."""
     overlap_pushes_during_the_backward_pass_and_changes_nothing(cluster, capi.Worker, "cuda")
+
+
+@needs_module
+def test_overlap_through_the_pybind11_module_on_the_gpu(cluster):
+    """The same through the pybind11 module (DLPack's view of the CUDA tensors, not data_ptr)."""
+    overlap_pushes_during_the_backward_pass_and_changes_nothing(cluster, module_worker(), "cuda")
+
+
+@needs_module
+@pytest.mark.skipif(not (DATA / "train-images-idx3-ubyte.gz").exists(),
+                    reason="Fashion-MNIST not installed (deploy/install-deps.sh)")
+def test_example_trains_on_the_gpu_through_the_pybind11_module(tmp_path):
+    """The example without --capi takes the module where it loads: the CNN on the GPU, 200 steps
+    of examples/torch_cnn.yaml, learns (the CPU reaches about 85% there)."""
+    run = launch_example(
+        tmp_path, "torch_cnn.yaml",
+        f"{sys.executable} {ROOT / 'examples' / 'fashion_mnist.py'} --model cnn --device cuda",
+        sets=["train.max_steps=200", "data.max_test_samples=1000"], timeout=600)
+    log = (run / "worker-0.log").read_text()
+    assert "parameters on cuda" in log and "through the pybind11 module" in log
+    rows = read_csv(run / "metrics-worker-0.csv")
+    assert len(rows) == 200
+    assert {int(r["selected"]) for r in rows} == {2154}
+    accuracy = float(read_csv(run / "eval-worker-0.csv")[-1]["test_accuracy"])
+    print(f"module, cuda: test accuracy {100 * accuracy:.2f}% after 200 steps")
+    assert accuracy > 0.7, accuracy
