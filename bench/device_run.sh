@@ -21,6 +21,9 @@
 #            and SparDL, 2 workers on loopback, next to PyTorch's own step of each model
 #   gpucompare configs/compare_torch_gpu_1gbit.yaml: ResNet-18 on 4 GPU workers at 1 Gbit/s,
 #            torch DDP (Gloo, fp16, PowerSGD hooks) against sparseps (issue 41, point 5)
+#            (GPU_ONLY: its settings; default all but the _seed ones)
+#   gpuseeds the same comparison's seeds 43 and 44 (DDP, DDP fp16, PS top-k and its compact
+#            setting), into the same folder (with gpucompare in the same call: one table)
 #   gpucompare10 the same at 10 Gbit/s (sparseps-compare --rate 10gbit)
 #   gpulm    configs/compare_lm_gpu_1gbit.yaml: the language model on 4 GPU workers at 1 Gbit/s
 #   scaling46 issue 46 on the 16 cores: configs/compare_advise.yaml's calibration on loopback and
@@ -199,9 +202,21 @@ phase_goal5() {
   compare "goal 5" c5 400 --config configs/compare_scaling_short_1gbit.yaml \
     --only "${SCALING:-ps_topk_w2,ps_topk_w8,ps_topk_stk_w2,ps_topk_stk_w8,gtopk_w2,gtopk_w8,spardl_w2,spardl_w8,exdyna_w2,exdyna_w8,gloo_w2,gloo_w8}"
 }
-phase_gpucompare() { compare gpucompare c6 480 --config configs/compare_torch_gpu_1gbit.yaml; }
+GPU_ONLY=${GPU_ONLY:-torch_ddp_gloo,torch_ddp_fp16,torch_ddp_powersgd,torch_powersgd,torch_ps_topk,torch_ps_topk_overlap,torch_ps_topk_compact}
+phase_gpucompare() {
+  compare gpucompare c6 480 --config configs/compare_torch_gpu_1gbit.yaml --only "$GPU_ONLY"
+}
+phase_gpuseeds() {
+  local seeds=()
+  for s in 43 44; do
+    for n in torch_ddp_gloo torch_ddp_fp16 torch_ps_topk torch_ps_topk_compact; do seeds+=("${n}_seed$s"); done
+  done
+  compare gpuseeds c6 560 --config configs/compare_torch_gpu_1gbit.yaml --resume \
+    --only "$(IFS=,; echo "${seeds[*]}")"
+}
 phase_gpucompare10() {
-  compare gpucompare10 c7 480 --config configs/compare_torch_gpu_1gbit.yaml --rate 10gbit
+  compare gpucompare10 c7 480 --config configs/compare_torch_gpu_1gbit.yaml --rate 10gbit \
+    --only "$GPU_ONLY"
 }
 phase_gpulm() { compare gpulm c8 480 --config configs/compare_lm_gpu_1gbit.yaml; }
 phase_scaling46() {
