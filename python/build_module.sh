@@ -46,8 +46,15 @@ flags=()
 [[ -n "$dlpack" ]] && flags+=("-I$dlpack")
 mkdir -p "$out/sparseps"
 cp "$here"/python/sparseps/*.py "$out/sparseps/"
+# The module will ask for the library by its SONAME (libsparseps_client.so.0); a copy that kept
+# only libsparseps_client.so (a GPU bundle) gets that name as a link next to the module.
+soname="$(readelf -d "$lib/libsparseps_client.so" 2>/dev/null | sed -n 's/.*SONAME.*\[\(.*\)\]/\1/p')"
+if [[ -n "$soname" && ! -e "$lib/$soname" ]]; then
+  ln -sfn "$lib/libsparseps_client.so" "$out/sparseps/$soname"
+fi
 "$cxx" -O2 -std=c++20 -shared -fPIC -fvisibility=hidden -I"$pyinc" -I"$pbinc" \
   -I"$here/client/include" "${flags[@]}" "$here/python/sparseps_module.cc" \
-  -L"$lib" -lsparseps_client -Wl,-rpath,"$lib" -o "$out/sparseps/_sparseps$suffix" ||
+  -L"$lib" -lsparseps_client -Wl,-rpath,"$lib" -Wl,-rpath,'$ORIGIN' \
+  -o "$out/sparseps/_sparseps$suffix" ||
   fail "compiling python/sparseps_module.cc failed (dlpack/dlpack.h missing? see --dlpack)"
 echo "build_module.sh: $out/sparseps/_sparseps$suffix for $("$py" -c 'import sys; print(sys.version.split()[0])')"
