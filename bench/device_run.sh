@@ -103,10 +103,11 @@ phase_pytorch() {
   # The pybind11 module for this machine's python3 (python/build_module.sh over the bundle's
   # client library): test_gpu.py's module cases run with it, and skip where it cannot be built.
   local path=$R/python
-  if python/build_module.sh --client-lib "$B/client" --out /tmp/pymod --dlpack "$R/.devrun/x/include" \
-      2>&1 | tee /tmp/p1/build_module.log; then
-    path=/tmp/pymod
-  fi
+  python/build_module.sh --client-lib "$B/client" --out /tmp/pymod --dlpack "$R/.devrun/x/include" \
+    > /tmp/p1/build_module.log 2>&1
+  local built=$?
+  cat /tmp/p1/build_module.log
+  [[ $built -eq 0 ]] && path=/tmp/pymod
   PYTHONPATH=$path timeout "$(cap 200)" python3 -m pytest -v -s -p no:cacheprovider tests/python/test_gpu.py \
     2>&1 | tee /tmp/p1/test_gpu.log | grep -E "PASS|FAIL|SKIP|ERROR|accuracy|passed|failed|Error"
   pack p1
