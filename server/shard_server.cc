@@ -133,6 +133,7 @@ void ShardServer::HandleInit(const std::string& peer, const Message& msg,
   std::copy(p.dense.begin(), p.dense.end(), params_.begin());
   version_ = 0;
   last_changed_all_ = true;
+  reply_payloads_ = ReplyPayloads{};
   out->push_back(Reply(peer, h, proto::INIT_ACK));
   AnswerReadyPulls(out);
 }
@@ -538,6 +539,7 @@ void ShardServer::State(StateArchive& archive) {
   if (!archive.saving()) {
     last_changed_.clear();
     last_changed_all_ = true;
+    reply_payloads_ = ReplyPayloads{};  // the parameters changed under the same version number
     std::fill(pushed_.begin(), pushed_.end(), kNone);
     for (auto& held : stored_) held.reset();
     added_ = 0;
@@ -607,7 +609,7 @@ TopKFormat ShardServer::PullReplyFormat(const std::vector<uint32_t>& keys) const
   return format;
 }
 
-Outgoing ShardServer::MakePullReply(const PendingPull& pull, ReplyPayloads* payloads) const {
+Outgoing ShardServer::MakePullReply(const PendingPull& pull) {
   proto::Header request;
   request.set_iteration(pull.wanted_version - 1);
   request.set_request_id(pull.request_id);
@@ -617,8 +619,12 @@ Outgoing ShardServer::MakePullReply(const PendingPull& pull, ReplyPayloads* payl
   // smaller than the dense shard (4 B per key).
   const bool sparse = !last_changed_all_ && pull.have_version == version_ - 1 &&
                       2 * last_changed_.size() < params_.size();
-  Message& payload = sparse ? payloads->sparse : payloads->dense;
-  bool& have = sparse ? payloads->have_sparse : payloads->have_dense;
+  if (reply_payloads_.version != version_) {
+    reply_payloads_ = ReplyPayloads{};
+    reply_payloads_.version = version_;
+  }
+  Message& payload = sparse ? reply_payloads_.sparse : reply_payloads_.dense;
+  bool& have = sparse ? reply_payloads_.have_sparse : reply_payloads_.have_dense;
   if (!have) {
     if (sparse) {
       std::vector<float> values(last_changed_.size());
@@ -676,11 +682,10 @@ Outgoing ShardServer::MakeSspPullReply(const PendingPull& pull) {
 
 void ShardServer::AnswerReadyPulls(std::vector<Outgoing>* out) {
   if (!initialized()) return;
-  ReplyPayloads payloads;
   auto it = pending_pulls_.begin();
   while (it != pending_pulls_.end()) {
     if (ssp_ ? PullReady(*it) : version_ >= it->wanted_version) {
-      out->push_back(ssp_ ? MakeSspPullReply(*it) : MakePullReply(*it, &payloads));
+      out->push_back(ssp_ ? MakeSspPullReply(*it) : MakePullReply(*it));
       if (out->back().msg.header.encoding() == proto::TOPK) {
         ++counters_.sparse_pull_replies;
       } else {

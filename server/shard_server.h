@@ -185,14 +185,16 @@ class ShardServer {
                 const proto::Header& h);
   void Apply();
   void AnswerReadyPulls(std::vector<Outgoing>* out);
-  // The payloads of the BSP pull replies answered together (one AnswerReadyPulls, nothing changes
-  // the shard in between): the sparse changes of the last iteration and the dense shard, each
-  // encoded once for every puller and shared (zmq::message_t::copy: no copy of the bytes).
+  // The payloads of the BSP pull replies of one version of the shard: the sparse changes of the
+  // last iteration and the dense shard, each encoded at the first reply that needs it and shared
+  // by every later reply of that version (zmq::message_t::copy: no copy of the bytes), the pulls
+  // answered together when the iteration ends and the last pusher's own pull after them alike.
   struct ReplyPayloads {
+    int64_t version = -1;  // the shard's version_ they encode; -1: none
     Message sparse, dense;
     bool have_sparse = false, have_dense = false;
   };
-  Outgoing MakePullReply(const PendingPull& pull, ReplyPayloads* payloads) const;
+  Outgoing MakePullReply(const PendingPull& pull);
   // A sparse pull reply's format: the keys as varint gaps under compression.varint_indices (when
   // strictly increasing, as every aggregation leaves them), the values always float32.
   TopKFormat PullReplyFormat(const std::vector<uint32_t>& keys) const;
@@ -227,6 +229,7 @@ class ShardServer {
   // What the last applied iteration changed (sorted keys), for sparse pull replies.
   std::vector<uint32_t> last_changed_;
   bool last_changed_all_ = true;
+  ReplyPayloads reply_payloads_;  // BSP: this version's encoded pull replies (reset on a change)
 
   // Per worker rank: the routing id and CURVE key its data messages must come from (empty: not
   // told, any).

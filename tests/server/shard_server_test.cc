@@ -277,10 +277,11 @@ TEST(ShardServer, PullWaitsForTheIterationAndIsSparseWhenPossible) {
   EXPECT_EQ(s.counters().sparse_pull_replies, 1u);
 }
 
-// Pulls answered together share one encoded payload per kind (sparse for those holding the last
-// version, dense for the others): every reply carries its own header and the same exact values,
-// and keeps them after the shard has moved on to the next iteration.
-TEST(ShardServer, PullsAnsweredTogetherShareTheirPayloadAndKeepIt) {
+// The pull replies of one version share one encoded payload per kind (sparse for those holding
+// the last version, dense for the others), the pulls answered together when the iteration ends and
+// the last pusher's own pull after them alike: every reply carries its own header and the same
+// exact values, and keeps them after the shard has moved on to the next iteration.
+TEST(ShardServer, PullsOfOneVersionShareTheirPayloadAndKeepIt) {
   constexpr int kWorkers = 4;
   const KeyRange r{0, 1000};
   proto::CompressionConfig c;
@@ -319,6 +320,18 @@ TEST(ShardServer, PullsAnsweredTogetherShareTheirPayloadAndKeepIt) {
     EXPECT_EQ(std::vector<uint32_t>(p.indices.begin(), p.indices.end()), changed);
     EXPECT_EQ(std::vector<float>(p.values.begin(), p.values.end()), values);
   }
+  // The same bytes, not an equal copy: the sparse replies' frames are one buffer.
+  for (size_t f = 0; f < out[1].msg.frames.size(); ++f) {
+    EXPECT_EQ(out[1].msg.frames[f].data(), out[2].msg.frames[f].data()) << "frame " << f;
+  }
+  // Worker 3's own pull, after its push ended the iteration, gets that payload again.
+  auto late = Send(s, Pull(r, 0, 3, 0), "w3");
+  ASSERT_EQ(Only(late), proto::PULL_REPLY);
+  ASSERT_EQ(late[0].msg.header.encoding(), proto::TOPK);
+  ASSERT_EQ(late[0].msg.frames.size(), out[1].msg.frames.size());
+  for (size_t f = 0; f < late[0].msg.frames.size(); ++f) {
+    EXPECT_EQ(late[0].msg.frames[f].data(), out[1].msg.frames[f].data()) << "frame " << f;
+  }
   // The next iteration changes the shard; the replies sent before still hold iteration 0's.
   for (int w = 0; w < kWorkers; ++w) {
     ASSERT_EQ(Only(Send(s, Push(r, 1, w, {0, 10, 20, 30}, {1, 1, 1, 1}), "w" + std::to_string(w))),
@@ -330,8 +343,15 @@ TEST(ShardServer, PullsAnsweredTogetherShareTheirPayloadAndKeepIt) {
   EXPECT_EQ(std::vector<float>(p.values.begin(), p.values.end()), values);
   ASSERT_TRUE(FindCodec(proto::DENSE)->Decode(out[3].msg, 1000, &p).ok());
   EXPECT_EQ(p.dense[0], 0.0f);
-  EXPECT_EQ(s.counters().sparse_pull_replies, 2u);
+  EXPECT_EQ(s.counters().sparse_pull_replies, 3u);
   EXPECT_EQ(s.counters().dense_pull_replies, 1u);
+  // A pull of the new version gets the new changes, not the payload kept from the one before.
+  auto next = Send(s, Pull(r, 1, 0, 1), "w0");
+  ASSERT_EQ(Only(next), proto::PULL_REPLY);
+  ASSERT_TRUE(FindCodec(proto::TOPK)->Decode(next[0].msg, 1000, &p).ok());
+  EXPECT_EQ(std::vector<uint32_t>(p.indices.begin(), p.indices.end()),
+            (std::vector<uint32_t>{0, 10, 20, 30}));
+  EXPECT_EQ(p.values[0], -4.0f);
 }
 
 TEST(ShardServer, AnswersPingAndRejectsOtherCommands) {
