@@ -133,7 +133,7 @@ void ShardServer::HandleInit(const std::string& peer, const Message& msg,
   std::copy(p.dense.begin(), p.dense.end(), params_.begin());
   version_ = 0;
   last_changed_all_ = true;
-  reply_payloads_ = ReplyPayloads{};
+  reply_payloads_ = ReplyPayloads();
   out->push_back(Reply(peer, h, proto::INIT_ACK));
   AnswerReadyPulls(out);
 }
@@ -539,7 +539,7 @@ void ShardServer::State(StateArchive& archive) {
   if (!archive.saving()) {
     last_changed_.clear();
     last_changed_all_ = true;
-    reply_payloads_ = ReplyPayloads{};  // the parameters changed under the same version number
+    reply_payloads_ = ReplyPayloads();  // the parameters changed under the same version number
     std::fill(pushed_.begin(), pushed_.end(), kNone);
     for (auto& held : stored_) held.reset();
     added_ = 0;
@@ -619,10 +619,7 @@ Outgoing ShardServer::MakePullReply(const PendingPull& pull) {
   // smaller than the dense shard (4 B per key).
   const bool sparse = !last_changed_all_ && pull.have_version == version_ - 1 &&
                       2 * last_changed_.size() < params_.size();
-  if (reply_payloads_.version != version_) {
-    reply_payloads_ = ReplyPayloads{};
-    reply_payloads_.version = version_;
-  }
+  if (reply_payloads_.version != version_) reply_payloads_ = ReplyPayloads(version_);
   Message& payload = sparse ? reply_payloads_.sparse : reply_payloads_.dense;
   bool& have = sparse ? reply_payloads_.have_sparse : reply_payloads_.have_dense;
   if (!have) {

@@ -190,7 +190,8 @@ class ShardServer {
   // by every later reply of that version (zmq::message_t::copy: no copy of the bytes), the pulls
   // answered together when the iteration ends and the last pusher's own pull after them alike.
   struct ReplyPayloads {
-    int64_t version = -1;  // the shard's version_ they encode; -1: none
+    explicit ReplyPayloads(int64_t v = -1) : version(v) {}
+    int64_t version;  // the shard's version_ they encode; -1: none
     Message sparse, dense;
     bool have_sparse = false, have_dense = false;
   };
