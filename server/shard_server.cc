@@ -133,7 +133,6 @@ void ShardServer::HandleInit(const std::string& peer, const Message& msg,
   std::copy(p.dense.begin(), p.dense.end(), params_.begin());
   version_ = 0;
   last_changed_all_ = true;
-  reply_payloads_ = ReplyPayloads();
   out->push_back(Reply(peer, h, proto::INIT_ACK));
   AnswerReadyPulls(out);
 }
