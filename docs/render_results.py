@@ -9,6 +9,8 @@ with its command. Re-run a command, then this script, and commit both.
     python3 docs/render_results.py --check   # exit 1 when docs/results.md is not what it renders
 """
 import csv
+import importlib.machinery
+import importlib.util
 import json
 import os
 import re
@@ -28,6 +30,16 @@ SECTIONS = (
     ("advise", "Which setting for my network: sparseps-advise against measured runs"),
     ("gpu", "The GPU"),
 )
+
+
+def load_driver():
+    """bench/sparseps-compare as a module: its seed_table makes the seed tables here as in the
+    comparisons' own results.md."""
+    path = os.path.join(ROOT, "bench", "sparseps-compare")
+    loader = importlib.machinery.SourceFileLoader("sparseps_compare", path)
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
+    loader.exec_module(module)
+    return module
 
 
 def load(name):
@@ -92,37 +104,6 @@ def reached(r):
     return None if r["time_to_target_s"] in ("", "nan") else float(r["time_to_target_s"])
 
 
-def seeds(rows, perplexity):
-    """The spread over seeds: each setting that has `NAME_seedN` runs beside it (NAME ran with
-    the job's own seed) gets a row with the median and the range of its time to the target and
-    of its final value. Returns the table's lines ([] without seeds)."""
-    runs = {}
-    for r in rows:
-        m = re.fullmatch(r"(.+)_seed\d+", r["setting"])
-        runs.setdefault(m.group(1) if m else r["setting"], []).append(r)
-    runs = {k: v for k, v in runs.items() if len(v) > 1}
-    if not runs:
-        return []
-    key = "final_perplexity" if perplexity else "final_accuracy"
-    fmt = (lambda x: f"{x:.2f}") if perplexity else percent
-    out = ["", "| setting | seeds | time to target (s): median (range) | final " +
-           ("perplexity" if perplexity else "accuracy") + ": median (range) |",
-           "|---|---:|---|---|"]
-    for name, rs in runs.items():
-        times = [reached(r) for r in rs]
-        got = sorted(t for t in times if t is not None)
-        if len(got) == len(times):
-            t = f"{statistics.median(got):.1f} ({got[0]:.1f}–{got[-1]:.1f})"
-        elif got:
-            t = f"reached by {len(got)} of {len(times)} ({got[0]:.1f}–{got[-1]:.1f})"
-        else:
-            t = "not reached"
-        finals = sorted(float(r[key]) for r in rs)
-        out.append(f"| {name} | {len(rs)} | {t} | {fmt(statistics.median(finals))} "
-                   f"({fmt(finals[0])}–{fmt(finals[-1])}) |")
-    return out
-
-
 def comparison(c):
     """A comparison's section: its header lines and table, each step time against the
     entry's `baseline` setting (gloo when it names none); a language model's runs (a target in
@@ -161,7 +142,7 @@ def comparison(c):
         out.append(f"| {r['setting']} | {r['workers']} + {r['servers']} | {t} | {step:.1f} | "
                    f"{step / base:.2f}x | {float(r['sent_bytes_per_step']) / 1e3:.1f} | "
                    f"{float(r['received_bytes_per_step']) / 1e3:.1f} | {final} |")
-    out += seeds(rows, perplexity)
+    out += load_driver().seed_table(rows, perplexity, baseline)
     if c.get("note"):
         out += ["", c["note"]]
     out.append("")

@@ -338,7 +338,7 @@ def test_resume_keeps_finished_settings_and_runs_the_rest(tmp_path):
     for name in ("kept", "again"):  # both ran before; only "kept" finished
         make_run(str(out / "runs" / name), 10, step_ms=lambda i: 40.0, sent=lambda w, i: 1,
                  received=lambda w, i: 1, evals=[(1.0, 0.85)])
-    (out / "runs" / "kept" / "finished").write_text("launch.sh ...\n")
+    (out / "runs" / "kept" / "finished").write_text("launch.sh ...\nrun: 2026-11-01T10:00:00Z\n")
     driver_path = os.path.join(SOURCE, "bench", "sparseps-compare")
     run = subprocess.run([sys.executable, driver_path, "--config", str(cfg), "--out", str(out),
                           "--resume", "--no-netns", "--build-dir", str(build)],
@@ -347,7 +347,53 @@ def test_resume_keeps_finished_settings_and_runs_the_rest(tmp_path):
     assert "kept: finished before, kept" in run.stdout
     assert "again failed" in run.stderr
     assert list(read_results(str(out))) == ["kept"]
+    # The kept setting keeps the invocation that ran it, in results.csv and in its finished file.
+    assert read_results(str(out))["kept"]["run"] == "2026-11-01T10:00:00Z"
+    assert (out / "runs" / "kept" / "finished").read_text().endswith(
+        "run: 2026-11-01T10:00:00Z\n")
     assert not (out / "runs" / "again" / "finished").exists()
     run = subprocess.run([sys.executable, driver_path, "--config", str(cfg), "--resume"],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode != 0 and "--resume needs --out" in run.stderr
+
+
+def test_the_seed_table_gives_median_and_range_and_names_seeds_run_apart(tmp_path):
+    """Settings run with several seeds get a table of their spread in results.md: the median
+    and the range of the time to the target (or how many seeds reached it) and of the final
+    accuracy; seeds whose runs came from another invocation than the baseline's run of the same
+    seed (added later with --resume) are named after it. Figures computed by hand."""
+    early, late = "2026-11-28T10:00:00Z", "2026-11-28T11:00:00Z"
+    runs = [("ddp", [(8.0, 0.88)], early), ("ddp_seed43", [(6.0, 0.86)], early),
+            ("ddp_seed44", [(7.0, 0.87)], early),
+            ("ps", [(1.0, 0.86), (3.0, 0.876)], early),  # 0.875: reached at 3 s
+            ("ps_seed43", [(1.0, 0.85), (2.0, 0.856)], late),  # 0.855: at 2 s
+            ("ps_seed44", [(1.0, 0.80), (2.0, 0.861)], early),  # 0.865: not reached
+            ("gloo", [(9.0, 0.70)], early)]
+    results = []
+    for name, evals, run in runs:
+        make_run(str(tmp_path / name), 10, step_ms=lambda i: 50.0, sent=lambda w, i: 1,
+                 received=lambda w, i: 1, evals=evals)
+        r = driver.summarize(name, str(tmp_path / name), target=0.8, workers=2)
+        r["run"] = run
+        results.append(r)
+    cfg = {"name": "seeds", "target": {"baseline": "ddp", "minus": 0.005}}
+    header = ["machine: test", "network: loopback (unshaped)", "model: MLP", "command: test",
+              driver.apply_target(cfg, results)[1]]
+    out = str(tmp_path / "out")
+    os.makedirs(out)
+    driver.write_outputs(out, cfg, header, results)
+    with open(os.path.join(out, "results.md")) as f:
+        md = f.read()
+    assert "| ddp | 3 | 7.0 (6.0–8.0) | 87.00% (86.00%–88.00%) |" in md
+    assert "| ps | 3 | reached by 2 of 3 (2.0–3.0) | 86.10% (85.60%–87.60%) |" in md
+    assert "| gloo | 1 |" not in md  # one seed: no spread
+    assert md.rstrip().endswith(
+        "Run in another invocation than ddp's run of the same seed (added with --resume; not "
+        "measured beside it): ps (seed43).")
+    assert read_results(out)["ps_seed43"]["run"] == late
+    # Text as read back from results.csv gives the same table; without `run` nothing is named.
+    rows = [{k: str(v) for k, v in r.items() if k != "run"} for r in results]
+    table = driver.seed_table(rows, False, "ddp")
+    assert "| ps | 3 | reached by 2 of 3 (2.0–3.0) | 86.10% (85.60%–87.60%) |" in table
+    assert not any("another invocation" in line for line in table)
+    assert driver.seed_table(rows[-1:], False, "ddp") == []
