@@ -397,3 +397,43 @@ def test_the_seed_table_gives_median_and_range_and_names_seeds_run_apart(tmp_pat
     assert "| ps | 3 | reached by 2 of 3 (2.0–3.0) | 86.10% (85.60%–87.60%) |" in table
     assert not any("another invocation" in line for line in table)
     assert driver.seed_table(rows[-1:], False, "ddp") == []
+
+
+def test_the_accuracy_plot_draws_seeds_as_a_median_run_and_a_band(tmp_path):
+    """seed_curves: one entry per setting; with several seeds, the median run (median time and
+    value at each evaluation every seed made) and the band (lowest and highest seed, each
+    interpolated at every evaluation time within the span all seeds cover). Hand-computed."""
+    def result(name, curve):
+        return {"setting": name, "curve": curve, "perplexity_curve": []}
+
+    results = [result("ddp", [(1.0, 0.5), (3.0, 0.7)]),
+               result("ps", [(1.0, 0.6), (2.0, 0.8), (4.0, 0.9)]),
+               result("ps_seed43", [(2.0, 0.4), (4.0, 0.6), (6.0, 0.7)]),
+               result("ps_seed44", [(1.5, 0.5), (3.0, 0.7)]),
+               result("empty_seed43", [])]
+    groups = driver.seed_curves(results, perplexity=False)
+    assert [g["name"] for g in groups] == ["ddp", "ps"]
+    assert groups[0]["runs"] == [[(1.0, 50.0), (3.0, 70.0)]] and "band" not in groups[0]
+    ps = groups[1]
+    assert len(ps["runs"]) == 3
+    # Two evaluations made by every seed: times (1, 2, 1.5) and (2, 4, 3); values (60, 40, 50)
+    # and (80, 60, 70).
+    assert ps["median"] == [(1.5, pytest.approx(50.0)), (3.0, pytest.approx(70.0))]
+    # The span all three cover: 2 to 3 s; the times of any evaluation there: 2 and 3.
+    grid, low, high = ps["band"]
+    assert grid == [2.0, 3.0]
+    # At 2 s: 80, 40 and 50 + 20 * 0.5 / 1.5; at 3 s: 80 + 10 / 2, 40 + 20 / 2, 70.
+    assert low == [pytest.approx(40.0), pytest.approx(50.0)]
+    assert high == [pytest.approx(80.0), pytest.approx(85.0)]
+    # The plot itself, with the target drawn: written, and not empty.
+    out = str(tmp_path / "out")
+    os.makedirs(out)
+    for r in results:
+        r.update({"method": r["setting"], "workers": 2, "servers": 0, "steps": 1,
+                  "step_ms_median": 1.0, "step_ms_p90": 1.0, "compute_ms_median": 1.0,
+                  "encode_ms_median": 0.0, "comm_ms_median": 0.0, "sent_bytes_per_step": 1.0,
+                  "received_bytes_per_step": 1.0, "time_to_target_s": float("nan"),
+                  "compute_to_target_s": float("nan"), "train_s": 1.0, "final_accuracy": 0.7,
+                  "final_perplexity": float("nan")})
+    driver.write_outputs(out, {"name": "bands"}, ["m", "n", "o", "c"], results, target=0.75)
+    assert os.path.getsize(os.path.join(out, "accuracy.png")) > 1000
