@@ -218,9 +218,12 @@ TEST_P(ConsistencyTest, TrainsWithStaleWorkers) {
   const std::string json = testing::ReadFile(dir.path() + "/summary.json");
   ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(json, &summary).ok()) << json;
   EXPECT_EQ(summary.status(), "ok");
-  // Measured over two rounds on 2026-11-26: SBC 0.590-0.657 (its 40 stale steps learn
-  // slowest), the others 0.690-0.768.
-  ExpectAccuracyAtLeast(summary, setting.starts_with("sbc") ? 0.52 : 0.62);
+  // How stale the pushes are follows the scheduling, and with it the accuracy: 8 rounds of
+  // every setting under ASan, two at a time beside two busy loops (2026-11-28), SBC 0.554-0.712
+  // (its 40 stale steps learn slowest), the others 0.653-0.785; one fresh-clone CI run had async
+  // SBC at 0.475 (ctest -j2 under ASan). A broken aggregation stays near chance (0.10), and
+  // every push is counted below.
+  ExpectAccuracyAtLeast(summary, setting.starts_with("sbc") ? 0.40 : 0.55);
   ASSERT_EQ(summary.servers_size(), 2) << json;
   for (const auto& st : summary.servers()) {
     EXPECT_EQ(st.iterations(), 40u) << json;
