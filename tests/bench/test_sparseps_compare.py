@@ -437,3 +437,40 @@ def test_the_accuracy_plot_draws_seeds_as_a_median_run_and_a_band(tmp_path):
                   "final_perplexity": float("nan")})
     driver.write_outputs(out, {"name": "bands"}, ["m", "n", "o", "c"], results, target=0.75)
     assert os.path.getsize(os.path.join(out, "accuracy.png")) > 1000
+
+
+def test_seeds_add_each_settings_runs_of_more_seeds_after_all_first_runs(tmp_path, capsys):
+    """`seeds` (top level, or a setting's own, which replaces it) adds NAME_seedN with
+    train.seed=N appended to the setting's set, seed by seed after every first run; bad lists
+    and names made twice are refused, naming the setting."""
+    path = tmp_path / "cmp.yaml"
+    path.write_text("job: j.yaml\nworkers: 2\nseeds: [43, 44]\n"
+                    "target: {baseline: ddp, minus: 0.005}\nsettings:\n"
+                    "  - {name: ddp, set: [aggregation=allreduce], workers: 4}\n"
+                    "  - {name: gloo, seeds: []}\n"
+                    "  - {name: ps, seeds: [44, 45], worker: python3 w.py}\n")
+    cfg = driver.load_config(str(path))
+    got = [(s["name"], s.get("set"), s.get("workers"), s.get("worker"))
+           for s in cfg["settings"]]
+    assert got == [
+        ("ddp", ["aggregation=allreduce"], 4, None), ("gloo", None, None, None),
+        ("ps", None, None, "python3 w.py"),
+        ("ddp_seed43", ["aggregation=allreduce", "train.seed=43"], 4, None),
+        ("ddp_seed44", ["aggregation=allreduce", "train.seed=44"], 4, None),
+        ("ps_seed44", ["train.seed=44"], None, "python3 w.py"),
+        ("ps_seed45", ["train.seed=45"], None, "python3 w.py")]
+    assert all("seeds" not in s for s in cfg["settings"])
+
+    def refused(text):
+        path.write_text("job: j.yaml\nworkers: 2\n" + text)
+        with pytest.raises(SystemExit) as e:
+            driver.load_config(str(path))
+        assert e.value.code == 2
+        return capsys.readouterr().err
+
+    assert "key 'seeds': seeds must be a list of distinct integers" in refused(
+        "seeds: 43\nsettings:\n  - {name: a}\n")
+    assert "settings[0] (a): seeds must be a list of distinct integers" in refused(
+        "settings:\n  - {name: a, seeds: [43, 43]}\n")
+    assert "setting 'a_seed43' is made by `seeds` and named in settings too" in refused(
+        "settings:\n  - {name: a, seeds: [43]}\n  - {name: a_seed43}\n")
