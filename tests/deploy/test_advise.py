@@ -2,6 +2,7 @@
 on emulated hosts shaped to a known rate (deploy/netns.sh: needs root; skips elsewhere, fails in
 CI), and the advice (advice.json's fields, the ranking by time to the target) from a synthetic
 calibration with a given link. Run by ctest with Debian's python3 -m pytest."""
+import argparse
 import importlib.machinery
 import importlib.util
 import json
@@ -258,3 +259,19 @@ def test_the_probe_measures_a_shaped_link_within_a_fifth(tmp_path):
         assert 0 < m["rtt_s"] < 0.005, m
     finally:
         subprocess.run([netns, "down", "--prefix", prefix], capture_output=True)
+
+
+def test_the_calibration_runs_the_configs_settings_and_not_their_seeds(tmp_path, monkeypatch):
+    """calibrate hands sparseps-compare the settings by name (--only), so that a comparison
+    config's `seeds` (NAME_seedN, made by sparseps-compare) are not calibrated for nothing."""
+    loader = importlib.machinery.SourceFileLoader("advise", str(ADVISE / "sparseps-advise"))
+    script = importlib.util.module_from_spec(importlib.util.spec_from_loader("advise", loader))
+    loader.exec_module(script)
+    ran = []
+    monkeypatch.setattr(script, "compare_tool", lambda: "sparseps-compare")
+    monkeypatch.setattr(script.subprocess, "run",
+                        lambda cmd, **kw: ran.append(cmd) or subprocess.CompletedProcess(cmd, 0))
+    args = argparse.Namespace(only="", workers=3)
+    script.calibrate(args, "c.yaml", str(tmp_path), ["gloo", "ps_topk"])
+    assert ran == [["sparseps-compare", "--config", "c.yaml", "--no-netns", "--out",
+                    str(tmp_path), "--resume", "--only", "gloo,ps_topk", "--workers", "3"]]
