@@ -9,6 +9,7 @@ with its command. Re-run a command, then this script, and commit both.
     python3 docs/render_results.py --check   # exit 1 when docs/results.md is not what it renders
 """
 import csv
+import functools
 import importlib.machinery
 import importlib.util
 import json
@@ -32,9 +33,10 @@ SECTIONS = (
 )
 
 
+@functools.cache
 def load_driver():
     """bench/sparseps-compare as a module: its seed_table makes the seed tables here as in the
-    comparisons' own results.md."""
+    comparisons' own results.md (loaded once)."""
     path = os.path.join(ROOT, "bench", "sparseps-compare")
     loader = importlib.machinery.SourceFileLoader("sparseps_compare", path)
     module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
