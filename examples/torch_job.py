@@ -156,6 +156,10 @@ def parser(doc, models, default_model=None):
                     help="adam / adamw through sparseps: freeze the second moment after N "
                     "steps (1-bit Adam's compression stage; DistributedOptimizer's "
                     "freeze_variance_step)")
+    ap.add_argument("--local-view", action="store_true",
+                    help="each worker computes at the job's parameters moved by its own residual "
+                    "(DistributedOptimizer's local_view; with --aggregate update or "
+                    "--freeze-variance-step)")
     ap.add_argument("--overlap", action="store_true",
                     help="push each server's key range during the backward pass "
                     "(DistributedOptimizer's overlap; the job needs train.overlap=backward)")
@@ -197,6 +201,8 @@ def run(args, build_model, load_data, perplexity=False):
         raise ValueError("--overlap: sparseps's DistributedOptimizer's (DDP overlaps its own)")
     if args.freeze_variance_step is not None and args.ddp:
         raise ValueError("--freeze-variance-step: sparseps's DistributedOptimizer's, not DDP's")
+    if args.local_view and args.ddp:
+        raise ValueError("--local-view: sparseps's DistributedOptimizer's, not DDP's")
     seed, batch = get("train.seed"), get("train.batch_size")
     torch.manual_seed(seed)  # the same initial model everywhere (worker 0's is used anyway)
     model = build_model(args.model, get).to(device)
@@ -237,7 +243,8 @@ def run(args, build_model, load_data, perplexity=False):
         opt = sparseps.torch.DistributedOptimizer(
             make_optimizer(args, model.parameters(), get, ddp=False), worker,
             aggregate=args.aggregate, freeze_variance_step=args.freeze_variance_step,
-            overlap=args.overlap, names=[n for n, _ in model.named_parameters()])
+            overlap=args.overlap, names=[n for n, _ in model.named_parameters()],
+            local_view=args.local_view)
     rank, workers = worker.rank, worker.num_workers
 
     x, y, xt, yt, what = load_data(args, get)

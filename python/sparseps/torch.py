@@ -209,6 +209,18 @@ class DistributedOptimizer:
     push_pull takes them without a copy (keep zero_grad's set_to_none False, the default here).
     Everything else (param_groups, state_dict, ...) is the wrapped optimizer's.
 
+    local_view=True (with aggregate="update", or with freeze_variance_step once frozen): each
+    worker computes its gradients at its own view of the model, the job's parameters moved by
+    what its own residual would move them once sent (_residual_displacement), instead of at the
+    job's parameters. A worker then sees all of its own updates at once and the others' as the
+    compression delivers them, as in local SGD with error feedback (CSER, Xie et al.,
+    "CSER: Communication-efficient SGD with Error Reset", NeurIPS 2020, whose local models are
+    the global one plus the local error; Qsparse-local-SGD, Basu et al., NeurIPS 2019). The
+    workers' models differ by their residuals (the leader's is what it evaluates and saves);
+    step() moves the parameters back to the job's before it aggregates, so what is pushed and
+    conserved is unchanged, and synchronize() gives the job's parameters moved by this worker's
+    view.
+
     names (optional): one per parameter, in the optimizer's order, for instance
     [n for n, _ in model.named_parameters()] when the optimizer was made from
     model.parameters(): the trained model file (<run.dir>/model.safetensors) then holds the
@@ -217,10 +229,14 @@ class DistributedOptimizer:
     """
 
     def __init__(self, optimizer, worker, aggregate="gradient", freeze_variance_step=None,
-                 overlap=False, names=None):
+                 overlap=False, names=None, local_view=False):
         if aggregate not in ("gradient", "update"):
             raise ValueError(f"DistributedOptimizer: aggregate={aggregate!r}; 'gradient' or "
                              "'update'")
+        if local_view and (overlap or (aggregate == "gradient" and freeze_variance_step is None)):
+            raise ValueError("DistributedOptimizer: local_view=True needs aggregate='update' or "
+                             "freeze_variance_step (a step linear in what is pushed, so that the "
+                             "residual's displacement is known), and no overlap")
         if overlap and (aggregate != "gradient" or freeze_variance_step is not None):
             raise ValueError("DistributedOptimizer: overlap=True needs aggregate='gradient' and "
                              "no freeze_variance_step (they change the gradient after the pushes "
@@ -236,6 +252,8 @@ class DistributedOptimizer:
         self.optimizer = optimizer
         self.worker = worker
         self.aggregate = aggregate
+        self.local_view = local_view
+        self._view_shift = None  # local_view: the flat shift now subtracted from the parameters
         self.last_push_pull_ms = 0.0  # wall time of the last push_pull
         self._dense = None  # push_pull's out or params_out (on the CPU), made at first use
         every = [p for group in optimizer.param_groups for p in group["params"]]
@@ -341,6 +359,15 @@ class DistributedOptimizer:
                 closure_loss = closure()
         reported = loss if loss is not None else closure_loss
         reported = None if reported is None else float(reported)
+        self._shift_parameters(None)  # local_view: back to the job's parameters
+        scale = self._aggregate_and_step(reported)
+        if self.local_view and (self.aggregate == "update" or scale is not None):
+            self._shift_parameters(self._residual_displacement())
+        return closure_loss
+
+    def _aggregate_and_step(self, reported):
+        """step()'s aggregation (push_pull) and update; returns the frozen denominators by which
+        the push was divided (aggregate="gradient" after freeze_variance_step), else None."""
         self._gather()
         scale = None
         if self.aggregate == "update":
@@ -383,13 +410,13 @@ class DistributedOptimizer:
                 if dense:
                     for p, start in zip(self._params, self._start_keys):
                         p.view(-1).copy_(params[start:start + p.numel()])
-                    return closure_loss
+                    return scale
                 bounds = torch.searchsorted(keys, self._starts).tolist()
                 for p, start, lo, hi in zip(self._params, self._start_keys, bounds[:-1],
                                             bounds[1:]):
                     if hi > lo:
                         p.view(-1).index_copy_(0, keys[lo:hi] - start, params[lo:hi])
-                return closure_loss
+                return scale
             if update is not out:
                 update = torch.from_numpy(update).to(device)
             if dense:
@@ -400,7 +427,37 @@ class DistributedOptimizer:
             if scale is not None:
                 self._flat.mul_(scale)
         self._optimizer_step()
-        return closure_loss
+        return scale
+
+    def _residual_displacement(self):
+        """local_view: how far this worker's residual would move the job's parameters once sent
+        (flat, float32): each pushed value v moves them by lr v / W (W = cluster.num_workers, the
+        servers and collectives average over the workers): the job's train.lr with
+        aggregate="update"; with the variance frozen, each parameter group's Adam lr (through
+        Adam's first moment over the following steps, exact up to its bias correction 1 /
+        (1 - beta1^t), within 1e-6 of 1 past 130 steps at beta1 0.9). One copy of the residual a
+        step (sparseps.Worker.residual)."""
+        shift = torch.from_numpy(self.worker.residual()).to(self._flat.device)
+        workers = self.worker.num_workers
+        if self.aggregate == "update":
+            return shift.mul_(self.worker.lr / workers)
+        offset = 0
+        for group in self.optimizer.param_groups:
+            for p in (p for p in group["params"] if p.requires_grad):  # self._params' order
+                shift[offset:offset + p.numel()].mul_(group["lr"] / workers)
+                offset += p.numel()
+        return shift
+
+    def _shift_parameters(self, shift):
+        """local_view: moves the parameters from the job's to this worker's view (shift, flat:
+        subtracted) or, with None, back by the shift now applied."""
+        back, self._view_shift = self._view_shift, shift
+        with torch.no_grad():
+            for tensor, sign in ((back, 1), (shift, -1)):
+                if tensor is None:
+                    continue
+                for p, start in zip(self._params, self._start_keys):
+                    p.view(-1).add_(tensor[start:start + p.numel()], alpha=sign)
 
     def _local_step(self):
         """aggregate="update": the wrapped optimizer steps on this worker's gradient, the
@@ -461,6 +518,9 @@ class DistributedOptimizer:
             for p in self._params:
                 p.view(-1).copy_(params[offset:offset + p.numel()])
                 offset += p.numel()
+        if self._view_shift is not None:  # local_view: the job's parameters, then this view
+            shift, self._view_shift = self._view_shift, None
+            self._shift_parameters(shift)
 
     def zero_grad(self, set_to_none=False):
         """Zeroes the flat gradient buffer (set_to_none would drop the views; it is ignored)."""

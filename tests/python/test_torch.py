@@ -273,15 +273,17 @@ def test_distributed_optimizer_hands_other_optimizers_the_aggregated_gradient(cl
     assert all(16 <= nz <= 32 for nz in nz0), nz0  # k = 16 of 155 per worker; the union
 
 
-@pytest.mark.parametrize("aggregation,freeze", [("ps", None), ("allreduce", None), ("ps", 10)])
-def test_aggregating_the_optimizers_update_loses_nothing(cluster, aggregation, freeze):
+@pytest.mark.parametrize("aggregation,freeze,view", [("ps", None, False), ("allreduce", None, False),
+                                                     ("ps", 10, False), ("ps", None, True)])
+def test_aggregating_the_optimizers_update_loses_nothing(cluster, aggregation, freeze, view):
     """aggregate="update" (error feedback on Adam's update): each worker's Adam steps on its own
     gradient and only that step goes through sparseps. Conservation, exact up to rounding: the
     model moved by the mean of every worker's every Adam step, less what the residuals hold back,
     x0 - xT = (sum of steps - train.lr * sum of residuals) / W; the models stay equal and the
     Adam states stay each worker's own. With freeze_variance_step (1-bit Adam's frozen
     variance) the same holds, and the second moment after the freeze is the one at it, bit for
-    bit."""
+    bit. With local_view each worker's model is the job's moved by its own residual, xT -
+    train.lr * residual / W, and the same conservation holds for the job's."""
     sets = ["aggregation=allreduce", "collective.algorithm=topk_allgather"] \
         if aggregation == "allreduce" else []
     c = cluster("train: {lr: 0.5, momentum: 0}\ncompression: {encoding: topk, density: 0.05}\n",
@@ -294,7 +296,7 @@ def test_aggregating_the_optimizers_update_loses_nothing(cluster, aggregation, f
         adam = torch.optim.Adam(model.parameters(), lr=0.01)
         opt = sparseps.torch.DistributedOptimizer(
             adam, sparseps.Worker(str(c.job), rank=rank, overrides=c.overrides + sets),
-            aggregate="update", freeze_variance_step=freeze)
+            aggregate="update", freeze_variance_step=freeze, local_view=view)
         start = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
         steps = torch.zeros_like(start)
         g = torch.Generator().manual_seed(rank)
@@ -321,7 +323,13 @@ def test_aggregating_the_optimizers_update_loses_nothing(cluster, aggregation, f
 
     (s0, e0, d0, r0, v0, l0), (s1, e1, d1, r1, v1, l1) = run_threads(
         [lambda r=r: worker(r) for r in range(2)])
-    assert torch.equal(s0, s1) and torch.equal(e0, e1)
+    if view:  # each worker's view: the job's parameters less 0.5 * residual / 2
+        assert not torch.equal(e0, e1)
+        e0, e1 = e0 + 0.25 * r0, e1 + 0.25 * r1
+        assert torch.allclose(e0, e1, rtol=0, atol=1e-6), (e0 - e1).abs().max()
+    else:
+        assert torch.equal(e0, e1)
+    assert torch.equal(s0, s1)
     moved = s0 - e0
     expected = (d0 + d1 - 0.5 * (r0 + r1)) / 2
     assert torch.allclose(moved, expected, rtol=0, atol=1e-5), (moved - expected).abs().max()
@@ -464,6 +472,59 @@ def test_frozen_variance_selects_by_the_step_each_entry_would_take(cluster):
     residual = torch.from_numpy(w.residual())
     assert torch.allclose(residual, torch.tensor([0.5, 0.0]), rtol=1e-6, atol=0), residual
     w.finish()
+
+
+def test_local_view_computes_at_the_job_parameters_moved_by_the_own_residual(cluster):
+    """local_view with the variance frozen (aggregate="gradient"): each worker's gradient is taken
+    at the job's parameters less Adam's lr times its own residual over W, and step() aggregates
+    from the job's parameters, so the job's stay the same on both workers (up to rounding) while
+    the views differ; synchronize() leaves the view. Before the freeze (a dense warm-up epoch) the
+    models are equal. Without a known displacement (aggregate="gradient" and no freeze) or with
+    overlap it is refused."""
+    c = cluster("train: {lr: 1, momentum: 0}\ncompression: {encoding: topk, density: 0.05, "
+                "warmup_epochs: 1, warmup_density: 1}\n")
+
+    def worker(rank):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(30, 20), torch.nn.Tanh(),
+                                    torch.nn.Linear(20, 5))
+        w = sparseps.Worker(str(c.job), rank=rank, overrides=c.overrides)
+        opt = sparseps.torch.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                                  w, freeze_variance_step=5, local_view=True)
+        g = torch.Generator().manual_seed(rank)
+        flat = lambda: torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
+        models, residuals, losses = [], [], []
+        for i in range(25):
+            if i == 5:
+                w.set_epoch(1)  # density 5% from here on
+            opt.zero_grad()
+            x = torch.randn(16, 30, generator=g)
+            loss = (model(x) - x[:, :5]).pow(2).mean()
+            loss.backward()
+            opt.step()
+            models.append(flat())
+            residuals.append(torch.from_numpy(w.residual()).double())
+            losses.append(loss.item())
+        opt.synchronize()
+        assert torch.equal(flat(), models[-1])
+        w.finish()
+        return models, residuals, losses
+
+    (m0, r0, l0), (m1, r1, l1) = run_threads([lambda r=r: worker(r) for r in range(2)])
+    for i in range(5):  # dense before the freeze: the same model, no view
+        assert torch.equal(m0[i], m1[i]) and not r0[i].any(), i
+    for i in range(5, 25):
+        assert not torch.equal(m0[i], m1[i]), i
+        job0, job1 = m0[i] + 0.005 * r0[i], m1[i] + 0.005 * r1[i]  # lr 0.01 / W
+        assert torch.allclose(job0, job1, rtol=0, atol=1e-6), (i, (job0 - job1).abs().max())
+    assert sum(l0[-5:]) < sum(l0[:5]), l0
+    w = sparseps.Worker(str(c.job), rank=0, overrides=c.overrides)
+    params = list(torch.nn.Linear(4, 2).parameters())
+    for kwargs in [{}, {"overlap": True, "freeze_variance_step": 5}]:
+        with pytest.raises(ValueError, match="local_view=True needs aggregate='update' or "
+                                             "freeze_variance_step"):
+            sparseps.torch.DistributedOptimizer(torch.optim.Adam(params), w, local_view=True,
+                                                **kwargs)
 
 
 def test_freeze_variance_step_needs_adam(cluster):
