@@ -219,7 +219,10 @@ class DistributedOptimizer:
     workers' models differ by their residuals (the leader's is what it evaluates and saves);
     step() moves the parameters back to the job's before it aggregates, so what is pushed and
     conserved is unchanged, and synchronize() gives the job's parameters moved by this worker's
-    view.
+    view. With AdamW at density 0.1% on the language model and the variance frozen after a dense
+    epoch, it ends within 1.02x of dense AdamW's perplexity on three seeds, where the same
+    schedule without it ends at 1.04x to 1.05x (docs/results.md, "each worker computing at its
+    own view"); on the CNN with Adam's update aggregated it is no rule: measure it.
 
     names (optional): one per parameter, in the optimizer's order, for instance
     [n for n, _ in model.named_parameters()] when the optimizer was made from

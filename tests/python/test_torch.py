@@ -273,8 +273,8 @@ def test_distributed_optimizer_hands_other_optimizers_the_aggregated_gradient(cl
     assert all(16 <= nz <= 32 for nz in nz0), nz0  # k = 16 of 155 per worker; the union
 
 
-@pytest.mark.parametrize("aggregation,freeze,view", [("ps", None, False), ("allreduce", None, False),
-                                                     ("ps", 10, False), ("ps", None, True)])
+@pytest.mark.parametrize("aggregation,freeze,view", [
+    ("ps", None, False), ("allreduce", None, False), ("ps", 10, False), ("ps", None, True)])
 def test_aggregating_the_optimizers_update_loses_nothing(cluster, aggregation, freeze, view):
     """aggregate="update" (error feedback on Adam's update): each worker's Adam steps on its own
     gradient and only that step goes through sparseps. Conservation, exact up to rounding: the
