@@ -224,6 +224,13 @@ int sparseps_worker_residual(const sparseps_worker* worker, float* out, size_t n
   return code != SPARSEPS_OK ? code : CopyOut(r, "residual", out, n, err, err_len);
 }
 
+int sparseps_worker_set_trained_model(sparseps_worker* worker, const float* params, size_t n,
+                                      char* err, size_t err_len) {
+  if (worker == nullptr) return Missing("worker", err, err_len);
+  if (params == nullptr && n > 0) return Missing("params", err, err_len);
+  return Guard([&] { worker->worker.SetTrainedModel({params, n}); }, err, err_len);
+}
+
 void sparseps_worker_set_interruptible(sparseps_worker* worker, int interruptible) {
   if (worker != nullptr) worker->worker.set_interruptible(interruptible != 0);
 }

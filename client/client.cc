@@ -62,8 +62,9 @@ struct Worker::Impl {
   std::vector<size_t> sizes;         // Init's buffers' sizes (elements)
   int device = kHost;                // Init's buffers' device
   bool interruptible = false;
-  std::vector<float> gather;  // several host gradient buffers, gathered
-  DeviceBuffer gather_d;      // the same on the device
+  std::vector<float> gather;         // several host gradient buffers, gathered
+  DeviceBuffer gather_d;             // the same on the device
+  std::vector<float> trained_model;  // SetTrainedModel's parameters (empty: the job's)
   UpdateRecorder recorder;
   std::optional<TrainingLog> log;  // the live metrics (metrics.port)
   Clock::time_point last_return;   // when the last push-pull (or Init) returned
@@ -436,6 +437,16 @@ void Worker::Synchronize(std::span<float> params) {
   std::copy(now, now + n, params.begin());
 }
 
+void Worker::SetTrainedModel(std::span<const float> params) {
+  Impl& m = *impl_;
+  const size_t n = m.agg().num_params();
+  if (params.size() != n) {
+    Raise(Status::InvalidArgument("SetTrainedModel: params has " + std::to_string(params.size()) +
+                                  " elements; the job has " + std::to_string(n)));
+  }
+  m.trained_model.assign(params.begin(), params.end());
+}
+
 void Worker::Finish(double test_accuracy, double train_loss, double samples_per_s, double train_s) {
   Impl& m = *impl_;
   Aggregator& agg = m.agg();
@@ -454,7 +465,7 @@ void Worker::Finish(double test_accuracy, double train_loss, double samples_per_
         !m.config.run().dir().empty()) {
       s = agg.Synchronize();  // ssp / async: the saved model has every worker's every push
       std::string path;
-      if (s.ok()) s = m.session->SaveTrainedModel(m.layers, &path);
+      if (s.ok()) s = m.session->SaveTrainedModel(m.layers, &path, m.trained_model);
     }
     if (s.ok()) s = m.session->Finish(stats);
     return s;

@@ -363,7 +363,7 @@ def run(args, build_model, load_data, perplexity=False):
     train_s = time.monotonic() - start
     if rank == 0:
         if not args.ddp:
-            opt.synchronize()  # ssp / async: the model with every worker's every push
+            opt.synchronize()  # ssp / async: every push in; the model file: this model
         run_eval(epochs)
     log(rank, "info", f"training done: {step} steps in {train_s:.1f} s, "
         f"{rate(step * batch / train_s)} samples/s on this worker"

@@ -418,6 +418,11 @@ class Worker {
     return out;
   }
 
+  void SetTrainedModel(py::array_t<float, py::array::c_style | py::array::forcecast> params) {
+    std::span<const float> p(params.data(), static_cast<size_t>(params.size()));
+    Call([&] { worker_->SetTrainedModel(p); });
+  }
+
   void Finish(double test_accuracy, double train_loss, double samples_per_s, double train_s) {
     Call([&] { worker_->Finish(test_accuracy, train_loss, samples_per_s, train_s); });
   }
@@ -529,6 +534,10 @@ train.consistency ssp / async: waits until every worker has pushed as many steps
 returns the job's parameters then, with no staleness (a flat float32 NumPy array, a copy): call it
 before the final evaluation and before saving the model. bsp and allreduce: the parameters at once.
 Raises TimeoutError naming a missing peer.)doc")
+      .def("set_trained_model", &Worker::SetTrainedModel, py::arg("params"), R"doc(
+The parameters worker 0 saves as the trained model at finish (run.dir/model.safetensors) instead of
+the job's: for a model an optimizer of its own trained from the aggregate (a flat float32 array of
+num_params elements, copied). Raises ValueError on another size.)doc")
       .def("set_epoch", &Worker::SetEpoch, py::arg("epoch"),
            "Sets the epoch (0-based) for the density warm-up (compression.warmup_epochs).")
       .def("finish", &Worker::Finish, py::arg("test_accuracy") = -1.0, py::arg("train_loss") = 0.0,

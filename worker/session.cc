@@ -193,11 +193,13 @@ Status WorkerSession::RecordStep(TrainingLog& log, uint64_t step, uint32_t epoch
   return AfterStep(extra, layers);
 }
 
-Status WorkerSession::SaveTrainedModel(const std::vector<TensorLayout>& layers, std::string* path) {
+Status WorkerSession::SaveTrainedModel(const std::vector<TensorLayout>& layers, std::string* path,
+                                       std::span<const float> params) {
   path->clear();
   if (!config_.checkpoint().save_model() || config_.run().dir().empty()) return Status::OK();
   *path = config_.run().dir() + "/model.safetensors";
-  return SaveModel(*path, layers);
+  if (params.empty()) return SaveModel(*path, layers);
+  return WriteModelFile(*path, params, layers, ModelMetadata());
 }
 
 Status WorkerSession::ReportWritten(bool wait) {

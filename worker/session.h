@@ -96,8 +96,11 @@ class WorkerSession {
 
   // At the end, on the leader: the trained model as run.dir/model.safetensors when
   // checkpoint.save_model and run.dir are set (nothing otherwise; *path is then empty). The
-  // caller synchronizes first (ssp / async: every worker's every push). Errors: SaveModel's.
-  Status SaveTrainedModel(const std::vector<TensorLayout>& layers, std::string* path);
+  // caller synchronizes first (ssp / async: every worker's every push). `params`, when not
+  // empty (num_params() elements), is saved instead of the job's parameters (a model that the
+  // caller's own optimizer trained). Errors: SaveModel's.
+  Status SaveTrainedModel(const std::vector<TensorLayout>& layers, std::string* path,
+                          std::span<const float> params = {});
 
   // Waits for checkpoint files still being written and reports them, sends DONE with this
   // worker's statistics and waits (cluster.request_timeout_s) for the

@@ -110,6 +110,7 @@ def _declare(lib):
         "worker_params": (ctypes.c_int, [handle, c_float_p, ctypes.c_size_t] + err),
         "worker_residual": (ctypes.c_int, [handle, c_float_p, ctypes.c_size_t] + err),
         "worker_synchronize": (ctypes.c_int, [handle, c_float_p, ctypes.c_size_t] + err),
+        "worker_set_trained_model": (ctypes.c_int, [handle, c_float_p, ctypes.c_size_t] + err),
         "worker_set_epoch": (ctypes.c_int, [handle, ctypes.c_uint32] + err),
         "worker_set_interruptible": (None, [handle, ctypes.c_int]),
         "worker_finish": (ctypes.c_int, [handle] + [ctypes.c_double] * 4 + err),
@@ -312,6 +313,15 @@ class Worker:
         """ssp / async: waits until every worker pushed as many steps and returns the job's
         parameters then (a copy); bsp and allreduce: at once."""
         return self._copy(library().sparseps_worker_synchronize)
+
+    def set_trained_model(self, params):
+        """The parameters worker 0 saves as the trained model at finish instead of the job's
+        (a flat float32 array or tensor of num_params elements, copied)."""
+        if hasattr(params, "detach"):  # a torch.Tensor, on any device
+            params = params.detach().cpu().numpy()
+        array = np.ascontiguousarray(params, dtype=np.float32).reshape(-1)
+        self._call(library().sparseps_worker_set_trained_model, self._handle, _floats(array),
+                   array.size)
 
     def set_epoch(self, epoch):
         self._call(library().sparseps_worker_set_epoch, self._handle, epoch)

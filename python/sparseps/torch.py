@@ -509,21 +509,27 @@ class DistributedOptimizer:
     def synchronize(self):
         """train.consistency ssp / async: waits until every worker has pushed as many steps as
         this one and copies the job's parameters then (no staleness) into the model's: call it
-        before the final evaluation and before saving the model. bsp: nothing changes. Where the
-        model is not the job's (another optimizer than plain SGD with aggregate="gradient": each
-        worker's optimizer steps on its own copy) it only waits."""
+        before the final evaluation and before the worker's finish(). bsp: nothing changes. Where
+        the model is not the job's (another optimizer than plain SGD with aggregate="gradient":
+        each worker's optimizer steps on its own copy) it only waits. Where the model is not the
+        job's parameters (that case, or local_view's own view), the model's parameters become
+        what the leader saves as the trained model at finish (<run.dir>/model.safetensors:
+        worker.set_trained_model), not the job's."""
         params = self.worker.synchronize()
-        if self.aggregate != "update" and not self._plain_sgd():
-            return
-        params = torch.from_numpy(params).to(self._flat.device)
-        with torch.no_grad():
-            offset = 0
-            for p in self._params:
-                p.view(-1).copy_(params[offset:offset + p.numel()])
-                offset += p.numel()
-        if self._view_shift is not None:  # local_view: the job's parameters, then this view
-            shift, self._view_shift = self._view_shift, None
-            self._shift_parameters(shift)
+        own = self.aggregate != "update" and not self._plain_sgd()
+        if not own:
+            params = torch.from_numpy(params).to(self._flat.device)
+            with torch.no_grad():
+                offset = 0
+                for p in self._params:
+                    p.view(-1).copy_(params[offset:offset + p.numel()])
+                    offset += p.numel()
+            if self._view_shift is not None:  # local_view: the job's parameters, then this view
+                shift, self._view_shift = self._view_shift, None
+                self._shift_parameters(shift)
+        if own or self._view_shift is not None:
+            flat = torch.cat([p.detach().reshape(-1) for p in self._params])
+            self.worker.set_trained_model(flat.cpu().numpy())
 
     def zero_grad(self, set_to_none=False):
         """Zeroes the flat gradient buffer (set_to_none would drop the views; it is ignored)."""

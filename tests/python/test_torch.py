@@ -437,6 +437,41 @@ def test_the_model_file_holds_the_models_own_names(cluster, backend):
                                             opt.worker, names=["a", "b"])
 
 
+@pytest.mark.parametrize("backend", [sparseps.Worker, capi.Worker], ids=["module", "capi"])
+@pytest.mark.parametrize("kind", ["adam_gradient", "adam_update_view"])
+def test_the_model_file_holds_the_model_the_optimizer_trained(cluster, backend, kind):
+    """Where the model is not the job's parameters (Adam over the aggregated gradient: its own
+    copy; local_view: the worker's view), synchronize() hands the model to the worker
+    (set_trained_model) and the leader's model file holds it, not the job's parameters, which
+    differ from it here. A size other than the model's is refused."""
+    from test_model_file import read_safetensors
+    c = cluster("train: {lr: 0.1, momentum: 0}\n"
+                "compression: {encoding: topk, density: 0.5}\n", workers=1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    named = list(model.named_parameters())
+    opt = sparseps.torch.DistributedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=0.01),
+        backend(str(c.job), rank=0, overrides=c.overrides), names=[n for n, _ in named],
+        aggregate="update" if kind == "adam_update_view" else "gradient",
+        local_view=kind == "adam_update_view")
+    for _ in range(5):
+        opt.zero_grad()
+        model(torch.randn(4, 5)).pow(2).mean().backward()
+        opt.step()
+    opt.synchronize()
+    job = opt.worker.params()
+    with pytest.raises((ValueError, capi.Error), match="SetTrainedModel: params has 3 elements; "
+                                                       "the job has 26"):
+        opt.worker.set_trained_model(np.zeros(3, dtype=np.float32))
+    opt.worker.finish()
+    tensors, _ = read_safetensors(c.run_dir / "model.safetensors")
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+    assert not np.array_equal(flat, job)  # the job's parameters are not the model here
+    for n, p in named:
+        assert np.array_equal(tensors[n], p.detach().numpy()), n
+
+
 def test_overlap_is_refused_where_step_changes_the_gradient(cluster):
     c = cluster("train: {lr: 1, momentum: 0}\n", workers=1)
     model = torch.nn.Linear(3, 2)

@@ -204,6 +204,14 @@ class Worker {
   /// the model). bsp and allreduce: copies params() (nothing to wait for). Throws as PushPull.
   void Synchronize(std::span<float> params);
 
+  /// The parameters worker 0 saves as the trained model at Finish (run.dir/model.safetensors)
+  /// instead of the job's: for a model that an optimizer of its own trained from PushPull's
+  /// aggregate (sparseps.torch.DistributedOptimizer with Adam over the aggregated gradient), of
+  /// which the job's parameters are not the model. num_params() elements, copied; a later call
+  /// replaces them. Throws kInvalidArgument on another size. Not thread-safe against this
+  /// worker's other calls.
+  void SetTrainedModel(std::span<const float> params);
+
   /// Ends this worker's part: worker 0 saves the model (after Synchronize)
   /// (run.dir/model.safetensors, when checkpoint.save_model), sends its statistics to the scheduler
   /// (summary.json) and waits until every worker is done. test_accuracy is a fraction (-1: not

@@ -127,6 +127,10 @@ void sparseps_worker_set_interruptible(sparseps_worker* worker, int interruptibl
 /* ssp / async: waits for every worker's pushes of as many steps and writes the parameters. */
 int sparseps_worker_synchronize(sparseps_worker* worker, float* params, size_t n, char* err,
                                 size_t err_len);
+/* The parameters worker 0 saves as the trained model at finish instead of the job's (n =
+ * num_params; see sparseps::client::Worker::SetTrainedModel). */
+int sparseps_worker_set_trained_model(sparseps_worker* worker, const float* params, size_t n,
+                                      char* err, size_t err_len);
 /* The epoch the loop is in (0-based). */
 int sparseps_worker_set_epoch(sparseps_worker* worker, uint32_t epoch, char* err, size_t err_len);
 /* Ends this worker's part (see sparseps::client::Worker::Finish); test_accuracy -1: not
