@@ -231,6 +231,26 @@ int sparseps_worker_set_trained_model(sparseps_worker* worker, const float* para
   return Guard([&] { worker->worker.SetTrainedModel({params, n}); }, err, err_len);
 }
 
+int sparseps_worker_set_checkpoint_state(sparseps_worker* worker, const uint8_t* state,
+                                         size_t state_n, const float* model, size_t model_n,
+                                         char* err, size_t err_len) {
+  if (worker == nullptr) return Missing("worker", err, err_len);
+  if (state == nullptr && state_n > 0) return Missing("state", err, err_len);
+  if (model == nullptr && model_n > 0) return Missing("model", err, err_len);
+  return Guard(
+      [&] {
+        worker->worker.SetCheckpointState({state, state_n}, {model, model_n});
+      },
+      err, err_len);
+}
+
+size_t sparseps_worker_checkpoint_state(const sparseps_worker* w, uint8_t* out, size_t capacity) {
+  if (w == nullptr) return 0;
+  const auto& s = w->worker.checkpoint_state();
+  if (out != nullptr) std::copy_n(s.begin(), std::min(capacity, s.size()), out);
+  return s.size();
+}
+
 void sparseps_worker_set_interruptible(sparseps_worker* worker, int interruptible) {
   if (worker != nullptr) worker->worker.set_interruptible(interruptible != 0);
 }

@@ -65,6 +65,7 @@ struct Worker::Impl {
   std::vector<float> gather;         // several host gradient buffers, gathered
   DeviceBuffer gather_d;             // the same on the device
   std::vector<float> trained_model;  // SetTrainedModel's parameters (empty: the job's)
+  std::vector<uint8_t> loop_user;    // the loop's own state in the checkpoint resumed from
   UpdateRecorder recorder;
   std::optional<TrainingLog> log;  // the live metrics (metrics.port)
   Clock::time_point last_return;   // when the last push-pull (or Init) returned
@@ -78,9 +79,17 @@ struct Worker::Impl {
   bool tracing = false;  // the next step is traced
   std::mutex trace_mu;   // GradientReady's reports (any thread)
 
-  // The loop's position in a checkpoint: the steps done.
+  // The loop's position in a checkpoint: the steps done; loading, also the loop's own state
+  // (SetCheckpointState's, which SubmitCheckpoint adds when saving).
   std::function<void(StateArchive&)> LoopState() {
-    return [this](StateArchive& archive) { archive.Value("step", &steps); };
+    return [this](StateArchive& archive) {
+      archive.Value("step", &steps);
+      if (archive.saving()) return;
+      loop_user.clear();
+      if (archive.Has(WorkerSession::kLoopUserState)) {
+        archive.Array(WorkerSession::kLoopUserState, &loop_user);
+      }
+    };
   }
   Aggregator& agg() {
     if (!session) Raise(Status::FailedPrecondition("call init(params) first"));
@@ -224,7 +233,8 @@ void Worker::Impl::Join(std::span<const Buffer> params, const std::vector<Tensor
         if (joined.ok()) session = std::move(*joined);
         return joined.status();
       },
-      /*report_failure=*/false);                                  // JoinOwnLoop reported it
+      /*report_failure=*/false);        // JoinOwnLoop reported it
+  session->set_hold_checkpoints(true);  // SetCheckpointState completes them
   if (session->rejoining()) steps = session->rejoin_iteration();  // the lost worker's
   Aggregator& a = session->aggregator();
   Observe();
@@ -446,6 +456,14 @@ void Worker::SetTrainedModel(std::span<const float> params) {
   }
   m.trained_model.assign(params.begin(), params.end());
 }
+
+void Worker::SetCheckpointState(std::span<const uint8_t> state, std::span<const float> model) {
+  Impl& m = *impl_;
+  m.agg();  // before init: "call init(params) first"
+  Check(m.session->SubmitCheckpoint(state, model));
+}
+
+const std::vector<uint8_t>& Worker::checkpoint_state() const { return impl_->loop_user; }
 
 void Worker::Finish(double test_accuracy, double train_loss, double samples_per_s, double train_s) {
   Impl& m = *impl_;

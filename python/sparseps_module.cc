@@ -423,6 +423,24 @@ class Worker {
     Call([&] { worker_->SetTrainedModel(p); });
   }
 
+  void SetCheckpointState(py::bytes state, py::object model) {
+    const std::string_view bytes = state;
+    const std::span<const uint8_t> s(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size());
+    if (model.is_none()) {
+      Call([&] { worker_->SetCheckpointState(s); });
+      return;
+    }
+    auto m = py::array_t<float, py::array::c_style | py::array::forcecast>::ensure(model);
+    if (!m) throw py::value_error("set_checkpoint_state: model is not a float32 array");
+    std::span<const float> p(m.data(), static_cast<size_t>(m.size()));
+    Call([&] { worker_->SetCheckpointState(s, p); });
+  }
+
+  py::bytes CheckpointState() const {
+    const auto& s = worker_->checkpoint_state();
+    return py::bytes(reinterpret_cast<const char*>(s.data()), s.size());
+  }
+
   void Finish(double test_accuracy, double train_loss, double samples_per_s, double train_s) {
     Call([&] { worker_->Finish(test_accuracy, train_loss, samples_per_s, train_s); });
   }
@@ -489,6 +507,42 @@ thread of the library's own, once gradient_ready has reported it.
 Returns False and starts nothing where the job does not overlap (push_pull then does the whole
 step). sparseps.torch.DistributedOptimizer(overlap=True) calls it from gradient hooks.)doc";
 
+// The Worker's calls and facts about resuming: its position (step), how it joined, and the
+// loop's own state in its checkpoints.
+void DefineResumeCalls(py::class_<sparseps::Worker>& worker) {
+  using sparseps::Worker;
+  worker
+      .def("set_checkpoint_state", &Worker::SetCheckpointState, py::arg("state"),
+           py::arg("model") = py::none(), R"doc(
+Right after the push_pull that returned with checkpoint_due True (and the loop's optimizer step):
+completes that checkpoint with the loop's own state, `state` (bytes in a format of the loop's;
+sparseps.torch.DistributedOptimizer's is NumPy's .npz), kept in this worker's checkpoint file,
+and on worker 0 `model` (a flat float32 array of num_params elements; None: the job's parameters)
+as the checkpoint's model file.
+A job resumed from it, or rolled back to it, gives the bytes back as checkpoint_state. Without
+this call the checkpoint is written at the next push_pull as it was taken. Raises sparseps.Error
+when no checkpoint waits, ValueError for a model of another size.)doc")
+      .def_property_readonly("checkpoint_state", &Worker::CheckpointState,
+                             "The loop's own state (set_checkpoint_state's bytes) in the "
+                             "checkpoint resumed from (after init) or rolled back to (after "
+                             "RolledBack); b'' when it holds none")
+      .def_property_readonly(
+          "step", [](const Worker& w) { return w.worker().step(); },
+          "Steps (push_pull calls) done, from the checkpoint's on a resumed job, from the "
+          "join iteration on a replacement")
+      .def_property_readonly(
+          "resumed", [](const Worker& w) { return w.worker().resumed(); },
+          "True when the job resumed from a checkpoint (after init)")
+      .def_property_readonly(
+          "rejoined", [](const Worker& w) { return w.worker().rejoined(); },
+          "True for a replacement (node.rejoin, --rejoin) let into the running job (after init): "
+          "step is the iteration it pushes from; the loop goes on from there")
+      .def_property_readonly(
+          "checkpoint_due", [](const Worker& w) { return w.worker().checkpoint_due(); },
+          "True when the last push_pull ended an iteration of which every node "
+          "writes a checkpoint (hand your own optimizer state to set_checkpoint_state then)");
+}
+
 PYBIND11_MODULE(_sparseps, m) {
   using sparseps::Worker;
   m.doc() = "sparseps: sparse, compressed gradient aggregation (parameter server or allreduce)";
@@ -498,14 +552,15 @@ PYBIND11_MODULE(_sparseps, m) {
   static py::exception<std::runtime_error> rolled_back(m, "RolledBack", error.ptr());
   sparseps::g_rolled_back = rolled_back.ptr();
   m.attr("cuda") = sparseps::client::CudaBuild();  // CUDA tensors are compressed on the device
-  py::class_<Worker>(m, "Worker", R"doc(
+  py::class_<Worker> worker(m, "Worker", R"doc(
 One worker of a sparseps job, driven by a Python training loop.
 
 Worker(config, rank=None, overrides=())
   config: path of the job's YAML config (proto/config.proto; "" for the defaults). The scheduler's
   address comes from it or from SPARSEPS_SCHEDULER=host:port; overrides are "key=value" strings
   as --set takes them; rank (or SPARSEPS_RANK, else RANK as torchrun sets it) requests this worker's rank.
-)doc")
+)doc");
+  worker
       .def(py::init<const std::string&, std::optional<int>, const std::vector<std::string>&>(),
            py::arg("config"), py::arg("rank") = py::none(),
            py::arg("overrides") = std::vector<std::string>())
@@ -552,21 +607,6 @@ here), train_loss (the last epoch's mean), samples_per_s (this worker's), train_
       .def_property_readonly("config", &Worker::Config,
                              "Every key of the job's resolved config: {'train.lr': '0.05', ...} "
                              "(values as `sparseps-worker --get` prints them; Worker.get parses)")
-      .def_property_readonly(
-          "step", [](const Worker& w) { return w.worker().step(); },
-          "Steps (push_pull calls) done, from the checkpoint's on a resumed job, from the "
-          "join iteration on a replacement")
-      .def_property_readonly(
-          "resumed", [](const Worker& w) { return w.worker().resumed(); },
-          "True when the job resumed from a checkpoint (after init)")
-      .def_property_readonly(
-          "rejoined", [](const Worker& w) { return w.worker().rejoined(); },
-          "True for a replacement (node.rejoin, --rejoin) let into the running job (after init): "
-          "step is the iteration it pushes from; the loop goes on from there")
-      .def_property_readonly(
-          "checkpoint_due", [](const Worker& w) { return w.worker().checkpoint_due(); },
-          "True when the last push_pull ended an iteration of which every node "
-          "writes a checkpoint (save your own optimizer state then)")
       .def_property_readonly("rank", [](const Worker& w) { return w.worker().rank(); })
       .def_property_readonly("num_workers",
                              [](const Worker& w) { return w.worker().num_workers(); })
@@ -586,4 +626,5 @@ here), train_loss (the last epoch's mean), samples_per_s (this worker's), train_
       .def_property_readonly("bytes_sent", [](const Worker& w) { return w.worker().bytes_sent(); })
       .def_property_readonly("bytes_received",
                              [](const Worker& w) { return w.worker().bytes_received(); });
+  DefineResumeCalls(worker);
 }

@@ -78,6 +78,10 @@ void StateArchive::ScalarImpl(std::string_view name, DType dtype, T* v) {
 void StateArchive::Array(std::string_view name, std::vector<float>* v) {
   ArrayImpl(name, DType::kF32, v);
 }
+bool StateArchive::Has(std::string_view name) const {
+  return !saving() && file_->Find(Full(name)) != nullptr;
+}
+
 void StateArchive::Array(std::string_view name, std::vector<uint8_t>* v) {
   ArrayImpl(name, DType::kU8, v);
 }

@@ -61,6 +61,9 @@ class StateArchive {
   // A size_t scalar (saved as U64).
   void Size(std::string_view name, size_t* v);
 
+  // Loading: whether the file holds `name` (for what older files lack). Saving: false.
+  bool Has(std::string_view name) const;
+
   // Records a load or save failure (the first one is kept).
   void Fail(const std::string& why);
   const Status& status() const { return status_; }

@@ -144,6 +144,7 @@ Status WorkerSession::ResumeWithoutFile(const std::function<void(StateArchive&)>
 }
 
 Status WorkerSession::AwaitRollback() {
+  if (held_ != nullptr) SPARSEPS_RETURN_IF_ERROR(SubmitCheckpoint());
   SPARSEPS_RETURN_IF_ERROR(ReportWritten(/*wait=*/true));
   const auto& c = config_.cluster();
   // The rollback after the epoch this worker's clients were made for; it may be in already (it
@@ -211,62 +212,105 @@ Status WorkerSession::ReportWritten(bool wait) {
   return Status::OK();
 }
 
+Result<std::unique_ptr<WorkerSession::HeldCheckpoint>> WorkerSession::Snapshot(
+    const std::function<void(StateArchive&)>& extra, const std::vector<TensorLayout>& layers) {
+  const auto start = Clock::now();
+  const uint64_t iteration = aggregator_->iteration();
+  // A copy of the state now; the writer writes it on the background thread.
+  StateArchive archive;
+  {
+    auto scope = archive.Scope("aggregator");
+    aggregator_->State(archive);
+  }
+  {
+    auto scope = archive.Scope("loop");
+    extra(archive);
+  }
+  SPARSEPS_RETURN_IF_ERROR(archive.status());
+  auto held = std::make_unique<HeldCheckpoint>();
+  held->state = std::make_shared<SafetensorsWriter>(std::move(archive.writer()));
+  held->model_metadata = ModelMetadata();
+  if (is_leader() && config_.checkpoint().save_model()) {
+    held->model = std::make_shared<SafetensorsWriter>();
+    SPARSEPS_RETURN_IF_ERROR(
+        BuildModelFile(aggregator_->params(), layers, held->model_metadata, held->model.get()));
+  }
+  held->snapshot_s = SecondsSince(start);
+  held->id = CheckpointIdentity{proto::WORKER, rank(), iteration, control_.membership().epoch(),
+                                ConfigFingerprint(config_)};
+  held->iter_dir = CheckpointIterationDir(CheckpointDir(config_), iteration);
+  held->name = CheckpointFileName(proto::WORKER, rank());
+  return held;
+}
+
+void WorkerSession::Submit(std::unique_ptr<HeldCheckpoint> held) {
+  std::shared_ptr<const HeldCheckpoint> c = std::move(held);
+  writer_.Submit([c]() -> Result<std::vector<proto::CheckpointFile>> {
+    const auto t0 = Clock::now();
+    const uint64_t iteration = c->id.iteration;
+    std::vector<proto::CheckpointFile> files;
+    CheckpointFileInfo info;
+    SPARSEPS_RETURN_IF_ERROR(WriteCheckpointFile(c->iter_dir, c->name, c->id, *c->state, &info));
+    files.push_back(ToProto(info, iteration));
+    if (c->model) {
+      const std::string bytes = c->model->Serialize();
+      SPARSEPS_RETURN_IF_ERROR(WriteFileAtomically(c->iter_dir + "/model.safetensors", bytes));
+      CheckpointFileInfo m{proto::WORKER, c->id.rank, "model.safetensors", bytes.size(),
+                           Xxh3Hex(bytes.data(), bytes.size())};
+      files.push_back(ToProto(m, iteration));
+    }
+    spdlog::info(
+        "checkpoint of iteration {}: wrote {} ({:.1f} MB){} in {:.3f} s (snapshot "
+        "{:.3f} s)",
+        iteration, c->name, info.bytes / 1e6, c->model ? " and model.safetensors" : "",
+        SecondsSince(t0), c->snapshot_s);
+    return files;
+  });
+}
+
+Status WorkerSession::SubmitCheckpoint(std::span<const uint8_t> loop_state,
+                                       std::span<const float> model) {
+  if (held_ == nullptr) {
+    return Status::FailedPrecondition(
+        "no checkpoint is waiting for the loop's state: hand it over after the push-pull that "
+        "returned with checkpoint_due true, before the next one");
+  }
+  if (!model.empty() && model.size() != aggregator_->num_params()) {
+    return Status::InvalidArgument("the checkpoint's model has " + std::to_string(model.size()) +
+                                   " elements; the job has " +
+                                   std::to_string(aggregator_->num_params()));
+  }
+  if (!loop_state.empty()) {
+    held_->state->Add(std::string("loop.") + kLoopUserState, DType::kU8, {loop_state.size()},
+                      loop_state.data(), loop_state.size());
+  }
+  if (!model.empty() && held_->model != nullptr) {
+    auto rebuilt = std::make_shared<SafetensorsWriter>();
+    SPARSEPS_RETURN_IF_ERROR(BuildModelFile(model, layers_, held_->model_metadata, rebuilt.get()));
+    held_->model = std::move(rebuilt);
+  }
+  Submit(std::move(held_));
+  return Status::OK();
+}
+
 Status WorkerSession::AfterStep(const std::function<void(StateArchive&)>& extra,
                                 const std::vector<TensorLayout>& layers) {
   const auto& cc = config_.checkpoint();
-  const std::string dir = CheckpointDir(config_);
-  if (dir.empty()) return Status::OK();
+  if (CheckpointDir(config_).empty()) return Status::OK();
+  if (held_ != nullptr) SPARSEPS_RETURN_IF_ERROR(SubmitCheckpoint());  // the loop added nothing
   SPARSEPS_RETURN_IF_ERROR(ReportWritten(false));
   if (aggregator_->checkpoint_due()) {
     // At most one checkpoint in flight: the previous one is reported before the next is taken (it
     // is long written unless checkpoints come every few milliseconds), so a worker that dies
     // after its checkpoint of T leaves the one before T complete.
     SPARSEPS_RETURN_IF_ERROR(ReportWritten(/*wait=*/true));
-    const auto start = Clock::now();
-    const uint64_t iteration = aggregator_->iteration();
-    // Snapshot now (a copy of the state), write on the background thread.
-    StateArchive archive;
-    {
-      auto scope = archive.Scope("aggregator");
-      aggregator_->State(archive);
+    auto held = Snapshot(extra, layers);
+    if (!held.ok()) return held.status();
+    if (hold_checkpoints_) {
+      held_ = std::move(*held);
+    } else {
+      Submit(std::move(*held));
     }
-    {
-      auto scope = archive.Scope("loop");
-      extra(archive);
-    }
-    SPARSEPS_RETURN_IF_ERROR(archive.status());
-    auto state = std::make_shared<SafetensorsWriter>(std::move(archive.writer()));
-    std::shared_ptr<SafetensorsWriter> model;
-    if (is_leader() && cc.save_model()) {
-      model = std::make_shared<SafetensorsWriter>();
-      SPARSEPS_RETURN_IF_ERROR(
-          BuildModelFile(aggregator_->params(), layers, ModelMetadata(), model.get()));
-    }
-    const double snapshot_s = SecondsSince(start);
-    CheckpointIdentity id{proto::WORKER, rank(), iteration, control_.membership().epoch(),
-                          ConfigFingerprint(config_)};
-    const std::string iter_dir = CheckpointIterationDir(dir, iteration);
-    const std::string name = CheckpointFileName(proto::WORKER, rank());
-    writer_.Submit([=]() -> Result<std::vector<proto::CheckpointFile>> {
-      const auto t0 = Clock::now();
-      std::vector<proto::CheckpointFile> files;
-      CheckpointFileInfo info;
-      SPARSEPS_RETURN_IF_ERROR(WriteCheckpointFile(iter_dir, name, id, *state, &info));
-      files.push_back(ToProto(info, iteration));
-      if (model) {
-        const std::string bytes = model->Serialize();
-        SPARSEPS_RETURN_IF_ERROR(WriteFileAtomically(iter_dir + "/model.safetensors", bytes));
-        CheckpointFileInfo m{proto::WORKER, id.rank, "model.safetensors", bytes.size(),
-                             Xxh3Hex(bytes.data(), bytes.size())};
-        files.push_back(ToProto(m, iteration));
-      }
-      spdlog::info(
-          "checkpoint of iteration {}: wrote {} ({:.1f} MB){} in {:.3f} s (snapshot "
-          "{:.3f} s)",
-          iteration, name, info.bytes / 1e6, model ? " and model.safetensors" : "",
-          SecondsSince(t0), snapshot_s);
-      return files;
-    });
     last_checkpoint_ = Clock::now();
     checkpoint_requested_ = false;
   }
@@ -279,6 +323,7 @@ Status WorkerSession::AfterStep(const std::function<void(StateArchive&)>& extra,
 }
 
 Status WorkerSession::Finish(const proto::WorkerStats& stats) {
+  if (held_ != nullptr) SPARSEPS_RETURN_IF_ERROR(SubmitCheckpoint());
   SPARSEPS_RETURN_IF_ERROR(ReportWritten(/*wait=*/true));
   SPARSEPS_RETURN_IF_ERROR(control_.SendDone(stats));
   Status s = control_.WaitFor([&] { return control_.shutdown_requested(); },

@@ -75,12 +75,30 @@ class WorkerSession {
   // After each step: when the aggregator says a checkpoint is due (Aggregator::checkpoint_due),
   // snapshots this worker's state (with `extra` saving the loop's own values, and on worker 0 the
   // job's parameters as model.safetensors by `layers`, checkpoint.save_model) and writes the files
-  // on a background thread while training goes on; reports each written file to the scheduler
+  // on a background thread while training goes on (or holds them for SubmitCheckpoint:
+  // set_hold_checkpoints); reports each written file to the scheduler
   // (at a later step, or in Finish). On worker 0 in ps mode also asks for one once
   // checkpoint.every_s passed. Does nothing without a checkpoint folder (storage/checkpoint.h
   // CheckpointDir). Errors: IoError naming the file, the archive's.
   Status AfterStep(const std::function<void(StateArchive&)>& extra,
                    const std::vector<TensorLayout>& layers);
+
+  // For a training loop of the user's own (the client library): AfterStep holds a due
+  // checkpoint back, snapshot taken, instead of writing it, so that the loop can add its own
+  // state of the same step (its optimizer's, after it stepped) with SubmitCheckpoint. The next
+  // AfterStep, AwaitRollback or Finish writes a checkpoint still held as it is.
+  void set_hold_checkpoints(bool hold) { hold_checkpoints_ = hold; }
+  // Whether a checkpoint is held (taken at the last step, not yet handed to the writer).
+  bool checkpoint_held() const { return held_ != nullptr; }
+  // Hands the held checkpoint to the background writer, with `loop_state` (bytes; empty: none)
+  // stored in this worker's file as "loop.user" (LoopUserState reads it back at a resume) and,
+  // on the leader, `model` (num_params() elements; empty: the job's parameters at the snapshot)
+  // as its model.safetensors. Nothing held: FailedPrecondition. A model of another size:
+  // InvalidArgument, and the checkpoint stays held.
+  Status SubmitCheckpoint(std::span<const uint8_t> loop_state = {},
+                          std::span<const float> model = {});
+  // The name of the loop's own state in the "loop" scope of a worker's checkpoint file.
+  static constexpr const char* kLoopUserState = "user";
 
   // Writes the job's parameters (the aggregator's) to `path` as a safetensors file by `layers`,
   // with the iteration and the config's fingerprint in its metadata. Errors: IoError naming it.
@@ -132,6 +150,24 @@ class WorkerSession {
   // Reports the files the background writer finished (waiting for it when `wait`).
   Status ReportWritten(bool wait);
 
+  // A checkpoint snapshot not yet handed to the writer (AfterStep's; hold_checkpoints_).
+  struct HeldCheckpoint {
+    std::shared_ptr<SafetensorsWriter> state;
+    std::shared_ptr<SafetensorsWriter> model;  // the leader's model file; null: none
+    std::map<std::string, std::string> model_metadata;
+    CheckpointIdentity id;
+    std::string iter_dir;
+    std::string name;
+    double snapshot_s = 0;
+  };
+  // Snapshots this worker's state of the aggregator's iteration (`extra`: the loop's values).
+  Result<std::unique_ptr<HeldCheckpoint>> Snapshot(const std::function<void(StateArchive&)>& extra,
+                                                   const std::vector<TensorLayout>& layers);
+  // Hands `held` to the background writer.
+  void Submit(std::unique_ptr<HeldCheckpoint> held);
+
+  std::unique_ptr<HeldCheckpoint> held_;
+  bool hold_checkpoints_ = false;
   Clock::time_point last_checkpoint_ = Clock::now();
   int64_t rejoin_iteration_ = -1;  // a replacement's first iteration; -1 otherwise
   // The membership epoch the aggregator's clients act on (Join's, then each rollback's): a pause

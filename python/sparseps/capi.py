@@ -83,6 +83,7 @@ def _load():
 
 def _declare(lib):
     c_float_p = ctypes.POINTER(ctypes.c_float)
+    c_bytes_p = ctypes.POINTER(ctypes.c_uint8)
     buffers = [ctypes.POINTER(_Buffer), ctypes.c_size_t]
     err = [ctypes.c_char_p, ctypes.c_size_t]
     handle = ctypes.c_void_p
@@ -111,6 +112,9 @@ def _declare(lib):
         "worker_residual": (ctypes.c_int, [handle, c_float_p, ctypes.c_size_t] + err),
         "worker_synchronize": (ctypes.c_int, [handle, c_float_p, ctypes.c_size_t] + err),
         "worker_set_trained_model": (ctypes.c_int, [handle, c_float_p, ctypes.c_size_t] + err),
+        "worker_set_checkpoint_state": (ctypes.c_int, [handle, c_bytes_p, ctypes.c_size_t,
+                                                       c_float_p, ctypes.c_size_t] + err),
+        "worker_checkpoint_state": (ctypes.c_size_t, [handle, c_bytes_p, ctypes.c_size_t]),
         "worker_set_epoch": (ctypes.c_int, [handle, ctypes.c_uint32] + err),
         "worker_set_interruptible": (None, [handle, ctypes.c_int]),
         "worker_finish": (ctypes.c_int, [handle] + [ctypes.c_double] * 4 + err),
@@ -322,6 +326,31 @@ class Worker:
         array = np.ascontiguousarray(params, dtype=np.float32).reshape(-1)
         self._call(library().sparseps_worker_set_trained_model, self._handle, _floats(array),
                    array.size)
+
+    def set_checkpoint_state(self, state, model=None):
+        """Right after the push_pull that returned with checkpoint_due True: the loop's own state
+        (bytes) for this worker's checkpoint file and, on worker 0, `model` (flat float32, or a
+        tensor, of num_params elements; None: the job's parameters) as the checkpoint's model file
+        (as sparseps.Worker.set_checkpoint_state)."""
+        state = bytes(state)
+        buffer = (ctypes.c_uint8 * max(len(state), 1)).from_buffer_copy(state or b"\0")
+        array = None
+        if model is not None:
+            if hasattr(model, "detach"):  # a torch.Tensor, on any device
+                model = model.detach().cpu().numpy()
+            array = np.ascontiguousarray(model, dtype=np.float32).reshape(-1)
+        self._call(library().sparseps_worker_set_checkpoint_state, self._handle,
+                   ctypes.cast(buffer, ctypes.POINTER(ctypes.c_uint8)), len(state),
+                   None if array is None else _floats(array), 0 if array is None else array.size)
+
+    @property
+    def checkpoint_state(self):
+        """The loop's own state in the checkpoint resumed from or rolled back to (b"": none)."""
+        f = library().sparseps_worker_checkpoint_state
+        n = f(self._handle, None, 0)
+        buffer = (ctypes.c_uint8 * max(n, 1))()
+        f(self._handle, ctypes.cast(buffer, ctypes.POINTER(ctypes.c_uint8)), n)
+        return bytes(buffer)[:n]
 
     def set_epoch(self, epoch):
         self._call(library().sparseps_worker_set_epoch, self._handle, epoch)

@@ -39,8 +39,11 @@ Only torch is imported here, not linked: any PyTorch with DLPack works (Debian's
 """
 import math
 import time
+import warnings
 
 import torch
+
+from sparseps import _state
 
 __all__ = ["DistributedOptimizer", "SparseAllreduceState", "sparse_allreduce_hook"]
 
@@ -224,6 +227,13 @@ class DistributedOptimizer:
     schedule without it ends at 1.04x to 1.05x (docs/results.md, "each worker computing at its
     own view"); on the CNN with Adam's update aggregated it is no rule: measure it.
 
+    Checkpoints (checkpoint.every_steps, every_s): at each one, step() hands the worker its own
+    state of that step (worker.set_checkpoint_state: the wrapped optimizer's state_dict, the
+    model where it is not the job's parameters, local_view's shift, the frozen denominators), and
+    worker 0's checkpoint model file gets the model; on a resumed job the constructor restores
+    them, and after a rollback (a lost server replaced) step() restores them before it raises
+    sparseps.RolledBack, so the loop only goes back to worker.step in its data.
+
     names (optional): one per parameter, in the optimizer's order, for instance
     [n for n, _ in model.named_parameters()] when the optimizer was made from
     model.parameters(): the trained model file (<run.dir>/model.safetensors) then holds the
@@ -287,6 +297,13 @@ class DistributedOptimizer:
         _finished(self._flat)
         with torch.no_grad():
             worker.init([p.detach() for p in self._params], names=names)
+        if worker.resumed:
+            self._restore("resumed from")
+        elif worker.rejoined and self._own_model():
+            warnings.warn("DistributedOptimizer: this replacement worker starts from the job's "
+                          "parameters and a fresh optimizer, which are not the model the others "
+                          "train (an optimizer of its own over the aggregated gradient): its "
+                          "model differs from theirs; aggregate='update' keeps it the job's")
         self._accumulators = []  # overlap: each parameter's gradient accumulation node, hooked
         if overlap:
             self._end_step()
@@ -363,10 +380,75 @@ class DistributedOptimizer:
         reported = loss if loss is not None else closure_loss
         reported = None if reported is None else float(reported)
         self._shift_parameters(None)  # local_view: back to the job's parameters
-        scale = self._aggregate_and_step(reported)
+        try:
+            scale = self._aggregate_and_step(reported)
+        except Exception as e:
+            if type(e).__name__ == "RolledBack":  # sparseps.RolledBack or sparseps.capi's
+                self._restore("rolled back to")
+            raise
         if self.local_view and (self.aggregate == "update" or scale is not None):
             self._shift_parameters(self._residual_displacement())
+        if self.worker.checkpoint_due:
+            self._checkpoint()
         return closure_loss
+
+    def _own_model(self):
+        """True where the model's parameters are not the job's: another optimizer than plain SGD
+        over the aggregated gradient (its own copy), or local_view's view."""
+        return (self.aggregate != "update" and not self._plain_sgd()) or \
+            self._view_shift is not None
+
+    def _checkpoint(self):
+        """After the step whose push_pull took a checkpoint: hands the worker this optimizer's
+        state of the step (worker.set_checkpoint_state, in the worker's checkpoint file): the
+        wrapped optimizer's state_dict, the model's parameters where they are not the job's,
+        local_view's shift and the frozen denominators; the model then also goes to the
+        checkpoint's model file. _restore reads it back."""
+        own = self._own_model()
+        flat = torch.cat([p.detach().reshape(-1) for p in self._params]).cpu() if own else None
+        state = {"format": "sparseps.torch.DistributedOptimizer/1",
+                 "optimizer": self.optimizer.state_dict(), "params": flat,
+                 "view_shift": None if self._view_shift is None else self._view_shift.cpu(),
+                 "scale": None if self._scale is None else self._scale[1].cpu()}
+        self.worker.set_checkpoint_state(_state.dumps(state),
+                                         None if flat is None else flat.numpy())
+
+    def _restore(self, how):
+        """On a resumed job (after init) or after a rollback (how: "resumed from", "rolled back
+        to"): the state _checkpoint saved at the checkpoint's step, or, in a checkpoint without it,
+        the job's parameters (a warning: the optimizer's state starts again; RuntimeError where
+        the model is not the job's parameters, which the checkpoint then lacks)."""
+        raw = self.worker.checkpoint_state
+        device = self._flat.device
+        self._frozen_denoms, self._scale, self._view_shift = {}, None, None
+        if not raw:
+            what = (f"DistributedOptimizer: the checkpoint of step {self.worker.step} the job "
+                    f"{how} holds no state of this optimizer (taken by a loop without it)")
+            if self._own_model() or self.local_view:
+                raise RuntimeError(what + "; its model is not the job's parameters, so it cannot "
+                                   "go on from it: resume from a checkpoint DistributedOptimizer "
+                                   "took")
+            if self.optimizer.state:
+                warnings.warn(what + "; the wrapped optimizer's state starts again")
+            self.optimizer.state.clear()
+            self._copy_in(torch.from_numpy(self.worker.params()).to(device))
+            return
+        state = _state.loads(raw)
+        self.optimizer.load_state_dict(state["optimizer"])
+        params = state["params"]
+        self._copy_in((torch.from_numpy(self.worker.params()) if params is None else params)
+                      .to(device))
+        if state["view_shift"] is not None:
+            self._view_shift = state["view_shift"].to(device)
+        if state["scale"] is not None:
+            first = self.optimizer.state[self._params[0]]["exp_avg_sq"]
+            self._scale = (first, state["scale"].to(device))
+
+    def _copy_in(self, flat):
+        """The model's parameters from one flat tensor."""
+        with torch.no_grad():
+            for p, start in zip(self._params, self._start_keys):
+                p.view(-1).copy_(flat[start:start + p.numel()])
 
     def _aggregate_and_step(self, reported):
         """step()'s aggregation (push_pull) and update; returns the frozen denominators by which
@@ -518,12 +600,7 @@ class DistributedOptimizer:
         params = self.worker.synchronize()
         own = self.aggregate != "update" and not self._plain_sgd()
         if not own:
-            params = torch.from_numpy(params).to(self._flat.device)
-            with torch.no_grad():
-                offset = 0
-                for p in self._params:
-                    p.view(-1).copy_(params[offset:offset + p.numel()])
-                    offset += p.numel()
+            self._copy_in(torch.from_numpy(params).to(self._flat.device))
             if self._view_shift is not None:  # local_view: the job's parameters, then this view
                 shift, self._view_shift = self._view_shift, None
                 self._shift_parameters(shift)

@@ -36,7 +36,8 @@ enum class ErrorCode {
   kInterrupted,       ///< SIGINT ended a wait (Worker::set_interruptible)
   /// A server was lost and replaced: the job went back to its newest complete checkpoint, and so
   /// did this worker (step() and params() are the checkpoint's). The loop restores its own state
-  /// of that step (its optimizer's, its data position) and goes on from step().
+  /// of that step (its optimizer's, from checkpoint_state(); its data position) and goes on
+  /// from step().
   kRolledBack,
 };
 
@@ -212,6 +213,24 @@ class Worker {
   /// worker's other calls.
   void SetTrainedModel(std::span<const float> params);
 
+  /// Completes the checkpoint that the last push-pull took (checkpoint_due() true) with the
+  /// loop's own state of that step, after its optimizer stepped: `state` (bytes in a format
+  /// of the loop's, e.g. its optimizer's state serialised; empty: none) goes into this worker's
+  /// checkpoint file, and on worker 0 `model` (num_params() elements; empty: the job's parameters)
+  /// becomes the checkpoint's model.safetensors. A resumed job (or one rolled back to that
+  /// checkpoint) gives the state back as checkpoint_state(). Without this call the checkpoint is
+  /// written at the next push-pull (or Finish) as it was taken. Throws kFailed when no checkpoint
+  /// waits (called twice, or not right after the push-pull that took it), kInvalidArgument for a
+  /// model of another size. Not thread-safe against this worker's other
+  /// calls.
+  void SetCheckpointState(std::span<const uint8_t> state, std::span<const float> model = {});
+
+  /// The loop's own state (SetCheckpointState's bytes) in the checkpoint that the job resumed
+  /// from (after Init) or rolled back to (after kRolledBack); empty when it holds none (a fresh
+  /// job, a checkpoint taken without it, a replacement worker). A worker that the checkpoint has
+  /// no file of gets the lowest-ranked worker's.
+  const std::vector<uint8_t>& checkpoint_state() const;
+
   /// Ends this worker's part: worker 0 saves the model (after Synchronize)
   /// (run.dir/model.safetensors, when checkpoint.save_model), sends its statistics to the scheduler
   /// (summary.json) and waits until every worker is done. test_accuracy is a fraction (-1: not
@@ -234,7 +253,7 @@ class Worker {
   /// Init): step() is then the iteration it pushes from; the loop goes on from there.
   bool rejoined() const;
   /// Whether the last push-pull ended an iteration of which every node writes a checkpoint (the
-  /// loop saves its own optimizer state then).
+  /// loop hands its own optimizer state to SetCheckpointState then).
   bool checkpoint_due() const;
   /// The ranks of the workers still in the job, increasing (cluster.on_worker_failure: continue
   /// drops lost ones; the loop re-splits its data among these).

@@ -131,6 +131,17 @@ int sparseps_worker_synchronize(sparseps_worker* worker, float* params, size_t n
  * num_params; see sparseps::client::Worker::SetTrainedModel). */
 int sparseps_worker_set_trained_model(sparseps_worker* worker, const float* params, size_t n,
                                       char* err, size_t err_len);
+/* Right after the push-pull that took a checkpoint (checkpoint_due): the loop's own state
+ * (state_n bytes; may be 0) for this worker's checkpoint file and, on worker 0, the model for the
+ * checkpoint's model file (model_n = num_params, or 0: the job's parameters); see
+ * sparseps::client::Worker::SetCheckpointState. */
+int sparseps_worker_set_checkpoint_state(sparseps_worker* worker, const uint8_t* state,
+                                         size_t state_n, const float* model, size_t model_n,
+                                         char* err, size_t err_len);
+/* The loop's own state in the checkpoint resumed from or rolled back to: writes at most capacity
+ * bytes into out (may be NULL) and returns how many there are (0: none). */
+size_t sparseps_worker_checkpoint_state(const sparseps_worker* worker, uint8_t* out,
+                                        size_t capacity);
 /* The epoch the loop is in (0-based). */
 int sparseps_worker_set_epoch(sparseps_worker* worker, uint32_t epoch, char* err, size_t err_len);
 /* Ends this worker's part (see sparseps::client::Worker::Finish); test_accuracy -1: not

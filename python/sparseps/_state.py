@@ -1,0 +1,53 @@
+"""A training loop's state as bytes without pickle (for Worker.set_checkpoint_state): nested dicts,
+lists and tuples of tensors, numbers, strings, booleans and None (an optimizer's state_dict), kept
+as NumPy's .npz (numpy.savez; loaded with allow_pickle=False): the tensors as arrays, the rest as
+JSON that names them. A checkpoint file can then be read without running code from it."""
+import io
+import json
+
+import numpy as np
+import torch
+
+__all__ = ["dumps", "loads"]
+
+
+def _pack(obj, arrays):
+    if torch.is_tensor(obj):
+        arrays.append(obj.detach().cpu().numpy())
+        return {"tensor": len(arrays) - 1}
+    if isinstance(obj, dict):
+        return {"dict": [[_pack(k, arrays), _pack(v, arrays)] for k, v in obj.items()]}
+    if isinstance(obj, (list, tuple)):
+        return {type(obj).__name__: [_pack(v, arrays) for v in obj]}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return {"value": obj}
+    raise TypeError(f"sparseps: a {type(obj).__name__} in the state to checkpoint (tensors, "
+                    "numbers, strings, None, and dicts, lists and tuples of them)")
+
+
+def _unpack(node, arrays):
+    (kind, v), = node.items()
+    if kind == "tensor":
+        return torch.from_numpy(arrays[f"a{v}"].copy())
+    if kind == "dict":
+        return {_unpack(k, arrays): _unpack(x, arrays) for k, x in v}
+    if kind in ("list", "tuple"):
+        items = [_unpack(x, arrays) for x in v]
+        return items if kind == "list" else tuple(items)
+    return v
+
+
+def dumps(obj):
+    """obj as bytes (see the module). TypeError on anything else (naming its type)."""
+    arrays = []
+    structure = json.dumps(_pack(obj, arrays)).encode()
+    buffer = io.BytesIO()
+    np.savez(buffer, structure=np.frombuffer(structure, dtype=np.uint8),
+             **{f"a{i}": a for i, a in enumerate(arrays)})
+    return buffer.getvalue()
+
+
+def loads(raw):
+    """dumps' object back (tensors on the CPU). ValueError when raw is not such bytes."""
+    with np.load(io.BytesIO(raw), allow_pickle=False) as arrays:
+        return _unpack(json.loads(arrays["structure"].tobytes()), arrays)

@@ -1,0 +1,144 @@
+"""sparseps.torch.DistributedOptimizer across checkpoints: a job stopped and resumed, or rolled back
+when a server is replaced, goes on with the optimizer's own state of the checkpoint's step (Adam's
+moments, its own copy of the model, local_view's shift, the frozen denominators), so that it ends
+with the models of a job never interrupted, bitwise; the checkpoint's model file holds the model
+the optimizer trained."""
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import sparseps
+import sparseps.torch
+from sparseps import capi
+from conftest import run_threads
+from test_model_file import read_safetensors
+
+CONFIG = "train: {lr: 0.1, momentum: 0}\ncompression: {encoding: topk, density: 0.5}\n"
+SETS = ["checkpoint.every_steps=5", "checkpoint.keep=0"]
+TOTAL = 15
+# aggregate, freeze_variance_step, local_view
+CASES = {"adam_gradient": ("gradient", None, False),
+         "adam_gradient_frozen_view": ("gradient", 3, True),
+         "adam_update": ("update", None, False)}
+
+
+_SEEDED = threading.Lock()  # torch's global generator, shared by the workers' threads
+
+
+def make_model():
+    with _SEEDED:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+
+
+def flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().copy()
+
+
+def train(c, case, backend, sets=(), stop_after=None, kill_at=None):
+    """Two workers train `case` for TOTAL steps (each step's batch fixed by rank and step); returns
+    per worker (first step, {step: model after it}, final residual, the steps it rolled back
+    from and to)."""
+    aggregate, freeze, view = CASES[case]
+
+    def worker(rank):
+        model = make_model()
+        w = backend(str(c.job), rank=rank, overrides=c.overrides + SETS + list(sets))
+        opt = sparseps.torch.DistributedOptimizer(
+            torch.optim.Adam(model.parameters(), lr=0.01), w, aggregate=aggregate,
+            freeze_variance_step=freeze, local_view=view,
+            names=[n for n, _ in model.named_parameters()])
+        start = t = w.step
+        models, rolled = {}, []
+        while t < TOTAL:
+            x = torch.randn(4, 5, generator=torch.Generator().manual_seed(1000 * rank + t))
+            if t < 3:  # the last input's weights have no gradient before the variance freezes
+                x[:, 4] = 0
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            try:
+                opt.step()
+            except (sparseps.RolledBack, capi.RolledBack):
+                rolled.append((t, w.step))
+                t = w.step  # the loop's own position; the optimizer restored itself
+                continue
+            t += 1
+            models[t] = flat(model)
+            if stop_after == t:
+                return start, models, None, rolled  # the process "dies": no finish
+            if rank == 0 and kill_at == t and not rolled:
+                c.kill("server-0")
+                c.start_server(0, ["--rejoin"])
+        out = (start, models, w.residual(), rolled)
+        opt.synchronize()
+        w.finish()
+        return out
+    return run_threads([lambda r=r: worker(r) for r in range(2)], timeout_s=240)
+
+
+@pytest.mark.parametrize("case,backend", [(case, sparseps.Worker) for case in CASES] +
+                         [("adam_gradient", capi.Worker)],
+                         ids=[*CASES, "adam_gradient-capi"])
+def test_a_resumed_job_goes_on_with_the_optimizers_state(cluster, case, backend):
+    """Stopped after 13 steps and resumed from the newest complete checkpoint (step 10, or 5): every
+    later model and the final residuals are those of the job never stopped, and the checkpoint's
+    model file is worker 0's model at that step (its own copy, or local_view's view, where the
+    job's parameters are not the model)."""
+    whole = train(cluster(CONFIG, sets=SETS), case, backend)
+    cut = cluster(CONFIG, sets=SETS)
+    train(cut, case, backend, stop_after=13)
+    cut.stop()
+    manifests = sorted((cut.run_dir / "checkpoints").glob("iter-*/MANIFEST.json"))
+    assert manifests, "no complete checkpoint after 13 steps"
+    newest = int(manifests[-1].parent.name[5:])
+    tensors, _ = read_safetensors(manifests[-1].parent / "model.safetensors")
+    saved = np.concatenate([tensors[n].reshape(-1) for n, _ in make_model().named_parameters()])
+    np.testing.assert_array_equal(saved, whole[0][1][newest])
+    resume = [f"checkpoint.dir={cut.run_dir / 'checkpoints'}", "checkpoint.resume=true"]
+    again = train(cluster(CONFIG, sets=SETS + resume), case, backend, sets=resume)
+    for r in range(2):
+        assert again[r][0] == newest, newest
+        for t in range(newest + 1, TOTAL + 1):
+            np.testing.assert_array_equal(again[r][1][t], whole[r][1][t], err_msg=f"step {t}")
+        np.testing.assert_array_equal(again[r][2], whole[r][2])
+
+
+def test_a_rolled_back_job_goes_on_with_the_optimizers_state(cluster):
+    """Server 0 killed with kill -9 after step 12 and replaced: step() raises RolledBack with the
+    optimizer back at the checkpoint's step, the loop goes on from worker.step, and every worker
+    ends with the models of the job never interrupted (Adam over the aggregated gradient, the
+    variance frozen, local_view)."""
+    case = "adam_gradient_frozen_view"
+    whole = train(cluster(CONFIG, sets=SETS), case, sparseps.Worker)
+    cut = cluster(CONFIG, sets=SETS)
+    again = train(cut, case, sparseps.Worker, kill_at=12)
+    codes = cut.wait()
+    assert codes.pop("server-0") == -9 and codes == {k: 0 for k in codes}, codes
+    for r in range(2):
+        assert again[r][3] and all(to % 5 == 0 and 0 < to <= at for at, to in again[r][3])
+        np.testing.assert_array_equal(again[r][1][TOTAL], whole[r][1][TOTAL])
+        np.testing.assert_array_equal(again[r][2], whole[r][2])
+
+
+def test_resuming_without_the_optimizers_state_is_refused(cluster):
+    """A checkpoint taken by a loop without DistributedOptimizer has no state of it: resuming
+    Adam over the aggregated gradient from it (whose model is not the job's parameters) is a
+    RuntimeError naming the step; set_checkpoint_state with no checkpoint waiting is refused."""
+    c = cluster(CONFIG, workers=1, sets=SETS)
+    w = sparseps.Worker(str(c.job), rank=0, overrides=c.overrides + SETS)
+    w.init(np.zeros(26, dtype=np.float32))
+    for t in range(6):
+        w.push_pull(np.full(26, t + 1.0, dtype=np.float32))
+    with pytest.raises(sparseps.Error, match="no checkpoint is waiting for the loop's state"):
+        w.set_checkpoint_state(b"state")
+    w.finish()
+    resume = [f"checkpoint.dir={c.run_dir / 'checkpoints'}", "checkpoint.resume=true"]
+    again = cluster(CONFIG, workers=1, sets=SETS + resume)
+    model = make_model()
+    w = sparseps.Worker(str(again.job), rank=0, overrides=again.overrides + SETS + resume)
+    with pytest.raises(RuntimeError, match="the checkpoint of step 5 the job resumed from holds "
+                                           "no state of this optimizer"):
+        sparseps.torch.DistributedOptimizer(torch.optim.Adam(model.parameters()), w)
+
