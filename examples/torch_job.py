@@ -110,6 +110,44 @@ def worker_backend(force_capi):
     return capi.Worker, capi.Error
 
 
+class StepCsv:
+    """A CSV file of rows by step (its "step" column), written a line at a time. Opened on a
+    resumed job (keep_to: the checkpoint's step) it keeps the rows up to that step; keep_to()
+    after a rollback drops the rows past it, which are done again (as sparseps-worker's CSVs)."""
+
+    def __init__(self, path, header, keep_to=0):
+        self.path, self.header, self.file = path, header, None
+        self.keep_to(keep_to)
+
+    def keep_to(self, step):
+        if self.file:
+            self.file.close()
+        rows = []
+        if step > 0 and os.path.exists(self.path):
+            with open(self.path, newline="") as f:
+                old = list(csv.reader(f))
+            if old and old[0] == self.header:
+                column = self.header.index("step")
+                rows = [r for r in old[1:] if int(r[column]) <= step]
+        self.file = open(self.path, "w", newline="", buffering=1)
+        self.writer = csv.writer(self.file)
+        self.writer.writerows([self.header] + rows)
+
+    def writerow(self, row):
+        self.writer.writerow(row)
+
+
+def resume_overrides(resume_dir):
+    """--resume DIR as the daemons take it: checkpoint.resume=true with checkpoint.dir=DIR when
+    DIR holds iter-* checkpoints, else run.dir=DIR (a run directory); before --set, which wins."""
+    if not resume_dir:
+        return []
+    if not os.path.isdir(resume_dir):
+        raise ValueError(f"--resume {resume_dir}: no such directory")
+    holds = any(e.startswith("iter-") for e in os.listdir(resume_dir))
+    return ["checkpoint.resume=true", ("checkpoint.dir=" if holds else "run.dir=") + resume_dir]
+
+
 def evaluate(model, x, y, batch=1000):
     """(mean cross-entropy, accuracy) over (x, y): per sample for a classifier (outputs N x C),
     per token for a language model (outputs N x T x V against N x T targets)."""
@@ -132,6 +170,9 @@ def parser(doc, models, default_model=None):
     ap.add_argument("--config", default="", help="the job's YAML config")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config key, as the daemons take it")
+    ap.add_argument("--resume", default="", metavar="DIR",
+                    help="resume from DIR, a run directory or a folder of iter-* checkpoints, as "
+                    "the daemons' --resume (deploy/launch.sh --resume passes it)")
     ap.add_argument("--model", choices=models, default=default_model or models[0])
     ap.add_argument("--synthetic", action="store_true",
                     help="random data instead of the data set (step time and bytes only)")
@@ -190,7 +231,7 @@ def run(args, build_model, load_data, perplexity=False):
     torch.set_num_threads(args.threads)
     Worker, error = worker_backend(args.capi)
     ERRORS.append(error)
-    worker = Worker(args.config, overrides=args.set)
+    worker = Worker(args.config, overrides=resume_overrides(args.resume) + args.set)
     get = worker.get
     device = torch.device(args.device or get("train.device"))
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -273,20 +314,24 @@ def run(args, build_model, load_data, perplexity=False):
         f"{'sparseps.capi' if Worker is capi.Worker else 'the pybind11 module'}")
 
     run_dir = get("run.dir")
+    # A resumed job (deploy/launch.sh --resume) goes on from its checkpoint's step, where
+    # DistributedOptimizer restored the model and the optimizer's state.
+    step = 0 if args.ddp else worker.step
     metrics = evals = None
     if run_dir:
-        metrics = csv.writer(open(os.path.join(run_dir, f"metrics-worker-{rank}.csv"), "w", newline="",
-                                  buffering=1))
-        metrics.writerow(["step", "epoch", "loss", "bytes_sent", "bytes_received", "selected",
-                          "compute_ms", "encode_ms", "comm_ms", "wall_s", "applied", "topk_mass",
-                          "binding_ms"])
+        metrics = StepCsv(os.path.join(run_dir, f"metrics-worker-{rank}.csv"),
+                          ["step", "epoch", "loss", "bytes_sent", "bytes_received", "selected",
+                           "compute_ms", "encode_ms", "comm_ms", "wall_s", "applied",
+                           "topk_mass", "binding_ms"], step)
         if rank == 0:
-            evals = csv.writer(open(os.path.join(run_dir, "eval-worker-0.csv"), "w", newline="",
-                                    buffering=1))
-            evals.writerow(["epoch", "step", "wall_s", "test_loss", "test_accuracy", "train_s"])
+            evals = StepCsv(os.path.join(run_dir, "eval-worker-0.csv"),
+                            ["epoch", "step", "wall_s", "test_loss", "test_accuracy", "train_s"],
+                            step)
     memcpy = MemcpyCount(args.profile_memcpy, run_dir, rank, device.type == "cuda")
     start = last = time.monotonic()
-    eval_s, accuracy, step, epoch_loss, epoch_steps = 0.0, -1.0, 0, 0.0, 0
+    steps_run = 0  # in this process (a resumed job's start at its checkpoint's step)
+    rollback_error = capi.RolledBack if Worker is capi.Worker else sparseps.RolledBack
+    eval_s, accuracy, epoch_loss, epoch_steps = 0.0, -1.0, 0.0, 0
     progress_loss, progress_steps = 0.0, 0
 
     def run_eval(epoch):
@@ -302,12 +347,14 @@ def run(args, build_model, load_data, perplexity=False):
         log(rank, "info", f"eval epoch {epoch} step {step}: test loss {test_loss:.4f}, "
             f"test accuracy {100 * accuracy:.2f}%{ppl}")
 
-    for epoch in range(epochs):
+    epoch = step // steps_per_epoch
+    while epoch < epochs:
         order = shard[torch.randperm(len(shard), generator=torch.Generator().manual_seed(
             seed ^ (epoch + 1) * 0x9E3779B9 ^ rank)).to(device)]
         worker.set_epoch(epoch)
         epoch_loss, epoch_steps = 0.0, 0
-        for s in range(steps_per_epoch):
+        rolled_back = False
+        for s in range(step - epoch * steps_per_epoch, steps_per_epoch):
             if step >= total:
                 break
             memcpy.before(step)
@@ -323,9 +370,20 @@ def run(args, build_model, load_data, perplexity=False):
             if args.ddp:
                 opt.step()
             else:
-                opt.step(loss=loss)  # the live metrics' loss gauge
+                try:
+                    opt.step(loss=loss)  # the live metrics' loss gauge
+                except rollback_error as e:
+                    # A lost server was replaced: the job, the model and the optimizer are back
+                    # at the newest complete checkpoint; so goes the data position.
+                    log(rank, "warning", f"{e}; going on from step {worker.step}")
+                    step, rolled_back = worker.step, True
+                    for f in (metrics, evals):
+                        if f:
+                            f.keep_to(step)  # the steps after it are done again
+                    break
             t2 = time.monotonic()
             step += 1
+            steps_run += 1
             loss = loss.item()
             memcpy.after(step)
             epoch_loss, epoch_steps = epoch_loss + loss, epoch_steps + 1
@@ -357,19 +415,23 @@ def run(args, build_model, load_data, perplexity=False):
             every = get("train.eval_every_steps")
             if rank == 0 and every and step % every == 0 and step < total:
                 run_eval(epoch + 1)
+        if rolled_back:
+            epoch = step // steps_per_epoch
+            continue
         every = get("train.eval_every_epochs")
         if rank == 0 and every and (epoch + 1) % every == 0 and step < total:
             run_eval(epoch + 1)
+        epoch += 1
     train_s = time.monotonic() - start
     if rank == 0:
         if not args.ddp:
             opt.synchronize()  # ssp / async: every push in; the model file: this model
         run_eval(epochs)
-    log(rank, "info", f"training done: {step} steps in {train_s:.1f} s, "
-        f"{rate(step * batch / train_s)} samples/s on this worker"
+    log(rank, "info", f"training done: {step} steps ({steps_run} run here) in {train_s:.1f} s, "
+        f"{rate(steps_run * batch / train_s)} samples/s on this worker"
         + (f", final test accuracy {100 * accuracy:.2f}%" if rank == 0 else ""))
     worker.finish(test_accuracy=accuracy, train_loss=epoch_loss / max(epoch_steps, 1),
-                  samples_per_s=step * batch / train_s, train_s=train_s)
+                  samples_per_s=steps_run * batch / train_s, train_s=train_s)
 
 
 def rate(x):

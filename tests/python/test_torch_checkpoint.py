@@ -3,6 +3,9 @@ when a server is replaced, goes on with the optimizer's own state of the checkpo
 moments, its own copy of the model, local_view's shift, the frozen denominators), so that it ends
 with the models of a job never interrupted, bitwise; the checkpoint's model file holds the model
 the optimizer trained."""
+import os
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -12,7 +15,7 @@ import torch
 import sparseps
 import sparseps.torch
 from sparseps import capi
-from conftest import run_threads
+from conftest import BUILD, DATA, ROOT, launch_example, run_threads
 from test_model_file import read_safetensors
 
 CONFIG = "train: {lr: 0.1, momentum: 0}\ncompression: {encoding: topk, density: 0.5}\n"
@@ -142,3 +145,26 @@ def test_resuming_without_the_optimizers_state_is_refused(cluster):
                                            "no state of this optimizer"):
         sparseps.torch.DistributedOptimizer(torch.optim.Adam(model.parameters()), w)
 
+
+@pytest.mark.skipif(not (DATA / "train-images-idx3-ubyte.gz").exists(),
+                    reason="Fashion-MNIST not installed (deploy/install-deps.sh)")
+def test_the_example_resumed_ends_with_the_model_of_a_job_never_stopped(tmp_path):
+    """examples/fashion_mnist.py (the CNN, Adam with the variance frozen at step 20, PS top-k 1%)
+    through deploy/launch.sh: 45 steps, then `launch.sh --resume RUN --set train.max_steps=60`
+    (from the checkpoint of step 30, the worker command given --resume), writes the same model
+    file, byte for byte, as 60 steps never stopped."""
+    command = (f"{sys.executable} {ROOT / 'examples' / 'fashion_mnist.py'} --model cnn "
+               "--optimizer adam --freeze-variance-step 20")
+    sets = ["train.momentum=0", "checkpoint.every_steps=30", "data.max_test_samples=500"]
+    whole = launch_example(tmp_path, "torch_cnn.yaml", command, sets + ["train.max_steps=60"],
+                           name="whole")
+    cut = launch_example(tmp_path, "torch_cnn.yaml", command, sets + ["train.max_steps=45"],
+                         name="cut")
+    env = dict(os.environ, SPARSEPS_CACHE=str(tmp_path / "cache"))
+    p = subprocess.run(["bash", str(ROOT / "deploy" / "launch.sh"), "--build-dir", str(BUILD),
+                        "--resume", str(cut), "--quiet", "--worker-command", command,
+                        "--set", "train.max_steps=60"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "resumed from" in (cut / "worker-0.log").read_text()
+    assert (cut / "model.safetensors").read_bytes() == (whole / "model.safetensors").read_bytes()
