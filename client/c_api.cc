@@ -251,6 +251,12 @@ size_t sparseps_worker_checkpoint_state(const sparseps_worker* w, uint8_t* out, 
   return s.size();
 }
 
+int sparseps_worker_set_density_scale(sparseps_worker* worker, double scale, char* err,
+                                      size_t err_len) {
+  if (worker == nullptr) return Missing("worker", err, err_len);
+  return Guard([&] { worker->worker.SetDensityScale(scale); }, err, err_len);
+}
+
 void sparseps_worker_set_interruptible(sparseps_worker* worker, int interruptible) {
   if (worker != nullptr) worker->worker.set_interruptible(interruptible != 0);
 }

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <functional>
 #include <limits>
 #include <mutex>
@@ -432,6 +433,14 @@ void Worker::set_interruptible(bool interruptible) { impl_->interruptible = inte
 void Worker::SetEpoch(uint32_t epoch) {
   impl_->epoch = epoch;
   if (impl_->session) impl_->session->aggregator().SetEpoch(epoch);
+}
+
+void Worker::SetDensityScale(double scale) {
+  if (!(scale > 0) || !std::isfinite(scale)) {
+    Raise(Status::InvalidArgument("SetDensityScale: scale " + std::to_string(scale) +
+                                  "; a positive finite number"));
+  }
+  impl_->agg().SetDensityScale(scale);
 }
 
 void Worker::Synchronize(std::span<float> params) {

@@ -47,7 +47,7 @@ size_t WarmupK(double density, uint32_t warmup_epochs, uint32_t epoch, size_t n,
 }
 
 size_t ScaledK(size_t k, double scale) {
-  if (scale >= 1.0) return k;
+  if (scale == 1.0) return k;
   return std::max<size_t>(1, static_cast<size_t>(std::llround(scale * static_cast<double>(k))));
 }
 

@@ -55,9 +55,10 @@ class Compressor {
   // Sets the epoch (0-based) for the density warm-up schedule.
   virtual void SetEpoch(uint32_t epoch) {}
 
-  // Scales the density by `scale` (in (0, 1]) from the next Compress on: the adaptive density's
-  // choice (compression.adaptive_comm_ratio). k = max(1, round(scale * the epoch's k)).
-  // Encodings without a per-push density (dense, SBC, the sketch) ignore it.
+  // Scales the density by `scale` (> 0) from the next Compress on: the adaptive density's choice
+  // (compression.adaptive_comm_ratio, in (0, 1]), or a step that sends everything (scale
+  // 1 / density: client::Worker::SetDensityScale). k = min(n, max(1, round(scale * the epoch's
+  // k))). Encodings without a per-push density (dense, SBC, the sketch) ignore it.
   virtual void SetDensityScale(double scale) {}
 
   // Elements selected in the last Compress call (all of them for dense).
@@ -142,7 +143,8 @@ class Selector {
 size_t WarmupK(double density, uint32_t warmup_epochs, uint32_t epoch, size_t n,
                double warmup_density = 0);
 
-// k scaled by the adaptive density's `scale` (in (0, 1]): max(1, round(scale * k)).
+// k scaled by `scale` (> 0): max(1, round(scale * k)); k itself for scale 1. The adaptive
+// density's scales are in (0, 1]; a larger one (a dense step) is the caller's to cap at its n.
 size_t ScaledK(size_t k, double scale);
 
 }  // namespace sparseps

@@ -119,9 +119,10 @@ TopKCompressor::TopKCompressor(size_t num_params, const proto::CompressionConfig
 
 void TopKCompressor::SetEpoch(uint32_t epoch) {
   epoch_ = epoch;
-  k_ = ScaledK(WarmupK(config_.density(), config_.warmup_epochs(), epoch_, residual_.size(),
-                       config_.warmup_density()),
-               scale_);
+  const size_t n = residual_.size();
+  const size_t k =
+      WarmupK(config_.density(), config_.warmup_epochs(), epoch_, n, config_.warmup_density());
+  k_ = std::min(n, ScaledK(k, scale_));
 }
 
 void TopKCompressor::SetDensityScale(double scale) {

@@ -201,6 +201,9 @@ def parser(doc, models, default_model=None):
                     help="each worker computes at the job's parameters moved by its own residual "
                     "(DistributedOptimizer's local_view; with --aggregate update or "
                     "--freeze-variance-step)")
+    ap.add_argument("--average-views", action="store_true",
+                    help="with --local-view: at the end every worker's model becomes the "
+                    "average of the workers' views (DistributedOptimizer.average_views)")
     ap.add_argument("--overlap", action="store_true",
                     help="push each server's key range during the backward pass "
                     "(DistributedOptimizer's overlap; the job needs train.overlap=backward)")
@@ -244,6 +247,8 @@ def run(args, build_model, load_data, perplexity=False):
         raise ValueError("--freeze-variance-step: sparseps's DistributedOptimizer's, not DDP's")
     if args.local_view and args.ddp:
         raise ValueError("--local-view: sparseps's DistributedOptimizer's, not DDP's")
+    if args.average_views and not args.local_view:
+        raise ValueError("--average-views needs --local-view")
     seed, batch = get("train.seed"), get("train.batch_size")
     torch.manual_seed(seed)  # the same initial model everywhere (worker 0's is used anyway)
     model = build_model(args.model, get).to(device)
@@ -422,6 +427,8 @@ def run(args, build_model, load_data, perplexity=False):
         if rank == 0 and every and (epoch + 1) % every == 0 and step < total:
             run_eval(epoch + 1)
         epoch += 1
+    if args.average_views:
+        opt.average_views()  # every worker, at the same step
     train_s = time.monotonic() - start
     if rank == 0:
         if not args.ddp:

@@ -408,6 +408,9 @@ class Worker {
   }
 
   void SetEpoch(uint32_t epoch) { worker_->SetEpoch(epoch); }
+  void SetDensityScale(double scale) {
+    Call([&] { worker_->SetDensityScale(scale); });
+  }
 
   // ssp / async: waits until every worker pushed as many steps as this one; the job's parameters
   // then (a copy). bsp, allreduce: the parameters at once.
@@ -593,6 +596,11 @@ Raises TimeoutError naming a missing peer.)doc")
 The parameters worker 0 saves as the trained model at finish (run.dir/model.safetensors) instead of
 the job's: for a model an optimizer of its own trained from the aggregate (a flat float32 array of
 num_params elements, copied). Raises ValueError on another size.)doc")
+      .def("set_density_scale", &Worker::SetDensityScale, py::arg("scale"),
+           "Scales this worker's top-k k (ps mode, encoding topk) from the next push: scale "
+           "times the epoch's, at most every key; 1: the config's; 1 / density sends "
+           "everything held back. Other encodings and allreduce ignore it. ValueError unless "
+           "positive and finite.")
       .def("set_epoch", &Worker::SetEpoch, py::arg("epoch"),
            "Sets the epoch (0-based) for the density warm-up (compression.warmup_epochs).")
       .def("finish", &Worker::Finish, py::arg("test_accuracy") = -1.0, py::arg("train_loss") = 0.0,

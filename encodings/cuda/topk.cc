@@ -38,9 +38,9 @@ class GpuTopKCompressor final : public GpuCompressorBase {
 
   void SetEpoch(uint32_t epoch) override {
     epoch_ = epoch;
-    k_ = ScaledK(
-        WarmupK(config_.density(), config_.warmup_epochs(), epoch_, n_, config_.warmup_density()),
-        scale_);
+    k_ = std::min(n_, ScaledK(WarmupK(config_.density(), config_.warmup_epochs(), epoch_, n_,
+                                      config_.warmup_density()),
+                              scale_));
   }
 
   void SetDensityScale(double scale) override {

@@ -116,6 +116,7 @@ def _declare(lib):
                                                        c_float_p, ctypes.c_size_t] + err),
         "worker_checkpoint_state": (ctypes.c_size_t, [handle, c_bytes_p, ctypes.c_size_t]),
         "worker_set_epoch": (ctypes.c_int, [handle, ctypes.c_uint32] + err),
+        "worker_set_density_scale": (ctypes.c_int, [handle, ctypes.c_double] + err),
         "worker_set_interruptible": (None, [handle, ctypes.c_int]),
         "worker_finish": (ctypes.c_int, [handle] + [ctypes.c_double] * 4 + err),
         "worker_last_step": (None, [handle, ctypes.POINTER(_Counters)]),
@@ -351,6 +352,10 @@ class Worker:
         buffer = (ctypes.c_uint8 * max(n, 1))()
         f(self._handle, ctypes.cast(buffer, ctypes.POINTER(ctypes.c_uint8)), n)
         return bytes(buffer)[:n]
+
+    def set_density_scale(self, scale):
+        """Scales the top-k k from the next push (as sparseps.Worker.set_density_scale)."""
+        self._call(library().sparseps_worker_set_density_scale, self._handle, scale)
 
     def set_epoch(self, epoch):
         self._call(library().sparseps_worker_set_epoch, self._handle, epoch)

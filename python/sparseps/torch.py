@@ -37,13 +37,14 @@ aggregated gradient (update / train.lr), so train.lr: 1 is exact.
 
 Only torch is imported here, not linked: any PyTorch with DLPack works (Debian's 1.13 is tested).
 """
-import math
 import time
 import warnings
 
 import torch
 
 from sparseps import _state
+from sparseps._frozen_adam import (_check_freeze, _frozen, _frozen_adam_step,
+                                   _frozen_denominator, _step_count)
 
 __all__ = ["DistributedOptimizer", "SparseAllreduceState", "sparse_allreduce_hook"]
 
@@ -66,109 +67,6 @@ def _float32_params(params, what):
         if p.dtype != torch.float32:
             raise ValueError(f"{what}: a parameter of dtype {p.dtype}; sparseps takes float32")
     return params
-
-
-def _check_freeze(optimizer, freeze_variance_step):
-    """Raises ValueError unless freeze_variance_step is None, or a positive step count with a
-    torch Adam or AdamW (without amsgrad or maximize) to freeze."""
-    if freeze_variance_step is None:
-        return
-    if isinstance(freeze_variance_step, bool) or not isinstance(freeze_variance_step, int) or \
-            freeze_variance_step < 1:
-        raise ValueError(f"DistributedOptimizer: freeze_variance_step={freeze_variance_step!r}; "
-                         "a step count of at least 1 (or None)")
-    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
-        raise ValueError("DistributedOptimizer: freeze_variance_step needs torch.optim.Adam or "
-                         f"AdamW, not {type(optimizer).__name__}")
-    for group in optimizer.param_groups:
-        for flag in ("amsgrad", "maximize"):
-            if group.get(flag):
-                raise ValueError(f"DistributedOptimizer: freeze_variance_step with {flag}=True "
-                                 "(not supported: 1-bit Adam's step has neither)")
-
-
-def _step_count(state):
-    step = state["step"]
-    return int(step.item()) if torch.is_tensor(step) else int(step)
-
-
-def _frozen(optimizer, freeze_variance_step):
-    """True once the optimizer has taken freeze_variance_step steps (its first parameter's); never
-    when freeze_variance_step is None."""
-    if freeze_variance_step is None:
-        return False
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            state = optimizer.state.get(p)
-            if state and "step" in state:
-                return _step_count(state) >= freeze_variance_step
-    return False
-
-
-def _frozen_denominator(variance, beta2, frozen_at, eps):
-    """Adam's denominator over a frozen second moment: sqrt(v / (1 - beta2^t_frozen)) + eps."""
-    return (variance.sqrt() / math.sqrt(1 - beta2**frozen_at)).add_(eps)
-
-
-def _frozen_adam_step(optimizer, denoms):
-    """One step of torch's Adam / AdamW with the second moment frozen at its value after the
-    last ordinary step (1-bit Adam's compression stage: Tang et al., "1-bit Adam:
-    Communication Efficient Large-Scale Training with Adam's Convergence Speed", ICML 2021, §4,
-    Algorithm 1): the first moment and the step count go on as Adam's (exp_avg = beta1 exp_avg +
-    (1 - beta1) grad, its bias correction at the current step), exp_avg_sq stays as it was and
-    the denominator is sqrt(exp_avg_sq / (1 - beta2^t_frozen)) + eps, computed once per
-    parameter (denoms: parameter -> [exp_avg_sq, denominator, unseen], the cache; rebuilt when the
-    state is replaced, as by load_state_dict). The step then depends linearly on the gradients,
-    which is what lets error feedback compensate the compression exactly.
-
-    One departure from the paper: an entry that has had no gradient before the freeze (a sparse
-    aggregated gradient that never selected it, an embedding row of a token not yet seen) has a
-    second moment of 0, and m / (0 + eps) would step it 1e8 times its first gradient. Such an
-    entry's second moment goes on as Adam's until its first nonzero gradient and freezes there
-    (`unseen`, the entries still waiting; an entry of a dense gradient waits at most one step).
-    Each parameter's state keeps variance_frozen_step, t_frozen, so a saved and reloaded
-    optimizer stays frozen where it was. Call under torch.no_grad()."""
-    decoupled = isinstance(optimizer, torch.optim.AdamW)
-    for group in optimizer.param_groups:
-        beta1, beta2 = group["betas"]
-        lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = optimizer.state[p]
-            if "exp_avg_sq" not in state:
-                raise RuntimeError("DistributedOptimizer: a parameter without Adam's second moment "
-                                   "at freeze_variance_step (it had no gradient before): freeze "
-                                   "later")
-            frozen_at = state.setdefault("variance_frozen_step", _step_count(state))
-            cached = denoms.get(p)
-            if cached is None or cached[0] is not state["exp_avg_sq"]:
-                variance = state["exp_avg_sq"]
-                unseen = variance == 0
-                cached = denoms[p] = [variance,
-                                      _frozen_denominator(variance, beta2, frozen_at, eps),
-                                      unseen if bool(unseen.any()) else None]
-            step = _step_count(state) + 1
-            if torch.is_tensor(state["step"]):
-                state["step"].fill_(step)
-            else:
-                state["step"] = step
-            grad = p.grad
-            if decoupled:
-                p.mul_(1 - lr * weight_decay)
-            elif weight_decay:
-                grad = grad.add(p, alpha=weight_decay)
-            state["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
-            unseen = cached[2]
-            if unseen is not None:  # Adam's second moment where it is still 0 (beta2 * 0 + ...)
-                first = grad[unseen]
-                state["exp_avg_sq"][unseen] = (1 - beta2) * first * first
-                cached[1][unseen] = _frozen_denominator(state["exp_avg_sq"][unseen], beta2,
-                                                        frozen_at, eps)
-                unseen &= state["exp_avg_sq"] == 0
-                if not bool(unseen.any()):
-                    cached[2] = None
-            p.addcdiv_(state["exp_avg"], cached[1], value=-lr / (1 - beta1**step))
 
 
 class DistributedOptimizer:
@@ -532,6 +430,58 @@ class DistributedOptimizer:
                 shift[offset:offset + p.numel()].mul_(group["lr"] / workers)
                 offset += p.numel()
         return shift
+
+    def average_views(self):
+        """local_view: makes every worker's model the average of the workers' views (and the
+        job's parameters, with aggregate="update") and empties the residuals: one step of the
+        job in which each worker sends its whole residual scaled by 1/W, every worker at the same
+        point (after the last step, before the final evaluation and synchronize(); training may
+        go on after it). The model moves by the mean of the views' displacements, what CSER's
+        error reset does (Xie et al., NeurIPS 2020, Algorithm 2, with the reset period of the
+        whole run). Before the freeze (aggregate="gradient") every view is the model and nothing
+        is sent. Needs ps mode with encoding topk, train.momentum 0 and no server-side top-k
+        (ValueError; RuntimeError when a residual stays after the step); raises RolledBack as
+        step() does."""
+        if not self.local_view:
+            raise ValueError("DistributedOptimizer.average_views: needs local_view=True")
+        if self.worker.aggregation != "ps" or self.worker.get("compression.encoding") != "topk" \
+                or self.worker.get("train.momentum") != 0:
+            raise ValueError("DistributedOptimizer.average_views: needs aggregation ps with "
+                             "compression.encoding topk and train.momentum 0")
+        if self._view_shift is None:
+            return
+        self._shift_parameters(None)  # the job's parameters, or Adam's own copy
+        workers = self.worker.num_workers
+        residual = torch.from_numpy(self.worker.residual()).to(self._flat.device)
+        # The push is this plus the residual: the residual / W, every entry of it.
+        torch.mul(residual, 1.0 / workers - 1.0, out=self._flat)
+        _finished(self._flat)
+        self.worker.set_density_scale(float(self._flat.numel()))
+        try:
+            keys, update, _ = self.worker.push_pull(self._flat, sparse=True)
+        except Exception as e:
+            if type(e).__name__ == "RolledBack":
+                self._restore("rolled back to")
+            raise
+        finally:
+            self.worker.set_density_scale(1.0)
+        if self.worker.residual().any():
+            raise RuntimeError("DistributedOptimizer.average_views: the step left a residual "
+                               "(a selection that does not send every key at k = all)")
+        device = self._flat.device
+        shift = torch.zeros_like(self._flat)
+        shift.index_put_((torch.from_numpy(keys).to(device),), torch.from_numpy(update).to(device))
+        if self.aggregate == "gradient":  # each group's Adam lr per train.lr of the aggregate
+            offset = 0
+            for group in self.optimizer.param_groups:
+                for p in (p for p in group["params"] if p.requires_grad):
+                    shift[offset:offset + p.numel()].mul_(group["lr"] / self.worker.lr)
+                    offset += p.numel()
+        with torch.no_grad():
+            for p, start in zip(self._params, self._start_keys):
+                p.view(-1).sub_(shift[start:start + p.numel()])
+        if self.worker.checkpoint_due:
+            self._checkpoint()
 
     def _shift_parameters(self, shift):
         """local_view: moves the parameters from the job's to this worker's view (shift, flat:

@@ -562,6 +562,60 @@ def test_local_view_computes_at_the_job_parameters_moved_by_the_own_residual(clu
                                                 **kwargs)
 
 
+@pytest.mark.parametrize("backend", [sparseps.Worker, capi.Worker], ids=["module", "capi"])
+@pytest.mark.parametrize("aggregate", ["update", "gradient"])
+def test_average_views_gives_every_worker_the_mean_of_the_views(cluster, aggregate, backend):
+    """average_views() after 12 steps of local_view (AdamW's update aggregated, or the gradient
+    with the variance frozen at step 4; PS top-k 10%, two servers): both workers' models become
+    the mean of their two views, the residuals are empty, with aggregate="update" the job's
+    parameters are that mean too, and the next step starts from it (equal models, each moved by
+    its own new residual only). Without local_view it is refused, and so is a density scale that is
+not positive."""
+    c = cluster("train: {lr: 0.5, momentum: 0}\ncompression: {encoding: topk, density: 0.1}\n")
+
+    def worker(rank):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+        w = backend(str(c.job), rank=rank, overrides=c.overrides)
+        opt = sparseps.torch.DistributedOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=0.01), w, aggregate=aggregate,
+            freeze_variance_step=4 if aggregate == "gradient" else None, local_view=True)
+        g = torch.Generator().manual_seed(rank)
+        flat = lambda: torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
+
+        def step():
+            opt.zero_grad()
+            x = torch.randn(4, 8, generator=g)
+            (model(x) - x[:, :2]).pow(2).mean().backward()
+            opt.step()
+        for _ in range(12):
+            step()
+        view = flat()
+        assert w.residual().any()
+        opt.average_views()
+        out = (view, flat(), w.residual(), torch.from_numpy(w.params()).double())
+        step()
+        w.finish()
+        return out
+    (v0, a0, r0, j0), (v1, a1, r1, j1) = run_threads([lambda r=r: worker(r) for r in range(2)])
+    assert not torch.equal(v0, v1)
+    mean = (v0 + v1) / 2
+    for a in (a0, a1):
+        assert torch.allclose(a, mean, rtol=0, atol=1e-6), (a - mean).abs().max()
+    assert not r0.any() and not r1.any()
+    if aggregate == "update":
+        assert torch.allclose(j0, mean, rtol=0, atol=1e-6) and torch.equal(j0, j1)
+    one = cluster("train: {lr: 0.5, momentum: 0}\n", workers=1)
+    w = sparseps.Worker(str(one.job), rank=0, overrides=one.overrides)
+    opt = sparseps.torch.DistributedOptimizer(
+        torch.optim.Adam(torch.nn.Linear(3, 2).parameters()), w, aggregate="update")
+    with pytest.raises(ValueError, match="average_views: needs local_view=True"):
+        opt.average_views()
+    with pytest.raises(ValueError, match="SetDensityScale: scale 0.000000; a positive finite"):
+        w.set_density_scale(0)
+    w.finish()
+
+
 def test_freeze_variance_step_needs_adam(cluster):
     c = cluster("train: {lr: 0.5, momentum: 0}\ncompression: {encoding: topk, density: 0.1}\n",
                 workers=1)

@@ -111,6 +111,10 @@ TEST(AdaptiveDensity, TopKSelectsTheScaledKThroughTheWarmUp) {
   EXPECT_EQ(t.k(), 1u);  // never none
   t.SetDensityScale(1.0);
   EXPECT_EQ(t.k(), 100u);
+  t.SetDensityScale(30.0);  // above 1 (a dense step's 1 / density): more, at most every key
+  EXPECT_EQ(t.k(), 3000u);
+  t.SetDensityScale(1e6);
+  EXPECT_EQ(t.k(), 10000u);
   // A push selects the scaled k.
   t.SetDensityScale(0.5);
   std::vector<float> grad(10000);

@@ -199,6 +199,14 @@ class Worker {
   /// Tells the job which epoch the loop is in (for the logs and the metrics).
   void SetEpoch(uint32_t epoch);
 
+  /// Scales this worker's top-k k (PS mode, encoding topk) from the next push on: k = scale times
+  /// the epoch's (compression.density, through the warm-up), at least 1 and at most every key;
+  /// 1 goes back to the config's. 1 / density sends everything held back in one step (a
+  /// residual flush: sparseps.torch.DistributedOptimizer.average_views). Other encodings and
+  /// allreduce ignore it; compression.adaptive_comm_ratio sets its own at its next window.
+  /// Throws kInvalidArgument unless scale is positive and finite.
+  void SetDensityScale(double scale);
+
   /// train.consistency ssp / async: waits until every worker has pushed as many steps as this
   /// one and writes the job's parameters then, with no staleness, into `params` (num_params()
   /// elements): call it before the final evaluation (Finish does so on the leader before it saves

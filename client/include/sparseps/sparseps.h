@@ -142,6 +142,9 @@ int sparseps_worker_set_checkpoint_state(sparseps_worker* worker, const uint8_t*
  * bytes into out (may be NULL) and returns how many there are (0: none). */
 size_t sparseps_worker_checkpoint_state(const sparseps_worker* worker, uint8_t* out,
                                         size_t capacity);
+/* Scales the top-k k from the next push (see sparseps::client::Worker::SetDensityScale). */
+int sparseps_worker_set_density_scale(sparseps_worker* worker, double scale, char* err,
+                                      size_t err_len);
 /* The epoch the loop is in (0-based). */
 int sparseps_worker_set_epoch(sparseps_worker* worker, uint32_t epoch, char* err, size_t err_len);
 /* Ends this worker's part (see sparseps::client::Worker::Finish); test_accuracy -1: not
