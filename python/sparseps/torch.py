@@ -424,12 +424,17 @@ class DistributedOptimizer:
         workers = self.worker.num_workers
         if self.aggregate == "update":
             return shift.mul_(self.worker.lr / workers)
+        return self._times_group_lr(shift, 1.0 / workers)
+
+    def _times_group_lr(self, flat, factor):
+        """flat (in self._params' order) times each parameter group's lr times factor, in
+        place."""
         offset = 0
         for group in self.optimizer.param_groups:
             for p in (p for p in group["params"] if p.requires_grad):  # self._params' order
-                shift[offset:offset + p.numel()].mul_(group["lr"] / workers)
+                flat[offset:offset + p.numel()].mul_(group["lr"] * factor)
                 offset += p.numel()
-        return shift
+        return flat
 
     def average_views(self):
         """local_view: makes every worker's model the average of the workers' views (and the
@@ -472,14 +477,9 @@ class DistributedOptimizer:
         shift = torch.zeros_like(self._flat)
         shift.index_put_((torch.from_numpy(keys).to(device),), torch.from_numpy(update).to(device))
         if self.aggregate == "gradient":  # each group's Adam lr per train.lr of the aggregate
-            offset = 0
-            for group in self.optimizer.param_groups:
-                for p in (p for p in group["params"] if p.requires_grad):
-                    shift[offset:offset + p.numel()].mul_(group["lr"] / self.worker.lr)
-                    offset += p.numel()
-        with torch.no_grad():
-            for p, start in zip(self._params, self._start_keys):
-                p.view(-1).sub_(shift[start:start + p.numel()])
+            self._times_group_lr(shift, 1.0 / self.worker.lr)
+        self._shift_parameters(shift)  # the mean of the views, the model from now on
+        self._view_shift = None
         if self.worker.checkpoint_due:
             self._checkpoint()
 
