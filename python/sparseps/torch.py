@@ -132,6 +132,16 @@ class DistributedOptimizer:
     them, and after a rollback (a lost server replaced) step() restores them before it raises
     sparseps.RolledBack, so the loop only goes back to worker.step in its data.
 
+    extra_state (optional): the loop's other state to keep with it, as a dict of name -> object
+    with state_dict() and load_state_dict() (torch's Stateful: an LR scheduler, a GradScaler, an
+    object of the loop's own), for instance {"scheduler": scheduler}. Its state is taken as the
+    loop leaves it between two steps (at the next step(), or at synchronize() after the last:
+    after the loop's scheduler.step(), as torch orders it) and restored with the optimizer's, so
+    a resumed or rolled-back job goes on with the same learning rates. State_dicts of tensors,
+    numbers, strings and None only (a TypeError at construction names what else: OneCycleLR in
+    torch 1.13 keeps a method; LambdaLR leaves its functions out). Call synchronize() on every
+    worker after the last step.
+
     names (optional): one per parameter, in the optimizer's order, for instance
     [n for n, _ in model.named_parameters()] when the optimizer was made from
     model.parameters(): the trained model file (<run.dir>/model.safetensors) then holds the
@@ -140,7 +150,7 @@ class DistributedOptimizer:
     """
 
     def __init__(self, optimizer, worker, aggregate="gradient", freeze_variance_step=None,
-                 overlap=False, names=None, local_view=False):
+                 overlap=False, names=None, local_view=False, extra_state=None):
         if aggregate not in ("gradient", "update"):
             raise ValueError(f"DistributedOptimizer: aggregate={aggregate!r}; 'gradient' or "
                              "'update'")
@@ -153,6 +163,18 @@ class DistributedOptimizer:
                              "no freeze_variance_step (they change the gradient after the pushes "
                              "would have left)")
         _check_freeze(optimizer, freeze_variance_step)
+        self._extra = dict(extra_state or {})
+        for name, obj in self._extra.items():
+            if not (callable(getattr(obj, "state_dict", None)) and
+                    callable(getattr(obj, "load_state_dict", None))):
+                raise TypeError(f"DistributedOptimizer: extra_state[{name!r}] (a "
+                                f"{type(obj).__name__}) has no state_dict() and load_state_dict()")
+            try:  # now rather than at the first checkpoint
+                _state.dumps(obj.state_dict())
+            except TypeError as e:
+                raise TypeError(f"DistributedOptimizer: extra_state[{name!r}]'s state_dict(): "
+                                f"{e}") from None
+        self._checkpoint_pending = False  # extra_state: a checkpoint waits for the loop's state
         self.freeze_variance_step = freeze_variance_step
         self._frozen_denoms = {}  # _frozen_adam_step's cache: parameter -> [v, denominator, unseen]
         self._scale = None  # aggregate="gradient", frozen: (first v, flat denominators)
@@ -221,6 +243,7 @@ class DistributedOptimizer:
         at its first gradient and reports the flat buffer's longest suffix whose gradients are
         all in."""
         if self._begun is None:
+            self._submit_pending()
             self._begun = self.worker.begin_step(self._flat)
         if not self._begun:
             return
@@ -277,6 +300,7 @@ class DistributedOptimizer:
                 closure_loss = closure()
         reported = loss if loss is not None else closure_loss
         reported = None if reported is None else float(reported)
+        self._submit_pending()
         self._shift_parameters(None)  # local_view: back to the job's parameters
         try:
             scale = self._aggregate_and_step(reported)
@@ -287,7 +311,7 @@ class DistributedOptimizer:
         if self.local_view and (self.aggregate == "update" or scale is not None):
             self._shift_parameters(self._residual_displacement())
         if self.worker.checkpoint_due:
-            self._checkpoint()
+            self._checkpoint_after_step()
         return closure_loss
 
     def _own_model(self):
@@ -295,6 +319,21 @@ class DistributedOptimizer:
         over the aggregated gradient (its own copy), or local_view's view."""
         return (self.aggregate != "update" and not self._plain_sgd()) or \
             self._view_shift is not None
+
+    def _checkpoint_after_step(self):
+        """At the end of the step whose push_pull took a checkpoint: its state now, or with
+        extra_state as the loop leaves it before the next push (_submit_pending)."""
+        if self._extra:
+            self._checkpoint_pending = True
+        else:
+            self._checkpoint()
+
+    def _submit_pending(self):
+        """Before the next push (step, its overlap's begin, average_views) or synchronize: the
+        checkpoint waiting for the loop's state gets it."""
+        if self._checkpoint_pending:
+            self._checkpoint_pending = False
+            self._checkpoint()
 
     def _checkpoint(self):
         """After the step whose push_pull took a checkpoint: hands the worker this optimizer's
@@ -307,7 +346,8 @@ class DistributedOptimizer:
         state = {"format": "sparseps.torch.DistributedOptimizer/1",
                  "optimizer": self.optimizer.state_dict(), "params": flat,
                  "view_shift": None if self._view_shift is None else self._view_shift.cpu(),
-                 "scale": None if self._scale is None else self._scale[1].cpu()}
+                 "scale": None if self._scale is None else self._scale[1].cpu(),
+                 "extra": {name: obj.state_dict() for name, obj in self._extra.items()}}
         self.worker.set_checkpoint_state(_state.dumps(state),
                                          None if flat is None else flat.numpy())
 
@@ -319,6 +359,7 @@ class DistributedOptimizer:
         raw = self.worker.checkpoint_state
         device = self._flat.device
         self._frozen_denoms, self._scale, self._view_shift = {}, None, None
+        self._checkpoint_pending = False
         if not raw:
             what = (f"DistributedOptimizer: the checkpoint of step {self.worker.step} the job "
                     f"{how} holds no state of this optimizer (taken by a loop without it)")
@@ -326,8 +367,9 @@ class DistributedOptimizer:
                 raise RuntimeError(what + "; its model is not the job's parameters, so it cannot "
                                    "go on from it: resume from a checkpoint DistributedOptimizer "
                                    "took")
-            if self.optimizer.state:
-                warnings.warn(what + "; the wrapped optimizer's state starts again")
+            if self.optimizer.state or self._extra:
+                warnings.warn(what + "; the wrapped optimizer's state" +
+                              "".join(f", {n}'s" for n in self._extra) + " starts again")
             self.optimizer.state.clear()
             self._copy_in(torch.from_numpy(self.worker.params()).to(device))
             return
@@ -341,6 +383,14 @@ class DistributedOptimizer:
         if state["scale"] is not None:
             first = self.optimizer.state[self._params[0]]["exp_avg_sq"]
             self._scale = (first, state["scale"].to(device))
+        saved = state.get("extra", {})
+        for name, obj in self._extra.items():
+            if name in saved:
+                obj.load_state_dict(saved[name])
+            else:
+                warnings.warn(f"DistributedOptimizer: the checkpoint of step {self.worker.step} "
+                              f"the job {how} holds no state of extra_state[{name!r}]; it starts "
+                              "again")
 
     def _copy_in(self, flat):
         """The model's parameters from one flat tensor."""
@@ -455,6 +505,7 @@ class DistributedOptimizer:
                              "compression.encoding topk and train.momentum 0")
         if self._view_shift is None:
             return
+        self._submit_pending()
         self._shift_parameters(None)  # the job's parameters, or Adam's own copy
         workers = self.worker.num_workers
         residual = torch.from_numpy(self.worker.residual()).to(self._flat.device)
@@ -481,7 +532,7 @@ class DistributedOptimizer:
         self._shift_parameters(shift)  # the mean of the views, the model from now on
         self._view_shift = None
         if self.worker.checkpoint_due:
-            self._checkpoint()
+            self._checkpoint_after_step()
 
     def _shift_parameters(self, shift):
         """local_view: moves the parameters from the job's to this worker's view (shift, flat:
@@ -546,7 +597,9 @@ class DistributedOptimizer:
         each worker's optimizer steps on its own copy) it only waits. Where the model is not the
         job's parameters (that case, or local_view's own view), the model's parameters become
         what the leader saves as the trained model at finish (<run.dir>/model.safetensors:
-        worker.set_trained_model), not the job's."""
+        worker.set_trained_model), not the job's. With extra_state, a checkpoint taken at the
+        last step gets the loop's state here: call it on every worker then."""
+        self._submit_pending()  # the checkpoint of the last step, if one waits
         params = self.worker.synchronize()
         own = self.aggregate != "update" and not self._plain_sgd()
         if not own:

@@ -40,19 +40,22 @@ def flat(model):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().copy()
 
 
-def train(c, case, backend, sets=(), stop_after=None, kill_at=None):
-    """Two workers train `case` for TOTAL steps (each step's batch fixed by rank and step); returns
-    per worker (first step, {step: model after it}, final residual, the steps it rolled back
-    from and to)."""
+def train(c, case, backend, sets=(), stop_after=None, kill_at=None, keep_scheduler=True):
+    """Two workers train `case` for TOTAL steps (each step's batch fixed by rank and step; the
+    learning rate halved every 4 steps by a StepLR stepped after each step, kept in the
+    checkpoints as extra_state unless keep_scheduler is False); returns per worker (first step,
+    {step: model after it}, final residual, the steps it rolled back from and to)."""
     aggregate, freeze, view = CASES[case]
 
     def worker(rank):
         model = make_model()
         w = backend(str(c.job), rank=rank, overrides=c.overrides + SETS + list(sets))
+        adam = torch.optim.Adam(model.parameters(), lr=0.01)
+        scheduler = torch.optim.lr_scheduler.StepLR(adam, step_size=4, gamma=0.5)
         opt = sparseps.torch.DistributedOptimizer(
-            torch.optim.Adam(model.parameters(), lr=0.01), w, aggregate=aggregate,
-            freeze_variance_step=freeze, local_view=view,
-            names=[n for n, _ in model.named_parameters()])
+            adam, w, aggregate=aggregate, freeze_variance_step=freeze, local_view=view,
+            names=[n for n, _ in model.named_parameters()],
+            extra_state={"scheduler": scheduler} if keep_scheduler else None)
         start = t = w.step
         models, rolled = {}, []
         while t < TOTAL:
@@ -67,6 +70,7 @@ def train(c, case, backend, sets=(), stop_after=None, kill_at=None):
                 rolled.append((t, w.step))
                 t = w.step  # the loop's own position; the optimizer restored itself
                 continue
+            scheduler.step()
             t += 1
             models[t] = flat(model)
             if stop_after == t:
@@ -123,6 +127,39 @@ def test_a_rolled_back_job_goes_on_with_the_optimizers_state(cluster):
         assert again[r][3] and all(to % 5 == 0 and 0 < to <= at for at, to in again[r][3])
         np.testing.assert_array_equal(again[r][1][TOTAL], whole[r][1][TOTAL])
         np.testing.assert_array_equal(again[r][2], whole[r][2])
+
+
+def test_the_loops_scheduler_goes_on_from_the_checkpoint_only_as_extra_state(cluster):
+    """The StepLR kept as extra_state is restored with the optimizer (the test above: the models
+    of the job never stopped). From a checkpoint taken without it the job warns that the
+    scheduler starts again, and its models then differ from the job never stopped (the learning
+    rate halves at other steps). An extra_state without state_dict(), or whose state_dict holds
+    what a checkpoint cannot keep, is a TypeError at construction."""
+    case = "adam_update"
+    whole = train(cluster(CONFIG, sets=SETS), case, sparseps.Worker)
+    cut = cluster(CONFIG, sets=SETS)
+    train(cut, case, sparseps.Worker, stop_after=13, keep_scheduler=False)
+    cut.stop()
+    resume = [f"checkpoint.dir={cut.run_dir / 'checkpoints'}", "checkpoint.resume=true"]
+    with pytest.warns(UserWarning, match=r"holds no state of extra_state\['scheduler'\]"):
+        again = train(cluster(CONFIG, sets=SETS + resume), case, sparseps.Worker, sets=resume)
+    assert again[0][0] in (5, 10)  # the newest complete checkpoint when the job stopped
+    assert not np.array_equal(again[0][1][TOTAL], whole[0][1][TOTAL])
+    model = make_model()
+    with pytest.raises(TypeError, match=r"extra_state\['epoch'\] \(a int\) has no state_dict"):
+        sparseps.torch.DistributedOptimizer(torch.optim.Adam(model.parameters()), None,
+                                            extra_state={"epoch": 3})
+
+    class Holder:  # a state_dict that _state cannot keep
+        def state_dict(self):
+            return {"f": len}
+
+        def load_state_dict(self, state):
+            pass
+    with pytest.raises(TypeError, match=r"extra_state\['h'\]'s state_dict\(\): sparseps: a "
+                                        "builtin_function_or_method in the state"):
+        sparseps.torch.DistributedOptimizer(torch.optim.Adam(model.parameters()), None,
+                                            extra_state={"h": Holder()})
 
 
 def test_resuming_without_the_optimizers_state_is_refused(cluster):
