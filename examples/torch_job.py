@@ -190,6 +190,13 @@ def parser(doc, models, default_model=None):
                     help="sgd at train.lr (momentum: train.momentum), or adam / adamw at --opt-lr")
     ap.add_argument("--opt-lr", type=float, default=1e-3, help="adam's and adamw's learning rate")
     ap.add_argument("--weight-decay", type=float, default=0.0, help="adam's and adamw's")
+    ap.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant",
+                    help="adam's and adamw's (any optimizer's under --ddp) learning rate over the "
+                    "run: constant, or linear from 0 over --warmup-steps and then a cosine decay "
+                    "to 0 at train.epochs' last step (train.max_steps only cuts it short); kept "
+                    "in sparseps's checkpoints")
+    ap.add_argument("--warmup-steps", type=int, default=0, metavar="N",
+                    help="with --lr-schedule cosine: the warm-up's steps")
     ap.add_argument("--aggregate", choices=["gradient", "update"], default="gradient",
                     help="what sparseps aggregates: the gradients, or each worker's optimizer "
                     "step (error feedback on the update)")
@@ -227,6 +234,23 @@ def make_optimizer(args, params, get, ddp):
     return cls(params, lr=args.opt_lr, weight_decay=args.weight_decay)
 
 
+def lr_schedule(args, optimizer, horizon):
+    """--lr-schedule's scheduler over the torch optimizer (None: constant): a LambdaLR whose
+    factor rises linearly over --warmup-steps and then follows a cosine to 0 at
+    horizon["steps"] (set once the data are loaded; the factor of step 0 needs none). Stepped
+    after each optimizer step, as torch orders it."""
+    if args.lr_schedule == "constant":
+        return None
+    warm = args.warmup_steps
+
+    def factor(step):
+        if step < warm:
+            return (step + 1) / warm
+        decay = max(horizon.get("steps", step + 1) - warm, 1)
+        return 0.5 * (1.0 + math.cos(math.pi * min(step - warm, decay) / decay))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
 def run(args, build_model, load_data, perplexity=False):
     """Trains one worker: build_model(name, get) -> torch module; load_data(args, get) ->
     (x, y, xt, yt, what) training and test tensors on the CPU and a description for the log.
@@ -249,10 +273,14 @@ def run(args, build_model, load_data, perplexity=False):
         raise ValueError("--local-view: sparseps's DistributedOptimizer's, not DDP's")
     if args.average_views and not args.local_view:
         raise ValueError("--average-views needs --local-view")
+    if args.lr_schedule != "constant" and args.optimizer == "sgd" and not args.ddp:
+        raise ValueError("--lr-schedule: with --optimizer adam or adamw (SGD's rate inside "
+                         "sparseps is the job's train.lr)")
     seed, batch = get("train.seed"), get("train.batch_size")
     torch.manual_seed(seed)  # the same initial model everywhere (worker 0's is used anyway)
     model = build_model(args.model, get).to(device)
     n = sum(p.numel() for p in model.parameters())
+    horizon = {}  # --lr-schedule's last step, once the data are loaded
     if args.ddp:
         # sparseps only for the rank and the job's end; DDP broadcasts worker 0's parameters.
         with torch.no_grad():
@@ -285,12 +313,15 @@ def run(args, build_model, load_data, perplexity=False):
                 return fut
             model.register_comm_hook(state, hook)
         opt = make_optimizer(args, model.parameters(), get, ddp=True)
+        scheduler = lr_schedule(args, opt, horizon)
     else:
+        inner = make_optimizer(args, model.parameters(), get, ddp=False)
+        scheduler = lr_schedule(args, inner, horizon)
         opt = sparseps.torch.DistributedOptimizer(
-            make_optimizer(args, model.parameters(), get, ddp=False), worker,
-            aggregate=args.aggregate, freeze_variance_step=args.freeze_variance_step,
+            inner, worker, aggregate=args.aggregate, freeze_variance_step=args.freeze_variance_step,
             overlap=args.overlap, names=[n for n, _ in model.named_parameters()],
-            local_view=args.local_view)
+            local_view=args.local_view,
+            extra_state={"lr_schedule": scheduler} if scheduler else None)
     rank, workers = worker.rank, worker.num_workers
 
     x, y, xt, yt, what = load_data(args, get)
@@ -305,11 +336,14 @@ def run(args, build_model, load_data, perplexity=False):
     if steps_per_epoch == 0:
         raise ValueError(f"{len(shard)} training samples on this worker: fewer than one batch "
                          f"of train.batch_size {batch}")
-    total = get("train.epochs") * steps_per_epoch
+    total = horizon["steps"] = get("train.epochs") * steps_per_epoch
     if get("train.max_steps"):
         total = min(total, get("train.max_steps"))
     epochs = (total + steps_per_epoch - 1) // steps_per_epoch
     optimizer = args.optimizer + (f" (lr {args.opt_lr})" if args.optimizer != "sgd" else "")
+    if scheduler:
+        optimizer += f", its rate warmed up over {args.warmup_steps} steps and cosine-decayed " \
+            f"over {horizon['steps']}"
     method = (f"torch DDP (gloo, {args.ddp_hook} hook)" if args.ddp else f"{worker.aggregation} " + (
         get("compression.encoding") if worker.aggregation == "ps" else get("collective.algorithm"))
         + f", aggregating the {args.aggregate}")
@@ -386,6 +420,8 @@ def run(args, build_model, load_data, perplexity=False):
                         if f:
                             f.keep_to(step)  # the steps after it are done again
                     break
+            if scheduler:
+                scheduler.step()
             t2 = time.monotonic()
             step += 1
             steps_run += 1
@@ -430,9 +466,11 @@ def run(args, build_model, load_data, perplexity=False):
     if args.average_views:
         opt.average_views()  # every worker, at the same step
     train_s = time.monotonic() - start
+    if not args.ddp:
+        # ssp / async: every push in; the model file: this model; a checkpoint of the last
+        # step: the learning-rate schedule's state (extra_state).
+        opt.synchronize()
     if rank == 0:
-        if not args.ddp:
-            opt.synchronize()  # ssp / async: every push in; the model file: this model
         run_eval(epochs)
     log(rank, "info", f"training done: {step} steps ({steps_run} run here) in {train_s:.1f} s, "
         f"{rate(steps_run * batch / train_s)} samples/s on this worker"

@@ -100,7 +100,8 @@ def test_the_resnets_train_through_sparseps(tmp_path, model):
 def test_example_runs_the_baselines_and_sparseps_powersgd(tmp_path, method):
     """The comparison's torch settings: the example under torch DDP over Gloo (plain, with DDP's
     fp16 hook, with its PowerSGD hook, also at 4 ranks, where Debian's torch 1.13 aborted until
-    the example ended each bucket's chain of allreduces before the next) and through
+    the example ended each bucket's chain of allreduces before the next; plain DDP with
+    --lr-schedule cosine) and through
     sparseps.torch with collective.algorithm: powersgd (the torch model's tensors are its
     layers; through the pybind11 module or sparseps.capi, which hands the library their shapes
     too); each trains 60 steps of the CNN on 2 workers (of the MLP on 4) and its loss falls."""
@@ -118,7 +119,8 @@ def test_example_runs_the_baselines_and_sparseps_powersgd(tmp_path, method):
         sets += ["--set", "model.hidden=[2048,2048]"]
     if method.startswith("ddp"):
         command += " --ddp" + (" --ddp-hook fp16" if method == "ddp_fp16" else
-                               " --ddp-hook powersgd" if "powersgd" in method else "")
+                               " --ddp-hook powersgd" if "powersgd" in method else
+                               " --lr-schedule cosine --warmup-steps 10")  # plain DDP
         sets += ["--set", "aggregation=allreduce"]
     else:
         command += " --capi" if method.endswith("capi") else ""
@@ -140,6 +142,9 @@ def test_example_runs_the_baselines_and_sparseps_powersgd(tmp_path, method):
             "sparseps_powersgd": "allreduce powersgd",
             "sparseps_powersgd_capi": "allreduce powersgd"}[method]
     assert said in (run / "worker-0.log").read_text()
+    if method == "ddp":  # the torch optimizer's schedule, under DDP too
+        assert "its rate warmed up over 10 steps and cosine-decayed over" in \
+            (run / "worker-0.log").read_text()
     if method.startswith("sparseps"):
         # Rank-4 factors of the conv and dense layers: far fewer bytes than the 215,370 floats.
         rows = read_csv(run / "metrics-worker-0.csv")
