@@ -4,11 +4,12 @@ as NumPy's .npz (numpy.savez; loaded with allow_pickle=False): the tensors as ar
 JSON that names them. A checkpoint file can then be read without running code from it."""
 import io
 import json
+import warnings
 
 import numpy as np
 import torch
 
-__all__ = ["dumps", "loads"]
+__all__ = ["dumps", "loads", "checked_extra", "restore_extra"]
 
 
 def _pack(obj, arrays):
@@ -51,3 +52,30 @@ def loads(raw):
     """dumps' object back (tensors on the CPU). ValueError when raw is not such bytes."""
     with np.load(io.BytesIO(raw), allow_pickle=False) as arrays:
         return _unpack(json.loads(arrays["structure"].tobytes()), arrays)
+
+
+def checked_extra(extra_state, who):
+    """extra_state (a dict of name -> object with state_dict() and load_state_dict(), or None) as a
+    dict, each state_dict checked to go through dumps now rather than at the first checkpoint
+    (TypeError naming `who` and the name otherwise)."""
+    extra = dict(extra_state or {})
+    for name, obj in extra.items():
+        if not (callable(getattr(obj, "state_dict", None)) and
+                callable(getattr(obj, "load_state_dict", None))):
+            raise TypeError(f"{who}: extra_state[{name!r}] (a {type(obj).__name__}) has no "
+                            "state_dict() and load_state_dict()")
+        try:
+            dumps(obj.state_dict())
+        except TypeError as e:
+            raise TypeError(f"{who}: extra_state[{name!r}]'s state_dict(): {e}") from None
+    return extra
+
+
+def restore_extra(extra, saved, where):
+    """Loads each object of `extra` from `saved` (a checkpoint's {name: state_dict}); one the
+    checkpoint lacks gets a warning naming it and `where` (the checkpoint) and starts again."""
+    for name, obj in extra.items():
+        if name in saved:
+            obj.load_state_dict(saved[name])
+        else:
+            warnings.warn(f"{where} holds no state of extra_state[{name!r}]; it starts again")

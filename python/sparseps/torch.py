@@ -29,8 +29,11 @@ sparse_allreduce_hook: a torch DDP communication hook that aggregates DDP's grad
 a sparse collective of sparseps (topk_allgather, gtopk, spardl, exdyna; collective.algorithm)
 instead of Gloo's dense allreduce, as torch's own PowerSGD hook does with its state:
 
-    state = sparseps.torch.SparseAllreduceState(sparseps.Worker("job.yaml"), ddp_model)
+    state = sparseps.torch.SparseAllreduceState(sparseps.Worker("job.yaml"), ddp_model,
+                                                optimizer=opt)
     ddp_model.register_comm_hook(state, sparseps.torch.sparse_allreduce_hook)
+    ...  # the loop, from worker.step
+    state.synchronize()  # every worker: the model file and the last checkpoint get the model
 
 The job must use `aggregation: allreduce` (no servers); the hook hands DDP the averaged
 aggregated gradient (update / train.lr), so train.lr: 1 is exact.
@@ -43,30 +46,12 @@ import warnings
 import torch
 
 from sparseps import _state
+from sparseps._ddp_hook import SparseAllreduceState, sparse_allreduce_hook
 from sparseps._frozen_adam import (_check_freeze, _frozen, _frozen_adam_step,
                                    _frozen_denominator, _step_count)
+from sparseps._tensors import _finished, _float32_params
 
 __all__ = ["DistributedOptimizer", "SparseAllreduceState", "sparse_allreduce_hook"]
-
-
-def _finished(t):
-    """Waits until the work queued on `t`'s CUDA device is done (nothing for a CPU tensor): the
-    library reads a device tensor on its own streams, which do not wait for PyTorch's."""
-    if t.is_cuda:
-        torch.cuda.synchronize(t.device)
-
-
-def _float32_params(params, what):
-    params = [p for p in params if p.requires_grad]
-    if not params:
-        raise ValueError(f"{what}: no parameters that require a gradient")
-    devices = {p.device for p in params}
-    if len(devices) != 1:
-        raise ValueError(f"{what}: parameters on several devices ({devices}); sparseps takes one")
-    for p in params:
-        if p.dtype != torch.float32:
-            raise ValueError(f"{what}: a parameter of dtype {p.dtype}; sparseps takes float32")
-    return params
 
 
 class DistributedOptimizer:
@@ -163,17 +148,7 @@ class DistributedOptimizer:
                              "no freeze_variance_step (they change the gradient after the pushes "
                              "would have left)")
         _check_freeze(optimizer, freeze_variance_step)
-        self._extra = dict(extra_state or {})
-        for name, obj in self._extra.items():
-            if not (callable(getattr(obj, "state_dict", None)) and
-                    callable(getattr(obj, "load_state_dict", None))):
-                raise TypeError(f"DistributedOptimizer: extra_state[{name!r}] (a "
-                                f"{type(obj).__name__}) has no state_dict() and load_state_dict()")
-            try:  # now rather than at the first checkpoint
-                _state.dumps(obj.state_dict())
-            except TypeError as e:
-                raise TypeError(f"DistributedOptimizer: extra_state[{name!r}]'s state_dict(): "
-                                f"{e}") from None
+        self._extra = _state.checked_extra(extra_state, "DistributedOptimizer")
         self._checkpoint_pending = False  # extra_state: a checkpoint waits for the loop's state
         self.freeze_variance_step = freeze_variance_step
         self._frozen_denoms = {}  # _frozen_adam_step's cache: parameter -> [v, denominator, unseen]
@@ -383,14 +358,9 @@ class DistributedOptimizer:
         if state["scale"] is not None:
             first = self.optimizer.state[self._params[0]]["exp_avg_sq"]
             self._scale = (first, state["scale"].to(device))
-        saved = state.get("extra", {})
-        for name, obj in self._extra.items():
-            if name in saved:
-                obj.load_state_dict(saved[name])
-            else:
-                warnings.warn(f"DistributedOptimizer: the checkpoint of step {self.worker.step} "
-                              f"the job {how} holds no state of extra_state[{name!r}]; it starts "
-                              "again")
+        _state.restore_extra(self._extra, state.get("extra", {}),
+                             f"DistributedOptimizer: the checkpoint of step {self.worker.step} "
+                             f"the job {how}")
 
     def _copy_in(self, flat):
         """The model's parameters from one flat tensor."""
@@ -617,54 +587,3 @@ class DistributedOptimizer:
 
     def __getattr__(self, name):
         return getattr(self.optimizer, name)
-
-
-class SparseAllreduceState:
-    """The state of sparse_allreduce_hook for one DDP model: the sparseps.Worker (not yet
-    initialised: this calls its init with the model's parameters) and one flat gradient of the
-    whole model, each parameter at a fixed offset whatever DDP's bucket layout (DDP rebuilds its
-    buckets after the first step), so that the residuals stay with their keys."""
-
-    def __init__(self, worker, model):
-        if worker.aggregation != "allreduce":
-            raise ValueError("sparse_allreduce_hook needs a job with aggregation: allreduce")
-        module = getattr(model, "module", model)
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        self.params = _float32_params([p for _, p in named], "SparseAllreduceState")
-        self.offset = {}
-        offset = 0
-        for p in self.params:
-            self.offset[id(p)] = (offset, p.numel())
-            offset += p.numel()
-        self.flat = torch.zeros(offset, dtype=torch.float32, device=self.params[0].device)
-        self.pending = []  # (bucket, future) of this step
-        self.worker = worker
-        _finished(self.flat)
-        with torch.no_grad():
-            # The model file and the traces under the module's own names.
-            worker.init([p.detach() for p in self.params], names=[n for n, _ in named])
-
-
-def sparse_allreduce_hook(state, bucket):
-    """DDP communication hook: collects the step's buckets into state.flat and, at the last one,
-    aggregates it in one push_pull (residuals stay in sparseps, per key) and completes every
-    bucket's future with its part of update / train.lr, the averaged aggregated gradient."""
-    for p, g in zip(bucket.parameters(), bucket.gradients()):
-        start, n = state.offset[id(p)]
-        state.flat[start:start + n].copy_(g.reshape(-1))
-    future = torch.futures.Future()
-    state.pending.append((bucket, future))
-    if bucket.is_last():
-        _finished(state.flat)
-        update = torch.from_numpy(state.worker.push_pull(state.flat))
-        update = update.to(state.flat.device).div_(state.worker.lr)
-        for b, f in state.pending:
-            out = b.buffer()
-            pos = 0
-            for p in b.parameters():
-                start, n = state.offset[id(p)]
-                out[pos:pos + n].copy_(update[start:start + n])
-                pos += n
-            f.set_result(out)
-        state.pending = []
-    return future

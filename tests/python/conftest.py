@@ -133,25 +133,36 @@ def run_threads(targets, timeout_s=120):
     return results
 
 
+DDP_HOOK_SETS = ["aggregation=allreduce", "collective.algorithm=topk_allgather", "train.lr=1",
+                 "train.momentum=0", "compression.density=0.1"]
+
+
+def run_ddp_workers(c, tmp_path, device, args=(), sets=(), name="ddp"):
+    """Two processes of tests/python/ddp_worker.py on cluster `c` (started with
+    DDP_HOOK_SETS + sets), the model on `device`, each given `args`; returns what each saved
+    (None for one that stopped early: --stop-after)."""
+    import torch  # only the tests that use it need it
+    init = tmp_path / f"{name}_init"
+    outs = [tmp_path / f"{name}-{r}.pt" for r in range(2)]
+    env = dict(os.environ, DDP_DEVICE=device)
+    procs = [subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "python" / "ddp_worker.py"), str(r), "2", str(init),
+         str(c.job), str(outs[r])] + list(args) +
+        sum((["--set", s] for s in c.overrides + DDP_HOOK_SETS + list(sets)), []),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for r in range(2)]
+    for p in procs:
+        out, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, out
+    return [torch.load(o) if o.exists() else None for o in outs]
+
+
 def ddp_hook_keeps_the_workers_equal_and_sparse(cluster, tmp_path, device):
     """Two processes of tests/python/ddp_worker.py (DDP with sparse_allreduce_hook, the model on
     `device`): their final models are equal, each step's averaged gradient holds at most the
     union of the two workers' k entries, and the loss falls."""
     import torch  # only the tests that use it need it
-    sets = ["aggregation=allreduce", "collective.algorithm=topk_allgather", "train.lr=1",
-            "train.momentum=0", "compression.density=0.1"]
-    c = cluster("cluster: {register_timeout_s: 60}\n", servers=0, sets=sets)
-    init = tmp_path / "dist_init"
-    outs = [tmp_path / f"ddp-{r}.pt" for r in range(2)]
-    env = dict(os.environ, DDP_DEVICE=device)
-    procs = [subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "python" / "ddp_worker.py"), str(r), "2", str(init),
-         str(c.job), str(outs[r])] + sum((["--set", s] for s in c.overrides + sets), []),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for r in range(2)]
-    for p in procs:
-        out, _ = p.communicate(timeout=300)
-        assert p.returncode == 0, out
-    got = [torch.load(o) for o in outs]
+    c = cluster("cluster: {register_timeout_s: 60}\n", servers=0, sets=DDP_HOOK_SETS)
+    got = run_ddp_workers(c, tmp_path, device)
     assert torch.equal(got[0]["params"], got[1]["params"])
     n = got[0]["params"].numel()  # 20*64 + 64 + 64*4 + 4 = 1604; k = 160 per worker
     for nz in got[0]["nonzero"]:

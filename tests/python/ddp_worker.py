@@ -1,14 +1,19 @@
-"""One process of tests/python/test_torch.py's DDP test: torch DDP (Gloo process group, for
-DDP's own broadcast) whose gradient buckets are aggregated by sparseps.torch.sparse_allreduce_hook.
+"""One process of tests/python/test_torch.py's DDP tests: torch DDP (Gloo process group, for DDP's
+own broadcast) whose gradient buckets are aggregated by sparseps.torch.sparse_allreduce_hook.
 
-    ddp_worker.py RANK WORLD INIT_FILE JOB_YAML OUT_FILE [--set k=v ...]
+    ddp_worker.py RANK WORLD INIT_FILE JOB_YAML OUT_FILE [--set k=v ...] [--steps N]
+                  [--stop-after N] [--momentum M]
 
-Trains a small MLP for 40 steps on seeded random data and saves {loss, params, nonzero} to
-OUT_FILE (torch.save): the losses, the final parameters, and the number of nonzero entries of
-each step's averaged gradient. DDP_DEVICE=cuda trains on the GPU (tests/python/test_gpu.py); the
-worker is sparseps.capi's where the pybind11 module is not built for this Python."""
+Trains a small MLP on seeded random data (step t's batch fixed by the rank and t) with torch SGD
+at lr 0.5 (momentum M) and a StepLR halving it every 8 steps, both kept in sparseps's checkpoints
+(SparseAllreduceState's optimizer and extra_state), from worker.step (a resumed job's) to N
+(default 40), and saves {loss, params, nonzero, first} to OUT_FILE (torch.save): the losses, the
+final parameters, the number of nonzero entries of each step's averaged gradient and the first
+step. --stop-after N: exits after step N without finishing (a worker that dies). DDP_DEVICE=cuda
+trains on the GPU (tests/python/test_gpu.py); the worker is sparseps.capi's where the pybind11
+module is not built for this Python."""
+import argparse
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -21,10 +26,20 @@ from sparseps import capi
 
 
 def main():
-    rank, world, init_file, job, out = int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:6]
-    sets = [a.split("=", 1)[0] + "=" + a.split("=", 1)[1] for a in sys.argv[7::2]]
+    ap = argparse.ArgumentParser()
+    for name in ("rank", "world"):
+        ap.add_argument(name, type=int)
+    for name in ("init_file", "job", "out"):
+        ap.add_argument(name)
+    ap.add_argument("--set", action="append", default=[])
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--stop-after", type=int, default=None)
+    ap.add_argument("--momentum", type=float, default=0.0)
+    args = ap.parse_args()
+    rank = args.rank
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{args.init_file}", rank=rank,
+                            world_size=args.world)
     device = torch.device(os.environ.get("DDP_DEVICE", "cpu"))
     try:
         Worker = sparseps.Worker
@@ -33,14 +48,17 @@ def main():
     torch.manual_seed(rank)  # different initial models: DDP broadcasts rank 0's
     model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 4)).to(device)
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.001)  # several buckets
-    state = sparseps.torch.SparseAllreduceState(Worker(job, rank=rank, overrides=sets), ddp)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.5, momentum=args.momentum)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=8, gamma=0.5)
+    worker = Worker(args.job, rank=rank, overrides=args.set)
+    state = sparseps.torch.SparseAllreduceState(worker, ddp, optimizer=opt,
+                                                extra_state={"scheduler": scheduler})
     ddp.register_comm_hook(state, sparseps.torch.sparse_allreduce_hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
-    g = torch.Generator().manual_seed(100 + rank)
     w_true = torch.randn(20, 4, generator=torch.Generator().manual_seed(7))
     losses, nonzero = [], []
-    for _ in range(40):
-        x = torch.randn(32, 20, generator=g)
+    first = worker.step
+    for t in range(first, args.steps):
+        x = torch.randn(32, 20, generator=torch.Generator().manual_seed(1000 * rank + t))
         y = (x @ w_true).argmax(1)
         x, y = x.to(device), y.to(device)
         opt.zero_grad()
@@ -48,11 +66,15 @@ def main():
         loss.backward()
         nonzero.append(sum(int((p.grad != 0).sum()) for p in model.parameters()))
         opt.step()
+        scheduler.step()
         losses.append(loss.item())
-    state.worker.finish()
-    torch.save({"loss": losses, "nonzero": nonzero,
+        if args.stop_after == t + 1:
+            os._exit(0)  # dies: no finish, no checkpoint handed over after this
+    state.synchronize()
+    worker.finish()
+    torch.save({"loss": losses, "nonzero": nonzero, "first": first,
                 "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()},
-               out)
+               args.out)
 
 
 if __name__ == "__main__":

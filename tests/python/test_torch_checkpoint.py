@@ -15,7 +15,8 @@ import torch
 import sparseps
 import sparseps.torch
 from sparseps import capi
-from conftest import BUILD, DATA, ROOT, launch_example, run_threads
+from conftest import (BUILD, DATA, DDP_HOOK_SETS, ROOT, launch_example, run_ddp_workers,
+                      run_threads)
 from test_model_file import read_safetensors
 
 CONFIG = "train: {lr: 0.1, momentum: 0}\ncompression: {encoding: topk, density: 0.5}\n"
@@ -207,3 +208,56 @@ def test_the_example_resumed_ends_with_the_model_of_a_job_never_stopped(tmp_path
     assert p.returncode == 0, p.stdout + p.stderr
     assert "resumed from" in (cut / "worker-0.log").read_text()
     assert (cut / "model.safetensors").read_bytes() == (whole / "model.safetensors").read_bytes()
+
+
+def test_a_ddp_hook_job_resumes_with_its_model_and_saves_it(cluster, tmp_path):
+    """DDP with sparse_allreduce_hook (TopK-AllGather 10%), torch SGD with momentum 0.9 and a
+    StepLR, 40 steps, a checkpoint every 10: the trained model file holds the DDP model (not the
+    job's parameters); stopped after 25 steps and resumed from its checkpoint of step 20, both
+    workers end with the model of the job never stopped, bit for bit (the model, the momentum
+    and the scheduler came back), and so does the model file. From a checkpoint without the
+    hook's state (a loop that did not keep it) the resume is a RuntimeError: the job's
+    parameters there are not the DDP model."""
+    sets = ["checkpoint.every_steps=10", "checkpoint.keep=0"]
+    head = "cluster: {register_timeout_s: 60}\n"
+    args = ["--momentum", "0.9"]
+    c = cluster(head, servers=0, sets=DDP_HOOK_SETS + sets)
+    whole = run_ddp_workers(c, tmp_path, "cpu", args, sets, name="whole")
+    c.wait()
+    tensors, _ = read_safetensors(c.run_dir / "model.safetensors")
+    saved = np.concatenate([tensors[n].reshape(-1) for n in ("0.weight", "0.bias", "2.weight",
+                                                               "2.bias")])
+    np.testing.assert_array_equal(saved, whole[0]["params"].numpy())
+    cut = cluster(head, servers=0, sets=DDP_HOOK_SETS + sets)
+    run_ddp_workers(cut, tmp_path, "cpu", args + ["--stop-after", "25"], sets, name="cut")
+    cut.stop()
+    resume = [f"checkpoint.dir={cut.run_dir / 'checkpoints'}", "checkpoint.resume=true"]
+    again_c = cluster(head, servers=0, sets=DDP_HOOK_SETS + sets + resume)
+    again = run_ddp_workers(again_c, tmp_path, "cpu", args, sets + resume, name="again")
+    again_c.wait()
+    for r in range(2):
+        assert again[r]["first"] in (10, 20)  # the newest complete checkpoint at the stop
+        assert torch.equal(again[r]["params"], whole[r]["params"])
+    tensors, _ = read_safetensors(again_c.run_dir / "model.safetensors")
+    again_saved = np.concatenate([tensors[n].reshape(-1) for n in ("0.weight", "0.bias",
+                                                                     "2.weight", "2.bias")])
+    np.testing.assert_array_equal(again_saved, saved)
+
+
+def test_a_ddp_hook_job_does_not_resume_without_its_model(cluster):
+    """From a checkpoint taken without the hook's state (a loop of push_pull calls) the hook's
+    resume is a RuntimeError naming the step: the job's parameters there are not the DDP
+    model."""
+    sets = DDP_HOOK_SETS + SETS
+    c = cluster("", servers=0, workers=1, sets=sets)
+    w = sparseps.Worker(str(c.job), rank=0, overrides=c.overrides + sets)
+    w.init(np.zeros(18, dtype=np.float32))
+    for t in range(6):
+        w.push_pull(np.full(18, t + 1.0, dtype=np.float32))
+    w.finish()
+    resume = [f"checkpoint.dir={c.run_dir / 'checkpoints'}", "checkpoint.resume=true"]
+    again = cluster("", servers=0, workers=1, sets=sets + resume)
+    w = sparseps.Worker(str(again.job), rank=0, overrides=again.overrides + sets + resume)
+    with pytest.raises(RuntimeError, match="the checkpoint of step 5 the job resumed from holds "
+                                           "no model of this DDP hook"):
+        sparseps.torch.SparseAllreduceState(w, torch.nn.Linear(5, 3))

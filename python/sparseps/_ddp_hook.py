@@ -1,0 +1,125 @@
+"""sparseps.torch's DDP communication hook: sparse_allreduce_hook and its SparseAllreduceState (see
+sparseps.torch)."""
+import torch
+
+from sparseps import _state
+from sparseps._tensors import _finished, _float32_params
+
+__all__ = ["SparseAllreduceState", "sparse_allreduce_hook"]
+
+_FORMAT = "sparseps.torch.SparseAllreduceState/1"
+
+
+class SparseAllreduceState:
+    """The state of sparse_allreduce_hook for one DDP model: the sparseps.Worker (not yet
+    initialised: this calls its init with the model's parameters) and one flat gradient of the
+    whole model, each parameter at a fixed offset whatever DDP's bucket layout (DDP rebuilds its
+    buckets after the first step), so that the residuals stay with their keys.
+
+    The model is DDP's, stepped by the loop's torch optimizer, not the job's parameters (the job
+    applies train.lr times the aggregate to a copy of its own). So that the files hold the model:
+    at each checkpoint (checkpoint.every_steps) the worker's checkpoint file gets the model's
+    parameters, `optimizer`'s state_dict and `extra_state`'s (as DistributedOptimizer's
+    extra_state: a dict of name -> object with state_dict() and load_state_dict(), such as an LR
+    scheduler), taken as the loop leaves them between two steps (at the next step's last bucket,
+    after the loop's optimizer.step() and scheduler.step()), and worker 0's checkpoint model file
+    the model; on a resumed job (checkpoint.resume) the constructor restores them (RuntimeError
+    when the checkpoint holds none: its job's parameters are not the DDP model), so the loop
+    starts at worker.step. synchronize() after the last step, on every worker, hands over a
+    checkpoint of that step and makes the model the trained model file's
+    (<run.dir>/model.safetensors), which otherwise holds the job's parameters."""
+
+    def __init__(self, worker, model, optimizer=None, extra_state=None):
+        if worker.aggregation != "allreduce":
+            raise ValueError("sparse_allreduce_hook needs a job with aggregation: allreduce")
+        self._extra = _state.checked_extra(extra_state, "SparseAllreduceState")
+        self.optimizer = optimizer
+        module = getattr(model, "module", model)
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.params = _float32_params([p for _, p in named], "SparseAllreduceState")
+        self.offset = {}
+        offset = 0
+        for p in self.params:
+            self.offset[id(p)] = (offset, p.numel())
+            offset += p.numel()
+        self.flat = torch.zeros(offset, dtype=torch.float32, device=self.params[0].device)
+        self.pending = []  # (bucket, future) of this step
+        self.worker = worker
+        self._checkpoint_pending = False  # a checkpoint waits for the model of its step
+        _finished(self.flat)
+        with torch.no_grad():
+            # The model file and the traces under the module's own names.
+            worker.init([p.detach() for p in self.params], names=[n for n, _ in named])
+        if worker.resumed:
+            self._restore()
+
+    def _model(self):
+        """The model's parameters, flat, on the CPU (a copy)."""
+        return torch.cat([p.detach().reshape(-1) for p in self.params]).cpu()
+
+    def _submit_pending(self):
+        """Before the next push (or at synchronize): the checkpoint of the last step gets the
+        model, the optimizer's and extra_state's state as the loop left them."""
+        if not self._checkpoint_pending:
+            return
+        self._checkpoint_pending = False
+        flat = self._model()
+        state = {"format": _FORMAT, "params": flat,
+                 "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
+                 "extra": {name: obj.state_dict() for name, obj in self._extra.items()}}
+        self.worker.set_checkpoint_state(_state.dumps(state), flat.numpy())
+
+    def _restore(self):
+        """A resumed job: the model, the optimizer's and extra_state's state of the checkpoint."""
+        raw = self.worker.checkpoint_state
+        where = (f"SparseAllreduceState: the checkpoint of step {self.worker.step} the job "
+                 "resumed from")
+        if not raw:
+            raise RuntimeError(where + " holds no model of this DDP hook (taken without it, or "
+                               "before it saved one): the job's parameters there are not the "
+                               "DDP model, so it cannot go on from it")
+        state = _state.loads(raw)
+        if state.get("format") != _FORMAT:
+            raise RuntimeError(f"{where} holds the state of another loop ({state.get('format')})")
+        with torch.no_grad():
+            for p in self.params:
+                start, n = self.offset[id(p)]
+                p.copy_(state["params"][start:start + n].view_as(p))
+        if self.optimizer is not None and state["optimizer"] is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        _state.restore_extra(self._extra, state["extra"], where)
+
+    def synchronize(self):
+        """After the last step, on every worker, before worker.finish: a checkpoint taken at that
+        step gets the model's state, and the trained model file (written by worker 0 at finish)
+        gets this model's parameters instead of the job's."""
+        self._submit_pending()
+        self.worker.set_trained_model(self._model().numpy())
+
+
+def sparse_allreduce_hook(state, bucket):
+    """DDP communication hook: collects the step's buckets into state.flat and, at the last one,
+    aggregates it in one push_pull (residuals stay in sparseps, per key) and completes every
+    bucket's future with its part of update / train.lr, the averaged aggregated gradient. A
+    checkpoint waiting for the model gets it before the push (SparseAllreduceState)."""
+    for p, g in zip(bucket.parameters(), bucket.gradients()):
+        start, n = state.offset[id(p)]
+        state.flat[start:start + n].copy_(g.reshape(-1))
+    future = torch.futures.Future()
+    state.pending.append((bucket, future))
+    if bucket.is_last():
+        _finished(state.flat)
+        state._submit_pending()
+        update = torch.from_numpy(state.worker.push_pull(state.flat))
+        state._checkpoint_pending = state.worker.checkpoint_due
+        update = update.to(state.flat.device).div_(state.worker.lr)
+        for b, f in state.pending:
+            out = b.buffer()
+            pos = 0
+            for p in b.parameters():
+                start, n = state.offset[id(p)]
+                out[pos:pos + n].copy_(update[start:start + n])
+                pos += n
+            f.set_result(out)
+        state.pending = []
+    return future
