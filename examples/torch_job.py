@@ -317,11 +317,15 @@ def run(args, build_model, load_data, perplexity=False):
     else:
         inner = make_optimizer(args, model.parameters(), get, ddp=False)
         scheduler = lr_schedule(args, inner, horizon)
+        # Kept in the checkpoints beside the optimizer: the schedule, and BatchNorm's running
+        # statistics (ResNet's), which sparseps neither aggregates nor saves.
+        extra = {"lr_schedule": scheduler} if scheduler else {}
+        if any(True for _ in model.buffers()):
+            extra["buffers"] = sparseps.torch.ModuleBuffers(model)
         opt = sparseps.torch.DistributedOptimizer(
             inner, worker, aggregate=args.aggregate, freeze_variance_step=args.freeze_variance_step,
             overlap=args.overlap, names=[n for n, _ in model.named_parameters()],
-            local_view=args.local_view,
-            extra_state={"lr_schedule": scheduler} if scheduler else None)
+            local_view=args.local_view, extra_state=extra)
     rank, workers = worker.rank, worker.num_workers
 
     x, y, xt, yt, what = load_data(args, get)

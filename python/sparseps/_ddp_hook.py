@@ -111,7 +111,9 @@ def sparse_allreduce_hook(state, bucket):
         _finished(state.flat)
         state._submit_pending()
         update = torch.from_numpy(state.worker.push_pull(state.flat))
-        state._checkpoint_pending = state.worker.checkpoint_due
+        if state.worker.checkpoint_due:
+            _state.steps_ended(state._extra)
+            state._checkpoint_pending = True
         update = update.to(state.flat.device).div_(state.worker.lr)
         for b, f in state.pending:
             out = b.buffer()

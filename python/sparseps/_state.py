@@ -9,7 +9,8 @@ import warnings
 import numpy as np
 import torch
 
-__all__ = ["dumps", "loads", "checked_extra", "restore_extra"]
+__all__ = ["dumps", "loads", "checked_extra", "restore_extra", "steps_ended",
+           "ModuleBuffers"]
 
 
 def _pack(obj, arrays):
@@ -79,3 +80,44 @@ def restore_extra(extra, saved, where):
             obj.load_state_dict(saved[name])
         else:
             warnings.warn(f"{where} holds no state of extra_state[{name!r}]; it starts again")
+
+
+class ModuleBuffers:
+    """A module's buffers (BatchNorm's running mean, variance and batch count: what is not a
+    parameter) as an extra_state object, since sparseps aggregates and saves the parameters
+    only: extra_state={"buffers": ModuleBuffers(model)} keeps them in the checkpoints and
+    restores them on resume, so that the model evaluates as before. The next step's forward pass
+    changes them before the checkpoint takes the loop's state, so they are copied at the end of
+    the checkpoint's own step (step_ended). state_dict(): {name: tensor}; load_state_dict copies
+    each into the buffer of that name (KeyError naming the lists when the names differ)."""
+
+    def __init__(self, module):
+        self.module = module
+        self._held = None  # the buffers at the end of the checkpoint's step
+
+    def step_ended(self):
+        """Called by DistributedOptimizer and the DDP hook at the end of a step a checkpoint is
+        of: copies the buffers as that step left them."""
+        self._held = {name: buf.detach().clone() for name, buf in self.module.named_buffers()}
+
+    def state_dict(self):
+        held, self._held = self._held, None
+        return held if held is not None else dict(self.module.named_buffers())
+
+    def load_state_dict(self, state):
+        mine = dict(self.module.named_buffers())
+        if set(mine) != set(state):
+            raise KeyError(f"ModuleBuffers: the checkpoint has buffers {sorted(state)}, the "
+                           f"module {sorted(mine)}")
+        with torch.no_grad():
+            for name, buf in mine.items():
+                buf.copy_(state[name])
+
+
+def steps_ended(extra):
+    """At the end of a step a checkpoint is of: each extra_state object's step_ended(), where it
+    has one (state that the next forward pass changes, such as ModuleBuffers')."""
+    for obj in extra.values():
+        ended = getattr(obj, "step_ended", None)
+        if callable(ended):
+            ended()

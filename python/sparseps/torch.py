@@ -46,12 +46,14 @@ import warnings
 import torch
 
 from sparseps import _state
+from sparseps._state import ModuleBuffers
 from sparseps._ddp_hook import SparseAllreduceState, sparse_allreduce_hook
 from sparseps._frozen_adam import (_check_freeze, _frozen, _frozen_adam_step,
                                    _frozen_denominator, _step_count)
 from sparseps._tensors import _finished, _float32_params
 
-__all__ = ["DistributedOptimizer", "SparseAllreduceState", "sparse_allreduce_hook"]
+__all__ = ["DistributedOptimizer", "ModuleBuffers", "SparseAllreduceState",
+           "sparse_allreduce_hook"]
 
 
 class DistributedOptimizer:
@@ -124,8 +126,10 @@ class DistributedOptimizer:
     after the loop's scheduler.step(), as torch orders it) and restored with the optimizer's, so
     a resumed or rolled-back job goes on with the same learning rates. State_dicts of tensors,
     numbers, strings and None only (a TypeError at construction names what else: OneCycleLR in
-    torch 1.13 keeps a method; LambdaLR leaves its functions out). Call synchronize() on every
-    worker after the last step.
+    torch 1.13 keeps a method; LambdaLR leaves its functions out). An object with a step_ended()
+    method has it called at the end of the checkpoint's step, for state the next forward pass
+    changes: ModuleBuffers(model), the model's buffers (BatchNorm's running statistics), which
+    sparseps does not save otherwise. Call synchronize() on every worker after the last step.
 
     names (optional): one per parameter, in the optimizer's order, for instance
     [n for n, _ in model.named_parameters()] when the optimizer was made from
@@ -299,6 +303,7 @@ class DistributedOptimizer:
         """At the end of the step whose push_pull took a checkpoint: its state now, or with
         extra_state as the loop leaves it before the next push (_submit_pending)."""
         if self._extra:
+            _state.steps_ended(self._extra)
             self._checkpoint_pending = True
         else:
             self._checkpoint()

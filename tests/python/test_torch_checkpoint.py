@@ -34,18 +34,22 @@ _SEEDED = threading.Lock()  # torch's global generator, shared by the workers' t
 def make_model():
     with _SEEDED:
         torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+        return torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.BatchNorm1d(3),
+                                   torch.nn.ReLU(), torch.nn.Linear(3, 2))
 
 
 def flat(model):
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().copy()
+    """The model's parameters, then its buffers (BatchNorm's running statistics), flat."""
+    return torch.cat([t.detach().reshape(-1).float() for t in
+                      [*model.parameters(), *model.buffers()]]).numpy().copy()
 
 
 def train(c, case, backend, sets=(), stop_after=None, kill_at=None, keep_scheduler=True):
     """Two workers train `case` for TOTAL steps (each step's batch fixed by rank and step; the
-    learning rate halved every 4 steps by a StepLR stepped after each step, kept in the
-    checkpoints as extra_state unless keep_scheduler is False); returns per worker (first step,
-    {step: model after it}, final residual, the steps it rolled back from and to)."""
+    learning rate halved every 4 steps by a StepLR stepped after each step; the StepLR and the
+    BatchNorm's running statistics kept in the checkpoints as extra_state unless keep_scheduler
+    is False); returns per worker (first step, {step: model and buffers after it}, final
+    residual, the steps it rolled back from and to)."""
     aggregate, freeze, view = CASES[case]
 
     def worker(rank):
@@ -56,7 +60,8 @@ def train(c, case, backend, sets=(), stop_after=None, kill_at=None, keep_schedul
         opt = sparseps.torch.DistributedOptimizer(
             adam, w, aggregate=aggregate, freeze_variance_step=freeze, local_view=view,
             names=[n for n, _ in model.named_parameters()],
-            extra_state={"scheduler": scheduler} if keep_scheduler else None)
+            extra_state={"scheduler": scheduler, "buffers": sparseps.torch.ModuleBuffers(model)}
+            if keep_scheduler else None)
         start = t = w.step
         models, rolled = {}, []
         while t < TOTAL:
@@ -103,7 +108,7 @@ def test_a_resumed_job_goes_on_with_the_optimizers_state(cluster, case, backend)
     newest = int(manifests[-1].parent.name[5:])
     tensors, _ = read_safetensors(manifests[-1].parent / "model.safetensors")
     saved = np.concatenate([tensors[n].reshape(-1) for n, _ in make_model().named_parameters()])
-    np.testing.assert_array_equal(saved, whole[0][1][newest])
+    np.testing.assert_array_equal(saved, whole[0][1][newest][:saved.size])  # the parameters
     resume = [f"checkpoint.dir={cut.run_dir / 'checkpoints'}", "checkpoint.resume=true"]
     again = train(cluster(CONFIG, sets=SETS + resume), case, backend, sets=resume)
     for r in range(2):
@@ -169,9 +174,9 @@ def test_resuming_without_the_optimizers_state_is_refused(cluster):
     RuntimeError naming the step; set_checkpoint_state with no checkpoint waiting is refused."""
     c = cluster(CONFIG, workers=1, sets=SETS)
     w = sparseps.Worker(str(c.job), rank=0, overrides=c.overrides + SETS)
-    w.init(np.zeros(26, dtype=np.float32))
+    w.init(np.zeros(32, dtype=np.float32))
     for t in range(6):
-        w.push_pull(np.full(26, t + 1.0, dtype=np.float32))
+        w.push_pull(np.full(32, t + 1.0, dtype=np.float32))
     with pytest.raises(sparseps.Error, match="no checkpoint is waiting for the loop's state"):
         w.set_checkpoint_state(b"state")
     w.finish()
