@@ -46,10 +46,10 @@ import warnings
 import torch
 
 from sparseps import _state
-from sparseps._state import ModuleBuffers
 from sparseps._ddp_hook import SparseAllreduceState, sparse_allreduce_hook
 from sparseps._frozen_adam import (_check_freeze, _frozen, _frozen_adam_step,
                                    _frozen_denominator, _step_count)
+from sparseps._state import ModuleBuffers
 from sparseps._tensors import _finished, _float32_params
 
 __all__ = ["DistributedOptimizer", "ModuleBuffers", "SparseAllreduceState",

@@ -9,7 +9,7 @@ at lr 0.5 (momentum M) and a StepLR halving it every 8 steps, both kept in spars
 (SparseAllreduceState's optimizer and extra_state), from worker.step (a resumed job's) to N
 (default 40), and saves {loss, params, nonzero, first} to OUT_FILE (torch.save): the losses, the
 final parameters, the number of nonzero entries of each step's averaged gradient and the first
-step. --stop-after N: exits after step N without finishing (a worker that dies). DDP_DEVICE=cuda
+step. --stop-after N: exits after step N without finishing (workers that die). DDP_DEVICE=cuda
 trains on the GPU (tests/python/test_gpu.py); the worker is sparseps.capi's where the pybind11
 module is not built for this Python."""
 import argparse
@@ -69,7 +69,10 @@ def main():
         scheduler.step()
         losses.append(loss.item())
         if args.stop_after == t + 1:
-            os._exit(0)  # dies: no finish, no checkpoint handed over after this
+            # Both die after the step, once neither waits for the other's part of it (one gone
+            # within the collective would end the other's job first).
+            dist.barrier()
+            os._exit(0)  # no finish, no checkpoint handed over after this
     state.synchronize()
     worker.finish()
     torch.save({"loss": losses, "nonzero": nonzero, "first": first,

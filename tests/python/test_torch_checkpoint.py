@@ -220,9 +220,8 @@ def test_a_ddp_hook_job_resumes_with_its_model_and_saves_it(cluster, tmp_path):
     StepLR, 40 steps, a checkpoint every 10: the trained model file holds the DDP model (not the
     job's parameters); stopped after 25 steps and resumed from its checkpoint of step 20, both
     workers end with the model of the job never stopped, bit for bit (the model, the momentum
-    and the scheduler came back), and so does the model file. From a checkpoint without the
-    hook's state (a loop that did not keep it) the resume is a RuntimeError: the job's
-    parameters there are not the DDP model."""
+    and the scheduler came back), and so does the model file (the refusal without that state:
+    the next test)."""
     sets = ["checkpoint.every_steps=10", "checkpoint.keep=0"]
     head = "cluster: {register_timeout_s: 60}\n"
     args = ["--momentum", "0.9"]
