@@ -32,7 +32,7 @@ class SparseAllreduceState:
     def __init__(self, worker, model, optimizer=None, extra_state=None):
         if worker.aggregation != "allreduce":
             raise ValueError("sparse_allreduce_hook needs a job with aggregation: allreduce")
-        self._extra = _state.checked_extra(extra_state, "SparseAllreduceState")
+        self._loop = _state.LoopState(extra_state, "SparseAllreduceState")
         self.optimizer = optimizer
         module = getattr(model, "module", model)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -45,7 +45,6 @@ class SparseAllreduceState:
         self.flat = torch.zeros(offset, dtype=torch.float32, device=self.params[0].device)
         self.pending = []  # (bucket, future) of this step
         self.worker = worker
-        self._checkpoint_pending = False  # a checkpoint waits for the model of its step
         _finished(self.flat)
         with torch.no_grad():
             # The model file and the traces under the module's own names.
@@ -60,13 +59,12 @@ class SparseAllreduceState:
     def _submit_pending(self):
         """Before the next push (or at synchronize): the checkpoint of the last step gets the
         model, the optimizer's and extra_state's state as the loop left them."""
-        if not self._checkpoint_pending:
+        if not self._loop.take():
             return
-        self._checkpoint_pending = False
         flat = self._model()
         state = {"format": _FORMAT, "params": flat,
                  "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
-                 "extra": {name: obj.state_dict() for name, obj in self._extra.items()}}
+                 "extra": self._loop.state_dicts()}
         self.worker.set_checkpoint_state(_state.dumps(state), flat.numpy())
 
     def _restore(self):
@@ -87,7 +85,7 @@ class SparseAllreduceState:
                 p.copy_(state["params"][start:start + n].view_as(p))
         if self.optimizer is not None and state["optimizer"] is not None:
             self.optimizer.load_state_dict(state["optimizer"])
-        _state.restore_extra(self._extra, state["extra"], where)
+        self._loop.restore(state["extra"], where)
 
     def synchronize(self):
         """After the last step, on every worker, before worker.finish: a checkpoint taken at that
@@ -112,8 +110,7 @@ def sparse_allreduce_hook(state, bucket):
         state._submit_pending()
         update = torch.from_numpy(state.worker.push_pull(state.flat))
         if state.worker.checkpoint_due:
-            _state.steps_ended(state._extra)
-            state._checkpoint_pending = True
+            state._loop.step_ended()  # the model of this step: after the loop's optimizer step
         update = update.to(state.flat.device).div_(state.worker.lr)
         for b, f in state.pending:
             out = b.buffer()

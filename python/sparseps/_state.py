@@ -9,8 +9,7 @@ import warnings
 import numpy as np
 import torch
 
-__all__ = ["dumps", "loads", "checked_extra", "restore_extra", "steps_ended",
-           "ModuleBuffers"]
+__all__ = ["dumps", "loads", "LoopState", "ModuleBuffers"]
 
 
 def _pack(obj, arrays):
@@ -55,31 +54,54 @@ def loads(raw):
         return _unpack(json.loads(arrays["structure"].tobytes()), arrays)
 
 
-def checked_extra(extra_state, who):
-    """extra_state (a dict of name -> object with state_dict() and load_state_dict(), or None) as a
-    dict, each state_dict checked to go through dumps now rather than at the first checkpoint
-    (TypeError naming `who` and the name otherwise)."""
-    extra = dict(extra_state or {})
-    for name, obj in extra.items():
-        if not (callable(getattr(obj, "state_dict", None)) and
-                callable(getattr(obj, "load_state_dict", None))):
-            raise TypeError(f"{who}: extra_state[{name!r}] (a {type(obj).__name__}) has no "
-                            "state_dict() and load_state_dict()")
-        try:
-            dumps(obj.state_dict())
-        except TypeError as e:
-            raise TypeError(f"{who}: extra_state[{name!r}]'s state_dict(): {e}") from None
-    return extra
+class LoopState:
+    """The loop's extra_state (a dict of name -> object with state_dict() and load_state_dict())
+    and whether a checkpoint waits for it: DistributedOptimizer's and the DDP hook's. A
+    checkpoint's step ends (step_ended: each object's own step_ended(), where it has one, for
+    state the next forward pass changes, such as ModuleBuffers'); its state is handed over later,
+    as the loop leaves it between two steps (take). Not thread-safe (one loop's)."""
 
+    def __init__(self, extra_state, who):
+        """Each state_dict checked to go through dumps now rather than at the first checkpoint
+        (TypeError naming `who` and the name otherwise)."""
+        self.extra = dict(extra_state or {})
+        self.waiting = False
+        for name, obj in self.extra.items():
+            if not (callable(getattr(obj, "state_dict", None)) and
+                    callable(getattr(obj, "load_state_dict", None))):
+                raise TypeError(f"{who}: extra_state[{name!r}] (a {type(obj).__name__}) has no "
+                                "state_dict() and load_state_dict()")
+            try:
+                dumps(obj.state_dict())
+            except TypeError as e:
+                raise TypeError(f"{who}: extra_state[{name!r}]'s state_dict(): {e}") from None
 
-def restore_extra(extra, saved, where):
-    """Loads each object of `extra` from `saved` (a checkpoint's {name: state_dict}); one the
-    checkpoint lacks gets a warning naming it and `where` (the checkpoint) and starts again."""
-    for name, obj in extra.items():
-        if name in saved:
-            obj.load_state_dict(saved[name])
-        else:
-            warnings.warn(f"{where} holds no state of extra_state[{name!r}]; it starts again")
+    def step_ended(self):
+        """At the end of the step a checkpoint is of: it now waits for the loop's state."""
+        for obj in self.extra.values():
+            ended = getattr(obj, "step_ended", None)
+            if callable(ended):
+                ended()
+        self.waiting = True
+
+    def take(self):
+        """Whether a checkpoint waits for the loop's state (then it no longer does)."""
+        waiting, self.waiting = self.waiting, False
+        return waiting
+
+    def state_dicts(self):
+        return {name: obj.state_dict() for name, obj in self.extra.items()}
+
+    def restore(self, saved, where):
+        """Loads each object from `saved` (a checkpoint's state_dicts); one the checkpoint lacks
+        gets a warning naming it and `where` (the checkpoint) and starts again. Nothing waits
+        after it."""
+        self.waiting = False
+        for name, obj in self.extra.items():
+            if name in saved:
+                obj.load_state_dict(saved[name])
+            else:
+                warnings.warn(f"{where} holds no state of extra_state[{name!r}]; it starts again")
 
 
 class ModuleBuffers:
@@ -113,11 +135,3 @@ class ModuleBuffers:
             for name, buf in mine.items():
                 buf.copy_(state[name])
 
-
-def steps_ended(extra):
-    """At the end of a step a checkpoint is of: each extra_state object's step_ended(), where it
-    has one (state that the next forward pass changes, such as ModuleBuffers')."""
-    for obj in extra.values():
-        ended = getattr(obj, "step_ended", None)
-        if callable(ended):
-            ended()

@@ -152,8 +152,7 @@ class DistributedOptimizer:
                              "no freeze_variance_step (they change the gradient after the pushes "
                              "would have left)")
         _check_freeze(optimizer, freeze_variance_step)
-        self._extra = _state.checked_extra(extra_state, "DistributedOptimizer")
-        self._checkpoint_pending = False  # extra_state: a checkpoint waits for the loop's state
+        self._loop = _state.LoopState(extra_state, "DistributedOptimizer")
         self.freeze_variance_step = freeze_variance_step
         self._frozen_denoms = {}  # _frozen_adam_step's cache: parameter -> [v, denominator, unseen]
         self._scale = None  # aggregate="gradient", frozen: (first v, flat denominators)
@@ -302,17 +301,15 @@ class DistributedOptimizer:
     def _checkpoint_after_step(self):
         """At the end of the step whose push_pull took a checkpoint: its state now, or with
         extra_state as the loop leaves it before the next push (_submit_pending)."""
-        if self._extra:
-            _state.steps_ended(self._extra)
-            self._checkpoint_pending = True
+        if self._loop.extra:
+            self._loop.step_ended()
         else:
             self._checkpoint()
 
     def _submit_pending(self):
         """Before the next push (step, its overlap's begin, average_views) or synchronize: the
         checkpoint waiting for the loop's state gets it."""
-        if self._checkpoint_pending:
-            self._checkpoint_pending = False
+        if self._loop.take():
             self._checkpoint()
 
     def _checkpoint(self):
@@ -327,7 +324,7 @@ class DistributedOptimizer:
                  "optimizer": self.optimizer.state_dict(), "params": flat,
                  "view_shift": None if self._view_shift is None else self._view_shift.cpu(),
                  "scale": None if self._scale is None else self._scale[1].cpu(),
-                 "extra": {name: obj.state_dict() for name, obj in self._extra.items()}}
+                 "extra": self._loop.state_dicts()}
         self.worker.set_checkpoint_state(_state.dumps(state),
                                          None if flat is None else flat.numpy())
 
@@ -339,7 +336,7 @@ class DistributedOptimizer:
         raw = self.worker.checkpoint_state
         device = self._flat.device
         self._frozen_denoms, self._scale, self._view_shift = {}, None, None
-        self._checkpoint_pending = False
+        self._loop.waiting = False
         if not raw:
             what = (f"DistributedOptimizer: the checkpoint of step {self.worker.step} the job "
                     f"{how} holds no state of this optimizer (taken by a loop without it)")
@@ -347,9 +344,9 @@ class DistributedOptimizer:
                 raise RuntimeError(what + "; its model is not the job's parameters, so it cannot "
                                    "go on from it: resume from a checkpoint DistributedOptimizer "
                                    "took")
-            if self.optimizer.state or self._extra:
+            if self.optimizer.state or self._loop.extra:
                 warnings.warn(what + "; the wrapped optimizer's state" +
-                              "".join(f", {n}'s" for n in self._extra) + " starts again")
+                              "".join(f", {n}'s" for n in self._loop.extra) + " starts again")
             self.optimizer.state.clear()
             self._copy_in(torch.from_numpy(self.worker.params()).to(device))
             return
@@ -363,7 +360,7 @@ class DistributedOptimizer:
         if state["scale"] is not None:
             first = self.optimizer.state[self._params[0]]["exp_avg_sq"]
             self._scale = (first, state["scale"].to(device))
-        _state.restore_extra(self._extra, state.get("extra", {}),
+        self._loop.restore(state.get("extra", {}),
                              f"DistributedOptimizer: the checkpoint of step {self.worker.step} "
                              f"the job {how}")
 
