@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "common/sanitizers.h"
 #include "config/config.h"
 #include "observability/metrics.h"
 #include "transport/van.h"
@@ -111,7 +112,7 @@ void SetLogName(const std::string& name) {
 }
 
 void KeepFreedMessageBuffers() {
-#if defined(__SANITIZE_ADDRESS__)
+#if SPARSEPS_ADDRESS_SANITIZER
   return;  // AddressSanitizer's allocator replaces glibc's and ignores mallopt.
 #else
   // Respect a user's own tuning (glibc reads these at the first allocation).

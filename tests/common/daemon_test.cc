@@ -6,13 +6,15 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "common/sanitizers.h"
+
 namespace sparseps {
 namespace {
 
 // A message-sized block comes from the heap, not an mmap of its own, and stays with the process
 // when freed (glibc's defaults: its own mmap above 128 KiB, returned to the kernel on free).
 TEST(KeepFreedMessageBuffers, MessageSizedBlocksStayOnTheHeap) {
-#if defined(__SANITIZE_ADDRESS__)
+#if SPARSEPS_ADDRESS_SANITIZER
   GTEST_SKIP() << "AddressSanitizer replaces glibc's malloc";
 #else
   if (std::getenv("MALLOC_MMAP_THRESHOLD_") != nullptr ||

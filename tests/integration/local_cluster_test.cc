@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/sanitizers.h"
 #include "proto/summary.pb.h"
 #include "tests/support/process.h"
 
@@ -459,7 +460,7 @@ TEST(LocalClusterFailure, DeadWorkerEndsTheJobWithAClearError) {
 // whole training set from its next epoch; every surviving process exits 0, summary.json names the
 // lost worker, and the model still reaches 85% (the quickstart's figure with both: 85-89%).
 TEST(LocalClusterFailure, DeadWorkerIsDroppedAndTheOthersFinishTheJob) {
-#if defined(__SANITIZE_ADDRESS__)
+#if SPARSEPS_ADDRESS_SANITIZER
   GTEST_SKIP() << "a whole quickstart run: in the plain build only";
 #endif
   if (!std::filesystem::exists(std::string(kData) + "/train-images-idx3-ubyte.gz")) {
@@ -506,7 +507,7 @@ TEST(LocalClusterFailure, DeadWorkerIsDroppedAndTheOthersFinishTheJob) {
 // workers end at the same iteration, every process exits 0, worker 1 (which took over evaluating)
 // writes the model, and the quickstart still reaches 85%.
 TEST(LocalClusterFailure, KilledWorkerIsReplacedAndBothFinish) {
-#if defined(__SANITIZE_ADDRESS__)
+#if SPARSEPS_ADDRESS_SANITIZER
   GTEST_SKIP() << "a whole quickstart run: in the plain build only";
 #endif
   if (!std::filesystem::exists(std::string(kData) + "/train-images-idx3-ubyte.gz")) {

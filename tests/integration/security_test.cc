@@ -25,6 +25,7 @@
 #include <vector>
 #include <zmq.hpp>
 
+#include "common/sanitizers.h"
 #include "encodings/dense.h"
 #include "encodings/topk.h"
 #include "tests/support/process.h"
@@ -333,7 +334,7 @@ class Flood {
 };
 
 TEST(HostileClient, JobCompletesUnchangedUnderAMillionMessagesPerDaemon) {
-#if defined(__SANITIZE_ADDRESS__)
+#if SPARSEPS_ADDRESS_SANITIZER
   GTEST_SKIP() << "the plain build runs the flood; under AddressSanitizer it takes too long for CI";
 #endif
   if (!HaveData()) GTEST_SKIP() << "Fashion-MNIST not installed";
