@@ -27,7 +27,10 @@ from conftest import ROOT, cannot_run
 NETNS = str(ROOT / "deploy" / "netns.sh")
 BUILD = os.environ.get("SPARSEPS_BUILD_DIR", str(ROOT / "build"))
 TIMEOUT_S = 6  # cluster.heartbeat_timeout_s of these jobs (heartbeats every 0.5 s)
-SETS = ["cluster.heartbeat_interval_s=0.5", f"cluster.heartbeat_timeout_s={TIMEOUT_S}"]
+# 3 of the quickstart's 6 epochs (1,404 steps, 87.3% when measured): every fault below starts by
+# step 500, and seven whole jobs take half the CI time.
+SETS = ["cluster.heartbeat_interval_s=0.5", f"cluster.heartbeat_timeout_s={TIMEOUT_S}",
+        "train.epochs=3"]
 
 
 def netns(*args):
@@ -55,7 +58,7 @@ def hosts():
 
 
 class Job:
-    """deploy/launch.sh --netns on the hosts: the quickstart (2 servers, 2 workers, 6 epochs)."""
+    """deploy/launch.sh --netns on the hosts: the quickstart (2 servers, 2 workers), 3 epochs."""
 
     def __init__(self, prefix, run_dir, extra=()):
         self.run_dir = str(run_dir)

@@ -139,7 +139,8 @@ def test_a_task_count_that_does_not_match_the_config_is_refused(slurm, tmp_path)
 def test_the_advisor_probes_the_allocation_through_srun(slurm, tmp_path):
     """sparseps-advise --slurm inside an sbatch allocation of every node: probe.py runs on each
     node through srun (the script on its stdin), node 1 against nodes 2 and 3, each node's link
-    shaped to 100 Mbit/s (tc tbf both ways): every pair within 20% of 12.5 MB/s each way."""
+    shaped to 100 Mbit/s (tc tbf both ways): every pair at most 20% above 12.5 MB/s each way and
+    at least half of it (test_advise.py's probe test says why)."""
     if slurm.nodes < 2:
         cannot_run("one Slurm node only (no network namespaces here): nothing to measure between")
     netns = str(ROOT / "deploy" / "netns.sh")
@@ -169,6 +170,6 @@ def test_the_advisor_probes_the_allocation_through_srun(slurm, tmp_path):
         ("node1", f"node{k}") for k in nodes[1:]]
     for p in net["pairs"]:
         for direction in ("up_Bps", "down_Bps"):
-            assert p[direction] == pytest.approx(12.5e6, rel=0.2), p
+            assert 0.5 * 12.5e6 <= p[direction] <= 1.2 * 12.5e6, p
     assert net["bandwidth_Bps"] == min(min(p["up_Bps"], p["down_Bps"]) for p in net["pairs"])
     assert "best: " in slurm.output(job)
