@@ -336,11 +336,9 @@ size_t CountSketchHash::EstimateCandidates(const float* table, uint64_t key_begi
   size_t found = 0;
   for (size_t start = 0; start < n; start += kBlock) {
     const size_t len = std::min(kBlock, n - start);
-    const uint32_t* block = nullptr;  // (cells + start with cells null is undefined)
+    const uint32_t* block = cells == nullptr ? nullptr : cells + start;  // (null + n: undefined)
     size_t block_stride = stride;
-    if (cells != nullptr) {
-      block = cells + start;
-    } else {
+    if (cells == nullptr) {
       Cells(key_begin + start, len, kBlock, hashed.data());
       block = hashed.data();
       block_stride = kBlock;

@@ -361,8 +361,8 @@ class DistributedOptimizer:
             first = self.optimizer.state[self._params[0]]["exp_avg_sq"]
             self._scale = (first, state["scale"].to(device))
         self._loop.restore(state.get("extra", {}),
-                             f"DistributedOptimizer: the checkpoint of step {self.worker.step} "
-                             f"the job {how}")
+                           f"DistributedOptimizer: the checkpoint of step {self.worker.step} "
+                           f"the job {how}")
 
     def _copy_in(self, flat):
         """The model's parameters from one flat tensor."""
