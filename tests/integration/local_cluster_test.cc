@@ -253,6 +253,13 @@ TEST_P(OverlapTest, SendsEachPartDuringTheBackwardPass) {
     GTEST_SKIP() << "Fashion-MNIST not installed (deploy/install-deps.sh installs it)";
   }
   const auto& [encoding, param_model] = GetParam();
+#if SPARSEPS_ADDRESS_SANITIZER
+  // Under AddressSanitizer top-k (the MLP and the CNN) and the ring: a whole job is 15-40 s at
+  // -O0; SBC, sketch and dense train under it in ConsistencyTest, with overlap too.
+  if (encoding == "sbc" || encoding == "dense" || encoding == "sketch") {
+    GTEST_SKIP() << "in the plain build only; under the sanitizers topk and ring";
+  }
+#endif
   const bool ring = encoding == "ring";
   // "<model>_cuda": the GPU model, each key range compressed on the device.
   const bool cuda = param_model.ends_with("_cuda");
