@@ -31,93 +31,47 @@ if git -C "$here" rev-parse --git-dir >/dev/null 2>&1; then
   (cd "$here" && git ls-files -z '*.h' '*.cc' '*.cu' '*.cuh' | xargs -0 -r clang-format --dry-run -Werror)
 fi
 
-# The sanitizer build runs beside the plain suite, at the lowest CPU priority (nice 19) in a
-# process group of its own: it takes the CPU the suite leaves idle (13% of two cores, measured:
-# tests that wait on sockets, shaped links, dockerd and child processes, and the network tests
-# that run alone at the end), hardly any of the suite's, which is loaded no more than beside any
-# build. When the suite is done, the build goes on at normal priority; it is killed if test.sh
-# ends first.
-beside=""
-stop_beside() { if [[ -n "$beside" ]]; then kill -- "-$beside" 2>/dev/null || true; fi; }
-trap stop_beside EXIT
-# setsid makes a session, and with it a scheduler autogroup where the kernel has them
-# (/proc/sys/kernel/sched_autogroup_enabled): autogroups share the CPU equally whatever their
-# processes' nice values, so the new session's own autogroup is set to nice 19 too, from inside
-# it (a build at nice 19 in an autogroup at 0 took half the cores from the suite, measured).
-start_beside() {  # start_beside LOG COMMAND...: sets $beside to its process group
-  setsid bash -c '[[ -w /proc/self/autogroup ]] && echo 19 >/proc/self/autogroup
-                  exec nice -n 19 "$@"' beside "${@:2}" >"$1" 2>&1 &
-  beside=$!
-}
-finish_beside() {  # finish_beside LOG WHAT: waits at normal priority; on failure shows the log
-  # Raising a priority back needs root (CI is root); otherwise it finishes at nice 19.
-  if [[ -w "/proc/$beside/autogroup" ]]; then echo 0 >"/proc/$beside/autogroup" 2>/dev/null || true; fi
-  renice -n 0 -g "$beside" >/dev/null 2>&1 || true
-  local rc=0
-  wait "$beside" || rc=$?
-  if ((rc != 0)); then  # what it left running goes with it (the EXIT trap)
-    tail -n 60 "$1"
-    echo "test.sh: $2 failed (exit $rc; the whole log: $1)" >&2
-    exit 1
-  fi
-  beside=""
-}
-
-# One libFuzzer target per decoder and per state machine (shard server, scheduler, peer group),
-# each run for a bounded time on its own corpus, $jobs of them at once.
-fuzz_targets() {
-  local fuzz_dir="$here/build-sanitize/tests/fuzz" t i j pids batch
-  local targets=(dense topk sbc sketch golomb varint shard_server scheduler peer_group)
-  for ((i = 0; i < ${#targets[@]}; i += jobs)); do
-    batch=("${targets[@]:i:jobs}")
-    pids=()
-    for t in "${batch[@]}"; do
-      mkdir -p "$fuzz_dir/corpus/$t" "$fuzz_dir/crashes/$t"
-      "$fuzz_dir/fuzz_$t" -max_total_time="$fuzz_s" -print_final_stats=1 \
-        -artifact_prefix="$fuzz_dir/crashes/$t/" "$fuzz_dir/corpus/$t" >"$fuzz_dir/fuzz_$t.log" 2>&1 &
-      pids+=($!)
-    done
-    for j in "${!batch[@]}"; do
-      t="${batch[j]}"
-      if ! wait "${pids[j]}"; then
-        tail -n 40 "$fuzz_dir/fuzz_$t.log"
-        echo "test.sh: fuzz_$t found a crash (input saved in $fuzz_dir/crashes/$t/)" >&2
-        return 1
-      fi
-      echo "fuzz_$t: $(grep -o 'Done [0-9]* runs' "$fuzz_dir/fuzz_$t.log"), no crash"
-    done
-  done
-}
-
-sanitize="${SPARSEPS_TEST_SANITIZE:-1}"
-fuzz="${SPARSEPS_TEST_FUZZ:-1}"
-fuzz_s="${SPARSEPS_FUZZ_SECONDS:-15}"
 phase "build (build/)"
 "$here/deploy/build.sh" "$here/build" -DSPARSEPS_BUILD_TESTS=ON -DSPARSEPS_DEBUG_INFO=lines
-if [[ "$sanitize" != 0 ]]; then
-  mkdir -p "$here/build-sanitize"
-  start_beside "$here/build-sanitize/build.log" env CC=clang CXX=clang++ \
-    "$here/deploy/build.sh" "$here/build-sanitize" -DSPARSEPS_BUILD_TESTS=ON \
-    -DSPARSEPS_BUILD_BENCH=OFF -DSPARSEPS_BUILD_FUZZ=ON -DCMAKE_BUILD_TYPE=Debug \
-    -DSPARSEPS_SANITIZE=address,undefined -DSPARSEPS_CUDA=OFF -DSPARSEPS_DEBUG_INFO=lines
-  phase "ctest (build/), beside it the sanitizer build at nice 19 (build-sanitize/build.log)"
-else
-  phase "ctest (build/)"
-fi
+phase "ctest (build/)"
 (cd "$here/build" && ctest --output-on-failure --timeout 300 -j "$jobs" "$@")
 
-if [[ "$sanitize" != 0 ]]; then
-  phase "build (build-sanitize/, clang, -fsanitize=address,undefined, libFuzzer targets): the rest"
-  finish_beside "$here/build-sanitize/build.log" "the sanitizer build"
-  tail -n 1 "$here/build-sanitize/build.log"
+if [[ "${SPARSEPS_TEST_SANITIZE:-1}" != 0 ]]; then
+  phase "build (build-sanitize/, clang, -fsanitize=address,undefined, libFuzzer targets)"
+  CC=clang CXX=clang++ "$here/deploy/build.sh" "$here/build-sanitize" -DSPARSEPS_BUILD_TESTS=ON \
+    -DSPARSEPS_BUILD_BENCH=OFF -DSPARSEPS_BUILD_FUZZ=ON -DCMAKE_BUILD_TYPE=Debug \
+    -DSPARSEPS_SANITIZE=address,undefined -DSPARSEPS_CUDA=OFF -DSPARSEPS_DEBUG_INFO=lines
+  phase "ctest (build-sanitize/)"
   export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1:${ASAN_OPTIONS:-}"
   export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:${UBSAN_OPTIONS:-}"
-  phase "ctest (build-sanitize/)"
   (cd "$here/build-sanitize" && ctest --output-on-failure --timeout 600 -j "$jobs" "$@")
-  if [[ "$fuzz" != 0 ]]; then
-    # Not beside the sanitized suite: it leaves the cores idle 2% of the time.
+
+  if [[ "${SPARSEPS_TEST_FUZZ:-1}" != 0 ]]; then
+    # One libFuzzer target per decoder and per state machine (shard server, scheduler, peer
+    # group), each run for a bounded time on its own corpus, $jobs of them at once.
+    fuzz_s="${SPARSEPS_FUZZ_SECONDS:-15}"
     phase "fuzz (${fuzz_s} s per target, ${jobs} at once)"
-    fuzz_targets
+    fuzz_dir="$here/build-sanitize/tests/fuzz"
+    targets=(dense topk sbc sketch golomb varint shard_server scheduler peer_group)
+    for ((i = 0; i < ${#targets[@]}; i += jobs)); do
+      batch=("${targets[@]:i:jobs}")
+      pids=()
+      for t in "${batch[@]}"; do
+        mkdir -p "$fuzz_dir/corpus/$t" "$fuzz_dir/crashes/$t"
+        "$fuzz_dir/fuzz_$t" -max_total_time="$fuzz_s" -print_final_stats=1 \
+          -artifact_prefix="$fuzz_dir/crashes/$t/" "$fuzz_dir/corpus/$t" >"$fuzz_dir/fuzz_$t.log" 2>&1 &
+        pids+=($!)
+      done
+      for j in "${!batch[@]}"; do
+        t="${batch[j]}"
+        if ! wait "${pids[j]}"; then
+          tail -n 40 "$fuzz_dir/fuzz_$t.log"
+          echo "test.sh: fuzz_$t found a crash (input saved in $fuzz_dir/crashes/$t/)" >&2
+          exit 1
+        fi
+        echo "fuzz_$t: $(grep -o 'Done [0-9]* runs' "$fuzz_dir/fuzz_$t.log"), no crash"
+      done
+    done
   fi
 fi
 echo "test.sh: all tests passed in $((SECONDS / 60)) min $((SECONDS % 60)) s"

@@ -221,6 +221,11 @@ class Supervision : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(Supervision, MaxRestartsResumesTheJobAfterAKilledProcess) {
   const std::string victim_name = GetParam();
+#if SPARSEPS_ADDRESS_SANITIZER
+  // Under AddressSanitizer the server's replacement and rollback; a worker's replacement runs
+  // under it in SupervisionRejoin.
+  if (victim_name == "worker-1") GTEST_SKIP() << "in the plain build only (31 s at -O0)";
+#endif
   if (!HaveData()) GTEST_SKIP() << "Fashion-MNIST not installed";
   TempDir dir("restarts");
   const std::vector<std::string> sets = {
