@@ -8,12 +8,12 @@
 # without nvcc gets it. Both builds carry line tables only (-DSPARSEPS_DEBUG_INFO=lines: file:line
 # in backtraces and sanitizer reports), which GCC compiles a third faster than full -g; clang
 # compiles the sanitizer build in half GCC's time, so it also builds the fuzz targets instead of a
-# third build. Whole jobs too long for -O0 under the sanitizers run in the plain build only (each
-# says so where it skips). CI's budget for the whole is 30 min on 2 cores; a fresh clone took
-# 32 min 33 s on the project's idle 2-core VM (2026-11-29, 6751f47: its builds ran 10-20% slower
-# than in the 33 min 50 s run of dfe78a2, whose sanitized suite took 3 min longer), 49 min before
-# these changes. The phases stay in sequence: the sanitizer build beside the plain suite at nice
-# 19 slowed the suite by more than it saved.
+# third build. Whole jobs too long for -O0 under the sanitizers run in the plain build only (their
+# GTEST_SKIP messages, or tests/CMakeLists.txt, say so). CI's budget for the whole is 30 min on 2
+# cores; a fresh clone took 32 min 33 s on the project's idle 2-core VM (2026-11-29, 6751f47: its
+# builds ran 10-20% slower than in the 33 min 50 s run of dfe78a2, whose sanitized suite took 3 min
+# longer), 49 min before these changes. The phases stay in sequence: the sanitizer build beside
+# the plain suite at nice 19 slowed the suite by more than it saved.
 #
 #   deploy/test.sh                 # both builds and the fuzz targets (what CI runs)
 #   SPARSEPS_TEST_SANITIZE=0 deploy/test.sh   # skip the sanitizer build (and the fuzz targets)

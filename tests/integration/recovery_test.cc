@@ -74,9 +74,9 @@ class ResumeTest : public ::testing::TestWithParam<Setting> {};
 
 TEST_P(ResumeTest, KilledJobResumesBitwiseEqualToAnUninterruptedRun) {
 #if SPARSEPS_ADDRESS_SANITIZER
-  // Three whole jobs of 20-50 s each at -O0 under AddressSanitizer: one setting per aggregation
-  // there (the others' encodings and collectives train under it in ConsistencyTest and
-  // collectives_test), every setting in the plain build.
+  // Each setting runs three jobs (whole, killed, resumed), 20-50 s in all at -O0 under
+  // AddressSanitizer: one setting per aggregation there (the others' encodings and collectives
+  // train under it in ConsistencyTest and collectives_test), every setting in the plain build.
   const std::string name = GetParam().name;
   if (name != "ps_topk_overlap" && name != "allreduce_powersgd") {
     GTEST_SKIP() << "in the plain build only; under the sanitizers ps_topk_overlap and "
