@@ -10,14 +10,13 @@
 namespace sparseps::kernels {
 namespace {
 
-// Each of n positions kept independently with probability p.
+// Each of n positions kept independently with probability p: the gaps between kept positions are
+// geometric (one draw per kept position, not one per position: 40M draws took 9 s under ASan).
 std::vector<uint32_t> RandomPositions(size_t n, double p, uint32_t seed) {
   std::mt19937_64 rng(seed);
-  std::bernoulli_distribution keep(p);
+  std::geometric_distribution<uint64_t> gap(p);  // positions skipped before the next kept one
   std::vector<uint32_t> idx;
-  for (size_t i = 0; i < n; ++i) {
-    if (keep(rng)) idx.push_back(static_cast<uint32_t>(i));
-  }
+  for (uint64_t i = gap(rng); i < n; i += gap(rng) + 1) idx.push_back(static_cast<uint32_t>(i));
   return idx;
 }
 

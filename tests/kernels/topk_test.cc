@@ -5,8 +5,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstring>
-#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
@@ -17,15 +17,30 @@
 namespace sparseps::kernels {
 namespace {
 
-// Reference: order by (|x| descending, index ascending), take k, sort the indices.
-std::vector<uint32_t> Reference(const std::vector<float>& x, size_t k) {
-  std::vector<uint32_t> order(x.size());
-  std::iota(order.begin(), order.end(), 0u);
+// The references' order of x's entries (sign 0: all of them; +1 or -1: the positive or the
+// negative ones only): |x| descending, index ascending. Computed once per input for several k.
+std::vector<uint32_t> RankByMagnitude(const std::vector<float>& x, int sign = 0) {
+  std::vector<uint32_t> order;
+  for (size_t i = 0; i < x.size(); ++i) {
+    if (sign == 0 || (sign > 0 ? x[i] > 0.0f : x[i] < 0.0f)) {
+      order.push_back(static_cast<uint32_t>(i));
+    }
+  }
   std::stable_sort(order.begin(), order.end(),
                    [&](uint32_t a, uint32_t b) { return std::fabs(x[a]) > std::fabs(x[b]); });
-  order.resize(std::min(k, x.size()));
+  return order;
+}
+
+// The reference top k from such an order: its first k indices, sorted.
+std::vector<uint32_t> FirstK(std::vector<uint32_t> order, size_t k) {
+  order.resize(std::min(k, order.size()));
   std::sort(order.begin(), order.end());
   return order;
+}
+
+// Reference: order by (|x| descending, index ascending), take k, sort the indices.
+std::vector<uint32_t> Reference(const std::vector<float>& x, size_t k) {
+  return FirstK(RankByMagnitude(x), k);
 }
 
 std::vector<uint32_t> Select(const std::vector<float>& x, size_t k) {
@@ -93,8 +108,9 @@ TEST(TopKAbs, SampledPathMatchesReferenceOnAdversarialLayouts) {
   inputs.push_back(std::vector<float>(n, -2.5f));
   inputs.push_back(std::vector<float>(n, 0.0f));
   for (size_t in = 0; in < inputs.size(); ++in) {
+    const auto order = RankByMagnitude(inputs[in]);
     for (size_t k : {size_t{1}, size_t{262}, size_t{2621}, n / 16}) {
-      const auto want = Reference(inputs[in], k);
+      const auto want = FirstK(order, k);
       ASSERT_EQ(Select(inputs[in], k), want) << "input " << in << " k=" << k;
       std::vector<uint32_t> radix(k);
       radix.resize(TopKAbsRadix(inputs[in].data(), n, k, radix.data()));
@@ -152,20 +168,6 @@ TEST(MomentumCorrectionTopK, EqualsMomentumCorrectionThenTopKAbs) {
   }
 }
 
-// Reference for TopKBySign: order one sign's entries by (magnitude descending, index ascending),
-// take k, sort the indices.
-std::vector<uint32_t> SignReference(const std::vector<float>& x, size_t k, bool positive) {
-  std::vector<uint32_t> order;
-  for (size_t i = 0; i < x.size(); ++i) {
-    if (positive ? x[i] > 0.0f : x[i] < 0.0f) order.push_back(static_cast<uint32_t>(i));
-  }
-  std::stable_sort(order.begin(), order.end(),
-                   [&](uint32_t a, uint32_t b) { return std::fabs(x[a]) > std::fabs(x[b]); });
-  order.resize(std::min(k, order.size()));
-  std::sort(order.begin(), order.end());
-  return order;
-}
-
 std::vector<float> Gather(const std::vector<float>& x, const std::vector<uint32_t>& idx) {
   std::vector<float> out;
   for (uint32_t i : idx) out.push_back(x[i]);
@@ -200,12 +202,14 @@ TEST(TopKBySign, MatchesPerSignReference) {
   inputs.push_back(small);  // below the sampled path's size
   for (size_t in = 0; in < inputs.size(); ++in) {
     const size_t m = inputs[in].size();
+    const auto positive = RankByMagnitude(inputs[in], 1),
+               negative = RankByMagnitude(inputs[in], -1);
     for (size_t k : {size_t{0}, size_t{1}, m / 1000, m / 100, m / 16, m / 4, m}) {
       std::vector<uint32_t> pos = {42}, neg = {42};  // cleared first
       std::vector<float> pos_values = {42.0f}, neg_values;
       TopKBySign(inputs[in].data(), m, k, &pos, &neg, &pos_values, &neg_values);
-      ASSERT_EQ(pos, SignReference(inputs[in], k, true)) << "input " << in << " k=" << k;
-      ASSERT_EQ(neg, SignReference(inputs[in], k, false)) << "input " << in << " k=" << k;
+      ASSERT_EQ(pos, FirstK(positive, k)) << "input " << in << " k=" << k;
+      ASSERT_EQ(neg, FirstK(negative, k)) << "input " << in << " k=" << k;
       ASSERT_EQ(pos_values, Gather(inputs[in], pos)) << "input " << in << " k=" << k;
       ASSERT_EQ(neg_values, Gather(inputs[in], neg)) << "input " << in << " k=" << k;
       std::vector<uint32_t> pos_only, neg_only;  // the values are optional
@@ -225,6 +229,10 @@ TEST(TopKBySign, MatchesPerSignReference) {
 TEST(SbcPushStepTopKBySign, EqualsTheStepThenTopKBySign) {
   std::mt19937 rng(12);
   std::normal_distribution<float> normal(0.0f, 1.0f);
+  // Heavy-tailed gradients of both signs, drawn once: each step reads them from a random offset
+  // (drawing 2 normals per entry every step took most of the test's 17 s under ASan).
+  std::vector<float> pool(1 << 19);
+  for (auto& x : pool) x = normal(rng) * std::exp(normal(rng));
   struct Case {
     size_t n, k;
     int layout;  // 0 random, 1 positive only, 2 a missed cluster, 3 all equal, 4 a NaN at step 2
@@ -243,8 +251,9 @@ TEST(SbcPushStepTopKBySign, EqualsTheStepThenTopKBySign) {
         const std::string where = "n=" + std::to_string(c.n) + " k=" + std::to_string(c.k) +
                                   " layout " + std::to_string(c.layout) + " step " +
                                   std::to_string(step) + (with_params ? "" : " (no params)");
-        std::vector<float> g(c.n);
-        for (auto& x : g) x = normal(rng) * std::exp(normal(rng));
+        const size_t offset = rng() % (pool.size() - c.n);
+        std::vector<float> g(pool.begin() + static_cast<std::ptrdiff_t>(offset),
+                             pool.begin() + static_cast<std::ptrdiff_t>(offset + c.n));
         if (c.layout == 1) {
           for (auto& x : g) x = std::fabs(x);
         }
