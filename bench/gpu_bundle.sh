@@ -38,10 +38,12 @@ done
 [[ -f "$build_dir/CMakeCache.txt" ]] || { echo "gpu_bundle.sh: $build_dir is not a CMake build" >&2; exit 1; }
 ls "$data"/*.gz >/dev/null 2>&1 || { echo "gpu_bundle.sh: no Fashion-MNIST .gz files in $data" >&2; exit 1; }
 
-# SASS for the GPU machine: a build for PTX alone (deploy/test.sh's 80-virtual) would put the
-# driver's JIT compilation of every kernel into the first timings there.
+# SASS for the GPU machine (sm_90, or the building machine's own with native): a build for PTX
+# alone (deploy/test.sh's 80-virtual) would put the driver's JIT compilation of every kernel into
+# the first timings there.
 archs="$(sed -n 's/^CMAKE_CUDA_ARCHITECTURES:[A-Z]*=//p' "$build_dir/CMakeCache.txt")"
-if [[ -n "$archs" && " ${archs//;/ } " != *" 90 "* && " ${archs//;/ } " != *" 90-real "* ]]; then
+if [[ -n "$archs" && "$archs" != native && " ${archs//;/ } " != *" 90 "* &&
+      " ${archs//;/ } " != *" 90-real "* ]]; then
   echo "gpu_bundle.sh: $build_dir compiles CUDA for '$archs'; reconfiguring it for 80;90" >&2
   cmake "$build_dir" -DCMAKE_CUDA_ARCHITECTURES="80;90" >/dev/null
 fi
