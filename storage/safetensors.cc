@@ -17,7 +17,7 @@ namespace sparseps {
 namespace {
 
 // Refuse headers beyond this (safetensors' own readers refuse above 100 MB).
-constexpr uint64_t kMaxHeaderBytes = 100ull << 20;
+constexpr uint64_t kMaxSafetensorsHeaderBytes = 100ull << 20;
 
 struct DTypeInfo {
   DType dtype;
@@ -155,7 +155,7 @@ Result<SafetensorsFile> SafetensorsFile::Parse(std::string bytes, const std::str
   if (bytes.size() < 8) return bad("shorter than its 8-byte header length (truncated?)");
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<uint8_t>(bytes[static_cast<size_t>(i)]);
-  if (n > kMaxHeaderBytes || n > bytes.size() - 8) {
+  if (n > kMaxSafetensorsHeaderBytes || n > bytes.size() - 8) {
     return bad("header length " + std::to_string(n) + " runs past the end of the file (" +
                std::to_string(bytes.size()) + " bytes; truncated?)");
   }

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "common/sanitizers.h"
+#include "tests/support/launch.h"
 #include "tests/support/process.h"
 
 namespace sparseps {
@@ -19,16 +20,8 @@ namespace {
 
 using testing::ChildProcess;
 using ::testing::HasSubstr;
+using testing::LaunchCommand;
 using testing::TempDir;
-
-std::vector<std::string> Launch(const std::string& run_dir, std::vector<std::string> args) {
-  std::vector<std::string> a = {
-      "/bin/bash",   std::string(SPARSEPS_SOURCE_DIR) + "/deploy/launch.sh",
-      "--build-dir", SPARSEPS_BINARY_DIR,
-      "--run-dir",   run_dir};
-  a.insert(a.end(), args.begin(), args.end());
-  return a;
-}
 
 TEST(Launcher, RunsAJobAndWritesTheRunDirectory) {
   if (!std::filesystem::exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")) {
@@ -36,10 +29,11 @@ TEST(Launcher, RunsAJobAndWritesTheRunDirectory) {
   }
   TempDir dir("launch");
   const std::string run = dir.path() + "/run";
-  ChildProcess p(Launch(run, {"--set", "model.hidden=[32]", "--set", "data.max_train_samples=2048",
-                              "--set", "data.max_test_samples=500", "--set", "train.max_steps=20",
-                              "--set", "cluster.num_workers=3"}),
-                 dir.path() + "/launch.log");
+  ChildProcess p(
+      LaunchCommand(run, {"--set", "model.hidden=[32]", "--set", "data.max_train_samples=2048",
+                          "--set", "data.max_test_samples=500", "--set", "train.max_steps=20",
+                          "--set", "cluster.num_workers=3"}),
+      dir.path() + "/launch.log");
   ASSERT_EQ(p.Wait(120), 0) << p.Log();
   const std::string log = p.Log();
   EXPECT_THAT(log, HasSubstr("3 workers"));
@@ -66,9 +60,10 @@ TEST(Launcher, CnnConfigTrains) {
   TempDir dir("launch-cnn");
   const std::string run = dir.path() + "/run";
   ChildProcess p(
-      Launch(run, {"--config", std::string(SPARSEPS_SOURCE_DIR) + "/configs/cnn.yaml", "--set",
-                   "data.max_train_samples=4096", "--set", "data.max_test_samples=1000", "--set",
-                   "train.max_steps=40", "--set", "train.device=auto"}),
+      LaunchCommand(run,
+                    {"--config", std::string(SPARSEPS_SOURCE_DIR) + "/configs/cnn.yaml", "--set",
+                     "data.max_train_samples=4096", "--set", "data.max_test_samples=1000", "--set",
+                     "train.max_steps=40", "--set", "train.device=auto"}),
       dir.path() + "/launch.log");
   ASSERT_EQ(p.Wait(180), 0) << p.Log();
   const std::string worker = testing::ReadFile(run + "/worker-0.log");
@@ -87,7 +82,8 @@ TEST(Launcher, BadConfigExitsTwoNamingFileLineAndKey) {
   TempDir dir("launch-bad");
   const std::string config = dir.path() + "/bad.yaml";
   std::ofstream(config) << "cluster:\n  num_servers: 1\ntrain:\n  epohcs: 3\n";
-  ChildProcess p(Launch(dir.path() + "/run", {"--config", config}), dir.path() + "/launch.log");
+  ChildProcess p(LaunchCommand(dir.path() + "/run", {"--config", config}),
+                 dir.path() + "/launch.log");
   EXPECT_EQ(p.Wait(30), 2) << p.Log();
   EXPECT_THAT(p.Log(), HasSubstr(config + ":4:"));
   EXPECT_THAT(p.Log(), HasSubstr("train.epohcs"));
@@ -95,8 +91,8 @@ TEST(Launcher, BadConfigExitsTwoNamingFileLineAndKey) {
 
 TEST(Launcher, FailingProcessStopsTheJobAndShowsItsLog) {
   TempDir dir("launch-fail");
-  ChildProcess p(Launch(dir.path() + "/run", {"--set", "data.dir=/nonexistent/fashion", "--set",
-                                              "cluster.register_timeout_s=60"}),
+  ChildProcess p(LaunchCommand(dir.path() + "/run", {"--set", "data.dir=/nonexistent/fashion",
+                                                     "--set", "cluster.register_timeout_s=60"}),
                  dir.path() + "/launch.log");
   EXPECT_EQ(p.Wait(60), 1) << p.Log();
   EXPECT_THAT(p.Log(), HasSubstr("exited with code"));
@@ -117,11 +113,12 @@ TEST(Launcher, AllreduceModeRunsWithoutServers) {
   TempDir dir("launch-allreduce");
   const std::string run = dir.path() + "/run";
   ChildProcess p(
-      Launch(run, {"--set", "model.hidden=[32]", "--set", "data.max_train_samples=2048", "--set",
-                   "data.max_test_samples=500", "--set", "train.max_steps=20", "--set",
-                   "cluster.num_workers=3", "--set", "aggregation=allreduce", "--set",
-                   "collective.algorithm=spardl", "--set", "collective.measure_quality=true",
-                   "--set", "collective.momentum=aggregated"}),
+      LaunchCommand(
+          run, {"--set", "model.hidden=[32]", "--set", "data.max_train_samples=2048", "--set",
+                "data.max_test_samples=500", "--set", "train.max_steps=20", "--set",
+                "cluster.num_workers=3", "--set", "aggregation=allreduce", "--set",
+                "collective.algorithm=spardl", "--set", "collective.measure_quality=true", "--set",
+                "collective.momentum=aggregated"}),
       dir.path() + "/launch.log");
   ASSERT_EQ(p.Wait(120), 0) << p.Log();
   EXPECT_THAT(p.Log(), HasSubstr("0 servers, 3 workers"));
@@ -287,7 +284,7 @@ TEST(Launcher, SeedRepeatsARunAndWeightDecayTakesEffect) {
       args.push_back("--set");
       args.push_back(s);
     }
-    ChildProcess p(Launch(dir.path() + "/" + name, args), dir.path() + "/" + name + ".log");
+    ChildProcess p(LaunchCommand(dir.path() + "/" + name, args), dir.path() + "/" + name + ".log");
     EXPECT_EQ(p.Wait(120), 0) << p.Log();
     std::vector<double> loss;
     testing::CsvColumn(dir.path() + "/" + name + "/metrics-worker-0.csv", "loss", &loss);

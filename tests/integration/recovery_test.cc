@@ -20,6 +20,7 @@
 
 #include "common/sanitizers.h"
 #include "proto/summary.pb.h"
+#include "tests/support/launch.h"
 #include "tests/support/process.h"
 
 namespace sparseps {
@@ -33,15 +34,10 @@ bool HaveData() {
   return std::filesystem::exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz");
 }
 
-std::vector<std::string> Launch(const std::string& run_dir, std::vector<std::string> args) {
-  std::vector<std::string> a = {"/bin/bash", std::string(SPARSEPS_SOURCE_DIR) + "/deploy/launch.sh",
-                                "--quiet", "--build-dir", SPARSEPS_BINARY_DIR};
-  if (!run_dir.empty()) {
-    a.push_back("--run-dir");
-    a.push_back(run_dir);
-  }
-  a.insert(a.end(), args.begin(), args.end());
-  return a;
+// deploy/launch.sh --quiet: the workers' progress stays in their logs.
+std::vector<std::string> QuietLaunch(const std::string& run_dir, std::vector<std::string> args) {
+  args.insert(args.begin(), "--quiet");
+  return testing::LaunchCommand(run_dir, args);
 }
 
 // The pid a daemon logged at its start ("... starting (pid N)").
@@ -97,11 +93,11 @@ TEST_P(ResumeTest, KilledJobResumesBitwiseEqualToAnUninterruptedRun) {
     sets.push_back(s);
   }
   const std::string whole = dir.path() + "/whole", cut = dir.path() + "/cut";
-  ChildProcess a(Launch(whole, sets), dir.path() + "/whole.log", {}, true);
+  ChildProcess a(QuietLaunch(whole, sets), dir.path() + "/whole.log", {}, true);
   ASSERT_EQ(a.Wait(180), 0) << a.Log();
 
   // The same job, its worker 1 killed with SIGKILL once a checkpoint is complete.
-  ChildProcess b(Launch(cut, sets), dir.path() + "/cut.log", {}, true);
+  ChildProcess b(QuietLaunch(cut, sets), dir.path() + "/cut.log", {}, true);
   // Past the first epoch (50 iterations), so that the data order of a later epoch must come back.
   const std::string first = cut + "/checkpoints/iter-0000000060/MANIFEST.json";
   ASSERT_FALSE(testing::WaitForFile(first, 120).empty()) << b.Log();
@@ -131,7 +127,7 @@ TEST_P(ResumeTest, KilledJobResumesBitwiseEqualToAnUninterruptedRun) {
     bad[bad.size() / 2] ^= 0x04;
     std::ofstream(victim_file, std::ios::binary | std::ios::trunc) << bad;
   }
-  ChildProcess refused(Launch("", {"--resume", cut}), dir.path() + "/refused.log", {}, true);
+  ChildProcess refused(QuietLaunch("", {"--resume", cut}), dir.path() + "/refused.log", {}, true);
   EXPECT_EQ(refused.Wait(120), 1) << refused.Log();
   EXPECT_THAT(refused.Log(), HasSubstr(victim_file + " refused"));
   std::ofstream(victim_file, std::ios::binary | std::ios::trunc) << good;
@@ -139,14 +135,14 @@ TEST_P(ResumeTest, KilledJobResumesBitwiseEqualToAnUninterruptedRun) {
   // train.overlap: backward keeps a residual per key range (PS): resuming its checkpoint with
   // another train.overlap is refused as another config; nothing trains.
   if (GetParam().name == std::string("ps_topk_overlap")) {
-    ChildProcess other(Launch("", {"--resume", cut, "--set", "train.overlap=none"}),
+    ChildProcess other(QuietLaunch("", {"--resume", cut, "--set", "train.overlap=none"}),
                        dir.path() + "/other-overlap.log", {}, true);
     EXPECT_EQ(other.Wait(120), 1) << other.Log();
     EXPECT_THAT(testing::ReadFile(cut + "/worker-0.log"),
                 HasSubstr("it was written by a job with another config"));
   }
 
-  ChildProcess c(Launch("", {"--resume", cut}), dir.path() + "/resumed.log", {}, true);
+  ChildProcess c(QuietLaunch("", {"--resume", cut}), dir.path() + "/resumed.log", {}, true);
   ASSERT_EQ(c.Wait(180), 0) << c.Log();
   EXPECT_THAT(testing::ReadFile(cut + "/worker-0.log"), HasSubstr("resumed from " + newest));
   EXPECT_EQ(testing::ReadFile(cut + "/model.safetensors"),
@@ -178,7 +174,7 @@ TEST(WorkerLoss, BelowMinWorkersEndsWithACheckpointThatResumes) {
       "--set", "checkpoint.every_steps=1000", "--set", "cluster.num_workers=3",
       "--set", "cluster.min_workers=3",       "--set", "cluster.heartbeat_interval_s=0.25"};
   const std::string run = dir.path() + "/run";
-  ChildProcess b(Launch(run, sets), dir.path() + "/run.log", {}, true);
+  ChildProcess b(QuietLaunch(run, sets), dir.path() + "/run.log", {}, true);
   const std::string csv = run + "/metrics-worker-2.csv";
   ASSERT_FALSE(testing::WaitForFile(csv, 120).empty()) << b.Log();
   for (int i = 0; i < 600; ++i) {
@@ -202,7 +198,7 @@ TEST(WorkerLoss, BelowMinWorkersEndsWithACheckpointThatResumes) {
   EXPECT_TRUE(std::filesystem::exists(newest + "/worker-1.safetensors"));
   EXPECT_FALSE(std::filesystem::exists(newest + "/worker-2.safetensors"));
 
-  ChildProcess c(Launch("", {"--resume", run}), dir.path() + "/resumed.log", {}, true);
+  ChildProcess c(QuietLaunch("", {"--resume", run}), dir.path() + "/resumed.log", {}, true);
   ASSERT_EQ(c.Wait(180), 0) << c.Log();
   EXPECT_THAT(testing::ReadFile(run + "/worker-2.log"),
               HasSubstr("has no file of worker 2 (lost before it): resuming with empty residuals"));
@@ -233,13 +229,13 @@ TEST_P(Supervision, MaxRestartsResumesTheJobAfterAKilledProcess) {
       "--set", "data.max_test_samples=1000", "--set", "train.max_steps=300",
       "--set", "checkpoint.every_steps=50",  "--set", "cluster.on_worker_failure=abort"};
   const std::string whole = dir.path() + "/whole", run = dir.path() + "/run";
-  ChildProcess a(Launch(whole, sets), dir.path() + "/whole.log", {}, true);
+  ChildProcess a(QuietLaunch(whole, sets), dir.path() + "/whole.log", {}, true);
   ASSERT_EQ(a.Wait(180), 0) << a.Log();
 
   std::vector<std::string> supervised = sets;
   supervised.push_back("--max-restarts");
   supervised.push_back("1");
-  ChildProcess b(Launch(run, supervised), dir.path() + "/run.log", {}, true);
+  ChildProcess b(QuietLaunch(run, supervised), dir.path() + "/run.log", {}, true);
   ASSERT_FALSE(
       testing::WaitForFile(run + "/checkpoints/iter-0000000100/MANIFEST.json", 120).empty())
       << b.Log();
@@ -300,10 +296,11 @@ TEST(SupervisionRejoin, MaxRestartsReplacesAKilledWorker) {
   if (!HaveData()) GTEST_SKIP() << "Fashion-MNIST not installed";
   TempDir dir("rejoin-restart");
   const std::string run = dir.path() + "/run";
-  ChildProcess b(Launch(run, {"--set", "model.hidden=[64]", "--set", "data.max_train_samples=6400",
-                              "--set", "data.max_test_samples=1000", "--set", "train.max_steps=300",
-                              "--set", "checkpoint.every_steps=50", "--max-restarts", "1"}),
-                 dir.path() + "/run.log", {}, true);
+  ChildProcess b(
+      QuietLaunch(run, {"--set", "model.hidden=[64]", "--set", "data.max_train_samples=6400",
+                        "--set", "data.max_test_samples=1000", "--set", "train.max_steps=300",
+                        "--set", "checkpoint.every_steps=50", "--max-restarts", "1"}),
+      dir.path() + "/run.log", {}, true);
   ASSERT_FALSE(
       testing::WaitForFile(run + "/checkpoints/iter-0000000100/MANIFEST.json", 120).empty())
       << b.Log();
