@@ -394,9 +394,12 @@ TEST_P(DelayTest, TrainsWithOneIterationInFlight) {
   ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(json, &summary).ok()) << json;
   EXPECT_EQ(summary.status(), "ok");
   EXPECT_EQ(summary.steps(), 40u);
-  // Measured 0.612 (the sketch's second round) to 0.719 (dense) on 2026-11-26; topk_ssp
-  // varies by 0.003.
-  ExpectAccuracyAtLeast(summary, 0.57);
+  // Measured 0.612 (the sketch's second round) to 0.719 (dense) on 2026-11-26; these runs are
+  // deterministic (BSP: two workers' sums do not depend on arrival order). topk_ssp is not: which
+  // iteration a worker's push lands in depends on timing, and under ASan beside other tests it
+  // ended at 0.559-0.648 (11 runs, 2026-11-29; one fresh-clone CI run failed the 0.57 bar), so
+  // its bar is lower, still far above chance (0.10).
+  ExpectAccuracyAtLeast(summary, GetParam().first == "topk_ssp" ? 0.45 : 0.57);
   ASSERT_EQ(summary.servers_size(), 2) << json;
   // The sketch's second round pushes twice per iteration: the sketch, then the exact values.
   const uint64_t rounds = GetParam().first == "sketch_second_round" ? 2 : 1;
