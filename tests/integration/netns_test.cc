@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/support/launch.h"
 #include "tests/support/process.h"
 
 namespace sparseps {
@@ -169,17 +170,13 @@ TEST(EmulatedNetwork, LaunchPlacesEachProcessOnItsHost) {
     EXPECT_NE(out.find("no host " + prefix + "-h4"), std::string::npos) << out;
     testing::TempDir dir("launch-netns");
     const std::string run = dir.path() + "/run";
-    testing::ChildProcess p({"/bin/bash",   std::string(SPARSEPS_SOURCE_DIR) + "/deploy/launch.sh",
-                             "--build-dir", SPARSEPS_BINARY_DIR,
-                             "--run-dir",   run,
-                             "--netns",     prefix,
-                             "--set",       "model.hidden=[32]",
-                             "--set",       "data.max_train_samples=2048",
-                             "--set",       "data.max_test_samples=500",
-                             "--set",       "train.max_steps=30",
-                             "--set",       "cluster.num_servers=1",
-                             "--set",       "cluster.num_workers=2"},
-                            dir.path() + "/launch.log");
+    testing::ChildProcess p(
+        testing::LaunchCommand(
+            run, {"--netns", prefix, "--set", "model.hidden=[32]", "--set",
+                  "data.max_train_samples=2048", "--set", "data.max_test_samples=500", "--set",
+                  "train.max_steps=30", "--set", "cluster.num_servers=1", "--set",
+                  "cluster.num_workers=2"}),
+        dir.path() + "/launch.log");
     ASSERT_EQ(p.Wait(180), 0) << p.Log();
     EXPECT_NE(testing::ReadFile(run + "/summary.json").find("\"status\": \"ok\""),
               std::string::npos);
@@ -212,33 +209,27 @@ TEST(EmulatedNetwork, LaunchPutsSeveralServersOnAHostInTurn) {
     ASSERT_EQ(Shell(kScript + " up --hosts 3 --rate 1gbit --prefix " + prefix, &out), 0) << out;
     testing::TempDir dir("launch-per-host");
     const std::string run = dir.path() + "/run";
-    testing::ChildProcess p({"/bin/bash",
-                             std::string(SPARSEPS_SOURCE_DIR) + "/deploy/launch.sh",
-                             "--build-dir",
-                             SPARSEPS_BINARY_DIR,
-                             "--run-dir",
-                             run,
-                             "--netns",
-                             prefix,
-                             "--servers-per-host",
-                             "2",
-                             "--set",
-                             "model.hidden=[32]",
-                             "--set",
-                             "data.max_train_samples=2048",
-                             "--set",
-                             "data.max_test_samples=500",
-                             "--set",
-                             "train.max_steps=30",
-                             "--set",
-                             "cluster.num_servers=4",
-                             "--set",
-                             "cluster.num_workers=1",
-                             "--set",
-                             "cluster.push_window=2",
-                             "--set",
-                             "cluster.on_worker_failure=abort"},
-                            dir.path() + "/launch.log");
+    const std::vector<std::string> args = {"--netns",
+                                           prefix,
+                                           "--servers-per-host",
+                                           "2",
+                                           "--set",
+                                           "model.hidden=[32]",
+                                           "--set",
+                                           "data.max_train_samples=2048",
+                                           "--set",
+                                           "data.max_test_samples=500",
+                                           "--set",
+                                           "train.max_steps=30",
+                                           "--set",
+                                           "cluster.num_servers=4",
+                                           "--set",
+                                           "cluster.num_workers=1",
+                                           "--set",
+                                           "cluster.push_window=2",
+                                           "--set",
+                                           "cluster.on_worker_failure=abort"};
+    testing::ChildProcess p(testing::LaunchCommand(run, args), dir.path() + "/launch.log");
     ASSERT_EQ(p.Wait(180), 0) << p.Log();
     EXPECT_NE(testing::ReadFile(run + "/summary.json").find("\"status\": \"ok\""),
               std::string::npos);
