@@ -59,6 +59,22 @@ PyObject* g_rolled_back = nullptr;  // sparseps.RolledBack
   throw py::error_already_set();
 }
 
+using HostArray = py::array_t<float, py::array::c_style | py::array::forcecast>;
+
+// A contiguous float32 host copy (or view) of `obj`, as sparseps.capi takes such arguments: a NumPy
+// array, anything NumPy converts, or a torch.Tensor on any device (detached, then copied to the
+// host). `what` names it in the ValueError for anything else.
+HostArray HostFloats(py::object obj, const std::string& what) {
+  if (py::hasattr(obj, "detach") && py::hasattr(obj, "cpu"))
+    obj = obj.attr("detach")().attr("cpu")();
+  auto a = HostArray::ensure(obj);
+  if (!a) {
+    throw py::value_error(what + ": expected a float32 array or tensor, got " +
+                          std::string(py::str(py::type::of(obj))));
+  }
+  return a;
+}
+
 // One float32 array lent by Python for the length of a call: host or CUDA memory, contiguous.
 class Borrowed {
  public:
@@ -421,8 +437,9 @@ class Worker {
     return out;
   }
 
-  void SetTrainedModel(py::array_t<float, py::array::c_style | py::array::forcecast> params) {
-    std::span<const float> p(params.data(), static_cast<size_t>(params.size()));
+  void SetTrainedModel(py::object params) {
+    const auto host = HostFloats(params, "set_trained_model: params");
+    std::span<const float> p(host.data(), static_cast<size_t>(host.size()));
     Call([&] { worker_->SetTrainedModel(p); });
   }
 
@@ -433,8 +450,7 @@ class Worker {
       Call([&] { worker_->SetCheckpointState(s); });
       return;
     }
-    auto m = py::array_t<float, py::array::c_style | py::array::forcecast>::ensure(model);
-    if (!m) throw py::value_error("set_checkpoint_state: model is not a float32 array");
+    const auto m = HostFloats(model, "set_checkpoint_state: model");
     std::span<const float> p(m.data(), static_cast<size_t>(m.size()));
     Call([&] { worker_->SetCheckpointState(s, p); });
   }
@@ -520,8 +536,8 @@ void DefineResumeCalls(py::class_<sparseps::Worker>& worker) {
 Right after the push_pull that returned with checkpoint_due True (and the loop's optimizer step):
 completes that checkpoint with the loop's own state, `state` (bytes in a format of the loop's;
 sparseps.torch.DistributedOptimizer's is NumPy's .npz), kept in this worker's checkpoint file,
-and on worker 0 `model` (a flat float32 array of num_params elements; None: the job's parameters)
-as the checkpoint's model file.
+and on worker 0 `model` (num_params elements: a float32 array, or a torch.Tensor on any device;
+None: the job's parameters) as the checkpoint's model file.
 A job resumed from it, or rolled back to it, gives the bytes back as checkpoint_state. Without
 this call the checkpoint is written at the next push_pull as it was taken. Raises sparseps.Error
 when no checkpoint waits, ValueError for a model of another size.)doc")
@@ -594,8 +610,8 @@ before the final evaluation and before saving the model. bsp and allreduce: the 
 Raises TimeoutError naming a missing peer.)doc")
       .def("set_trained_model", &Worker::SetTrainedModel, py::arg("params"), R"doc(
 The parameters worker 0 saves as the trained model at finish (run.dir/model.safetensors) instead of
-the job's: for a model an optimizer of its own trained from the aggregate (a flat float32 array of
-num_params elements, copied). Raises ValueError on another size.)doc")
+the job's: for a model an optimizer of its own trained from the aggregate (num_params elements,
+copied: a float32 array, or a torch.Tensor on any device). Raises ValueError on another size.)doc")
       .def("set_density_scale", &Worker::SetDensityScale, py::arg("scale"),
            "Scales this worker's top-k k (ps mode, encoding topk) from the next push: scale "
            "times the epoch's, at most every key; 1: the config's; 1 / density sends "

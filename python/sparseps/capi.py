@@ -322,9 +322,7 @@ class Worker:
     def set_trained_model(self, params):
         """The parameters worker 0 saves as the trained model at finish instead of the job's
         (a flat float32 array or tensor of num_params elements, copied)."""
-        if hasattr(params, "detach"):  # a torch.Tensor, on any device
-            params = params.detach().cpu().numpy()
-        array = np.ascontiguousarray(params, dtype=np.float32).reshape(-1)
+        array = _host_floats(params, "set_trained_model: params")
         self._call(library().sparseps_worker_set_trained_model, self._handle, _floats(array),
                    array.size)
 
@@ -337,9 +335,7 @@ class Worker:
         buffer = (ctypes.c_uint8 * max(len(state), 1)).from_buffer_copy(state or b"\0")
         array = None
         if model is not None:
-            if hasattr(model, "detach"):  # a torch.Tensor, on any device
-                model = model.detach().cpu().numpy()
-            array = np.ascontiguousarray(model, dtype=np.float32).reshape(-1)
+            array = _host_floats(model, "set_checkpoint_state: model")
         self._call(library().sparseps_worker_set_checkpoint_state, self._handle,
                    ctypes.cast(buffer, ctypes.POINTER(ctypes.c_uint8)), len(state),
                    None if array is None else _floats(array), 0 if array is None else array.size)
@@ -417,6 +413,18 @@ class Worker:
 
     def __del__(self):
         self.close()
+
+
+def _host_floats(x, what):
+    """A flat, contiguous float32 host array of x: a NumPy array, anything NumPy converts, or a
+    torch.Tensor on any device (detached and copied to the host); ValueError naming `what` for
+    anything else (as the pybind11 module's HostFloats)."""
+    try:
+        if hasattr(x, "detach") and hasattr(x, "cpu"):  # a torch.Tensor, on any device
+            x = x.detach().cpu().numpy()
+        return np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{what}: expected a float32 array or tensor, got {type(x)} ({e})") from e
 
 
 def _floats(a):

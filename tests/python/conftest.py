@@ -171,6 +171,28 @@ def ddp_hook_keeps_the_workers_equal_and_sparse(cluster, tmp_path, device):
     assert sum(loss[-5:]) < 0.6 * sum(loss[:5]), loss
 
 
+def set_trained_model_takes_a_tensor(cluster, backend, device):
+    """`backend` (sparseps.Worker or sparseps.capi.Worker) takes the trained model as a
+    torch.Tensor on `device` that requires grad and is of another float type (detached, copied to
+    the host, converted), and the leader's model file holds exactly its values; something that is
+    neither an array nor a tensor is a ValueError naming the argument."""
+    import numpy as np
+    import torch  # only the tests that use it need it
+    from test_model_file import read_safetensors
+    c = cluster("train: {lr: 0.1, momentum: 0}\n", workers=1)
+    worker = backend(str(c.job), rank=0, overrides=c.overrides)
+    n = 26
+    worker.init(np.zeros(n, dtype=np.float32))
+    model = (torch.arange(n, dtype=torch.float64, device=device) * 0.5).requires_grad_()
+    with pytest.raises(ValueError, match="params: expected a float32 array or tensor"):
+        worker.set_trained_model(object())
+    worker.set_trained_model(model)
+    worker.finish()
+    tensors, _ = read_safetensors(c.run_dir / "model.safetensors")
+    written = np.sort(np.concatenate([t.reshape(-1) for t in tensors.values()]))
+    assert np.array_equal(written, np.arange(n, dtype=np.float32) * 0.5)
+
+
 def launch_example(tmp_path, config, command, sets=(), name="run", timeout=300):
     """Runs a job of examples/CONFIG through deploy/launch.sh (1 scheduler, its servers, workers
     started as COMMAND, a Python example) on loopback with the `sets` overrides; asserts that it

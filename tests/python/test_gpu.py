@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from conftest import (DATA, ROOT, ddp_hook_keeps_the_workers_equal_and_sparse, launch_example,
-                      overlap_pushes_during_the_backward_pass_and_changes_nothing)
+                      overlap_pushes_during_the_backward_pass_and_changes_nothing,
+                      set_trained_model_takes_a_tensor)
 from sparseps import capi
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -97,6 +98,16 @@ def test_overlap_pushes_during_the_backward_pass_on_the_gpu(cluster):
 def test_overlap_through_the_pybind11_module_on_the_gpu(cluster):
     """The same through the pybind11 module (DLPack's view of the CUDA tensors, not data_ptr)."""
     overlap_pushes_during_the_backward_pass_and_changes_nothing(cluster, module_worker(), "cuda")
+
+
+def test_set_trained_model_takes_a_cuda_tensor_through_capi(cluster):
+    """The trained model handed over as a CUDA tensor: copied to the host, the model file exact."""
+    set_trained_model_takes_a_tensor(cluster, capi.Worker, "cuda")
+
+
+@needs_module
+def test_set_trained_model_takes_a_cuda_tensor_through_the_pybind11_module(cluster):
+    set_trained_model_takes_a_tensor(cluster, module_worker(), "cuda")
 
 
 @needs_module

@@ -18,7 +18,7 @@ import sparseps.torch
 from sparseps import capi
 from conftest import (BUILD, DATA, ROOT, ddp_hook_keeps_the_workers_equal_and_sparse,
                       launch_example, overlap_pushes_during_the_backward_pass_and_changes_nothing,
-                      run_threads)
+                      run_threads, set_trained_model_takes_a_tensor)
 
 needs_data = pytest.mark.skipif(not (DATA / "train-images-idx3-ubyte.gz").exists(),
                                 reason="Fashion-MNIST not installed (deploy/install-deps.sh)")
@@ -485,6 +485,11 @@ def test_the_model_file_holds_the_model_the_optimizer_trained(cluster, backend, 
     assert not np.array_equal(flat, job)  # the job's parameters are not the model here
     for n, p in named:
         assert np.array_equal(tensors[n], p.detach().numpy()), n
+
+
+@pytest.mark.parametrize("backend", [sparseps.Worker, capi.Worker], ids=["module", "capi"])
+def test_set_trained_model_takes_a_tensor_as_both_bindings_do(cluster, backend):
+    set_trained_model_takes_a_tensor(cluster, backend, "cpu")
 
 
 def test_overlap_is_refused_where_step_changes_the_gradient(cluster):
