@@ -231,6 +231,41 @@ int sparseps_worker_set_trained_model(sparseps_worker* worker, const float* para
   return Guard([&] { worker->worker.SetTrainedModel({params, n}); }, err, err_len);
 }
 
+int sparseps_worker_set_model_buffers(sparseps_worker* worker, size_t count,
+                                      const char* const* names, const uint64_t* const* shapes,
+                                      const size_t* ndims, const float* const* values, char* err,
+                                      size_t err_len) {
+  if (worker == nullptr) return Missing("worker", err, err_len);
+  if (count > 0 &&
+      (names == nullptr || shapes == nullptr || ndims == nullptr || values == nullptr)) {
+    return Missing("names, shapes, ndims or values", err, err_len);
+  }
+  using sparseps::client::Error;
+  using sparseps::client::ErrorCode;
+  return Guard(
+      [&] {
+        std::vector<sparseps::client::Worker::ModelBuffer> buffers(count);
+        for (size_t i = 0; i < count; ++i) {
+          auto& b = buffers[i];
+          const std::string which = "set_model_buffers: buffer " + std::to_string(i);
+          if (names[i] == nullptr) throw Error(ErrorCode::kInvalidArgument, which + " has no name");
+          b.name = names[i];
+          if (ndims[i] > 0 && shapes[i] == nullptr) {
+            throw Error(ErrorCode::kInvalidArgument, which + " (" + b.name + ") has no shape");
+          }
+          b.shape.assign(shapes[i], shapes[i] + ndims[i]);
+          uint64_t n = 1;
+          for (uint64_t d : b.shape) n *= d;
+          if (n > 0 && values[i] == nullptr) {
+            throw Error(ErrorCode::kInvalidArgument, which + " (" + b.name + ") has no values");
+          }
+          b.values.assign(values[i], values[i] + n);
+        }
+        worker->worker.SetModelBuffers(std::move(buffers));
+      },
+      err, err_len);
+}
+
 int sparseps_worker_set_checkpoint_state(sparseps_worker* worker, const uint8_t* state,
                                          size_t state_n, const float* model, size_t model_n,
                                          char* err, size_t err_len) {

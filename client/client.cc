@@ -13,6 +13,7 @@
 #include <mutex>
 #include <numeric>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 
@@ -20,6 +21,7 @@
 #include "common/status.h"
 #include "common/tensor_layout.h"
 #include "config/config.h"
+#include "storage/safetensors.h"
 #include "transport/van.h"
 #include "worker/device_buffer.h"
 #include "worker/session.h"
@@ -66,6 +68,7 @@ struct Worker::Impl {
   std::vector<float> gather;         // several host gradient buffers, gathered
   DeviceBuffer gather_d;             // the same on the device
   std::vector<float> trained_model;  // SetTrainedModel's parameters (empty: the job's)
+  ExtraTensors buffers;              // SetModelBuffers', for the model file
   std::vector<uint8_t> loop_user;    // the loop's own state in the checkpoint resumed from
   UpdateRecorder recorder;
   std::optional<TrainingLog> log;  // the live metrics (metrics.port)
@@ -466,6 +469,30 @@ void Worker::SetTrainedModel(std::span<const float> params) {
   m.trained_model.assign(params.begin(), params.end());
 }
 
+void Worker::SetModelBuffers(std::vector<ModelBuffer> buffers) {
+  Impl& m = *impl_;
+  m.agg();  // before init: "call init(params) first" (the layers' names are Init's)
+  std::set<std::string> names;
+  for (const auto& l : m.layers) names.insert(l.name);
+  ExtraTensors kept;
+  for (auto& b : buffers) {
+    const std::string what = "SetModelBuffers: buffer '" + b.name + "'";
+    if (b.name.empty()) Raise(Status::InvalidArgument("SetModelBuffers: a buffer has no name"));
+    if (!names.insert(b.name).second) {
+      Raise(Status::InvalidArgument(what + " is named twice, or as one of the model's layers"));
+    }
+    const uint64_t n =
+        std::accumulate(b.shape.begin(), b.shape.end(), uint64_t{1}, std::multiplies<uint64_t>());
+    if (n != b.values.size()) {
+      Raise(Status::InvalidArgument(what + " has " + std::to_string(b.values.size()) +
+                                    " values; its shape holds " + std::to_string(n)));
+    }
+    kept.layers.push_back({b.name, std::move(b.shape), kept.values.size()});
+    kept.values.insert(kept.values.end(), b.values.begin(), b.values.end());
+  }
+  m.buffers = std::move(kept);
+}
+
 void Worker::SetCheckpointState(std::span<const uint8_t> state, std::span<const float> model) {
   Impl& m = *impl_;
   m.agg();  // before init: "call init(params) first"
@@ -492,7 +519,7 @@ void Worker::Finish(double test_accuracy, double train_loss, double samples_per_
         !m.config.run().dir().empty()) {
       s = agg.Synchronize();  // ssp / async: the saved model has every worker's every push
       std::string path;
-      if (s.ok()) s = m.session->SaveTrainedModel(m.layers, &path, m.trained_model);
+      if (s.ok()) s = m.session->SaveTrainedModel(m.layers, &path, m.trained_model, &m.buffers);
     }
     if (s.ok()) s = m.session->Finish(stats);
     return s;

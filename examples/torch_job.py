@@ -318,7 +318,8 @@ def run(args, build_model, load_data, perplexity=False):
         inner = make_optimizer(args, model.parameters(), get, ddp=False)
         scheduler = lr_schedule(args, inner, horizon)
         # Kept in the checkpoints beside the optimizer: the schedule, and BatchNorm's running
-        # statistics (ResNet's), which sparseps neither aggregates nor saves.
+        # statistics (ResNet's), which sparseps does not aggregate (synchronize() also puts them
+        # into the trained model file).
         extra = {"lr_schedule": scheduler} if scheduler else {}
         if any(True for _ in model.buffers()):
             extra["buffers"] = sparseps.torch.ModuleBuffers(model)

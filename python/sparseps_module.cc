@@ -443,6 +443,20 @@ class Worker {
     Call([&] { worker_->SetTrainedModel(p); });
   }
 
+  void SetModelBuffers(py::dict buffers) {
+    std::vector<client::Worker::ModelBuffer> kept;
+    for (auto [key, value] : buffers) {
+      client::Worker::ModelBuffer b;
+      b.name = py::str(key);
+      const auto host =
+          HostFloats(py::reinterpret_borrow<py::object>(value), "set_model_buffers: " + b.name);
+      for (py::ssize_t d = 0; d < host.ndim(); ++d) b.shape.push_back(host.shape(d));
+      b.values.assign(host.data(), host.data() + host.size());
+      kept.push_back(std::move(b));
+    }
+    Call([&] { worker_->SetModelBuffers(std::move(kept)); });
+  }
+
   void SetCheckpointState(py::bytes state, py::object model) {
     const std::string_view bytes = state;
     const std::span<const uint8_t> s(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size());
@@ -612,6 +626,12 @@ Raises TimeoutError naming a missing peer.)doc")
 The parameters worker 0 saves as the trained model at finish (run.dir/model.safetensors) instead of
 the job's: for a model an optimizer of its own trained from the aggregate (num_params elements,
 copied: a float32 array, or a torch.Tensor on any device). Raises ValueError on another size.)doc")
+      .def("set_model_buffers", &Worker::SetModelBuffers, py::arg("buffers"), R"doc(
+The model's buffers (a dict of name -> float array or torch.Tensor on any device, such as a
+module's named_buffers(): BatchNorm's running statistics) that worker 0 writes beside the
+parameters into the trained model file at finish, replacing earlier ones ({}: none). Raises
+ValueError for a name of one of the model's layers, or for something that is not an array or
+tensor.)doc")
       .def("set_density_scale", &Worker::SetDensityScale, py::arg("scale"),
            "Scales this worker's top-k k (ps mode, encoding topk) from the next push: scale "
            "times the epoch's, at most every key; 1: the config's; 1 / density sends "

@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 
 namespace sparseps {
@@ -243,21 +244,42 @@ Result<SafetensorsFile> SafetensorsFile::Parse(std::string bytes, const std::str
   return f;
 }
 
-Status BuildModelFile(std::span<const float> params, const std::vector<TensorLayout>& layers,
-                      const std::map<std::string, std::string>& metadata, SafetensorsWriter* w) {
+namespace {
+
+// Adds each layer of `layers` over `values` to `w`, its name to `names`. Errors: InvalidArgument
+// (`what` naming the vector) when a layer runs past values, the layers do not cover them
+// exactly, or a name is in `names` already.
+Status AddLayers(std::span<const float> values, const std::vector<TensorLayout>& layers,
+                 const char* what, std::set<std::string>* names, SafetensorsWriter* w) {
   uint64_t covered = 0;
   for (const auto& l : layers) {
     uint64_t n = 1;
     for (uint64_t d : l.shape) n *= d;
-    if (l.offset + n > params.size()) {
-      return Status::InvalidArgument("layer " + l.name + " runs past the parameters");
+    if (l.offset + n > values.size()) {
+      return Status::InvalidArgument("layer " + l.name + " runs past the " + what);
+    }
+    if (!names->insert(l.name).second) {
+      return Status::InvalidArgument("the model file would hold two tensors named " + l.name);
     }
     covered += n;
-    w->AddF32(l.name, l.shape, params.subspan(l.offset, n));
+    w->AddF32(l.name, l.shape, values.subspan(l.offset, n));
   }
-  if (covered != params.size()) {
+  if (covered != values.size()) {
     return Status::InvalidArgument("the layers cover " + std::to_string(covered) + " of " +
-                                   std::to_string(params.size()) + " parameters");
+                                   std::to_string(values.size()) + " " + what);
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
+Status BuildModelFile(std::span<const float> params, const std::vector<TensorLayout>& layers,
+                      const std::map<std::string, std::string>& metadata, SafetensorsWriter* w,
+                      const ExtraTensors* extra) {
+  std::set<std::string> names;
+  SPARSEPS_RETURN_IF_ERROR(AddLayers(params, layers, "parameters", &names, w));
+  if (extra != nullptr) {
+    SPARSEPS_RETURN_IF_ERROR(AddLayers(extra->values, extra->layers, "buffers", &names, w));
   }
   for (const auto& [k, v] : metadata) w->SetMetadata(k, v);
   return Status::OK();
@@ -265,9 +287,10 @@ Status BuildModelFile(std::span<const float> params, const std::vector<TensorLay
 
 Status WriteModelFile(const std::string& path, std::span<const float> params,
                       const std::vector<TensorLayout>& layers,
-                      const std::map<std::string, std::string>& metadata) {
+                      const std::map<std::string, std::string>& metadata,
+                      const ExtraTensors* extra) {
   SafetensorsWriter w;
-  SPARSEPS_RETURN_IF_ERROR(BuildModelFile(params, layers, metadata, &w));
+  SPARSEPS_RETURN_IF_ERROR(BuildModelFile(params, layers, metadata, &w, extra));
   return w.Write(path);
 }
 

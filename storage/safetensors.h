@@ -108,17 +108,27 @@ class SafetensorsFile {
   std::map<std::string, std::string> metadata_;
 };
 
+// Tensors a model file holds beside the parameters: a model's buffers (state that is neither a
+// parameter nor aggregated, such as BatchNorm's running mean and variance), F32, laid out by
+// `layers` over `values` as the parameters are over theirs.
+struct ExtraTensors {
+  std::vector<TensorLayout> layers;
+  std::vector<float> values;
+};
+
 // Writes params (the flat vector, num_params floats) as a safetensors file of F32 tensors, one
-// per entry of `layers` (which must cover params exactly), with `metadata`, atomically. Errors:
-// InvalidArgument when the layers do not cover params; IoError naming the path.
+// per entry of `layers` (which must cover params exactly), and the tensors of `extra` (optional),
+// with `metadata`, atomically. Errors: InvalidArgument when the layers do not cover params (or
+// extra's its values), or when a name is taken twice; IoError naming the path.
 Status WriteModelFile(const std::string& path, std::span<const float> params,
                       const std::vector<TensorLayout>& layers,
-                      const std::map<std::string, std::string>& metadata);
+                      const std::map<std::string, std::string>& metadata,
+                      const ExtraTensors* extra = nullptr);
 
 // Fills `writer` with what WriteModelFile writes (for writing it later, e.g. on another thread).
 Status BuildModelFile(std::span<const float> params, const std::vector<TensorLayout>& layers,
-                      const std::map<std::string, std::string>& metadata,
-                      SafetensorsWriter* writer);
+                      const std::map<std::string, std::string>& metadata, SafetensorsWriter* writer,
+                      const ExtraTensors* extra = nullptr);
 
 // Reads a model file back into a flat vector laid out by `layers`. Errors: those of Read;
 // InvalidArgument naming the file and the tensor that is missing or has another shape or dtype.

@@ -195,12 +195,13 @@ Status WorkerSession::RecordStep(TrainingLog& log, uint64_t step, uint32_t epoch
 }
 
 Status WorkerSession::SaveTrainedModel(const std::vector<TensorLayout>& layers, std::string* path,
-                                       std::span<const float> params) {
+                                       std::span<const float> params, const ExtraTensors* buffers) {
   path->clear();
   if (!config_.checkpoint().save_model() || config_.run().dir().empty()) return Status::OK();
   *path = config_.run().dir() + "/model.safetensors";
-  if (params.empty()) return SaveModel(*path, layers);
-  return WriteModelFile(*path, params, layers, ModelMetadata());
+  return WriteModelFile(*path,
+                        params.empty() ? std::span<const float>(aggregator_->params()) : params,
+                        layers, ModelMetadata(), buffers);
 }
 
 Status WorkerSession::ReportWritten(bool wait) {

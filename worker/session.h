@@ -16,6 +16,7 @@
 #include "proto/config.pb.h"
 #include "security/security.h"
 #include "storage/checkpoint.h"
+#include "storage/safetensors.h"
 #include "transport/control_client.h"
 #include "worker/aggregator.h"
 #include "worker/training_log.h"
@@ -116,9 +117,11 @@ class WorkerSession {
   // checkpoint.save_model and run.dir are set (nothing otherwise; *path is then empty). The
   // caller synchronizes first (ssp / async: every worker's every push). `params`, when not
   // empty (num_params() elements), is saved instead of the job's parameters (a model that the
-  // caller's own optimizer trained). Errors: SaveModel's.
+  // caller's own optimizer trained); `buffers` (optional), the model's buffers, are written
+  // beside the parameters. Errors: SaveModel's; InvalidArgument for a buffer named as a layer.
   Status SaveTrainedModel(const std::vector<TensorLayout>& layers, std::string* path,
-                          std::span<const float> params = {});
+                          std::span<const float> params = {},
+                          const ExtraTensors* buffers = nullptr);
 
   // Waits for checkpoint files still being written and reports them, sends DONE with this
   // worker's statistics and waits (cluster.request_timeout_s) for the

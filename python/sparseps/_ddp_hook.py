@@ -35,6 +35,7 @@ class SparseAllreduceState:
         self._loop = _state.LoopState(extra_state, "SparseAllreduceState")
         self.optimizer = optimizer
         module = getattr(model, "module", model)
+        self.module = module
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.params = _float32_params([p for _, p in named], "SparseAllreduceState")
         self.offset = {}
@@ -90,9 +91,13 @@ class SparseAllreduceState:
     def synchronize(self):
         """After the last step, on every worker, before worker.finish: a checkpoint taken at that
         step gets the model's state, and the trained model file (written by worker 0 at finish)
-        gets this model's parameters instead of the job's."""
+        gets this model's parameters instead of the job's, and its buffers (BatchNorm's running
+        statistics, under the module's names) beside them."""
         self._submit_pending()
         self.worker.set_trained_model(self._model().numpy())
+        buffers = dict(self.module.named_buffers())
+        if buffers:
+            self.worker.set_model_buffers(buffers)
 
 
 def sparse_allreduce_hook(state, bucket):

@@ -112,6 +112,10 @@ def _declare(lib):
         "worker_residual": (ctypes.c_int, [handle, c_float_p, ctypes.c_size_t] + err),
         "worker_synchronize": (ctypes.c_int, [handle, c_float_p, ctypes.c_size_t] + err),
         "worker_set_trained_model": (ctypes.c_int, [handle, c_float_p, ctypes.c_size_t] + err),
+        "worker_set_model_buffers": (ctypes.c_int, [
+            handle, ctypes.c_size_t, ctypes.POINTER(ctypes.c_char_p),
+            ctypes.POINTER(ctypes.POINTER(ctypes.c_uint64)), ctypes.POINTER(ctypes.c_size_t),
+            ctypes.POINTER(c_float_p)] + err),
         "worker_set_checkpoint_state": (ctypes.c_int, [handle, c_bytes_p, ctypes.c_size_t,
                                                        c_float_p, ctypes.c_size_t] + err),
         "worker_checkpoint_state": (ctypes.c_size_t, [handle, c_bytes_p, ctypes.c_size_t]),
@@ -325,6 +329,26 @@ class Worker:
         array = _host_floats(params, "set_trained_model: params")
         self._call(library().sparseps_worker_set_trained_model, self._handle, _floats(array),
                    array.size)
+
+    def set_model_buffers(self, buffers):
+        """The model's buffers (a dict of name -> float array or torch.Tensor on any device, such
+        as a module's named_buffers(): BatchNorm's running statistics) that worker 0 writes
+        beside the parameters into the trained model file at finish, replacing earlier ones
+        ({}: none). ValueError for a name of one of the model's layers, or for something that
+        is not an array or tensor."""
+        names, arrays = [], []
+        for name, value in buffers.items():
+            names.append(str(name).encode())
+            shape = tuple(value.shape) if hasattr(value, "shape") else np.shape(value)
+            arrays.append((shape, _host_floats(value, f"set_model_buffers: {name}")))
+        n = len(arrays)
+        shapes = [(ctypes.c_uint64 * max(len(shape), 1))(*shape) for shape, _ in arrays]
+        self._call(library().sparseps_worker_set_model_buffers, self._handle, n,
+                   (ctypes.c_char_p * max(n, 1))(*names),
+                   (ctypes.POINTER(ctypes.c_uint64) * max(n, 1))(
+                       *[ctypes.cast(sh, ctypes.POINTER(ctypes.c_uint64)) for sh in shapes]),
+                   (ctypes.c_size_t * max(n, 1))(*[len(shape) for shape, _ in arrays]),
+                   (ctypes.POINTER(ctypes.c_float) * max(n, 1))(*[_floats(a) for _, a in arrays]))
 
     def set_checkpoint_state(self, state, model=None):
         """Right after the push_pull that returned with checkpoint_due True: the loop's own state

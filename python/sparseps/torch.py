@@ -569,8 +569,10 @@ class DistributedOptimizer:
         each worker's optimizer steps on its own copy) it only waits. Where the model is not the
         job's parameters (that case, or local_view's own view), the model's parameters become
         what the leader saves as the trained model at finish (<run.dir>/model.safetensors:
-        worker.set_trained_model), not the job's. With extra_state, a checkpoint taken at the
-        last step gets the loop's state here: call it on every worker then."""
+        worker.set_trained_model), not the job's. The buffers of extra_state's ModuleBuffers
+        (BatchNorm's running statistics) go into that file beside the parameters
+        (worker.set_model_buffers), under the module's names. With extra_state, a checkpoint
+        taken at the last step gets the loop's state here: call it on every worker then."""
         self._submit_pending()  # the checkpoint of the last step, if one waits
         params = self.worker.synchronize()
         own = self.aggregate != "update" and not self._plain_sgd()
@@ -582,6 +584,12 @@ class DistributedOptimizer:
         if own or self._view_shift is not None:
             flat = torch.cat([p.detach().reshape(-1) for p in self._params])
             self.worker.set_trained_model(flat.cpu().numpy())
+        buffers = {}
+        for obj in self._loop.extra.values():
+            if isinstance(obj, _state.ModuleBuffers):
+                buffers.update(obj.module.named_buffers())
+        if buffers:
+            self.worker.set_model_buffers(buffers)
 
     def zero_grad(self, set_to_none=False):
         """Zeroes the flat gradient buffer (set_to_none would drop the views; it is ignored)."""

@@ -74,6 +74,44 @@ TEST_F(CheckpointTest, SafetensorsRoundTripFollowsTheFormat) {
   EXPECT_EQ(got, scalar);
 }
 
+TEST_F(CheckpointTest, ModelFileHoldsTheBuffersBesideTheParametersAndReadsBack) {
+  const std::vector<float> params = {1, 2, 3, 4, 5, 6, 7, 8};
+  const std::vector<TensorLayout> layers = {{"fc.weight", {2, 3}, 0}, {"fc.bias", {2}, 6}};
+  ExtraTensors buffers{{{"bn.running_mean", {2}, 0}, {"bn.num_batches_tracked", {}, 2}},
+                       {0.25f, -0.5f, 40.0f}};
+  ASSERT_TRUE(WriteModelFile(Path("m.safetensors"), params, layers, {}, &buffers).ok());
+  auto f = SafetensorsFile::Read(Path("m.safetensors"));
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  EXPECT_EQ(f->names().size(), 4u);
+  const auto* mean = f->Find("bn.running_mean");
+  ASSERT_NE(mean, nullptr);
+  std::vector<float> got(2);
+  std::memcpy(got.data(), f->Data(*mean).data(), 8);
+  EXPECT_EQ(got, (std::vector<float>{0.25f, -0.5f}));
+  const auto* count = f->Find("bn.num_batches_tracked");
+  ASSERT_NE(count, nullptr);
+  EXPECT_TRUE(count->shape.empty());
+  float c = 0;
+  std::memcpy(&c, f->Data(*count).data(), 4);
+  EXPECT_EQ(c, 40.0f);
+  // The parameters read back by their layers as before: the buffers are beside them.
+  auto back = ReadModelFile(Path("m.safetensors"), layers);
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(*back, params);
+
+  // A buffer named as a layer, or buffers that do not cover their values, write nothing.
+  buffers.layers[0].name = "fc.bias";
+  Status s = WriteModelFile(Path("dup.safetensors"), params, layers, {}, &buffers);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("two tensors named fc.bias"));
+  buffers.layers[0].name = "bn.running_mean";
+  buffers.values.push_back(1.0f);
+  s = WriteModelFile(Path("short.safetensors"), params, layers, {}, &buffers);
+  EXPECT_THAT(s.message(), HasSubstr("the layers cover 3 of 4 buffers"));
+  EXPECT_FALSE(std::filesystem::exists(Path("dup.safetensors")));
+  EXPECT_FALSE(std::filesystem::exists(Path("short.safetensors")));
+}
+
 TEST_F(CheckpointTest, MalformedSafetensorsAreRefusedNamingTheFile) {
   SafetensorsWriter w;
   w.AddF32("x", {4}, std::vector<float>{1, 2, 3, 4});

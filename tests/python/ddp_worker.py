@@ -2,15 +2,16 @@
 own broadcast) whose gradient buckets are aggregated by sparseps.torch.sparse_allreduce_hook.
 
     ddp_worker.py RANK WORLD INIT_FILE JOB_YAML OUT_FILE [--set k=v ...] [--steps N]
-                  [--stop-after N] [--momentum M]
+                  [--stop-after N] [--momentum M] [--batchnorm]
 
 Trains a small MLP on seeded random data (step t's batch fixed by the rank and t) with torch SGD
 at lr 0.5 (momentum M) and a StepLR halving it every 8 steps, both kept in sparseps's checkpoints
 (SparseAllreduceState's optimizer and extra_state), from worker.step (a resumed job's) to N
-(default 40), and saves {loss, params, nonzero, first} to OUT_FILE (torch.save): the losses, the
-final parameters, the number of nonzero entries of each step's averaged gradient and the first
-step. --stop-after N: exits after step N without finishing (workers that die). DDP_DEVICE=cuda
-trains on the GPU (tests/python/test_gpu.py); the worker is sparseps.capi's where the pybind11
+(default 40), and saves {loss, params, nonzero, first, buffers} to OUT_FILE (torch.save): the
+losses, the final parameters, the number of nonzero entries of each step's averaged gradient, the
+first step and the model's buffers. --batchnorm: a BatchNorm1d after the first layer.
+--stop-after N: exits after step N without finishing (workers that die). DDP_DEVICE=cuda trains
+on the GPU (tests/python/test_gpu.py); the worker is sparseps.capi's where the pybind11
 module is not built for this Python."""
 import argparse
 import os
@@ -35,6 +36,7 @@ def main():
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--stop-after", type=int, default=None)
     ap.add_argument("--momentum", type=float, default=0.0)
+    ap.add_argument("--batchnorm", action="store_true")
     args = ap.parse_args()
     rank = args.rank
     torch.set_num_threads(1)
@@ -46,7 +48,8 @@ def main():
     except ImportError:  # the module is not built for this Python
         Worker = capi.Worker
     torch.manual_seed(rank)  # different initial models: DDP broadcasts rank 0's
-    model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 4)).to(device)
+    hidden = [nn.Linear(20, 64)] + ([nn.BatchNorm1d(64)] if args.batchnorm else [])
+    model = nn.Sequential(*hidden, nn.ReLU(), nn.Linear(64, 4)).to(device)
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.001)  # several buckets
     opt = torch.optim.SGD(ddp.parameters(), lr=0.5, momentum=args.momentum)
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=8, gamma=0.5)
@@ -76,6 +79,7 @@ def main():
     state.synchronize()
     worker.finish()
     torch.save({"loss": losses, "nonzero": nonzero, "first": first,
+                "buffers": {n: b.detach().cpu() for n, b in model.named_buffers()},
                 "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()},
                args.out)
 

@@ -16,9 +16,10 @@ import torch
 import sparseps
 import sparseps.torch
 from sparseps import capi
-from conftest import (BUILD, DATA, ROOT, ddp_hook_keeps_the_workers_equal_and_sparse,
-                      launch_example, overlap_pushes_during_the_backward_pass_and_changes_nothing,
-                      run_threads, set_trained_model_takes_a_tensor)
+from conftest import (BUILD, DATA, DDP_HOOK_SETS, ROOT,
+                      ddp_hook_keeps_the_workers_equal_and_sparse, launch_example,
+                      overlap_pushes_during_the_backward_pass_and_changes_nothing,
+                      run_ddp_workers, run_threads, set_trained_model_takes_a_tensor)
 
 needs_data = pytest.mark.skipif(not (DATA / "train-images-idx3-ubyte.gz").exists(),
                                 reason="Fashion-MNIST not installed (deploy/install-deps.sh)")
@@ -229,6 +230,23 @@ def test_a_dense_methods_gradient_comes_through_out(cluster, kind):
 
 def test_ddp_hook_keeps_the_workers_equal_and_sparse(cluster, tmp_path):
     ddp_hook_keeps_the_workers_equal_and_sparse(cluster, tmp_path, "cpu")
+
+
+def test_the_ddp_hooks_model_file_holds_the_models_buffers(cluster, tmp_path):
+    """SparseAllreduceState.synchronize() hands the DDP model's buffers to the worker: worker 0's
+    model file holds BatchNorm's running statistics as rank 0's model has them (DDP broadcasts
+    rank 0's buffers), beside the parameters."""
+    from test_model_file import read_safetensors
+    c = cluster("cluster: {register_timeout_s: 60}\n", servers=0, sets=DDP_HOOK_SETS)
+    got = run_ddp_workers(c, tmp_path, "cpu", args=["--batchnorm", "--steps", "10"])
+    tensors, _ = read_safetensors(c.run_dir / "model.safetensors")
+    buffers = got[0]["buffers"]
+    assert sorted(buffers) == ["1.num_batches_tracked", "1.running_mean", "1.running_var"]
+    for name, value in buffers.items():
+        assert np.array_equal(tensors[name], value.float().numpy()), name
+    assert float(tensors["1.num_batches_tracked"]) == 10
+    bn_weight = got[0]["params"][64 * 21:64 * 22]  # after 0.weight [64, 20] and 0.bias [64]
+    assert np.array_equal(tensors["1.weight"].reshape(-1), bn_weight.numpy())
 
 
 def test_bad_tensors_are_clear_exceptions(cluster):
@@ -490,6 +508,52 @@ def test_the_model_file_holds_the_model_the_optimizer_trained(cluster, backend, 
 @pytest.mark.parametrize("backend", [sparseps.Worker, capi.Worker], ids=["module", "capi"])
 def test_set_trained_model_takes_a_tensor_as_both_bindings_do(cluster, backend):
     set_trained_model_takes_a_tensor(cluster, backend, "cpu")
+
+
+@pytest.mark.parametrize("backend", [sparseps.Worker, capi.Worker], ids=["module", "capi"])
+def test_the_model_file_holds_the_buffers_of_module_buffers(cluster, backend):
+    """A BatchNorm model through DistributedOptimizer with extra_state ModuleBuffers(model):
+    synchronize() hands its buffers over (set_model_buffers), and the leader's model file holds
+    parameters and buffers under the module's names, so that a fresh model loads it strictly and
+    evaluates as the trained one. A buffer named as a layer, or a broken one, is refused."""
+    from test_model_file import read_safetensors
+    c = cluster("train: {lr: 0.1, momentum: 0}\n", workers=1)
+    torch.manual_seed(0)
+
+    def make():
+        return torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.BatchNorm1d(4),
+                                   torch.nn.ReLU(), torch.nn.Linear(4, 2))
+
+    model = make()
+    named = list(model.named_parameters())
+    worker = backend(str(c.job), rank=0, overrides=c.overrides)
+    opt = sparseps.torch.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), worker, names=[n for n, _ in named],
+        extra_state={"buffers": sparseps.torch.ModuleBuffers(model)})
+    for _ in range(5):
+        opt.zero_grad()
+        model(torch.randn(8, 5) * 3 + 1).pow(2).mean().backward()
+        opt.step()
+    with pytest.raises((ValueError, capi.Error),
+                       match="'0.bias' is named twice, or as one of the model's"):
+        worker.set_model_buffers({"0.bias": torch.zeros(4)})
+    with pytest.raises(ValueError, match="set_model_buffers: bad: expected a float32 array"):
+        worker.set_model_buffers({"bad": object()})
+    with pytest.raises((ValueError, capi.Error), match="a buffer has no name"):
+        worker.set_model_buffers({"": torch.zeros(1)})
+    opt.synchronize()
+    worker.finish()
+    tensors, _ = read_safetensors(c.run_dir / "model.safetensors")
+    state = model.state_dict()
+    assert sorted(tensors) == sorted(state)  # 1.running_mean, 1.num_batches_tracked, ...
+    assert float(tensors["1.num_batches_tracked"]) == 5
+    assert not np.allclose(tensors["1.running_mean"], 0)  # moved by the 5 steps' batches
+    fresh = make()
+    fresh.load_state_dict({n: torch.from_numpy(t.copy()) for n, t in tensors.items()}, strict=True)
+    model.eval()
+    fresh.eval()
+    x = torch.randn(16, 5)
+    assert torch.equal(fresh(x), model(x))
 
 
 def test_overlap_is_refused_where_step_changes_the_gradient(cluster):

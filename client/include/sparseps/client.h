@@ -221,6 +221,21 @@ class Worker {
   /// worker's other calls.
   void SetTrainedModel(std::span<const float> params);
 
+  /// One of a model's buffers: state that is neither a parameter nor aggregated, such as
+  /// BatchNorm's running mean and variance.
+  struct ModelBuffer {
+    std::string name;             ///< e.g. "bn1.running_mean"; no layer's name
+    std::vector<uint64_t> shape;  ///< elements per dimension ({}: a scalar)
+    std::vector<float> values;    ///< the product of shape elements
+  };
+
+  /// The buffers worker 0 writes beside the parameters into the trained model file at Finish
+  /// (run.dir/model.safetensors, F32 tensors by name), so that the file holds the whole model;
+  /// a later call replaces them (an empty list: none). Throws kInvalidArgument for an empty or
+  /// repeated name, a name of one of the model's layers, or values that are not the shape's
+  /// product (nothing is kept then). Not thread-safe against this worker's other calls.
+  void SetModelBuffers(std::vector<ModelBuffer> buffers);
+
   /// Completes the checkpoint that the last push-pull took (checkpoint_due() true) with the
   /// loop's own state of that step, after its optimizer stepped: `state` (bytes in a format
   /// of the loop's, e.g. its optimizer's state serialised; empty: none) goes into this worker's
