@@ -129,7 +129,8 @@ class DistributedOptimizer:
     torch 1.13 keeps a method; LambdaLR leaves its functions out). An object with a step_ended()
     method has it called at the end of the checkpoint's step, for state the next forward pass
     changes: ModuleBuffers(model), the model's buffers (BatchNorm's running statistics), which
-    sparseps does not save otherwise. Call synchronize() on every worker after the last step.
+    sparseps does not checkpoint otherwise (synchronize() also hands them to the trained model
+    file). Call synchronize() on every worker after the last step.
 
     names (optional): one per parameter, in the optimizer's order, for instance
     [n for n, _ in model.named_parameters()] when the optimizer was made from
