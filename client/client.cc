@@ -187,8 +187,11 @@ void Worker::Impl::Join(std::span<const Buffer> params, const std::vector<Tensor
     Raise(Status::InvalidArgument("names: " + std::to_string(tensors.size()) + " names for " +
                                   std::to_string(params.size()) + " tensors"));
   }
+  layers.clear();  // an init refused before leaves none behind
+  sizes.clear();
   device = params[0].device;
   size_t total = 0;
+  std::set<std::string> names;  // the layers', each once
   for (size_t i = 0; i < params.size(); ++i) {
     const Buffer& b = params[i];
     const std::string what = params.size() > 1 ? "params[" + std::to_string(i) + "]" : "params";
@@ -214,6 +217,10 @@ void Worker::Impl::Join(std::span<const Buffer> params, const std::vector<Tensor
       }
       if (!tensors[i].name.empty()) layer.name = tensors[i].name;
       layer.shape = shape;
+    }
+    if (!names.insert(layer.name).second) {
+      Raise(Status::InvalidArgument(what + ": named '" + layer.name +
+                                    "' as an earlier tensor; the model file needs one name each"));
     }
     layers.push_back(std::move(layer));
     sizes.push_back(b.size);

@@ -254,6 +254,8 @@ def test_bad_tensors_are_clear_exceptions(cluster):
     w = sparseps.Worker(str(c.job), rank=0, overrides=c.overrides)
     with pytest.raises(ValueError, match="detach"):
         w.init(torch.zeros(10, 10, requires_grad=True))
+    with pytest.raises(ValueError, match="params\\[1\\]: named 'a' as an earlier tensor"):
+        w.init([torch.zeros(3), torch.zeros(4)], names=["a", "a"])
     w.init(torch.zeros(10, 10))
     with pytest.raises(ValueError, match="float32"):
         w.push_pull(torch.zeros(10, 10, dtype=torch.float64))
