@@ -174,8 +174,9 @@ def ddp_hook_keeps_the_workers_equal_and_sparse(cluster, tmp_path, device):
 def set_trained_model_takes_a_tensor(cluster, backend, device):
     """`backend` (sparseps.Worker or sparseps.capi.Worker) takes the trained model as a
     torch.Tensor on `device` that requires grad and is of another float type (detached, copied to
-    the host, converted), and the leader's model file holds exactly its values; something that is
-    neither an array nor a tensor is a ValueError naming the argument."""
+    the host, converted), and a buffer as a tensor on `device`: the leader's model file holds
+    exactly their values and the buffer's shape; something that is neither an array nor a tensor
+    is a ValueError naming the argument."""
     import numpy as np
     import torch  # only the tests that use it need it
     from test_model_file import read_safetensors
@@ -187,8 +188,10 @@ def set_trained_model_takes_a_tensor(cluster, backend, device):
     with pytest.raises(ValueError, match="params: expected a float32 array or tensor"):
         worker.set_trained_model(object())
     worker.set_trained_model(model)
+    worker.set_model_buffers({"bn.running_var": torch.full((2, 1), 0.5, device=device)})
     worker.finish()
     tensors, _ = read_safetensors(c.run_dir / "model.safetensors")
+    assert np.array_equal(tensors.pop("bn.running_var"), np.full((2, 1), 0.5, np.float32))
     written = np.sort(np.concatenate([t.reshape(-1) for t in tensors.values()]))
     assert np.array_equal(written, np.arange(n, dtype=np.float32) * 0.5)
 

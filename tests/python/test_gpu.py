@@ -101,7 +101,8 @@ def test_overlap_through_the_pybind11_module_on_the_gpu(cluster):
 
 
 def test_set_trained_model_takes_a_cuda_tensor_through_capi(cluster):
-    """The trained model handed over as a CUDA tensor: copied to the host, the model file exact."""
+    """The trained model and a buffer handed over as CUDA tensors: copied to the host, the model
+    file exact."""
     set_trained_model_takes_a_tensor(cluster, capi.Worker, "cuda")
 
 
