@@ -26,7 +26,7 @@ import os
 
 import numpy as np
 
-__all__ = ["Error", "RolledBack", "Worker", "cuda", "library"]
+__all__ = ["Error", "InvalidArgument", "RolledBack", "Worker", "cuda", "library"]
 
 OK, INVALID_ARGUMENT, DEADLINE_EXCEEDED, FAILED, INTERRUPTED, ROLLED_BACK = 0, 1, 2, 3, 4, 5
 HOST = -1
@@ -39,6 +39,11 @@ class Error(RuntimeError):
     def __init__(self, code, message):
         super().__init__(message)
         self.code = code
+
+
+class InvalidArgument(Error, ValueError):
+    """Bad input or config (code INVALID_ARGUMENT; the message names the key, file or size): a
+    ValueError too, as the pybind11 module raises for it, so `except ValueError` serves both."""
 
 
 class RolledBack(Error):
@@ -212,6 +217,8 @@ class Worker:
             raise KeyboardInterrupt(err.value.decode(errors="replace"))
         if code == ROLLED_BACK:
             raise RolledBack(code, err.value.decode(errors="replace"))
+        if code == INVALID_ARGUMENT:
+            raise InvalidArgument(code, err.value.decode(errors="replace"))
         if code != OK:
             raise Error(code, err.value.decode(errors="replace"))
 

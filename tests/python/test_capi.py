@@ -50,6 +50,8 @@ def test_a_bad_config_is_an_error_naming_the_key(tmp_path):
         capi.Worker(str(job))
     assert e.value.code == capi.INVALID_ARGUMENT
     assert "job.yaml:2" in str(e.value) and "train.lr" in str(e.value)
+    # A ValueError too, as the pybind11 module raises it: `except ValueError` serves both.
+    assert isinstance(e.value, capi.InvalidArgument) and isinstance(e.value, ValueError)
     job.write_text("train:\n  lr: 0.1\n  overlap: delay\n")
     with pytest.raises(capi.Error, match="train.overlap: delay"):
         capi.Worker(str(job))
