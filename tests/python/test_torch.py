@@ -496,8 +496,8 @@ def test_the_model_file_holds_the_model_the_optimizer_trained(cluster, backend, 
         opt.step()
     opt.synchronize()
     job = opt.worker.params()
-    with pytest.raises((ValueError, capi.Error), match="SetTrainedModel: params has 3 elements; "
-                                                       "the job has 26"):
+    with pytest.raises(ValueError, match="SetTrainedModel: params has 3 elements; "
+                                         "the job has 26"):
         opt.worker.set_trained_model(np.zeros(3, dtype=np.float32))
     opt.worker.finish()
     tensors, _ = read_safetensors(c.run_dir / "model.safetensors")
@@ -536,12 +536,11 @@ def test_the_model_file_holds_the_buffers_of_module_buffers(cluster, backend):
         opt.zero_grad()
         model(torch.randn(8, 5) * 3 + 1).pow(2).mean().backward()
         opt.step()
-    with pytest.raises((ValueError, capi.Error),
-                       match="'0.bias' is named twice, or as one of the model's"):
+    with pytest.raises(ValueError, match="'0.bias' is named twice, or as one of the model's"):
         worker.set_model_buffers({"0.bias": torch.zeros(4)})
     with pytest.raises(ValueError, match="set_model_buffers: bad: expected a float32 array"):
         worker.set_model_buffers({"bad": object()})
-    with pytest.raises((ValueError, capi.Error), match="a buffer has no name"):
+    with pytest.raises(ValueError, match="a buffer has no name"):
         worker.set_model_buffers({"": torch.zeros(1)})
     opt.synchronize()
     worker.finish()
