@@ -503,7 +503,7 @@ void Worker::SetModelBuffers(std::vector<ModelBuffer> buffers) {
 void Worker::SetCheckpointState(std::span<const uint8_t> state, std::span<const float> model) {
   Impl& m = *impl_;
   m.agg();  // before init: "call init(params) first"
-  Check(m.session->SubmitCheckpoint(state, model));
+  Check(m.session->SubmitCheckpoint(state, model, &m.buffers));
 }
 
 const std::vector<uint8_t>& Worker::checkpoint_state() const { return impl_->loop_user; }

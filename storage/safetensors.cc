@@ -285,6 +285,20 @@ Status BuildModelFile(std::span<const float> params, const std::vector<TensorLay
   return Status::OK();
 }
 
+Status AddModelBuffers(const ExtraTensors& extra, const std::vector<TensorLayout>& layers,
+                       SafetensorsWriter* w) {
+  std::set<std::string> names;
+  for (const auto& l : layers) names.insert(l.name);
+  SafetensorsWriter added;  // checked whole first: nothing is added to w on an error
+  SPARSEPS_RETURN_IF_ERROR(AddLayers(extra.values, extra.layers, "buffers", &names, &added));
+  for (const auto& l : extra.layers) {
+    uint64_t n = 1;
+    for (uint64_t d : l.shape) n *= d;
+    w->AddF32(l.name, l.shape, std::span<const float>(extra.values).subspan(l.offset, n));
+  }
+  return Status::OK();
+}
+
 Status WriteModelFile(const std::string& path, std::span<const float> params,
                       const std::vector<TensorLayout>& layers,
                       const std::map<std::string, std::string>& metadata,

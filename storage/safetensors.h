@@ -130,6 +130,12 @@ Status BuildModelFile(std::span<const float> params, const std::vector<TensorLay
                       const std::map<std::string, std::string>& metadata, SafetensorsWriter* writer,
                       const ExtraTensors* extra = nullptr);
 
+// Adds the tensors of `extra` to a writer that BuildModelFile filled from `layers` (a model
+// file built before the buffers were known). Errors: InvalidArgument when extra's layers do not
+// cover its values, or when a name is taken twice or is one of `layers`' (nothing is added then).
+Status AddModelBuffers(const ExtraTensors& extra, const std::vector<TensorLayout>& layers,
+                       SafetensorsWriter* writer);
+
 // Reads a model file back into a flat vector laid out by `layers`. Errors: those of Read;
 // InvalidArgument naming the file and the tensor that is missing or has another shape or dtype.
 Result<std::vector<float>> ReadModelFile(const std::string& path,

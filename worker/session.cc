@@ -270,7 +270,7 @@ void WorkerSession::Submit(std::unique_ptr<HeldCheckpoint> held) {
 }
 
 Status WorkerSession::SubmitCheckpoint(std::span<const uint8_t> loop_state,
-                                       std::span<const float> model) {
+                                       std::span<const float> model, const ExtraTensors* buffers) {
   if (held_ == nullptr) {
     return Status::FailedPrecondition(
         "no checkpoint is waiting for the loop's state: hand it over after the push-pull that "
@@ -281,14 +281,18 @@ Status WorkerSession::SubmitCheckpoint(std::span<const uint8_t> loop_state,
                                    " elements; the job has " +
                                    std::to_string(aggregator_->num_params()));
   }
+  if (buffers != nullptr && buffers->layers.empty()) buffers = nullptr;
+  if (held_->model != nullptr && !model.empty()) {
+    auto rebuilt = std::make_shared<SafetensorsWriter>();
+    SPARSEPS_RETURN_IF_ERROR(
+        BuildModelFile(model, layers_, held_->model_metadata, rebuilt.get(), buffers));
+    held_->model = std::move(rebuilt);
+  } else if (held_->model != nullptr && buffers != nullptr) {
+    SPARSEPS_RETURN_IF_ERROR(AddModelBuffers(*buffers, layers_, held_->model.get()));
+  }
   if (!loop_state.empty()) {
     held_->state->Add(std::string("loop.") + kLoopUserState, DType::kU8, {loop_state.size()},
                       loop_state.data(), loop_state.size());
-  }
-  if (!model.empty() && held_->model != nullptr) {
-    auto rebuilt = std::make_shared<SafetensorsWriter>();
-    SPARSEPS_RETURN_IF_ERROR(BuildModelFile(model, layers_, held_->model_metadata, rebuilt.get()));
-    held_->model = std::move(rebuilt);
   }
   Submit(std::move(held_));
   return Status::OK();

@@ -94,10 +94,12 @@ class WorkerSession {
   // Hands the held checkpoint to the background writer, with `loop_state` (bytes; empty: none)
   // stored in this worker's file as "loop.user" (LoopUserState reads it back at a resume) and,
   // on the leader, `model` (num_params() elements; empty: the job's parameters at the snapshot)
-  // as its model.safetensors. Nothing held: FailedPrecondition. A model of another size:
+  // as its model.safetensors, with `buffers` (optional: the model's buffers, such as BatchNorm's
+  // running statistics) beside the parameters. Nothing held: FailedPrecondition. A model of
+  // another size, or buffers the model file cannot hold (a name twice or a layer's):
   // InvalidArgument, and the checkpoint stays held.
   Status SubmitCheckpoint(std::span<const uint8_t> loop_state = {},
-                          std::span<const float> model = {});
+                          std::span<const float> model = {}, const ExtraTensors* buffers = nullptr);
   // The name of the loop's own state in the "loop" scope of a worker's checkpoint file.
   static constexpr const char* kLoopUserState = "user";
 

@@ -23,8 +23,9 @@ class SparseAllreduceState:
     extra_state: a dict of name -> object with state_dict() and load_state_dict(), such as an LR
     scheduler), taken as the loop leaves them between two steps (at the next step's last bucket,
     after the loop's optimizer.step() and scheduler.step()), and worker 0's checkpoint model file
-    the model; on a resumed job (checkpoint.resume) the constructor restores them (RuntimeError
-    when the checkpoint holds none: its job's parameters are not the DDP model), so the loop
+    the model, its buffers (BatchNorm's running statistics) beside the parameters; on a resumed
+    job (checkpoint.resume) the constructor restores them (RuntimeError when the checkpoint holds
+    none: its job's parameters are not the DDP model), so the loop
     starts at worker.step. synchronize() after the last step, on every worker, hands over a
     checkpoint of that step and makes the model the trained model file's
     (<run.dir>/model.safetensors), which otherwise holds the job's parameters."""
@@ -45,6 +46,7 @@ class SparseAllreduceState:
             offset += p.numel()
         self.flat = torch.zeros(offset, dtype=torch.float32, device=self.params[0].device)
         self.pending = []  # (bucket, future) of this step
+        self._held_buffers = {}  # the module's buffers at the checkpoint's step (_step_ended)
         self.worker = worker
         _finished(self.flat)
         with torch.no_grad():
@@ -66,7 +68,18 @@ class SparseAllreduceState:
         state = {"format": _FORMAT, "params": flat,
                  "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
                  "extra": self._loop.state_dicts()}
+        buffers, self._held_buffers = self._held_buffers, {}
+        if buffers:  # beside the parameters in the checkpoint's model file
+            self.worker.set_model_buffers(buffers)
         self.worker.set_checkpoint_state(_state.dumps(state), flat.numpy())
+
+    def _step_ended(self):
+        """At the last bucket of a step that took a checkpoint: its forward pass is done, so the
+        module's buffers (BatchNorm's running statistics) are that step's; worker 0 keeps a copy
+        for the checkpoint's model file, which the next step's forward pass would change."""
+        self._loop.step_ended()
+        if self.worker.is_leader:
+            self._held_buffers = {n: b.detach().clone() for n, b in self.module.named_buffers()}
 
     def _restore(self):
         """A resumed job: the model, the optimizer's and extra_state's state of the checkpoint."""
@@ -115,7 +128,7 @@ def sparse_allreduce_hook(state, bucket):
         state._submit_pending()
         update = torch.from_numpy(state.worker.push_pull(state.flat))
         if state.worker.checkpoint_due:
-            state._loop.step_ended()  # the model of this step: after the loop's optimizer step
+            state._step_ended()  # the model of this step: after the loop's optimizer step
         update = update.to(state.flat.device).div_(state.worker.lr)
         for b, f in state.pending:
             out = b.buffer()

@@ -108,8 +108,9 @@ class ModuleBuffers:
     """A module's buffers (BatchNorm's running mean, variance and batch count: what is not a
     parameter) as an extra_state object, since sparseps aggregates and checkpoints the
     parameters only: extra_state={"buffers": ModuleBuffers(model)} keeps them in the checkpoints
-    and restores them on resume, so that the model evaluates as before, and
-    DistributedOptimizer.synchronize() puts them into the trained model file. The next step's
+    and restores them on resume, so that the model evaluates as before, and DistributedOptimizer
+    puts them into worker 0's checkpoint model files and (synchronize()) the trained model file
+    beside the parameters. The next step's
     forward pass changes them before the checkpoint takes the loop's state, so they are copied at
     the end of the checkpoint's own step (step_ended). state_dict(): {name: tensor};
     load_state_dict copies each into the buffer of that name (KeyError naming the lists when the

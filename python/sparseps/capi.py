@@ -340,9 +340,9 @@ class Worker:
     def set_model_buffers(self, buffers):
         """The model's buffers (a dict of name -> float array or torch.Tensor on any device, such
         as a module's named_buffers(): BatchNorm's running statistics) that worker 0 writes
-        beside the parameters into the trained model file at finish, replacing earlier ones
-        ({}: none). ValueError for a name of one of the model's layers, or for something that
-        is not an array or tensor."""
+        beside the parameters into the trained model file at finish and into a checkpoint's
+        model file at set_checkpoint_state, replacing earlier ones ({}: none). ValueError for a
+        name of one of the model's layers, or for something that is not an array or tensor."""
         names, arrays = [], []
         for name, value in buffers.items():
             names.append(str(name).encode())
@@ -360,8 +360,9 @@ class Worker:
     def set_checkpoint_state(self, state, model=None):
         """Right after the push_pull that returned with checkpoint_due True: the loop's own state
         (bytes) for this worker's checkpoint file and, on worker 0, `model` (flat float32, or a
-        tensor, of num_params elements; None: the job's parameters) as the checkpoint's model file
-        (as sparseps.Worker.set_checkpoint_state)."""
+        tensor, of num_params elements; None: the job's parameters) as the checkpoint's model file,
+        with the buffers set_model_buffers set last beside it (as
+        sparseps.Worker.set_checkpoint_state)."""
         state = bytes(state)
         buffer = (ctypes.c_uint8 * max(len(state), 1)).from_buffer_copy(state or b"\0")
         array = None

@@ -115,7 +115,8 @@ class DistributedOptimizer:
     Checkpoints (checkpoint.every_steps, every_s): at each one, step() hands the worker its own
     state of that step (worker.set_checkpoint_state: the wrapped optimizer's state_dict, the
     model where it is not the job's parameters, local_view's shift, the frozen denominators), and
-    worker 0's checkpoint model file gets the model; on a resumed job the constructor restores
+    worker 0's checkpoint model file gets the model (with extra_state's ModuleBuffers' buffers
+    beside the parameters); on a resumed job the constructor restores
     them, and after a rollback (a lost server replaced) step() restores them before it raises
     sparseps.RolledBack, so the loop only goes back to worker.step in its data.
 
@@ -326,8 +327,22 @@ class DistributedOptimizer:
                  "view_shift": None if self._view_shift is None else self._view_shift.cpu(),
                  "scale": None if self._scale is None else self._scale[1].cpu(),
                  "extra": self._loop.state_dicts()}
+        buffers = self._module_buffers(state["extra"])
+        if buffers:  # beside the parameters in the checkpoint's model file
+            self.worker.set_model_buffers(buffers)
         self.worker.set_checkpoint_state(_state.dumps(state),
                                          None if flat is None else flat.numpy())
+
+    def _module_buffers(self, saved=None):
+        """The buffers of extra_state's ModuleBuffers (BatchNorm's running statistics), by the
+        module's names, for the model files: as `saved` (the checkpoint's state_dicts of
+        extra_state: the buffers as the checkpoint's step left them) holds them, or as they are
+        now."""
+        buffers = {}
+        for name, obj in self._loop.extra.items():
+            if isinstance(obj, _state.ModuleBuffers):
+                buffers.update(saved[name] if saved is not None else obj.module.named_buffers())
+        return buffers
 
     def _restore(self, how):
         """On a resumed job (after init) or after a rollback (how: "resumed from", "rolled back
@@ -585,10 +600,7 @@ class DistributedOptimizer:
         if own or self._view_shift is not None:
             flat = torch.cat([p.detach().reshape(-1) for p in self._params])
             self.worker.set_trained_model(flat.cpu().numpy())
-        buffers = {}
-        for obj in self._loop.extra.values():
-            if isinstance(obj, _state.ModuleBuffers):
-                buffers.update(obj.module.named_buffers())
+        buffers = self._module_buffers()
         if buffers:
             self.worker.set_model_buffers(buffers)
 

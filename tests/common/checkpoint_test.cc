@@ -112,6 +112,32 @@ TEST_F(CheckpointTest, ModelFileHoldsTheBuffersBesideTheParametersAndReadsBack) 
   EXPECT_FALSE(std::filesystem::exists(Path("short.safetensors")));
 }
 
+TEST_F(CheckpointTest, BuffersAddedToABuiltModelFileAreBesideTheParameters) {
+  // A checkpoint's model file is built at the snapshot; the loop's buffers come after it.
+  const std::vector<float> params = {1, 2, 3, 4, 5, 6, 7, 8};
+  const std::vector<TensorLayout> layers = {{"fc.weight", {2, 3}, 0}, {"fc.bias", {2}, 6}};
+  SafetensorsWriter w;
+  ASSERT_TRUE(BuildModelFile(params, layers, {{"format", "sparseps-model"}}, &w).ok());
+  // Refused whole, nothing added: a buffer named as a layer; buffers that miss values.
+  ExtraTensors clash{{{"bn.running_mean", {1}, 0}, {"fc.bias", {1}, 1}}, {0.5f, 2.0f}};
+  Status s = AddModelBuffers(clash, layers, &w);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("two tensors named fc.bias"));
+  ExtraTensors uncovered{{{"bn.running_mean", {1}, 0}}, {0.5f, 2.0f}};
+  EXPECT_THAT(AddModelBuffers(uncovered, layers, &w).message(),
+              HasSubstr("the layers cover 1 of 2 buffers"));
+  ExtraTensors buffers{{{"bn.running_var", {2}, 0}}, {0.75f, 1.5f}};
+  ASSERT_TRUE(AddModelBuffers(buffers, layers, &w).ok());
+  auto f = SafetensorsFile::Parse(w.Serialize(), "built.safetensors");
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  EXPECT_EQ(f->names().size(), 3u);  // fc.weight, fc.bias, bn.running_var: no running_mean
+  const auto* var = f->Find("bn.running_var");
+  ASSERT_NE(var, nullptr);
+  std::vector<float> got(2);
+  std::memcpy(got.data(), f->Data(*var).data(), 8);
+  EXPECT_EQ(got, (std::vector<float>{0.75f, 1.5f}));
+}
+
 TEST_F(CheckpointTest, MalformedSafetensorsAreRefusedNamingTheFile) {
   SafetensorsWriter w;
   w.AddF32("x", {4}, std::vector<float>{1, 2, 3, 4});

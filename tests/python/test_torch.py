@@ -235,10 +235,20 @@ def test_ddp_hook_keeps_the_workers_equal_and_sparse(cluster, tmp_path):
 def test_the_ddp_hooks_model_file_holds_the_models_buffers(cluster, tmp_path):
     """SparseAllreduceState.synchronize() hands the DDP model's buffers to the worker: worker 0's
     model file holds BatchNorm's running statistics as rank 0's model has them (DDP broadcasts
-    rank 0's buffers), beside the parameters."""
+    rank 0's buffers), beside the parameters; so does each checkpoint's model file (every 4
+    steps), as the checkpoint's step left them (not the next step's forward pass)."""
     from test_model_file import read_safetensors
-    c = cluster("cluster: {register_timeout_s: 60}\n", servers=0, sets=DDP_HOOK_SETS)
-    got = run_ddp_workers(c, tmp_path, "cpu", args=["--batchnorm", "--steps", "10"])
+    sets = ["checkpoint.every_steps=4", "checkpoint.keep=0"]
+    c = cluster("cluster: {register_timeout_s: 60}\n", servers=0, sets=DDP_HOOK_SETS + sets)
+    got = run_ddp_workers(c, tmp_path, "cpu", args=["--batchnorm", "--steps", "10"], sets=sets)
+    c.wait()
+    for step in (4, 8):
+        held, _ = read_safetensors(c.run_dir / "checkpoints" / f"iter-{step:010d}" /
+                                   "model.safetensors")
+        assert sorted(held) == ["0.bias", "0.weight", "1.bias", "1.num_batches_tracked",
+                                "1.running_mean", "1.running_var", "1.weight", "3.bias",
+                                "3.weight"], step
+        assert float(held["1.num_batches_tracked"]) == step
     tensors, _ = read_safetensors(c.run_dir / "model.safetensors")
     buffers = got[0]["buffers"]
     assert sorted(buffers) == ["1.num_batches_tracked", "1.running_mean", "1.running_var"]

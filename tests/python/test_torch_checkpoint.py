@@ -98,7 +98,8 @@ def test_a_resumed_job_goes_on_with_the_optimizers_state(cluster, case, backend)
     """Stopped after 13 steps and resumed from the newest complete checkpoint (step 10, or 5): every
     later model and the final residuals are those of the job never stopped, and the checkpoint's
     model file is worker 0's model at that step (its own copy, or local_view's view, where the
-    job's parameters are not the model)."""
+    job's parameters are not the model), its BatchNorm's running statistics (ModuleBuffers)
+    beside the parameters as that step left them."""
     whole = train(cluster(CONFIG, sets=SETS), case, backend)
     cut = cluster(CONFIG, sets=SETS)
     train(cut, case, backend, stop_after=13)
@@ -109,6 +110,9 @@ def test_a_resumed_job_goes_on_with_the_optimizers_state(cluster, case, backend)
     tensors, _ = read_safetensors(manifests[-1].parent / "model.safetensors")
     saved = np.concatenate([tensors[n].reshape(-1) for n, _ in make_model().named_parameters()])
     np.testing.assert_array_equal(saved, whole[0][1][newest][:saved.size])  # the parameters
+    buffers = np.concatenate([tensors[n].reshape(-1) for n, _ in make_model().named_buffers()])
+    np.testing.assert_array_equal(buffers, whole[0][1][newest][saved.size:])
+    assert float(tensors["1.num_batches_tracked"]) == newest
     resume = [f"checkpoint.dir={cut.run_dir / 'checkpoints'}", "checkpoint.resume=true"]
     again = train(cluster(CONFIG, sets=SETS + resume), case, backend, sets=resume)
     for r in range(2):

@@ -230,8 +230,9 @@ class Worker {
   };
 
   /// The buffers worker 0 writes beside the parameters into the trained model file at Finish
-  /// (run.dir/model.safetensors, F32 tensors by name), so that the file holds the whole model;
-  /// a later call replaces them (an empty list: none). Throws kInvalidArgument for an empty or
+  /// (run.dir/model.safetensors, F32 tensors by name), and into a checkpoint's model file at
+  /// SetCheckpointState, so that the file holds the whole model; a later call replaces them (an
+  /// empty list: none). Throws kInvalidArgument for an empty or
   /// repeated name, a name of one of the model's layers, or values that are not the shape's
   /// product (nothing is kept then). Not thread-safe against this worker's other calls.
   void SetModelBuffers(std::vector<ModelBuffer> buffers);
@@ -240,7 +241,8 @@ class Worker {
   /// loop's own state of that step, after its optimizer stepped: `state` (bytes in a format
   /// of the loop's, e.g. its optimizer's state serialised; empty: none) goes into this worker's
   /// checkpoint file, and on worker 0 `model` (num_params() elements; empty: the job's parameters)
-  /// becomes the checkpoint's model.safetensors. A resumed job (or one rolled back to that
+  /// becomes the checkpoint's model.safetensors, with the buffers SetModelBuffers set last
+  /// beside it (set them first for this step's). A resumed job (or one rolled back to that
   /// checkpoint) gives the state back as checkpoint_state(). Without this call the checkpoint is
   /// written at the next push-pull (or Finish) as it was taken. Throws kFailed when no checkpoint
   /// waits (called twice, or not right after the push-pull that took it), kInvalidArgument for a

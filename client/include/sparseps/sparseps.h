@@ -132,7 +132,8 @@ int sparseps_worker_synchronize(sparseps_worker* worker, float* params, size_t n
 int sparseps_worker_set_trained_model(sparseps_worker* worker, const float* params, size_t n,
                                       char* err, size_t err_len);
 /* The model's buffers (BatchNorm's running statistics) that worker 0 writes beside the
- * parameters into the trained model file at finish, replacing earlier ones (count 0: none):
+ * parameters into the trained model file at finish and into a checkpoint's model file at
+ * set_checkpoint_state, replacing earlier ones (count 0: none):
  * buffer i is names[i], of ndims[i] dimensions shapes[i][0..ndims[i]) (elements; 0 dimensions: a
  * scalar), with values[i] (their product of floats, copied). See
  * sparseps::client::Worker::SetModelBuffers. */
@@ -142,7 +143,8 @@ int sparseps_worker_set_model_buffers(sparseps_worker* worker, size_t count,
                                       size_t err_len);
 /* Right after the push-pull that took a checkpoint (checkpoint_due): the loop's own state
  * (state_n bytes; may be 0) for this worker's checkpoint file and, on worker 0, the model for the
- * checkpoint's model file (model_n = num_params, or 0: the job's parameters); see
+ * checkpoint's model file (model_n = num_params, or 0: the job's parameters), with the buffers
+ * set last by set_model_buffers; see
  * sparseps::client::Worker::SetCheckpointState. */
 int sparseps_worker_set_checkpoint_state(sparseps_worker* worker, const uint8_t* state,
                                          size_t state_n, const float* model, size_t model_n,
