@@ -26,7 +26,8 @@ import os
 
 import numpy as np
 
-__all__ = ["Error", "InvalidArgument", "RolledBack", "Worker", "cuda", "library"]
+__all__ = ["DeadlineExceeded", "Error", "InvalidArgument", "RolledBack", "Worker", "cuda",
+           "library"]
 
 OK, INVALID_ARGUMENT, DEADLINE_EXCEEDED, FAILED, INTERRUPTED, ROLLED_BACK = 0, 1, 2, 3, 4, 5
 HOST = -1
@@ -44,6 +45,12 @@ class Error(RuntimeError):
 class InvalidArgument(Error, ValueError):
     """Bad input or config (code INVALID_ARGUMENT; the message names the key, file or size): a
     ValueError too, as the pybind11 module raises for it, so `except ValueError` serves both."""
+
+
+class DeadlineExceeded(Error, TimeoutError):
+    """A wait ran past its deadline (code DEADLINE_EXCEEDED; the message names who is missing): a
+    TimeoutError too, as the pybind11 module raises for it, so `except TimeoutError` serves
+    both."""
 
 
 class RolledBack(Error):
@@ -219,6 +226,8 @@ class Worker:
             raise RolledBack(code, err.value.decode(errors="replace"))
         if code == INVALID_ARGUMENT:
             raise InvalidArgument(code, err.value.decode(errors="replace"))
+        if code == DEADLINE_EXCEEDED:
+            raise DeadlineExceeded(code, err.value.decode(errors="replace"))
         if code != OK:
             raise Error(code, err.value.decode(errors="replace"))
 

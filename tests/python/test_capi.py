@@ -57,6 +57,15 @@ def test_a_bad_config_is_an_error_naming_the_key(tmp_path):
         capi.Worker(str(job))
 
 
+def test_a_missing_scheduler_is_a_timeout_error_naming_it():
+    """A deadline is capi.DeadlineExceeded, a capi.Error and a TimeoutError, as the pybind11
+    module raises TimeoutError for it."""
+    w = capi.Worker("", overrides=["cluster.scheduler_port=1", "cluster.register_timeout_s=0.5"])
+    with pytest.raises(TimeoutError, match="membership") as e:
+        w.init(np.zeros(4, dtype=np.float32))
+    assert isinstance(e.value, capi.DeadlineExceeded) and e.value.code == capi.DEADLINE_EXCEEDED
+
+
 def test_arrays_that_are_not_float32_are_refused_before_the_library_sees_them(tmp_path):
     job = tmp_path / "job.yaml"
     job.write_text("train: {lr: 0.1}\n")
