@@ -26,11 +26,13 @@
 #            setting), into the same folder (with gpucompare in the same call: one table)
 #   gpucompare10 the same at 10 Gbit/s (sparseps-compare --rate 10gbit)
 #   gpulm    configs/compare_lm_gpu_1gbit.yaml: the language model on 4 GPU workers at 1 Gbit/s
+#   mlpcores configs/compare_torch_mlp_cores_1gbit.yaml: issue 44's 1 Gbit/s MLP goal rows with
+#            CPU workers on cores of their own (MLPCORES_ONLY; default seed 42's four rows)
 #   scaling46 issue 46 on the 16 cores: configs/compare_advise.yaml's calibration on loopback and
 #            its settings (ADVISE_ONLY) at W = ADVISE_WORKERS (2 4 8) and ADVISE_RATE (1gbit)
 #   sanitize the GPU tests, then under compute-sanitizer's memcheck, racecheck and synccheck
 #            (SANITIZERS: which of the three)
-# RESUME=1: the comparison phases go on with the runs already in their /tmp/cN (c4 to c9)
+# RESUME=1: the comparison phases go on with the runs already in their /tmp/cN (c4 to c10)
 # (sparseps-compare --resume: finished settings kept, the others run).
 # STEP_MODELS (cnn,mlp,resnet18), STEP_METHODS (ps_topk,spardl) and STEP_WORKERS (2) narrow the
 # step phase; with one worker the GPU is no worker's to share.
@@ -220,6 +222,10 @@ phase_gpucompare10() {
     --only "$GPU_ONLY"
 }
 phase_gpulm() { compare gpulm c8 480 --config configs/compare_lm_gpu_1gbit.yaml; }
+phase_mlpcores() {
+  compare mlpcores c10 400 --config configs/compare_torch_mlp_cores_1gbit.yaml \
+    --only "${MLPCORES_ONLY:-torch_ddp_gloo,torch_ddp_fp16,torch_powersgd,torch_ps_topk_server_topk_compact}"
+}
 phase_scaling46() {
   # Issue 46: the simulator against runs on 16 cores. sparseps-advise's calibration (the
   # comparison on loopback, W = 4) and the same settings measured at W = ADVISE_WORKERS on
