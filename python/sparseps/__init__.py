@@ -18,10 +18,14 @@ here imports torch. sparseps.torch has a DistributedOptimizer and a DDP communic
 docs/user-guide.md ("Python") has the whole story. sparseps.capi is the same worker, with the
 same interface, through the client library's C interface and ctypes, for a Python the module was
 not built for; both are layers on the client library (libsparseps_client.so).
+sparseps.read_model_file reads the model file a job writes (model.safetensors) into NumPy arrays;
+sparseps.torch.load_model_file into a state_dict for a module's load_state_dict.
 """
 import json
 
-__all__ = ["Error", "RolledBack", "Worker", "cuda"]
+from ._model_file import read_model_file
+
+__all__ = ["Error", "RolledBack", "Worker", "cuda", "read_model_file"]
 
 
 def _module():

@@ -38,6 +38,9 @@ instead of Gloo's dense allreduce, as torch's own PowerSGD hook does with its st
 The job must use `aggregation: allreduce` (no servers); the hook hands DDP the averaged
 aggregated gradient (update / train.lr), so train.lr: 1 is exact.
 
+load_model_file: the model file a job writes (<run.dir>/model.safetensors, a checkpoint's) as a
+state_dict, for model.load_state_dict(..., strict=True) without the safetensors package.
+
 Only torch is imported here, not linked: any PyTorch with DLPack works (Debian's 1.13 is tested).
 """
 import time
@@ -46,14 +49,28 @@ import warnings
 import torch
 
 from sparseps import _state
+from sparseps._model_file import read_model_file
 from sparseps._ddp_hook import SparseAllreduceState, sparse_allreduce_hook
 from sparseps._frozen_adam import (_check_freeze, _frozen, _frozen_adam_step,
                                    _frozen_denominator, _step_count)
 from sparseps._state import ModuleBuffers
 from sparseps._tensors import _finished, _float32_params
 
-__all__ = ["DistributedOptimizer", "ModuleBuffers", "SparseAllreduceState",
+__all__ = ["DistributedOptimizer", "ModuleBuffers", "SparseAllreduceState", "load_model_file",
            "sparse_allreduce_hook"]
+
+
+def load_model_file(path, device="cpu"):
+    """The model file a sparseps job writes (<run.dir>/model.safetensors by worker 0 at finish,
+    or a checkpoint folder's) as a state_dict: a dict of name -> tensor on `device`, under the
+    names the model gave (init(names=...); DistributedOptimizer(names=...), the DDP hook and
+    examples/torch_job.py give the module's), parameters and, where the loop handed them over
+    (ModuleBuffers, the DDP hook, set_model_buffers), buffers, all float32 as the file holds
+    them: model.load_state_dict(load_model_file(path), strict=True) copies each into its
+    parameter or buffer, casting to its dtype (BatchNorm's num_batches_tracked: int64). Errors
+    as sparseps.read_model_file's (OSError, ValueError naming the file)."""
+    tensors, _ = read_model_file(path)
+    return {name: torch.from_numpy(array).to(device) for name, array in tensors.items()}
 
 
 class DistributedOptimizer:

@@ -554,17 +554,77 @@ def test_the_model_file_holds_the_buffers_of_module_buffers(cluster, backend):
         worker.set_model_buffers({"": torch.zeros(1)})
     opt.synchronize()
     worker.finish()
-    tensors, _ = read_safetensors(c.run_dir / "model.safetensors")
+    tensors, meta = read_safetensors(c.run_dir / "model.safetensors")
     state = model.state_dict()
     assert sorted(tensors) == sorted(state)  # 1.running_mean, 1.num_batches_tracked, ...
     assert float(tensors["1.num_batches_tracked"]) == 5
     assert not np.allclose(tensors["1.running_mean"], 0)  # moved by the 5 steps' batches
+    # sparseps's own reader reads what the format's definition reads.
+    got, got_meta = sparseps.read_model_file(c.run_dir / "model.safetensors")
+    assert got_meta == meta and list(got) == list(tensors)
+    for name, t in tensors.items():
+        assert got[name].dtype == t.dtype and np.array_equal(got[name], t), name
     fresh = make()
-    fresh.load_state_dict({n: torch.from_numpy(t.copy()) for n, t in tensors.items()}, strict=True)
+    fresh.load_state_dict(sparseps.torch.load_model_file(c.run_dir / "model.safetensors"),
+                          strict=True)
     model.eval()
     fresh.eval()
     x = torch.randn(16, 5)
     assert torch.equal(fresh(x), model(x))
+
+
+def test_read_model_file_refuses_a_broken_file_naming_it(tmp_path):
+    """sparseps.read_model_file on files made by the format's definition: a whole one reads back
+    (dtypes, shapes, metadata, a scalar, an empty tensor); a broken one is a ValueError naming
+    the file and the fault, as the C++ reader refuses it."""
+    import json
+    import struct
+
+    def write(header, data, name="m.safetensors", length=None):
+        text = json.dumps(header).encode()
+        path = tmp_path / name
+        path.write_bytes(struct.pack("<Q", len(text) if length is None else length) + text + data)
+        return path
+
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    n = np.array(7, dtype=np.int64)
+    good = {"__metadata__": {"format": "sparseps-model"},
+            "a": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]},
+            "n": {"dtype": "I64", "shape": [], "data_offsets": [24, 32]},
+            "e": {"dtype": "F32", "shape": [0, 4], "data_offsets": [32, 32]}}
+    data = a.tobytes() + n.tobytes()
+    tensors, meta = sparseps.read_model_file(write(good, data))
+    assert meta == {"format": "sparseps-model"} and list(tensors) == ["a", "n", "e"]
+    assert np.array_equal(tensors["a"], a) and tensors["n"].shape == () and tensors["n"] == 7
+    assert tensors["e"].shape == (0, 4)
+    tensors["a"][0, 0] = 1  # writable: a state_dict's tensors may be changed in place
+    state = sparseps.torch.load_model_file(tmp_path / "m.safetensors")
+    assert state["a"].dtype == torch.float32 and state["n"].dtype == torch.int64
+
+    def refused(fault, header=good, body=data, **kw):
+        path = write(header, body, name="bad.safetensors", **kw)
+        with pytest.raises(ValueError, match=f"bad.safetensors: not a safetensors model file: "
+                                             f"{fault}"):
+            sparseps.read_model_file(path)
+
+    refused("tensor 'n' lies at \\[24, 32\\) beyond the 31 data bytes", body=data[:-1])
+    refused("1 bytes after the last tensor", body=data + b"\0")
+    refused("a header of 4096 bytes in a file of", length=4096)
+    refused("the header is not JSON", length=5)
+    refused("tensor 'a' has unsupported dtype F8",
+            header={**good, "a": {**good["a"], "dtype": "F8"}})
+    refused("tensor 'a' holds 24 bytes, not what its shape and dtype need",
+            header={**good, "a": {**good["a"], "shape": [2, 2]}})
+    refused("tensor 'n' does not follow the previous one",
+            header={**good, "n": {**good["n"], "data_offsets": [16, 24]},
+                    "e": {**good["e"], "data_offsets": [24, 24]}}, body=data[:24])
+    refused("tensor 'a' lacks dtype, shape or data_offsets",
+            header={**good, "a": {"dtype": "F32"}})
+    (tmp_path / "short.safetensors").write_bytes(b"\1\0")
+    with pytest.raises(ValueError, match="short.safetensors: .*2 bytes, fewer than the header"):
+        sparseps.read_model_file(tmp_path / "short.safetensors")
+    with pytest.raises(OSError):
+        sparseps.read_model_file(tmp_path / "absent.safetensors")
 
 
 def test_overlap_is_refused_where_step_changes_the_gradient(cluster):
