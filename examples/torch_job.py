@@ -15,6 +15,10 @@ eval_every_steps, device), data.max_train_samples, data.max_test_samples, run.di
 run.progress_interval_s mean what they mean for the C++ worker. Each worker trains on its own
 shard (a seeded permutation of the training samples dealt by rank).
 
+--evaluate FILE trains nothing: it scores a model file that a job of --model wrote
+(<run.dir>/model.safetensors, or a checkpoint folder's) on the test set of --config and --set (the
+run's config.yaml and overrides.txt), as sparseps-eval does for the C++ worker's models.
+
 Optimizers (--optimizer): sgd (default) is torch's SGD at train.lr, with DGC's momentum
 correction (train.momentum) inside sparseps; adam and adamw are torch's at --opt-lr. With
 `--aggregate gradient` (default) sparseps aggregates the gradients and the optimizer steps with the
@@ -221,7 +225,52 @@ def parser(doc, models, default_model=None):
     ap.add_argument("--profile-memcpy", type=int, default=0, metavar="N",
                     help="count the host-device copies of steps 11 to 10 + N (torch.profiler: "
                     "PyTorch's and sparseps's alike) into memcpy-worker-R.json in run.dir")
+    ap.add_argument("--evaluate", default="", metavar="FILE",
+                    help="no training: score a model file that a job of --model wrote "
+                    "(<run.dir>/model.safetensors, a checkpoint's) on the test set of --config "
+                    "(the run's config.yaml), as sparseps-eval does for the C++ models")
     return ap
+
+
+def describe(names, what, shown=3):
+    """["N tensors WHAT: a, b, c, ..."] for a nonempty list of names (the first `shown`), else
+    []."""
+    if not names:
+        return []
+    more = ", ..." if len(names) > shown else ""
+    return [f"{len(names)} tensor{'s' if len(names) > 1 else ''} {what}: "
+            f"{', '.join(names[:shown])}{more}"]
+
+
+def evaluate_file(args, build_model, load_data, get, device, perplexity):
+    """--evaluate FILE: the model of args.model loaded from FILE (sparseps.torch.load_model_file,
+    strict: its parameters and buffers), scored on the config's test set (data.max_test_samples)
+    as the job's own evaluation scores it; prints sparseps-eval's line. ValueError when FILE does
+    not hold that model (another --model, or the file of a --ddp run, whose names are not the
+    module's)."""
+    model = build_model(args.model, get).to(device)
+    try:
+        tensors = sparseps.torch.load_model_file(args.evaluate, device)
+    except OSError as e:
+        raise ValueError(f"--evaluate {args.evaluate}: {e.strerror or e}") from None
+    want = model.state_dict()
+    faults = describe([n for n in want if n not in tensors], "missing")
+    faults += describe([n for n in tensors if n not in want], "not the model's")
+    faults += describe([f"{n} (the file's {list(t.shape)}, the model's {list(want[n].shape)})"
+                        for n, t in tensors.items() if n in want and t.shape != want[n].shape],
+                       "of another shape")
+    if faults:
+        raise ValueError(f"--evaluate {args.evaluate}: not a model of --model {args.model}: "
+                         + "; ".join(faults))
+    model.load_state_dict(tensors, strict=True)
+    _, _, xt, yt, _ = load_data(args, get)
+    if get("data.max_test_samples"):
+        xt, yt = xt[:get("data.max_test_samples")], yt[:get("data.max_test_samples")]
+    loss, accuracy = evaluate(model, xt.to(device), yt.to(device))
+    _, meta = sparseps.read_model_file(args.evaluate)
+    ppl = f", test perplexity {math.exp(min(loss, 50.0)):.2f}" if perplexity else ""
+    print(f"test loss {loss:.4f}, test accuracy {100 * accuracy:.2f}%{ppl} ({len(yt)} samples, "
+          f"iteration {meta.get('iteration', '?')})")
 
 
 def make_optimizer(args, params, get, ddp):
@@ -263,6 +312,8 @@ def run(args, build_model, load_data, perplexity=False):
     device = torch.device(args.device or get("train.device"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: this PyTorch sees no CUDA device")
+    if args.evaluate:
+        return evaluate_file(args, build_model, load_data, get, device, perplexity)
     if args.aggregate == "update" and args.ddp:
         raise ValueError("--aggregate update: sparseps's, not DDP's")
     if args.overlap and args.ddp:

@@ -200,7 +200,8 @@ def test_the_example_resumed_ends_with_the_model_of_a_job_never_stopped(tmp_path
     warmed up over 40 steps, PS top-k 1%) through deploy/launch.sh: 45 steps, then `launch.sh
     --resume RUN --set train.max_steps=60` (from the checkpoint of step 30, the worker command
     given --resume), writes the same model file, byte for byte, as 60 steps never stopped (the
-    schedule's state went with the checkpoint)."""
+    schedule's state went with the checkpoint). The example's --evaluate scores that file as the
+    job's own final evaluation did, and refuses it for another --model, naming the faults."""
     command = (f"{sys.executable} {ROOT / 'examples' / 'fashion_mnist.py'} --model cnn "
                "--optimizer adam --freeze-variance-step 20 --lr-schedule cosine "
                "--warmup-steps 40")
@@ -217,6 +218,20 @@ def test_the_example_resumed_ends_with_the_model_of_a_job_never_stopped(tmp_path
     assert p.returncode == 0, p.stdout + p.stderr
     assert "resumed from" in (cut / "worker-0.log").read_text()
     assert (cut / "model.safetensors").read_bytes() == (whole / "model.safetensors").read_bytes()
+    example = [sys.executable, str(ROOT / "examples" / "fashion_mnist.py"), "--evaluate",
+               str(whole / "model.safetensors"), "--config", str(whole / "config.yaml"),
+               *(whole / "overrides.txt").read_text().split()]
+    p = subprocess.run(example + ["--model", "cnn"], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    last = (whole / "eval-worker-0.csv").read_text().splitlines()[-1].split(",")
+    assert p.stdout.strip() == (f"test loss {float(last[3]):.4f}, test accuracy "
+                                f"{100 * float(last[4]):.2f}% (500 samples, iteration 60)")
+    p = subprocess.run(example + ["--model", "resnet18"], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert p.returncode == 2 and "not a model of --model resnet18: 121 tensors missing: " \
+        "bn1.weight" in p.stderr and "conv1.weight (the file's [16, 1, 5, 5], the model's " \
+        "[64, 1, 3, 3])" in p.stderr, p.stderr
 
 
 def test_a_ddp_hook_job_resumes_with_its_model_and_saves_it(cluster, tmp_path):
