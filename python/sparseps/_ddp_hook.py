@@ -79,7 +79,8 @@ class SparseAllreduceState:
         for the checkpoint's model file, which the next step's forward pass would change."""
         self._loop.step_ended()
         if self.worker.is_leader:
-            self._held_buffers = {n: b.detach().clone() for n, b in self.module.named_buffers()}
+            self._held_buffers = {n: b.detach().clone() for n, b in
+                                  _state.persistent_buffers(self.module).items()}
 
     def _restore(self):
         """A resumed job: the model, the optimizer's and extra_state's state of the checkpoint."""
@@ -108,7 +109,7 @@ class SparseAllreduceState:
         statistics, under the module's names) beside them."""
         self._submit_pending()
         self.worker.set_trained_model(self._model().numpy())
-        buffers = dict(self.module.named_buffers())
+        buffers = _state.persistent_buffers(self.module)
         if buffers:
             self.worker.set_model_buffers(buffers)
 

@@ -104,13 +104,24 @@ class LoopState:
                 warnings.warn(f"{where} holds no state of extra_state[{name!r}]; it starts again")
 
 
+def persistent_buffers(module, buffers=None):
+    """Of `buffers` (a dict of name -> tensor; default: the module's named_buffers()), those in
+    the module's state_dict: a buffer registered with persistent=False (a causal mask, a cache)
+    is no part of the model's state, and a model file holding it would not load strictly."""
+    state = module.state_dict(keep_vars=True)
+    if buffers is None:
+        buffers = dict(module.named_buffers())
+    return {name: b for name, b in buffers.items() if name in state}
+
+
 class ModuleBuffers:
     """A module's buffers (BatchNorm's running mean, variance and batch count: what is not a
     parameter) as an extra_state object, since sparseps aggregates and checkpoints the
     parameters only: extra_state={"buffers": ModuleBuffers(model)} keeps them in the checkpoints
     and restores them on resume, so that the model evaluates as before, and DistributedOptimizer
     puts them into worker 0's checkpoint model files and (synchronize()) the trained model file
-    beside the parameters. The next step's
+    beside the parameters (those of the module's state_dict: not persistent=False ones, such as
+    a causal mask). The next step's
     forward pass changes them before the checkpoint takes the loop's state, so they are copied at
     the end of the checkpoint's own step (step_ended). state_dict(): {name: tensor};
     load_state_dict copies each into the buffer of that name (KeyError naming the lists when the

@@ -351,14 +351,15 @@ class DistributedOptimizer:
                                          None if flat is None else flat.numpy())
 
     def _module_buffers(self, saved=None):
-        """The buffers of extra_state's ModuleBuffers (BatchNorm's running statistics), by the
-        module's names, for the model files: as `saved` (the checkpoint's state_dicts of
-        extra_state: the buffers as the checkpoint's step left them) holds them, or as they are
-        now."""
+        """The buffers of extra_state's ModuleBuffers (BatchNorm's running statistics; those of
+        the module's state_dict), by the module's names, for the model files: as `saved` (the
+        checkpoint's state_dicts of extra_state: the buffers as the checkpoint's step left them)
+        holds them, or as they are now."""
         buffers = {}
         for name, obj in self._loop.extra.items():
             if isinstance(obj, _state.ModuleBuffers):
-                buffers.update(saved[name] if saved is not None else obj.module.named_buffers())
+                buffers.update(_state.persistent_buffers(
+                    obj.module, saved[name] if saved is not None else None))
         return buffers
 
     def _restore(self, how):

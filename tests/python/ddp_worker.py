@@ -9,7 +9,8 @@ at lr 0.5 (momentum M) and a StepLR halving it every 8 steps, both kept in spars
 (SparseAllreduceState's optimizer and extra_state), from worker.step (a resumed job's) to N
 (default 40), and saves {loss, params, nonzero, first, buffers} to OUT_FILE (torch.save): the
 losses, the final parameters, the number of nonzero entries of each step's averaged gradient, the
-first step and the model's buffers. --batchnorm: a BatchNorm1d after the first layer.
+first step and the model's buffers (its state_dict's). --batchnorm: a BatchNorm1d after the first
+layer, and a buffer registered with persistent=False.
 --stop-after N: exits after step N without finishing (workers that die). DDP_DEVICE=cuda trains
 on the GPU (tests/python/test_gpu.py); the worker is sparseps.capi's where the pybind11
 module is not built for this Python."""
@@ -50,6 +51,8 @@ def main():
     torch.manual_seed(rank)  # different initial models: DDP broadcasts rank 0's
     hidden = [nn.Linear(20, 64)] + ([nn.BatchNorm1d(64)] if args.batchnorm else [])
     model = nn.Sequential(*hidden, nn.ReLU(), nn.Linear(64, 4)).to(device)
+    if args.batchnorm:  # and a buffer that is no part of the state (a causal mask's kind)
+        model.register_buffer("scratch", torch.ones(3, device=device), persistent=False)
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.001)  # several buckets
     opt = torch.optim.SGD(ddp.parameters(), lr=0.5, momentum=args.momentum)
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=8, gamma=0.5)
@@ -79,7 +82,8 @@ def main():
     state.synchronize()
     worker.finish()
     torch.save({"loss": losses, "nonzero": nonzero, "first": first,
-                "buffers": {n: b.detach().cpu() for n, b in model.named_buffers()},
+                "buffers": {n: b.detach().cpu() for n, b in model.state_dict().items()
+                            if n not in dict(model.named_parameters())},
                 "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()},
                args.out)
 

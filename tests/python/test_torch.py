@@ -526,15 +526,19 @@ def test_set_trained_model_takes_a_tensor_as_both_bindings_do(cluster, backend):
 def test_the_model_file_holds_the_buffers_of_module_buffers(cluster, backend):
     """A BatchNorm model through DistributedOptimizer with extra_state ModuleBuffers(model):
     synchronize() hands its buffers over (set_model_buffers), and the leader's model file holds
-    parameters and buffers under the module's names, so that a fresh model loads it strictly and
-    evaluates as the trained one. A buffer named as a layer, or a broken one, is refused."""
+    parameters and buffers under the module's names (those of its state_dict, not a buffer
+    registered with persistent=False), so that a fresh model loads it strictly and evaluates as
+    the trained one. A buffer named as a layer, or a broken one, is refused."""
     from test_model_file import read_safetensors
     c = cluster("train: {lr: 0.1, momentum: 0}\n", workers=1)
     torch.manual_seed(0)
 
     def make():
-        return torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.BatchNorm1d(4),
-                                   torch.nn.ReLU(), torch.nn.Linear(4, 2))
+        m = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.BatchNorm1d(4),
+                                torch.nn.ReLU(), torch.nn.Linear(4, 2))
+        # No part of the state (a causal mask's kind): not in the model file.
+        m.register_buffer("scratch", torch.ones(3), persistent=False)
+        return m
 
     model = make()
     named = list(model.named_parameters())
