@@ -229,6 +229,9 @@ def parser(doc, models, default_model=None):
                     help="no training: score a model file that a job of --model wrote "
                     "(<run.dir>/model.safetensors, a checkpoint's) on the test set of --config "
                     "(the run's config.yaml), as sparseps-eval does for the C++ models")
+    ap.add_argument("--json", action="store_true",
+                    help="with --evaluate: one JSON object (sparseps-eval --json's keys) instead "
+                    "of a line")
     return ap
 
 
@@ -245,7 +248,7 @@ def describe(names, what, shown=3):
 def evaluate_file(args, build_model, load_data, get, device, perplexity):
     """--evaluate FILE: the model of args.model loaded from FILE (sparseps.torch.load_model_file,
     strict: its parameters and buffers), scored on the config's test set (data.max_test_samples)
-    as the job's own evaluation scores it; prints sparseps-eval's line. ValueError when FILE does
+    as the job's own evaluation scores it; prints sparseps-eval's line (--json: its object). ValueError when FILE does
     not hold that model (another --model, or the file of a --ddp run, whose names are not the
     module's)."""
     model = build_model(args.model, get).to(device)
@@ -268,6 +271,13 @@ def evaluate_file(args, build_model, load_data, get, device, perplexity):
         xt, yt = xt[:get("data.max_test_samples")], yt[:get("data.max_test_samples")]
     loss, accuracy = evaluate(model, xt.to(device), yt.to(device))
     _, meta = sparseps.read_model_file(args.evaluate)
+    if args.json:
+        result = {"test_loss": loss, "test_accuracy": accuracy, "samples": len(yt),
+                  "iteration": meta.get("iteration", "")}
+        if perplexity:
+            result["test_perplexity"] = math.exp(min(loss, 50.0))
+        print(json.dumps(result))
+        return
     ppl = f", test perplexity {math.exp(min(loss, 50.0)):.2f}" if perplexity else ""
     print(f"test loss {loss:.4f}, test accuracy {100 * accuracy:.2f}%{ppl} ({len(yt)} samples, "
           f"iteration {meta.get('iteration', '?')})")

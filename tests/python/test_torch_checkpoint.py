@@ -3,6 +3,7 @@ when a server is replaced, goes on with the optimizer's own state of the checkpo
 moments, its own copy of the model, local_view's shift, the frozen denominators), so that it ends
 with the models of a job never interrupted, bitwise; the checkpoint's model file holds the model
 the optimizer trained."""
+import json
 import os
 import subprocess
 import sys
@@ -227,6 +228,12 @@ def test_the_example_resumed_ends_with_the_model_of_a_job_never_stopped(tmp_path
     last = (whole / "eval-worker-0.csv").read_text().splitlines()[-1].split(",")
     assert p.stdout.strip() == (f"test loss {float(last[3]):.4f}, test accuracy "
                                 f"{100 * float(last[4]):.2f}% (500 samples, iteration 60)")
+    p = subprocess.run(example + ["--model", "cnn", "--json"], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert json.loads(p.stdout) == {"test_loss": pytest.approx(float(last[3]), rel=1e-6),
+                                    "test_accuracy": float(last[4]), "samples": 500,
+                                    "iteration": "60"}
     p = subprocess.run(example + ["--model", "resnet18"], capture_output=True, text=True, env=env,
                        timeout=120)
     assert p.returncode == 2 and "not a model of --model resnet18: 121 tensors missing: " \
