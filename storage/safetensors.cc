@@ -246,15 +246,20 @@ Result<SafetensorsFile> SafetensorsFile::Parse(std::string bytes, const std::str
 
 namespace {
 
-// Adds each layer of `layers` over `values` to `w`, its name to `names`. Errors: InvalidArgument
-// (`what` naming the vector) when a layer runs past values, the layers do not cover them
-// exactly, or a name is in `names` already.
-Status AddLayers(std::span<const float> values, const std::vector<TensorLayout>& layers,
-                 const char* what, std::set<std::string>* names, SafetensorsWriter* w) {
+// Elements of a tensor of `l`'s shape.
+uint64_t Elements(const TensorLayout& l) {
+  uint64_t n = 1;
+  for (uint64_t d : l.shape) n *= d;
+  return n;
+}
+
+// Checks that `layers` lie within `values` and cover them exactly, and that no name is in
+// `names` already (adding each). Errors: InvalidArgument (`what` naming the vector).
+Status CheckLayers(std::span<const float> values, const std::vector<TensorLayout>& layers,
+                   const char* what, std::set<std::string>* names) {
   uint64_t covered = 0;
   for (const auto& l : layers) {
-    uint64_t n = 1;
-    for (uint64_t d : l.shape) n *= d;
+    const uint64_t n = Elements(l);
     if (l.offset + n > values.size()) {
       return Status::InvalidArgument("layer " + l.name + " runs past the " + what);
     }
@@ -262,7 +267,6 @@ Status AddLayers(std::span<const float> values, const std::vector<TensorLayout>&
       return Status::InvalidArgument("the model file would hold two tensors named " + l.name);
     }
     covered += n;
-    w->AddF32(l.name, l.shape, values.subspan(l.offset, n));
   }
   if (covered != values.size()) {
     return Status::InvalidArgument("the layers cover " + std::to_string(covered) + " of " +
@@ -271,16 +275,24 @@ Status AddLayers(std::span<const float> values, const std::vector<TensorLayout>&
   return Status::OK();
 }
 
+// Adds each layer of `layers` over `values` to `w` (CheckLayers passed).
+void AddLayers(std::span<const float> values, const std::vector<TensorLayout>& layers,
+               SafetensorsWriter* w) {
+  for (const auto& l : layers) w->AddF32(l.name, l.shape, values.subspan(l.offset, Elements(l)));
+}
+
 }  // namespace
 
 Status BuildModelFile(std::span<const float> params, const std::vector<TensorLayout>& layers,
                       const std::map<std::string, std::string>& metadata, SafetensorsWriter* w,
                       const ExtraTensors* extra) {
   std::set<std::string> names;
-  SPARSEPS_RETURN_IF_ERROR(AddLayers(params, layers, "parameters", &names, w));
+  SPARSEPS_RETURN_IF_ERROR(CheckLayers(params, layers, "parameters", &names));
   if (extra != nullptr) {
-    SPARSEPS_RETURN_IF_ERROR(AddLayers(extra->values, extra->layers, "buffers", &names, w));
+    SPARSEPS_RETURN_IF_ERROR(CheckLayers(extra->values, extra->layers, "buffers", &names));
   }
+  AddLayers(params, layers, w);
+  if (extra != nullptr) AddLayers(extra->values, extra->layers, w);
   for (const auto& [k, v] : metadata) w->SetMetadata(k, v);
   return Status::OK();
 }
@@ -289,13 +301,8 @@ Status AddModelBuffers(const ExtraTensors& extra, const std::vector<TensorLayout
                        SafetensorsWriter* w) {
   std::set<std::string> names;
   for (const auto& l : layers) names.insert(l.name);
-  SafetensorsWriter added;  // checked whole first: nothing is added to w on an error
-  SPARSEPS_RETURN_IF_ERROR(AddLayers(extra.values, extra.layers, "buffers", &names, &added));
-  for (const auto& l : extra.layers) {
-    uint64_t n = 1;
-    for (uint64_t d : l.shape) n *= d;
-    w->AddF32(l.name, l.shape, std::span<const float>(extra.values).subspan(l.offset, n));
-  }
+  SPARSEPS_RETURN_IF_ERROR(CheckLayers(extra.values, extra.layers, "buffers", &names));
+  AddLayers(extra.values, extra.layers, w);
   return Status::OK();
 }
 
@@ -314,9 +321,7 @@ Result<std::vector<float>> ReadModelFile(const std::string& path,
   if (!file.ok()) return file.status();
   uint64_t total = 0;
   for (const auto& l : layers) {
-    uint64_t n = 1;
-    for (uint64_t d : l.shape) n *= d;
-    total = std::max(total, l.offset + n);
+    total = std::max(total, l.offset + Elements(l));
   }
   std::vector<float> params(total, 0.0f);
   for (const auto& l : layers) {
