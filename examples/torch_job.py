@@ -246,16 +246,17 @@ def describe(names, what, shown=3):
 
 
 def evaluate_file(args, build_model, load_data, get, device, perplexity):
-    """--evaluate FILE: the model of args.model loaded from FILE (sparseps.torch.load_model_file,
-    strict: its parameters and buffers), scored on the config's test set (data.max_test_samples)
-    as the job's own evaluation scores it; prints sparseps-eval's line (--json: its object). ValueError when FILE does
-    not hold that model (another --model, or the file of a --ddp run, whose names are not the
-    module's)."""
+    """--evaluate FILE: the model of args.model loaded from FILE (sparseps.read_model_file, the
+    file read once for its tensors and its metadata; strict: its parameters and buffers), scored
+    on the config's test set (data.max_test_samples) as the job's own evaluation scores it;
+    prints sparseps-eval's line (--json: its object). ValueError when FILE does not hold that
+    model (another --model, or the file of a --ddp run, whose names are not the module's)."""
     model = build_model(args.model, get).to(device)
     try:
-        tensors = sparseps.torch.load_model_file(args.evaluate, device)
+        arrays, meta = sparseps.read_model_file(args.evaluate)
     except OSError as e:
         raise ValueError(f"--evaluate {args.evaluate}: {e.strerror or e}") from None
+    tensors = {name: torch.from_numpy(a).to(device) for name, a in arrays.items()}
     want = model.state_dict()
     faults = describe([n for n in want if n not in tensors], "missing")
     faults += describe([n for n in tensors if n not in want], "not the model's")
@@ -270,7 +271,6 @@ def evaluate_file(args, build_model, load_data, get, device, perplexity):
     if get("data.max_test_samples"):
         xt, yt = xt[:get("data.max_test_samples")], yt[:get("data.max_test_samples")]
     loss, accuracy = evaluate(model, xt.to(device), yt.to(device))
-    _, meta = sparseps.read_model_file(args.evaluate)
     if args.json:
         result = {"test_loss": loss, "test_accuracy": accuracy, "samples": len(yt),
                   "iteration": meta.get("iteration", "")}

@@ -552,8 +552,9 @@ completes that checkpoint with the loop's own state, `state` (bytes in a format 
 sparseps.torch.DistributedOptimizer's is NumPy's .npz), kept in this worker's checkpoint file,
 and on worker 0 `model` (num_params elements: a float32 array, or a torch.Tensor on any device;
 None: the job's parameters) as the checkpoint's model file, with the buffers set_model_buffers set
-last beside it (set them first for this step's). A job resumed from it, or rolled back to it, gives the bytes back as checkpoint_state. Without
-this call the checkpoint is written at the next push_pull as it was taken. Raises sparseps.Error
+last beside it (set them first for this step's). A job resumed from it, or rolled back to it,
+gives the bytes back as checkpoint_state. Without this call the checkpoint is written at the next
+push_pull as it was taken. Raises sparseps.Error
 when no checkpoint waits, ValueError for a model of another size.)doc")
       .def_property_readonly("checkpoint_state", &Worker::CheckpointState,
                              "The loop's own state (set_checkpoint_state's bytes) in the "
@@ -627,12 +628,11 @@ The parameters worker 0 saves as the trained model at finish (run.dir/model.safe
 the job's: for a model an optimizer of its own trained from the aggregate (num_params elements,
 copied: a float32 array, or a torch.Tensor on any device). Raises ValueError on another size.)doc")
       .def("set_model_buffers", &Worker::SetModelBuffers, py::arg("buffers"), R"doc(
-The model's buffers (a dict of name -> float array or torch.Tensor on any device, such as a
-module's named_buffers(): BatchNorm's running statistics) that worker 0 writes beside the
+The model's buffers (a dict of name -> float array or torch.Tensor on any device, such as the
+buffers of a module's state_dict: BatchNorm's running statistics) that worker 0 writes beside the
 parameters into the trained model file at finish and into a checkpoint's model file at
-set_checkpoint_state, replacing earlier ones ({}: none). Raises
-ValueError for a name of one of the model's layers, or for something that is not an array or
-tensor.)doc")
+set_checkpoint_state, replacing earlier ones ({}: none). Raises ValueError for a name of one of
+the model's layers, or for something that is not an array or tensor.)doc")
       .def("set_density_scale", &Worker::SetDensityScale, py::arg("scale"),
            "Scales this worker's top-k k (ps mode, encoding topk) from the next push: scale "
            "times the epoch's, at most every key; 1: the config's; 1 / density sends "

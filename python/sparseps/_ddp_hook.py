@@ -25,10 +25,10 @@ class SparseAllreduceState:
     after the loop's optimizer.step() and scheduler.step()), and worker 0's checkpoint model file
     the model, its buffers (BatchNorm's running statistics) beside the parameters; on a resumed
     job (checkpoint.resume) the constructor restores them (RuntimeError when the checkpoint holds
-    none: its job's parameters are not the DDP model), so the loop
-    starts at worker.step. synchronize() after the last step, on every worker, hands over a
-    checkpoint of that step and makes the model the trained model file's
-    (<run.dir>/model.safetensors), which otherwise holds the job's parameters."""
+    none: its job's parameters are not the DDP model), so the loop starts at worker.step.
+    synchronize() after the last step, on every worker, hands over a checkpoint of that step and
+    makes the model the trained model file's (<run.dir>/model.safetensors), which otherwise holds
+    the job's parameters."""
 
     def __init__(self, worker, model, optimizer=None, extra_state=None):
         if worker.aggregation != "allreduce":

@@ -121,11 +121,10 @@ class ModuleBuffers:
     and restores them on resume, so that the model evaluates as before, and DistributedOptimizer
     puts them into worker 0's checkpoint model files and (synchronize()) the trained model file
     beside the parameters (those of the module's state_dict: not persistent=False ones, such as
-    a causal mask). The next step's
-    forward pass changes them before the checkpoint takes the loop's state, so they are copied at
-    the end of the checkpoint's own step (step_ended). state_dict(): {name: tensor};
-    load_state_dict copies each into the buffer of that name (KeyError naming the lists when the
-    names differ)."""
+    a causal mask). The next step's forward pass changes them before the checkpoint takes the
+    loop's state, so they are copied at the end of the checkpoint's own step (step_ended).
+    state_dict(): {name: tensor}; load_state_dict copies each into the buffer of that name
+    (KeyError naming the lists when the names differ)."""
 
     def __init__(self, module):
         self.module = module

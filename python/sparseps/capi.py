@@ -348,10 +348,11 @@ class Worker:
 
     def set_model_buffers(self, buffers):
         """The model's buffers (a dict of name -> float array or torch.Tensor on any device, such
-        as a module's named_buffers(): BatchNorm's running statistics) that worker 0 writes
-        beside the parameters into the trained model file at finish and into a checkpoint's
-        model file at set_checkpoint_state, replacing earlier ones ({}: none). ValueError for a
-        name of one of the model's layers, or for something that is not an array or tensor."""
+        as the buffers of a module's state_dict: BatchNorm's running statistics) that worker 0
+        writes beside the parameters into the trained model file at finish and into a
+        checkpoint's model file at set_checkpoint_state, replacing earlier ones ({}: none).
+        ValueError for a name of one of the model's layers, or for something that is not an array
+        or tensor."""
         names, arrays = [], []
         for name, value in buffers.items():
             names.append(str(name).encode())

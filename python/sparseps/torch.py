@@ -133,9 +133,9 @@ class DistributedOptimizer:
     state of that step (worker.set_checkpoint_state: the wrapped optimizer's state_dict, the
     model where it is not the job's parameters, local_view's shift, the frozen denominators), and
     worker 0's checkpoint model file gets the model (with extra_state's ModuleBuffers' buffers
-    beside the parameters); on a resumed job the constructor restores
-    them, and after a rollback (a lost server replaced) step() restores them before it raises
-    sparseps.RolledBack, so the loop only goes back to worker.step in its data.
+    beside the parameters); on a resumed job the constructor restores them, and after a rollback
+    (a lost server replaced) step() restores them before it raises sparseps.RolledBack, so the
+    loop only goes back to worker.step in its data.
 
     extra_state (optional): the loop's other state to keep with it, as a dict of name -> object
     with state_dict() and load_state_dict() (torch's Stateful: an LR scheduler, a GradScaler, an

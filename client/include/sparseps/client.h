@@ -232,9 +232,9 @@ class Worker {
   /// The buffers worker 0 writes beside the parameters into the trained model file at Finish
   /// (run.dir/model.safetensors, F32 tensors by name), and into a checkpoint's model file at
   /// SetCheckpointState, so that the file holds the whole model; a later call replaces them (an
-  /// empty list: none). Throws kInvalidArgument for an empty or
-  /// repeated name, a name of one of the model's layers, or values that are not the shape's
-  /// product (nothing is kept then). Not thread-safe against this worker's other calls.
+  /// empty list: none). Throws kInvalidArgument for an empty or repeated name, a name of one of
+  /// the model's layers, or values that are not the shape's product (nothing is kept then). Not
+  /// thread-safe against this worker's other calls.
   void SetModelBuffers(std::vector<ModelBuffer> buffers);
 
   /// Completes the checkpoint that the last push-pull took (checkpoint_due() true) with the
