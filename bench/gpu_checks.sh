@@ -21,11 +21,11 @@
 # Writes, under DIR:
 #   summary.txt        device, pass/fail of each step, the last lines of each log
 #   gpu_tests.log      gpu_kernels_test, gpu_models_test, collectives_test's GPU test, worker_test's
-#                      device tests, integration_test's GPU overlap cases (gtest)
+#                      device tests, integration_test's GPU overlap and resume cases (gtest)
 #   memcheck.log       the same tests under compute-sanitizer's memcheck (leaks too; not the
-#                      overlap cases, whose GPU work runs in the workers they start), but the
-#                      training run (GpuModels.TrainingReachesTheCpuAccuracy); racecheck.log and
-#                      synccheck.log the same under racecheck and synccheck
+#                      overlap and resume cases, whose GPU work runs in the workers they start,
+#                      nor the training run, GpuModels.TrainingReachesTheCpuAccuracy);
+#                      racecheck.log and synccheck.log the same under racecheck and synccheck
 #   gpu_bench.json/.log sparseps_gpu_bench (Google Benchmark, R repetitions, CUDA-event times)
 #   torch_topk.log     bench/torch_topk_baseline.py (when python3 has torch with CUDA)
 #   train.log          the training runs' final lines; train-runs.tar.gz their run directories
@@ -101,7 +101,8 @@ gpu_tests=("gpu_kernels_test tests/gpu_kernels_test *"
   "gpu_models_test tests/gpu_models_test *"
   "gpu_allreduce_test tests/collectives_test GpuContribution.*"
   "gpu_device_test tests/worker_test Device.*:DeviceCopies.*"
-  "gpu_overlap_test tests/integration_test *OverlapTest*cuda*")
+  "gpu_overlap_test tests/integration_test *OverlapTest*cuda*"
+  "gpu_resume_test tests/integration_test *ResumeTest*cuda*")
 # integration_test starts the daemons of the build it was given (not the one it was built in).
 export SPARSEPS_TEST_BINARY_DIR="$build_dir"
 if want tests; then
@@ -129,8 +130,9 @@ for tool in memcheck racecheck synccheck; do
   [[ $tool == memcheck ]] && flags+=(--leak-check full)
   for t in "${gpu_tests[@]}"; do
     read -r name bin filter <<<"$t"
-    # The overlap test's GPU work runs in the workers it starts, which the sanitizer does not see.
-    [[ $name == gpu_overlap_test ]] && continue
+    # The overlap and resume tests' GPU work runs in the workers they start, which the sanitizer
+    # does not see.
+    [[ $name == gpu_overlap_test || $name == gpu_resume_test ]] && continue
     [[ "$filter" == "*" ]] && filter="*-GpuModels.TrainingReachesTheCpuAccuracy"
     step "$tool $name" "$out/$tool.log" timeout 500 env SPARSEPS_FASHION_MNIST_DIR="$data" \
       "$sanitizer" "${flags[@]}" "$build_dir/$bin" --gtest_filter="$filter"

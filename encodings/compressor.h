@@ -130,6 +130,9 @@ class Selector {
   }
   // Saves or restores the selection's state across calls (the scaled threshold).
   void State(StateArchive& archive);
+  // That state itself: the scaled threshold (a magnitude; a device selection's takes it over).
+  float scaled_threshold() const { return scaled_.threshold(); }
+  void set_scaled_threshold(float t) { scaled_.set_threshold(t); }
 
  private:
   proto::Selection mode_;

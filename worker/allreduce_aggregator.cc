@@ -122,12 +122,11 @@ class AllreduceAggregator final : public Aggregator {
   }
 
   void State(StateArchive& archive) override {
-    if (model_on_device_) {
-      return archive.Fail(
-          "checkpoints of allreduce on the GPU are not supported yet (use train.device: cpu)");
-    }
     archive.Value("iteration", &iteration_);
     archive.Array("params", &params_);
+#if SPARSEPS_HAVE_CUDA
+    if (contribution_d_ != nullptr) return DeviceState(archive);
+#endif
     archive.Array("velocity", &velocity_);
     archive.Array("accumulated", &acc_);
     auto scope = archive.Scope("collective");
@@ -168,6 +167,24 @@ class AllreduceAggregator final : public Aggregator {
   }
 
  private:
+#if SPARSEPS_HAVE_CUDA
+  // State's rest on the GPU, where the velocity (unless aggregated), the contribution and the
+  // selection's state are the device contribution's: under the host path's names, so that a
+  // checkpoint resumes on either device (train.device is not part of the config's fingerprint).
+  void DeviceState(StateArchive& archive) {
+    contribution_d_->State(archive, &velocity_);
+    Selector& selection = collective_->selector();
+    if (archive.saving()) selection.set_scaled_threshold(contribution_d_->scaled_threshold());
+    {
+      auto scope = archive.Scope("collective");
+      collective_->State(archive);
+    }
+    if (!archive.saving() && archive.status().ok()) {
+      contribution_d_->set_scaled_threshold(selection.scaled_threshold());
+    }
+  }
+#endif
+
   std::unique_ptr<PeerGroup> group_;
   const std::vector<TensorLayout> layers_;  // the model's tensors (powersgd)
   ControlClient* control_ = nullptr;

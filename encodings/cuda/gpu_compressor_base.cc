@@ -30,18 +30,18 @@ Status CheckFiniteOnDevice(const float* x, size_t n, unsigned long long* scratch
   return Status::OK();
 }
 
-void GpuCompressorBase::DeviceArrayState(StateArchive& archive, std::string_view name,
-                                         float* d) const {
-  std::vector<float> h(n_);
-  Status s = CudaStatus(cudaStreamSynchronize(stream_), "the stream");
+void DeviceArrayState(StateArchive& archive, std::string_view name, float* d, size_t n,
+                      cudaStream_t stream) {
+  std::vector<float> h(n);
+  Status s = CudaStatus(cudaStreamSynchronize(stream), "the stream");
   if (s.ok() && archive.saving()) {
-    s = CudaStatus(CountedMemcpy(h.data(), d, n_ * sizeof(float), cudaMemcpyDeviceToHost),
+    s = CudaStatus(CountedMemcpy(h.data(), d, n * sizeof(float), cudaMemcpyDeviceToHost),
                    "copying the device state to the host");
   }
   if (!s.ok()) return archive.Fail(s.message());
-  archive.Array(name, &h);  // loading: must hold n_ values
+  archive.Array(name, &h);  // loading: must hold n values
   if (archive.saving() || !archive.status().ok()) return;
-  s = CudaStatus(CountedMemcpy(d, h.data(), n_ * sizeof(float), cudaMemcpyHostToDevice),
+  s = CudaStatus(CountedMemcpy(d, h.data(), n * sizeof(float), cudaMemcpyHostToDevice),
                  "restoring the device state");
   if (!s.ok()) archive.Fail(s.message());
 }

@@ -29,6 +29,12 @@ namespace sparseps {
 Status CheckFiniteOnDevice(const float* x, size_t n, unsigned long long* scratch,
                            cudaStream_t stream, const char* what);
 
+// Saves or restores d[0, n) (device memory, used on `stream`) as the archive's array `name`,
+// through the host (storage/checkpoint.h). Synchronises the stream. A CUDA error or a saved
+// array of another size fails the archive, and a failed load leaves d alone.
+void DeviceArrayState(StateArchive& archive, std::string_view name, float* d, size_t n,
+                      cudaStream_t stream);
+
 // What every device compressor holds: its stream, the velocity u and the residual v (n floats
 // each, zero at the start), and the finiteness check.
 class GpuCompressorBase : public Compressor {
@@ -73,11 +79,11 @@ class GpuCompressorBase : public Compressor {
     return CheckFiniteOnDevice(x, n_, bad_.p, stream_, what);
   }
 
-  // Saves or restores d[0, n) (device memory) as the archive's array `name`, through the host;
-  // the device compressors save under their CPU twins' names, so that a checkpoint taken on one
-  // device resumes on the other. Synchronises the stream. A CUDA error or a saved array of
-  // another size fails the archive, and a failed load leaves d alone.
-  void DeviceArrayState(StateArchive& archive, std::string_view name, float* d) const;
+  // DeviceArrayState of d[0, n) on this compressor's stream; the device compressors save under
+  // their CPU twins' names, so that a checkpoint taken on one device resumes on the other.
+  void DeviceArrayState(StateArchive& archive, std::string_view name, float* d) const {
+    sparseps::DeviceArrayState(archive, name, d, n_, stream_);
+  }
 
   const size_t n_;
   cudaStream_t stream_ = nullptr;
@@ -138,6 +144,9 @@ class DeviceSelector {
     archive.Value("scaled_threshold", &threshold);
     scaled_.set_threshold(threshold);
   }
+  // That state itself, as Selector's (a checkpoint of the host path's selection moves over).
+  float scaled_threshold() const { return scaled_.threshold(); }
+  void set_scaled_threshold(float t) { scaled_.set_threshold(t); }
 
  private:
   proto::Selection mode_;

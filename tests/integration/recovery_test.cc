@@ -80,6 +80,9 @@ TEST_P(ResumeTest, KilledJobResumesBitwiseEqualToAnUninterruptedRun) {
   }
 #endif
   if (!HaveData()) GTEST_SKIP() << "Fashion-MNIST not installed";
+  if (std::string(GetParam().name).ends_with("_cuda")) {
+    if (const std::string why = testing::NoGpuInAChild(); !why.empty()) GTEST_SKIP() << why;
+  }
   TempDir dir("resume");
   std::vector<std::string> sets = {"--set", "model.hidden=[64]",
                                    "--set", "data.max_train_samples=6400",
@@ -359,6 +362,15 @@ INSTANTIATE_TEST_SUITE_P(
         Setting{"ring_overlap",
                 {"aggregation=allreduce", "collective.algorithm=ring", "train.overlap=backward"}},
         Setting{"allreduce_exdyna", {"aggregation=allreduce", "collective.algorithm=exdyna"}},
+        // ExDyna's scaled threshold as TopK-AllGather's selection: its threshold is state too.
+        Setting{"allreduce_topk_allgather",
+                {"aggregation=allreduce", "collective.algorithm=topk_allgather",
+                 "compression.selection=scaled_threshold"}},
+        // The same on the GPU (where one answers): the device contribution's velocity, residual
+        // and threshold are in the checkpoint.
+        Setting{"allreduce_topk_allgather_cuda",
+                {"aggregation=allreduce", "collective.algorithm=topk_allgather",
+                 "compression.selection=scaled_threshold", "train.device=cuda"}},
         // The warm-start Q of every layer is in the checkpoint.
         Setting{"allreduce_powersgd",
                 {"aggregation=allreduce", "collective.algorithm=powersgd",

@@ -150,11 +150,12 @@ bool WaitForCsvRows(const std::string& path, int64_t rows, double timeout_s) {
   return true;
 }
 
-std::string BinaryPath(const std::string& relative) {
+std::string BinaryDir() {
   const char* moved = std::getenv("SPARSEPS_TEST_BINARY_DIR");  // a build unpacked elsewhere
-  return std::string(moved != nullptr && *moved != '\0' ? moved : SPARSEPS_BINARY_DIR) + "/" +
-         relative;
+  return moved != nullptr && *moved != '\0' ? moved : SPARSEPS_BINARY_DIR;
 }
+
+std::string BinaryPath(const std::string& relative) { return BinaryDir() + "/" + relative; }
 
 void CsvColumn(const std::string& path, const std::string& name, std::vector<double>* values) {
   std::ifstream in(path);

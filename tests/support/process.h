@@ -68,8 +68,10 @@ bool WaitForCsvRows(const std::string& path, int64_t rows, double timeout_s);
 // missing column or a row without that cell fails the test fatally: call it through
 // ASSERT_NO_FATAL_FAILURE.
 void CsvColumn(const std::string& path, const std::string& name, std::vector<double>* values);
-// Path of a built daemon, e.g. BinaryPath("server/sparseps-server"): under the build's folder,
-// or $SPARSEPS_TEST_BINARY_DIR where set (a build unpacked on another machine).
+// The build's folder, or $SPARSEPS_TEST_BINARY_DIR where set (a build unpacked on another
+// machine, as bench/gpu_checks.sh runs it).
+std::string BinaryDir();
+// Path of a built daemon, e.g. BinaryPath("server/sparseps-server"): under BinaryDir().
 std::string BinaryPath(const std::string& relative);
 // Why no CUDA device can run a test here ("" when one answers), asked in a child process: a
 // test that forks daemons or workers must not touch CUDA itself first.

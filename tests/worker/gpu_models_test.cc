@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -28,6 +29,7 @@
 #include "storage/safetensors.h"
 #include "tests/support/gpu_testing.h"
 #include "worker/cuda/cublas_loader.h"
+#include "worker/cuda/gpu_contribution.h"
 #include "worker/device_buffer.h"
 #include "worker/model.h"
 
@@ -662,6 +664,86 @@ TEST(GpuCompressors, CheckpointsMoveBetweenTheCpuAndTheGpu) {
     ASSERT_TRUE(DownloadGpuCompressorState(**other, &residual, &velocity).ok());
     EXPECT_EQ(residual, std::vector<float>(n + 1, 0.0f));
   }
+}
+
+// A state as a checkpoint file holds it: what `save` records, serialised and parsed back.
+SafetensorsFile Saved(const std::function<void(StateArchive&)>& save) {
+  StateArchive archive;
+  save(archive);
+  EXPECT_TRUE(archive.status().ok()) << archive.status().ToString();
+  auto file = SafetensorsFile::Parse(archive.writer().Serialize(), "state");
+  EXPECT_TRUE(file.ok()) << file.status().ToString();
+  return std::move(*file);
+}
+
+// A GPU allreduce worker's checkpoint (AllreduceAggregator's state, its velocity, contribution
+// and selection in a GpuContribution) moves between the host path and the device, which save
+// under the same names: the host path's velocity and contribution restored into the device read
+// back equal, and the next momentum correction and scaled-threshold selection give the host's
+// keys, threshold and arrays bitwise; saved from the device, they restore into the host's. With
+// aggregated momentum the velocity saved is the host's. A state of another size is refused and
+// leaves the device's contribution alone.
+TEST(GpuContribution, CheckpointsMoveBetweenTheHostAndTheDevice) {
+  SKIP_WITHOUT_GPU();
+  const size_t n = 1 << 16, k = 64;
+  const float m = 0.9f;
+  std::vector<float> u = Normal(n, 90), x = Normal(n, 91);
+  Selector host(proto::SCALED_THRESHOLD, 0.0, k);
+  std::vector<uint32_t> keys;
+  for (int i = 0; i < 3; ++i) host.Select(x.data(), n, k, &keys);  // the threshold moves
+  const SafetensorsFile from_host = Saved([&](StateArchive& a) {
+    a.Array("velocity", &u);
+    a.Array("accumulated", &x);
+  });
+  auto made = GpuContribution::Make(n, proto::SCALED_THRESHOLD, 0.0, k, m, false);
+  ASSERT_TRUE(made.ok()) << made.status().ToString();
+  GpuContribution& device = **made;
+  std::vector<float> unused, velocity(n), contribution(n);
+  StateArchive load(&from_host);
+  device.State(load, &unused);
+  ASSERT_TRUE(load.status().ok()) << load.status().ToString();
+  device.set_scaled_threshold(host.scaled_threshold());
+  ASSERT_TRUE(device.ReadVelocity(velocity.data()).ok());
+  ASSERT_TRUE(device.Read(contribution.data(), /*zero=*/false).ok());
+  EXPECT_EQ(velocity, u);
+  EXPECT_EQ(contribution, x);
+
+  const auto g = Normal(n, 92);
+  DeviceVector<float> dg(g);
+  kernels::MomentumCorrection(u.data(), x.data(), g.data(), m, n);
+  host.Select(x.data(), n, k, &keys);
+  std::vector<uint32_t> device_keys;
+  ASSERT_TRUE(device.Accumulate(dg.get()).ok());
+  ASSERT_TRUE(device.Select(k, &device_keys).ok());
+  EXPECT_EQ(device_keys, keys);
+  EXPECT_EQ(device.scaled_threshold(), host.scaled_threshold());
+
+  const SafetensorsFile from_device = Saved([&](StateArchive& a) { device.State(a, &unused); });
+  std::vector<float> u_back(n), x_back(n);
+  StateArchive back(&from_device);
+  back.Array("velocity", &u_back);
+  back.Array("accumulated", &x_back);
+  ASSERT_TRUE(back.status().ok()) << back.status().ToString();
+  EXPECT_EQ(u_back, u);
+  EXPECT_EQ(x_back, x);
+
+  auto aggregated = GpuContribution::Make(n, proto::EXACT, 0.0, k, m, true);
+  ASSERT_TRUE(aggregated.ok()) << aggregated.status().ToString();
+  std::vector<float> host_velocity = Normal(n, 93), saved_velocity(n);
+  const SafetensorsFile from_aggregated =
+      Saved([&](StateArchive& a) { (*aggregated)->State(a, &host_velocity); });
+  StateArchive read_aggregated(&from_aggregated);
+  read_aggregated.Array("velocity", &saved_velocity);
+  EXPECT_EQ(saved_velocity, host_velocity);
+
+  auto other = GpuContribution::Make(n + 1, proto::EXACT, 0.0, k, m, false);
+  ASSERT_TRUE(other.ok()) << other.status().ToString();
+  StateArchive refused(&from_host);
+  (*other)->State(refused, &unused);
+  EXPECT_FALSE(refused.status().ok());
+  std::vector<float> untouched(n + 1);
+  ASSERT_TRUE((*other)->Read(untouched.data(), /*zero=*/false).ok());
+  EXPECT_EQ(untouched, std::vector<float>(n + 1, 0.0f));
 }
 
 // The trainer's device copy of the parameters: a dense upload at the start, then only the keys

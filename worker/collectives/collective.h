@@ -161,6 +161,11 @@ class Collective {
     selector_.State(archive);
   }
 
+  // The host vector's selection, whose state State saves under "selector": a device
+  // contribution (worker/cuda/gpu_contribution.h), which selects with its own, hands its state
+  // over here before a save and takes it back after a load, so that checkpoints name it alike.
+  Selector& selector() { return selector_; }
+
   // Entries this worker contributed in the last call (num_params for the dense ones).
   size_t last_selected() const { return last_selected_; }
 

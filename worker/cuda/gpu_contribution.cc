@@ -17,11 +17,11 @@ namespace sparseps {
 
 namespace gpu = kernels::gpu;
 
-struct GpuContribution::State {
-  State(size_t n, proto::Selection selection, double sample_ratio, size_t k, float momentum,
-        bool aggregated)
+struct GpuContribution::Impl {
+  Impl(size_t n, proto::Selection selection, double sample_ratio, size_t k, float momentum,
+       bool aggregated)
       : n(n), momentum(momentum), aggregated(aggregated), selector(selection, sample_ratio, k) {}
-  ~State() {
+  ~Impl() {
     if (stream != nullptr) cudaStreamDestroy(stream);
   }
   size_t n;
@@ -36,13 +36,13 @@ struct GpuContribution::State {
   PinnedArray<uint32_t> host;     // the same on the host
 };
 
-GpuContribution::GpuContribution(std::unique_ptr<State> state) : state_(std::move(state)) {}
+GpuContribution::GpuContribution(std::unique_ptr<Impl> state) : state_(std::move(state)) {}
 GpuContribution::~GpuContribution() = default;
 
 Result<std::unique_ptr<GpuContribution>> GpuContribution::Make(size_t n, proto::Selection selection,
                                                                double sample_ratio, size_t k,
                                                                float momentum, bool aggregated) {
-  auto st = std::make_unique<State>(n, selection, sample_ratio, k, momentum, aggregated);
+  auto st = std::make_unique<Impl>(n, selection, sample_ratio, k, momentum, aggregated);
   SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&st->stream, cudaStreamNonBlocking),
                                       "cudaStreamCreate"));
   SPARSEPS_RETURN_IF_ERROR(st->x.Reserve(n));
@@ -60,7 +60,7 @@ Result<std::unique_ptr<GpuContribution>> GpuContribution::Make(size_t n, proto::
 size_t GpuContribution::size() const { return state_->n; }
 
 Status GpuContribution::Accumulate(const float* grad) {
-  State& st = *state_;
+  Impl& st = *state_;
   SPARSEPS_RETURN_IF_ERROR(CheckFiniteOnDevice(grad, st.n, st.bad.p, st.stream, "the gradient"));
   if (st.aggregated) {
     return CudaStatus(gpu::Axpy(1.0f, grad, st.x.p, st.n, st.stream), "accumulating the gradient");
@@ -70,7 +70,7 @@ Status GpuContribution::Accumulate(const float* grad) {
 }
 
 Status GpuContribution::Upload(std::span<const uint32_t> keys, const float* values) {
-  State& st = *state_;
+  Impl& st = *state_;
   const size_t m = keys.size(), words = values != nullptr ? 2 * m : m;
   SPARSEPS_RETURN_IF_ERROR(st.entries.Reserve(2 * m));
   SPARSEPS_RETURN_IF_ERROR(st.host.Reserve(2 * m));
@@ -82,7 +82,7 @@ Status GpuContribution::Upload(std::span<const uint32_t> keys, const float* valu
 }
 
 Status GpuContribution::Select(size_t k, std::vector<uint32_t>* keys) {
-  State& st = *state_;
+  Impl& st = *state_;
   size_t count = 0;
   SPARSEPS_RETURN_IF_ERROR(st.selector.Select(st.x.p, st.n, k, &count, st.stream));
   SPARSEPS_RETURN_IF_ERROR(st.host.Reserve(count));
@@ -97,7 +97,7 @@ Status GpuContribution::Select(size_t k, std::vector<uint32_t>* keys) {
 
 Status GpuContribution::SelectAtLeast(size_t begin, size_t end, float threshold,
                                       std::vector<uint32_t>* keys) {
-  State& st = *state_;
+  Impl& st = *state_;
   size_t found = 0;
   for (size_t room = std::max<size_t>(st.entries.cap, 1024);;) {
     SPARSEPS_RETURN_IF_ERROR(st.entries.Reserve(room));
@@ -122,7 +122,7 @@ Status GpuContribution::SelectAtLeast(size_t begin, size_t end, float threshold,
 Status GpuContribution::SampledMagnitude(size_t begin, size_t end, size_t sample, size_t rank,
                                          float* out) {
   // Once per job (ExDyna's first threshold): the range comes to the host.
-  State& st = *state_;
+  Impl& st = *state_;
   std::vector<float> range(end - begin);
   SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(st.stream), "the stream"));
   SPARSEPS_RETURN_IF_ERROR(
@@ -134,7 +134,7 @@ Status GpuContribution::SampledMagnitude(size_t begin, size_t end, size_t sample
 }
 
 Status GpuContribution::Take(std::span<const uint32_t> keys, float* values) {
-  State& st = *state_;
+  Impl& st = *state_;
   const size_t m = keys.size();
   if (m == 0) return Status::OK();
   SPARSEPS_RETURN_IF_ERROR(Upload(keys, nullptr));
@@ -154,7 +154,7 @@ Status GpuContribution::Add(const SparseVector& entries) { return Scatter(entrie
 Status GpuContribution::Set(const SparseVector& entries) { return Scatter(entries, false); }
 
 Status GpuContribution::Scatter(const SparseVector& entries, bool add) {
-  State& st = *state_;
+  Impl& st = *state_;
   const size_t m = entries.size();
   if (m == 0) return Status::OK();
   SPARSEPS_RETURN_IF_ERROR(Upload(entries.indices, entries.values.data()));
@@ -167,7 +167,7 @@ Status GpuContribution::Scatter(const SparseVector& entries, bool add) {
 }
 
 Status GpuContribution::Read(float* out, bool zero) {
-  State& st = *state_;
+  Impl& st = *state_;
   SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(st.stream), "the stream"));
   SPARSEPS_RETURN_IF_ERROR(
       CudaStatus(CountedMemcpy(out, st.x.p, st.n * sizeof(float), cudaMemcpyDeviceToHost),
@@ -179,14 +179,14 @@ Status GpuContribution::Read(float* out, bool zero) {
 }
 
 Status GpuContribution::Write(const float* in) {
-  State& st = *state_;
+  Impl& st = *state_;
   SPARSEPS_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(st.stream), "the stream"));
   return CudaStatus(CountedMemcpy(st.x.p, in, st.n * sizeof(float), cudaMemcpyHostToDevice),
                     "writing the contribution");
 }
 
 Status GpuContribution::MaskMomentum(std::span<const uint32_t> keys) {
-  State& st = *state_;
+  Impl& st = *state_;
   if (st.aggregated || keys.empty()) return Status::OK();
   SPARSEPS_RETURN_IF_ERROR(Upload(keys, nullptr));
   SPARSEPS_RETURN_IF_ERROR(CudaStatus(
@@ -195,7 +195,7 @@ Status GpuContribution::MaskMomentum(std::span<const uint32_t> keys) {
 }
 
 Status GpuContribution::ReadVelocity(float* out) const {
-  const State& st = *state_;
+  const Impl& st = *state_;
   if (st.aggregated) {
     std::fill(out, out + st.n, 0.0f);
     return Status::OK();
@@ -204,5 +204,19 @@ Status GpuContribution::ReadVelocity(float* out) const {
   return CudaStatus(CountedMemcpy(out, st.u.p, st.n * sizeof(float), cudaMemcpyDeviceToHost),
                     "copying the velocity");
 }
+
+void GpuContribution::State(StateArchive& archive, std::vector<float>* host_velocity) {
+  Impl& st = *state_;
+  if (st.aggregated) {
+    archive.Array("velocity", host_velocity);
+  } else {
+    DeviceArrayState(archive, "velocity", st.u.p, st.n, st.stream);
+  }
+  DeviceArrayState(archive, "accumulated", st.x.p, st.n, st.stream);
+}
+
+float GpuContribution::scaled_threshold() const { return state_->selector.scaled_threshold(); }
+
+void GpuContribution::set_scaled_threshold(float t) { state_->selector.set_scaled_threshold(t); }
 
 }  // namespace sparseps

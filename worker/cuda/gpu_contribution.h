@@ -8,6 +8,7 @@
 
 #include "common/status.h"
 #include "proto/config.pb.h"
+#include "storage/checkpoint.h"
 #include "worker/collectives/collective.h"
 
 namespace sparseps {
@@ -46,6 +47,17 @@ class GpuContribution final : public Contribution {
   // Copies u to the host (n floats; zeros with aggregated momentum). Synchronises.
   Status ReadVelocity(float* out) const;
 
+  // Saves or restores what a checkpoint keeps of it under the host path's names
+  // (AllreduceAggregator's), so that a checkpoint taken on one device resumes on the other:
+  // "velocity" (u; with aggregated momentum the host's *host_velocity instead, n floats) and
+  // "accumulated" (x). Synchronises. A CUDA error or a saved array of another size fails the
+  // archive (storage/checkpoint.h) and leaves that array and the ones after it alone.
+  void State(StateArchive& archive, std::vector<float>* host_velocity);
+
+  // The selection's state (ExDyna's scaled threshold, a magnitude), as Selector's.
+  float scaled_threshold() const;
+  void set_scaled_threshold(float t);
+
   // Contribution (each synchronises; errors: FailedPrecondition naming the CUDA call).
   size_t size() const override;
   Status Select(size_t k, std::vector<uint32_t>* keys) override;
@@ -60,13 +72,13 @@ class GpuContribution final : public Contribution {
   Status Write(const float* in) override;
 
  private:
-  struct State;
-  explicit GpuContribution(std::unique_ptr<State> state);
+  struct Impl;
+  explicit GpuContribution(std::unique_ptr<Impl> state);
   // Copies keys (and values when not null) up into the device scratch: m keys, then m values.
   Status Upload(std::span<const uint32_t> keys, const float* values);
   // x[keys] += values (add) or x[keys] = values.
   Status Scatter(const SparseVector& entries, bool add);
-  std::unique_ptr<State> state_;
+  std::unique_ptr<Impl> state_;
 };
 
 }  // namespace sparseps
