@@ -119,8 +119,8 @@ class Aggregator {
   // taken now is of.
   uint64_t iteration() const { return iteration_; }
 
-  // Asks for a checkpoint after the next aggregation round (worker 0, checkpoint.every_s; ps mode,
-  // where the servers tell every worker; allreduce ignores it).
+  // Asks for a checkpoint after the next aggregation round (worker 0, checkpoint.every_s): in ps
+  // mode the servers tell every worker, in allreduce mode worker 0's notice does.
   virtual void RequestCheckpoint() {}
 
   // True when the last Step ended an iteration after which every node writes a checkpoint

@@ -1,6 +1,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <utility>
 
 #include "encodings/registry.h"
 #include "worker/aggregator_internal.h"
@@ -33,7 +34,11 @@ class AllreduceAggregator final : public Aggregator {
   uint32_t port() const override { return group_->port(); }
 
   bool overlaps() const override { return schedule_->overlaps(); }
-  bool BeginStep(float* grad) override { return schedule_->BeginStep(grad); }
+  bool BeginStep(float* grad) override {
+    // Before this worker's first bucket leaves.
+    if (notice_status_.ok()) notice_status_ = SendCheckpointNotice();
+    return schedule_->BeginStep(grad);
+  }
   void GradientReady(size_t key_begin) override { schedule_->GradientReady(key_begin); }
 
   Status Connect(ControlClient* control) override {
@@ -108,6 +113,10 @@ class AllreduceAggregator final : public Aggregator {
     return control_->Barrier(InitBarrier(*control_), proto::WORKER);
   }
 
+  // checkpoint.every_s: worker 0 (the session, when the time has come) asks for a checkpoint
+  // after the next iteration; the other workers learn it from the notice (SendCheckpointNotice).
+  void RequestCheckpoint() override { checkpoint_requested_ = true; }
+
   void SetEpoch(uint32_t epoch) override {
     const auto& c = config_.compression();
     collective_->set_k(
@@ -159,10 +168,15 @@ class AllreduceAggregator final : public Aggregator {
 
  protected:
   Status Aggregate(float* grad, bool on_device, StepStats* stats) override {
+    Status notice = std::exchange(notice_status_, Status::OK());
+    SPARSEPS_RETURN_IF_ERROR(notice);
+    SPARSEPS_RETURN_IF_ERROR(SendCheckpointNotice());
     SPARSEPS_RETURN_IF_ERROR(schedule_->Step(grad, on_device, stats));
     ++iteration_;
+    bool requested = false;
+    SPARSEPS_RETURN_IF_ERROR(ReadCheckpointNotice(&requested));
     const uint64_t every = config_.checkpoint().every_steps();
-    checkpoint_due_ = every > 0 && iteration_ % every == 0;
+    checkpoint_due_ = (every > 0 && iteration_ % every == 0) || requested;
     return Status::OK();
   }
 
@@ -185,6 +199,49 @@ class AllreduceAggregator final : public Aggregator {
   }
 #endif
 
+  // checkpoint.every_s, where only worker 0 keeps the time: before its contribution to an
+  // iteration leaves (Aggregate, or BeginStep with train.overlap: backward), worker 0 sends every
+  // other worker one byte saying whether a checkpoint follows that iteration (RequestCheckpoint
+  // since its last notice). The others read it when the iteration ended, which it cannot before
+  // worker 0's contribution left: every collective's sum needs it. So all take the checkpoint
+  // at the same iteration, as the servers' word makes them in ps mode. Once per iteration.
+  Status SendCheckpointNotice() {
+    if (!timed_checkpoints_ || control_->rank() != 0 || notice_for_ == iteration_ + 1) {
+      return Status::OK();
+    }
+    notice_for_ = iteration_ + 1;
+    notice_ = std::exchange(checkpoint_requested_, false);
+    const uint8_t flag = notice_ ? 1 : 0;
+    for (int w = 1; w < group_->size(); ++w) {
+      Message m;
+      AddFrameCopy(&m, proto::U8, &flag, 1);
+      SPARSEPS_RETURN_IF_ERROR(group_->Send(w, kNoticeTag + notice_for_, m));
+    }
+    return Status::OK();
+  }
+
+  // After iteration_ ended: whether a checkpoint follows it (worker 0's notice; false without
+  // checkpoint.every_s). Errors: Recv's (a deadline naming worker 0), ProtocolError for a
+  // notice that is not one byte.
+  Status ReadCheckpointNotice(bool* requested) {
+    *requested = false;
+    if (!timed_checkpoints_) return Status::OK();
+    if (control_->rank() == 0) {
+      *requested = notice_;
+      return Status::OK();
+    }
+    auto m = group_->Recv(0, kNoticeTag + iteration_);
+    if (!m.ok()) return m.status();
+    auto flag = m->FrameAs<uint8_t>(0, proto::U8);
+    if (!flag.ok() || flag->size() != 1) {
+      return Status::ProtocolError("the checkpoint notice of iteration " +
+                                   std::to_string(iteration_) + " from " + group_->PeerName(0) +
+                                   " is not one byte");
+    }
+    *requested = (*flag)[0] != 0;
+    return Status::OK();
+  }
+
   std::unique_ptr<PeerGroup> group_;
   const std::vector<TensorLayout> layers_;  // the model's tensors (powersgd)
   ControlClient* control_ = nullptr;
@@ -198,8 +255,16 @@ class AllreduceAggregator final : public Aggregator {
   std::vector<float> velocity_, acc_;
   // After the collective and the contribution it uses: destroyed first (BucketReduce's thread).
   std::unique_ptr<ReduceSchedule> schedule_;
+  // checkpoint.every_s's notices.
+  const bool timed_checkpoints_ = config_.checkpoint().every_s() > 0;
+  bool checkpoint_requested_ = false;  // worker 0: since its last notice
+  bool notice_ = false;                // worker 0: what its last notice said
+  uint64_t notice_for_ = 0;            // worker 0: the iteration its last notice was for
+  Status notice_status_;               // a notice BeginStep failed to send, for Aggregate
   // The start's broadcast, apart from the collectives' tags (call numbers << 32) and the probe's.
   static constexpr uint64_t kInitTag = uint64_t{1} << 62;
+  // checkpoint.every_s's notices (plus the iteration), apart from kInitTag's and the others.
+  static constexpr uint64_t kNoticeTag = uint64_t{3} << 61;
 };
 
 }  // namespace

@@ -32,11 +32,6 @@ Result<std::unique_ptr<WorkerSession>> WorkerSession::Join(const proto::JobConfi
                                                            size_t num_params, bool model_on_device,
                                                            bool name_log,
                                                            std::vector<TensorLayout> layers) {
-  if (config.checkpoint().every_s() > 0 && config.aggregation() == proto::ALLREDUCE) {
-    return Status::InvalidArgument(
-        "checkpoint.every_s works in ps mode only (the servers tell every worker when); use "
-        "checkpoint.every_steps with aggregation: allreduce");
-  }
   std::unique_ptr<WorkerSession> s(new WorkerSession(config));
   if (!s->curve_status_.ok()) return s->curve_status_;
   s->model_on_device_ = model_on_device;
