@@ -436,6 +436,8 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         Setting{"ps_topk_server_topk", {"compression.server_topk=true"}},
         Setting{"ps_sbc", {"compression.encoding=sbc"}},
+        // On the GPU (where one answers): the device compressors' state is in the checkpoint.
+        Setting{"ps_topk_cuda", {"train.device=cuda"}},
         // One compressor (residual) per key range, pushed during the backward pass.
         Setting{"ps_topk_overlap", {"train.overlap=backward"}},
         // One iteration in flight: the checkpoint keeps the gradient computed and not yet
