@@ -46,7 +46,10 @@
 # RUN_DIR/checkpoints (checkpoint.every_steps or every_s must have been set): same config and
 # overrides as that run (RUN_DIR/config.yaml, overrides.txt; more --set may follow, e.g. a larger
 # train.epochs), and the run goes on writing into RUN_DIR (logs appended, CSV rows after the
-# checkpoint replaced).
+# checkpoint replaced). With --hosts (the same hosts file) each host first gets back from RUN_DIR
+# its processes' logs and CSVs and the newest complete checkpoint's manifest and files of its
+# processes (not with checkpoint.dir set: those stay on the hosts); --max-restarts and --netns do
+# not go with --hosts.
 #
 # --worker-command starts each worker as CMD ARGS --config F --set ... instead of sparseps-worker:
 # a Python training loop that joins the job through the sparseps module (examples/fashion_mnist.py;
@@ -161,8 +164,8 @@ fi
 server_hosts=$(((num_servers + servers_per_host - 1) / servers_per_host))
 
 if [[ -n "$hosts_file" ]]; then
-  [[ -z "$netns" && -z "$resume" && "$max_restarts" == 0 ]] ||
-    { echo "launch.sh: --hosts does not go with --netns, --resume or --max-restarts" >&2; exit 2; }
+  [[ -z "$netns" && "$max_restarts" == 0 ]] ||
+    { echo "launch.sh: --hosts does not go with --netns or --max-restarts" >&2; exit 2; }
   # shellcheck source=deploy/lib/remote.sh
   source "$here/deploy/lib/remote.sh"
   parse_hosts "$hosts_file" || exit 2
@@ -282,6 +285,9 @@ fi
 # With --hosts: each host reached, given the config, and checked for the daemons before anything
 # starts.
 [[ -n "$hosts_file" ]] && { remote_prepare || exit 1; }
+# Resuming there: each host gets back what its processes left in the run directory (logs, CSVs)
+# and, from the newest complete checkpoint, the manifest and their files.
+[[ -n "$hosts_file" && -n "$resume" ]] && { remote_push_resume || exit 1; }
 
 append_logs=""
 [[ -n "$resume" ]] && append_logs=1
@@ -339,7 +345,7 @@ run_job() {  # starts every process, waits; sets $failed to the name of a proces
   failed=""
   # shellcheck disable=SC2046
   resume_args=()
-  [[ -n "$resume" ]] && resume_args=(--resume "$run_dir")
+  [[ -n "$resume" ]] && resume_args=(--resume "$job_dir")
   common=(--config "$job_config" "${resume_args[@]}" --set "run.dir=$job_dir"
     --set cluster.scheduler_port=0 $(host_set scheduler cluster.scheduler_host) "${sets[@]}")
   # shellcheck disable=SC2046

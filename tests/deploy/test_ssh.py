@@ -7,6 +7,7 @@ process of the job on any host; a bad hosts file is refused naming its line; spa
 --hosts measures the hosts' shaped links over ssh. Skips, saying why,
 only where sshd cannot start (not root, openssh-server missing). With no network namespaces here
 the one host is 127.0.0.1. Run by ctest with Debian's python3 -m pytest."""
+import csv
 import json
 import os
 import pathlib
@@ -68,6 +69,15 @@ class Hosts:
         if not wait:
             return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     text=True, env=env, cwd=ROOT)
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env, cwd=ROOT)
+
+    def resume(self, hosts, run_dir, *sets):
+        """deploy/launch.sh --hosts HOSTS --resume RUN_DIR (the same --remote-dir as launch)."""
+        cmd = [str(LOCAL_SSH), "run", "--dir", str(self.dir), str(LAUNCH), "--hosts", str(hosts),
+               "--resume", str(run_dir), "--remote-dir", str(run_dir) + "-remote"]
+        for s in sets:
+            cmd += ["--set", s]
+        env = dict(os.environ, SPARSEPS_BUILD_DIR=str(BUILD))
         return subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env, cwd=ROOT)
 
 
@@ -198,6 +208,37 @@ def test_a_killed_launcher_leaves_nothing_running(hosts, tmp_path):
     proc.communicate(timeout=60)
     # Each ssh gets SIGTERM as its parent dies; each host then stops its processes.
     assert_none_left(str(run_dir) + "-remote")
+
+
+def test_a_job_resumes_across_hosts_from_its_checkpoint(hosts, tmp_path):
+    """--resume with --hosts. The run directory here holds every host's files (copied back when
+    the job ended); each host gets back its processes' logs, CSVs and checkpoint files, and the
+    job goes on from the newest complete checkpoint to the parameters of a job never stopped,
+    bitwise (two workers: the servers' sums do not depend on the order)."""
+    sets = ("model.hidden=[64]", "data.max_train_samples=6400", "data.max_test_samples=1000",
+            "checkpoint.every_steps=20")
+    hosts_file = hosts.hosts_file(tmp_path / "hosts")
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    r = hosts.launch(hosts_file, whole, *sets, "train.max_steps=80")
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = hosts.launch(hosts_file, cut, *sets, "train.max_steps=50")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (cut / "checkpoints" / "iter-0000000040" / "MANIFEST.json").exists()
+    assert not (tmp_path / "cut-remote").exists()
+
+    r = hosts.resume(hosts_file, cut, "train.max_steps=80")
+    assert r.returncode == 0, r.stdout + r.stderr
+    for name in NAMES:
+        log = (cut / f"{name}.log").read_text()
+        assert log.count(" starting (pid ") == 2, name  # the first run's log goes on
+    assert re.search(r"resumed from \S*/iter-0000000040/worker-1\.safetensors at iteration 40",
+                     (cut / "worker-1.log").read_text())
+    assert (cut / "model.safetensors").read_bytes() == (whole / "model.safetensors").read_bytes()
+    with open(cut / "metrics-worker-1.csv") as f:
+        steps = [int(row["step"]) for row in csv.DictReader(f)]
+    assert steps == list(range(1, 81))
+    assert json.loads((cut / "summary.json").read_text())["status"] == "ok"
+    assert not (tmp_path / "cut-remote").exists()
 
 
 def test_a_bad_hosts_file_is_refused_naming_the_line(hosts, tmp_path):
