@@ -48,8 +48,9 @@
 # train.epochs), and the run goes on writing into RUN_DIR (logs appended, CSV rows after the
 # checkpoint replaced). With --hosts (the same hosts file) each host first gets back from RUN_DIR
 # its processes' logs and CSVs and the newest complete checkpoint's manifest and files of its
-# processes (not with checkpoint.dir set: those stay on the hosts); --max-restarts and --netns do
-# not go with --hosts.
+# processes (not with checkpoint.dir set: those stay on the hosts). --max-restarts goes with
+# --hosts too: a replacement starts on the host of the process it replaces, and a whole-job
+# restart takes the way of --resume. --netns does not go with --hosts.
 #
 # --worker-command starts each worker as CMD ARGS --config F --set ... instead of sparseps-worker:
 # a Python training loop that joins the job through the sparseps module (examples/fashion_mnist.py;
@@ -164,8 +165,7 @@ fi
 server_hosts=$(((num_servers + servers_per_host - 1) / servers_per_host))
 
 if [[ -n "$hosts_file" ]]; then
-  [[ -z "$netns" && "$max_restarts" == 0 ]] ||
-    { echo "launch.sh: --hosts does not go with --netns or --max-restarts" >&2; exit 2; }
+  [[ -z "$netns" ]] || { echo "launch.sh: --hosts does not go with --netns" >&2; exit 2; }
   # shellcheck source=deploy/lib/remote.sh
   source "$here/deploy/lib/remote.sh"
   parse_hosts "$hosts_file" || exit 2
@@ -461,6 +461,13 @@ while true; do
   msg="$(date '+%F %T') restart $restarts of $max_restarts after $failed failed: the whole job, $what"
   echo "launch.sh: $msg" >&2
   echo "$msg" >>"$run_dir/restarts.log"
+  if [[ -n "$hosts_file" ]]; then
+    # cleanup copied every host's files here and removed them there: the hosts again, as for
+    # --resume.
+    remote_prepared="" remote_collected=""
+    remote_prepare || exit 1
+    if [[ -n "$resume" ]]; then remote_push_resume || exit 1; fi
+  fi
 done
 sleep 0.3  # let the progress stream print its last lines
 [[ -n "$failed" ]] && echo "launch.sh: stopping the other processes" >&2

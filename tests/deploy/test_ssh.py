@@ -3,10 +3,11 @@ hosts (network namespaces), each with an sshd of its own (Debian's openssh-serve
 for the test, and the launcher runs on host 1 as on a login node. Checked: the quickstart trains
 across the hosts with every process on its host's address, worker 0's progress streamed and every
 host's files copied back; a failing worker, a SIGTERM and a SIGKILL of the launcher each leave no
-process of the job on any host; a bad hosts file is refused naming its line; sparseps-advise
---hosts measures the hosts' shaped links over ssh. Skips, saying why,
-only where sshd cannot start (not root, openssh-server missing). With no network namespaces here
-the one host is 127.0.0.1. Run by ctest with Debian's python3 -m pytest."""
+process of the job on any host; --resume, and --max-restarts after a worker killed on its host
+(replaced there, or the whole job restarted), go on to the right end; a bad hosts file is refused
+naming its line; sparseps-advise --hosts measures the hosts' shaped links over ssh. Skips, saying
+why, only where sshd cannot start (not root, openssh-server missing). With no network namespaces
+here the one host is 127.0.0.1. Run by ctest with Debian's python3 -m pytest."""
 import csv
 import json
 import os
@@ -59,10 +60,10 @@ class Hosts:
         path.write_text("\n".join(lines) + "\n")
         return path
 
-    def launch(self, hosts, run_dir, *sets, wait=True):
+    def launch(self, hosts, run_dir, *sets, wait=True, args=()):
         cmd = [str(LOCAL_SSH), "run", "--dir", str(self.dir), str(LAUNCH), "--hosts", str(hosts),
                "--config", str(QUICKSTART), "--run-dir", str(run_dir),
-               "--remote-dir", str(run_dir) + "-remote"]
+               "--remote-dir", str(run_dir) + "-remote", *args]
         for s in sets:
             cmd += ["--set", s]
         env = dict(os.environ, SPARSEPS_BUILD_DIR=str(BUILD))
@@ -239,6 +240,69 @@ def test_a_job_resumes_across_hosts_from_its_checkpoint(hosts, tmp_path):
     assert steps == list(range(1, 81))
     assert json.loads((cut / "summary.json").read_text())["status"] == "ok"
     assert not (tmp_path / "cut-remote").exists()
+
+
+def test_max_restarts_goes_on_across_hosts_after_a_killed_worker(hosts, tmp_path):
+    """--max-restarts with --hosts: worker 1 killed with kill -9 on its host (cluster.
+    on_worker_failure: abort), the launcher stops every host, takes their files back and restarts
+    the whole job from its newest complete checkpoint, as --resume does; the job ends on the
+    parameters of one never stopped, bitwise, with every step's row once."""
+    sets = ("model.hidden=[64]", "data.max_train_samples=6400", "data.max_test_samples=1000",
+            "checkpoint.every_steps=20", "cluster.on_worker_failure=abort")  # 6 epochs, 300 steps
+    hosts_file = hosts.hosts_file(tmp_path / "hosts")
+    whole, run = tmp_path / "whole", tmp_path / "run"
+    r = hosts.launch(hosts_file, whole, *sets)
+    assert r.returncode == 0, r.stdout + r.stderr
+    proc = hosts.launch(hosts_file, run, *sets, wait=False, args=("--max-restarts", "1"))
+    remote = pathlib.Path(str(run) + "-remote")
+    end = time.time() + 120
+    while not (remote / "checkpoints" / "iter-0000000040" / "MANIFEST.json").exists():
+        assert proc.poll() is None and time.time() < end, proc.stdout.read()
+        time.sleep(0.05)
+    os.kill(int((remote / "worker-1.pid").read_text()), signal.SIGKILL)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    restarts = (run / "restarts.log").read_text()
+    assert "restart 1 of 1 after worker-1 failed: the whole job, from the newest complete " \
+        "checkpoint" in restarts, restarts
+    assert "resumed from" in (run / "worker-1.log").read_text()
+    assert (run / "model.safetensors").read_bytes() == (whole / "model.safetensors").read_bytes()
+    with open(run / "metrics-worker-1.csv") as f:
+        steps = [int(row["step"]) for row in csv.DictReader(f)]
+    assert steps == list(range(1, 301))
+    assert not remote.exists()
+
+
+def test_max_restarts_replaces_a_killed_worker_on_its_host(hosts, tmp_path):
+    """--max-restarts with --hosts and cluster.on_worker_failure: continue (the default): worker 1
+    killed with kill -9 on its host is started again there with --rejoin while worker 0 goes on;
+    the replacement's log and metrics continue the lost worker's, and both end at the job's last
+    step."""
+    sets = ("model.hidden=[64]", "data.max_train_samples=6400", "data.max_test_samples=1000",
+            "checkpoint.every_steps=20")
+    run = tmp_path / "run"
+    proc = hosts.launch(hosts.hosts_file(tmp_path / "hosts"), run, *sets, wait=False,
+                        args=("--max-restarts", "1"))
+    remote = pathlib.Path(str(run) + "-remote")
+    end = time.time() + 120
+    while not (remote / "checkpoints" / "iter-0000000040" / "MANIFEST.json").exists():
+        assert proc.poll() is None and time.time() < end, proc.stdout.read()
+        time.sleep(0.05)
+    os.kill(int((remote / "worker-1.pid").read_text()), signal.SIGKILL)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    assert "restart 1 of 1: worker-1 exited with code 137; a replacement joins the running job " \
+        "(--rejoin)" in out, out
+    log1 = (run / "worker-1.log").read_text()
+    assert log1.count(" starting (pid ") == 2 and "pushing from iteration" in log1, log1
+    steps = {}
+    for w in (0, 1):
+        with open(run / f"metrics-worker-{w}.csv") as f:
+            steps[w] = [int(row["step"]) for row in csv.DictReader(f)]
+    assert steps[0] == list(range(1, 301))
+    assert steps[1][-1] == 300 and steps[1] == sorted(set(steps[1])), steps[1]
+    assert json.loads((run / "summary.json").read_text())["status"] == "ok"
+    assert not remote.exists()
 
 
 def test_a_bad_hosts_file_is_refused_naming_the_line(hosts, tmp_path):
