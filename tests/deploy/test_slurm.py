@@ -2,9 +2,10 @@
 slurmctld and three slurmd nodes (each an emulated host in a network namespace; one node on
 127.0.0.1 where ip netns does not work here), the quickstart is submitted with sbatch and waited
 for with a deadline; the accuracy comes from the job's summary.json, the state and exit code from
-scontrol; sparseps-advise --slurm measures the nodes' shaped links through srun from an
-allocation. Skips, saying why, only where slurmctld cannot start (not root, Slurm not installed).
+scontrol; a stopped job resumes with --resume to a never-stopped one's parameters;
+sparseps-advise --slurm measures the nodes' shaped links through srun from an allocation. Skips, saying why, only where slurmctld cannot start (not root, Slurm not installed).
 Run by ctest with Debian's python3 -m pytest."""
+import csv
 import json
 import os
 import pathlib
@@ -116,6 +117,34 @@ def test_quickstart_trains_across_nodes(slurm, tmp_path):
         assert m, name
         hosts.add(m.group(1))
     assert len(hosts) == slurm.nodes, hosts
+
+
+def test_a_stopped_job_resumes_from_its_checkpoint(slurm, tmp_path):
+    """sbatch ... --resume RUN_DIR: a job that stopped (here at train.max_steps 50, as a time
+    limit would) goes on from its newest complete checkpoint (iteration 40) with a larger
+    max_steps, to the parameters of a job that ran 80 steps at once, bitwise (two workers: the
+    servers' sums do not depend on the order), its logs and metrics going on."""
+    sets = ["--set", "model.hidden=[64]", "--set", "data.max_train_samples=6400",
+            "--set", "data.max_test_samples=1000", "--set", "checkpoint.every_steps=20"]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    for run_dir, steps in ((whole, 80), (cut, 50)):
+        job = slurm.submit(5, "--config", str(QUICKSTART), *sets,
+                           "--set", f"train.max_steps={steps}", "--run-dir", str(run_dir))
+        state, code = slurm.wait(job)
+        assert (state, code) == ("COMPLETED", "0:0"), slurm.output(job)
+    job = slurm.submit(5, "--resume", str(cut), "--set", "train.max_steps=80")
+    state, code = slurm.wait(job)
+    out = slurm.output(job)
+    assert (state, code) == ("COMPLETED", "0:0"), out
+    assert "resuming the job in" in out, out
+    log1 = (cut / "worker-1.log").read_text()
+    assert log1.count(" starting (pid ") == 2, log1
+    assert re.search(r"resumed from \S*/iter-0000000040/worker-1\.safetensors at iteration 40",
+                     log1), log1
+    assert (cut / "model.safetensors").read_bytes() == (whole / "model.safetensors").read_bytes()
+    with open(cut / "metrics-worker-1.csv") as f:
+        assert [int(row["step"]) for row in csv.DictReader(f)] == list(range(1, 81))
+    assert json.loads((cut / "summary.json").read_text())["status"] == "ok"
 
 
 def test_a_failing_training_fails_the_job_with_its_exit_code(slurm, tmp_path):

@@ -277,9 +277,11 @@ def test_max_restarts_replaces_a_killed_worker_on_its_host(hosts, tmp_path):
     """--max-restarts with --hosts and cluster.on_worker_failure: continue (the default): worker 1
     killed with kill -9 on its host is started again there with --rejoin while worker 0 goes on;
     the replacement's log and metrics continue the lost worker's, and both end at the job's last
-    step."""
-    sets = ("model.hidden=[64]", "data.max_train_samples=6400", "data.max_test_samples=1000",
-            "checkpoint.every_steps=20")
+    step (train.max_steps: alone, worker 0 takes the whole of each epoch's data, so the epochs'
+    steps depend on how long it was alone; 560 steps after the kill leave the replacement time to
+    join under ctest -j2)."""
+    sets = ("model.hidden=[64]", "data.max_train_samples=12800", "data.max_test_samples=1000",
+            "checkpoint.every_steps=20", "train.max_steps=600")
     run = tmp_path / "run"
     proc = hosts.launch(hosts.hosts_file(tmp_path / "hosts"), run, *sets, wait=False,
                         args=("--max-restarts", "1"))
@@ -299,8 +301,8 @@ def test_max_restarts_replaces_a_killed_worker_on_its_host(hosts, tmp_path):
     for w in (0, 1):
         with open(run / f"metrics-worker-{w}.csv") as f:
             steps[w] = [int(row["step"]) for row in csv.DictReader(f)]
-    assert steps[0] == list(range(1, 301))
-    assert steps[1][-1] == 300 and steps[1] == sorted(set(steps[1])), steps[1]
+    assert steps[0] == list(range(1, 601))
+    assert steps[1][-1] == 600 and steps[1] == sorted(set(steps[1])), steps[1]
     assert json.loads((run / "summary.json").read_text())["status"] == "ok"
     assert not remote.exists()
 
