@@ -287,7 +287,7 @@ fi
 [[ -n "$hosts_file" ]] && { remote_prepare || exit 1; }
 # Resuming there: each host gets back what its processes left in the run directory (logs, CSVs)
 # and, from the newest complete checkpoint, the manifest and their files.
-[[ -n "$hosts_file" && -n "$resume" ]] && { remote_push_resume || exit 1; }
+[[ -n "$hosts_file" && -n "$resume" ]] && { remote_push_back || exit 1; }
 
 append_logs=""
 [[ -n "$resume" ]] && append_logs=1
@@ -463,10 +463,10 @@ while true; do
   echo "$msg" >>"$run_dir/restarts.log"
   if [[ -n "$hosts_file" ]]; then
     # cleanup copied every host's files here and removed them there: the hosts again, as for
-    # --resume.
+    # --resume (from the start, only the logs go back).
     remote_prepared="" remote_collected=""
     remote_prepare || exit 1
-    if [[ -n "$resume" ]]; then remote_push_resume || exit 1; fi
+    remote_push_back || exit 1
   fi
 done
 sleep 0.3  # let the progress stream print its last lines

@@ -161,17 +161,17 @@ remote_prepare() {
   remote_prepared=1
 }
 
-# remote_push_resume: for --resume with --hosts. The run directory here holds what every host
-# left in it (remote_collect copied each host's files back and removed them there): each host
-# gets back its own processes' files (NAME.log, *-NAME.csv and the like: the logs go on and the
-# CSVs keep their rows up to the checkpoint), and, when the checkpoints are under the run
-# directory (checkpoint.dir unset), the newest complete checkpoint's manifest and its processes'
-# files, the only ones their --resume reads. Nothing goes to a host whose --remote-dir is this
-# run directory. One host at a time (hosts may share --remote-dir). Returns 1 naming the host
-# that failed.
-remote_push_resume() {
+# remote_push_back: for --resume with --hosts, and a whole-job restart. The run directory here
+# holds what every host left in it (remote_collect copied each host's files back and removed
+# them there): each host gets back its own processes' files (NAME.log, *-NAME.csv and the like:
+# the logs go on and the CSVs keep their rows up to the checkpoint), and, when resuming ($resume)
+# with the checkpoints under the run directory (checkpoint.dir unset), the newest complete
+# checkpoint's manifest and its processes' files, the only ones their --resume reads. Nothing
+# goes to a host whose --remote-dir is this run directory. One host at a time (hosts may share
+# --remote-dir). Returns 1 naming the host that failed.
+remote_push_back() {
   local k n f iter="" files
-  if [[ -z "$checkpoint_dir" ]]; then
+  if [[ -n "$resume" && -z "$checkpoint_dir" ]]; then
     for f in "$run_dir"/checkpoints/iter-*/MANIFEST.json; do
       [[ -f "$f" ]] && iter="$(basename "$(dirname "$f")")"
     done
@@ -192,7 +192,7 @@ remote_push_resume() {
     ssh_args "$k"
     if ! tar -C "$run_dir" -cf - "${files[@]}" |
         timeout 600 "${ssh_args[@]}" "cd $(sq "$remote_dir") && tar -xf -" >/dev/null 2>&1; then
-      remote_err "host ${host_spec[$k]} (${hosts_file}:${host_line[$k]}): could not copy the job's files for --resume into $remote_dir"
+      remote_err "host ${host_spec[$k]} (${hosts_file}:${host_line[$k]}): could not copy the job's files back into $remote_dir"
       return 1
     fi
   done
