@@ -3,7 +3,7 @@
 # The --hosts part of deploy/launch.sh (sourced by it): reads the hosts file, and starts, stops and
 # collects the job's processes on those hosts over OpenSSH. Uses launch.sh's variables (run_dir,
 # remote_dir, ssh_cmd, remote_env, num_servers, num_workers, aggregation, the daemons' paths,
-# append_logs, pids, names).
+# append_logs, pids, names, resume, checkpoint_dir).
 #
 # How a remote process is run: one ssh per process, whose command (a POSIX sh script) starts the
 # process in the background with its log in --remote-dir, writes its pid next to the log, streams

@@ -242,6 +242,18 @@ def test_a_job_resumes_across_hosts_from_its_checkpoint(hosts, tmp_path):
     assert not (tmp_path / "cut-remote").exists()
 
 
+def kill_worker_1_after_checkpoint_40(proc, remote):
+    """Once the job under `proc` completed its checkpoint of iteration 40 (in its remote directory
+    `remote`, which the test's hosts share), worker 1 killed with kill -9 by the pid its host wrote;
+    then the launcher's output once it ended."""
+    end = time.time() + 120
+    while not (remote / "checkpoints" / "iter-0000000040" / "MANIFEST.json").exists():
+        assert proc.poll() is None and time.time() < end, proc.stdout.read()
+        time.sleep(0.05)
+    os.kill(int((remote / "worker-1.pid").read_text()), signal.SIGKILL)
+    return proc.communicate(timeout=300)[0]
+
+
 def test_max_restarts_goes_on_across_hosts_after_a_killed_worker(hosts, tmp_path):
     """--max-restarts with --hosts: worker 1 killed with kill -9 on its host (cluster.
     on_worker_failure: abort), the launcher stops every host, takes their files back and restarts
@@ -255,12 +267,7 @@ def test_max_restarts_goes_on_across_hosts_after_a_killed_worker(hosts, tmp_path
     assert r.returncode == 0, r.stdout + r.stderr
     proc = hosts.launch(hosts_file, run, *sets, wait=False, args=("--max-restarts", "1"))
     remote = pathlib.Path(str(run) + "-remote")
-    end = time.time() + 120
-    while not (remote / "checkpoints" / "iter-0000000040" / "MANIFEST.json").exists():
-        assert proc.poll() is None and time.time() < end, proc.stdout.read()
-        time.sleep(0.05)
-    os.kill(int((remote / "worker-1.pid").read_text()), signal.SIGKILL)
-    out, _ = proc.communicate(timeout=300)
+    out = kill_worker_1_after_checkpoint_40(proc, remote)
     assert proc.returncode == 0, out
     restarts = (run / "restarts.log").read_text()
     assert "restart 1 of 1 after worker-1 failed: the whole job, from the newest complete " \
@@ -286,12 +293,7 @@ def test_max_restarts_replaces_a_killed_worker_on_its_host(hosts, tmp_path):
     proc = hosts.launch(hosts.hosts_file(tmp_path / "hosts"), run, *sets, wait=False,
                         args=("--max-restarts", "1"))
     remote = pathlib.Path(str(run) + "-remote")
-    end = time.time() + 120
-    while not (remote / "checkpoints" / "iter-0000000040" / "MANIFEST.json").exists():
-        assert proc.poll() is None and time.time() < end, proc.stdout.read()
-        time.sleep(0.05)
-    os.kill(int((remote / "worker-1.pid").read_text()), signal.SIGKILL)
-    out, _ = proc.communicate(timeout=300)
+    out = kill_worker_1_after_checkpoint_40(proc, remote)
     assert proc.returncode == 0, out
     assert "restart 1 of 1: worker-1 exited with code 137; a replacement joins the running job " \
         "(--rejoin)" in out, out
