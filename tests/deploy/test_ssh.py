@@ -61,8 +61,16 @@ class Hosts:
         return path
 
     def launch(self, hosts, run_dir, *sets, wait=True, args=()):
+        """deploy/launch.sh --hosts HOSTS with the quickstart's config into RUN_DIR."""
+        return self._launcher(hosts, run_dir, ["--config", str(QUICKSTART), "--run-dir",
+                                               str(run_dir), *args], sets, wait)
+
+    def resume(self, hosts, run_dir, *sets):
+        """deploy/launch.sh --hosts HOSTS --resume RUN_DIR (the same --remote-dir as launch)."""
+        return self._launcher(hosts, run_dir, ["--resume", str(run_dir)], sets, True)
+
+    def _launcher(self, hosts, run_dir, args, sets, wait):
         cmd = [str(LOCAL_SSH), "run", "--dir", str(self.dir), str(LAUNCH), "--hosts", str(hosts),
-               "--config", str(QUICKSTART), "--run-dir", str(run_dir),
                "--remote-dir", str(run_dir) + "-remote", *args]
         for s in sets:
             cmd += ["--set", s]
@@ -70,15 +78,6 @@ class Hosts:
         if not wait:
             return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     text=True, env=env, cwd=ROOT)
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env, cwd=ROOT)
-
-    def resume(self, hosts, run_dir, *sets):
-        """deploy/launch.sh --hosts HOSTS --resume RUN_DIR (the same --remote-dir as launch)."""
-        cmd = [str(LOCAL_SSH), "run", "--dir", str(self.dir), str(LAUNCH), "--hosts", str(hosts),
-               "--resume", str(run_dir), "--remote-dir", str(run_dir) + "-remote"]
-        for s in sets:
-            cmd += ["--set", s]
-        env = dict(os.environ, SPARSEPS_BUILD_DIR=str(BUILD))
         return subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env, cwd=ROOT)
 
 

@@ -203,13 +203,13 @@ TEST_P(TimedCheckpoints, EveryNodeTakesEachAtTheSameIteration) {
   const std::string run = dir.path() + "/run";
   ChildProcess a(QuietLaunch(run, sets), dir.path() + "/run.log", {}, true);
   ASSERT_EQ(a.Wait(180), 0) << a.Log();
-  std::vector<std::string> complete;
+  size_t folders = 0;
   for (const auto& e : std::filesystem::directory_iterator(run + "/checkpoints")) {
     EXPECT_TRUE(std::filesystem::exists(e.path() / "MANIFEST.json"))
         << e.path() << " never completed: a node took no checkpoint of that iteration";
-    complete.push_back(e.path().filename().string());
+    ++folders;
   }
-  EXPECT_GE(complete.size(), 2u) << testing::ReadFile(run + "/worker-0.log");
+  EXPECT_GE(folders, 2u) << testing::ReadFile(run + "/worker-0.log");
   const std::string model = testing::ReadFile(run + "/model.safetensors");
   ASSERT_FALSE(model.empty());
 

@@ -553,14 +553,19 @@ TEST(GpuCompressors, AnswerTheWorkerAsTheCpuCompressors) {
   }
 }
 
-// `c`'s state as a checkpoint file holds it (saved, serialised, parsed back).
-SafetensorsFile SavedState(Compressor& c) {
-  StateArchive save;
-  c.State(save);
-  EXPECT_TRUE(save.status().ok()) << save.status().ToString();
-  auto file = SafetensorsFile::Parse(save.writer().Serialize(), "state");
+// A state as a checkpoint file holds it: what `save` records, serialised and parsed back.
+SafetensorsFile Saved(const std::function<void(StateArchive&)>& save) {
+  StateArchive archive;
+  save(archive);
+  EXPECT_TRUE(archive.status().ok()) << archive.status().ToString();
+  auto file = SafetensorsFile::Parse(archive.writer().Serialize(), "state");
   EXPECT_TRUE(file.ok()) << file.status().ToString();
   return std::move(*file);
+}
+
+// `c`'s state as a checkpoint file holds it.
+SafetensorsFile SavedState(Compressor& c) {
+  return Saved([&](StateArchive& a) { c.State(a); });
 }
 
 // A device compressor for `job` with the state of `saved` loaded; the load's error otherwise.
@@ -664,16 +669,6 @@ TEST(GpuCompressors, CheckpointsMoveBetweenTheCpuAndTheGpu) {
     ASSERT_TRUE(DownloadGpuCompressorState(**other, &residual, &velocity).ok());
     EXPECT_EQ(residual, std::vector<float>(n + 1, 0.0f));
   }
-}
-
-// A state as a checkpoint file holds it: what `save` records, serialised and parsed back.
-SafetensorsFile Saved(const std::function<void(StateArchive&)>& save) {
-  StateArchive archive;
-  save(archive);
-  EXPECT_TRUE(archive.status().ok()) << archive.status().ToString();
-  auto file = SafetensorsFile::Parse(archive.writer().Serialize(), "state");
-  EXPECT_TRUE(file.ok()) << file.status().ToString();
-  return std::move(*file);
 }
 
 // A GPU allreduce worker's checkpoint (AllreduceAggregator's state, its velocity, contribution
