@@ -121,7 +121,15 @@ void CheckpointCoordinator::Complete(uint64_t iteration, std::vector<Outgoing>* 
   }
   last_checkpoint_ = static_cast<int64_t>(iteration);
   spdlog::info("checkpoint of iteration {} complete ({} files)", iteration, m.files.size());
-  PruneCheckpoints(dir, job_.config.checkpoint().keep());
+  const uint32_t keep = job_.config.checkpoint().keep();
+  const std::vector<uint64_t> kept = PruneCheckpoints(dir, keep);
+  if (keep > 0 && !kept.empty()) {
+    // Every node prunes its own folder the same way: on a host of its own nothing else would.
+    proto::Header h;
+    h.set_command(proto::CHECKPOINTS_KEPT);
+    h.mutable_checkpoints_kept()->mutable_iterations()->Assign(kept.begin(), kept.end());
+    job_.Broadcast(h, out);
+  }
   if (!job_.stop_reason.empty() && static_cast<int64_t>(iteration) >= job_.stop_iteration) {
     job_.Abort(job_.stop_reason + "; the checkpoint of iteration " + std::to_string(iteration) +
                    " (" + CheckpointIterationDir(dir, iteration) +

@@ -1,6 +1,7 @@
 // The scheduler's part in checkpoints: it collects the files every node reports
 // (CHECKPOINT_WRITTEN), writes an iteration's MANIFEST.json once all of them are in, prunes old
-// checkpoints, and finds the newest complete one for checkpoint.resume and for a rollback.
+// checkpoints (and tells the nodes which it keeps), and finds the newest complete one for
+// checkpoint.resume and for a rollback.
 //
 // Thread-safety: used by the one thread that runs the Scheduler.
 #pragma once
@@ -26,7 +27,8 @@ class CheckpointCoordinator {
 
   // A node wrote its file of a checkpoint. Once every node's file of that iteration is in, the
   // manifest is written (an earlier incomplete iteration is dropped), old ones pruned
-  // (checkpoint.keep), and a job stopping below cluster.min_workers ends. A report from a node
+  // (checkpoint.keep) here and, by CHECKPOINTS_KEPT to every live node, in each node's folder,
+  // and a job stopping below cluster.min_workers ends. A report from a node
   // that is not registered, for another node or with a bad file name is rejected.
   void HandleWritten(const std::string& from, const proto::Header& h, std::vector<Outgoing>* out);
 

@@ -116,13 +116,19 @@ void JobState::ReplyError(const std::string& to, const std::string& error,
 
 void JobState::Broadcast(proto::Command command, const std::string& error,
                          std::vector<Outgoing>* out) {
+  proto::Header h;
+  h.set_command(command);
+  h.set_error(error);
+  Broadcast(h, out);
+}
+
+void JobState::Broadcast(const proto::Header& header, std::vector<Outgoing>* out) {
   for (const auto& n : nodes) {
     if (n.dead) continue;
     Outgoing o{n.routing_id, {}};
-    o.msg.header.set_command(command);
+    o.msg.header = header;
     o.msg.header.set_sender_role(proto::SCHEDULER);
     o.msg.header.set_epoch(membership.epoch());
-    o.msg.header.set_error(error);
     out->push_back(std::move(o));
   }
 }

@@ -95,6 +95,8 @@ struct JobState {
   void Abort(const std::string& reason, std::vector<Outgoing>* out);
   // `command` (with `error`) to every live node.
   void Broadcast(proto::Command command, const std::string& error, std::vector<Outgoing>* out);
+  // `header` to every live node, with the scheduler's role and the membership's epoch.
+  void Broadcast(const proto::Header& header, std::vector<Outgoing>* out);
   // `command` about worker `worker_rank` (WORKER_LOST, WORKER_JOIN) to every live server.
   void AskServers(proto::Command command, int worker_rank, std::vector<Outgoing>* out) const;
   void ReplyError(const std::string& to, const std::string& error,

@@ -427,6 +427,7 @@ Status RunServer(const proto::JobConfig& config) {
   auto reserved = PortReservation::Reserve(bind_host, config.node().port());
   if (!reserved.ok()) return reserved.status();
   ControlClient control(context, config, proto::SERVER);
+  KeepCheckpointsAsTheScheduler(control, config);
   Status result = ServerLoop(config, context, bind_host, std::move(*reserved), control).Run();
   control.ReportFailure(result);
   return result;

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
+#include "transport/control_client.h"
 #include "transport/message.h"
 
 namespace sparseps {
@@ -389,18 +390,48 @@ std::optional<CheckpointManifest> LatestCheckpoint(const std::string& dir) {
   return std::nullopt;
 }
 
-void PruneCheckpoints(const std::string& dir, uint32_t keep) {
-  uint32_t complete = 0;
+namespace {
+
+// Deletes an old iteration folder; one that another process deleted meanwhile is no error.
+void RemoveCheckpointFolder(const std::string& path) {
   std::error_code ec;
+  std::filesystem::remove_all(path, ec);
+  if (ec && std::filesystem::exists(path)) {
+    spdlog::warn("could not delete old checkpoint {}: {}", path, ec.message());
+  }
+}
+
+}  // namespace
+
+std::vector<uint64_t> PruneCheckpoints(const std::string& dir, uint32_t keep) {
+  std::vector<uint64_t> kept;
   for (const auto& [iteration, path] : IterationDirs(dir)) {
     const bool is_complete = ReadCheckpointManifest(path).ok();
-    if (is_complete) ++complete;
     // Keep: the newest `keep` complete ones, and anything newer than the newest complete one (it
     // may still be being written).
-    if (complete == 0 || (is_complete && (keep == 0 || complete <= keep))) continue;
-    std::filesystem::remove_all(path, ec);
-    if (ec) spdlog::warn("could not delete old checkpoint {}: {}", path, ec.message());
+    if (is_complete && (keep == 0 || kept.size() < keep)) {
+      kept.push_back(iteration);
+      continue;
+    }
+    if (kept.empty()) continue;
+    RemoveCheckpointFolder(path);
   }
+  return kept;
+}
+
+void PruneCheckpointsTo(const std::string& dir, const std::vector<uint64_t>& kept) {
+  for (const auto& [iteration, path] : IterationDirs(dir)) {
+    if (iteration >= kept.front() || std::find(kept.begin(), kept.end(), iteration) != kept.end())
+      continue;
+    RemoveCheckpointFolder(path);
+  }
+}
+
+void KeepCheckpointsAsTheScheduler(ControlClient& control, const proto::JobConfig& config) {
+  const std::string dir = CheckpointDir(config);
+  if (dir.empty()) return;
+  control.OnCheckpointsKept(
+      [dir](const std::vector<uint64_t>& kept) { PruneCheckpointsTo(dir, kept); });
 }
 
 }  // namespace sparseps

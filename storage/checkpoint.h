@@ -30,6 +30,8 @@
 
 namespace sparseps {
 
+class ControlClient;
+
 // Version of the node files and the manifest; a file of another version is refused.
 inline constexpr int kCheckpointFormatVersion = 1;
 
@@ -212,7 +214,21 @@ Result<CheckpointManifest> ReadCheckpointManifest(const std::string& iteration_d
 std::optional<CheckpointManifest> LatestCheckpoint(const std::string& dir);
 
 // Deletes the iteration folders of `dir` older than the newest `keep` complete ones (keep 0:
-// none), and incomplete folders older than the newest complete one.
-void PruneCheckpoints(const std::string& dir, uint32_t keep);
+// none), and incomplete folders older than the newest complete one. Returns the iterations of
+// the complete checkpoints kept, newest first.
+std::vector<uint64_t> PruneCheckpoints(const std::string& dir, uint32_t keep);
+
+// A node's side of checkpoint.keep: deletes the iteration folders of `dir` (this node's
+// checkpoint folder) older than kept[0] and not in `kept`, the complete checkpoints the scheduler
+// keeps (newest first, as PruneCheckpoints returns them), so that a host whose folder is not the
+// scheduler's keeps what it keeps. Newer folders stay (a checkpoint being written). Several
+// processes may prune one folder at once (nodes sharing a host): a folder gone meanwhile is no
+// error; one that cannot be deleted is logged. REQUIRES: kept is not empty.
+void PruneCheckpointsTo(const std::string& dir, const std::vector<uint64_t>& kept);
+
+// Makes `control` prune this node's checkpoint folder (CheckpointDir(config)) each time the
+// scheduler says which checkpoints it keeps (CHECKPOINTS_KEPT): PruneCheckpointsTo from Poll.
+// Nothing without a checkpoint folder.
+void KeepCheckpointsAsTheScheduler(ControlClient& control, const proto::JobConfig& config);
 
 }  // namespace sparseps

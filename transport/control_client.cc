@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <functional>
 #include <random>
 
 #include "config/config.h"
@@ -112,6 +113,7 @@ Status ControlClient::Poll() {
     auto msg = RecvMessage(socket_, false, nullptr, nullptr);
     last_heard_ = Clock::now();
     if (!msg.ok()) {
+      ++rejected_;
       spdlog::warn("ignoring a malformed message from the scheduler: {}", msg.status().message());
       continue;
     }
@@ -145,6 +147,21 @@ Status ControlClient::Poll() {
       case proto::WORKER_JOIN:
         updates_.push_back(h);
         break;
+      case proto::CHECKPOINTS_KEPT: {
+        const auto& kept = h.checkpoints_kept().iterations();
+        const bool decreasing =
+            std::adjacent_find(kept.begin(), kept.end(), std::less_equal<uint64_t>()) == kept.end();
+        if (kept.empty() || !decreasing) {
+          ++rejected_;
+          spdlog::warn(
+              "ignoring CHECKPOINTS_KEPT from the scheduler: its {} iterations are not one or more "
+              "newest first without repeats",
+              kept.size());
+          break;
+        }
+        if (on_checkpoints_kept_) on_checkpoints_kept_({kept.begin(), kept.end()});
+        break;
+      }
       case proto::FATAL:
         fatal_ = h.error().empty() ? "no reason given" : h.error();
         return Status::Aborted("the scheduler ended the job: " + fatal_);

@@ -1,5 +1,5 @@
-// The node side of the control plane: registration, membership, barriers, heartbeats, DONE, and
-// the scheduler's SHUTDOWN / FATAL.
+// The node side of the control plane: registration, membership, barriers, heartbeats, DONE, the
+// scheduler's SHUTDOWN / FATAL, and the checkpoints it keeps.
 //
 // Thread-safety: one thread uses a ControlClient; the heartbeat thread it starts owns its own
 // socket and touches nothing else.
@@ -42,8 +42,8 @@ class ControlClient {
   Status Register(const std::string& host, uint32_t port, uint64_t num_params);
 
   // Handles every message waiting from the scheduler: MEMBERSHIP, BARRIER_RELEASE, SHUTDOWN,
-  // FATAL. Returns Aborted once FATAL arrived (the scheduler's reason in the message), or when a
-  // stop signal arrived; Disconnected once nothing came from the scheduler for
+  // FATAL, CHECKPOINTS_KEPT. Returns Aborted once FATAL arrived (the scheduler's reason in the
+  // message), or when a stop signal arrived; Disconnected once nothing came from the scheduler for
   // cluster.heartbeat_timeout_s (scheduler_lost()); OK otherwise (check shutdown_requested()).
   Status Poll();
 
@@ -120,6 +120,17 @@ class ControlClient {
     return watched_epoch_ ? CheckPausedSince(*watched_epoch_) : Status::OK();
   }
 
+  // After each complete checkpoint (CHECKPOINTS_KEPT, checkpoint.keep > 0), Poll calls `prune`
+  // with the iterations of the complete checkpoints the scheduler keeps, newest first, so that
+  // this node deletes the older folders of its own checkpoint folder (storage/checkpoint.h,
+  // PruneCheckpointsTo; KeepCheckpointsAsTheScheduler sets it). A list that is empty or not
+  // strictly decreasing is refused: counted in rejected() and not passed on.
+  void OnCheckpointsKept(std::function<void(const std::vector<uint64_t>&)> prune) {
+    on_checkpoints_kept_ = std::move(prune);
+  }
+  // Messages from the scheduler ignored as malformed or refused.
+  uint64_t rejected() const { return rejected_; }
+
   // Sends msg to the scheduler with this node's role, rank and epoch in the header.
   Status SendToScheduler(Message& msg) { return Send(msg); }
   int rank() const { return membership_.your_rank(); }
@@ -155,6 +166,8 @@ class ControlClient {
   std::vector<proto::Header> updates_;
   std::map<std::string, uint64_t> barrier_generation_;
   std::map<std::string, uint64_t> barrier_released_;  // name -> highest released generation + 1
+  std::function<void(const std::vector<uint64_t>&)> on_checkpoints_kept_;
+  uint64_t rejected_ = 0;
 
   std::thread heartbeat_thread_;
   std::mutex heartbeat_mu_;

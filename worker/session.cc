@@ -24,7 +24,9 @@ WorkerSession::WorkerSession(const proto::JobConfig& config)
     : config_(config),
       context_(1),
       curve_(StartCurve(context_, config_, &curve_status_)),
-      control_(context_, config_, proto::WORKER) {}
+      control_(context_, config_, proto::WORKER) {
+  KeepCheckpointsAsTheScheduler(control_, config_);
+}
 
 WorkerSession::~WorkerSession() { control_.StopHeartbeats(); }
 

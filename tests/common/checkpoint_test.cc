@@ -5,13 +5,18 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "storage/safetensors.h"
+#include "transport/control_client.h"
+#include "transport/van.h"
 
 namespace sparseps {
 namespace {
@@ -282,12 +287,104 @@ TEST_F(CheckpointTest, OnlyCheckpointsWithAManifestCountAndOldOnesArePruned) {
                                       {300, 1, "00112233aabbccdd", latest->files})
                   .ok());
 
-  PruneCheckpoints(dir, 2);
+  EXPECT_EQ(PruneCheckpoints(dir, 2), (std::vector<uint64_t>{300, 200}));
   EXPECT_FALSE(std::filesystem::exists(CheckpointIterationDir(dir, 100)));
   EXPECT_TRUE(std::filesystem::exists(CheckpointIterationDir(dir, 200)));
   EXPECT_FALSE(std::filesystem::exists(CheckpointIterationDir(dir, 250)));
   EXPECT_TRUE(std::filesystem::exists(CheckpointIterationDir(dir, 300)));
   EXPECT_TRUE(std::filesystem::exists(CheckpointIterationDir(dir, 400)));
+  // keep 0: every complete one stays, and is named.
+  EXPECT_EQ(PruneCheckpoints(dir, 0), (std::vector<uint64_t>{300, 200}));
+  EXPECT_TRUE(std::filesystem::exists(CheckpointIterationDir(dir, 200)));
+}
+
+// A node's folder on a host of its own holds its files and no manifest: it prunes to the list
+// of the checkpoints the scheduler keeps, leaving those and any newer folder.
+TEST_F(CheckpointTest, ANodesFolderIsPrunedToTheCheckpointsTheSchedulerKeeps) {
+  const std::string dir = dir_.string();
+  for (uint64_t iteration : {100, 200, 250, 300, 400}) {
+    Component c{{1.0f}, {}, iteration, 0.0f};
+    StateArchive save;
+    c.State(save);
+    CheckpointFileInfo info;
+    ASSERT_TRUE(WriteCheckpointFile(CheckpointIterationDir(dir, iteration), "w.safetensors",
+                                    Id(iteration), save, &info)
+                    .ok());
+  }
+  std::filesystem::create_directories(dir + "/not-an-iteration");
+  PruneCheckpointsTo(dir, {300, 100});
+  std::vector<std::string> left;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    left.push_back(e.path().filename().string());
+  }
+  std::sort(left.begin(), left.end());
+  EXPECT_EQ(left, (std::vector<std::string>{"iter-0000000100", "iter-0000000300", "iter-0000000400",
+                                            "not-an-iteration"}));
+  EXPECT_TRUE(std::filesystem::exists(CheckpointIterationDir(dir, 300) + "/w.safetensors"));
+  // Again, with nothing left to delete (another node of the host pruned first): no change.
+  PruneCheckpointsTo(dir, {300, 100});
+  EXPECT_TRUE(std::filesystem::exists(CheckpointIterationDir(dir, 100)));
+  PruneCheckpointsTo(dir, {400});
+  EXPECT_FALSE(std::filesystem::exists(CheckpointIterationDir(dir, 100)));
+  EXPECT_FALSE(std::filesystem::exists(CheckpointIterationDir(dir, 300)));
+  EXPECT_TRUE(std::filesystem::exists(CheckpointIterationDir(dir, 400)));
+}
+
+// The node's side, wired as the daemons wire it: a fake scheduler (a ROUTER on loopback) sends
+// CHECKPOINTS_KEPT to a ControlClient with KeepCheckpointsAsTheScheduler, and Poll prunes the
+// node's folder (run.dir/checkpoints); a list that is empty or not newest first is refused,
+// counted and changes nothing.
+TEST_F(CheckpointTest, AControlClientPrunesItsFolderWhenTheSchedulerSaysWhatItKeeps) {
+  zmq::context_t context(1);
+  auto router = BindRouter(context, "127.0.0.1", 0);
+  ASSERT_TRUE(router.ok()) << router.status().ToString();
+  proto::JobConfig config;
+  config.mutable_run()->set_dir(dir_.string());
+  config.mutable_cluster()->set_scheduler_host("127.0.0.1");
+  config.mutable_cluster()->set_scheduler_port(router->port);
+  const std::string dir = CheckpointDir(config);
+  for (uint64_t iteration : {10, 20, 30}) {
+    std::filesystem::create_directories(CheckpointIterationDir(dir, iteration));
+    Spit(CheckpointIterationDir(dir, iteration) + "/worker-1.safetensors", "x");
+  }
+  ControlClient control(context, config, proto::WORKER);
+  KeepCheckpointsAsTheScheduler(control, config);
+  ASSERT_TRUE(control.Register("127.0.0.1", 0, 1).ok());
+  std::string node;
+  ASSERT_EQ(PollIn({&router->socket}, 10000), std::vector<bool>{true});
+  ASSERT_TRUE(RecvMessage(router->socket, true, &node, nullptr).ok());
+  auto send_kept = [&](std::vector<uint64_t> iterations) {
+    Message m;
+    m.header.set_command(proto::CHECKPOINTS_KEPT);
+    m.header.set_sender_role(proto::SCHEDULER);
+    for (uint64_t i : iterations) m.header.mutable_checkpoints_kept()->add_iterations(i);
+    ASSERT_TRUE(SendMessage(router->socket, m, &node).ok());
+  };
+  auto folders = [&] {
+    std::vector<uint64_t> left;
+    for (uint64_t iteration : {10, 20, 30}) {
+      if (std::filesystem::exists(CheckpointIterationDir(dir, iteration)))
+        left.push_back(iteration);
+    }
+    return left;
+  };
+  // Polls the client until `done` (within 10 s).
+  auto poll_until = [&](const std::function<bool()>& done) {
+    for (int i = 0; i < 1000 && !done(); ++i) {
+      ASSERT_TRUE(control.Poll().ok());
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    ASSERT_TRUE(done());
+  };
+  send_kept({});
+  send_kept({20, 30});
+  send_kept({30, 30});
+  poll_until([&] { return control.rejected() == 3; });
+  EXPECT_EQ(folders(), (std::vector<uint64_t>{10, 20, 30}));
+  send_kept({30, 20});
+  poll_until([&] { return folders().size() == 2; });
+  EXPECT_EQ(folders(), (std::vector<uint64_t>{20, 30}));
+  EXPECT_EQ(control.rejected(), 3u);
 }
 
 TEST(ConfigFingerprint, CoversWhatDefinesTheTrainingOnly) {

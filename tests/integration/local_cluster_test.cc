@@ -13,6 +13,7 @@
 #include <map>
 #include <numeric>
 #include <random>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -44,9 +45,12 @@ struct Cluster {
   std::vector<std::unique_ptr<ChildProcess>> nodes;  // servers then workers
 };
 
-// Starts 1 scheduler, `servers` servers and `workers` workers on `config` with `extra` overrides.
+// Starts 1 scheduler, `servers` servers and `workers` workers on `config` with `extra` overrides,
+// every process with run.dir = dir (the logs go there), or the servers' and the workers' with the
+// run directories of their own named in `node_dirs` ("server", "worker"), as on hosts of their own.
 Cluster Start(const TempDir& dir, const std::string& config, int servers, int workers,
-              const std::vector<std::string>& extra) {
+              const std::vector<std::string>& extra,
+              const std::map<std::string, std::string>& node_dirs = {}) {
   Cluster c;
   std::vector<std::string> common = {"--config", config, "--set", "run.dir=" + dir.path(),
                                      // allreduce starts no servers (the key must still be >= 1)
@@ -61,6 +65,11 @@ Cluster Start(const TempDir& dir, const std::string& config, int servers, int wo
     std::vector<std::string> a = {testing::BinaryPath(bin)};
     a.insert(a.end(), common.begin(), common.end());
     a.insert(a.end(), more.begin(), more.end());
+    for (const auto& [role, run_dir] : node_dirs) {
+      if (bin.find("/sparseps-" + role) != std::string::npos) {
+        a.insert(a.end(), {"--set", "run.dir=" + run_dir});  // the last --set of a key wins
+      }
+    }
     return a;
   };
   c.scheduler = std::make_unique<ChildProcess>(
@@ -436,6 +445,60 @@ INSTANTIATE_TEST_SUITE_P(
         std::make_pair("topk_abort", "cluster.on_worker_failure=abort"),
         std::make_pair("cnn", "model.type=cnn model.channels=[8] model.hidden=[256]")),
     [](const auto& info) { return info.param.first; });
+
+// checkpoint.keep where the nodes' checkpoint folders are not the scheduler's (hosts of their own,
+// as deploy/launch.sh --hosts places them: here the servers' run directory and the workers' apart
+// from the scheduler's): every folder ends with the same iteration folders, the newest `keep`
+// complete checkpoints, each holding its nodes' files. The nodes delete their older folders when
+// the scheduler says which it kept (CHECKPOINTS_KEPT); before, only the scheduler's folder was
+// pruned and the others kept every checkpoint of the run.
+TEST(LocalClusterCheckpoints, KeepPrunesTheFolderOfEveryHost) {
+  if (!std::filesystem::exists(std::string(kData) + "/train-images-idx3-ubyte.gz")) {
+    GTEST_SKIP() << "Fashion-MNIST not installed";
+  }
+  TempDir dir("keep-every-host"), servers("keep-servers-host"), workers("keep-workers-host");
+  const std::string config = std::string(SPARSEPS_SOURCE_DIR) + "/configs/quickstart.yaml";
+  Cluster c =
+      Start(dir, config, 2, 2,
+            {"model.hidden=[32]", "data.max_train_samples=2048", "data.max_test_samples=500",
+             "train.max_steps=40", "checkpoint.every_steps=5", "checkpoint.keep=2"},
+            {{"server", servers.path()}, {"worker", workers.path()}});
+  ASSERT_NE(c.scheduler, nullptr);
+  for (auto& n : c.nodes) {
+    EXPECT_EQ(n->Wait(kHardTimeoutS), 0) << n->log_path() << ":\n" << n->Log();
+  }
+  ASSERT_EQ(c.scheduler->Wait(30), 0) << c.scheduler->Log();
+  auto folders = [](const std::string& run_dir) {
+    std::set<std::string> names;
+    for (const auto& e : std::filesystem::directory_iterator(run_dir + "/checkpoints")) {
+      names.insert(e.path().filename().string());
+    }
+    return names;
+  };
+  const std::set<std::string> kept = folders(dir.path());
+  ASSERT_EQ(kept.size(), 2u) << "the scheduler keeps the newest 2";
+  // Several were completed, so the nodes had older ones to delete.
+  const std::string log = c.scheduler->Log();
+  size_t completed = 0;
+  for (size_t at = log.find(" complete ("); at != std::string::npos;
+       at = log.find(" complete (", at + 1)) {
+    ++completed;
+  }
+  EXPECT_GE(completed, 6u) << log;
+  EXPECT_EQ(folders(servers.path()), kept);
+  EXPECT_EQ(folders(workers.path()), kept);
+  for (const std::string& name : kept) {
+    EXPECT_TRUE(std::filesystem::exists(dir.path() + "/checkpoints/" + name + "/MANIFEST.json"));
+    for (const char* file : {"server-0.safetensors", "server-1.safetensors"}) {
+      EXPECT_TRUE(std::filesystem::exists(servers.path() + "/checkpoints/" + name + "/" + file))
+          << name << "/" << file;
+    }
+    for (const char* file : {"worker-0.safetensors", "worker-1.safetensors"}) {
+      EXPECT_TRUE(std::filesystem::exists(workers.path() + "/checkpoints/" + name + "/" + file))
+          << name << "/" << file;
+    }
+  }
+}
 
 // A worker that dies mid-job with cluster.on_worker_failure: abort: the scheduler detects it by
 // heartbeat and ends the job with an error that names it; nothing hangs.

@@ -658,8 +658,10 @@ class ServerLossTest : public RejoinTest {
     config_.mutable_cluster()->set_server_replacement_timeout_s(30);
   }
   ~ServerLossTest() override { std::filesystem::remove_all(dir_); }
-  // Every node reports its file of checkpoint `iteration`: the manifest is written.
-  void CompleteCheckpoint(Scheduler& s, uint64_t iteration) {
+  // Every node reports its file of checkpoint `iteration`: the manifest is written. Returns what
+  // the scheduler sent after the last report.
+  std::vector<Outgoing> CompleteCheckpoint(Scheduler& s, uint64_t iteration) {
+    std::vector<Outgoing> out;
     for (auto [who, role, rank] : {std::tuple{"s-a", proto::SERVER, 0},
                                    {"s-b", proto::SERVER, 1},
                                    {"w-a", proto::WORKER, 0},
@@ -675,8 +677,9 @@ class ServerLossTest : public RejoinTest {
       f->set_iteration(iteration);
       f->set_file(std::string(role == proto::SERVER ? "server-" : "worker-") +
                   std::to_string(rank) + ".safetensors");
-      Send(s, who, std::move(c), t0_);
+      out = Send(s, who, std::move(c), t0_);
     }
+    return out;
   }
   // Heartbeats from everyone but server 1 from second `from` to `to`; what the scheduler sent.
   std::vector<Outgoing> SilenceServer1(Scheduler& s, int from, int to) {
@@ -763,6 +766,42 @@ TEST_F(ServerLossTest, ReplacementTakesTheKeyRangeAndEveryNodeRollsBack) {
   EXPECT_EQ(summary.replaced_servers(0).rollback_iteration(), 50u);
   EXPECT_EQ(summary.replaced_servers(0).pid(), 4242);
   EXPECT_GT(summary.replaced_servers(0).waited_s(), 0.0);
+}
+
+// checkpoint.keep on every host: each complete checkpoint tells every live node which complete
+// ones the scheduler kept (newest first), so that a node whose folder is on another host deletes
+// the same older ones; with keep 0 (all kept) nothing is sent.
+using CheckpointKeepTest = ServerLossTest;
+TEST_F(CheckpointKeepTest, EveryNodeIsToldWhichCheckpointsAreKept) {
+  config_.mutable_checkpoint()->set_keep(2);
+  Scheduler s(config_, t0_);
+  RegisterAll(s);
+  auto kept = [](const std::vector<Outgoing>& out) {
+    std::map<std::string, std::vector<uint64_t>> m;
+    for (const auto& o : out) {
+      if (o.msg.header.command() != proto::CHECKPOINTS_KEPT) continue;
+      const auto& it = o.msg.header.checkpoints_kept().iterations();
+      m[o.to] = {it.begin(), it.end()};
+    }
+    return m;
+  };
+  using List = std::vector<uint64_t>;
+  const std::map<std::string, List> ten = {
+      {"s-a", {10}}, {"s-b", {10}}, {"w-a", {10}}, {"w-b", {10}}};
+  EXPECT_EQ(kept(CompleteCheckpoint(s, 10)), ten);
+  EXPECT_EQ(kept(CompleteCheckpoint(s, 20))["w-b"], (List{20, 10}));
+  const auto after30 = kept(CompleteCheckpoint(s, 30));
+  EXPECT_EQ(after30.size(), 4u);
+  EXPECT_EQ(after30.at("s-a"), (List{30, 20}));
+  EXPECT_FALSE(std::filesystem::exists(CheckpointIterationDir(dir_, 10)));
+  EXPECT_TRUE(std::filesystem::exists(CheckpointIterationDir(dir_, 20) + "/MANIFEST.json"));
+
+  config_.mutable_checkpoint()->set_keep(0);
+  std::filesystem::remove_all(dir_);
+  Scheduler all(config_, t0_);
+  RegisterAll(all);
+  EXPECT_TRUE(kept(CompleteCheckpoint(all, 10)).empty());
+  EXPECT_TRUE(kept(CompleteCheckpoint(all, 20)).empty());
 }
 
 TEST_F(ServerLossTest, ReplacementStartedBeforeTheDeathWaitsForIt) {
