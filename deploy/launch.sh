@@ -149,11 +149,12 @@ done
 # Read the resolved settings through the daemons' own strict loader (bad configs fail here).
 if ! resolved="$("$worker_bin" --config "$config" "${sets[@]}" \
       --get cluster.num_servers --get cluster.num_workers --get run.name \
-      --get aggregation --get checkpoint.dir --get cluster.on_worker_failure 2>&1)"; then
+      --get aggregation --get checkpoint.dir --get cluster.on_worker_failure \
+      --get checkpoint.keep 2>&1)"; then
   echo "$resolved" >&2
   exit 2
 fi
-{ read -r num_servers; read -r num_workers; read -r job_name; read -r aggregation; read -r checkpoint_dir; read -r on_worker_failure; } <<<"$resolved"
+{ read -r num_servers; read -r num_workers; read -r job_name; read -r aggregation; read -r checkpoint_dir; read -r on_worker_failure; read -r checkpoint_keep; } <<<"$resolved"
 [[ "$max_restarts" =~ ^[0-9]+$ ]] || { echo "launch.sh: --max-restarts needs a number" >&2; exit 2; }
 # With allreduce the workers aggregate among themselves: no servers.
 [[ "$aggregation" == "allreduce" ]] && num_servers=0

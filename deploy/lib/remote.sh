@@ -3,7 +3,7 @@
 # The --hosts part of deploy/launch.sh (sourced by it): reads the hosts file, and starts, stops and
 # collects the job's processes on those hosts over OpenSSH. Uses launch.sh's variables (run_dir,
 # remote_dir, ssh_cmd, remote_env, num_servers, num_workers, aggregation, the daemons' paths,
-# append_logs, pids, names, resume, checkpoint_dir).
+# append_logs, pids, names, resume, checkpoint_dir, checkpoint_keep).
 #
 # How a remote process is run: one ssh per process, whose command (a POSIX sh script) starts the
 # process in the background with its log in --remote-dir, writes its pid next to the log, streams
@@ -298,7 +298,24 @@ remote_collect() {
     timeout 60 "${ssh_args[@]}" "rm -rf $d" </dev/null >/dev/null 2>&1 ||
       remote_err "could not remove $remote_dir on host ${host_spec[$k]}"
   done
+  [[ -z "$checkpoint_dir" ]] && prune_checkpoints "$run_dir/checkpoints" "${checkpoint_keep:-0}"
   remote_disconnect
+}
+
+# prune_checkpoints DIR KEEP: checkpoint.keep over the folders collected into DIR, where those of
+# an earlier attempt (--resume, a whole-job restart) are too: the newest KEEP complete ones (with
+# MANIFEST.json) and any newer one stay, the others are deleted, as the scheduler and every node
+# prune their own folders (storage/checkpoint.h, PruneCheckpoints). KEEP 0: all stay.
+prune_checkpoints() {
+  local dir="$1" keep="$2" complete=0 f
+  [[ "$keep" =~ ^[1-9][0-9]*$ && -d "$dir" ]] || return 0
+  while IFS= read -r f; do
+    if [[ -f "$dir/$f/MANIFEST.json" ]] && ((complete < keep)); then
+      complete=$((complete + 1))
+    elif ((complete > 0)); then
+      rm -rf "${dir:?}/$f"
+    fi
+  done < <(find "$dir" -mindepth 1 -maxdepth 1 -type d -name 'iter-[0-9]*' -printf '%f\n' | sort -r)
 }
 
 # remote_disconnect: ends the hosts' shared connections (once).

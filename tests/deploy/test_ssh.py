@@ -214,7 +214,8 @@ def test_a_job_resumes_across_hosts_from_its_checkpoint(hosts, tmp_path):
     """--resume with --hosts. The run directory here holds every host's files (copied back when
     the job ended); each host gets back its processes' logs, CSVs and checkpoint files, and the
     job goes on from the newest complete checkpoint to the parameters of a job never stopped,
-    bitwise (two workers: the servers' sums do not depend on the order)."""
+    bitwise (two workers: the servers' sums do not depend on the order); the run directory then
+    holds checkpoint.keep checkpoints, not the first run's besides."""
     sets = ("model.hidden=[64]", "data.max_train_samples=6400", "data.max_test_samples=1000",
             "checkpoint.every_steps=20")
     hosts_file = hosts.hosts_file(tmp_path / "hosts")
@@ -239,6 +240,9 @@ def test_a_job_resumes_across_hosts_from_its_checkpoint(hosts, tmp_path):
     assert steps == list(range(1, 81))
     assert json.loads((cut / "summary.json").read_text())["status"] == "ok"
     assert not (tmp_path / "cut-remote").exists()
+    # checkpoint.keep (2) over what the two runs copied back: the first run's 20 and 40 are gone.
+    assert sorted(p.name for p in (cut / "checkpoints").iterdir()) == \
+        ["iter-0000000060", "iter-0000000080"]
 
 
 def kill_worker_1_after_checkpoint_40(proc, remote):
