@@ -255,25 +255,28 @@ TEST_F(CheckpointTest, TruncatedOrBitFlippedFilesAreRefusedAndNothingLoaded) {
   EXPECT_TRUE(ReadCheckpointFile(path, Id(), info).ok());
 }
 
+// A node file w.safetensors of `iteration` in dir's folder of it, with the manifest that makes
+// the checkpoint complete when `manifest`.
+void WriteIteration(const std::string& dir, uint64_t iteration, bool manifest) {
+  Component c{{1.0f}, {}, iteration, 0.0f};
+  StateArchive save;
+  c.State(save);
+  CheckpointFileInfo info;
+  const std::string d = CheckpointIterationDir(dir, iteration);
+  ASSERT_TRUE(WriteCheckpointFile(d, "w.safetensors", Id(iteration), save, &info).ok());
+  if (manifest) {
+    ASSERT_TRUE(WriteCheckpointManifest(d, {iteration, 1, "00112233aabbccdd", {info}}).ok());
+  }
+}
+
 TEST_F(CheckpointTest, OnlyCheckpointsWithAManifestCountAndOldOnesArePruned) {
   const std::string dir = dir_.string();
-  auto write = [&](uint64_t iteration, bool manifest) {
-    Component c{{1.0f}, {}, iteration, 0.0f};
-    StateArchive save;
-    c.State(save);
-    CheckpointFileInfo info;
-    const std::string d = CheckpointIterationDir(dir, iteration);
-    ASSERT_TRUE(WriteCheckpointFile(d, "w.safetensors", Id(iteration), save, &info).ok());
-    if (manifest) {
-      ASSERT_TRUE(WriteCheckpointManifest(d, {iteration, 1, "00112233aabbccdd", {info}}).ok());
-    }
-  };
   EXPECT_FALSE(LatestCheckpoint(dir).has_value());
-  write(100, true);
-  write(200, true);
-  write(250, false);  // abandoned before the next complete one
-  write(300, true);
-  write(400, false);  // being written
+  WriteIteration(dir, 100, true);
+  WriteIteration(dir, 200, true);
+  WriteIteration(dir, 250, false);  // abandoned before the next complete one
+  WriteIteration(dir, 300, true);
+  WriteIteration(dir, 400, false);  // being written
   auto latest = LatestCheckpoint(dir);
   ASSERT_TRUE(latest.has_value());
   EXPECT_EQ(latest->iteration, 300u);
@@ -302,15 +305,7 @@ TEST_F(CheckpointTest, OnlyCheckpointsWithAManifestCountAndOldOnesArePruned) {
 // of the checkpoints the scheduler keeps, leaving those and any newer folder.
 TEST_F(CheckpointTest, ANodesFolderIsPrunedToTheCheckpointsTheSchedulerKeeps) {
   const std::string dir = dir_.string();
-  for (uint64_t iteration : {100, 200, 250, 300, 400}) {
-    Component c{{1.0f}, {}, iteration, 0.0f};
-    StateArchive save;
-    c.State(save);
-    CheckpointFileInfo info;
-    ASSERT_TRUE(WriteCheckpointFile(CheckpointIterationDir(dir, iteration), "w.safetensors",
-                                    Id(iteration), save, &info)
-                    .ok());
-  }
+  for (uint64_t iteration : {100, 200, 250, 300, 400}) WriteIteration(dir, iteration, false);
   std::filesystem::create_directories(dir + "/not-an-iteration");
   PruneCheckpointsTo(dir, {300, 100});
   std::vector<std::string> left;
