@@ -295,6 +295,11 @@ void Recovery::PublishJoin(std::vector<Outgoing>* out) {
   job_.membership.mutable_join()->set_worker_rank(n.rank);
   job_.membership.mutable_join()->set_iteration(j.iteration);
   job_.membership.set_leader(job_.leader);
+  // The leader hands its loop's own state to the replacement after its step of the join
+  // iteration (where the loops keep models of their own); -1: no live worker to take it from.
+  const int donor = job_.FindNode(proto::WORKER, job_.leader) >= 0 ? job_.leader : -1;
+  job_.membership.mutable_join()->set_donor(donor);
+  if (donor >= 0) handoffs_.Expect(donor, j.node, j.iteration);
   job_.AddSplit(j.iteration);
   spdlog::info("membership epoch {}: {} joins at iteration {}", job_.membership.epoch(),
                job_.Describe(n), j.iteration);

@@ -17,6 +17,7 @@
 
 #include "proto/summary.pb.h"
 #include "scheduler/checkpoints.h"
+#include "scheduler/handoffs.h"
 #include "scheduler/job_state.h"
 #include "scheduler/membership_machine.h"
 
@@ -24,8 +25,9 @@ namespace sparseps {
 
 class Recovery {
  public:
-  Recovery(JobState& job, MembershipMachine& membership, CheckpointCoordinator& checkpoints)
-      : job_(job), membership_(membership), checkpoints_(checkpoints) {}
+  Recovery(JobState& job, MembershipMachine& membership, CheckpointCoordinator& checkpoints,
+           HandoffRelay& handoffs)
+      : job_(job), membership_(membership), checkpoints_(checkpoints), handoffs_(handoffs) {}
 
   // A replacement's REGISTER after the membership (Register.rejoin), already checked for its
   // config and routing ids: a server takes a lost server's rank (or waits until that server is
@@ -138,6 +140,7 @@ class Recovery {
   JobState& job_;
   MembershipMachine& membership_;
   CheckpointCoordinator& checkpoints_;
+  HandoffRelay& handoffs_;  // a published join's hand-over is expected there
   std::optional<Removal> removal_;
   std::vector<std::pair<size_t, std::string>> queued_removals_;
   std::deque<Join> joins_;  // the front one is in progress once started

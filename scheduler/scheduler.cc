@@ -95,6 +95,9 @@ void Scheduler::Handle(const std::string& from, const Result<Message>& msg, Cloc
     case proto::ROLLED_BACK:
       recovery_.HandleRolledBack(from, h, now, out);
       break;
+    case proto::HANDOFF:
+      handoffs_.Handle(from, *msg, out);
+      break;
     default:
       job_.Reject(from, "the scheduler does not handle " + CommandName(h.command()), out);
   }

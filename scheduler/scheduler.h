@@ -3,6 +3,7 @@
 //   job_state.h           what the parts share: the nodes, the membership, the end
 //   membership_machine.h  registration, epochs, barriers, heartbeats, the end of the job
 //   recovery.h            worker loss, rejoin, server loss and rollback, dead nodes
+//   handoffs.h            a replacement worker's hand-over from the donor, passed on
 //   checkpoints.h         checkpoint manifests, resume, the newest checkpoint for a rollback
 //   scheduler_daemon.h    the daemon: sockets, metrics, summary.json
 // `Scheduler` joins the parts: it checks who a message comes from and hands it to its part.
@@ -18,6 +19,7 @@
 #include "proto/config.pb.h"
 #include "proto/summary.pb.h"
 #include "scheduler/checkpoints.h"
+#include "scheduler/handoffs.h"
 #include "scheduler/job_state.h"
 #include "scheduler/membership_machine.h"
 #include "scheduler/recovery.h"
@@ -83,6 +85,10 @@ class Scheduler {
   uint64_t impostor_messages() const { return job_.impostors; }
   // Workers removed from the job so far (cluster.on_worker_failure: continue).
   size_t lost_workers() const { return recovery_.lost_workers(); }
+  // Hand-overs to replacement workers expected and not complete; HANDOFF chunks dropped (their
+  // replacement left, or no hand-over of theirs was open).
+  size_t open_handoffs() const { return handoffs_.open(); }
+  uint64_t dropped_handoff_chunks() const { return handoffs_.dropped(); }
 
   // What the scheduler knows of one registered node, for the metrics: its name ("server-1",
   // "worker-0"; the role alone before ranks are assigned), seconds since anything was heard from
@@ -102,7 +108,8 @@ class Scheduler {
   JobState job_;
   CheckpointCoordinator checkpoints_{job_};
   MembershipMachine membership_{job_, checkpoints_};
-  Recovery recovery_{job_, membership_, checkpoints_};
+  HandoffRelay handoffs_{job_};
+  Recovery recovery_{job_, membership_, checkpoints_, handoffs_};
 };
 
 }  // namespace sparseps

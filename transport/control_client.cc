@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <functional>
+#include <limits>
 #include <random>
 
 #include "config/config.h"
@@ -124,6 +125,7 @@ Status ControlClient::Poll() {
         if (has_membership_) updates_.push_back(h);
         membership_ = h.membership();
         has_membership_ = true;
+        if (membership_.has_join()) NoteJoin(membership_);
         if (membership_.has_server_lost()) {
           pause_epoch_ = membership_.epoch();
           last_loss_ = membership_.server_lost();
@@ -162,6 +164,9 @@ Status ControlClient::Poll() {
         if (on_checkpoints_kept_) on_checkpoints_kept_({kept.begin(), kept.end()});
         break;
       }
+      case proto::HANDOFF:
+        ReceiveHandoffChunk(*msg);
+        break;
       case proto::FATAL:
         fatal_ = h.error().empty() ? "no reason given" : h.error();
         return Status::Aborted("the scheduler ended the job: " + fatal_);
@@ -208,6 +213,138 @@ Status ControlClient::CheckPausedSince(uint64_t epoch) const {
 
 uint64_t SettledEpoch(const proto::Membership& m) {
   return m.has_server_lost() && m.epoch() > 0 ? m.epoch() - 1 : m.epoch();
+}
+
+uint64_t MaxHandoffBytes(uint64_t num_params) {
+  constexpr uint64_t kRest = uint64_t{256} << 20;
+  const uint64_t limit = std::numeric_limits<uint64_t>::max() - kRest;
+  return (num_params > limit / 64 ? limit : num_params * 64) + kRest;
+}
+
+void ControlClient::NoteJoin(const proto::Membership& m) {
+  const auto& j = m.join();
+  if (j.worker_rank() == m.your_rank()) {
+    incoming_handoff_ = IncomingHandoff();
+    incoming_handoff_.from = j.donor();
+    incoming_handoff_.iteration = j.iteration();
+  } else if (j.donor() == m.your_rank() && j.donor() >= 0) {
+    handoffs_owed_.push_back(j);
+  }
+}
+
+Status ControlClient::SendHandoff(const proto::WorkerJoin& join, std::span<const float> model,
+                                  std::span<const uint8_t> state) {
+  const uint64_t model_bytes = model.size() * sizeof(float);
+  const uint64_t total = model_bytes + state.size();
+  if (total > MaxHandoffBytes(membership_.num_params())) {
+    return Status::InvalidArgument("the hand-over to worker " + std::to_string(join.worker_rank()) +
+                                   " is " + std::to_string(total) + " bytes, over the " +
+                                   std::to_string(MaxHandoffBytes(membership_.num_params())) +
+                                   " a replacement takes for this model (16 float32 a parameter "
+                                   "and 256 MiB)");
+  }
+  const uint64_t chunks = (total + kHandoffChunkBytes - 1) / kHandoffChunkBytes;
+  const auto* model_data = reinterpret_cast<const uint8_t*>(model.data());
+  uint64_t chunk = 0;
+  do {
+    Message msg;
+    msg.header.set_command(proto::HANDOFF);
+    msg.header.set_iteration(join.iteration());
+    auto* b = msg.header.mutable_handoff();
+    b->set_to_rank(join.worker_rank());
+    b->set_chunk(static_cast<uint32_t>(chunk));
+    b->set_chunks(static_cast<uint32_t>(chunks));
+    b->set_total_bytes(total);
+    b->set_model_elements(model.size());
+    if (chunks > 0) {
+      // Bytes [begin, end) of the model's bytes followed by the state's.
+      const uint64_t begin = chunk * kHandoffChunkBytes;
+      const uint64_t end = std::min(total, begin + kHandoffChunkBytes);
+      std::vector<uint8_t> bytes(end - begin);
+      for (uint64_t i = begin; i < end;) {
+        const bool in_model = i < model_bytes;
+        const uint64_t stop = in_model ? std::min(end, model_bytes) : end;
+        const uint8_t* src = in_model ? model_data + i : state.data() + (i - model_bytes);
+        std::copy(src, src + (stop - i), bytes.begin() + static_cast<ptrdiff_t>(i - begin));
+        i = stop;
+      }
+      AddFrame(&msg, proto::U8, std::move(bytes));
+    }
+    SPARSEPS_RETURN_IF_ERROR(Send(msg));
+  } while (++chunk < chunks);
+  return Status::OK();
+}
+
+void ControlClient::ReceiveHandoffChunk(const Message& msg) {
+  const proto::Header& h = msg.header;
+  IncomingHandoff& in = incoming_handoff_;
+  if (h.iteration() == handoff_taken_) return;  // the loop took what it wanted already
+  std::string why;
+  if (!h.has_handoff()) {
+    why = "no handoff body";
+  } else if (in.from < 0 || h.iteration() != in.iteration || in.complete || !in.error.empty()) {
+    why = "no hand-over of iteration " + std::to_string(h.iteration()) + " is expected";
+  }
+  if (!why.empty()) {
+    ++rejected_;
+    spdlog::warn("ignoring a HANDOFF from the scheduler: {}", why);
+    return;
+  }
+  const proto::Handoff& b = h.handoff();
+  if (!h.error().empty()) {
+    in.error = h.error();  // the scheduler refused the donor's hand-over
+    in.bytes = {};
+    return;
+  }
+  const uint64_t limit = MaxHandoffBytes(membership_.num_params());
+  if (in.next_chunk == 0 &&
+      (b.total_bytes() > limit || b.model_elements() > b.total_bytes() / sizeof(float) ||
+       (b.model_elements() != 0 && b.model_elements() != membership_.num_params()) ||
+       (b.chunks() == 0) != (b.total_bytes() == 0))) {
+    why = "a hand-over of " + std::to_string(b.total_bytes()) + " bytes in " +
+          std::to_string(b.chunks()) + " chunks with a model of " +
+          std::to_string(b.model_elements()) + " elements (the job has " +
+          std::to_string(membership_.num_params()) + " parameters; at most " +
+          std::to_string(limit) + " bytes)";
+  } else if (in.next_chunk > 0 && (b.chunks() != in.chunks || b.total_bytes() != in.total_bytes ||
+                                   b.model_elements() != in.model_elements)) {
+    why = "chunk " + std::to_string(b.chunk()) + " declares another size than chunk 0";
+  } else if (b.chunk() != in.next_chunk) {
+    why = "chunk " + std::to_string(b.chunk()) + " where " + std::to_string(in.next_chunk) +
+          " was due";
+  } else if (b.chunks() > 0 &&
+             (msg.frames.size() != 1 || h.frames_size() != 1 || h.frames(0).type() != proto::U8 ||
+              msg.frames[0].size() > b.total_bytes() - in.bytes.size() ||
+              (b.chunk() + 1 == b.chunks()) !=
+                  (msg.frames[0].size() == b.total_bytes() - in.bytes.size()))) {
+    why = "chunk " + std::to_string(b.chunk()) + " of " + std::to_string(b.chunks()) +
+          " does not hold its share of " + std::to_string(b.total_bytes()) + " bytes";
+  }
+  if (!why.empty()) {
+    ++rejected_;
+    in.error = "a malformed hand-over from the scheduler: " + why;
+    in.bytes = {};
+    spdlog::warn("{}", in.error);
+    return;
+  }
+  if (in.next_chunk == 0) {
+    in.chunks = b.chunks();
+    in.total_bytes = b.total_bytes();
+    in.model_elements = b.model_elements();
+  }
+  if (b.chunks() > 0) {
+    const auto* data = static_cast<const uint8_t*>(msg.frames[0].data());
+    in.bytes.insert(in.bytes.end(), data, data + msg.frames[0].size());
+  }
+  ++in.next_chunk;
+  in.complete = in.next_chunk >= in.chunks;
+}
+
+IncomingHandoff ControlClient::TakeIncomingHandoff() {
+  IncomingHandoff taken = std::move(incoming_handoff_);
+  incoming_handoff_ = IncomingHandoff();
+  handoff_taken_ = taken.iteration;
+  return taken;
 }
 
 std::vector<proto::Header> ControlClient::TakeUpdates() {

@@ -12,6 +12,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -28,6 +29,28 @@ namespace sparseps {
 // when m pauses the job (its lost server is still listed), so that the pause counts as newer.
 uint64_t SettledEpoch(const proto::Membership& m);
 
+// A replacement worker's hand-over from its donor (HANDOFF chunks through the scheduler), as it
+// arrives: the donor's loop's own model and state of the join iteration.
+struct IncomingHandoff {
+  int from = -1;                // the donor's rank; -1: none is expected
+  int64_t iteration = -1;       // the join iteration
+  bool complete = false;        // every chunk is in (none: the donor's loop handed nothing over)
+  std::string error;            // not empty: the hand-over failed (a refused or malformed chunk)
+  uint64_t model_elements = 0;  // float32 at the start of bytes
+  uint64_t total_bytes = 0;
+  uint32_t chunks = 0;
+  uint32_t next_chunk = 0;
+  std::vector<uint8_t> bytes;  // model_elements float32, then the loop's state bytes
+};
+
+// The largest hand-over a replacement of a model of num_params parameters takes, in bytes: 16
+// float32 a parameter (the model, an optimizer's moments and more) plus 256 MiB for the rest of
+// the loop's state. A donor's larger one is refused.
+uint64_t MaxHandoffBytes(uint64_t num_params);
+
+// A hand-over is sent in chunks of this many bytes (below the control sockets' frame limit).
+inline constexpr size_t kHandoffChunkBytes = size_t{1} << 20;
+
 class ControlClient {
  public:
   // Connects to the scheduler named in config.cluster (nothing is sent yet).
@@ -42,9 +65,9 @@ class ControlClient {
   Status Register(const std::string& host, uint32_t port, uint64_t num_params);
 
   // Handles every message waiting from the scheduler: MEMBERSHIP, BARRIER_RELEASE, SHUTDOWN,
-  // FATAL, CHECKPOINTS_KEPT. Returns Aborted once FATAL arrived (the scheduler's reason in the
-  // message), or when a stop signal arrived; Disconnected once nothing came from the scheduler for
-  // cluster.heartbeat_timeout_s (scheduler_lost()); OK otherwise (check shutdown_requested()).
+  // FATAL, CHECKPOINTS_KEPT, HANDOFF. Returns Aborted once FATAL arrived (the scheduler's reason in
+  // the message), or when a stop signal arrived; Disconnected once nothing came from the scheduler
+  // for cluster.heartbeat_timeout_s (scheduler_lost()); OK otherwise (check shutdown_requested()).
   Status Poll();
 
   // Polls the scheduler socket until done() is true. Errors: DeadlineExceeded after timeout_s
@@ -131,6 +154,22 @@ class ControlClient {
   // Messages from the scheduler ignored as malformed or refused.
   uint64_t rejected() const { return rejected_; }
 
+  // Donor side: the joins whose membership named this worker the donor of the replacement's
+  // hand-over (Membership.join.donor), not yet handed over, oldest first; the owner removes each
+  // once sent.
+  std::vector<proto::WorkerJoin>& handoffs_owed() { return handoffs_owed_; }
+  // Sends the replacement of `join` the hand-over: `model` (float32, may be empty) and then
+  // `state` (bytes, may be empty) in HANDOFF chunks of kHandoffChunkBytes through the scheduler;
+  // both empty: one empty HANDOFF (nothing to take). InvalidArgument when the whole is over
+  // MaxHandoffBytes (nothing sent); the sends' errors.
+  Status SendHandoff(const proto::WorkerJoin& join, std::span<const float> model,
+                     std::span<const uint8_t> state);
+  // Replacement side: the hand-over its join expects from the donor (from -1: none), as received
+  // so far by Poll. A malformed chunk is counted in rejected() and fails it (error set).
+  const IncomingHandoff& incoming_handoff() const { return incoming_handoff_; }
+  // Takes the hand-over out (what came so far); chunks of it that come later are dropped.
+  IncomingHandoff TakeIncomingHandoff();
+
   // Sends msg to the scheduler with this node's role, rank and epoch in the header.
   Status SendToScheduler(Message& msg) { return Send(msg); }
   int rank() const { return membership_.your_rank(); }
@@ -168,6 +207,13 @@ class ControlClient {
   std::map<std::string, uint64_t> barrier_released_;  // name -> highest released generation + 1
   std::function<void(const std::vector<uint64_t>&)> on_checkpoints_kept_;
   uint64_t rejected_ = 0;
+  std::vector<proto::WorkerJoin> handoffs_owed_;
+  IncomingHandoff incoming_handoff_;
+  int64_t handoff_taken_ = -1;  // the join iteration whose hand-over was taken out
+  // A membership's join: a hand-over owed (this worker the donor) or expected (the replacement).
+  void NoteJoin(const proto::Membership& m);
+  // One HANDOFF chunk for this replacement: appended, or the hand-over failed.
+  void ReceiveHandoffChunk(const Message& msg);
 
   std::thread heartbeat_thread_;
   std::mutex heartbeat_mu_;

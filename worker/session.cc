@@ -2,6 +2,8 @@
 
 #include <spdlog/spdlog.h>
 
+#include <cstring>
+
 #include "config/config.h"
 #include "daemon/daemon.h"
 #include "worker/idx_reader.h"
@@ -163,6 +165,11 @@ Status WorkerSession::AwaitRollback() {
   if (!made.ok()) return made.status();
   aggregator_ = std::move(*made);
   rejoin_iteration_ = -1;
+  // The job goes back to a checkpoint: no hand-over of the step left is of use.
+  handoffs_due_.clear();
+  control_.handoffs_owed().clear();
+  handoff_expected_ = false;
+  control_.TakeIncomingHandoff();
   checkpoint_requested_ = false;
   last_checkpoint_ = Clock::now();
   return aggregator_->Connect(&control_);
@@ -266,6 +273,13 @@ void WorkerSession::Submit(std::unique_ptr<HeldCheckpoint> held) {
   });
 }
 
+Status WorkerSession::CheckModelSize(std::span<const float> model, const char* what) const {
+  if (model.empty() || model.size() == aggregator_->num_params()) return Status::OK();
+  return Status::InvalidArgument(std::string(what) + " has " + std::to_string(model.size()) +
+                                 " elements; the job has " +
+                                 std::to_string(aggregator_->num_params()));
+}
+
 Status WorkerSession::SubmitCheckpoint(std::span<const uint8_t> loop_state,
                                        std::span<const float> model, const ExtraTensors* buffers) {
   if (held_ == nullptr) {
@@ -273,11 +287,7 @@ Status WorkerSession::SubmitCheckpoint(std::span<const uint8_t> loop_state,
         "no checkpoint is waiting for the loop's state: hand it over after the push-pull that "
         "returned with checkpoint_due true, before the next one");
   }
-  if (!model.empty() && model.size() != aggregator_->num_params()) {
-    return Status::InvalidArgument("the checkpoint's model has " + std::to_string(model.size()) +
-                                   " elements; the job has " +
-                                   std::to_string(aggregator_->num_params()));
-  }
+  SPARSEPS_RETURN_IF_ERROR(CheckModelSize(model, "the checkpoint's model"));
   if (buffers != nullptr && buffers->layers.empty()) buffers = nullptr;
   if (held_->model != nullptr && !model.empty()) {
     auto rebuilt = std::make_shared<SafetensorsWriter>();
@@ -295,9 +305,125 @@ Status WorkerSession::SubmitCheckpoint(std::span<const uint8_t> loop_state,
   return Status::OK();
 }
 
+Status WorkerSession::SendHandoff(std::span<const uint8_t> state, std::span<const float> model) {
+  if (handoffs_due_.empty()) {
+    return Status::FailedPrecondition(
+        "no replacement waits for this worker's state: hand it over after the push-pull that "
+        "returned with handoff_due true, before the next one");
+  }
+  SPARSEPS_RETURN_IF_ERROR(CheckModelSize(model, "the hand-over's model"));
+  const uint64_t total = model.size() * sizeof(float) + state.size();
+  if (total > MaxHandoffBytes(aggregator_->num_params())) {
+    return Status::InvalidArgument(
+        "the hand-over is " + std::to_string(total) + " bytes, over the " +
+        std::to_string(MaxHandoffBytes(aggregator_->num_params())) +
+        " a replacement takes for this model (16 float32 a parameter and 256 MiB)");
+  }
+  std::vector<proto::WorkerJoin> due;
+  due.swap(handoffs_due_);
+  for (const auto& j : due) {
+    SPARSEPS_RETURN_IF_ERROR(control_.SendHandoff(j, model, state));
+    if (total > 0) {
+      spdlog::info("handed this loop's state ({} bytes) to worker {}, which joined at iteration {}",
+                   total, j.worker_rank(), j.iteration());
+    } else {
+      spdlog::info(
+          "told worker {}, which joined at iteration {}, that this loop hands over no state",
+          j.worker_rank(), j.iteration());
+    }
+  }
+  return Status::OK();
+}
+
+Result<WorkerSession::Handoff> WorkerSession::ReceiveHandoff() {
+  if (!handoff_expected_) {
+    return Status::FailedPrecondition(
+        "no hand-over is expected: a replacement worker takes one after the push-pull of the "
+        "iteration it joined at (handoff_expected true), before the next");
+  }
+  handoff_expected_ = false;
+  const int donor = control_.incoming_handoff().from;
+  const int64_t iteration = control_.incoming_handoff().iteration;
+  auto donor_in_job = [&] {
+    for (const auto& n : control_.membership().nodes()) {
+      if (n.role() == proto::WORKER && n.rank() == donor) return true;
+    }
+    return false;
+  };
+  const Status s = control_.WaitFor(
+      [&] {
+        const auto& in = control_.incoming_handoff();
+        return in.complete || !in.error.empty() || !donor_in_job();
+      },
+      config_.cluster().barrier_timeout_s(),
+      "worker " + std::to_string(donor) + "'s hand-over of its loop's state after iteration " +
+          std::to_string(iteration) + " (this replacement's donor)");
+  IncomingHandoff in = control_.TakeIncomingHandoff();
+  if (!s.ok()) return s;
+  Handoff h;
+  h.from = donor;
+  if (!in.error.empty()) {
+    h.missing = in.error;
+  } else if (!in.complete) {
+    h.missing = "worker " + std::to_string(donor) + " left the job before it handed over its state";
+  } else {
+    const size_t model_bytes = in.model_elements * sizeof(float);
+    h.model.resize(in.model_elements);
+    std::memcpy(h.model.data(), in.bytes.data(), model_bytes);
+    h.state.assign(in.bytes.begin() + static_cast<ptrdiff_t>(model_bytes), in.bytes.end());
+  }
+  if (!h.missing.empty()) spdlog::warn("no hand-over from worker {}: {}", donor, h.missing);
+  return h;
+}
+
+Status WorkerSession::BeforeStep() {
+  // A replacement may wait for this worker's hand-over before it pushes this step: one the loop
+  // did not send goes out empty now, not after the step (which needs that replacement's push).
+  if (!handoffs_due_.empty()) SPARSEPS_RETURN_IF_ERROR(SendHandoff({}, {}));
+  if (handoff_expected_) {
+    handoff_expected_ = false;
+    control_.TakeIncomingHandoff();  // the loop did not take it
+  }
+  return Status::OK();
+}
+
+Status WorkerSession::HandleHandoffs() {
+  SPARSEPS_RETURN_IF_ERROR(BeforeStep());          // a loop that did not call it
+  const uint64_t done = aggregator_->iteration();  // iterations completed
+  auto& owed = control_.handoffs_owed();
+  for (auto it = owed.begin(); it != owed.end();) {
+    if (static_cast<uint64_t>(it->iteration()) >= done) {
+      ++it;
+      continue;
+    }
+    const bool now = static_cast<uint64_t>(it->iteration()) + 1 == done;
+    if (!now) {
+      spdlog::warn(
+          "learned of worker {}'s join at iteration {} only after iteration {}: it gets "
+          "no state of this loop's",
+          it->worker_rank(), it->iteration(), done - 1);
+    }
+    if (now && hold_handoffs_) {
+      handoffs_due_.push_back(*it);
+    } else {
+      SPARSEPS_RETURN_IF_ERROR(control_.SendHandoff(*it, {}, {}));
+    }
+    it = owed.erase(it);
+  }
+  if (rejoining() && done == rejoin_iteration() + 1 && control_.incoming_handoff().from >= 0) {
+    if (hold_handoffs_) {
+      handoff_expected_ = true;
+    } else {
+      control_.TakeIncomingHandoff();  // sparseps-worker's loop keeps no state to take
+    }
+  }
+  return Status::OK();
+}
+
 Status WorkerSession::AfterStep(const std::function<void(StateArchive&)>& extra,
                                 const std::vector<TensorLayout>& layers) {
   const auto& cc = config_.checkpoint();
+  SPARSEPS_RETURN_IF_ERROR(HandleHandoffs());
   if (CheckpointDir(config_).empty()) return Status::OK();
   if (held_ != nullptr) SPARSEPS_RETURN_IF_ERROR(SubmitCheckpoint());  // the loop added nothing
   SPARSEPS_RETURN_IF_ERROR(ReportWritten(false));
@@ -325,6 +451,7 @@ Status WorkerSession::AfterStep(const std::function<void(StateArchive&)>& extra,
 }
 
 Status WorkerSession::Finish(const proto::WorkerStats& stats) {
+  if (!handoffs_due_.empty()) SPARSEPS_RETURN_IF_ERROR(SendHandoff({}, {}));
   if (held_ != nullptr) SPARSEPS_RETURN_IF_ERROR(SubmitCheckpoint());
   SPARSEPS_RETURN_IF_ERROR(ReportWritten(/*wait=*/true));
   SPARSEPS_RETURN_IF_ERROR(control_.SendDone(stats));

@@ -103,6 +103,46 @@ class WorkerSession {
   // The name of the loop's own state in the "loop" scope of a worker's checkpoint file.
   static constexpr const char* kLoopUserState = "user";
 
+  // The hand-over of a training loop's own state to a replacement worker (docs/user-guide.md, "A
+  // replacement worker"): where every loop keeps a model of its own (an optimizer of the loop's
+  // over the aggregate), a replacement that joined at iteration J takes the donor's (the leader's)
+  // model and state as they are after its step J, so that it goes on with the others' model.
+  //
+  // Donor: true after its step of a join iteration whose membership named this worker the donor,
+  // until SendHandoff, or the next BeforeStep (AfterStep) or Finish, which send the replacement an
+  // empty one (nothing to take). Without set_hold_handoffs(true) (sparseps-worker's loop, which
+  // keeps no state of its own) AfterStep sends the empty one at once.
+  bool handoff_due() const { return !handoffs_due_.empty(); }
+  // Sends `state` (the loop's bytes; may be empty) and `model` (num_params() elements, or empty)
+  // to each replacement that handoff_due() is for. FailedPrecondition when none is due;
+  // InvalidArgument for a model of another size or a hand-over over MaxHandoffBytes (nothing sent
+  // then; the next AfterStep sends an empty one); the sends' errors.
+  Status SendHandoff(std::span<const uint8_t> state, std::span<const float> model);
+  // Replacement: true after its step of the join iteration, until ReceiveHandoff or the next
+  // BeforeStep (AfterStep), when the join named a donor and set_hold_handoffs(true).
+  bool handoff_expected() const { return handoff_expected_; }
+  // What ReceiveHandoff gives: the donor's rank, its loop's state and model (either may be
+  // empty: its loop handed none), or `missing` saying why nothing came (the donor left the job,
+  // its hand-over was refused).
+  struct Handoff {
+    int from = -1;
+    std::vector<uint8_t> state;
+    std::vector<float> model;
+    std::string missing;
+  };
+  // Waits (cluster.barrier_timeout_s) until the donor's hand-over is in, or the donor left the
+  // job. FailedPrecondition when none is expected; DeadlineExceeded naming the donor; Unavailable
+  // when a server is lost meanwhile (AwaitRollback's turn).
+  Result<Handoff> ReceiveHandoff();
+  // A loop that keeps a state of its own (the client library's): hand-overs wait for the loop
+  // (handoff_due, handoff_expected) instead of going out empty, or being dropped, at once.
+  void set_hold_handoffs(bool hold) { hold_handoffs_ = hold; }
+  // Such a loop calls it as it starts a push-pull (not train.overlap's early start, which comes
+  // before the loop could hand its state over): a hand-over it did not send goes out empty, since
+  // the replacement may wait for it before its own push of this step; one it did not take is
+  // dropped. Errors: the sends'.
+  Status BeforeStep();
+
   // Writes the job's parameters (the aggregator's) to `path` as a safetensors file by `layers`,
   // with the iteration and the config's fingerprint in its metadata. Errors: IoError naming it.
   Status SaveModel(const std::string& path, const std::vector<TensorLayout>& layers);
@@ -170,6 +210,12 @@ class WorkerSession {
                                                    const std::vector<TensorLayout>& layers);
   // Hands `held` to the background writer.
   void Submit(std::unique_ptr<HeldCheckpoint> held);
+  // After each step: a hand-over the loop did not send goes out empty, one the loop did not take
+  // is dropped; those due after this step are held for the loop, or sent empty (dropped) without
+  // set_hold_handoffs.
+  Status HandleHandoffs();
+  // InvalidArgument naming `what` unless `model` is empty or of num_params() elements.
+  Status CheckModelSize(std::span<const float> model, const char* what) const;
 
   std::unique_ptr<HeldCheckpoint> held_;
   bool hold_checkpoints_ = false;
@@ -183,6 +229,9 @@ class WorkerSession {
   BackgroundCheckpointWriter writer_;  // last member: its destructor waits for the disk first
   bool checkpoint_requested_ = false;
   bool resumed_without_file_ = false;
+  std::vector<proto::WorkerJoin> handoffs_due_;  // the joins this worker's hand-over is for now
+  bool handoff_expected_ = false;
+  bool hold_handoffs_ = false;
 };
 
 // The policy for a training loop of the user's own (the C++ client library, the Python module),

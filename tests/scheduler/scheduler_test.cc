@@ -597,6 +597,123 @@ TEST_F(RejoinTest, ReplacementJoinsAfterTheLostWorkerIsRemoved) {
   EXPECT_EQ(summary.lost_workers_size(), 1);
 }
 
+// Worker 1 lost at iteration 7, its replacement "w-c" joined at iteration 10 (every server
+// applied it); returns the join's membership as worker 0 got it.
+class HandoffTest : public RejoinTest {
+ protected:
+  proto::Membership Join(Scheduler& s) {
+    RegisterAll(s);
+    Send(s, "w-c", Rejoin(1), t0_ + seconds(1));
+    SilenceWorker1(s);
+    BothServersAnswer(s, 7, 0, 7, 0);
+    Send(s, "s-a", JoinPosition(0, 9), t0_ + seconds(14));
+    auto m = Memberships(Send(s, "s-b", JoinPosition(1, 9), t0_ + seconds(14)));
+    Send(s, "s-a", Joined(0, 10), t0_ + seconds(14));
+    Send(s, "s-b", Joined(1, 10), t0_ + seconds(14));
+    return m["w-a"];
+  }
+  // A HANDOFF chunk of a hand-over of `total` bytes (its model `model` elements) in `chunks`.
+  static Message Chunk(int64_t iteration, uint32_t chunk, uint32_t chunks, uint64_t total,
+                       std::vector<uint8_t> bytes, uint64_t model = 0) {
+    Message m;
+    m.header.set_command(proto::HANDOFF);
+    m.header.set_sender_role(proto::WORKER);
+    m.header.set_iteration(iteration);
+    auto* b = m.header.mutable_handoff();
+    b->set_to_rank(1);
+    b->set_chunk(chunk);
+    b->set_chunks(chunks);
+    b->set_total_bytes(total);
+    b->set_model_elements(model);
+    if (chunks > 0) AddFrame(&m, proto::U8, std::move(bytes));
+    return m;
+  }
+  static std::string Bytes(const Outgoing& o) {
+    if (o.msg.frames.size() != 1) return "<" + std::to_string(o.msg.frames.size()) + " frames>";
+    return std::string(static_cast<const char*>(o.msg.frames[0].data()), o.msg.frames[0].size());
+  }
+};
+
+TEST_F(HandoffTest, TheLeadersHandoverGoesToTheReplacementChunkByChunk) {
+  Scheduler s(config_, t0_);
+  const proto::Membership m = Join(s);
+  EXPECT_EQ(m.join().worker_rank(), 1);
+  EXPECT_EQ(m.join().iteration(), 10);
+  EXPECT_EQ(m.join().donor(), 0);  // the leader
+  EXPECT_EQ(s.open_handoffs(), 1u);
+  const uint64_t rejected = s.rejected_messages();
+  // Two chunks of 8 bytes: each goes to the replacement as it was, from worker 0.
+  auto out = Send(s, "w-a", Chunk(10, 0, 2, 8, {'m', 'o', 'd', 'e'}, 1), t0_ + seconds(15));
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(out[0].to, "w-c");
+  EXPECT_EQ(out[0].msg.header.command(), proto::HANDOFF);
+  EXPECT_EQ(out[0].msg.header.handoff().from_rank(), 0);
+  EXPECT_EQ(out[0].msg.header.handoff().chunk(), 0u);
+  EXPECT_EQ(out[0].msg.header.iteration(), 10);
+  EXPECT_EQ(Bytes(out[0]), "mode");
+  // Not the donor, not the join's iteration: dropped without an answer.
+  EXPECT_TRUE(
+      Send(s, "w-c", Chunk(10, 1, 2, 8, {'x', 'x', 'x', 'x'}, 1), t0_ + seconds(15)).empty());
+  EXPECT_TRUE(
+      Send(s, "w-a", Chunk(11, 1, 2, 8, {'x', 'x', 'x', 'x'}, 1), t0_ + seconds(15)).empty());
+  EXPECT_EQ(s.dropped_handoff_chunks(), 2u);
+  out = Send(s, "w-a", Chunk(10, 1, 2, 8, {'l', 'x', 'y', 'z'}, 1), t0_ + seconds(15));
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(out[0].to, "w-c");
+  EXPECT_EQ(Bytes(out[0]), "lxyz");
+  // Complete: a chunk more is dropped.
+  EXPECT_EQ(s.open_handoffs(), 0u);
+  EXPECT_TRUE(
+      Send(s, "w-a", Chunk(10, 1, 2, 8, {'l', 'x', 'y', 'z'}, 1), t0_ + seconds(15)).empty());
+  EXPECT_EQ(s.dropped_handoff_chunks(), 3u);
+  EXPECT_EQ(s.rejected_messages(), rejected);
+  EXPECT_FALSE(s.finished());
+}
+
+TEST_F(HandoffTest, AnEmptyHandoverIsPassedOnAndClosesIt) {
+  Scheduler s(config_, t0_);
+  Join(s);
+  auto out = Send(s, "w-a", Chunk(10, 0, 0, 0, {}), t0_ + seconds(15));
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(out[0].to, "w-c");
+  EXPECT_EQ(out[0].msg.header.handoff().chunks(), 0u);
+  EXPECT_TRUE(out[0].msg.frames.empty());
+  EXPECT_EQ(s.open_handoffs(), 0u);
+}
+
+TEST_F(HandoffTest, AMalformedChunkFailsTheHandoverAndTellsTheReplacementNotTheDonor) {
+  for (int kind = 0; kind < 4; ++kind) {
+    SCOPED_TRACE(kind);
+    Scheduler s(config_, t0_);
+    Join(s);
+    const uint64_t rejected = s.rejected_messages();
+    Message bad;
+    switch (kind) {
+      case 0:  // chunk 1 first
+        bad = Chunk(10, 1, 2, 8, {1, 2, 3, 4});
+        break;
+      case 1:  // more model than bytes
+        bad = Chunk(10, 0, 1, 4, {1, 2, 3, 4}, 2);
+        break;
+      case 2:  // for another rank
+        bad = Chunk(10, 0, 1, 4, {1, 2, 3, 4});
+        bad.header.mutable_handoff()->set_to_rank(0);
+        break;
+      default:  // no body
+        bad = Chunk(10, 0, 1, 4, {1, 2, 3, 4});
+        bad.header.clear_handoff();
+    }
+    auto out = Send(s, "w-a", std::move(bad), t0_ + seconds(15));
+    ASSERT_EQ(out.size(), 1u);
+    EXPECT_EQ(out[0].to, "w-c");  // no ERROR to the donor, which goes on training
+    EXPECT_EQ(out[0].msg.header.command(), proto::HANDOFF);
+    EXPECT_THAT(out[0].msg.header.error(), HasSubstr("worker 0's hand-over was refused"));
+    EXPECT_EQ(s.rejected_messages(), rejected + 1);
+    EXPECT_EQ(s.open_handoffs(), 0u);
+    EXPECT_FALSE(s.finished());
+  }
+}
+
 TEST_F(RejoinTest, ReplacementsThatCannotJoinAreToldWhy) {
   Scheduler s(config_, t0_);
   // Before the job runs.

@@ -1,0 +1,176 @@
+// The node side of a replacement's hand-over (transport/control_client.h): a donor's chunks, as
+// the scheduler passes them on, put back together on the replacement; malformed ones refused and
+// counted. A ROUTER on loopback stands in for the scheduler.
+#include "transport/control_client.h"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace sparseps {
+namespace {
+
+class HandoffClientTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto router = BindRouter(context_, "127.0.0.1", 0);
+    ASSERT_TRUE(router.ok()) << router.status().ToString();
+    router_ = std::move(*router);
+    config_.mutable_cluster()->set_scheduler_host("127.0.0.1");
+    config_.mutable_cluster()->set_scheduler_port(router_.port);
+  }
+
+  // A client registered with the fake scheduler; *id is its routing id there.
+  std::unique_ptr<ControlClient> Connect(std::string* id) {
+    auto c = std::make_unique<ControlClient>(context_, config_, proto::WORKER);
+    EXPECT_TRUE(c->Register("127.0.0.1", 0, kParams).ok());
+    EXPECT_EQ(PollIn({&router_.socket}, 10000), std::vector<bool>{true});
+    EXPECT_TRUE(RecvMessage(router_.socket, true, id, nullptr).ok());
+    return c;
+  }
+  // The membership of a join of worker 1 at iteration 10 with donor 0, as `rank` gets it.
+  void SendJoin(const std::string& to, int rank) {
+    Message m;
+    m.header.set_command(proto::MEMBERSHIP);
+    m.header.set_sender_role(proto::SCHEDULER);
+    auto* ms = m.header.mutable_membership();
+    ms->set_epoch(3);
+    ms->set_your_rank(rank);
+    ms->set_num_params(kParams);
+    ms->mutable_join()->set_worker_rank(1);
+    ms->mutable_join()->set_iteration(10);
+    ms->mutable_join()->set_donor(0);
+    ASSERT_TRUE(SendMessage(router_.socket, m, &to).ok());
+  }
+  // Polls `c` until `done` (within 10 s).
+  static void PollUntil(ControlClient& c, const std::function<bool()>& done) {
+    for (int i = 0; i < 1000 && !done(); ++i) {
+      ASSERT_TRUE(c.Poll().ok());
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    ASSERT_TRUE(done());
+  }
+  // What the router received next, within 10 s.
+  Message Receive() {
+    std::string from;
+    EXPECT_EQ(PollIn({&router_.socket}, 10000), std::vector<bool>{true});
+    auto m = RecvMessage(router_.socket, true, &from, nullptr);
+    EXPECT_TRUE(m.ok());
+    return m.ok() ? std::move(*m) : Message();
+  }
+
+  static constexpr uint64_t kParams = 3;
+  zmq::context_t context_{1};
+  BoundRouter router_;
+  proto::JobConfig config_;
+};
+
+TEST_F(HandoffClientTest, TheDonorsChunksArePutBackTogetherOnTheReplacement) {
+  std::string donor_id, replacement_id;
+  auto donor = Connect(&donor_id);
+  auto replacement = Connect(&replacement_id);
+  SendJoin(donor_id, 0);
+  SendJoin(replacement_id, 1);
+  PollUntil(*donor, [&] { return donor->has_membership(); });
+  PollUntil(*replacement, [&] { return replacement->has_membership(); });
+  ASSERT_EQ(donor->handoffs_owed().size(), 1u);
+  EXPECT_EQ(donor->handoffs_owed()[0].worker_rank(), 1);
+  EXPECT_EQ(replacement->incoming_handoff().from, 0);
+  EXPECT_EQ(replacement->incoming_handoff().iteration, 10);
+  EXPECT_FALSE(replacement->incoming_handoff().complete);
+
+  // 3 floats and 2.5 MiB of state: three chunks, the first holding the model and some state.
+  const std::vector<float> model = {1.5f, -2.0f, 3.25f};
+  std::vector<uint8_t> state(5 * kHandoffChunkBytes / 2);
+  for (size_t i = 0; i < state.size(); ++i) state[i] = static_cast<uint8_t>(i * 7 + 1);
+  ASSERT_TRUE(donor->SendHandoff(donor->handoffs_owed()[0], model, state).ok());
+  for (uint32_t chunk = 0; chunk < 3; ++chunk) {
+    Message m = Receive();
+    ASSERT_EQ(m.header.command(), proto::HANDOFF);
+    EXPECT_EQ(m.header.iteration(), 10);
+    EXPECT_EQ(m.header.handoff().to_rank(), 1);
+    EXPECT_EQ(m.header.handoff().chunk(), chunk);
+    EXPECT_EQ(m.header.handoff().chunks(), 3u);
+    EXPECT_EQ(m.header.handoff().model_elements(), 3u);
+    EXPECT_EQ(m.header.handoff().total_bytes(), 12 + state.size());
+    ASSERT_EQ(m.frames.size(), 1u);
+    EXPECT_EQ(m.frames[0].size(), chunk < 2 ? kHandoffChunkBytes : 12 + state.size() % (1 << 20));
+    m.header.mutable_handoff()->set_from_rank(0);  // as the scheduler passes it on
+    ASSERT_TRUE(SendMessage(router_.socket, m, &replacement_id).ok());
+  }
+  PollUntil(*replacement, [&] { return replacement->incoming_handoff().complete; });
+  IncomingHandoff in = replacement->TakeIncomingHandoff();
+  EXPECT_TRUE(in.error.empty()) << in.error;
+  ASSERT_EQ(in.bytes.size(), 12 + state.size());
+  std::vector<float> got(3);
+  std::memcpy(got.data(), in.bytes.data(), 12);
+  EXPECT_EQ(got, model);
+  EXPECT_TRUE(std::equal(state.begin(), state.end(), in.bytes.begin() + 12));
+  EXPECT_EQ(replacement->rejected(), 0u);
+}
+
+TEST_F(HandoffClientTest, AMalformedChunkFailsTheHandoverAndIsCounted) {
+  // Each a first chunk that cannot be: a model not of the job's size, more bytes than the bound,
+  // chunks that do not add up, a chunk not due, none expected (another iteration).
+  struct Case {
+    uint64_t model, total;
+    uint32_t chunk, chunks;
+    size_t frame;
+    int64_t iteration;
+  };
+  const std::vector<Case> cases = {
+      {2, 8, 0, 1, 8, 10}, {0, MaxHandoffBytes(kParams) + 1, 0, 1, 8, 10},
+      {0, 8, 0, 1, 4, 10}, {0, 8, 1, 2, 4, 10},
+      {0, 8, 0, 1, 8, 11},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    SCOPED_TRACE(i);
+    std::string id;
+    auto replacement = Connect(&id);
+    SendJoin(id, 1);
+    PollUntil(*replacement, [&] { return replacement->has_membership(); });
+    const Case& c = cases[i];
+    Message m;
+    m.header.set_command(proto::HANDOFF);
+    m.header.set_iteration(c.iteration);
+    auto* b = m.header.mutable_handoff();
+    b->set_to_rank(1);
+    b->set_from_rank(0);
+    b->set_chunk(c.chunk);
+    b->set_chunks(c.chunks);
+    b->set_total_bytes(c.total);
+    b->set_model_elements(c.model);
+    AddFrame(&m, proto::U8, std::vector<uint8_t>(c.frame, 1));
+    ASSERT_TRUE(SendMessage(router_.socket, m, &id).ok());
+    PollUntil(*replacement, [&] { return replacement->rejected() == 1; });
+    EXPECT_FALSE(replacement->incoming_handoff().complete);
+    // A hand-over of the join iteration fails (its waiter stops); another iteration's is ignored.
+    EXPECT_EQ(replacement->incoming_handoff().error.empty(), c.iteration != 10);
+    EXPECT_TRUE(replacement->incoming_handoff().bytes.empty());
+  }
+}
+
+TEST_F(HandoffClientTest, TheSchedulersRefusalEndsTheWaitWithItsReason) {
+  std::string id;
+  auto replacement = Connect(&id);
+  SendJoin(id, 1);
+  PollUntil(*replacement, [&] { return replacement->has_membership(); });
+  Message m;
+  m.header.set_command(proto::HANDOFF);
+  m.header.set_iteration(10);
+  m.header.set_error("worker 0's hand-over was refused: chunk 1 of 2 where chunk 0 was due");
+  m.header.mutable_handoff()->set_to_rank(1);
+  ASSERT_TRUE(SendMessage(router_.socket, m, &id).ok());
+  PollUntil(*replacement, [&] { return !replacement->incoming_handoff().error.empty(); });
+  EXPECT_EQ(replacement->incoming_handoff().error,
+            "worker 0's hand-over was refused: chunk 1 of 2 where chunk 0 was due");
+  EXPECT_EQ(replacement->rejected(), 0u);
+}
+
+}  // namespace
+}  // namespace sparseps
