@@ -13,7 +13,8 @@
 
 struct sparseps_worker {
   sparseps::client::Worker worker;
-  sparseps::client::SparseUpdate sparse;  // the last sparse step's result
+  sparseps::client::SparseUpdate sparse;      // the last sparse step's result
+  sparseps::client::Worker::Handoff handoff;  // the last hand-over received
 };
 
 namespace {
@@ -54,6 +55,21 @@ int Guard(F&& f, char* err, size_t err_len) {
 // A null handle or pointer with a size: the same error everywhere.
 int Missing(const char* what, char* err, size_t err_len) {
   return Fail(SPARSEPS_INVALID_ARGUMENT, std::string(what) + " is NULL", err, err_len);
+}
+
+// call(state, model) for a loop's state (state_n bytes) and model (model_n floats), each NULL
+// only when empty.
+template <typename F>
+int WithStateAndModel(sparseps_worker* worker, const uint8_t* state, size_t state_n,
+                      const float* model, size_t model_n, char* err, size_t err_len, F&& call) {
+  if (worker == nullptr) return Missing("worker", err, err_len);
+  if (state == nullptr && state_n > 0) return Missing("state", err, err_len);
+  if (model == nullptr && model_n > 0) return Missing("model", err, err_len);
+  return Guard(
+      [&] {
+        call(std::span<const uint8_t>(state, state_n), std::span<const float>(model, model_n));
+      },
+      err, err_len);
 }
 
 // count C buffers as the client library's; false when one has no memory.
@@ -103,7 +119,9 @@ int sparseps_worker_new(const char* config_path, const char* const* overrides, s
   return Guard(
       [&] {
         *out = new sparseps_worker{
-            sparseps::client::Worker(config_path != nullptr ? config_path : "", sets, rank), {}};
+            sparseps::client::Worker(config_path != nullptr ? config_path : "", sets, rank),
+            {},
+            {}};
       },
       err, err_len);
 }
@@ -269,14 +287,8 @@ int sparseps_worker_set_model_buffers(sparseps_worker* worker, size_t count,
 int sparseps_worker_set_checkpoint_state(sparseps_worker* worker, const uint8_t* state,
                                          size_t state_n, const float* model, size_t model_n,
                                          char* err, size_t err_len) {
-  if (worker == nullptr) return Missing("worker", err, err_len);
-  if (state == nullptr && state_n > 0) return Missing("state", err, err_len);
-  if (model == nullptr && model_n > 0) return Missing("model", err, err_len);
-  return Guard(
-      [&] {
-        worker->worker.SetCheckpointState({state, state_n}, {model, model_n});
-      },
-      err, err_len);
+  return WithStateAndModel(worker, state, state_n, model, model_n, err, err_len,
+                           [&](auto st, auto m) { worker->worker.SetCheckpointState(st, m); });
 }
 
 size_t sparseps_worker_checkpoint_state(const sparseps_worker* w, uint8_t* out, size_t capacity) {
@@ -284,6 +296,45 @@ size_t sparseps_worker_checkpoint_state(const sparseps_worker* w, uint8_t* out, 
   const auto& s = w->worker.checkpoint_state();
   if (out != nullptr) std::copy_n(s.begin(), std::min(capacity, s.size()), out);
   return s.size();
+}
+
+int sparseps_worker_send_handoff(sparseps_worker* worker, const uint8_t* state, size_t state_n,
+                                 const float* model, size_t model_n, char* err, size_t err_len) {
+  return WithStateAndModel(worker, state, state_n, model, model_n, err, err_len,
+                           [&](auto st, auto m) { worker->worker.SendHandoff(st, m); });
+}
+
+int sparseps_worker_receive_handoff(sparseps_worker* worker, int* from, size_t* state_n,
+                                    size_t* model_n, char* err, size_t err_len) {
+  if (worker == nullptr) return Missing("worker", err, err_len);
+  return Guard(
+      [&] {
+        worker->handoff = worker->worker.ReceiveHandoff();
+        if (from != nullptr) *from = worker->handoff.from;
+        if (state_n != nullptr) *state_n = worker->handoff.state.size();
+        if (model_n != nullptr) *model_n = worker->handoff.model.size();
+      },
+      err, err_len);
+}
+
+size_t sparseps_worker_handoff_state(const sparseps_worker* w, uint8_t* out, size_t capacity) {
+  if (w == nullptr) return 0;
+  const auto& s = w->handoff.state;
+  if (out != nullptr) std::copy_n(s.begin(), std::min(capacity, s.size()), out);
+  return s.size();
+}
+
+size_t sparseps_worker_handoff_model(const sparseps_worker* w, float* out, size_t capacity) {
+  if (w == nullptr) return 0;
+  const auto& m = w->handoff.model;
+  if (out != nullptr) std::copy_n(m.begin(), std::min(capacity, m.size()), out);
+  return m.size();
+}
+
+size_t sparseps_worker_handoff_missing(const sparseps_worker* w, char* out, size_t out_len) {
+  if (w == nullptr) return 0;
+  if (out != nullptr && out_len > 0) std::snprintf(out, out_len, "%s", w->handoff.missing.c_str());
+  return w->handoff.missing.size() + 1;
 }
 
 int sparseps_worker_set_density_scale(sparseps_worker* worker, double scale, char* err,
@@ -361,6 +412,12 @@ int sparseps_worker_rejoined(const sparseps_worker* w) {
 }
 int sparseps_worker_checkpoint_due(const sparseps_worker* w) {
   return w != nullptr && w->worker.checkpoint_due() ? 1 : 0;
+}
+int sparseps_worker_handoff_due(const sparseps_worker* w) {
+  return w != nullptr && w->worker.handoff_due() ? 1 : 0;
+}
+int sparseps_worker_handoff_expected(const sparseps_worker* w) {
+  return w != nullptr && w->worker.handoff_expected() ? 1 : 0;
 }
 int sparseps_worker_allreduce(const sparseps_worker* w) {
   return w != nullptr && w->worker.allreduce() ? 1 : 0;

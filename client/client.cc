@@ -246,6 +246,7 @@ void Worker::Impl::Join(std::span<const Buffer> params, const std::vector<Tensor
       },
       /*report_failure=*/false);        // JoinOwnLoop reported it
   session->set_hold_checkpoints(true);  // SetCheckpointState completes them
+  session->set_hold_handoffs(true);     // SendHandoff and ReceiveHandoff, the loop's state
   if (session->rejoining()) steps = session->rejoin_iteration();  // the lost worker's
   Aggregator& a = session->aggregator();
   Observe();
@@ -331,6 +332,7 @@ void Worker::Impl::Step(float* grad, double loss, bool record, float* out) {
             auto p = a.ModelParams();
             if (!p.ok()) return p.status();
           }
+          SPARSEPS_RETURN_IF_ERROR(session->BeforeStep());
           return a.Step(grad, on_device, &last);
         },
         /*report_failure=*/true);
@@ -507,6 +509,38 @@ void Worker::SetCheckpointState(std::span<const uint8_t> state, std::span<const 
 }
 
 const std::vector<uint8_t>& Worker::checkpoint_state() const { return impl_->loop_user; }
+
+bool Worker::handoff_due() const { return impl_->session && impl_->session->handoff_due(); }
+
+void Worker::SendHandoff(std::span<const uint8_t> state, std::span<const float> model) {
+  Impl& m = *impl_;
+  m.agg();  // before init: "call init(params) first"
+  Check(m.session->SendHandoff(state, model));
+}
+
+bool Worker::handoff_expected() const {
+  return impl_->session && impl_->session->handoff_expected();
+}
+
+Worker::Handoff Worker::ReceiveHandoff() {
+  Impl& m = *impl_;
+  m.agg();
+  // A call out of turn is the loop's mistake, not the job's failure: refused before the wait.
+  if (!m.session->handoff_expected()) Check(m.session->ReceiveHandoff().status());
+  Handoff out;
+  m.Wait(
+      [&] {
+        auto got = m.session->ReceiveHandoff();
+        if (!got.ok()) return got.status();
+        out.from = got->from;
+        out.state = std::move(got->state);
+        out.model = std::move(got->model);
+        out.missing = std::move(got->missing);
+        return Status::OK();
+      },
+      /*report_failure=*/true);
+  return out;
+}
 
 void Worker::Finish(double test_accuracy, double train_loss, double samples_per_s, double train_s) {
   Impl& m = *impl_;

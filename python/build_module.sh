@@ -52,8 +52,9 @@ soname="$(readelf -d "$lib/libsparseps_client.so" 2>/dev/null | sed -n 's/.*SONA
 if [[ -n "$soname" && ! -e "$lib/$soname" ]]; then
   ln -sfn "$lib/libsparseps_client.so" "$out/sparseps/$soname"
 fi
-"$cxx" -O2 -std=c++20 -shared -fPIC -fvisibility=hidden -I"$pyinc" -I"$pbinc" \
+"$cxx" -O2 -std=c++20 -shared -fPIC -fvisibility=hidden -I"$pyinc" -I"$pbinc" -I"$here" \
   -I"$here/client/include" "${flags[@]}" "$here/python/sparseps_module.cc" \
+  "$here/python/module_tensors.cc" \
   -L"$lib" -lsparseps_client -Wl,-rpath,"$lib" -Wl,-rpath,'$ORIGIN' \
   -o "$out/sparseps/_sparseps$suffix" ||
   fail "compiling python/sparseps_module.cc failed (dlpack/dlpack.h missing? see --dlpack)"

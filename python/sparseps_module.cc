@@ -14,7 +14,6 @@
 // (a RuntimeError) for the rest.
 //
 // Thread-safety: a Worker belongs to one Python thread; blocking calls release the GIL.
-#include <dlpack/dlpack.h>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -28,12 +27,21 @@
 #include <string>
 #include <vector>
 
+#include "python/module_tensors.h"
 #include "sparseps/client.h"
 
 namespace py = pybind11;
 
 namespace sparseps {
 namespace {
+
+using pymodule::Arrays;
+using pymodule::Borrow;
+using pymodule::Borrowed;
+using pymodule::Buffers;
+using pymodule::HostArray;
+using pymodule::HostFloats;
+using pymodule::Owned;
 
 PyObject* g_error = nullptr;        // sparseps.Error
 PyObject* g_rolled_back = nullptr;  // sparseps.RolledBack
@@ -59,184 +67,6 @@ PyObject* g_rolled_back = nullptr;  // sparseps.RolledBack
   throw py::error_already_set();
 }
 
-using HostArray = py::array_t<float, py::array::c_style | py::array::forcecast>;
-
-// A contiguous float32 host copy (or view) of `obj`, as sparseps.capi takes such arguments: a NumPy
-// array, anything NumPy converts, or a torch.Tensor on any device (detached, then copied to the
-// host). `what` names it in the ValueError for anything else.
-HostArray HostFloats(py::object obj, const std::string& what) {
-  if (py::hasattr(obj, "detach") && py::hasattr(obj, "cpu"))
-    obj = obj.attr("detach")().attr("cpu")();
-  auto a = HostArray::ensure(obj);
-  if (!a) {
-    throw py::value_error(what + ": expected a float32 array or tensor, got " +
-                          std::string(py::str(py::type::of(obj))));
-  }
-  return a;
-}
-
-// One float32 array lent by Python for the length of a call: host or CUDA memory, contiguous.
-class Borrowed {
- public:
-  Borrowed() = default;
-  Borrowed(Borrowed&& o) noexcept { *this = std::move(o); }
-  Borrowed& operator=(Borrowed&& o) noexcept {
-    std::swap(data, o.data);
-    std::swap(size, o.size);
-    std::swap(device, o.device);
-    std::swap(shape, o.shape);
-    std::swap(managed_, o.managed_);
-    std::swap(buffer_, o.buffer_);
-    return *this;
-  }
-  ~Borrowed() {
-    if (managed_ != nullptr && managed_->deleter != nullptr) managed_->deleter(managed_);
-  }
-
-  float* data = nullptr;
-  size_t size = 0;             // elements
-  int device = client::kHost;  // else the CUDA device's ordinal
-  std::vector<py::ssize_t> shape;
-
-  // Takes obj's memory. `what` names it in errors ("grads[2]").
-  static Borrowed From(py::handle obj, const std::string& what) {
-    if (py::hasattr(obj, "__cuda_array_interface__")) return FromCudaArrayInterface(obj, what);
-    if (py::hasattr(obj, "__dlpack__")) {
-      py::object capsule;
-      try {
-        capsule = obj.attr("__dlpack__")();
-      } catch (py::error_already_set& e) {
-        // NumPy refuses read-only arrays, PyTorch tensors that require grad: say why.
-        if (!py::isinstance<py::buffer>(obj)) {
-          throw py::value_error(what + ": cannot be read through DLPack: " + std::string(e.what()) +
-                                " (pass tensor.detach(), or a writable array)");
-        }
-      }
-      if (capsule) return FromDlpack(capsule, what);
-    }
-    if (py::isinstance<py::buffer>(obj))
-      return FromBuffer(py::reinterpret_borrow<py::buffer>(obj), what);
-    throw py::value_error(what +
-                          ": expected a float32 tensor or array (DLPack, "
-                          "__cuda_array_interface__ or the buffer protocol), got " +
-                          std::string(py::str(py::type::of(obj))));
-  }
-
- private:
-  static Borrowed FromDlpack(py::object capsule, const std::string& what) {
-    auto* m = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule.ptr(), "dltensor"));
-    if (m == nullptr) {
-      PyErr_Clear();
-      throw py::value_error(what + ": __dlpack__ did not return a DLPack capsule");
-    }
-    // Consumed: the capsule no longer frees the tensor; this Borrowed does.
-    PyCapsule_SetName(capsule.ptr(), "used_dltensor");
-    Borrowed b;
-    b.managed_ = m;
-    const DLTensor& t = m->dl_tensor;
-    if (t.dtype.code != kDLFloat || t.dtype.bits != 32 || t.dtype.lanes != 1) {
-      throw py::value_error(what + ": dtype is not float32 (DLPack code " +
-                            std::to_string(t.dtype.code) + ", " + std::to_string(t.dtype.bits) +
-                            " bits); sparseps takes float32 (call .float())");
-    }
-    b.size = 1;
-    for (int d = 0; d < t.ndim; ++d) {
-      b.shape.push_back(static_cast<py::ssize_t>(t.shape[d]));
-      b.size *= static_cast<size_t>(t.shape[d]);
-    }
-    if (t.strides != nullptr) {
-      int64_t expect = 1;
-      for (int d = t.ndim - 1; d >= 0; --d) {
-        if (t.shape[d] != 1 && t.strides[d] != expect) {
-          throw py::value_error(what + ": not contiguous (call .contiguous())");
-        }
-        expect *= t.shape[d];
-      }
-    }
-    b.data = reinterpret_cast<float*>(static_cast<char*>(t.data) + t.byte_offset);
-    if (t.device.device_type == kDLCUDA) {
-      b.device = t.device.device_id;
-    } else if (t.device.device_type != kDLCPU && t.device.device_type != kDLCUDAHost) {
-      throw py::value_error(what + ": on a device sparseps does not take (DLPack device type " +
-                            std::to_string(t.device.device_type) + "); use the CPU or CUDA");
-    }
-    return b;
-  }
-
-  static Borrowed FromCudaArrayInterface(py::handle obj, const std::string& what) {
-    py::dict cai = obj.attr("__cuda_array_interface__");
-    const std::string typestr = py::str(cai["typestr"]);
-    if (typestr != "<f4") {
-      throw py::value_error(what + ": dtype " + typestr +
-                            "; sparseps takes float32 (<f4, call .float())");
-    }
-    Borrowed b;
-    b.size = 1;
-    for (auto d : py::tuple(cai["shape"])) {
-      b.shape.push_back(d.cast<py::ssize_t>());
-      b.size *= d.cast<size_t>();
-    }
-    if (cai.contains("strides") && !cai["strides"].is_none()) {
-      py::ssize_t expect = 4;
-      py::tuple strides = cai["strides"];
-      for (size_t d = b.shape.size(); d-- > 0;) {
-        if (b.shape[d] != 1 && strides[d].cast<py::ssize_t>() != expect) {
-          throw py::value_error(what + ": not contiguous (call .contiguous())");
-        }
-        expect *= b.shape[d];
-      }
-    }
-    b.data = reinterpret_cast<float*>(py::tuple(cai["data"])[0].cast<uintptr_t>());
-    b.device = client::DeviceOf(b.data);
-    if (b.device == client::kHost) b.device = 0;  // a library without CUDA refuses it by name
-    return b;
-  }
-
-  static Borrowed FromBuffer(py::buffer buf, const std::string& what) {
-    py::buffer_info info = buf.request(/*writable=*/false);
-    if (info.format != py::format_descriptor<float>::format() || info.itemsize != 4) {
-      throw py::value_error(what + ": buffer format '" + info.format + "'; sparseps takes float32");
-    }
-    Borrowed b;
-    b.size = static_cast<size_t>(info.size);
-    b.shape = info.shape;
-    py::ssize_t expect = 4;
-    for (size_t d = info.shape.size(); d-- > 0;) {
-      if (info.shape[d] != 1 && info.strides[d] != expect) {
-        throw py::value_error(what + ": not contiguous (call numpy.ascontiguousarray)");
-      }
-      expect *= info.shape[d];
-    }
-    b.data = static_cast<float*>(info.ptr);
-    b.buffer_ = std::make_unique<py::buffer_info>(std::move(info));
-    return b;
-  }
-
-  DLManagedTensor* managed_ = nullptr;
-  std::unique_ptr<py::buffer_info> buffer_;
-};
-
-// A single tensor, or a list / tuple of them.
-struct Arrays {
-  bool listed = false;
-  std::vector<Borrowed> parts;
-};
-
-Arrays Borrow(py::handle obj, const std::string& name) {
-  Arrays a;
-  if (py::isinstance<py::list>(obj) || py::isinstance<py::tuple>(obj)) {
-    a.listed = true;
-    size_t i = 0;
-    for (auto item : obj) {
-      a.parts.push_back(Borrowed::From(item, name + "[" + std::to_string(i++) + "]"));
-    }
-    if (a.parts.empty()) throw py::value_error(name + ": the list is empty");
-  } else {
-    a.parts.push_back(Borrowed::From(obj, name));
-  }
-  return a;
-}
-
 // Runs a call of the client library with the GIL released; its errors become Python's.
 template <typename F>
 void Call(F&& f) {
@@ -248,19 +78,19 @@ void Call(F&& f) {
   }
 }
 
-// A NumPy array that owns `v` (moved, not copied): freed when the array is.
-template <typename T>
-py::array_t<T> Owned(std::vector<T>&& v) {
-  auto* owned = new std::vector<T>(std::move(v));
-  py::capsule owner(owned, [](void* p) { delete static_cast<std::vector<T>*>(p); });
-  return py::array_t<T>(static_cast<py::ssize_t>(owned->size()), owned->data(), owner);
-}
-
-// A Python object's tensors as the client library's buffers (lent for the length of a call).
-std::vector<client::Buffer> Buffers(const Arrays& a) {
-  std::vector<client::Buffer> out;
-  for (const Borrowed& b : a.parts) out.push_back({b.data, b.size, b.device});
-  return out;
+// Runs `call(state, model)` (Call) with a loop's `state` (bytes) and `model` (None: empty, else
+// host floats; a ValueError names `what` for anything else) as the client library takes them.
+template <typename F>
+void WithStateAndModel(py::bytes state, py::object model, const std::string& what, F&& call) {
+  const std::string_view bytes = state;
+  const std::span<const uint8_t> s(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size());
+  HostArray m;
+  std::span<const float> p;
+  if (!model.is_none()) {
+    m = HostFloats(model, what + ": model");
+    p = std::span<const float>(m.data(), static_cast<size_t>(m.size()));
+  }
+  Call([&] { call(s, p); });
 }
 
 // sparseps.Worker: the client library's Worker (include/sparseps/client.h) with tensors taken
@@ -458,20 +288,34 @@ class Worker {
   }
 
   void SetCheckpointState(py::bytes state, py::object model) {
-    const std::string_view bytes = state;
-    const std::span<const uint8_t> s(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size());
-    if (model.is_none()) {
-      Call([&] { worker_->SetCheckpointState(s); });
-      return;
-    }
-    const auto m = HostFloats(model, "set_checkpoint_state: model");
-    std::span<const float> p(m.data(), static_cast<size_t>(m.size()));
-    Call([&] { worker_->SetCheckpointState(s, p); });
+    WithStateAndModel(state, model, "set_checkpoint_state",
+                      [&](auto s, auto p) { worker_->SetCheckpointState(s, p); });
   }
 
   py::bytes CheckpointState() const {
     const auto& s = worker_->checkpoint_state();
     return py::bytes(reinterpret_cast<const char*>(s.data()), s.size());
+  }
+
+  void SendHandoff(py::bytes state, py::object model) {
+    WithStateAndModel(state, model, "send_handoff",
+                      [&](auto s, auto p) { worker_->SendHandoff(s, p); });
+  }
+
+  // {"from": rank, "state": bytes, "model": float32 array or None, "missing": why nothing came}.
+  py::dict ReceiveHandoff() {
+    client::Worker::Handoff h;
+    Call([&] { h = worker_->ReceiveHandoff(); });
+    py::dict d;
+    d["from"] = h.from;
+    d["state"] = py::bytes(reinterpret_cast<const char*>(h.state.data()), h.state.size());
+    if (h.model.empty()) {
+      d["model"] = py::none();
+    } else {
+      d["model"] = Owned(std::move(h.model));
+    }
+    d["missing"] = h.missing;
+    return d;
   }
 
   void Finish(double test_accuracy, double train_loss, double samples_per_s, double train_s) {
@@ -574,7 +418,30 @@ when no checkpoint waits, ValueError for a model of another size.)doc")
       .def_property_readonly(
           "checkpoint_due", [](const Worker& w) { return w.worker().checkpoint_due(); },
           "True when the last push_pull ended an iteration of which every node "
-          "writes a checkpoint (hand your own optimizer state to set_checkpoint_state then)");
+          "writes a checkpoint (hand your own optimizer state to set_checkpoint_state then)")
+      .def("send_handoff", &Worker::SendHandoff, py::arg("state"), py::arg("model") = py::none(),
+           R"doc(
+On the donor (handoff_due True: a replacement joined at the last push_pull's iteration), before
+the next push_pull: hands the replacement the loop's own state, `state` (bytes in a format of the
+loop's), and `model` (num_params elements: a float32 array, or a torch.Tensor on any device; None:
+the job's parameters are the model), through the scheduler. The next push_pull tells the
+replacement that none comes when the loop sends nothing. Raises sparseps.Error when no hand-over is
+due, ValueError for a model of another size or a hand-over over 16 float32 a parameter and
+256 MiB.)doc")
+      .def("receive_handoff", &Worker::ReceiveHandoff, R"doc(
+On a replacement (handoff_expected True: after its first push_pull), before the next: waits
+(cluster.barrier_timeout_s) for the donor's hand-over and returns {"from": its rank, "state":
+bytes, "model": a float32 array or None, "missing": why nothing came ("" when it did; the
+donor's loop may hand over b"" and None)}. Raises sparseps.Error when none is expected,
+TimeoutError naming the donor, sparseps.RolledBack as push_pull.)doc")
+      .def_property_readonly(
+          "handoff_due", [](const Worker& w) { return w.worker().handoff_due(); },
+          "True on the donor after the push_pull of the iteration a replacement joined at: hand "
+          "the loop's state to send_handoff before the next push_pull")
+      .def_property_readonly(
+          "handoff_expected", [](const Worker& w) { return w.worker().handoff_expected(); },
+          "True on a replacement after its first push_pull, until receive_handoff or the next "
+          "push_pull: the donor's model and state are coming");
 }
 
 PYBIND11_MODULE(_sparseps, m) {

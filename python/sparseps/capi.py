@@ -131,6 +131,14 @@ def _declare(lib):
         "worker_set_checkpoint_state": (ctypes.c_int, [handle, c_bytes_p, ctypes.c_size_t,
                                                        c_float_p, ctypes.c_size_t] + err),
         "worker_checkpoint_state": (ctypes.c_size_t, [handle, c_bytes_p, ctypes.c_size_t]),
+        "worker_send_handoff": (ctypes.c_int, [handle, c_bytes_p, ctypes.c_size_t, c_float_p,
+                                               ctypes.c_size_t] + err),
+        "worker_receive_handoff": (ctypes.c_int, [handle, ctypes.POINTER(ctypes.c_int),
+                                                  ctypes.POINTER(ctypes.c_size_t),
+                                                  ctypes.POINTER(ctypes.c_size_t)] + err),
+        "worker_handoff_state": (ctypes.c_size_t, [handle, c_bytes_p, ctypes.c_size_t]),
+        "worker_handoff_model": (ctypes.c_size_t, [handle, c_float_p, ctypes.c_size_t]),
+        "worker_handoff_missing": (ctypes.c_size_t, [handle, ctypes.c_char_p, ctypes.c_size_t]),
         "worker_set_epoch": (ctypes.c_int, [handle, ctypes.c_uint32] + err),
         "worker_set_density_scale": (ctypes.c_int, [handle, ctypes.c_double] + err),
         "worker_set_interruptible": (None, [handle, ctypes.c_int]),
@@ -145,7 +153,8 @@ def _declare(lib):
                           ("step", ctypes.c_uint64), ("lr", ctypes.c_double),
                           ("bytes_sent", ctypes.c_uint64), ("bytes_received", ctypes.c_uint64),
                           ("resumed", ctypes.c_int), ("rejoined", ctypes.c_int),
-                          ("checkpoint_due", ctypes.c_int),
+                          ("checkpoint_due", ctypes.c_int), ("handoff_due", ctypes.c_int),
+                          ("handoff_expected", ctypes.c_int),
                           ("allreduce", ctypes.c_int)):
         signatures[f"worker_{name}"] = (restype, [handle])
     for name, (restype, argtypes) in signatures.items():
@@ -391,6 +400,40 @@ class Worker:
         f(self._handle, ctypes.cast(buffer, ctypes.POINTER(ctypes.c_uint8)), n)
         return bytes(buffer)[:n]
 
+    def send_handoff(self, state, model=None):
+        """On the donor (handoff_due), before the next push_pull: the loop's own state (bytes)
+        and `model` (flat float32, or a tensor, of num_params elements; None: none) for the
+        replacement that joined at the last push_pull's iteration (as
+        sparseps.Worker.send_handoff)."""
+        state = bytes(state)
+        buffer = (ctypes.c_uint8 * max(len(state), 1)).from_buffer_copy(state or b"\0")
+        array = None if model is None else _host_floats(model, "send_handoff: model")
+        self._call(library().sparseps_worker_send_handoff, self._handle,
+                   ctypes.cast(buffer, ctypes.POINTER(ctypes.c_uint8)), len(state),
+                   None if array is None else _floats(array), 0 if array is None else array.size)
+
+    def receive_handoff(self):
+        """On a replacement (handoff_expected), before the next push_pull: waits for the donor's
+        hand-over; {"from": rank, "state": bytes, "model": float32 array or None, "missing": why
+        nothing came} (as sparseps.Worker.receive_handoff)."""
+        lib = library()
+        donor, state_n, model_n = ctypes.c_int(-1), ctypes.c_size_t(0), ctypes.c_size_t(0)
+        self._call(lib.sparseps_worker_receive_handoff, self._handle, ctypes.byref(donor),
+                   ctypes.byref(state_n), ctypes.byref(model_n))
+        buffer = (ctypes.c_uint8 * max(state_n.value, 1))()
+        lib.sparseps_worker_handoff_state(self._handle,
+                                          ctypes.cast(buffer, ctypes.POINTER(ctypes.c_uint8)),
+                                          state_n.value)
+        model = None
+        if model_n.value > 0:
+            model = np.empty(model_n.value, dtype=np.float32)
+            lib.sparseps_worker_handoff_model(self._handle, _floats(model), model.size)
+        size = lib.sparseps_worker_handoff_missing(self._handle, None, 0)
+        text = ctypes.create_string_buffer(size)
+        lib.sparseps_worker_handoff_missing(self._handle, text, size)
+        return {"from": donor.value, "state": bytes(buffer)[:state_n.value], "model": model,
+                "missing": text.value.decode()}
+
     def set_density_scale(self, scale):
         """Scales the top-k k from the next push (as sparseps.Worker.set_density_scale)."""
         self._call(library().sparseps_worker_set_density_scale, self._handle, scale)
@@ -424,6 +467,8 @@ class Worker:
     resumed = property(lambda self: bool(self._fact("resumed")))
     rejoined = property(lambda self: bool(self._fact("rejoined")))
     checkpoint_due = property(lambda self: bool(self._fact("checkpoint_due")))
+    handoff_due = property(lambda self: bool(self._fact("handoff_due")))
+    handoff_expected = property(lambda self: bool(self._fact("handoff_expected")))
     aggregation = property(lambda self: "allreduce" if self._fact("allreduce") else "ps")
 
     @property

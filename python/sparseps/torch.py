@@ -137,6 +137,14 @@ class DistributedOptimizer:
     (a lost server replaced) step() restores them before it raises sparseps.RolledBack, so the
     loop only goes back to worker.step in its data.
 
+    A replacement worker (node.rejoin=true, after a worker was lost; ps mode) computes its first
+    step at the job's parameters, and at its next step() takes the model, the wrapped
+    optimizer's state and extra_state's that the leader has after that first step (the leader's
+    step() hands them over: worker.send_handoff, worker.receive_handoff), so that where each
+    worker's optimizer keeps a model of its own (Adam over the aggregated gradient) the
+    replacement trains the same model as the others from then on (in BSP, bit for bit); with
+    aggregate="update" it takes the leader's optimizer state as its start.
+
     extra_state (optional): the loop's other state to keep with it, as a dict of name -> object
     with state_dict() and load_state_dict() (torch's Stateful: an LR scheduler, a GradScaler, an
     object of the loop's own), for instance {"scheduler": scheduler}. Its state is taken as the
@@ -216,11 +224,9 @@ class DistributedOptimizer:
             worker.init([p.detach() for p in self._params], names=names)
         if worker.resumed:
             self._restore("resumed from")
-        elif worker.rejoined and self._own_model():
-            warnings.warn("DistributedOptimizer: this replacement worker starts from the job's "
-                          "parameters and a fresh optimizer, which are not the model the others "
-                          "train (an optimizer of its own over the aggregated gradient): its "
-                          "model differs from theirs; aggregate='update' keeps it the job's")
+        # A replacement (worker.rejoined) computes its first step at the job's parameters with a
+        # fresh optimizer, then takes its donor's model and state (_take_handoff, at the next
+        # step()), so that it trains the others' model from then on.
         self._accumulators = []  # overlap: each parameter's gradient accumulation node, hooked
         if overlap:
             self._end_step()
@@ -240,7 +246,7 @@ class DistributedOptimizer:
         at its first gradient and reports the flat buffer's longest suffix whose gradients are
         all in."""
         if self._begun is None:
-            self._submit_pending()
+            self._submit_pending(handoff=False)  # step() does it, with the backward pass done
             self._begun = self.worker.begin_step(self._flat)
         if not self._begun:
             return
@@ -325,25 +331,61 @@ class DistributedOptimizer:
         else:
             self._checkpoint()
 
-    def _submit_pending(self):
+    def _submit_pending(self, handoff=True):
         """Before the next push (step, its overlap's begin, average_views) or synchronize: the
-        checkpoint waiting for the loop's state gets it."""
+        checkpoint waiting for the loop's state gets it; with `handoff` (not in the backward
+        pass, whose parameters must not change), a replacement that joined at the last step gets
+        this loop's state (on its donor), or takes its donor's (on the replacement)."""
         if self._loop.take():
             self._checkpoint()
+        if handoff and self.worker.handoff_due:
+            self.worker.send_handoff(_state.dumps(self._state(handoff=True)))
+        elif handoff and self.worker.handoff_expected:
+            self._take_handoff()
+
+    def _state(self, handoff=False):
+        """This optimizer's state as the loop leaves it between two steps, for a checkpoint or a
+        replacement's hand-over: the wrapped optimizer's state_dict, the model's parameters where
+        they are not the job's, local_view's shift, the frozen denominators and extra_state's.
+        A hand-over's model is without this worker's view and has no shift: the replacement's
+        residual is empty. _load_state reads it back."""
+        own = self._own_model()
+        shift = self._view_shift
+        if handoff:
+            own = self.aggregate != "update" and not self._plain_sgd()
+        flat = None
+        if own:
+            flat = torch.cat([p.detach().reshape(-1) for p in self._params])
+            if handoff and shift is not None:
+                flat = flat + shift  # the parameters are the model minus the view's shift
+            flat = flat.cpu()
+        if handoff:
+            shift = None
+        return {"format": "sparseps.torch.DistributedOptimizer/1",
+                "optimizer": self.optimizer.state_dict(), "params": flat,
+                "view_shift": None if shift is None else shift.cpu(),
+                "scale": None if self._scale is None else self._scale[1].cpu(),
+                "extra": self._loop.state_dicts()}
+
+    def _take_handoff(self):
+        """On a replacement, after its first step: the model and optimizer state its donor (the
+        leader) has after that step, so that it trains the others' model from now on; without
+        them (the donor left, its loop handed none) a warning, and it goes on as it is."""
+        got = self.worker.receive_handoff()
+        if not got["state"]:
+            warnings.warn(f"DistributedOptimizer: this replacement got no state from worker "
+                          f"{got['from']} ({got['missing'] or 'its loop handed none over'}); it "
+                          "goes on with its own optimizer's state and model")
+            return
+        where = f"DistributedOptimizer: worker {got['from']}'s hand-over at step {self.worker.step}"
+        self._load_state(_state.loads(got["state"]), where)
 
     def _checkpoint(self):
         """After the step whose push_pull took a checkpoint: hands the worker this optimizer's
-        state of the step (worker.set_checkpoint_state, in the worker's checkpoint file): the
-        wrapped optimizer's state_dict, the model's parameters where they are not the job's,
-        local_view's shift and the frozen denominators; the model then also goes to the
-        checkpoint's model file. _restore reads it back."""
-        own = self._own_model()
-        flat = torch.cat([p.detach().reshape(-1) for p in self._params]).cpu() if own else None
-        state = {"format": "sparseps.torch.DistributedOptimizer/1",
-                 "optimizer": self.optimizer.state_dict(), "params": flat,
-                 "view_shift": None if self._view_shift is None else self._view_shift.cpu(),
-                 "scale": None if self._scale is None else self._scale[1].cpu(),
-                 "extra": self._loop.state_dicts()}
+        state of the step (worker.set_checkpoint_state, in the worker's checkpoint file; _state);
+        the model then also goes to the checkpoint's model file. _restore reads it back."""
+        state = self._state()
+        flat = state["params"]
         buffers = self._module_buffers(state["extra"])
         if buffers:  # beside the parameters in the checkpoint's model file
             self.worker.set_model_buffers(buffers)
@@ -384,7 +426,15 @@ class DistributedOptimizer:
             self.optimizer.state.clear()
             self._copy_in(torch.from_numpy(self.worker.params()).to(device))
             return
-        state = _state.loads(raw)
+        self._load_state(_state.loads(raw), f"DistributedOptimizer: the checkpoint of step "
+                                            f"{self.worker.step} the job {how}")
+
+    def _load_state(self, state, where):
+        """_state's dict back into the optimizer, the model and extra_state (`where` names its
+        source in warnings)."""
+        device = self._flat.device
+        self._frozen_denoms, self._scale, self._view_shift = {}, None, None
+        self._loop.waiting = False
         self.optimizer.load_state_dict(state["optimizer"])
         params = state["params"]
         self._copy_in((torch.from_numpy(self.worker.params()) if params is None else params)
@@ -394,9 +444,7 @@ class DistributedOptimizer:
         if state["scale"] is not None:
             first = self.optimizer.state[self._params[0]]["exp_avg_sq"]
             self._scale = (first, state["scale"].to(device))
-        self._loop.restore(state.get("extra", {}),
-                           f"DistributedOptimizer: the checkpoint of step {self.worker.step} "
-                           f"the job {how}")
+        self._loop.restore(state.get("extra", {}), where)
 
     def _copy_in(self, flat):
         """The model's parameters from one flat tensor."""

@@ -5,6 +5,7 @@ with the models of a job never interrupted, bitwise; the checkpoint's model file
 the optimizer trained."""
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -138,6 +139,56 @@ def test_a_rolled_back_job_goes_on_with_the_optimizers_state(cluster):
         assert again[r][3] and all(to % 5 == 0 and 0 < to <= at for at, to in again[r][3])
         np.testing.assert_array_equal(again[r][1][TOTAL], whole[r][1][TOTAL])
         np.testing.assert_array_equal(again[r][2], whole[r][2])
+
+
+@pytest.mark.parametrize("backend", ["module", "capi"])
+def test_a_replacement_takes_the_leaders_model_and_optimizer_state(cluster, backend):
+    """Adam over the aggregated gradient keeps each worker's own model. Worker 1 killed with
+    kill -9 after step 10 and replaced (node.rejoin=true) computes its first step at the job's
+    parameters, then takes worker 0's model, Adam's moments and extra_state as they are after
+    that step (worker 0's hand-over, through the scheduler), so both workers end with the same
+    model, bit for bit. Without the hand-over the replacement trained a model of its own: the
+    job's parameters moved by a fresh Adam."""
+    steps = 120
+    c = cluster(CONFIG + "cluster: {register_timeout_s: 60, request_timeout_s: 60}\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(BUILD / "python"),
+                                                      str(ROOT / "tests" / "python")]))
+
+    def start(rank, sleep, out, extra=()):
+        return subprocess.Popen([sys.executable, str(ROOT / "tests" / "python" / "adam_worker.py"),
+                                 str(c.job), str(rank), str(steps), str(sleep),
+                                 str(c.dir / out), backend] + c.overrides + list(extra),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=env)
+
+    # Worker 0 is the slower: the replacement joins long before the end.
+    leader = start(0, 0.05, "leader.bin")
+    victim = start(1, 0.0, "lost.bin")
+    lines = []
+    for line in victim.stdout:
+        lines.append(line)
+        if line.strip() == "step 10":
+            break
+    victim.kill()
+    victim.wait()
+    assert lines and lines[-1].strip() == "step 10", "".join(lines)
+    replacement = start(1, 0.0, "replacement.bin", ["node.rejoin=true"])
+    out, _ = replacement.communicate(timeout=180)
+    leader_out, _ = leader.communicate(timeout=180)
+    assert replacement.returncode == 0, out
+    assert leader.returncode == 0, leader_out
+    first = next(line for line in out.splitlines() if line.startswith("start ")).split()
+    assert first[2] == "1", out  # rejoined
+    joined = int(first[1])
+    assert 10 <= joined < steps - 1, out
+    assert "handed this loop's state" in leader_out and \
+        f"which joined at iteration {joined}" in leader_out, leader_out
+    assert c.wait() == {k: 0 for k in c.wait()}
+    handed = re.search(f"worker 0 handed its loop's state of iteration {joined} "
+                       r"\((\d+) bytes\) to worker 1", c.log("scheduler"))
+    assert handed and int(handed.group(1)) > 0, c.log("scheduler")
+    np.testing.assert_array_equal(np.fromfile(c.dir / "replacement.bin", dtype=np.float32),
+                                  np.fromfile(c.dir / "leader.bin", dtype=np.float32))
 
 
 def test_the_loops_scheduler_goes_on_from_the_checkpoint_only_as_extra_state(cluster):

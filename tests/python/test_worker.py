@@ -418,6 +418,8 @@ def test_a_killed_python_worker_is_replaced_by_one_that_rejoins(cluster):
         w.init(params)
         for t in range(steps):
             params -= w.push_pull(gradient(0, t))
+            if w.handoff_due:  # a loop of no state of its own hands nothing over
+                done.setdefault("handoff_due", []).append(w.step)
             time.sleep(0.05)  # slower than worker 1: the replacement joins long before the end
         final = w.params()
         w.finish()
@@ -445,6 +447,10 @@ def test_a_killed_python_worker_is_replaced_by_one_that_rejoins(cluster):
     joined = int(first[1])
     assert 10 <= joined < steps, out
     assert out.splitlines()[-1] == f"step {steps}", out
+    # Worker 0, the leader, was to hand its loop's state over after the join iteration; its loop
+    # sent none, so its next push_pull told the replacement, which goes on without waiting.
+    assert done["handoff_due"] == [joined + 1], done["handoff_due"]
+    assert "handoff 0 0 True ''" in out.splitlines(), out
     assert c.wait() == {k: 0 for k in c.wait()}
     np.testing.assert_array_equal(np.fromfile(c.dir / "replacement.bin", dtype=np.float32),
                                   done["params"])

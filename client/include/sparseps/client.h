@@ -256,6 +256,40 @@ class Worker {
   /// no file of gets the lowest-ranked worker's.
   const std::vector<uint8_t>& checkpoint_state() const;
 
+  /// A replacement's hand-over (node.rejoin; docs/user-guide.md, "A replacement worker"): where
+  /// each loop keeps a model of its own (an optimizer of the loop's over the aggregate, e.g. Adam
+  /// in sparseps.torch.DistributedOptimizer), a replacement that joined at iteration J computes
+  /// its first step at the job's parameters, then takes the model and optimizer state that the
+  /// donor (the leader) has after its step J, so that from step J + 1 on it holds the others'
+  /// model (in BSP, bit for bit). The state goes through the scheduler in chunks of 1 MiB.
+  struct Handoff {
+    int from = -1;               ///< the donor's rank
+    std::vector<uint8_t> state;  ///< its loop's state (SendHandoff's bytes; empty: none)
+    std::vector<float> model;    ///< its loop's model (num_params() elements; empty: none)
+    std::string missing;         ///< not empty: why nothing came (the donor left the job, ...)
+  };
+
+  /// On the donor, after the push-pull of the iteration a replacement joined at: its loop hands
+  /// its state of that step to SendHandoff before the next push-pull (which otherwise tells the
+  /// replacement that none comes, as Finish does).
+  bool handoff_due() const;
+
+  /// Sends the loop's `state` (bytes in a format of the loop's; may be empty) and `model`
+  /// (num_params() elements, or empty: the job's parameters are its model) to the replacement(s)
+  /// handoff_due() is for. At most 16 float32 a parameter and 256 MiB more in all. Throws kFailed
+  /// when no hand-over is due, kInvalidArgument for a model of another size or a hand-over over
+  /// that bound (nothing is sent then).
+  void SendHandoff(std::span<const uint8_t> state, std::span<const float> model = {});
+
+  /// On a replacement (rejoined()), after its first push-pull until ReceiveHandoff or the next
+  /// push-pull: the donor's hand-over is coming.
+  bool handoff_expected() const;
+
+  /// Waits (cluster.barrier_timeout_s) for the donor's hand-over and returns it; `missing` says
+  /// why it holds nothing when the donor left the job first or its hand-over was refused. Throws
+  /// kFailed when none is expected, kDeadlineExceeded naming the donor, kRolledBack as PushPull.
+  Handoff ReceiveHandoff();
+
   /// Ends this worker's part: worker 0 saves the model (after Synchronize)
   /// (run.dir/model.safetensors, when checkpoint.save_model), sends its statistics to the scheduler
   /// (summary.json) and waits until every worker is done. test_accuracy is a fraction (-1: not

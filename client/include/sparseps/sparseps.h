@@ -153,6 +153,25 @@ int sparseps_worker_set_checkpoint_state(sparseps_worker* worker, const uint8_t*
  * bytes into out (may be NULL) and returns how many there are (0: none). */
 size_t sparseps_worker_checkpoint_state(const sparseps_worker* worker, uint8_t* out,
                                         size_t capacity);
+/* A replacement's hand-over (see sparseps::client::Worker::Handoff). On the donor, after the
+ * push-pull of the iteration a replacement joined at (sparseps_worker_handoff_due): the loop's
+ * state (state_n bytes; may be 0) and model (model_n = num_params, or 0: none) go to it. */
+int sparseps_worker_send_handoff(sparseps_worker* worker, const uint8_t* state, size_t state_n,
+                                 const float* model, size_t model_n, char* err, size_t err_len);
+/* On a replacement after its first push-pull (sparseps_worker_handoff_expected): waits for the
+ * donor's hand-over and keeps it in the handle; *from is the donor's rank, *state_n and *model_n
+ * its sizes (bytes, elements; any pointer may be NULL), read with sparseps_worker_handoff_state
+ * and sparseps_worker_handoff_model. When nothing came both are 0 and
+ * sparseps_worker_handoff_missing says why (empty: the donor's loop handed nothing over). */
+int sparseps_worker_receive_handoff(sparseps_worker* worker, int* from, size_t* state_n,
+                                    size_t* model_n, char* err, size_t err_len);
+/* The last hand-over received: writes at most capacity bytes (elements) into out (may be NULL)
+ * and returns how many there are. */
+size_t sparseps_worker_handoff_state(const sparseps_worker* worker, uint8_t* out, size_t capacity);
+size_t sparseps_worker_handoff_model(const sparseps_worker* worker, float* out, size_t capacity);
+/* Why the last hand-over holds nothing, NUL-terminated into out (at most out_len bytes; empty:
+ * nothing missing); returns the bytes the whole text needs, NUL included. */
+size_t sparseps_worker_handoff_missing(const sparseps_worker* worker, char* out, size_t out_len);
 /* Scales the top-k k from the next push (see sparseps::client::Worker::SetDensityScale). */
 int sparseps_worker_set_density_scale(sparseps_worker* worker, double scale, char* err,
                                       size_t err_len);
@@ -175,7 +194,9 @@ uint64_t sparseps_worker_bytes_received(const sparseps_worker* worker);
 int sparseps_worker_resumed(const sparseps_worker* worker);        /* resumed from a checkpoint */
 int sparseps_worker_rejoined(const sparseps_worker* worker);       /* a replacement (node.rejoin) */
 int sparseps_worker_checkpoint_due(const sparseps_worker* worker); /* the last step checkpoints */
-int sparseps_worker_allreduce(const sparseps_worker* worker);      /* else a parameter server */
+int sparseps_worker_handoff_due(const sparseps_worker* worker);    /* a replacement waits for us */
+int sparseps_worker_handoff_expected(const sparseps_worker* worker); /* our donor's is coming */
+int sparseps_worker_allreduce(const sparseps_worker* worker);        /* else a parameter server */
 /* What the last push-pull did (zeros for a NULL handle). */
 void sparseps_worker_last_step(const sparseps_worker* worker, sparseps_step_counters* out);
 /* The ranks of the live workers, increasing: writes at most capacity into ranks and returns how
