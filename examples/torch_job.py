@@ -177,6 +177,11 @@ def parser(doc, models, default_model=None):
     ap.add_argument("--resume", default="", metavar="DIR",
                     help="resume from DIR, a run directory or a folder of iter-* checkpoints, as "
                     "the daemons' --resume (deploy/launch.sh --resume passes it)")
+    ap.add_argument("--rejoin", action="store_true",
+                    help="a replacement of a lost worker (node.rejoin, as the daemons' --rejoin; "
+                    "deploy/launch.sh --max-restarts passes it): it joins the running job, and "
+                    "with sparseps's DistributedOptimizer takes the leader's model and optimizer "
+                    "state after its first step")
     ap.add_argument("--model", choices=models, default=default_model or models[0])
     ap.add_argument("--synthetic", action="store_true",
                     help="random data instead of the data set (step time and bytes only)")
@@ -317,13 +322,17 @@ def run(args, build_model, load_data, perplexity=False):
     torch.set_num_threads(args.threads)
     Worker, error = worker_backend(args.capi)
     ERRORS.append(error)
-    worker = Worker(args.config, overrides=resume_overrides(args.resume) + args.set)
+    rejoin = ["node.rejoin=true"] if args.rejoin else []
+    worker = Worker(args.config, overrides=resume_overrides(args.resume) + rejoin + args.set)
     get = worker.get
     device = torch.device(args.device or get("train.device"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: this PyTorch sees no CUDA device")
     if args.evaluate:
         return evaluate_file(args, build_model, load_data, get, device, perplexity)
+    if args.rejoin and args.ddp:
+        raise ValueError("--rejoin: torch DDP's process group takes no replacement (sparseps's "
+                         "DistributedOptimizer does)")
     if args.aggregate == "update" and args.ddp:
         raise ValueError("--aggregate update: sparseps's, not DDP's")
     if args.overlap and args.ddp:
@@ -416,7 +425,9 @@ def run(args, build_model, load_data, perplexity=False):
     log(rank, "info", f"model: torch {args.model}, {n} parameters on {device}; {what}; "
         f"{len(shard)} training samples on this worker, {steps_per_epoch} steps per epoch; "
         f"{method}; optimizer {optimizer}; through "
-        f"{'sparseps.capi' if Worker is capi.Worker else 'the pybind11 module'}")
+        f"{'sparseps.capi' if Worker is capi.Worker else 'the pybind11 module'} "
+        f"(pid {os.getpid()}" + (f", a replacement from step {worker.step})" if worker.rejoined
+                                 else ")"))
 
     run_dir = get("run.dir")
     # A resumed job (deploy/launch.sh --resume) goes on from its checkpoint's step, where

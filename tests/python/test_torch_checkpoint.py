@@ -6,9 +6,11 @@ the optimizer trained."""
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -189,6 +191,55 @@ def test_a_replacement_takes_the_leaders_model_and_optimizer_state(cluster, back
     assert handed and int(handed.group(1)) > 0, c.log("scheduler")
     np.testing.assert_array_equal(np.fromfile(c.dir / "replacement.bin", dtype=np.float32),
                                   np.fromfile(c.dir / "leader.bin", dtype=np.float32))
+
+
+@pytest.mark.skipif(not (DATA / "train-images-idx3-ubyte.gz").exists(),
+                    reason="Fashion-MNIST not installed (deploy/install-deps.sh)")
+def test_the_launchers_replacement_of_a_python_worker_takes_the_leaders_state(tmp_path):
+    """deploy/launch.sh --max-restarts 1 with examples/fashion_mnist.py (the MLP, Adam over the
+    aggregated gradient): worker 1 killed with kill -9 after step 20 is started again with
+    --rejoin, which the example passes on (node.rejoin); it joins, takes worker 0's model and
+    optimizer state after its first step (the scheduler's log: the hand-over's bytes) and trains
+    to the job's last step; the job ends well."""
+    steps = 900  # worker 0 trains on alone while the replacement starts: room for it to join
+    run = tmp_path / "run"
+    command = f"{sys.executable} {ROOT / 'examples' / 'fashion_mnist.py'} --model mlp " \
+        "--optimizer adam"
+    args = ["bash", str(ROOT / "deploy" / "launch.sh"), "--build-dir", str(BUILD), "--config",
+            str(ROOT / "examples" / "torch_cnn.yaml"), "--run-dir", str(run), "--quiet",
+            "--worker-command", command, "--max-restarts", "1"]
+    for s in ("train.momentum=0", f"train.max_steps={steps}", "data.max_test_samples=200",
+              "cluster.heartbeat_interval_s=0.25"):
+        args += ["--set", s]
+    launcher = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=dict(os.environ, SPARSEPS_CACHE=str(tmp_path / "cache")))
+    try:
+        metrics = run / "metrics-worker-1.csv"
+        deadline = time.time() + 120
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) > 20):
+            assert time.time() < deadline and launcher.poll() is None, "no step 20 of worker 1"
+            time.sleep(0.05)
+        victim = re.search(r"\(pid (\d+)\)", (run / "worker-1.log").read_text())
+        assert victim, (run / "worker-1.log").read_text()
+        os.kill(int(victim.group(1)), signal.SIGKILL)
+        out, _ = launcher.communicate(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 0, out
+    assert "restart 1 of 1: worker-1 exited with code 137" in (run / "restarts.log").read_text()
+    joined = re.search(r"a replacement from step (\d+)\)", (run / "worker-1.log").read_text())
+    assert joined, (run / "worker-1.log").read_text()
+    handed = re.search(f"worker 0 handed its loop's state of iteration {joined.group(1)} "
+                       r"\((\d+) bytes\) to worker 1", (run / "scheduler.log").read_text())
+    assert handed and int(handed.group(1)) > 0, (run / "scheduler.log").read_text()
+    last = (run / "metrics-worker-1.csv").read_text().splitlines()[-1]
+    assert last.split(",")[0] == str(steps), last
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "ok", summary
+    assert [(j["rank"], int(j["iteration"])) for j in summary["joined_workers"]] == \
+        [(1, int(joined.group(1)))], summary
 
 
 def test_the_loops_scheduler_goes_on_from_the_checkpoint_only_as_extra_state(cluster):
