@@ -32,7 +32,11 @@ class SchedulerMetrics {
                                      "Messages rejected, by reason", {{"reason", "impostor"}})),
         malformed_(registry_.Counter("sparseps_scheduler_rejected_messages_total",
                                      "Messages rejected, by reason",
-                                     {{"reason", "malformed_or_unexpected"}})) {}
+                                     {{"reason", "malformed_or_unexpected"}})),
+        dropped_handoff_(registry_.Counter(
+            "sparseps_scheduler_dropped_handoff_chunks_total",
+            "HANDOFF chunks not passed on: their replacement left, or no hand-over of theirs "
+            "was open")) {}
 
   Status Start(const proto::JobConfig& config) { return registry_.StartFromConfig(config); }
 
@@ -42,6 +46,7 @@ class SchedulerMetrics {
     AdvanceTo(lost_, static_cast<double>(s.lost_workers()));
     AdvanceTo(impostors_, static_cast<double>(s.impostor_messages()));
     AdvanceTo(malformed_, static_cast<double>(s.rejected_messages() - s.impostor_messages()));
+    AdvanceTo(dropped_handoff_, static_cast<double>(s.dropped_handoff_chunks()));
     // Per node once it has a rank (before the membership the names would not last); a removed
     // node's silence keeps growing unless a replacement took its name.
     const auto nodes = s.Liveness(now);
@@ -73,6 +78,7 @@ class SchedulerMetrics {
   prometheus::Counter& lost_;
   prometheus::Counter& impostors_;
   prometheus::Counter& malformed_;
+  prometheus::Counter& dropped_handoff_;
 };
 
 }  // namespace

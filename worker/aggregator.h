@@ -209,6 +209,10 @@ class Aggregator {
   // For tests and diagnostics. Errors: CUDA's (a device compressor's state comes down).
   virtual Status ReadResidual(std::vector<float>* out) = 0;
 
+  // Messages from the other workers refused as malformed or from a stranger (allreduce: the peer
+  // group's count); 0 in ps mode, where a server's bad reply fails the step instead.
+  virtual uint64_t rejected_messages() const { return 0; }
+
   // Totals since the start.
   virtual uint64_t bytes_sent() const = 0;
   virtual uint64_t bytes_received() const = 0;

@@ -161,6 +161,7 @@ class AllreduceAggregator final : public Aggregator {
 #endif
   }
   uint64_t bytes_sent() const override { return collective_->bytes_sent(); }
+  uint64_t rejected_messages() const override { return group_->rejected(); }
   uint64_t bytes_received() const override { return collective_->bytes_received(); }
   std::vector<TrafficByCommand::Row> traffic() const override {
     return {{"collective", bytes_sent(), bytes_received()}};

@@ -194,6 +194,7 @@ Status WorkerSession::RecordStep(TrainingLog& log, uint64_t step, uint32_t epoch
                                  const std::function<void(StateArchive&)>& extra,
                                  const std::vector<TensorLayout>& layers) {
   log.Step(step, epoch, loss, compute_ms, stats, *aggregator_);
+  log.Rejected(control_.rejected(), aggregator_->rejected_messages());
   SPARSEPS_RETURN_IF_ERROR(log.SampleResidual(*aggregator_));
   return AfterStep(extra, layers);
 }
@@ -450,7 +451,8 @@ Status WorkerSession::AfterStep(const std::function<void(StateArchive&)>& extra,
   return Status::OK();
 }
 
-Status WorkerSession::Finish(const proto::WorkerStats& stats) {
+Status WorkerSession::Finish(proto::WorkerStats stats) {
+  stats.set_rejected_messages(control_.rejected() + aggregator_->rejected_messages());
   if (!handoffs_due_.empty()) SPARSEPS_RETURN_IF_ERROR(SendHandoff({}, {}));
   if (held_ != nullptr) SPARSEPS_RETURN_IF_ERROR(SubmitCheckpoint());
   SPARSEPS_RETURN_IF_ERROR(ReportWritten(/*wait=*/true));

@@ -166,9 +166,9 @@ class WorkerSession {
                           const ExtraTensors* buffers = nullptr);
 
   // Waits for checkpoint files still being written and reports them, sends DONE with this
-  // worker's statistics and waits (cluster.request_timeout_s) for the
-  // scheduler's SHUTDOWN, which comes once every worker is done. Stops the heartbeats.
-  Status Finish(const proto::WorkerStats& stats);
+  // worker's statistics (rejected_messages filled in here) and waits (cluster.request_timeout_s)
+  // for the scheduler's SHUTDOWN, which comes once every worker is done. Stops the heartbeats.
+  Status Finish(proto::WorkerStats stats);
 
   // After a step (or any wait) failed with Unavailable (a server is lost): waits for the rollback
   // epoch after the one this worker connected at, which may be in already

@@ -98,6 +98,12 @@ TrainingLog::Live::Live(int rank)
                                 "applied (waiting for the slowest worker included)",
                                 MetricsRegistry::SecondsBuckets())),
       steps(registry.Counter("sparseps_worker_steps_total", "Steps done by this process")),
+      rejected_scheduler(registry.Counter("sparseps_worker_rejected_messages_total",
+                                          "Messages this worker refused, by where they came from",
+                                          {{"from", "scheduler"}})),
+      rejected_peers(registry.Counter("sparseps_worker_rejected_messages_total",
+                                      "Messages this worker refused, by where they came from",
+                                      {{"from", "workers"}})),
       traffic(registry, "sparseps_worker", "for aggregation") {}
 
 Status TrainingLog::StartMetrics() {
@@ -105,6 +111,12 @@ Status TrainingLog::StartMetrics() {
   live_ = std::make_unique<Live>(rank_);
   live_->test_accuracy.Set(test_accuracy_);
   return live_->registry.StartFromConfig(config_);
+}
+
+void TrainingLog::Rejected(uint64_t from_scheduler, uint64_t from_peers) {
+  if (live_ == nullptr) return;
+  AdvanceTo(live_->rejected_scheduler, static_cast<double>(from_scheduler));
+  AdvanceTo(live_->rejected_peers, static_cast<double>(from_peers));
 }
 
 Status TrainingLog::SampleResidual(Aggregator& aggregator) {

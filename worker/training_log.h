@@ -44,6 +44,9 @@ class TrainingLog {
   // metrics"): iteration, loss, step/compute/encode/communication time histograms, bytes,
   // selected and applied density, residual norm. Errors: IoError when the port cannot be bound.
   Status StartMetrics();
+  // The messages this worker refused so far (malformed, or from a stranger): from the scheduler
+  // and from the other workers (allreduce), for the live metrics.
+  void Rejected(uint64_t from_scheduler, uint64_t from_peers);
   // Samples the L2 norm of what `aggregator` holds back (its residual) for the metrics, at most
   // once per second (reading it copies num_params() floats). Errors: the aggregator's.
   Status SampleResidual(Aggregator& aggregator);
@@ -95,7 +98,7 @@ class TrainingLog {
     prometheus::Gauge &iteration, &epoch, &loss, &selected_density, &applied_density,
         &residual_norm, &test_accuracy;
     prometheus::Histogram &step_s, &compute_s, &encode_s, &comm_s, &push_s, &pull_s;
-    prometheus::Counter& steps;
+    prometheus::Counter &steps, &rejected_scheduler, &rejected_peers;
     TrafficSeries traffic;  // bytes by message type (Aggregator::traffic)
   };
   std::unique_ptr<Live> live_;

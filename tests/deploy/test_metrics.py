@@ -4,6 +4,7 @@ text-format parser (Debian's python3-prometheus-client). Run by ctest with Debia
 import os
 import pathlib
 import random
+import re
 import socket
 import subprocess
 import time
@@ -162,6 +163,62 @@ def test_every_daemon_serves_its_metrics_while_the_job_trains(tmp_path):
         job.terminate()
         job.communicate(timeout=60)
     finally:
+        if job.poll() is None:
+            job.terminate()
+            job.wait(timeout=30)
+
+
+def test_an_allreduce_workers_refusals_are_counted_in_its_metrics(tmp_path):
+    """A stranger's junk to the data ports of an allreduce job's workers (the dense ring) is
+    refused, and each worker counts it: sparseps_worker_rejected_messages_total{from="workers"}
+    goes from 0 to 1, while the job trains on."""
+    import zmq  # Debian's python3-zmq (deploy/install-deps.sh); only this test needs it
+    base = free_base(len(DAEMONS))
+    job = launch(tmp_path, base, "train.epochs=40", "aggregation=allreduce",
+                 "collective.algorithm=ring")
+    context = zmq.Context()
+    try:
+        workers = [base + 3, base + 4]  # the scheduler and the two unused server ports first
+        deadline = time.time() + 120
+        before = {}
+        while len(before) < 2:
+            for port in workers:
+                try:
+                    samples = scrape(port)
+                    if value(samples, "sparseps_worker_iteration") > 0:
+                        before[port] = samples
+                except (OSError, AssertionError):
+                    pass
+            assert job.poll() is None, job.stdout.read()
+            assert time.time() < deadline, "the workers did not train"
+            time.sleep(0.2)
+        for samples in before.values():
+            for source in ("scheduler", "workers"):
+                assert value(samples, "sparseps_worker_rejected_messages_total",
+                             **{"from": source}) == 0
+        log = (tmp_path / "run" / "scheduler.log").read_text()
+        ports = [int(p) for p in re.findall(r"registered worker \(.*\) at [0-9.]+:(\d+)", log)]
+        assert len(ports) == 2, log
+        strangers = []  # kept open until the end: closing one may drop what it has not sent
+        for port in ports:
+            strangers.append(context.socket(zmq.DEALER))
+            strangers[-1].setsockopt(zmq.LINGER, 0)
+            strangers[-1].connect(f"tcp://127.0.0.1:{port}")
+            strangers[-1].send(b"not a header")
+        counts = {}
+        while sorted(counts.values()) != [1, 1]:
+            counts = {p: value(scrape(p), "sparseps_worker_rejected_messages_total",
+                               **{"from": "workers"}) for p in workers}
+            assert job.poll() is None, job.stdout.read()
+            assert time.time() < deadline, counts
+            time.sleep(0.2)
+        for port in workers:
+            assert value(scrape(port), "sparseps_worker_rejected_messages_total",
+                         **{"from": "scheduler"}) == 0
+        job.terminate()
+        job.communicate(timeout=60)
+    finally:
+        context.destroy(linger=0)
         if job.poll() is None:
             job.terminate()
             job.wait(timeout=30)
