@@ -331,6 +331,7 @@ void ControlClient::ReceiveHandoffChunk(const Message& msg) {
     in.chunks = b.chunks();
     in.total_bytes = b.total_bytes();
     in.model_elements = b.model_elements();
+    in.first_at = Clock::now();
   }
   if (b.chunks() > 0) {
     const auto* data = static_cast<const uint8_t*>(msg.frames[0].data());
@@ -338,6 +339,7 @@ void ControlClient::ReceiveHandoffChunk(const Message& msg) {
   }
   ++in.next_chunk;
   in.complete = in.next_chunk >= in.chunks;
+  if (in.complete) in.complete_at = Clock::now();
 }
 
 IncomingHandoff ControlClient::TakeIncomingHandoff() {

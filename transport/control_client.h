@@ -40,7 +40,8 @@ struct IncomingHandoff {
   uint64_t total_bytes = 0;
   uint32_t chunks = 0;
   uint32_t next_chunk = 0;
-  std::vector<uint8_t> bytes;  // model_elements float32, then the loop's state bytes
+  std::vector<uint8_t> bytes;               // model_elements float32, then the loop's state bytes
+  Clock::time_point first_at, complete_at;  // when Poll took the first and the last chunk
 };
 
 // The largest hand-over a replacement of a model of num_params parameters takes, in bytes: 16

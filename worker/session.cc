@@ -323,10 +323,13 @@ Status WorkerSession::SendHandoff(std::span<const uint8_t> state, std::span<cons
   std::vector<proto::WorkerJoin> due;
   due.swap(handoffs_due_);
   for (const auto& j : due) {
+    const auto start = Clock::now();
     SPARSEPS_RETURN_IF_ERROR(control_.SendHandoff(j, model, state));
     if (total > 0) {
-      spdlog::info("handed this loop's state ({} bytes) to worker {}, which joined at iteration {}",
-                   total, j.worker_rank(), j.iteration());
+      spdlog::info(
+          "handed this loop's state ({} bytes) to worker {}, which joined at iteration {} ({:.3f} "
+          "s to queue its chunks)",
+          total, j.worker_rank(), j.iteration(), SecondsSince(start));
     } else {
       spdlog::info(
           "told worker {}, which joined at iteration {}, that this loop hands over no state",
@@ -351,6 +354,7 @@ Result<WorkerSession::Handoff> WorkerSession::ReceiveHandoff() {
     }
     return false;
   };
+  const auto called = Clock::now();
   const Status s = control_.WaitFor(
       [&] {
         const auto& in = control_.incoming_handoff();
@@ -372,6 +376,12 @@ Result<WorkerSession::Handoff> WorkerSession::ReceiveHandoff() {
     h.model.resize(in.model_elements);
     std::memcpy(h.model.data(), in.bytes.data(), model_bytes);
     h.state.assign(in.bytes.begin() + static_cast<ptrdiff_t>(model_bytes), in.bytes.end());
+    // The wait holds the donor's step; the chunks' spread is the transfer through the scheduler.
+    spdlog::info(
+        "took worker {}'s hand-over of iteration {}: {} bytes in {} chunks over {:.3f} s, after "
+        "waiting {:.3f} s",
+        donor, iteration, in.total_bytes, in.chunks,
+        std::chrono::duration<double>(in.complete_at - in.first_at).count(), SecondsSince(called));
   }
   if (!h.missing.empty()) spdlog::warn("no hand-over from worker {}: {}", donor, h.missing);
   return h;
