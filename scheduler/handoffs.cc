@@ -37,15 +37,17 @@ void HandoffRelay::Handle(const std::string& from, const Message& msg, std::vect
   const int rank = idx >= 0 && job_.nodes[static_cast<size_t>(idx)].role == proto::WORKER
                        ? job_.nodes[static_cast<size_t>(idx)].rank
                        : -1;
+  // Two replacements may join at the same iteration: each chunk names the one it is for.
   auto it = std::find_if(open_.begin(), open_.end(), [&](const Open& o) {
-    return rank >= 0 && o.donor_rank == rank && o.iteration == h.iteration();
+    return rank >= 0 && o.donor_rank == rank && o.iteration == h.iteration() &&
+           (!h.has_handoff() || h.handoff().to_rank() == job_.nodes[o.replacement].rank);
   });
   if (it == open_.end()) {
     ++dropped_;
     job_.reject_log.Warn(from,
                          "no hand-over of iteration " + std::to_string(h.iteration()) +
-                             " is open from this node (its replacement left the job, or it is "
-                             "not the donor)",
+                             " to that worker is open from this node (its replacement left the "
+                             "job, or it is not the donor)",
                          "dropped a HANDOFF chunk ");
     return;
   }
@@ -54,9 +56,6 @@ void HandoffRelay::Handle(const std::string& from, const Message& msg, std::vect
   std::string why;
   if (!h.has_handoff()) {
     why = "no handoff body";
-  } else if (b.to_rank() != job_.nodes[o.replacement].rank) {
-    why = "it is for worker " + std::to_string(b.to_rank()) + ", the replacement is worker " +
-          std::to_string(job_.nodes[o.replacement].rank);
   } else if (o.next_chunk > 0 && (b.chunks() != o.chunks || b.total_bytes() != o.total_bytes ||
                                   b.model_elements() != o.model_elements)) {
     why = "chunk " + std::to_string(b.chunk()) + " declares another size than chunk 0";

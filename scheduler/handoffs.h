@@ -24,13 +24,13 @@ class HandoffRelay {
   void Expect(int donor_rank, size_t replacement, int64_t iteration);
 
   // A HANDOFF from `from`, whose sender CheckSender accepted. From the donor of an open hand-over,
-  // for its iteration, with chunks in order: passed on to the replacement (from_rank set); the last
-  // chunk (or none: chunks 0) closes it. One whose replacement or donor left the job is dropped,
-  // as is one from a node with no open hand-over (counted in dropped(), logged, no ERROR: a donor
-  // goes on whatever became of its replacement). A malformed one (no body, a chunk out of order
-  // or past the count, a size that differs from the first chunk's) is counted in the scheduler's
-  // rejected messages, closes the hand-over, and the replacement gets an empty HANDOFF whose
-  // header.error says why, so that it stops waiting.
+  // for its iteration and replacement (to_rank), with chunks in order: passed on to the
+  // replacement (from_rank set); the last chunk (or none: chunks 0) closes it. One whose
+  // replacement or donor left the job is dropped, as is one that matches no open hand-over
+  // (counted in dropped(), logged, no ERROR: a donor goes on whatever became of its replacement).
+  // A malformed one (no body, a chunk out of order or past the count, a size that differs from
+  // the first chunk's) is counted in the scheduler's rejected messages, closes the hand-over, and
+  // the replacement gets an empty HANDOFF whose header.error says why, so that it stops waiting.
   void Handle(const std::string& from, const Message& msg, std::vector<Outgoing>* out);
 
   // Hand-overs expected and not yet complete.
