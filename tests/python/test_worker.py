@@ -395,11 +395,15 @@ def test_a_missing_scheduler_is_a_timeout_naming_it():
         w.init(initial())
 
 
-def test_a_killed_python_worker_is_replaced_by_one_that_rejoins(cluster):
+@pytest.mark.parametrize("backend", ["module", "capi"])
+def test_a_killed_python_worker_is_replaced_by_one_that_rejoins(cluster, backend):
     """A Python loop killed with kill -9 mid-job is replaced by another (node.rejoin=true, its
     rank): init gives it the join iteration J as its step and the job's parameters there; it
     trains from J to the end, the other worker never stops, and both end with the same
-    parameters; summary.json lists the replacement."""
+    parameters; summary.json lists the replacement. Worker 0, the leader, is the replacement's
+    donor after iteration J: through the module its loop hands nothing over (the replacement is
+    told so at worker 0's next push_pull and goes on at once); through sparseps.capi it hands
+    over a state and its parameters, which the replacement gets as they were sent."""
     steps = 120
     c = cluster(BASE)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(BUILD / "python"),
@@ -407,19 +411,24 @@ def test_a_killed_python_worker_is_replaced_by_one_that_rejoins(cluster):
     script = pathlib.Path(__file__).parent / "loop_worker.py"
 
     def start(rank, out, extra=()):
+        binding = ["--capi"] if backend == "capi" else []
         return subprocess.Popen([sys.executable, str(script), str(c.job), str(rank), str(steps),
-                                 str(out)] + c.overrides + list(extra),
+                                 str(out)] + binding + c.overrides + list(extra),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env=env)
 
     def worker0():
-        w = sparseps.Worker(str(c.job), rank=0, overrides=c.overrides)
+        w = (sparseps.Worker if backend == "module" else capi.Worker)(
+            str(c.job), rank=0, overrides=c.overrides)
         params = initial()
         w.init(params)
         for t in range(steps):
             params -= w.push_pull(gradient(0, t))
-            if w.handoff_due:  # a loop of no state of its own hands nothing over
+            if w.handoff_due:
                 done.setdefault("handoff_due", []).append(w.step)
+                if backend == "capi":  # the module's loop hands nothing over
+                    w.send_handoff(f"state of step {w.step}".encode(), model=w.params())
+                    done["sent_sum"] = float(w.params().astype(np.float64).sum())
             time.sleep(0.05)  # slower than worker 1: the replacement joins long before the end
         final = w.params()
         w.finish()
@@ -447,10 +456,13 @@ def test_a_killed_python_worker_is_replaced_by_one_that_rejoins(cluster):
     joined = int(first[1])
     assert 10 <= joined < steps, out
     assert out.splitlines()[-1] == f"step {steps}", out
-    # Worker 0, the leader, was to hand its loop's state over after the join iteration; its loop
-    # sent none, so its next push_pull told the replacement, which goes on without waiting.
+    # Worker 0, the leader, was to hand its loop's state over after the join iteration.
     assert done["handoff_due"] == [joined + 1], done["handoff_due"]
-    assert "handoff 0 0 True ''" in out.splitlines(), out
+    if backend == "module":  # none sent: its next push_pull told the replacement
+        assert "handoff 0 '' None ''" in out.splitlines(), out
+    else:
+        assert f"handoff 0 'state of step {joined + 1}' {done['sent_sum']!r} ''" in \
+            out.splitlines(), out
     assert c.wait() == {k: 0 for k in c.wait()}
     np.testing.assert_array_equal(np.fromfile(c.dir / "replacement.bin", dtype=np.float32),
                                   done["params"])
