@@ -332,6 +332,7 @@ void ControlClient::ReceiveHandoffChunk(const Message& msg) {
     in.total_bytes = b.total_bytes();
     in.model_elements = b.model_elements();
     in.first_at = Clock::now();
+    in.bytes.reserve(b.total_bytes());  // within MaxHandoffBytes, checked above
   }
   if (b.chunks() > 0) {
     const auto* data = static_cast<const uint8_t*>(msg.frames[0].data());
