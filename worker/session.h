@@ -116,7 +116,7 @@ class WorkerSession {
   // Sends `state` (the loop's bytes; may be empty) and `model` (num_params() elements, or empty)
   // to each replacement that handoff_due() is for. FailedPrecondition when none is due;
   // InvalidArgument for a model of another size or a hand-over over MaxHandoffBytes (nothing sent
-  // then; the next AfterStep sends an empty one); the sends' errors.
+  // then; the next BeforeStep or AfterStep sends an empty one); the sends' errors.
   Status SendHandoff(std::span<const uint8_t> state, std::span<const float> model);
   // Replacement: true after its step of the join iteration, until ReceiveHandoff or the next
   // BeforeStep (AfterStep), when the join named a donor and set_hold_handoffs(true).

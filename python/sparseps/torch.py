@@ -339,7 +339,11 @@ class DistributedOptimizer:
         if self._loop.take():
             self._checkpoint()
         if handoff and self.worker.handoff_due:
-            self.worker.send_handoff(_state.dumps(self._state(handoff=True)))
+            try:
+                self.worker.send_handoff(_state.dumps(self._state(handoff=True)))
+            except ValueError as e:  # over the bound: the replacement goes on without it
+                warnings.warn(f"DistributedOptimizer: no hand-over to the replacement ({e}); "
+                              "it goes on with its own optimizer's state and model")
         elif handoff and self.worker.handoff_expected:
             self._take_handoff()
 
