@@ -427,6 +427,11 @@ def test_a_killed_python_worker_is_replaced_by_one_that_rejoins(cluster, backend
             if w.handoff_due:
                 done.setdefault("handoff_due", []).append(w.step)
                 if backend == "capi":  # the module's loop hands nothing over
+                    try:  # a model of another size is refused, and the hand-over stays due
+                        w.send_handoff(b"x", model=np.zeros(3, dtype=np.float32))
+                    except ValueError as e:
+                        done["refused"] = str(e)
+                    assert w.handoff_due
                     w.send_handoff(f"state of step {w.step}".encode(), model=w.params())
                     done["sent_sum"] = float(w.params().astype(np.float64).sum())
             time.sleep(0.05)  # slower than worker 1: the replacement joins long before the end
@@ -461,6 +466,7 @@ def test_a_killed_python_worker_is_replaced_by_one_that_rejoins(cluster, backend
     if backend == "module":  # none sent: its next push_pull told the replacement
         assert "handoff 0 '' None ''" in out.splitlines(), out
     else:
+        assert "the hand-over's model has 3 elements; the job has 1000" in done["refused"]
         assert f"handoff 0 'state of step {joined + 1}' {done['sent_sum']!r} ''" in \
             out.splitlines(), out
     assert c.wait() == {k: 0 for k in c.wait()}
