@@ -314,17 +314,13 @@ Status WorkerSession::SendHandoff(std::span<const uint8_t> state, std::span<cons
   }
   SPARSEPS_RETURN_IF_ERROR(CheckModelSize(model, "the hand-over's model"));
   const uint64_t total = model.size() * sizeof(float) + state.size();
-  if (total > MaxHandoffBytes(aggregator_->num_params())) {
-    return Status::InvalidArgument(
-        "the hand-over is " + std::to_string(total) + " bytes, over the " +
-        std::to_string(MaxHandoffBytes(aggregator_->num_params())) +
-        " a replacement takes for this model (16 float32 a parameter and 256 MiB)");
-  }
-  std::vector<proto::WorkerJoin> due;
-  due.swap(handoffs_due_);
-  for (const auto& j : due) {
+  // A hand-over the control client refuses (over MaxHandoffBytes: the same for every one) stays
+  // due, and BeforeStep sends an empty one instead.
+  while (!handoffs_due_.empty()) {
+    const proto::WorkerJoin j = handoffs_due_.front();
     const auto start = Clock::now();
     SPARSEPS_RETURN_IF_ERROR(control_.SendHandoff(j, model, state));
+    handoffs_due_.erase(handoffs_due_.begin());
     if (total > 0) {
       spdlog::info(
           "handed this loop's state ({} bytes) to worker {}, which joined at iteration {} ({:.3f} "
@@ -463,7 +459,7 @@ Status WorkerSession::AfterStep(const std::function<void(StateArchive&)>& extra,
 
 Status WorkerSession::Finish(proto::WorkerStats stats) {
   stats.set_rejected_messages(control_.rejected() + aggregator_->rejected_messages());
-  if (!handoffs_due_.empty()) SPARSEPS_RETURN_IF_ERROR(SendHandoff({}, {}));
+  SPARSEPS_RETURN_IF_ERROR(BeforeStep());  // a hand-over still due goes out empty
   if (held_ != nullptr) SPARSEPS_RETURN_IF_ERROR(SubmitCheckpoint());
   SPARSEPS_RETURN_IF_ERROR(ReportWritten(/*wait=*/true));
   SPARSEPS_RETURN_IF_ERROR(control_.SendDone(stats));
