@@ -608,6 +608,11 @@ std::vector<int> Worker::live_workers() const {
   std::sort(ranks.begin(), ranks.end());
   return ranks;
 }
+Worker::DataSplit Worker::data_split(uint64_t step) const {
+  if (!impl_->session) return {rank(), num_workers()};
+  const auto split = impl_->session->data_split(step);
+  return {split.index, split.count};
+}
 bool Worker::allreduce() const { return impl_->config.aggregation() == proto::ALLREDUCE; }
 std::vector<std::pair<std::string, std::string>> Worker::config() const {
   std::vector<std::pair<std::string, std::string>> out;

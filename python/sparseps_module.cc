@@ -444,6 +444,34 @@ TimeoutError naming the donor, sparseps.RolledBack as push_pull.)doc")
           "push_pull: the donor's model and state are coming");
 }
 
+// The membership as a loop sees it: who is live, which data share is this worker's, who leads.
+void DefineMembershipFacts(py::class_<sparseps::Worker>& worker) {
+  using sparseps::Worker;
+  worker
+      .def_property_readonly(
+          "live_workers", [](const Worker& w) { return w.worker().live_workers(); },
+          "sorted ranks of the workers still in the job: a worker lost under "
+          "cluster.on_worker_failure: continue is gone from it (data_split says "
+          "how to share the data among them from which epoch on)")
+      .def(
+          "data_split",
+          [](const Worker& w, uint64_t step) {
+            const auto split = w.worker().data_split(step);
+            return std::make_pair(split.index, split.count);
+          },
+          py::arg("step"),
+          "(index, count): this worker's share of the training data in the epoch that begins "
+          "after `step` steps: shard `index` of `count`, the live workers of the newest "
+          "membership change before that step (a worker lost under "
+          "cluster.on_worker_failure: continue, or a replacement joined), as sparseps-worker "
+          "re-splits. Every worker gets the same count at the same step; call it at each "
+          "epoch's start and take (samples // count) // batch steps")
+      .def_property_readonly(
+          "is_leader", [](const Worker& w) { return w.worker().is_leader(); },
+          "true on the lowest live rank: worker 0, or the one that took over "
+          "evaluating and writing the model after worker 0 was lost");
+}
+
 PYBIND11_MODULE(_sparseps, m) {
   using sparseps::Worker;
   m.doc() = "sparseps: sparse, compressed gradient aggregation (parameter server or allreduce)";
@@ -522,15 +550,6 @@ here), train_loss (the last epoch's mean), samples_per_s (this worker's), train_
       .def_property_readonly("rank", [](const Worker& w) { return w.worker().rank(); })
       .def_property_readonly("num_workers",
                              [](const Worker& w) { return w.worker().num_workers(); })
-      .def_property_readonly(
-          "live_workers", [](const Worker& w) { return w.worker().live_workers(); },
-          "sorted ranks of the workers still in the job: a worker lost under "
-          "cluster.on_worker_failure: continue is gone from it (re-split your "
-          "data among these at your next epoch, as sparseps-worker does)")
-      .def_property_readonly(
-          "is_leader", [](const Worker& w) { return w.worker().is_leader(); },
-          "true on the lowest live rank: worker 0, or the one that took over "
-          "evaluating and writing the model after worker 0 was lost")
       .def_property_readonly("num_params", [](const Worker& w) { return w.worker().num_params(); })
       .def_property_readonly(
           "lr", [](const Worker& w) { return w.worker().lr(); }, "train.lr of the job")
@@ -539,4 +558,5 @@ here), train_loss (the last epoch's mean), samples_per_s (this worker's), train_
       .def_property_readonly("bytes_received",
                              [](const Worker& w) { return w.worker().bytes_received(); });
   DefineResumeCalls(worker);
+  DefineMembershipFacts(worker);
 }

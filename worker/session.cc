@@ -2,6 +2,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "config/config.h"
@@ -31,6 +32,17 @@ WorkerSession::WorkerSession(const proto::JobConfig& config)
 }
 
 WorkerSession::~WorkerSession() { control_.StopHeartbeats(); }
+
+WorkerSession::DataSplit WorkerSession::data_split(uint64_t iteration) const {
+  DataSplit split{rank(), num_workers()};
+  for (const auto& set : control_.membership().splits()) {
+    if (set.from_iteration() >= static_cast<int64_t>(iteration)) continue;
+    const auto& ranks = set.ranks();
+    split.count = ranks.size();
+    split.index = static_cast<int>(std::find(ranks.begin(), ranks.end(), rank()) - ranks.begin());
+  }
+  return split;
+}
 
 Result<std::unique_ptr<WorkerSession>> WorkerSession::Join(const proto::JobConfig& config,
                                                            size_t num_params, bool model_on_device,

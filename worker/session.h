@@ -49,6 +49,21 @@ class WorkerSession {
   // evaluating and writing the model after worker 0 was lost.
   bool is_leader() const { return control_.membership().leader() == rank(); }
   int num_workers() const { return static_cast<int>(config_.cluster().num_workers()); }
+  // A worker's share of the training data: shard `index` of `count` (the live workers, in rank
+  // order).
+  struct DataSplit {
+    int index = 0;
+    int count = 1;
+    bool operator==(const DataSplit&) const = default;
+  };
+  // The split of an epoch that begins after `iteration` aggregation rounds: that of the newest
+  // set of live workers (Membership.splits: a worker was lost, or a replacement joined) whose
+  // change came before it; {rank(), num_workers()} while there is none. Every worker has the
+  // membership with the change by then (a server's reply of the change's iteration carries its
+  // epoch, worker/ps_client.h; a replacement gets it when it joins), so all of them re-split at
+  // the same epoch and agree on its steps (sparseps-worker's loop and examples/torch_job.py).
+  // A worker not in that set (lost, still running) gets index == count.
+  DataSplit data_split(uint64_t iteration) const;
   Aggregator& aggregator() { return *aggregator_; }
   ControlClient& control() { return control_; }
 

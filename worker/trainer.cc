@@ -99,28 +99,7 @@ class Batches {
   std::vector<uint8_t> y_;
 };
 
-// This worker's share of the data: shard `index` of `count`.
-struct Split {
-  int index = 0;
-  int count = 1;
-  bool operator==(const Split&) const = default;
-};
-
-// The split an epoch beginning after `iteration` aggregation rounds uses: that of the newest set
-// of live workers (Membership.splits: a worker left, or a replacement joined) whose change came
-// before it; all workers while there is none. Every worker has the membership with it by then (a
-// server's reply of the change's iteration carries its epoch: worker/ps_client.h; a replacement
-// gets it when it joins), so all of them re-split at the same epoch.
-Split SplitAt(const ControlClient& control, int rank, int num_workers, uint64_t iteration) {
-  Split split{rank, num_workers};
-  for (const auto& set : control.membership().splits()) {
-    if (set.from_iteration() >= static_cast<int64_t>(iteration)) continue;
-    const auto& ranks = set.ranks();
-    split.count = ranks.size();
-    split.index = static_cast<int>(std::find(ranks.begin(), ranks.end(), rank) - ranks.begin());
-  }
-  return split;
-}
+using Split = WorkerSession::DataSplit;
 
 // Evaluates the job's parameters on the test set (worker 0) and logs it.
 Status Evaluate(Model& model, Aggregator& aggregator, const Dataset& test, uint32_t epoch,
@@ -323,7 +302,7 @@ Status TrainingLoop::Settle() {
 }
 
 void TrainingLoop::Resplit() {
-  const Split now = SplitAt(session_.control(), rank_, workers_, step_);
+  const Split now = session_.data_split(step_);
   if (step_ != epoch_begin_ || now == split_) return;
   split_ = now;
   batches_->Reshard(split_.index, split_.count);

@@ -403,7 +403,8 @@ def test_a_killed_python_worker_is_replaced_by_one_that_rejoins(cluster, backend
     parameters; summary.json lists the replacement. Worker 0, the leader, is the replacement's
     donor after iteration J: through the module its loop hands nothing over (the replacement is
     told so at worker 0's next push_pull and goes on at once); through sparseps.capi it hands
-    over a state and its parameters, which the replacement gets as they were sent."""
+    over a state and its parameters, which the replacement gets as they were sent. Worker 0's
+    data_split follows the membership: alone from the loss, both again from the join."""
     steps = 120
     c = cluster(BASE)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(BUILD / "python"),
@@ -436,6 +437,7 @@ def test_a_killed_python_worker_is_replaced_by_one_that_rejoins(cluster, backend
                     done["sent_sum"] = float(w.params().astype(np.float64).sum())
             time.sleep(0.05)  # slower than worker 1: the replacement joins long before the end
         final = w.params()
+        done["splits"] = [w.data_split(t) for t in range(steps + 1)]
         w.finish()
         return final
 
@@ -475,6 +477,11 @@ def test_a_killed_python_worker_is_replaced_by_one_that_rejoins(cluster, backend
     summary = json.loads((c.run_dir / "summary.json").read_text())
     assert summary["status"] == "ok", summary
     assert [(j["rank"], int(j["iteration"])) for j in summary["joined_workers"]] == [(1, joined)]
+    # data_split: worker 0 alone (index 0 of 1) in epochs that begin after the loss, both again
+    # in those that begin after the join iteration.
+    lost = int(summary["lost_workers"][0]["iteration"])
+    assert done["splits"] == [(0, 2)] * (lost + 1) + [(0, 1)] * (joined - lost) + \
+        [(0, 2)] * (steps - joined), (lost, joined, done["splits"])
 
 
 @pytest.mark.parametrize("kind", ["module", "capi"])

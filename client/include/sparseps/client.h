@@ -317,6 +317,18 @@ class Worker {
   /// The ranks of the workers still in the job, increasing (cluster.on_worker_failure: continue
   /// drops lost ones; the loop re-splits its data among these).
   std::vector<int> live_workers() const;
+  /// A worker's share of the training data: shard `index` of `count`, in rank order.
+  struct DataSplit {
+    int index = 0;
+    int count = 1;
+  };
+  /// The share of the epoch that begins after `step` steps (iterations), as sparseps-worker
+  /// re-splits its data: the live workers' of the newest membership change (a worker lost under
+  /// cluster.on_worker_failure: continue, or a replacement joined) that came before that step;
+  /// {rank(), num_workers()} while there is none, or before Init. Every worker gets the same
+  /// count for the same step, so all of them agree on the epoch's steps (take
+  /// (samples / count) / batch, not the shard's own length). Call it at each epoch's start.
+  DataSplit data_split(uint64_t step) const;
   bool allreduce() const;  ///< whether the job aggregates by allreduce (else a parameter server)
   /// Every key of the resolved config with its value as `--get` prints it ({"train.lr", "0.05"}).
   std::vector<std::pair<std::string, std::string>> config() const;

@@ -202,6 +202,11 @@ void sparseps_worker_last_step(const sparseps_worker* worker, sparseps_step_coun
 /* The ranks of the live workers, increasing: writes at most capacity into ranks and returns how
  * many there are. */
 size_t sparseps_worker_live_workers(const sparseps_worker* worker, int* ranks, size_t capacity);
+/* The share of the training data of the epoch that begins after `step` steps: shard *index of
+ * *count (sparseps::client::Worker::data_split: the live workers' after a membership change, so
+ * that every worker re-splits at the same epoch); {0, 1} for a NULL handle. */
+void sparseps_worker_data_split(const sparseps_worker* worker, uint64_t step, int* index,
+                                int* count);
 /* Every key of the resolved config as "key = value" lines (as --get prints them), NUL-terminated
  * into out (at most out_len bytes); returns the bytes the whole text needs, NUL included. */
 size_t sparseps_worker_config(const sparseps_worker* worker, char* out, size_t out_len);
