@@ -13,7 +13,10 @@ An example supplies its models and its data; everything else is here:
 The config's train.* keys (epochs, batch_size, lr, momentum, seed, max_steps, eval_every_epochs,
 eval_every_steps, device), data.max_train_samples, data.max_test_samples, run.dir and
 run.progress_interval_s mean what they mean for the C++ worker. Each worker trains on its own
-shard (a seeded permutation of the training samples dealt by rank).
+shard (a seeded permutation of the training samples dealt by rank); when a worker is lost
+(cluster.on_worker_failure: continue) or a replacement joins, the live workers share the data
+anew from the next epoch on (Worker.data_split), and the leader, not worker 0, evaluates, prints
+the progress and writes eval-worker-<rank>.csv, as the C++ worker does.
 
 --evaluate FILE trains nothing: it scores a model file that a job of --model wrote
 (<run.dir>/model.safetensors, or a checkpoint folder's) on the test set of --config and --set (the
@@ -139,6 +142,46 @@ class StepCsv:
 
     def writerow(self, row):
         self.writer.writerow(row)
+
+
+class EpochPlan:
+    """The epochs of a worker's loop as sparseps-worker plans them. An epoch's share of the
+    training data is split(first step) (Worker.data_split: shard index of count, the live
+    workers' after a membership change, the same count on every worker) and its steps are
+    (samples // count) // batch, so that every worker takes as many; train.epochs epochs, cut at
+    train.max_steps (0: none). Attributes: epoch (0-based), begin (its first step), index,
+    count, steps (of this epoch), total (the run's last step as planned now), epochs (their
+    number), horizon (total without the cut: a learning-rate schedule's end)."""
+
+    def __init__(self, split, samples, batch, epochs, max_steps):
+        self.split, self.samples, self.batch = split, samples, batch
+        self.planned, self.max_steps = epochs, max_steps
+        self.seek(0)
+
+    def _enter(self, epoch, begin):
+        self.epoch, self.begin = epoch, begin
+        self.index, self.count = self.split(begin)
+        self.steps = (self.samples // self.count) // self.batch
+        if self.steps == 0:
+            raise ValueError(f"{self.samples // self.count} training samples on this worker: "
+                             f"fewer than one batch of train.batch_size {self.batch}")
+        self.horizon = self.total = begin + (self.planned - epoch) * self.steps
+        if self.max_steps:
+            self.total = min(self.total, self.max_steps)
+        self.epochs = epoch + (self.total - begin + self.steps - 1) // self.steps
+
+    def seek(self, step):
+        """Goes to the epoch that step `step` is in (a resumed job's, a replacement's, a
+        rolled-back one's), through every epoch before it as the workers took them."""
+        self._enter(0, 0)
+        while step >= self.begin + self.steps and self.begin + self.steps < self.total:
+            self._enter(self.epoch + 1, self.begin + self.steps)
+
+    def next(self):
+        """Goes to the next epoch; True when its split differs from the last one's."""
+        before = (self.index, self.count)
+        self._enter(self.epoch + 1, self.begin + self.steps)
+        return (self.index, self.count) != before
 
 
 def resume_overrides(resume_dir):
@@ -397,7 +440,7 @@ def run(args, build_model, load_data, perplexity=False):
             inner, worker, aggregate=args.aggregate, freeze_variance_step=args.freeze_variance_step,
             overlap=args.overlap, names=[n for n, _ in model.named_parameters()],
             local_view=args.local_view, extra_state=extra)
-    rank, workers = worker.rank, worker.num_workers
+    rank = worker.rank
 
     x, y, xt, yt, what = load_data(args, get)
     if get("data.max_train_samples"):
@@ -405,16 +448,10 @@ def run(args, build_model, load_data, perplexity=False):
     if get("data.max_test_samples"):
         xt, yt = xt[:get("data.max_test_samples")], yt[:get("data.max_test_samples")]
     x, y, xt, yt = x.to(device), y.to(device), xt.to(device), yt.to(device)
-    shard = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))[rank::workers]
-    shard = shard.to(device)
-    steps_per_epoch = len(shard) // batch
-    if steps_per_epoch == 0:
-        raise ValueError(f"{len(shard)} training samples on this worker: fewer than one batch "
-                         f"of train.batch_size {batch}")
-    total = horizon["steps"] = get("train.epochs") * steps_per_epoch
-    if get("train.max_steps"):
-        total = min(total, get("train.max_steps"))
-    epochs = (total + steps_per_epoch - 1) // steps_per_epoch
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed)).to(device)
+    plan = EpochPlan(worker.data_split, len(x), batch, get("train.epochs"),
+                     get("train.max_steps"))
+    horizon["steps"] = plan.horizon
     optimizer = args.optimizer + (f" (lr {args.opt_lr})" if args.optimizer != "sgd" else "")
     if scheduler:
         optimizer += f", its rate warmed up over {args.warmup_steps} steps and cosine-decayed " \
@@ -423,7 +460,7 @@ def run(args, build_model, load_data, perplexity=False):
         get("compression.encoding") if worker.aggregation == "ps" else get("collective.algorithm"))
         + f", aggregating the {args.aggregate}")
     log(rank, "info", f"model: torch {args.model}, {n} parameters on {device}; {what}; "
-        f"{len(shard)} training samples on this worker, {steps_per_epoch} steps per epoch; "
+        f"{len(x) // plan.count} training samples on this worker, {plan.steps} steps per epoch; "
         f"{method}; optimizer {optimizer}; through "
         f"{'sparseps.capi' if Worker is capi.Worker else 'the pybind11 module'} "
         f"(pid {os.getpid()}" + (f", a replacement from step {worker.step})" if worker.rejoined
@@ -433,16 +470,31 @@ def run(args, build_model, load_data, perplexity=False):
     # A resumed job (deploy/launch.sh --resume) goes on from its checkpoint's step, where
     # DistributedOptimizer restored the model and the optimizer's state.
     step = 0 if args.ddp else worker.step
+    plan.seek(step)
+    horizon["steps"] = plan.horizon
     metrics = evals = None
     if run_dir:
         metrics = StepCsv(os.path.join(run_dir, f"metrics-worker-{rank}.csv"),
                           ["step", "epoch", "loss", "bytes_sent", "bytes_received", "selected",
                            "compute_ms", "encode_ms", "comm_ms", "wall_s", "applied",
                            "topk_mass", "binding_ms"], step)
-        if rank == 0:
-            evals = StepCsv(os.path.join(run_dir, "eval-worker-0.csv"),
-                            ["epoch", "step", "wall_s", "test_loss", "test_accuracy", "train_s"],
-                            step)
+    leader = False  # the membership's leader: worker 0, or who took over when it was lost
+
+    def lead():
+        """Whether this worker evaluates and prints the progress; the one that becomes the
+        leader opens its eval CSV."""
+        nonlocal leader, evals
+        if not leader and worker.is_leader:
+            leader = True
+            if steps_run > 0:
+                log(rank, "warning", "the workers before this one were lost: this worker "
+                    "evaluates from now on")
+            if run_dir:
+                evals = StepCsv(os.path.join(run_dir, f"eval-worker-{rank}.csv"),
+                                ["epoch", "step", "wall_s", "test_loss", "test_accuracy",
+                                 "train_s"], step)
+        return leader
+
     memcpy = MemcpyCount(args.profile_memcpy, run_dir, rank, device.type == "cuda")
     start = last = time.monotonic()
     steps_run = 0  # in this process (a resumed job's start at its checkpoint's step)
@@ -463,15 +515,17 @@ def run(args, build_model, load_data, perplexity=False):
         log(rank, "info", f"eval epoch {epoch} step {step}: test loss {test_loss:.4f}, "
             f"test accuracy {100 * accuracy:.2f}%{ppl}")
 
-    epoch = step // steps_per_epoch
-    while epoch < epochs:
+    lead()
+    while step < plan.total:
+        epoch = plan.epoch
+        shard = perm[plan.index::plan.count]
         order = shard[torch.randperm(len(shard), generator=torch.Generator().manual_seed(
             seed ^ (epoch + 1) * 0x9E3779B9 ^ rank)).to(device)]
         worker.set_epoch(epoch)
         epoch_loss, epoch_steps = 0.0, 0
         rolled_back = False
-        for s in range(step - epoch * steps_per_epoch, steps_per_epoch):
-            if step >= total:
+        for s in range(step - plan.begin, plan.steps):
+            if step >= plan.total:
                 break
             memcpy.before(step)
             t0 = time.monotonic()
@@ -521,25 +575,30 @@ def run(args, build_model, load_data, perplexity=False):
                                   1000 * (t1 - t0), last_step["encode_ms"], comm, t2 - start,
                                   last_step["applied"], -1, binding])
             progress_loss, progress_steps = progress_loss + loss, progress_steps + 1
-            if rank == 0 and t2 - last >= get("run.progress_interval_s"):
+            if lead() and t2 - last >= get("run.progress_interval_s"):
                 acc = "n/a" if accuracy < 0 else f"{100 * accuracy:.2f}%"
                 log(rank, "info",
-                    f"progress epoch {epoch + 1}/{epochs} step {step}/{total} loss "
+                    f"progress epoch {epoch + 1}/{plan.epochs} step {step}/{plan.total} loss "
                     f"{progress_loss / progress_steps:.4f} test_acc {acc} cluster "
-                    f"{rate(progress_steps * batch * workers / (t2 - last))} samples/s, this worker "
+                    f"{rate(progress_steps * batch * plan.count / (t2 - last))} samples/s, this "
+                    f"worker "
                     f"sent {worker.bytes_sent / 1e6:.2f} MB and received "
                     f"{worker.bytes_received / 1e6:.2f} MB in all")
                 last, progress_loss, progress_steps = t2, 0.0, 0
             every = get("train.eval_every_steps")
-            if rank == 0 and every and step % every == 0 and step < total:
+            if every and step % every == 0 and step < plan.total and lead():
                 run_eval(epoch + 1)
         if rolled_back:
-            epoch = step // steps_per_epoch
+            plan.seek(step)
+            horizon["steps"] = plan.horizon
             continue
         every = get("train.eval_every_epochs")
-        if rank == 0 and every and (epoch + 1) % every == 0 and step < total:
+        if every and (epoch + 1) % every == 0 and step < plan.total and lead():
             run_eval(epoch + 1)
-        epoch += 1
+        if step < plan.total and plan.next():
+            horizon["steps"] = plan.horizon
+            log(rank, "info", f"epoch {plan.epoch + 1}: the data is re-split among the "
+                f"{plan.count} live workers ({plan.steps} steps per epoch)")
     if args.average_views:
         opt.average_views()  # every worker, at the same step
     train_s = time.monotonic() - start
@@ -547,11 +606,11 @@ def run(args, build_model, load_data, perplexity=False):
         # ssp / async: every push in; the model file: this model; a checkpoint of the last
         # step: the learning-rate schedule's state (extra_state).
         opt.synchronize()
-    if rank == 0:
-        run_eval(epochs)
+    if lead():
+        run_eval(plan.epochs)
     log(rank, "info", f"training done: {step} steps ({steps_run} run here) in {train_s:.1f} s, "
         f"{rate(steps_run * batch / train_s)} samples/s on this worker"
-        + (f", final test accuracy {100 * accuracy:.2f}%" if rank == 0 else ""))
+        + (f", final test accuracy {100 * accuracy:.2f}%" if leader else ""))
     worker.finish(test_accuracy=accuracy, train_loss=epoch_loss / max(epoch_steps, 1),
                   samples_per_s=steps_run * batch / train_s, train_s=train_s)
 

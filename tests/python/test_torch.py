@@ -59,6 +59,41 @@ def test_example_trains_a_cnn_through_two_servers(tmp_path, backend):
         assert accuracy > 0.75  # 100 steps of 2 x 64 samples; 82.55% when measured
 
 
+def test_the_examples_epochs_follow_the_live_workers_as_sparseps_worker_does():
+    """examples/torch_job.py's EpochPlan: 1000 samples, batch 2, 3 epochs. Every worker takes
+    (samples // count) // batch steps an epoch: 166 with 3 workers, whose shards hold 334, 333
+    and 333 samples (len(shard) // batch would give worker 0 167, a step more than the others
+    every epoch). Worker 0 lost at iteration 200 (Membership.splits: [1, 2] from iteration 200 on):
+    the epoch that begins after step 332 is the first without it, with 250 steps, and the run
+    ends at step 582; seek() finds each step's epoch (a resumed or replaced worker's) as the loop
+    walked into it; the learning-rate schedule's end moves with the plan; train.max_steps cuts
+    the run."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import torch_job
+
+    def split(rank):
+        return lambda begin: (rank, 3) if begin <= 200 else ([1, 2].index(rank), 2)
+    plan = torch_job.EpochPlan(split(1), 1000, 2, 3, 0)
+    assert (plan.index, plan.count, plan.steps, plan.total, plan.epochs) == (1, 3, 166, 498, 3)
+    assert not plan.next()
+    assert (plan.epoch, plan.begin, plan.steps, plan.total) == (1, 166, 166, 498)
+    assert plan.next()  # begins after step 332 > 200
+    assert (plan.epoch, plan.begin, plan.index, plan.count) == (2, 332, 0, 2)
+    assert (plan.steps, plan.total, plan.horizon, plan.epochs) == (250, 582, 582, 3)
+    for step, (epoch, begin) in ((0, (0, 0)), (165, (0, 0)), (166, (1, 166)), (331, (1, 166)),
+                                 (332, (2, 332)), (581, (2, 332)), (582, (2, 332))):
+        plan.seek(step)
+        assert (plan.epoch, plan.begin) == (epoch, begin), step
+    assert plan.total == 582
+    cut = torch_job.EpochPlan(split(2), 1000, 2, 3, 400)
+    assert (cut.total, cut.horizon, cut.epochs) == (400, 498, 3)
+    cut.seek(399)
+    assert (cut.epoch, cut.count, cut.steps, cut.total, cut.horizon) == (2, 2, 250, 400, 582)
+    with pytest.raises(ValueError, match="333 training samples on this worker: fewer than one "
+                       "batch of train.batch_size 400"):
+        torch_job.EpochPlan(split(0), 1000, 400, 3, 0)
+
+
 @pytest.mark.skipif(not pathlib.Path("/usr/share/games/fortunes/fortunes").exists(),
                     reason="Debian's fortunes not installed (deploy/install-deps.sh)")
 def test_the_language_model_trains_through_sparseps(tmp_path):

@@ -242,6 +242,64 @@ def test_the_launchers_replacement_of_a_python_worker_takes_the_leaders_state(tm
         [(1, int(joined.group(1)))], summary
 
 
+@pytest.mark.skipif(not (DATA / "train-images-idx3-ubyte.gz").exists(),
+                    reason="Fashion-MNIST not installed (deploy/install-deps.sh)")
+def test_a_python_job_that_loses_worker_0_goes_on_as_the_cpp_workers_do(tmp_path):
+    """deploy/launch.sh with 3 examples/fashion_mnist.py workers (the MLP; 12288 samples, batch
+    64: 64 steps an epoch each, 3 epochs), cluster.on_worker_failure: continue, no restarts:
+    worker 0 killed with kill -9 early in its first epoch. Workers 1 and 2 go on; from the epoch
+    after the loss they share the whole training set (96 steps an epoch: nothing of it left
+    untrained) and end at the same step; worker 1, the new leader, evaluates after each epoch,
+    writes eval-worker-1.csv and the model, and the job ends well with its accuracy."""
+    run = tmp_path / "run"
+    command = f"{sys.executable} {ROOT / 'examples' / 'fashion_mnist.py'} --model mlp"
+    args = ["bash", str(ROOT / "deploy" / "launch.sh"), "--build-dir", str(BUILD), "--config",
+            str(ROOT / "examples" / "torch_cnn.yaml"), "--run-dir", str(run), "--quiet",
+            "--worker-command", command]
+    for s in ("cluster.num_workers=3", "train.epochs=3", "data.max_train_samples=12288",
+              "data.max_test_samples=1000", "train.eval_every_epochs=1",
+              "cluster.heartbeat_interval_s=0.25", "cluster.heartbeat_timeout_s=5"):
+        args += ["--set", s]
+    launcher = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=dict(os.environ, SPARSEPS_CACHE=str(tmp_path / "cache")))
+    try:
+        metrics = run / "metrics-worker-0.csv"
+        deadline = time.time() + 120
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) > 3):
+            assert time.time() < deadline and launcher.poll() is None, "no step 3 of worker 0"
+            time.sleep(0.02)
+        victim = re.search(r"\(pid (\d+)\)", (run / "worker-0.log").read_text())
+        assert victim, (run / "worker-0.log").read_text()
+        os.kill(int(victim.group(1)), signal.SIGKILL)
+        out, _ = launcher.communicate(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 0, out
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "ok", summary
+    assert [w["rank"] for w in summary["lost_workers"]] == [0], summary
+    killed_at = len((run / "metrics-worker-0.csv").read_text().splitlines()) - 1
+    assert killed_at < 60, f"worker 0 was killed after step {killed_at}, not early in epoch 1"
+    logs = {w: (run / f"worker-{w}.log").read_text() for w in (1, 2)}
+    last = {}
+    for w in (1, 2):
+        assert "epoch 2: the data is re-split among the 2 live workers (96 steps per epoch)" \
+            in logs[w], logs[w]
+        rows = (run / f"metrics-worker-{w}.csv").read_text().splitlines()
+        last[w] = int(rows[-1].split(",")[0])
+    assert last == {1: 64 + 2 * 96, 2: 64 + 2 * 96}, last
+    assert "this worker evaluates from now on" in logs[1], logs[1]
+    assert "final test accuracy" in logs[1] and "final test accuracy" not in logs[2]
+    evals = (run / "eval-worker-1.csv").read_text().splitlines()
+    assert [int(r.split(",")[1]) for r in evals[1:]] == [64, 160, 256], evals
+    accuracy = float(evals[-1].split(",")[4])
+    assert summary["final_test_accuracy"] == pytest.approx(accuracy)
+    assert accuracy > 0.75, evals  # 0.85 when measured
+    assert (run / "model.safetensors").exists()
+
+
 def test_the_loops_scheduler_goes_on_from_the_checkpoint_only_as_extra_state(cluster):
     """The StepLR kept as extra_state is restored with the optimizer (the test above: the models
     of the job never stopped). From a checkpoint taken without it the job warns that the
