@@ -159,8 +159,9 @@ class TrainingLoop {
     return log_->leader() && tc_.eval_every_steps() > 0 && done % tc_.eval_every_steps() == 0 &&
            done < total_;
   }
-  // At an epoch's start: workers were lost or joined, so the live ones share the data from this
-  // epoch on.
+  // At an epoch's start (epoch_begin_): workers were lost or joined before it, so the live ones
+  // share the data from this epoch on (with its steps, and the plan's total). Nothing when the
+  // split is that of the epoch before.
   void Resplit();
   // Step s of the epoch: compute (unless resumed with its gradient), aggregate, log, checkpoint,
   // evaluate.
@@ -266,11 +267,22 @@ Status TrainingLoop::Open() {
                            : session_.rejoining() ? log_->OpenResumed(first_step_)
                                                   : log_->Open());
   SPARSEPS_RETURN_IF_ERROR(log_->StartMetrics());
+  split_ = Split{rank_, workers_};
+  batches_.emplace(data_.train, config_, rank_, split_.index, split_.count);
+  // The epochs before step_ (a resumed or rolled-back loop's) as the workers took them: each
+  // re-split where the membership says it came (after a worker loss before a server's
+  // rollback, the epochs since are longer), and each epoch's reshuffle of the previous order.
+  epoch_ = 0;
+  epoch_begin_ = 0;
+  for (Resplit(); step_ >= epoch_begin_ + spe_ && epoch_begin_ + spe_ < total_; Resplit()) {
+    batches_->StartEpoch(epoch_++);
+    epoch_begin_ += spe_;
+  }
   if (session_.rejoining()) {
     spdlog::info("a replacement: joining at step {} of {}", first_step_ + 1, total_);
   } else if (session_.resuming()) {
-    spdlog::info("resuming at step {} of {} (epoch {}, step {} of it)", step_, total_,
-                 step_ / spe_ + 1, step_ % spe_);
+    spdlog::info("resuming at step {} of {} (epoch {}, step {} of it)", step_, total_, epoch_ + 1,
+                 step_ - epoch_begin_);
   }
   layers_ = model_.Layers();
   SPARSEPS_RETURN_IF_ERROR(trace_.Open(config_, rank_, layers_));
@@ -284,13 +296,6 @@ Status TrainingLoop::Open() {
       if (overlap_) aggregator_.GradientReady(key);
     });
   }
-  split_ = Split{rank_, workers_};
-  batches_.emplace(data_.train, config_, rank_, split_.index, split_.count);
-  epoch_ = static_cast<uint32_t>(step_ / spe_);
-  epoch_begin_ = uint64_t{epoch_} * spe_;
-  // Each epoch reshuffles the previous epoch's order: a resumed run replays the earlier shuffles
-  // to get its data order back.
-  for (uint32_t e = 0; e < epoch_; ++e) batches_->StartEpoch(e);
   return Status::OK();
 }
 
@@ -302,14 +307,14 @@ Status TrainingLoop::Settle() {
 }
 
 void TrainingLoop::Resplit() {
-  const Split now = session_.data_split(step_);
-  if (step_ != epoch_begin_ || now == split_) return;
+  const Split now = session_.data_split(epoch_begin_);
+  if (now == split_) return;
   split_ = now;
   batches_->Reshard(split_.index, split_.count);
   spe_ = StepsPerEpoch(data_.train.num_samples, split_.count, tc_.batch_size());
-  total_ = step_ + (tc_.epochs() - epoch_) * spe_;
+  total_ = epoch_begin_ + (tc_.epochs() - epoch_) * spe_;
   if (tc_.max_steps() > 0) total_ = std::min<uint64_t>(total_, tc_.max_steps());
-  epochs_ = epoch_ + static_cast<uint32_t>((total_ - step_ + spe_ - 1) / spe_);
+  epochs_ = epoch_ + static_cast<uint32_t>((total_ - epoch_begin_ + spe_ - 1) / spe_);
   log_->SetPlan(total_, epochs_, static_cast<uint32_t>(split_.count));
   spdlog::info("epoch {}: the data is re-split among the {} live workers ({} steps per epoch)",
                epoch_ + 1, split_.count, spe_);
