@@ -522,14 +522,15 @@ class DistributedOptimizer:
 
     def _residual_displacement(self):
         """local_view: how far this worker's residual would move the job's parameters once sent
-        (flat, float32): each pushed value v moves them by lr v / W (W = cluster.num_workers, the
-        servers and collectives average over the workers): the job's train.lr with
+        (flat, float32): each pushed value v moves them by lr v / W (W: the live workers, over
+        whose pushes the servers and collectives average; cluster.num_workers until one is lost
+        under cluster.on_worker_failure: continue): the job's train.lr with
         aggregate="update"; with the variance frozen, each parameter group's Adam lr (through
         Adam's first moment over the following steps, exact up to its bias correction 1 /
         (1 - beta1^t), within 1e-6 of 1 past 130 steps at beta1 0.9). One copy of the residual a
         step (sparseps.Worker.residual)."""
         shift = torch.from_numpy(self.worker.residual()).to(self._flat.device)
-        workers = self.worker.num_workers
+        workers = len(self.worker.live_workers)
         if self.aggregate == "update":
             return shift.mul_(self.worker.lr / workers)
         return self._times_group_lr(shift, 1.0 / workers)
@@ -565,7 +566,7 @@ class DistributedOptimizer:
             return
         self._submit_pending()
         self._shift_parameters(None)  # the job's parameters, or Adam's own copy
-        workers = self.worker.num_workers
+        workers = len(self.worker.live_workers)  # the servers average over these
         residual = torch.from_numpy(self.worker.residual()).to(self._flat.device)
         # The push is this plus the residual: the residual / W, every entry of it.
         torch.mul(residual, 1.0 / workers - 1.0, out=self._flat)

@@ -810,6 +810,51 @@ not positive."""
     w.finish()
 
 
+def test_local_view_after_a_lost_worker_moves_by_the_live_workers_share(cluster):
+    """3 workers of local_view with AdamW's update aggregated; worker 2 leaves after 3 steps
+    (capi's close() without finish: lost, cluster.on_worker_failure: continue) and the servers
+    then average over 2 pushes. Each view is the job's parameters moved by its residual as
+    sending it would move them: lr r / 2, not lr r / 3; average_views makes both models and the
+    job's parameters the mean of the two views."""
+    c = cluster("train: {lr: 0.5, momentum: 0}\ncompression: {encoding: topk, density: 0.1}\n",
+                workers=3)
+
+    def worker(rank):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+        w = (capi.Worker if rank == 2 else sparseps.Worker)(str(c.job), rank=rank,
+                                                           overrides=c.overrides)
+        opt = sparseps.torch.DistributedOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=0.01), w, aggregate="update",
+            local_view=True)
+        g = torch.Generator().manual_seed(rank)
+        flat = lambda: torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
+        for t in range(12):
+            if rank == 2 and t == 3:
+                w.close()
+                return None
+            opt.zero_grad()
+            x = torch.randn(4, 8, generator=g)
+            (model(x) - x[:, :2]).pow(2).mean().backward()
+            opt.step()
+        assert w.live_workers == [0, 1]
+        view, job = flat(), torch.from_numpy(w.params()).double()
+        residual = torch.from_numpy(w.residual()).double()
+        assert residual.any()
+        opt.average_views()
+        out = (view, job, residual, flat(), torch.from_numpy(w.params()).double())
+        w.finish()
+        return out
+    (v0, j0, r0, a0, p0), (v1, j1, r1, a1, p1), _ = run_threads(
+        [lambda r=r: worker(r) for r in range(3)])
+    for view, job, residual in ((v0, j0, r0), (v1, j1, r1)):
+        assert torch.allclose(view, job - 0.5 / 2 * residual, rtol=0, atol=1e-6), \
+            (view - (job - 0.5 / 2 * residual)).abs().max()
+    mean = (v0 + v1) / 2
+    for a in (a0, a1, p0, p1):
+        assert torch.allclose(a, mean, rtol=0, atol=1e-6), (a - mean).abs().max()
+
+
 def test_freeze_variance_step_needs_adam(cluster):
     c = cluster("train: {lr: 0.5, momentum: 0}\ncompression: {encoding: topk, density: 0.1}\n",
                 workers=1)
