@@ -97,6 +97,34 @@ Cluster Start(const TempDir& dir, const std::string& config, int servers, int wo
   return c;
 }
 
+// A replacement of node `rank` of a Cluster that Start made (`binary`: "server/sparseps-server"
+// or "worker/sparseps-worker"), started with --rejoin and the job's sizes, port and `extra`, its
+// log in dir as "<role>-<rank>-replacement.log".
+std::unique_ptr<ChildProcess> StartReplacement(const TempDir& dir, const std::string& config,
+                                               const std::string& binary, int servers, int workers,
+                                               int rank, const std::vector<std::string>& extra) {
+  std::vector<std::string> argv = {
+      testing::BinaryPath(binary),
+      "--config",
+      config,
+      "--rejoin",
+      "--set",
+      "run.dir=" + dir.path(),
+      "--set",
+      "cluster.num_servers=" + std::to_string(servers),
+      "--set",
+      "cluster.num_workers=" + std::to_string(workers),
+      "--set",
+      "cluster.scheduler_port=" + testing::ReadFile(dir.path() + "/scheduler.port"),
+      "--set",
+      "node.rank=" + std::to_string(rank)};
+  for (const auto& e : extra) argv.insert(argv.end(), {"--set", e});
+  const std::string role = binary.find("server") != std::string::npos ? "server" : "worker";
+  return std::make_unique<ChildProcess>(
+      argv, dir.path() + "/" + role + "-" + std::to_string(rank) + "-replacement.log",
+      std::vector<std::string>{"OPENBLAS_NUM_THREADS=1"});
+}
+
 // The helper itself: a column that is not there fails instead of reading another one (in PS
 // mode the last column, topk_mass, is -1 on every row and would pass a loss check).
 TEST(CsvColumnHelper, MissingColumnOrCellFailsTheTest) {
@@ -615,27 +643,10 @@ TEST(LocalClusterFailure, RollbackAfterALostWorkerKeepsTheReSplitPlan) {
   c.nodes[0]->Signal(SIGKILL);  // server 0
   c.nodes[0]->Wait(30);
   const int64_t at_kill = testing::CsvRows(worker0);
-  std::vector<std::string> argv = {
-      testing::BinaryPath("server/sparseps-server"),
-      "--config",
-      config,
-      "--rejoin",
-      "--set",
-      "run.dir=" + dir.path(),
-      "--set",
-      "cluster.num_servers=2",
-      "--set",
-      "cluster.num_workers=3",
-      "--set",
-      "cluster.scheduler_port=" + testing::ReadFile(dir.path() + "/scheduler.port"),
-      "--set",
-      "node.rank=0"};
-  for (const auto& e : extra) argv.insert(argv.end(), {"--set", e});
-  ChildProcess replacement(argv, dir.path() + "/server-0-replacement.log",
-                           {"OPENBLAS_NUM_THREADS=1"});
+  auto replacement = StartReplacement(dir, config, "server/sparseps-server", 2, 3, 0, extra);
   ASSERT_EQ(c.scheduler->Wait(200), 0) << c.scheduler->Log();
   for (size_t i : {1, 2, 3}) EXPECT_EQ(c.nodes[i]->Wait(60), 0) << c.nodes[i]->Log();
-  EXPECT_EQ(replacement.Wait(60), 0) << replacement.Log();
+  EXPECT_EQ(replacement->Wait(60), 0) << replacement->Log();
   if (at_kill >= 500) GTEST_SKIP() << "the job ended before server 0 was killed";
   EXPECT_THAT(c.nodes[2]->Log(), ::testing::HasSubstr("resumed from"));
   for (int w : {0, 1}) {
@@ -683,33 +694,13 @@ TEST(LocalClusterFailure, KilledWorkerIsReplacedAndBothFinish) {
       << victim.Log();
   victim.Signal(SIGKILL);
   victim.Wait(30);
-  std::vector<std::string> argv = {
-      testing::BinaryPath("worker/sparseps-worker"),
-      "--config",
-      config,
-      "--rejoin",
-      "--set",
-      "run.dir=" + dir.path(),
-      "--set",
-      "cluster.num_servers=2",
-      "--set",
-      "cluster.num_workers=2",
-      "--set",
-      "cluster.scheduler_port=" + testing::ReadFile(dir.path() + "/scheduler.port"),
-      "--set",
-      "node.rank=0"};
-  for (const auto& e : extra) {
-    argv.push_back("--set");
-    argv.push_back(e);
-  }
-  ChildProcess replacement(argv, dir.path() + "/worker-0-replacement.log",
-                           {"OPENBLAS_NUM_THREADS=1"});
+  auto replacement = StartReplacement(dir, config, "worker/sparseps-worker", 2, 2, 0, extra);
   ASSERT_EQ(c.scheduler->Wait(200), 0) << "killed at step " << kill_at << ":\n"
                                        << c.scheduler->Log();
   for (size_t i = 0; i < 2; ++i) EXPECT_EQ(c.nodes[i]->Wait(60), 0) << c.nodes[i]->Log();
   EXPECT_EQ(c.nodes[3]->Wait(60), 0) << c.nodes[3]->Log();
-  EXPECT_EQ(replacement.Wait(60), 0) << replacement.Log();
-  EXPECT_THAT(replacement.Log(), ::testing::HasSubstr("joined the running job as worker 0"));
+  EXPECT_EQ(replacement->Wait(60), 0) << replacement->Log();
+  EXPECT_THAT(replacement->Log(), ::testing::HasSubstr("joined the running job as worker 0"));
   EXPECT_THAT(c.scheduler->Log(), ::testing::HasSubstr("joined: it pushes from iteration"));
   proto::RunSummary summary;
   const std::string json = testing::ReadFile(dir.path() + "/summary.json");

@@ -193,6 +193,37 @@ def test_a_replacement_takes_the_leaders_model_and_optimizer_state(cluster, back
                                   np.fromfile(c.dir / "leader.bin", dtype=np.float32))
 
 
+def launch_and_kill(tmp_path, command, sets, victim, after_steps, launch_args=()):
+    """deploy/launch.sh of examples/torch_cnn.yaml with `sets` and workers started as COMMAND (a
+    run directory tmp_path/run); worker VICTIM killed with kill -9 (its pid from its log) once
+    it logged more than `after_steps` steps. Returns (run directory, the launcher's exit code and
+    output); the launcher is stopped when the test fails."""
+    run = tmp_path / "run"
+    args = ["bash", str(ROOT / "deploy" / "launch.sh"), "--build-dir", str(BUILD), "--config",
+            str(ROOT / "examples" / "torch_cnn.yaml"), "--run-dir", str(run), "--quiet",
+            "--worker-command", command, *launch_args]
+    for s in sets:
+        args += ["--set", s]
+    launcher = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=dict(os.environ, SPARSEPS_CACHE=str(tmp_path / "cache")))
+    try:
+        metrics = run / f"metrics-worker-{victim}.csv"
+        deadline = time.time() + 120
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) > after_steps):
+            assert time.time() < deadline and launcher.poll() is None, \
+                f"no step {after_steps} of worker {victim}"
+            time.sleep(0.02)
+        pid = re.search(r"\(pid (\d+)\)", (run / f"worker-{victim}.log").read_text())
+        assert pid, (run / f"worker-{victim}.log").read_text()
+        os.kill(int(pid.group(1)), signal.SIGKILL)
+        out, _ = launcher.communicate(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    return run, launcher.returncode, out
+
+
 @pytest.mark.skipif(not (DATA / "train-images-idx3-ubyte.gz").exists(),
                     reason="Fashion-MNIST not installed (deploy/install-deps.sh)")
 def test_the_launchers_replacement_of_a_python_worker_takes_the_leaders_state(tmp_path):
@@ -202,32 +233,13 @@ def test_the_launchers_replacement_of_a_python_worker_takes_the_leaders_state(tm
     optimizer state after its first step (the scheduler's log: the hand-over's bytes) and trains
     to the job's last step; the job ends well."""
     steps = 900  # worker 0 trains on alone while the replacement starts: room for it to join
-    run = tmp_path / "run"
     command = f"{sys.executable} {ROOT / 'examples' / 'fashion_mnist.py'} --model mlp " \
         "--optimizer adam"
-    args = ["bash", str(ROOT / "deploy" / "launch.sh"), "--build-dir", str(BUILD), "--config",
-            str(ROOT / "examples" / "torch_cnn.yaml"), "--run-dir", str(run), "--quiet",
-            "--worker-command", command, "--max-restarts", "1"]
-    for s in ("train.momentum=0", f"train.max_steps={steps}", "data.max_test_samples=200",
-              "cluster.heartbeat_interval_s=0.25"):
-        args += ["--set", s]
-    launcher = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=dict(os.environ, SPARSEPS_CACHE=str(tmp_path / "cache")))
-    try:
-        metrics = run / "metrics-worker-1.csv"
-        deadline = time.time() + 120
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) > 20):
-            assert time.time() < deadline and launcher.poll() is None, "no step 20 of worker 1"
-            time.sleep(0.05)
-        victim = re.search(r"\(pid (\d+)\)", (run / "worker-1.log").read_text())
-        assert victim, (run / "worker-1.log").read_text()
-        os.kill(int(victim.group(1)), signal.SIGKILL)
-        out, _ = launcher.communicate(timeout=300)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
-    assert launcher.returncode == 0, out
+    run, code, out = launch_and_kill(
+        tmp_path, command, ["train.momentum=0", f"train.max_steps={steps}",
+                            "data.max_test_samples=200", "cluster.heartbeat_interval_s=0.25"],
+        victim=1, after_steps=20, launch_args=["--max-restarts", "1"])
+    assert code == 0, out
     assert "restart 1 of 1: worker-1 exited with code 137" in (run / "restarts.log").read_text()
     joined = re.search(r"a replacement from step (\d+)\)", (run / "worker-1.log").read_text())
     assert joined, (run / "worker-1.log").read_text()
@@ -251,32 +263,13 @@ def test_a_python_job_that_loses_worker_0_goes_on_as_the_cpp_workers_do(tmp_path
     after the loss they share the whole training set (96 steps an epoch: nothing of it left
     untrained) and end at the same step; worker 1, the new leader, evaluates after each epoch,
     writes eval-worker-1.csv and the model, and the job ends well with its accuracy."""
-    run = tmp_path / "run"
     command = f"{sys.executable} {ROOT / 'examples' / 'fashion_mnist.py'} --model mlp"
-    args = ["bash", str(ROOT / "deploy" / "launch.sh"), "--build-dir", str(BUILD), "--config",
-            str(ROOT / "examples" / "torch_cnn.yaml"), "--run-dir", str(run), "--quiet",
-            "--worker-command", command]
-    for s in ("cluster.num_workers=3", "train.epochs=3", "data.max_train_samples=12288",
-              "data.max_test_samples=1000", "train.eval_every_epochs=1",
-              "cluster.heartbeat_interval_s=0.25", "cluster.heartbeat_timeout_s=5"):
-        args += ["--set", s]
-    launcher = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=dict(os.environ, SPARSEPS_CACHE=str(tmp_path / "cache")))
-    try:
-        metrics = run / "metrics-worker-0.csv"
-        deadline = time.time() + 120
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) > 3):
-            assert time.time() < deadline and launcher.poll() is None, "no step 3 of worker 0"
-            time.sleep(0.02)
-        victim = re.search(r"\(pid (\d+)\)", (run / "worker-0.log").read_text())
-        assert victim, (run / "worker-0.log").read_text()
-        os.kill(int(victim.group(1)), signal.SIGKILL)
-        out, _ = launcher.communicate(timeout=300)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
-    assert launcher.returncode == 0, out
+    run, code, out = launch_and_kill(
+        tmp_path, command, ["cluster.num_workers=3", "train.epochs=3",
+                            "data.max_train_samples=12288", "data.max_test_samples=1000",
+                            "train.eval_every_epochs=1", "cluster.heartbeat_interval_s=0.25",
+                            "cluster.heartbeat_timeout_s=5"], victim=0, after_steps=3)
+    assert code == 0, out
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "ok", summary
     assert [w["rank"] for w in summary["lost_workers"]] == [0], summary
