@@ -15,7 +15,7 @@ eval_every_steps, device), data.max_train_samples, data.max_test_samples, run.di
 run.progress_interval_s mean what they mean for the C++ worker. Each worker trains on its own
 shard (a seeded permutation of the training samples dealt by rank); when a worker is lost
 (cluster.on_worker_failure: continue) or a replacement joins, the live workers share the data
-anew from the next epoch on (Worker.data_split), and the leader, not worker 0, evaluates, prints
+anew from the next epoch on (sparseps.EpochPlan, sparseps.torch.ElasticSampler), and the leader, not worker 0, evaluates, prints
 the progress and writes eval-worker-<rank>.csv, as the C++ worker does.
 
 --evaluate FILE trains nothing: it scores a model file that a job of --model wrote
@@ -142,46 +142,6 @@ class StepCsv:
 
     def writerow(self, row):
         self.writer.writerow(row)
-
-
-class EpochPlan:
-    """The epochs of a worker's loop as sparseps-worker plans them. An epoch's share of the
-    training data is split(first step) (Worker.data_split: shard index of count, the live
-    workers' after a membership change, the same count on every worker) and its steps are
-    (samples // count) // batch, so that every worker takes as many; train.epochs epochs, cut at
-    train.max_steps (0: none). Attributes: epoch (0-based), begin (its first step), index,
-    count, steps (of this epoch), total (the run's last step as planned now), epochs (their
-    number), horizon (total without the cut: a learning-rate schedule's end)."""
-
-    def __init__(self, split, samples, batch, epochs, max_steps):
-        self.split, self.samples, self.batch = split, samples, batch
-        self.planned, self.max_steps = epochs, max_steps
-        self.seek(0)
-
-    def _enter(self, epoch, begin):
-        self.epoch, self.begin = epoch, begin
-        self.index, self.count = self.split(begin)
-        self.steps = (self.samples // self.count) // self.batch
-        if self.steps == 0:
-            raise ValueError(f"{self.samples // self.count} training samples on this worker: "
-                             f"fewer than one batch of train.batch_size {self.batch}")
-        self.horizon = self.total = begin + (self.planned - epoch) * self.steps
-        if self.max_steps:
-            self.total = min(self.total, self.max_steps)
-        self.epochs = epoch + (self.total - begin + self.steps - 1) // self.steps
-
-    def seek(self, step):
-        """Goes to the epoch that step `step` is in (a resumed job's, a replacement's, a
-        rolled-back one's), through every epoch before it as the workers took them."""
-        self._enter(0, 0)
-        while step >= self.begin + self.steps and self.begin + self.steps < self.total:
-            self._enter(self.epoch + 1, self.begin + self.steps)
-
-    def next(self):
-        """Goes to the next epoch; True when its split differs from the last one's."""
-        before = (self.index, self.count)
-        self._enter(self.epoch + 1, self.begin + self.steps)
-        return (self.index, self.count) != before
 
 
 def resume_overrides(resume_dir):
@@ -448,9 +408,10 @@ def run(args, build_model, load_data, perplexity=False):
     if get("data.max_test_samples"):
         xt, yt = xt[:get("data.max_test_samples")], yt[:get("data.max_test_samples")]
     x, y, xt, yt = x.to(device), y.to(device), xt.to(device), yt.to(device)
-    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed)).to(device)
-    plan = EpochPlan(worker.data_split, len(x), batch, get("train.epochs"),
-                     get("train.max_steps"))
+    # The epochs and each one's share of the data as the membership says (sparseps-worker's).
+    plan = sparseps.EpochPlan(worker.data_split, len(x), batch, get("train.epochs"),
+                              get("train.max_steps"))
+    sampler = sparseps.torch.ElasticSampler(len(x), worker, batch, seed=seed)
     horizon["steps"] = plan.horizon
     optimizer = args.optimizer + (f" (lr {args.opt_lr})" if args.optimizer != "sgd" else "")
     if scheduler:
@@ -518,9 +479,8 @@ def run(args, build_model, load_data, perplexity=False):
     lead()
     while step < plan.total:
         epoch = plan.epoch
-        shard = perm[plan.index::plan.count]
-        order = shard[torch.randperm(len(shard), generator=torch.Generator().manual_seed(
-            seed ^ (epoch + 1) * 0x9E3779B9 ^ rank)).to(device)]
+        sampler.set_epoch(epoch)
+        order = sampler.order().to(device)
         worker.set_epoch(epoch)
         epoch_loss, epoch_steps = 0.0, 0
         rolled_back = False

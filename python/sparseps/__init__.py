@@ -19,13 +19,16 @@ docs/user-guide.md ("Python") has the whole story. sparseps.capi is the same wor
 same interface, through the client library's C interface and ctypes, for a Python the module was
 not built for; both are layers on the client library (libsparseps_client.so).
 sparseps.read_model_file reads the model file a job writes (model.safetensors) into NumPy arrays;
-sparseps.torch.load_model_file into a state_dict for a module's load_state_dict.
+sparseps.torch.load_model_file into a state_dict for a module's load_state_dict. sparseps.EpochPlan
+(and sparseps.torch.ElasticSampler for a DataLoader) plan a loop's epochs as the membership says:
+the live workers share the data anew after one is lost or joins.
 """
 import json
 
+from ._epochs import EpochPlan
 from ._model_file import read_model_file
 
-__all__ = ["Error", "RolledBack", "Worker", "cuda", "read_model_file"]
+__all__ = ["EpochPlan", "Error", "RolledBack", "Worker", "cuda", "read_model_file"]
 
 
 def _module():

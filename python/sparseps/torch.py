@@ -41,6 +41,9 @@ aggregated gradient (update / train.lr), so train.lr: 1 is exact.
 load_model_file: the model file a job writes (<run.dir>/model.safetensors, a checkpoint's) as a
 state_dict, for model.load_state_dict(..., strict=True) without the safetensors package.
 
+ElasticSampler: a DataLoader's sampler of this worker's share of the data, as DistributedSampler,
+that follows the membership (the live workers share the data anew after one is lost or joins).
+
 Only torch is imported here, not linked: any PyTorch with DLPack works (Debian's 1.13 is tested).
 """
 import time
@@ -50,14 +53,15 @@ import torch
 
 from sparseps import _state
 from sparseps._model_file import read_model_file
+from sparseps._sampler import ElasticSampler
 from sparseps._ddp_hook import SparseAllreduceState, sparse_allreduce_hook
 from sparseps._frozen_adam import (_check_freeze, _frozen, _frozen_adam_step,
                                    _frozen_denominator, _step_count)
 from sparseps._state import ModuleBuffers
 from sparseps._tensors import _finished, _float32_params
 
-__all__ = ["DistributedOptimizer", "ModuleBuffers", "SparseAllreduceState", "load_model_file",
-           "sparse_allreduce_hook"]
+__all__ = ["DistributedOptimizer", "ElasticSampler", "ModuleBuffers", "SparseAllreduceState",
+           "load_model_file", "sparse_allreduce_hook"]
 
 
 def load_model_file(path, device="cpu"):

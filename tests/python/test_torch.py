@@ -60,20 +60,17 @@ def test_example_trains_a_cnn_through_two_servers(tmp_path, backend):
 
 
 def test_the_examples_epochs_follow_the_live_workers_as_sparseps_worker_does():
-    """examples/torch_job.py's EpochPlan: 1000 samples, batch 2, 3 epochs. Every worker takes
-    (samples // count) // batch steps an epoch: 166 with 3 workers, whose shards hold 334, 333
-    and 333 samples (len(shard) // batch would give worker 0 167, a step more than the others
-    every epoch). Worker 0 lost at iteration 200 (Membership.splits: [1, 2] from iteration 200 on):
-    the epoch that begins after step 332 is the first without it, with 250 steps, and the run
-    ends at step 582; seek() finds each step's epoch (a resumed or replaced worker's) as the loop
-    walked into it; the learning-rate schedule's end moves with the plan; train.max_steps cuts
-    the run."""
-    sys.path.insert(0, str(ROOT / "examples"))
-    import torch_job
-
+    """sparseps.EpochPlan (examples/torch_job.py's): 1000 samples, batch 2, 3 epochs. Every
+    worker takes (samples // count) // batch steps an epoch: 166 with 3 workers, whose shards
+    hold 334, 333 and 333 samples (len(shard) // batch would give worker 0 167, a step more than
+    the others every epoch). Worker 0 lost at iteration 200 (Membership.splits: [1, 2] from
+    iteration 200 on): the epoch that begins after step 332 is the first without it, with 250
+    steps, and the run ends at step 582; seek() finds each step's epoch (a resumed or replaced
+    worker's) as the loop walked into it; the learning-rate schedule's end moves with the plan;
+    train.max_steps cuts the run."""
     def split(rank):
         return lambda begin: (rank, 3) if begin <= 200 else ([1, 2].index(rank), 2)
-    plan = torch_job.EpochPlan(split(1), 1000, 2, 3, 0)
+    plan = sparseps.EpochPlan(split(1), 1000, 2, 3, 0)
     assert (plan.index, plan.count, plan.steps, plan.total, plan.epochs) == (1, 3, 166, 498, 3)
     assert not plan.next()
     assert (plan.epoch, plan.begin, plan.steps, plan.total) == (1, 166, 166, 498)
@@ -85,13 +82,58 @@ def test_the_examples_epochs_follow_the_live_workers_as_sparseps_worker_does():
         plan.seek(step)
         assert (plan.epoch, plan.begin) == (epoch, begin), step
     assert plan.total == 582
-    cut = torch_job.EpochPlan(split(2), 1000, 2, 3, 400)
+    cut = sparseps.EpochPlan(split(2), 1000, 2, 3, 400)
     assert (cut.total, cut.horizon, cut.epochs) == (400, 498, 3)
     cut.seek(399)
     assert (cut.epoch, cut.count, cut.steps, cut.total, cut.horizon) == (2, 2, 250, 400, 582)
     with pytest.raises(ValueError, match="333 training samples on this worker: fewer than one "
                        "batch of train.batch_size 400"):
-        torch_job.EpochPlan(split(0), 1000, 400, 3, 0)
+        sparseps.EpochPlan(split(0), 1000, 400, 3, 0)
+
+
+class SplitWorker:
+    """What ElasticSampler reads of a worker: 3 workers, worker 0 lost at iteration 200."""
+
+    def __init__(self, rank, step=0):
+        self.rank, self.step = rank, step
+
+    def data_split(self, begin):
+        return (self.rank, 3) if begin <= 200 else ([1, 2].index(self.rank), 2)
+
+
+def test_the_elastic_sampler_shares_the_data_among_the_live_workers():
+    """sparseps.torch.ElasticSampler over 1000 samples, batch 2 (the plan of the test above): in
+    epochs 0 and 1 each of the 3 workers gets 332 samples (166 whole batches), the three sets
+    disjoint; epoch 2 begins after worker 0 was lost, and workers 1 and 2 get 500 each, all 1000
+    between them; the order is reshuffled every epoch and differs by rank, the same on every
+    run. A worker at step 400 (a resumed one) is in epoch 2, and set_epoch leaves out its 68
+    batches done; through a DataLoader the batches are the sampler's. shuffle=False deals the
+    data set in its order."""
+    def sampler(rank, step=0, shuffle=True):
+        return sparseps.torch.ElasticSampler(1000, SplitWorker(rank, step), 2, shuffle, seed=7)
+    first = [sampler(r) for r in range(3)]
+    epoch0 = [set(s) for s in first]
+    assert [len(s) for s in first] == [332] * 3 and [len(e) for e in epoch0] == [332] * 3
+    assert not (epoch0[0] & epoch0[1] or epoch0[0] & epoch0[2] or epoch0[1] & epoch0[2])
+    assert list(first[1]) == list(sampler(1)) and list(first[1]) != list(first[2])
+    first[1].set_epoch(1)
+    assert first[1].steps == 166 and list(first[1]) != list(sampler(1))
+    later = [sampler(r) for r in (1, 2)]
+    for s in later:
+        s.set_epoch(2)
+    assert [len(s) for s in later] == [500, 500] and later[0].steps == 250
+    assert sorted(list(later[0]) + list(later[1])) == list(range(1000))
+    resumed = sampler(1, step=400)
+    assert resumed.epoch_of(400) == 2 and resumed.epoch_of(331) == 1
+    resumed.set_epoch(2)
+    assert len(resumed) == (250 - 68) * 2
+    assert list(resumed) == later[0].order()[68 * 2:].tolist()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(1000)),
+                                         batch_size=2, sampler=resumed)
+    batches = [b.tolist() for (b,) in loader]
+    assert len(batches) == 250 - 68 and sum(batches, []) == list(resumed)
+    plain = sampler(2, shuffle=False)
+    assert list(plain) == list(range(2, 1000, 3))[:332]
 
 
 @pytest.mark.skipif(not pathlib.Path("/usr/share/games/fortunes/fortunes").exists(),
