@@ -337,6 +337,12 @@ size_t sparseps_worker_handoff_missing(const sparseps_worker* w, char* out, size
   return w->handoff.missing.size() + 1;
 }
 
+int sparseps_worker_report_evaluation(sparseps_worker* worker, double test_accuracy, char* err,
+                                      size_t err_len) {
+  if (worker == nullptr) return Missing("worker", err, err_len);
+  return Guard([&] { worker->worker.ReportEvaluation(test_accuracy); }, err, err_len);
+}
+
 int sparseps_worker_set_density_scale(sparseps_worker* worker, double scale, char* err,
                                       size_t err_len) {
   if (worker == nullptr) return Missing("worker", err, err_len);

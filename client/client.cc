@@ -447,6 +447,15 @@ void Worker::SetEpoch(uint32_t epoch) {
   if (impl_->session) impl_->session->aggregator().SetEpoch(epoch);
 }
 
+void Worker::ReportEvaluation(double test_accuracy) {
+  if (!(test_accuracy >= 0 && test_accuracy <= 1)) {
+    Raise(Status::InvalidArgument("ReportEvaluation: test accuracy " +
+                                  std::to_string(test_accuracy) + "; a fraction in [0, 1]"));
+  }
+  impl_->agg();  // FailedPrecondition before Init
+  impl_->log->SetTestAccuracy(test_accuracy);
+}
+
 void Worker::SetDensityScale(double scale) {
   if (!(scale > 0) || !std::isfinite(scale)) {
     Raise(Status::InvalidArgument("SetDensityScale: scale " + std::to_string(scale) +
@@ -549,7 +558,8 @@ void Worker::Finish(double test_accuracy, double train_loss, double samples_per_
   stats.set_steps(m.steps);
   stats.set_bytes_sent(agg.bytes_sent());
   stats.set_bytes_received(agg.bytes_received());
-  stats.set_final_test_accuracy(test_accuracy);
+  stats.set_final_test_accuracy(test_accuracy < 0 && m.log ? m.log->test_accuracy()
+                                                           : test_accuracy);
   stats.set_final_train_loss(train_loss);
   stats.set_samples_per_s(samples_per_s);
   stats.set_wall_s(train_s);

@@ -467,6 +467,7 @@ def run(args, build_model, load_data, perplexity=False):
         nonlocal eval_s, accuracy
         t = time.monotonic()
         test_loss, accuracy = evaluate(getattr(model, "module", model), xt, yt)
+        worker.report_evaluation(accuracy)  # the live metrics' test accuracy gauge
         took = time.monotonic() - t
         wall = t + took - start
         if evals:

@@ -257,6 +257,9 @@ class Worker {
   void SetDensityScale(double scale) {
     Call([&] { worker_->SetDensityScale(scale); });
   }
+  void ReportEvaluation(double test_accuracy) {
+    Call([&] { worker_->ReportEvaluation(test_accuracy); });
+  }
 
   // ssp / async: waits until every worker pushed as many steps as this one; the job's parameters
   // then (a copy). bsp, allreduce: the parameters at once.
@@ -528,6 +531,10 @@ buffers of a module's state_dict: BatchNorm's running statistics) that worker 0 
 parameters into the trained model file at finish and into a checkpoint's model file at
 set_checkpoint_state, replacing earlier ones ({}: none). Raises ValueError for a name of one of
 the model's layers, or for something that is not an array or tensor.)doc")
+      .def("report_evaluation", &Worker::ReportEvaluation, py::arg("test_accuracy"),
+           "The test accuracy (a fraction in [0, 1]) of an evaluation the loop ran: the live "
+           "metrics' sparseps_worker_test_accuracy gauge (metrics.port) and finish()'s default. "
+           "ValueError outside [0, 1].")
       .def("set_density_scale", &Worker::SetDensityScale, py::arg("scale"),
            "Scales this worker's top-k k (ps mode, encoding topk) from the next push: scale "
            "times the epoch's, at most every key; 1: the config's; 1 / density sends "
@@ -539,8 +546,8 @@ the model's layers, or for something that is not an array or tensor.)doc")
            py::arg("samples_per_s") = 0.0, py::arg("train_s") = 0.0,
            R"doc(
 Tells the scheduler this worker is done and waits until every worker is; the scheduler then
-writes summary.json (run.dir) with these statistics: test_accuracy (a fraction; -1: not evaluated
-here), train_loss (the last epoch's mean), samples_per_s (this worker's), train_s (seconds).)doc")
+writes summary.json (run.dir) with these statistics: test_accuracy (a fraction; -1: the last
+report_evaluation's, or not evaluated here), train_loss (the last epoch's mean), samples_per_s (this worker's), train_s (seconds).)doc")
       .def_property_readonly("last_step", &Worker::LastStep,
                              "What the last push_pull did: bytes, entries selected and applied, "
                              "encode and communication milliseconds.")

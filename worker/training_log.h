@@ -72,6 +72,15 @@ class TrainingLog {
   }
   // The evaluation begun last ran in epoch `epoch` (1-based) after `steps` steps.
   void EndEval(uint32_t epoch, uint64_t steps, double test_loss, double test_accuracy);
+  // A test accuracy (a fraction) that a training loop of its own measured: the live metrics'
+  // gauge and the DONE report's final accuracy, with no CSV row or log line (the loop writes
+  // its own).
+  void SetTestAccuracy(double test_accuracy) {
+    test_accuracy_ = test_accuracy;
+    if (live_ != nullptr) live_->test_accuracy.Set(test_accuracy);
+  }
+  // The last evaluation's test accuracy; -1 before any.
+  double test_accuracy() const { return test_accuracy_; }
 
   // Seconds since Open(), evaluations included.
   double wall_s() const { return SecondsSince(start_); }

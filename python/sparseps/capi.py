@@ -141,6 +141,7 @@ def _declare(lib):
         "worker_handoff_missing": (ctypes.c_size_t, [handle, ctypes.c_char_p, ctypes.c_size_t]),
         "worker_set_epoch": (ctypes.c_int, [handle, ctypes.c_uint32] + err),
         "worker_set_density_scale": (ctypes.c_int, [handle, ctypes.c_double] + err),
+        "worker_report_evaluation": (ctypes.c_int, [handle, ctypes.c_double] + err),
         "worker_set_interruptible": (None, [handle, ctypes.c_int]),
         "worker_finish": (ctypes.c_int, [handle] + [ctypes.c_double] * 4 + err),
         "worker_last_step": (None, [handle, ctypes.POINTER(_Counters)]),
@@ -435,6 +436,11 @@ class Worker:
         lib.sparseps_worker_handoff_missing(self._handle, text, size)
         return {"from": donor.value, "state": bytes(buffer)[:state_n.value], "model": model,
                 "missing": text.value.decode()}
+
+    def report_evaluation(self, test_accuracy):
+        """The loop's test accuracy: the live metrics' gauge and finish()'s default (as
+        sparseps.Worker.report_evaluation)."""
+        self._call(library().sparseps_worker_report_evaluation, self._handle, test_accuracy)
 
     def set_density_scale(self, scale):
         """Scales the top-k k from the next push (as sparseps.Worker.set_density_scale)."""

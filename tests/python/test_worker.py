@@ -638,3 +638,40 @@ def test_python_workers_serve_live_metrics(cluster):
         # The first call has no loop time before it; the other 4 follow a 20 ms sleep.
         assert live.value(s, "sparseps_worker_compute_seconds_sum", **labels) >= 4 * 0.02
         assert live.value(s, "sparseps_worker_sent_bytes_total", type="push", **labels) > 0
+
+
+@pytest.mark.parametrize("backend", ["module", "capi"])
+def test_report_evaluation_sets_the_live_test_accuracy_and_finishs_default(cluster, backend):
+    """A loop's report_evaluation(accuracy): the live metrics' sparseps_worker_test_accuracy
+    gauge (scraped over HTTP, as the Grafana dashboard reads it; -1 before any), and the final
+    accuracy in summary.json when finish() is given none; an accuracy outside [0, 1] is a
+    ValueError that changes nothing; a report before init is the binding's Error."""
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "deploy"))
+    import test_metrics as live  # free_base, scrape, value (the daemons' metrics test)
+
+    base = live.free_base(5)
+    c = cluster(BASE)
+    make = sparseps.Worker if backend == "module" else capi.Worker
+    sets = c.overrides + [f"metrics.port={base}", "metrics.host=127.0.0.1"]
+    scraped = {}
+
+    def worker(rank):
+        w = make(str(c.job), rank=rank, overrides=sets)
+        if rank == 0:
+            error = sparseps.Error if backend == "module" else capi.Error
+            with pytest.raises(error, match="call init"):
+                w.report_evaluation(0.5)
+        w.init(initial())
+        w.push_pull(gradient(rank, 0))
+        if rank == 0:
+            port = base + 3  # after the scheduler's and the 2 servers'
+            scraped["before"] = live.value(live.scrape(port), "sparseps_worker_test_accuracy")
+            w.report_evaluation(0.8125)
+            with pytest.raises(ValueError, match="test accuracy 1.5.*a fraction in \\[0, 1\\]"):
+                w.report_evaluation(1.5)
+            scraped["after"] = live.value(live.scrape(port), "sparseps_worker_test_accuracy")
+        w.finish()
+    run_threads([lambda r=r: worker(r) for r in range(2)])
+    assert scraped == {"before": -1, "after": 0.8125}
+    summary = json.loads((c.run_dir / "summary.json").read_text())
+    assert summary["final_test_accuracy"] == 0.8125, summary

@@ -199,6 +199,12 @@ class Worker {
   /// Tells the job which epoch the loop is in (for the logs and the metrics).
   void SetEpoch(uint32_t epoch);
 
+  /// The test accuracy (a fraction in [0, 1]) of an evaluation the loop ran: the live metrics'
+  /// sparseps_worker_test_accuracy gauge (metrics.port; the Grafana dashboard's panel), and the
+  /// final accuracy Finish reports when it is given none. Throws kInvalidArgument outside [0, 1],
+  /// kFailedPrecondition before Init.
+  void ReportEvaluation(double test_accuracy);
+
   /// Scales this worker's top-k k (PS mode, encoding topk) from the next push on: k = scale times
   /// the epoch's (compression.density, through the warm-up), at least 1 and at most every key;
   /// 1 goes back to the config's. 1 / density sends everything held back in one step (a
@@ -292,9 +298,9 @@ class Worker {
 
   /// Ends this worker's part: worker 0 saves the model (after Synchronize)
   /// (run.dir/model.safetensors, when checkpoint.save_model), sends its statistics to the scheduler
-  /// (summary.json) and waits until every worker is done. test_accuracy is a fraction (-1: not
-  /// evaluated here), train_loss the last epoch's mean, samples_per_s this worker's rate, train_s
-  /// its seconds of training.
+  /// (summary.json) and waits until every worker is done. test_accuracy is a fraction (-1: the
+  /// last ReportEvaluation's, or not evaluated here), train_loss the last epoch's mean,
+  /// samples_per_s this worker's rate, train_s its seconds of training.
   void Finish(double test_accuracy = -1.0, double train_loss = 0.0, double samples_per_s = 0.0,
               double train_s = 0.0);
 

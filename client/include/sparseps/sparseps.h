@@ -172,6 +172,10 @@ size_t sparseps_worker_handoff_model(const sparseps_worker* worker, float* out, 
 /* Why the last hand-over holds nothing, NUL-terminated into out (at most out_len bytes; empty:
  * nothing missing); returns the bytes the whole text needs, NUL included. */
 size_t sparseps_worker_handoff_missing(const sparseps_worker* worker, char* out, size_t out_len);
+/* The test accuracy (a fraction) of the loop's evaluation: the live metrics' gauge and finish's
+ * default (see sparseps::client::Worker::ReportEvaluation). */
+int sparseps_worker_report_evaluation(sparseps_worker* worker, double test_accuracy, char* err,
+                                      size_t err_len);
 /* Scales the top-k k from the next push (see sparseps::client::Worker::SetDensityScale). */
 int sparseps_worker_set_density_scale(sparseps_worker* worker, double scale, char* err,
                                       size_t err_len);
