@@ -104,7 +104,7 @@ class Worker {
     } catch (const client::Error& e) {
       Raise(e);
     }
-    worker_->set_interruptible(true);  // Ctrl-C ends a wait as KeyboardInterrupt
+    live().set_interruptible(true);  // Ctrl-C ends a wait as KeyboardInterrupt
   }
 
   // Joins the job with `params`' size, makes the job's starting parameters (worker 0's) and
@@ -127,7 +127,7 @@ class Worker {
       shapes_.push_back(shape);
     }
     const auto buffers = Buffers(a);
-    Call([&] { worker_->Init(buffers, tensors); });
+    Call([&] { live().Init(buffers, tensors); });
     listed_ = a.listed;
   }
 
@@ -146,7 +146,7 @@ class Worker {
     }
     if (sparse) {
       client::SparseUpdate u;
-      Call([&] { u = worker_->PushPullSparse(buffers, l, dense_update.data, dense_params.data); });
+      Call([&] { u = live().PushPullSparse(buffers, l, dense_update.data, dense_params.data); });
       if (u.all && (dense_update.data != nullptr || dense_params.data != nullptr)) {
         return py::make_tuple(AllKeys(), out, params_out);  // None for the one not given
       }
@@ -158,9 +158,9 @@ class Worker {
     // The update comes into a zeroed array (numpy.zeros: pages the step does not touch stay
     // untouched); the library writes the keys that changed.
     if (!np_zeros_) np_zeros_ = py::module_::import("numpy").attr("zeros");
-    py::array_t<float> update = np_zeros_(worker_->num_params(), "float32");
+    py::array_t<float> update = np_zeros_(live().num_params(), "float32");
     float* into = update.mutable_data();
-    Call([&] { worker_->PushPull(buffers, into, l); });
+    Call([&] { live().PushPull(buffers, into, l); });
     if (!a.listed) return update;
     py::list parts;
     size_t offset = 0;
@@ -182,12 +182,12 @@ class Worker {
     }
     const auto buffers = Buffers(a);
     bool begun = false;
-    Call([&] { begun = worker_->BeginStep(buffers[0]); });
+    Call([&] { begun = live().BeginStep(buffers[0]); });
     return begun;
   }
 
   void GradientReady(size_t key_begin) {
-    Call([&] { worker_->GradientReady(key_begin); });
+    Call([&] { live().GradientReady(key_begin); });
   }
 
   // push_pull's out or params_out: none, or a writable float32 host array of the model's size
@@ -202,10 +202,10 @@ class Worker {
       throw py::value_error("push_pull: " + name + " is read-only");
     }
     Borrowed b = Borrowed::From(obj, name);
-    if (b.size != worker_->num_params() || b.device != client::kHost) {
+    if (b.size != live().num_params() || b.device != client::kHost) {
       throw py::value_error("push_pull: " + name + " has " + std::to_string(b.size) + " elements" +
                             (b.device != client::kHost ? " on a GPU" : "") +
-                            "; it takes the model's " + std::to_string(worker_->num_params()) +
+                            "; it takes the model's " + std::to_string(live().num_params()) +
                             " in host memory");
     }
     const auto begin = reinterpret_cast<uintptr_t>(b.data);
@@ -222,7 +222,7 @@ class Worker {
   // A dense step's keys: one read-only array 0, 1, ..., n - 1, made once.
   py::object AllKeys() {
     if (!all_keys_) {
-      std::vector<int64_t> k(worker_->num_params());
+      std::vector<int64_t> k(live().num_params());
       std::iota(k.begin(), k.end(), int64_t{0});
       py::array_t<int64_t> a = Owned(std::move(k));
       a.attr("setflags")(py::arg("write") = false);
@@ -235,7 +235,7 @@ class Worker {
   py::array_t<float> Params() {
     std::span<const float> p;
     try {
-      p = worker_->params();
+      p = live().params();
     } catch (const client::Error& e) {
       Raise(e);
     }
@@ -246,34 +246,34 @@ class Worker {
   py::array_t<float> Residual() {
     std::vector<float> r;
     try {
-      r = worker_->residual();
+      r = live().residual();
     } catch (const client::Error& e) {
       Raise(e);
     }
     return py::array_t<float>(static_cast<py::ssize_t>(r.size()), r.data());
   }
 
-  void SetEpoch(uint32_t epoch) { worker_->SetEpoch(epoch); }
+  void SetEpoch(uint32_t epoch) { live().SetEpoch(epoch); }
   void SetDensityScale(double scale) {
-    Call([&] { worker_->SetDensityScale(scale); });
+    Call([&] { live().SetDensityScale(scale); });
   }
   void ReportEvaluation(double test_accuracy) {
-    Call([&] { worker_->ReportEvaluation(test_accuracy); });
+    Call([&] { live().ReportEvaluation(test_accuracy); });
   }
 
   // ssp / async: waits until every worker pushed as many steps as this one; the job's parameters
   // then (a copy). bsp, allreduce: the parameters at once.
   py::array_t<float> Synchronize() {
-    py::array_t<float> out(static_cast<py::ssize_t>(worker_->num_params()));
-    std::span<float> params(out.mutable_data(), worker_->num_params());
-    Call([&] { worker_->Synchronize(params); });
+    py::array_t<float> out(static_cast<py::ssize_t>(live().num_params()));
+    std::span<float> params(out.mutable_data(), live().num_params());
+    Call([&] { live().Synchronize(params); });
     return out;
   }
 
   void SetTrainedModel(py::object params) {
     const auto host = HostFloats(params, "set_trained_model: params");
     std::span<const float> p(host.data(), static_cast<size_t>(host.size()));
-    Call([&] { worker_->SetTrainedModel(p); });
+    Call([&] { live().SetTrainedModel(p); });
   }
 
   void SetModelBuffers(py::dict buffers) {
@@ -287,28 +287,28 @@ class Worker {
       b.values.assign(host.data(), host.data() + host.size());
       kept.push_back(std::move(b));
     }
-    Call([&] { worker_->SetModelBuffers(std::move(kept)); });
+    Call([&] { live().SetModelBuffers(std::move(kept)); });
   }
 
   void SetCheckpointState(py::bytes state, py::object model) {
     WithStateAndModel(state, model, "set_checkpoint_state",
-                      [&](auto s, auto p) { worker_->SetCheckpointState(s, p); });
+                      [&](auto s, auto p) { live().SetCheckpointState(s, p); });
   }
 
   py::bytes CheckpointState() const {
-    const auto& s = worker_->checkpoint_state();
+    const auto& s = live().checkpoint_state();
     return py::bytes(reinterpret_cast<const char*>(s.data()), s.size());
   }
 
   void SendHandoff(py::bytes state, py::object model) {
     WithStateAndModel(state, model, "send_handoff",
-                      [&](auto s, auto p) { worker_->SendHandoff(s, p); });
+                      [&](auto s, auto p) { live().SendHandoff(s, p); });
   }
 
   // {"from": rank, "state": bytes, "model": float32 array or None, "missing": why nothing came}.
   py::dict ReceiveHandoff() {
     client::Worker::Handoff h;
-    Call([&] { h = worker_->ReceiveHandoff(); });
+    Call([&] { h = live().ReceiveHandoff(); });
     py::dict d;
     d["from"] = h.from;
     d["state"] = py::bytes(reinterpret_cast<const char*>(h.state.data()), h.state.size());
@@ -322,11 +322,11 @@ class Worker {
   }
 
   void Finish(double test_accuracy, double train_loss, double samples_per_s, double train_s) {
-    Call([&] { worker_->Finish(test_accuracy, train_loss, samples_per_s, train_s); });
+    Call([&] { live().Finish(test_accuracy, train_loss, samples_per_s, train_s); });
   }
 
   py::dict LastStep() const {
-    const client::StepCounters c = worker_->last_step();
+    const client::StepCounters c = live().last_step();
     py::dict d;
     d["bytes_sent"] = c.bytes_sent;
     d["bytes_received"] = c.bytes_received;
@@ -340,14 +340,25 @@ class Worker {
   // Every key of the resolved config with its value as `--get` prints it ("train.lr": "0.05").
   py::dict Config() const {
     py::dict d;
-    for (const auto& [key, value] : worker_->config()) d[py::str(key)] = value;
+    for (const auto& [key, value] : live().config()) d[py::str(key)] = value;
     return d;
   }
 
-  const client::Worker& worker() const { return *worker_; }
-  std::string aggregation() const { return worker_->allreduce() ? "allreduce" : "ps"; }
+  const client::Worker& worker() const { return live(); }
+  // Frees the client library's worker: one that did not finish leaves the job. Every call after
+  // it raises ValueError; closing again does nothing.
+  void Close() { worker_.reset(); }
+  std::string aggregation() const { return live().allreduce() ? "allreduce" : "ps"; }
 
  private:
+  // The worker; ValueError once closed.
+  client::Worker& live() {
+    if (!worker_)
+      throw py::value_error("sparseps.Worker: closed (close(), or the end of its with block)");
+    return *worker_;
+  }
+  const client::Worker& live() const { return const_cast<Worker*>(this)->live(); }
+
   std::optional<client::Worker> worker_;
   bool listed_ = false;
   std::vector<size_t> sizes_;
@@ -531,6 +542,11 @@ buffers of a module's state_dict: BatchNorm's running statistics) that worker 0 
 parameters into the trained model file at finish and into a checkpoint's model file at
 set_checkpoint_state, replacing earlier ones ({}: none). Raises ValueError for a name of one of
 the model's layers, or for something that is not an array or tensor.)doc")
+      .def("close", &Worker::Close,
+           "Frees the worker: one that did not finish leaves the job (under "
+           "cluster.on_worker_failure: continue the others go on without it). Every call after "
+           "it raises ValueError; closing again does nothing. `with sparseps.Worker(...) as w:` "
+           "closes it at the block's end.")
       .def("report_evaluation", &Worker::ReportEvaluation, py::arg("test_accuracy"),
            "The test accuracy (a fraction in [0, 1]) of an evaluation the loop ran: the live "
            "metrics' sparseps_worker_test_accuracy gauge (metrics.port) and finish()'s default. "

@@ -56,6 +56,12 @@ def _worker_class(module):
             except ValueError:
                 return text  # enum values: topk, allreduce, ...
 
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.close()
+
     Worker.__module__ = __name__
     return Worker
 

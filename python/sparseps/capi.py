@@ -214,19 +214,27 @@ def _buffers(obj, name):
 
 
 class Worker:
-    """One worker of a sparseps job, through the C interface (sparseps.Worker's interface)."""
+    """One worker of a sparseps job, through the C interface (sparseps.Worker's interface). A
+    context manager too: `with capi.Worker(...) as w:` closes it at the block's end."""
 
     def __init__(self, config="", rank=None, overrides=()):
         lib = library()
         sets = [s.encode() for s in overrides]
         array = (ctypes.c_char_p * max(len(sets), 1))(*sets)
         handle = ctypes.c_void_p()
-        self._handle = None
+        self._h = None  # the C handle; None once closed
         self._shapes = None
         self._call(lib.sparseps_worker_new, config.encode() if config else None, array,
                    len(sets), -1 if rank is None else rank, ctypes.byref(handle))
-        self._handle = handle
+        self._h = handle
         lib.sparseps_worker_set_interruptible(handle, 1)  # Ctrl-C ends a wait
+
+    @property
+    def _handle(self):
+        if self._h is None:
+            raise InvalidArgument(INVALID_ARGUMENT, "sparseps.capi.Worker: closed (close(), or "
+                                  "the end of its with block)")
+        return self._h
 
     @staticmethod
     def _call(f, *args):
@@ -509,10 +517,18 @@ class Worker:
         return dict(line.split(" = ", 1) for line in text.value.decode().splitlines())
 
     def close(self):
-        """Frees the worker (a worker that did not finish leaves the job)."""
-        if self._handle is not None:
-            library().sparseps_worker_free(self._handle)
-            self._handle = None
+        """Frees the worker: one that did not finish leaves the job (under
+        cluster.on_worker_failure: continue the others go on without it). Every call after it
+        raises ValueError; closing again does nothing."""
+        if getattr(self, "_h", None) is not None:
+            library().sparseps_worker_free(self._h)
+            self._h = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def __del__(self):
         self.close()

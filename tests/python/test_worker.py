@@ -675,3 +675,43 @@ def test_report_evaluation_sets_the_live_test_accuracy_and_finishs_default(clust
     assert scraped == {"before": -1, "after": 0.8125}
     summary = json.loads((c.run_dir / "summary.json").read_text())
     assert summary["final_test_accuracy"] == 0.8125, summary
+
+
+@pytest.mark.parametrize("backend", ["module", "capi"])
+def test_a_worker_closed_by_its_with_block_leaves_the_job(cluster, backend):
+    """`with Worker(...) as w:` closes the worker at the block's end, here an exception after 3
+    steps: the worker leaves the job, the other goes on without it (cluster.on_worker_failure:
+    continue) and ends well; a call on the closed worker is a ValueError saying so, and closing
+    again does nothing."""
+    c = cluster(BASE)
+    make = sparseps.Worker if backend == "module" else capi.Worker
+    closed = {}
+
+    def leaver():
+        try:
+            with make(str(c.job), rank=1, overrides=c.overrides) as w:
+                w.init(initial())
+                for t in range(3):
+                    w.push_pull(gradient(1, t))
+                raise RuntimeError("the loop failed")
+        except RuntimeError as e:
+            closed["error"] = str(e)
+        with pytest.raises(ValueError, match="closed"):
+            w.push_pull(gradient(1, 3))
+        with pytest.raises(ValueError, match="closed"):
+            w.step
+        w.close()
+
+    def stayer():
+        w = make(str(c.job), rank=0, overrides=c.overrides)
+        w.init(initial())
+        for t in range(10):
+            w.push_pull(gradient(0, t))
+        closed["live"] = w.live_workers
+        w.finish()
+
+    run_threads([stayer, leaver])
+    assert closed == {"error": "the loop failed", "live": [0]}
+    summary = json.loads((c.run_dir / "summary.json").read_text())
+    assert summary["status"] == "ok", summary
+    assert [w["rank"] for w in summary["lost_workers"]] == [1], summary
