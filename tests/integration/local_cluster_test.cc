@@ -632,6 +632,10 @@ TEST(LocalClusterFailure, RollbackAfterALostWorkerKeepsTheReSplitPlan) {
   ASSERT_TRUE(testing::WaitForCsvRows(dir.path() + "/metrics-worker-2.csv", 3, 120)) << lost.Log();
   lost.Signal(SIGKILL);
   lost.Wait(30);
+  if (const int64_t at = testing::CsvRows(dir.path() + "/metrics-worker-2.csv"); at >= 190) {
+    GTEST_SKIP() << "the test was held up: worker 2 was killed after step " << at
+                 << ", not early in epoch 1";
+  }
   const std::string worker0 = dir.path() + "/metrics-worker-0.csv";
   ASSERT_TRUE(testing::WaitForCsvRows(worker0, 201, 120)) << c.nodes[2]->Log();
   EXPECT_THAT(c.nodes[2]->Log(),
