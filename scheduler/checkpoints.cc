@@ -40,6 +40,17 @@ bool CheckpointCoordinator::PrepareResume(std::vector<Outgoing>* out) {
   for (const auto& f : latest->files) {
     *job_.membership.add_resume_files() = ToProto(f, latest->iteration);
   }
+  // The epochs before the checkpoint as the old job's live workers took them, then all of this
+  // job's workers from the epoch that begins at the checkpoint's iteration or after it (an epoch
+  // in progress there keeps its split; a worker left out of it trains on until the next one).
+  if (!latest->splits.empty()) {
+    for (const auto& s : latest->splits) {
+      auto* set = job_.membership.add_splits();
+      set->set_from_iteration(s.from_iteration);
+      for (int r : s.ranks) set->add_ranks(r);
+    }
+    job_.AddSplit(static_cast<int64_t>(latest->iteration) - 1);
+  }
   last_checkpoint_ = static_cast<int64_t>(latest->iteration);
   spdlog::info("resuming from checkpoint {} (iteration {}, {} files)",
                CheckpointIterationDir(dir, latest->iteration), latest->iteration,
@@ -109,6 +120,10 @@ void CheckpointCoordinator::Complete(uint64_t iteration, std::vector<Outgoing>* 
   m.membership_epoch = job_.membership.epoch();
   m.config_fingerprint = ConfigFingerprint(job_.config);
   for (const auto& x : pending_[iteration]) m.files.push_back(FromProto(x));
+  for (const auto& s : job_.membership.splits()) {
+    if (s.from_iteration() >= static_cast<int64_t>(iteration)) continue;  // after it
+    m.splits.push_back({s.from_iteration(), {s.ranks().begin(), s.ranks().end()}});
+  }
   std::sort(m.files.begin(), m.files.end(), [](const auto& a, const auto& b) {
     return std::make_tuple(a.role, a.rank, a.file) < std::make_tuple(b.role, b.rank, b.file);
   });

@@ -320,6 +320,12 @@ Status WriteCheckpointManifest(const std::string& dir, const CheckpointManifest&
                           {"bytes", f.bytes},
                           {"xxh3", f.xxh3}});
   }
+  if (!m.splits.empty()) {
+    j["splits"] = nlohmann::ordered_json::array();
+    for (const auto& s : m.splits) {
+      j["splits"].push_back({{"from_iteration", s.from_iteration}, {"ranks", s.ranks}});
+    }
+  }
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) return Status::IoError("cannot create directory " + dir + ": " + ec.message());
@@ -354,6 +360,12 @@ Result<CheckpointManifest> ReadCheckpointManifest(const std::string& iteration_d
       info.xxh3 = f.at("xxh3").get<std::string>();
       if (info.file.find('/') != std::string::npos) return bad("file name " + info.file);
       m.files.push_back(std::move(info));
+    }
+    for (const auto& s : j.value("splits", nlohmann::json::array())) {
+      WorkerSplit split{s.at("from_iteration").get<int64_t>(),
+                        s.at("ranks").get<std::vector<int>>()};
+      if (!std::is_sorted(split.ranks.begin(), split.ranks.end())) return bad("unsorted ranks");
+      m.splits.push_back(std::move(split));
     }
   } catch (const nlohmann::json::exception& e) {
     return bad(e.what());

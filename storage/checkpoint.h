@@ -193,12 +193,22 @@ Result<SafetensorsFile> ReadResumeFile(const std::string& dir, const proto::Memb
                                        proto::Role role, int rank,
                                        const std::string& config_fingerprint);
 
+// A set of live workers from an iteration on (Membership.splits), as a manifest keeps it.
+struct WorkerSplit {
+  int64_t from_iteration = 0;
+  std::vector<int> ranks;  // sorted
+};
+
 // A complete checkpoint's manifest.
 struct CheckpointManifest {
   uint64_t iteration = 0;
   uint64_t membership_epoch = 0;
   std::string config_fingerprint;
   std::vector<CheckpointFileInfo> files;
+  // The job's changes of its live workers before the checkpoint's iteration (a lost worker, a
+  // replacement), oldest first: a resumed job plans the epochs before it as they were taken.
+  // Optional in the file (none when it has no "splits").
+  std::vector<WorkerSplit> splits;
 };
 
 // Writes <iteration dir>/MANIFEST.json atomically (last: it marks the checkpoint complete).

@@ -39,7 +39,10 @@ WorkerSession::DataSplit WorkerSession::data_split(uint64_t iteration) const {
     if (set.from_iteration() >= static_cast<int64_t>(iteration)) continue;
     const auto& ranks = set.ranks();
     split.count = ranks.size();
-    split.index = static_cast<int>(std::find(ranks.begin(), ranks.end(), rank()) - ranks.begin());
+    const auto at = std::find(ranks.begin(), ranks.end(), rank());
+    // Not in the set: another worker's whole share (a shard of index `count` would be a sample
+    // short of the epoch's steps).
+    split.index = at != ranks.end() ? static_cast<int>(at - ranks.begin()) : rank() % split.count;
   }
   return split;
 }

@@ -62,7 +62,9 @@ class WorkerSession {
   // membership with the change by then (a server's reply of the change's iteration carries its
   // epoch, worker/ps_client.h; a replacement gets it when it joins), so all of them re-split at
   // the same epoch and agree on its steps (sparseps-worker's loop and examples/torch_job.py).
-  // A worker not in that set (lost, still running) gets index == count.
+  // A worker not in that set (a replacement, or a resumed worker that was lost before the
+  // checkpoint, until the next epoch) gets the share of index rank() % count: it trains on
+  // another worker's data until the epoch ends.
   DataSplit data_split(uint64_t iteration) const;
   Aggregator& aggregator() { return *aggregator_; }
   ControlClient& control() { return control_; }

@@ -265,7 +265,7 @@ void WriteIteration(const std::string& dir, uint64_t iteration, bool manifest) {
   const std::string d = CheckpointIterationDir(dir, iteration);
   ASSERT_TRUE(WriteCheckpointFile(d, "w.safetensors", Id(iteration), save, &info).ok());
   if (manifest) {
-    ASSERT_TRUE(WriteCheckpointManifest(d, {iteration, 1, "00112233aabbccdd", {info}}).ok());
+    ASSERT_TRUE(WriteCheckpointManifest(d, {iteration, 1, "00112233aabbccdd", {info}, {}}).ok());
   }
 }
 
@@ -287,7 +287,7 @@ TEST_F(CheckpointTest, OnlyCheckpointsWithAManifestCountAndOldOnesArePruned) {
   Spit(CheckpointIterationDir(dir, 300) + "/MANIFEST.json", "{not json");
   EXPECT_EQ(LatestCheckpoint(dir)->iteration, 200u);
   ASSERT_TRUE(WriteCheckpointManifest(CheckpointIterationDir(dir, 300),
-                                      {300, 1, "00112233aabbccdd", latest->files})
+                                      {300, 1, "00112233aabbccdd", latest->files, {}})
                   .ok());
 
   EXPECT_EQ(PruneCheckpoints(dir, 2), (std::vector<uint64_t>{300, 200}));
@@ -299,6 +299,39 @@ TEST_F(CheckpointTest, OnlyCheckpointsWithAManifestCountAndOldOnesArePruned) {
   // keep 0: every complete one stays, and is named.
   EXPECT_EQ(PruneCheckpoints(dir, 0), (std::vector<uint64_t>{300, 200}));
   EXPECT_TRUE(std::filesystem::exists(CheckpointIterationDir(dir, 200)));
+}
+
+// The manifest keeps the job's changes of its live workers (Membership.splits) for a resumed
+// job's epochs; a manifest without them (none happened, or an older writer's) reads as none, and
+// ranks out of order are refused naming the file.
+TEST_F(CheckpointTest, TheManifestKeepsTheLiveWorkersChanges) {
+  const std::string dir = dir_.string();
+  WriteIteration(dir, 100, true);
+  EXPECT_TRUE(LatestCheckpoint(dir)->splits.empty());
+  EXPECT_EQ(Slurp(CheckpointIterationDir(dir, 100) + "/MANIFEST.json").find("splits"),
+            std::string::npos);
+  const std::string d = CheckpointIterationDir(dir, 200);
+  WriteIteration(dir, 200, false);
+  const auto files = ReadCheckpointManifest(CheckpointIterationDir(dir, 100))->files;
+  ASSERT_TRUE(WriteCheckpointManifest(
+                  d, {200, 3, "00112233aabbccdd", files, {{5, {1, 2}}, {150, {0, 1, 2}}}})
+                  .ok());
+  auto m = ReadCheckpointManifest(d);
+  ASSERT_TRUE(m.ok()) << m.status().message();
+  ASSERT_EQ(m->splits.size(), 2u);
+  EXPECT_EQ(m->splits[0].from_iteration, 5);
+  EXPECT_EQ(m->splits[0].ranks, (std::vector<int>{1, 2}));
+  EXPECT_EQ(m->splits[1].from_iteration, 150);
+  EXPECT_EQ(m->splits[1].ranks, (std::vector<int>{0, 1, 2}));
+  std::string text = Slurp(d + "/MANIFEST.json");
+  const size_t at = text.find("\"ranks\": [\n        1,\n        2");
+  ASSERT_NE(at, std::string::npos) << text;
+  text.replace(at, std::string("\"ranks\": [\n        1,\n        2").size(),
+               "\"ranks\": [\n        2,\n        1");
+  Spit(d + "/MANIFEST.json", text);
+  m = ReadCheckpointManifest(d);
+  ASSERT_FALSE(m.ok());
+  EXPECT_THAT(m.status().message(), ::testing::HasSubstr("MANIFEST.json refused: unsorted ranks"));
 }
 
 // A node's folder on a host of its own holds its files and no manifest: it prunes to the list

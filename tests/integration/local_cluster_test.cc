@@ -669,6 +669,85 @@ TEST(LocalClusterFailure, RollbackAfterALostWorkerKeepsTheReSplitPlan) {
   EXPECT_EQ(summary.replaced_servers_size(), 1) << json;
 }
 
+// A job resumed from a checkpoint taken after a worker loss: 3 workers (200 steps an epoch),
+// worker 2 killed in epoch 1, the other two re-split at epoch 2 (300 steps), a checkpoint in it,
+// then every process killed. Resumed with all three (worker 2 has no file and starts with empty
+// residuals), the job plans the epochs before the checkpoint as they were taken (the manifest
+// keeps the live workers' changes): epoch 2 ends at 200 + 300, and from epoch 3 on the three share
+// the data again (200 steps), ending at 700 (a resumed job that planned all from three workers
+// ended at 600, its epoch 2 cut short).
+TEST(LocalClusterFailure, ResumeAfterALostWorkerKeepsTheEpochsAsTaken) {
+#if SPARSEPS_ADDRESS_SANITIZER
+  GTEST_SKIP() << "two 3-worker runs: in the plain build only";
+#endif
+  if (!std::filesystem::exists(std::string(kData) + "/train-images-idx3-ubyte.gz")) {
+    GTEST_SKIP() << "Fashion-MNIST not installed";
+  }
+  TempDir dir("resume-after-loss");
+  const std::string config = std::string(SPARSEPS_SOURCE_DIR) + "/configs/quickstart.yaml";
+  std::vector<std::string> extra = {"model.hidden=[64]",
+                                    "data.max_train_samples=38400",
+                                    "data.max_test_samples=500",
+                                    "train.epochs=3",
+                                    "checkpoint.every_steps=10",
+                                    "checkpoint.keep=0",
+                                    "cluster.heartbeat_interval_s=0.25",
+                                    "cluster.heartbeat_timeout_s=10",
+                                    "cluster.request_timeout_s=120"};
+  int64_t resumed_at = 0;
+  {
+    Cluster c = Start(dir, config, 2, 3, extra);
+    ASSERT_NE(c.scheduler, nullptr);
+    ASSERT_TRUE(testing::WaitForCsvRows(dir.path() + "/metrics-worker-2.csv", 3, 120))
+        << c.nodes[4]->Log();
+    c.nodes[4]->Signal(SIGKILL);
+    c.nodes[4]->Wait(30);
+    if (const int64_t at = testing::CsvRows(dir.path() + "/metrics-worker-2.csv"); at >= 190) {
+      GTEST_SKIP() << "the test was held up: worker 2 was killed after step " << at;
+    }
+    ASSERT_FALSE(
+        testing::WaitForFile(dir.path() + "/checkpoints/iter-0000000250/MANIFEST.json", 120)
+            .empty())
+        << c.scheduler->Log();
+    c.scheduler->Signal(SIGKILL);
+    for (auto& n : c.nodes) n->Signal(SIGKILL);
+    c.scheduler->Wait(30);
+    for (auto& n : c.nodes) n->Wait(30);
+    EXPECT_THAT(testing::ReadFile(dir.path() + "/worker-0.log"),
+                ::testing::HasSubstr("epoch 2: the data is re-split among the 2 live workers"));
+    for (const auto& e : std::filesystem::directory_iterator(dir.path() + "/checkpoints")) {
+      if (!std::filesystem::exists(e.path() / "MANIFEST.json")) continue;
+      resumed_at =
+          std::max<int64_t>(resumed_at, std::stoll(e.path().filename().string().substr(5)));
+    }
+  }
+  if (resumed_at >= 500)
+    GTEST_SKIP() << "the newest checkpoint (" << resumed_at << ") is past epoch 2";
+  std::filesystem::remove(dir.path() + "/scheduler.port");
+  extra.push_back("checkpoint.resume=true");
+  Cluster again = Start(dir, config, 2, 3, extra);
+  ASSERT_NE(again.scheduler, nullptr);
+  ASSERT_EQ(again.scheduler->Wait(200), 0) << again.scheduler->Log();
+  for (auto& n : again.nodes) EXPECT_EQ(n->Wait(60), 0) << n->Log();
+  EXPECT_THAT(again.nodes[4]->Log(), ::testing::HasSubstr("has no file of worker 2"));
+  EXPECT_THAT(again.nodes[2]->Log(),
+              ::testing::HasSubstr("epoch 3: the data is re-split among the 3 live workers (200 "
+                                   "steps per epoch)"));
+  for (int w : {0, 1, 2}) {
+    std::vector<double> steps;
+    ASSERT_NO_FATAL_FAILURE(
+        CsvColumn(dir.path() + "/metrics-worker-" + std::to_string(w) + ".csv", "step", &steps));
+    ASSERT_FALSE(steps.empty());
+    EXPECT_EQ(steps.back(), 700.0) << "worker " << w << "; resumed at " << resumed_at;
+  }
+  std::vector<double> steps;
+  ASSERT_NO_FATAL_FAILURE(CsvColumn(dir.path() + "/metrics-worker-0.csv", "step", &steps));
+  ASSERT_EQ(steps.size(), 700u) << "resumed at " << resumed_at;
+  for (size_t i = 0; i < steps.size(); ++i) ASSERT_EQ(steps[i], static_cast<double>(i + 1));
+  EXPECT_THAT(testing::ReadFile(dir.path() + "/summary.json"),
+              ::testing::HasSubstr("\"status\": \"ok\""));
+}
+
 // kill -9 worker 0 of the quickstart at a random step of its first two epochs and start a
 // replacement with --rejoin at once (as deploy/launch.sh --max-restarts does): it waits until the
 // scheduler removed worker 0, gets the current parameters, and joins at the next iteration; both

@@ -333,7 +333,10 @@ class Worker {
   /// cluster.on_worker_failure: continue, or a replacement joined) that came before that step;
   /// {rank(), num_workers()} while there is none, or before Init. Every worker gets the same
   /// count for the same step, so all of them agree on the epoch's steps (take
-  /// (samples / count) / batch, not the shard's own length). Call it at each epoch's start.
+  /// (samples / count) / batch, not the shard's own length). Call it at each epoch's start. A
+  /// worker left out of that epoch's set (a replacement, or a resumed worker that was lost
+  /// before the checkpoint) gets index rank() % count: another worker's share, until the next
+  /// epoch.
   DataSplit data_split(uint64_t step) const;
   bool allreduce() const;  ///< whether the job aggregates by allreduce (else a parameter server)
   /// Every key of the resolved config with its value as `--get` prints it ({"train.lr", "0.05"}).
