@@ -76,14 +76,20 @@ class Batches {
   void StartEpoch(uint32_t epoch) {
     Shuffle(&shard_, seed_ ^ (0x9e3779b97f4a7c15ULL * (epoch + 1)) ^ static_cast<uint64_t>(rank_));
   }
-  // Copies batch s of the epoch into x() and y().
-  void Fill(uint64_t s) {
+  // Copies batch s of the epoch into x() and y(). Internal when the shard holds no batch s (an
+  // epoch planned longer than the shard: a bug, reported rather than read past the shard).
+  Status Fill(uint64_t s) {
+    if ((s + 1) * batch_ > shard_.size()) {
+      return Status::Internal("batch " + std::to_string(s) + " of " + std::to_string(batch_) +
+                              " samples from a data shard of " + std::to_string(shard_.size()));
+    }
     const size_t f = data_.num_features;
     for (size_t b = 0; b < batch_; ++b) {
       const uint32_t idx = shard_[s * batch_ + b];
       std::copy_n(data_.images.data() + size_t{idx} * f, f, x_.data() + b * f);
       y_[b] = data_.labels[idx];
     }
+    return Status::OK();
   }
   const float* x() const { return x_.data(); }
   const uint8_t* y() const { return y_.data(); }
@@ -326,7 +332,7 @@ Status TrainingLoop::RunStep(uint64_t s) {
   tracing_ = trace_.traced(step_ + 1);
   double loss = pending_loss_;
   if (!grad_pending_) {
-    batches_->Fill(s);
+    SPARSEPS_RETURN_IF_ERROR(batches_->Fill(s));
     auto params = aggregator_.ModelParams();
     if (!params.ok()) return params.status();
     if (overlap_) aggregator_.BeginStep(grad_);

@@ -13,6 +13,7 @@
 #include <map>
 #include <numeric>
 #include <random>
+#include <regex>
 #include <set>
 #include <sstream>
 #include <string>
@@ -746,6 +747,58 @@ TEST(LocalClusterFailure, ResumeAfterALostWorkerKeepsTheEpochsAsTaken) {
   for (size_t i = 0; i < steps.size(); ++i) ASSERT_EQ(steps[i], static_cast<double>(i + 1));
   EXPECT_THAT(testing::ReadFile(dir.path() + "/summary.json"),
               ::testing::HasSubstr("\"status\": \"ok\""));
+}
+
+// A replacement that joins in an epoch whose split left its rank out: 3 workers (200 steps an
+// epoch), worker 2 killed in epoch 1, the other two re-split at epoch 2 (300 steps); a
+// replacement of worker 2 joins during it. Until that epoch ends it trains on another worker's
+// share (a shard "2 of 2" was a sample short of the epoch and the worker read past it); from
+// epoch 3 on the three share the data (200 steps), and every worker ends at 700.
+TEST(LocalClusterFailure, AReplacementLeftOutOfItsFirstEpochsSplitTrainsOn) {
+#if SPARSEPS_ADDRESS_SANITIZER
+  GTEST_SKIP() << "a 3-worker run: in the plain build only";
+#endif
+  if (!std::filesystem::exists(std::string(kData) + "/train-images-idx3-ubyte.gz")) {
+    GTEST_SKIP() << "Fashion-MNIST not installed";
+  }
+  TempDir dir("replacement-left-out");
+  const std::string config = std::string(SPARSEPS_SOURCE_DIR) + "/configs/quickstart.yaml";
+  const std::vector<std::string> extra = {"model.hidden=[64]",
+                                          "data.max_train_samples=38400",
+                                          "data.max_test_samples=500",
+                                          "train.epochs=3",
+                                          "cluster.heartbeat_interval_s=0.25",
+                                          "cluster.heartbeat_timeout_s=10",
+                                          "cluster.request_timeout_s=120"};
+  Cluster c = Start(dir, config, 2, 3, extra);
+  ASSERT_NE(c.scheduler, nullptr);
+  ASSERT_TRUE(testing::WaitForCsvRows(dir.path() + "/metrics-worker-2.csv", 3, 120))
+      << c.nodes[4]->Log();
+  c.nodes[4]->Signal(SIGKILL);
+  c.nodes[4]->Wait(30);
+  if (const int64_t at = testing::CsvRows(dir.path() + "/metrics-worker-2.csv"); at >= 190) {
+    GTEST_SKIP() << "the test was held up: worker 2 was killed after step " << at;
+  }
+  ASSERT_TRUE(testing::WaitForCsvRows(dir.path() + "/metrics-worker-0.csv", 201, 120))
+      << c.nodes[2]->Log();
+  auto replacement = StartReplacement(dir, config, "worker/sparseps-worker", 2, 3, 2, extra);
+  ASSERT_EQ(c.scheduler->Wait(200), 0) << c.scheduler->Log();
+  for (size_t i : {0, 1, 2, 3}) EXPECT_EQ(c.nodes[i]->Wait(60), 0) << c.nodes[i]->Log();
+  EXPECT_EQ(replacement->Wait(60), 0) << replacement->Log();
+  std::smatch joined;
+  const std::string log = replacement->Log();
+  ASSERT_TRUE(std::regex_search(log, joined, std::regex("joining at step ([0-9]+)"))) << log;
+  if (std::stoi(joined[1]) > 500) GTEST_SKIP() << "it joined after epoch 2: " << joined[0];
+  EXPECT_THAT(c.nodes[2]->Log(),
+              ::testing::HasSubstr("epoch 3: the data is re-split among the 3 live workers (200 "
+                                   "steps per epoch)"));
+  for (int w : {0, 1, 2}) {
+    std::vector<double> steps;
+    ASSERT_NO_FATAL_FAILURE(
+        CsvColumn(dir.path() + "/metrics-worker-" + std::to_string(w) + ".csv", "step", &steps));
+    ASSERT_FALSE(steps.empty());
+    EXPECT_EQ(steps.back(), 700.0) << "worker " << w << "; the replacement " << joined[0];
+  }
 }
 
 // kill -9 worker 0 of the quickstart at a random step of its first two epochs and start a
