@@ -442,11 +442,16 @@ size_t sparseps_worker_live_workers(const sparseps_worker* w, int* ranks, size_t
   for (size_t i = 0; ranks != nullptr && i < live.size() && i < capacity; ++i) ranks[i] = live[i];
   return live.size();
 }
-void sparseps_worker_data_split(const sparseps_worker* w, uint64_t step, int* index, int* count) {
-  const auto split =
-      w != nullptr ? w->worker.data_split(step) : sparseps::client::Worker::DataSplit{};
-  if (index != nullptr) *index = split.index;
-  if (count != nullptr) *count = split.count;
+int sparseps_worker_data_split(const sparseps_worker* w, uint64_t step, int* index, int* count,
+                               char* err, size_t err_len) {
+  if (w == nullptr) return Missing("worker", err, err_len);
+  return Guard(
+      [&] {
+        const auto split = w->worker.data_split(step);
+        if (index != nullptr) *index = split.index;
+        if (count != nullptr) *count = split.count;
+      },
+      err, err_len);
 }
 size_t sparseps_worker_config(const sparseps_worker* w, char* out, size_t out_len) {
   if (w == nullptr) return 0;

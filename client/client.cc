@@ -619,7 +619,7 @@ std::vector<int> Worker::live_workers() const {
   return ranks;
 }
 Worker::DataSplit Worker::data_split(uint64_t step) const {
-  if (!impl_->session) return {rank(), num_workers()};
+  if (!impl_->session) Raise(Status::FailedPrecondition("call init(params) first"));
   const auto split = impl_->session->data_split(step);
   return {split.index, split.count};
 }

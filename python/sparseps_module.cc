@@ -257,6 +257,12 @@ class Worker {
   void SetDensityScale(double scale) {
     Call([&] { live().SetDensityScale(scale); });
   }
+  // (index, count) of the epoch that begins after `step` steps (client::Worker::data_split).
+  std::pair<int, int> DataSplit(uint64_t step) const {
+    client::Worker::DataSplit split;
+    Call([&] { split = live().data_split(step); });
+    return {split.index, split.count};
+  }
   void ReportEvaluation(double test_accuracy) {
     Call([&] { live().ReportEvaluation(test_accuracy); });
   }
@@ -467,19 +473,14 @@ void DefineMembershipFacts(py::class_<sparseps::Worker>& worker) {
           "sorted ranks of the workers still in the job: a worker lost under "
           "cluster.on_worker_failure: continue is gone from it (data_split says "
           "how to share the data among them from which epoch on)")
-      .def(
-          "data_split",
-          [](const Worker& w, uint64_t step) {
-            const auto split = w.worker().data_split(step);
-            return std::make_pair(split.index, split.count);
-          },
-          py::arg("step"),
-          "(index, count): this worker's share of the training data in the epoch that begins "
-          "after `step` steps: shard `index` of `count`, the live workers of the newest "
-          "membership change before that step (a worker lost under "
-          "cluster.on_worker_failure: continue, or a replacement joined), as sparseps-worker "
-          "re-splits. Every worker gets the same count at the same step; call it at each "
-          "epoch's start and take (samples // count) // batch steps")
+      .def("data_split", &Worker::DataSplit, py::arg("step"),
+           "(index, count): this worker's share of the training data in the epoch that begins "
+           "after `step` steps: shard `index` of `count`, the live workers of the newest "
+           "membership change before that step (a worker lost under "
+           "cluster.on_worker_failure: continue, or a replacement joined), as sparseps-worker "
+           "re-splits. Every worker gets the same count at the same step; call it at each "
+           "epoch's start and take (samples // count) // batch steps. sparseps.Error before "
+           "init")
       .def_property_readonly(
           "is_leader", [](const Worker& w) { return w.worker().is_leader(); },
           "true on the lowest live rank: worker 0, or the one that took over "

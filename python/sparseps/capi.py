@@ -147,8 +147,9 @@ def _declare(lib):
         "worker_last_step": (None, [handle, ctypes.POINTER(_Counters)]),
         "worker_live_workers": (ctypes.c_size_t, [handle, ctypes.POINTER(ctypes.c_int),
                                                   ctypes.c_size_t]),
-        "worker_data_split": (None, [handle, ctypes.c_uint64, ctypes.POINTER(ctypes.c_int),
-                                     ctypes.POINTER(ctypes.c_int)]),
+        "worker_data_split": (ctypes.c_int, [handle, ctypes.c_uint64,
+                                             ctypes.POINTER(ctypes.c_int),
+                                             ctypes.POINTER(ctypes.c_int)] + err),
         "worker_config": (ctypes.c_size_t, [handle, ctypes.c_char_p, ctypes.c_size_t]),
     }
     for name, restype in (("rank", ctypes.c_int), ("num_workers", ctypes.c_int),
@@ -504,8 +505,8 @@ class Worker:
         """(index, count): this worker's share of the training data in the epoch that begins
         after `step` steps, as sparseps.Worker.data_split."""
         index, count = ctypes.c_int(), ctypes.c_int()
-        library().sparseps_worker_data_split(self._handle, step, ctypes.byref(index),
-                                             ctypes.byref(count))
+        self._call(library().sparseps_worker_data_split, self._handle, step,
+                   ctypes.byref(index), ctypes.byref(count))
         return index.value, count.value
 
     @property

@@ -136,6 +136,22 @@ def test_the_elastic_sampler_shares_the_data_among_the_live_workers():
     assert list(plain) == list(range(2, 1000, 3))[:332]
 
 
+@pytest.mark.parametrize("backend", [sparseps.Worker, capi.Worker], ids=["module", "capi"])
+def test_data_split_before_init_is_an_error_and_the_sampler_waits_for_it(tmp_path, backend):
+    """Before init the worker's rank may not be known (the scheduler gives it): data_split is
+    the binding's Error saying to call init; an ElasticSampler made then (as a DataLoader usually
+    is) reads the membership only at its first use, which is that Error too."""
+    job = tmp_path / "job.yaml"
+    job.write_text("cluster: {num_workers: 3}\n")
+    w = backend(str(job))
+    error = capi.Error if backend is capi.Worker else sparseps.Error
+    with pytest.raises(error, match="call init"):
+        w.data_split(0)
+    s = sparseps.torch.ElasticSampler(1000, w, 10)
+    with pytest.raises(error, match="call init"):
+        s.set_epoch(0)
+
+
 @pytest.mark.skipif(not pathlib.Path("/usr/share/games/fortunes/fortunes").exists(),
                     reason="Debian's fortunes not installed (deploy/install-deps.sh)")
 def test_the_language_model_trains_through_sparseps(tmp_path):

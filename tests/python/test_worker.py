@@ -673,6 +673,7 @@ def test_report_evaluation_sets_the_live_test_accuracy_and_finishs_default(clust
         w.finish()
     run_threads([lambda r=r: worker(r) for r in range(2)])
     assert scraped == {"before": -1, "after": 0.8125}
+    assert c.wait() == {k: 0 for k in c.wait()}  # the scheduler wrote summary.json and left
     summary = json.loads((c.run_dir / "summary.json").read_text())
     assert summary["final_test_accuracy"] == 0.8125, summary
 
@@ -712,6 +713,7 @@ def test_a_worker_closed_by_its_with_block_leaves_the_job(cluster, backend):
 
     run_threads([stayer, leaver])
     assert closed == {"error": "the loop failed", "live": [0]}
+    assert c.wait() == {k: 0 for k in c.wait()}  # the scheduler wrote summary.json and left
     summary = json.loads((c.run_dir / "summary.json").read_text())
     assert summary["status"] == "ok", summary
     assert [w["rank"] for w in summary["lost_workers"]] == [1], summary

@@ -331,7 +331,8 @@ class Worker {
   /// The share of the epoch that begins after `step` steps (iterations), as sparseps-worker
   /// re-splits its data: the live workers' of the newest membership change (a worker lost under
   /// cluster.on_worker_failure: continue, or a replacement joined) that came before that step;
-  /// {rank(), num_workers()} while there is none, or before Init. Every worker gets the same
+  /// {rank(), num_workers()} while there is none. Throws kFailedPrecondition before Init (the
+  /// rank may not be known yet). Every worker gets the same
   /// count for the same step, so all of them agree on the epoch's steps (take
   /// (samples / count) / batch, not the shard's own length). Call it at each epoch's start. A
   /// worker left out of that epoch's set (a replacement, or a resumed worker that was lost

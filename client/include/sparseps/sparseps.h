@@ -208,9 +208,9 @@ void sparseps_worker_last_step(const sparseps_worker* worker, sparseps_step_coun
 size_t sparseps_worker_live_workers(const sparseps_worker* worker, int* ranks, size_t capacity);
 /* The share of the training data of the epoch that begins after `step` steps: shard *index of
  * *count (sparseps::client::Worker::data_split: the live workers' after a membership change, so
- * that every worker re-splits at the same epoch); {0, 1} for a NULL handle. */
-void sparseps_worker_data_split(const sparseps_worker* worker, uint64_t step, int* index,
-                                int* count);
+ * that every worker re-splits at the same epoch). Fails before init. */
+int sparseps_worker_data_split(const sparseps_worker* worker, uint64_t step, int* index, int* count,
+                               char* err, size_t err_len);
 /* Every key of the resolved config as "key = value" lines (as --get prints them), NUL-terminated
  * into out (at most out_len bytes); returns the bytes the whole text needs, NUL included. */
 size_t sparseps_worker_config(const sparseps_worker* worker, char* out, size_t out_len);
