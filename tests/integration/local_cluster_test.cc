@@ -603,6 +603,53 @@ TEST(LocalClusterFailure, DeadWorkerIsDroppedAndTheOthersFinishTheJob) {
   EXPECT_GT(summary.steps(), 2808u);
 }
 
+// The jobs of the tests of a lost worker's epochs: the quickstart's MLP (64 hidden units) on
+// 38,400 samples with 2 servers and 3 workers (200 steps an epoch; 300 once two are left) for
+// `epochs` epochs, with `more` overrides.
+std::vector<std::string> LostWorkerJob(int epochs, const std::vector<std::string>& more) {
+  std::vector<std::string> sets = {"model.hidden=[64]",
+                                   "data.max_train_samples=38400",
+                                   "data.max_test_samples=500",
+                                   "train.epochs=" + std::to_string(epochs),
+                                   "cluster.heartbeat_interval_s=0.25",
+                                   "cluster.heartbeat_timeout_s=10",
+                                   "cluster.request_timeout_s=120"};
+  sets.insert(sets.end(), more.begin(), more.end());
+  return sets;
+}
+
+// Kills worker 2 of a LostWorkerJob (c.nodes[4]) with kill -9 after its third step; returns the
+// steps it had done then (a caller skips when that is near the first epoch's end: the test was
+// held up), or -1 when it never got there (a failure is added).
+int64_t KillWorker2Early(const TempDir& dir, Cluster& c) {
+  const std::string csv = dir.path() + "/metrics-worker-2.csv";
+  if (c.scheduler == nullptr || !testing::WaitForCsvRows(csv, 3, 120)) {
+    ADD_FAILURE() << "worker 2 never reached step 3:\n"
+                  << (c.nodes.size() > 4 ? c.nodes[4]->Log() : "");
+    return -1;
+  }
+  c.nodes[4]->Signal(SIGKILL);
+  c.nodes[4]->Wait(30);
+  return testing::CsvRows(csv);
+}
+
+// After a LostWorkerJob of 3 epochs whose worker 2 came back (a replacement, or the job
+// resumed): the three share the data again from epoch 3 (200 steps; worker 0's log says so)
+// and every worker ends at 200 + 300 + 200 steps. `context` goes into the failure messages.
+void ExpectEpoch3WithAllThree(const TempDir& dir, const std::string& worker0_log,
+                              const std::string& context) {
+  EXPECT_THAT(worker0_log,
+              ::testing::HasSubstr("epoch 3: the data is re-split among the 3 live workers (200 "
+                                   "steps per epoch)"));
+  for (int w : {0, 1, 2}) {
+    std::vector<double> steps;
+    ASSERT_NO_FATAL_FAILURE(
+        CsvColumn(dir.path() + "/metrics-worker-" + std::to_string(w) + ".csv", "step", &steps));
+    ASSERT_FALSE(steps.empty());
+    EXPECT_EQ(steps.back(), 700.0) << "worker " << w << "; " << context;
+  }
+}
+
 // A server replaced after a worker loss: 3 workers (200 steps an epoch each), worker 2 killed
 // with kill -9 in the first epoch; from the second the two left share the data (300 steps an
 // epoch). Server 0 killed with kill -9 in that epoch and replaced (--rejoin): every worker goes
@@ -618,25 +665,11 @@ TEST(LocalClusterFailure, RollbackAfterALostWorkerKeepsTheReSplitPlan) {
   }
   TempDir dir("rollback-after-loss");
   const std::string config = std::string(SPARSEPS_SOURCE_DIR) + "/configs/quickstart.yaml";
-  const std::vector<std::string> extra = {"model.hidden=[64]",
-                                          "data.max_train_samples=38400",
-                                          "data.max_test_samples=500",
-                                          "train.epochs=2",
-                                          "checkpoint.every_steps=10",
-                                          "checkpoint.keep=0",
-                                          "cluster.heartbeat_interval_s=0.25",
-                                          "cluster.heartbeat_timeout_s=10",
-                                          "cluster.request_timeout_s=120"};
+  const auto extra = LostWorkerJob(2, {"checkpoint.every_steps=10", "checkpoint.keep=0"});
   Cluster c = Start(dir, config, 2, 3, extra);
-  ASSERT_NE(c.scheduler, nullptr);
-  ChildProcess& lost = *c.nodes[4];  // worker 2
-  ASSERT_TRUE(testing::WaitForCsvRows(dir.path() + "/metrics-worker-2.csv", 3, 120)) << lost.Log();
-  lost.Signal(SIGKILL);
-  lost.Wait(30);
-  if (const int64_t at = testing::CsvRows(dir.path() + "/metrics-worker-2.csv"); at >= 190) {
-    GTEST_SKIP() << "the test was held up: worker 2 was killed after step " << at
-                 << ", not early in epoch 1";
-  }
+  const int64_t at = KillWorker2Early(dir, c);
+  ASSERT_GE(at, 0);
+  if (at >= 190) GTEST_SKIP() << "the test was held up: worker 2 was killed after step " << at;
   const std::string worker0 = dir.path() + "/metrics-worker-0.csv";
   ASSERT_TRUE(testing::WaitForCsvRows(worker0, 201, 120)) << c.nodes[2]->Log();
   EXPECT_THAT(c.nodes[2]->Log(),
@@ -686,26 +719,13 @@ TEST(LocalClusterFailure, ResumeAfterALostWorkerKeepsTheEpochsAsTaken) {
   }
   TempDir dir("resume-after-loss");
   const std::string config = std::string(SPARSEPS_SOURCE_DIR) + "/configs/quickstart.yaml";
-  std::vector<std::string> extra = {"model.hidden=[64]",
-                                    "data.max_train_samples=38400",
-                                    "data.max_test_samples=500",
-                                    "train.epochs=3",
-                                    "checkpoint.every_steps=10",
-                                    "checkpoint.keep=0",
-                                    "cluster.heartbeat_interval_s=0.25",
-                                    "cluster.heartbeat_timeout_s=10",
-                                    "cluster.request_timeout_s=120"};
+  auto extra = LostWorkerJob(3, {"checkpoint.every_steps=10", "checkpoint.keep=0"});
   int64_t resumed_at = 0;
   {
     Cluster c = Start(dir, config, 2, 3, extra);
-    ASSERT_NE(c.scheduler, nullptr);
-    ASSERT_TRUE(testing::WaitForCsvRows(dir.path() + "/metrics-worker-2.csv", 3, 120))
-        << c.nodes[4]->Log();
-    c.nodes[4]->Signal(SIGKILL);
-    c.nodes[4]->Wait(30);
-    if (const int64_t at = testing::CsvRows(dir.path() + "/metrics-worker-2.csv"); at >= 190) {
-      GTEST_SKIP() << "the test was held up: worker 2 was killed after step " << at;
-    }
+    const int64_t at = KillWorker2Early(dir, c);
+    ASSERT_GE(at, 0);
+    if (at >= 190) GTEST_SKIP() << "the test was held up: worker 2 was killed after step " << at;
     ASSERT_FALSE(
         testing::WaitForFile(dir.path() + "/checkpoints/iter-0000000250/MANIFEST.json", 120)
             .empty())
@@ -731,16 +751,8 @@ TEST(LocalClusterFailure, ResumeAfterALostWorkerKeepsTheEpochsAsTaken) {
   ASSERT_EQ(again.scheduler->Wait(200), 0) << again.scheduler->Log();
   for (auto& n : again.nodes) EXPECT_EQ(n->Wait(60), 0) << n->Log();
   EXPECT_THAT(again.nodes[4]->Log(), ::testing::HasSubstr("has no file of worker 2"));
-  EXPECT_THAT(again.nodes[2]->Log(),
-              ::testing::HasSubstr("epoch 3: the data is re-split among the 3 live workers (200 "
-                                   "steps per epoch)"));
-  for (int w : {0, 1, 2}) {
-    std::vector<double> steps;
-    ASSERT_NO_FATAL_FAILURE(
-        CsvColumn(dir.path() + "/metrics-worker-" + std::to_string(w) + ".csv", "step", &steps));
-    ASSERT_FALSE(steps.empty());
-    EXPECT_EQ(steps.back(), 700.0) << "worker " << w << "; resumed at " << resumed_at;
-  }
+  ASSERT_NO_FATAL_FAILURE(ExpectEpoch3WithAllThree(dir, again.nodes[2]->Log(),
+                                                   "resumed at " + std::to_string(resumed_at)));
   std::vector<double> steps;
   ASSERT_NO_FATAL_FAILURE(CsvColumn(dir.path() + "/metrics-worker-0.csv", "step", &steps));
   ASSERT_EQ(steps.size(), 700u) << "resumed at " << resumed_at;
@@ -763,22 +775,11 @@ TEST(LocalClusterFailure, AReplacementLeftOutOfItsFirstEpochsSplitTrainsOn) {
   }
   TempDir dir("replacement-left-out");
   const std::string config = std::string(SPARSEPS_SOURCE_DIR) + "/configs/quickstart.yaml";
-  const std::vector<std::string> extra = {"model.hidden=[64]",
-                                          "data.max_train_samples=38400",
-                                          "data.max_test_samples=500",
-                                          "train.epochs=3",
-                                          "cluster.heartbeat_interval_s=0.25",
-                                          "cluster.heartbeat_timeout_s=10",
-                                          "cluster.request_timeout_s=120"};
+  const auto extra = LostWorkerJob(3, {});
   Cluster c = Start(dir, config, 2, 3, extra);
-  ASSERT_NE(c.scheduler, nullptr);
-  ASSERT_TRUE(testing::WaitForCsvRows(dir.path() + "/metrics-worker-2.csv", 3, 120))
-      << c.nodes[4]->Log();
-  c.nodes[4]->Signal(SIGKILL);
-  c.nodes[4]->Wait(30);
-  if (const int64_t at = testing::CsvRows(dir.path() + "/metrics-worker-2.csv"); at >= 190) {
-    GTEST_SKIP() << "the test was held up: worker 2 was killed after step " << at;
-  }
+  const int64_t at = KillWorker2Early(dir, c);
+  ASSERT_GE(at, 0);
+  if (at >= 190) GTEST_SKIP() << "the test was held up: worker 2 was killed after step " << at;
   ASSERT_TRUE(testing::WaitForCsvRows(dir.path() + "/metrics-worker-0.csv", 201, 120))
       << c.nodes[2]->Log();
   auto replacement = StartReplacement(dir, config, "worker/sparseps-worker", 2, 3, 2, extra);
@@ -789,16 +790,7 @@ TEST(LocalClusterFailure, AReplacementLeftOutOfItsFirstEpochsSplitTrainsOn) {
   const std::string log = replacement->Log();
   ASSERT_TRUE(std::regex_search(log, joined, std::regex("joining at step ([0-9]+)"))) << log;
   if (std::stoi(joined[1]) > 500) GTEST_SKIP() << "it joined after epoch 2: " << joined[0];
-  EXPECT_THAT(c.nodes[2]->Log(),
-              ::testing::HasSubstr("epoch 3: the data is re-split among the 3 live workers (200 "
-                                   "steps per epoch)"));
-  for (int w : {0, 1, 2}) {
-    std::vector<double> steps;
-    ASSERT_NO_FATAL_FAILURE(
-        CsvColumn(dir.path() + "/metrics-worker-" + std::to_string(w) + ".csv", "step", &steps));
-    ASSERT_FALSE(steps.empty());
-    EXPECT_EQ(steps.back(), 700.0) << "worker " << w << "; the replacement " << joined[0];
-  }
+  ExpectEpoch3WithAllThree(dir, c.nodes[2]->Log(), "the replacement " + joined[0].str());
 }
 
 // kill -9 worker 0 of the quickstart at a random step of its first two epochs and start a
