@@ -453,6 +453,14 @@ void Recovery::StartRollback(size_t idx, Clock::time_point now, std::vector<Outg
   m.set_resume_iteration(latest->iteration);
   m.clear_resume_files();
   for (const auto& f : latest->files) *m.add_resume_files() = ToProto(f, latest->iteration);
+  // The live workers changed after the checkpoint (a worker lost, a replacement joined): the
+  // iterations done again are theirs, so an epoch that begins at the checkpoint or later is too.
+  const auto& splits = m.splits();
+  if (std::any_of(splits.begin(), splits.end(), [&](const proto::WorkerSet& s) {
+        return s.from_iteration() >= static_cast<int64_t>(latest->iteration);
+      })) {
+    job_.AddSplit(static_cast<int64_t>(latest->iteration) - 1);
+  }
   r.record.set_membership_epoch(m.epoch());
   checkpoints_.DropPending();
   spdlog::warn(
