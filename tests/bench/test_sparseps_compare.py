@@ -79,6 +79,32 @@ def test_summarize_computes_the_figures(tmp_path):
     assert r["curve"] == [(1.5, 0.62), (3.0, 0.81), (4.5, 0.85)]
 
 
+def test_a_run_that_lost_worker_0_is_read_from_the_worker_that_went_on(tmp_path):
+    """Worker 0 lost after step 8 of 20: the step figures come from worker 1, which did all 20,
+    and the curve joins worker 0's evaluation with those of worker 1, which took over."""
+    run = str(tmp_path / "ps_topk")
+    make_run(run, 20, step_ms=lambda i: 100.0 + i, sent=lambda w, i: 1000 * (w + 1),
+             received=lambda w, i: 4000 + i,
+             evals=[(1.5, 0.62), (3.0, 0.81), (4.5, 0.85)])
+    path = os.path.join(run, "metrics-worker-0.csv")
+    with open(path) as f:
+        lines = f.read().splitlines()
+    with open(path, "w") as f:
+        f.write("\n".join(lines[:9]) + "\n")  # the header and steps 1..8
+    path = os.path.join(run, "eval-worker-0.csv")
+    with open(path) as f:
+        header, first, *later = f.read().splitlines()
+    with open(path, "w") as f:
+        f.write(f"{header}\n{first}\n")
+    with open(os.path.join(run, "eval-worker-1.csv"), "w") as f:
+        f.write("\n".join([header] + later) + "\n")
+    r = driver.summarize("ps_topk", run, target=0.80, workers=2)
+    assert r["steps"] == 20
+    assert r["step_ms_median"] == pytest.approx(111.5)
+    assert r["curve"] == [(1.5, 0.62), (3.0, 0.81), (4.5, 0.85)]
+    assert r["time_to_target_s"] == 3.0 and r["final_accuracy"] == 0.85
+
+
 def test_target_not_reached_and_missing_runs(tmp_path):
     run = str(tmp_path / "slow")
     make_run(run, 10, step_ms=lambda i: 50.0, sent=lambda w, i: 1, received=lambda w, i: 1,
