@@ -15,8 +15,9 @@ eval_every_steps, device), data.max_train_samples, data.max_test_samples, run.di
 run.progress_interval_s mean what they mean for the C++ worker. Each worker trains on its own
 shard (a seeded permutation of the training samples dealt by rank); when a worker is lost
 (cluster.on_worker_failure: continue) or a replacement joins, the live workers share the data
-anew from the next epoch on (sparseps.EpochPlan, sparseps.torch.ElasticSampler), and the leader, not worker 0, evaluates, prints
-the progress and writes eval-worker-<rank>.csv, as the C++ worker does.
+anew from the next epoch on (sparseps.torch.ElasticSampler and its sparseps.EpochPlan), and the
+leader, not worker 0, evaluates, prints the progress and writes eval-worker-<rank>.csv, as the
+C++ worker does.
 
 --evaluate FILE trains nothing: it scores a model file that a job of --model wrote
 (<run.dir>/model.safetensors, or a checkpoint folder's) on the test set of --config and --set (the
@@ -408,10 +409,12 @@ def run(args, build_model, load_data, perplexity=False):
     if get("data.max_test_samples"):
         xt, yt = xt[:get("data.max_test_samples")], yt[:get("data.max_test_samples")]
     x, y, xt, yt = x.to(device), y.to(device), xt.to(device), yt.to(device)
-    # The epochs and each one's share of the data as the membership says (sparseps-worker's).
-    plan = sparseps.EpochPlan(worker.data_split, len(x), batch, get("train.epochs"),
-                              get("train.max_steps"))
-    sampler = sparseps.torch.ElasticSampler(len(x), worker, batch, seed=seed)
+    # The epochs and each one's share of the data as the membership says (sparseps-worker's):
+    # the sampler's plan, which the loop steps through.
+    sampler = sparseps.torch.ElasticSampler(len(x), worker, batch, seed=seed,
+                                            epochs=get("train.epochs"),
+                                            max_steps=get("train.max_steps"))
+    plan = sampler.plan
     horizon["steps"] = plan.horizon
     optimizer = args.optimizer + (f" (lr {args.opt_lr})" if args.optimizer != "sgd" else "")
     if scheduler:

@@ -107,7 +107,7 @@ class Batches {
 
 using Split = WorkerSession::DataSplit;
 
-// Evaluates the job's parameters on the test set (worker 0) and logs it.
+// Evaluates the job's parameters on the test set (on the leader) and logs it.
 Status Evaluate(Model& model, Aggregator& aggregator, const Dataset& test, uint32_t epoch,
                 uint64_t steps, TrainingLog* log) {
   log->BeginEval();

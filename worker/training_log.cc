@@ -186,8 +186,7 @@ void TrainingLog::EndEval(uint32_t epoch, uint64_t steps, double test_loss, doub
   copies_.EndEval();
   const double took = SecondsSince(eval_start_);
   const double wall = SecondsSince(start_);
-  test_accuracy_ = test_accuracy;
-  if (live_ != nullptr) live_->test_accuracy.Set(test_accuracy);
+  SetTestAccuracy(test_accuracy);
   evals_.Row({static_cast<double>(epoch), static_cast<double>(steps), wall, test_loss,
               test_accuracy, wall - eval_s_ - took});
   eval_s_ += took;

@@ -29,23 +29,26 @@ class ElasticSampler(torch.utils.data.Sampler):
     anew. The DataLoader's batch_size must be the sampler's.
 
     data: a sized data set (len(data)) or the number of samples. shuffle=False: the shard in the
-    data set's order. seed: the same on every worker (train.seed). It may be made before
+    data set's order. seed: the same on every worker (train.seed). epochs, max_steps: the end of
+    its plan (plan.total, plan.horizon: EpochPlan's), for a loop that plans its steps by it
+    (examples/torch_job.py); none by default. It may be made before
     worker.init (a DataLoader usually is); it reads the membership from its first use on, which
     before init is the binding's Error. ValueError when a worker's share holds no whole batch.
     Not thread-safe across set_epoch."""
 
-    def __init__(self, data, worker, batch_size, shuffle=True, seed=0):
+    def __init__(self, data, worker, batch_size, shuffle=True, seed=0, epochs=None, max_steps=0):
         self.samples = data if isinstance(data, int) else len(data)
         self.worker, self.batch, self.shuffle, self.seed = worker, batch_size, shuffle, seed
+        self.epochs, self.max_steps = epochs, max_steps
         self._plan = None  # made at the first use: the worker's membership comes with init
         self.epoch, self.skip = 0, 0
 
     @property
     def plan(self):
         """The EpochPlan the epochs follow (made at the first use)."""
-        if self._plan is None:
-            self._plan = EpochPlan(self.worker.data_split, self.samples, self.batch)
-            self._plan.seek_epoch(self.epoch)
+        if self._plan is None:  # at epoch 0, which self.epoch is until set_epoch
+            self._plan = EpochPlan(self.worker.data_split, self.samples, self.batch, self.epochs,
+                                   self.max_steps)
         return self._plan
 
     def epoch_of(self, step):

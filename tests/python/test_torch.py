@@ -134,6 +134,8 @@ def test_the_elastic_sampler_shares_the_data_among_the_live_workers():
     assert len(batches) == 250 - 68 and sum(batches, []) == list(resumed)
     plain = sampler(2, shuffle=False)
     assert list(plain) == list(range(2, 1000, 3))[:332]
+    planned = sparseps.torch.ElasticSampler(1000, SplitWorker(1), 2, epochs=3, max_steps=400)
+    assert (planned.plan.total, planned.plan.horizon, planned.plan.epochs) == (400, 498, 3)
 
 
 @pytest.mark.parametrize("backend", [sparseps.Worker, capi.Worker], ids=["module", "capi"])
