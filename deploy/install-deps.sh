@@ -15,7 +15,7 @@ packages=(
   libopenblas-dev zlib1g-dev libxxhash-dev
   googletest libgtest-dev libgmock-dev libbenchmark-dev
   dataset-fashion-mnist fortunes
-  clang-format clang libclang-rt-14-dev lld iproute2 iptables iperf3 procps python3 curl dpkg-dev
+  clang-format clang libclang-rt-14-dev lld iproute2 iptables iperf3 socat procps python3 curl dpkg-dev
   slurm-wlm slurmctld slurmd slurm-client munge openssh-server openssh-client prometheus-cpp-dev libmicrohttpd-dev
   systemd
   libgloo-dev python3-yaml python3-matplotlib python3-pytest python3-prometheus-client

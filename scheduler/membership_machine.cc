@@ -195,19 +195,23 @@ void MembershipMachine::ReleaseBarrier(const BarrierKey& key, std::vector<Outgoi
   auto it = barriers_.find(key);
   if (it == barriers_.end()) return;
   const auto members = BarrierMembers(it->second.group);
-  for (size_t m : members) {
-    Outgoing o{job_.nodes[m].routing_id, {}};
-    o.msg.header.set_command(proto::BARRIER_RELEASE);
-    o.msg.header.set_sender_role(proto::SCHEDULER);
-    o.msg.header.set_epoch(job_.membership.epoch());
-    o.msg.header.mutable_barrier()->set_name(key.first);
-    o.msg.header.mutable_barrier()->set_generation(key.second);
-    o.msg.header.mutable_barrier()->set_group(it->second.group);
-    out->push_back(std::move(o));
-  }
+  for (size_t m : members) SendRelease(m, key, it->second.group, out);
   spdlog::debug("barrier '{}' generation {} released ({} members)", key.first, key.second,
                 members.size());
+  released_[key] = it->second.group;
   barriers_.erase(it);
+}
+
+void MembershipMachine::SendRelease(size_t node, const BarrierKey& key, proto::Role group,
+                                    std::vector<Outgoing>* out) const {
+  Outgoing o{job_.nodes[node].routing_id, {}};
+  o.msg.header.set_command(proto::BARRIER_RELEASE);
+  o.msg.header.set_sender_role(proto::SCHEDULER);
+  o.msg.header.set_epoch(job_.membership.epoch());
+  o.msg.header.mutable_barrier()->set_name(key.first);
+  o.msg.header.mutable_barrier()->set_generation(key.second);
+  o.msg.header.mutable_barrier()->set_group(group);
+  out->push_back(std::move(o));
 }
 
 void MembershipMachine::CheckWaits(std::vector<Outgoing>* out) {
@@ -242,6 +246,16 @@ void MembershipMachine::HandleBarrier(const std::string& from, const proto::Head
     return;
   }
   const BarrierKey key(b.name(), b.generation());
+  if (auto done = released_.find(key); done != released_.end()) {
+    // Entered again after the release (the node sends it again until released: its release, or
+    // its first BARRIER, was lost to a connection that broke): the release again, to it alone.
+    if (done->second != b.group()) {
+      job_.Refuse(from, "barrier '" + b.name() + "' entered with two different groups", out);
+    } else {
+      SendRelease(static_cast<size_t>(idx), key, b.group(), out);
+    }
+    return;
+  }
   auto [it, fresh] = barriers_.try_emplace(key);
   if (fresh) {
     it->second.first_arrival = now;
@@ -263,6 +277,7 @@ void MembershipMachine::HandleDone(const std::string& from, const proto::Header&
     return;
   }
   SchedulerNode& n = job_.nodes[static_cast<size_t>(idx)];
+  if (n.done) return;  // sent again: it had no SHUTDOWN yet, and the job goes on
   n.done = true;
   worker_stats_[static_cast<size_t>(n.rank)] = h.done().stats();
   spdlog::info("{} is done ({} of {} workers)", job_.Describe(n), job_.DoneWorkers(),
@@ -270,12 +285,22 @@ void MembershipMachine::HandleDone(const std::string& from, const proto::Header&
   CheckWaits(out);
 }
 
-bool MembershipMachine::HandleServerReport(const std::string& from, const Result<Message>& msg) {
+bool MembershipMachine::HandleAfterEnd(const std::string& from, const Result<Message>& msg,
+                                       std::vector<Outgoing>* out) {
   if (!job_.finished || !job_.finished->ok() || !msg.ok()) return ServersNotReported().empty();
   const int idx = job_.FindNodeByRoutingId(from);
   if (idx < 0) return ServersNotReported().empty();
   const SchedulerNode& n = job_.nodes[static_cast<size_t>(idx)];
   const auto& h = msg->header;
+  if (n.role == proto::WORKER && n.done && !n.dead && n.routing_id == from &&
+      n.public_key == msg->peer_key && h.command() == proto::DONE) {
+    Outgoing o{from, {}};
+    o.msg.header.set_command(proto::SHUTDOWN);
+    o.msg.header.set_sender_role(proto::SCHEDULER);
+    o.msg.header.set_epoch(job_.membership.epoch());
+    out->push_back(std::move(o));
+    return ServersNotReported().empty();
+  }
   if (n.role == proto::SERVER && !n.dead && n.public_key == msg->peer_key &&
       h.command() == proto::DONE && h.has_done() && h.done().has_server_stats() && n.rank >= 0 &&
       static_cast<size_t>(n.rank) < server_stats_.size()) {

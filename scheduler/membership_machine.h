@@ -41,8 +41,10 @@ class MembershipMachine {
   // The registration deadline, heartbeats to every node, the barriers' deadlines.
   void Tick(Clock::time_point now, std::vector<Outgoing>* out);
 
-  // Once the job ended normally: a server's DONE with its counters (see Scheduler).
-  bool HandleServerReport(const std::string& from, const Result<Message>& msg);
+  // Once the job ended normally: a server's DONE with its counters, a worker's DONE again (see
+  // Scheduler).
+  bool HandleAfterEnd(const std::string& from, const Result<Message>& msg,
+                      std::vector<Outgoing>* out);
   std::vector<int> ServersNotReported() const;
   const std::vector<proto::WorkerStats>& worker_stats() const { return worker_stats_; }
   const std::vector<std::optional<proto::ServerStats>>& server_stats() const {
@@ -68,6 +70,9 @@ class MembershipMachine {
   std::vector<size_t> BarrierMembers(proto::Role group) const;
   bool Complete(const BarrierState& b) const;
   void ReleaseBarrier(const BarrierKey& key, std::vector<Outgoing>* out);
+  // BARRIER_RELEASE of `key` to node `node` (an index into JobState::nodes).
+  void SendRelease(size_t node, const BarrierKey& key, proto::Role group,
+                   std::vector<Outgoing>* out) const;
   // Registration timed out: who is missing.
   std::string MissingNodes() const;
 
@@ -76,6 +81,9 @@ class MembershipMachine {
   const std::string config_text_;  // CanonicalJobConfig of the scheduler's config
   const std::string config_hash_;
   std::map<BarrierKey, BarrierState> barriers_;
+  // Barriers released, by group: a member that enters one again (its release seemed lost) gets
+  // the release again.
+  std::map<BarrierKey, proto::Role> released_;
   Clock::time_point last_heartbeat_sent_;
   std::vector<proto::WorkerStats> worker_stats_;                 // index = worker rank
   std::vector<std::optional<proto::ServerStats>> server_stats_;  // index = server rank

@@ -119,6 +119,12 @@ bool Scheduler::Unreachable(const std::string& to, Clock::time_point now) {
   return true;
 }
 
+bool Scheduler::HoldsMessagesFor(const std::string& to) const {
+  const int idx = job_.FindNodeByRoutingId(to);
+  return idx >= 0 && job_.nodes[static_cast<size_t>(idx)].routing_id == to &&
+         !job_.nodes[static_cast<size_t>(idx)].dead;
+}
+
 proto::RunSummary Scheduler::Summary(Clock::time_point now) const {
   proto::RunSummary s;
   s.set_job_name(job_.config.run().name());

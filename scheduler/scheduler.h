@@ -64,11 +64,17 @@ class Scheduler {
   // Ends the job now: FATAL with `reason` to every registered node; final_status() is Aborted.
   void Abort(const std::string& reason, std::vector<Outgoing>* out) { job_.Abort(reason, out); }
 
+  // Whether messages to routing id `to` wait for its connection to be back (Outbox): the control
+  // socket of a node that is not removed from the job.
+  bool HoldsMessagesFor(const std::string& to) const;
+
   // Once the job ended normally (SHUTDOWN sent): a server's DONE with its counters, accepted only
-  // from that server's own control socket and key, for summary.json's `servers`. Anything else is
-  // ignored. Returns true once every server in the job has reported.
-  bool HandleServerReport(const std::string& from, const Result<Message>& msg) {
-    return membership_.HandleServerReport(from, msg);
+  // from that server's own control socket and key, for summary.json's `servers`; a worker's DONE
+  // again (it did not get the SHUTDOWN, or its DONE seemed lost) is answered with SHUTDOWN again.
+  // Anything else is ignored. Returns true once every server in the job has reported.
+  bool HandleAfterEnd(const std::string& from, const Result<Message>& msg,
+                      std::vector<Outgoing>* out) {
+    return membership_.HandleAfterEnd(from, msg, out);
   }
   // The ranks of the servers in the job that have not reported their counters yet.
   std::vector<int> ServersNotReported() const { return membership_.ServersNotReported(); }

@@ -10,6 +10,7 @@
 
 #include "observability/metrics.h"
 #include "observability/prometheus.h"
+#include "scheduler/outbox.h"
 #include "scheduler/scheduler.h"
 #include "security/security.h"
 
@@ -36,12 +37,16 @@ class SchedulerMetrics {
         dropped_handoff_(registry_.Counter(
             "sparseps_scheduler_dropped_handoff_chunks_total",
             "HANDOFF chunks not passed on: their replacement left, or no hand-over of theirs "
-            "was open")) {}
+            "was open")),
+        held_(registry_.Gauge("sparseps_scheduler_held_messages",
+                              "Messages waiting for a node whose connection is gone to be back")) {}
 
   Status Start(const proto::JobConfig& config) { return registry_.StartFromConfig(config); }
 
-  void Update(const Scheduler& s, Clock::time_point now) {
+  // `held`: the Outbox's messages held now.
+  void Update(const Scheduler& s, size_t held, Clock::time_point now) {
     if (!registry_.serving()) return;  // metrics.port 0: no per-node strings every loop
+    held_.Set(static_cast<double>(held));
     epoch_.Set(static_cast<double>(s.has_membership() ? s.membership().epoch() : 0));
     AdvanceTo(lost_, static_cast<double>(s.lost_workers()));
     AdvanceTo(impostors_, static_cast<double>(s.impostor_messages()));
@@ -79,7 +84,91 @@ class SchedulerMetrics {
   prometheus::Counter& impostors_;
   prometheus::Counter& malformed_;
   prometheus::Counter& dropped_handoff_;
+  prometheus::Gauge& held_;
 };
+
+// The scheduler's sends through an Outbox, with their warnings: a node whose connection is gone
+// (at most once per 10 s a node), what was not sent.
+class Sender {
+ public:
+  Sender(Scheduler& scheduler, zmq::socket_t& socket, double hold_s)
+      : scheduler_(scheduler),
+        socket_(socket),
+        outbox_([&scheduler](const std::string& to) { return scheduler.HoldsMessagesFor(to); },
+                hold_s) {}
+
+  // Sends what is held that can go now, then *out (cleared).
+  void Flush(std::vector<Outgoing>* out) {
+    const auto now = Clock::now();
+    outbox_.Retry(socket_, now, &events_);
+    outbox_.Send(socket_, out, now, &events_);
+    for (const auto& e : events_) {
+      switch (e.kind) {
+        case Outbox::Event::kHeld:
+          // A node whose connection is gone: declared dead soon (Unreachable) unless it is back;
+          // what it is sent meanwhile waits for it.
+          scheduler_.Unreachable(e.to, now);
+          held_log_.Warn(e.to, "its connection is gone: " + e.what +
+                                   " and what follows wait for it to be back");
+          break;
+        case Outbox::Event::kGone:
+          if (scheduler_.Unreachable(e.to, now)) send_log_.Warn(e.to, "could not send: " + e.what);
+          break;
+        case Outbox::Event::kDropped:  // a peer that does not read its replies loses them
+          send_log_.Warn(e.to, "could not send: " + e.what);
+          break;
+        case Outbox::Event::kExpired:
+          spdlog::warn("{} was not sent to {}: its connection did not come back", e.what,
+                       PrintablePeer(e.to));
+          break;
+      }
+    }
+    events_.clear();
+  }
+  size_t held() const { return outbox_.held(); }
+
+ private:
+  Scheduler& scheduler_;
+  zmq::socket_t& socket_;
+  Outbox outbox_;
+  std::vector<Outbox::Event> events_;
+  RateLimitedLog send_log_{10.0}, held_log_{10.0};
+};
+
+// After the job ended normally. The servers answer SHUTDOWN with their counters (DONE): waits a
+// little for them, so that summary.json holds every server's too. A SHUTDOWN held for a node
+// whose connection broke waits as long as the job would have waited for the node (two heartbeat
+// intervals, at least as long as for the servers), and a worker's DONE sent again meanwhile gets
+// the SHUTDOWN again.
+void AwaitTheEnd(const proto::JobConfig& config, Scheduler& scheduler, zmq::socket_t& socket,
+                 Sender& sender) {
+  constexpr double kEndWait = 3.0;
+  const double held_wait = std::max(kEndWait, 2 * config.cluster().heartbeat_interval_s());
+  const auto wait_start = Clock::now();
+  std::vector<Outgoing> out;
+  bool all = scheduler.ServersNotReported().empty();
+  while ((!all || sender.held() > 0) &&
+         SecondsSince(wait_start) < (sender.held() > 0 ? held_wait : kEndWait)) {
+    if (PollIn({&socket}, 50)[0]) {
+      std::string from;
+      auto msg = RecvMessage(socket, true, &from, nullptr);
+      if (msg.ok() || msg.status().code() != StatusCode::kIoError) {
+        all = scheduler.HandleAfterEnd(from, msg, &out);
+      }
+    }
+    sender.Flush(&out);
+  }
+  for (int r : scheduler.ServersNotReported()) {
+    spdlog::warn("server {} did not report its counters within {} s; summary.json lacks them", r,
+                 kEndWait);
+  }
+  if (sender.held() > 0) {
+    spdlog::warn(
+        "{} messages (the SHUTDOWN among them) were not sent within {} s: their nodes' "
+        "connections are gone",
+        sender.held(), held_wait);
+  }
+}
 
 }  // namespace
 
@@ -92,7 +181,8 @@ Status RunScheduler(const proto::JobConfig& config) {
   if (!bound.ok()) return bound.status();
   zmq::socket_t& socket = bound->socket;
   spdlog::info("scheduler listening on {} for {} servers and {} workers",
-               Endpoint(bind_host, bound->port), config.cluster().num_servers(),
+               Endpoint(bind_host, bound->port),
+               config.aggregation() == proto::ALLREDUCE ? 0 : config.cluster().num_servers(),
                config.cluster().num_workers());
   const std::string& dir = config.run().dir();
   if (!dir.empty()) {
@@ -112,19 +202,10 @@ Status RunScheduler(const proto::JobConfig& config) {
   SchedulerMetrics metrics(config);
   SPARSEPS_RETURN_IF_ERROR(metrics.Start(config));
   std::vector<Outgoing> out;
-  RateLimitedLog send_log(10.0);
-  auto flush = [&] {
-    for (auto& o : out) {
-      Status s = SendMessage(socket, o.msg, &o.to);
-      // A peer whose connection is gone: logged once, and declared dead soon (Unreachable). A
-      // peer that does not read its replies (kSocketHwm queued) loses them.
-      if (!s.ok() &&
-          (s.code() != StatusCode::kNotFound || scheduler.Unreachable(o.to, Clock::now()))) {
-        send_log.Warn(o.to, "could not send: " + s.message());
-      }
-    }
-    out.clear();
-  };
+  // A node's messages wait for its connection to be back for up to the heartbeat timeout; a node
+  // that stays unreachable for two heartbeat intervals is declared dead before that.
+  Sender sender(scheduler, socket, config.cluster().heartbeat_timeout_s());
+  auto flush = [&] { sender.Flush(&out); };
   while (!scheduler.finished()) {
     auto ready = PollIn({&socket}, 50);
     // At most kDrainBudget messages between two flushes and ticks: a flood neither starves the
@@ -144,28 +225,11 @@ Status RunScheduler(const proto::JobConfig& config) {
     }
     scheduler.Tick(Clock::now(), &out);
     flush();
-    metrics.Update(scheduler, Clock::now());
+    metrics.Update(scheduler, sender.held(), Clock::now());
   }
   flush();
   Status result = scheduler.final_status();
-  if (result.ok() && !scheduler.ServersNotReported().empty()) {
-    // The servers answer SHUTDOWN with their counters (DONE): wait a little for them, so that
-    // summary.json holds every server's too.
-    constexpr double kServerReportWait = 3.0;
-    const auto wait_start = Clock::now();
-    bool all = false;
-    while (!all && SecondsSince(wait_start) < kServerReportWait) {
-      if (!PollIn({&socket}, 50)[0]) continue;
-      std::string from;
-      auto msg = RecvMessage(socket, true, &from, nullptr);
-      if (!msg.ok() && msg.status().code() == StatusCode::kIoError) continue;
-      all = scheduler.HandleServerReport(from, msg);
-    }
-    for (int r : scheduler.ServersNotReported()) {
-      spdlog::warn("server {} did not report its counters within {} s; summary.json lacks them", r,
-                   kServerReportWait);
-    }
-  }
+  if (result.ok()) AwaitTheEnd(config, scheduler, socket, sender);
   if (!dir.empty()) {
     Status w = WriteJson(dir + "/summary.json", scheduler.Summary(Clock::now()));
     if (!w.ok())

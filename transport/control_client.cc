@@ -364,28 +364,36 @@ Status ControlClient::WaitForEpoch(uint64_t epoch) {
                      scheduler_endpoint());
 }
 
-Status ControlClient::WaitForMembership() {
-  const double total = config_.cluster().register_timeout_s() + 10.0;
+Status ControlClient::WaitResending(const proto::Header& request, const std::function<bool()>& done,
+                                    double timeout_s, const std::string& what) {
   const double retry = config_.cluster().retry_interval_s();
-  const std::string what = "the membership from the scheduler at " + scheduler_endpoint() +
-                           " (is it running, and are all nodes started?)";
   const auto start = Clock::now();
   while (true) {
-    const double left = total - SecondsSince(start);
-    Status s = WaitFor([this] { return has_membership_; },
-                       std::max(0.0, retry > 0 ? std::min(retry, left) : left), what);
+    const double left = timeout_s - SecondsSince(start);
+    Status s = WaitFor(done, std::max(0.0, retry > 0 ? std::min(retry, left) : left), what);
     if (s.code() != StatusCode::kDeadlineExceeded) return s;
-    if (SecondsSince(start) >= total) {
-      return Status::DeadlineExceeded("timed out after " + std::to_string(total) +
+    if (SecondsSince(start) >= timeout_s) {
+      return Status::DeadlineExceeded("timed out after " + std::to_string(timeout_s) +
                                       " s waiting for " + what);
     }
-    // The registration may have been lost (a connection that broke): again, which the scheduler
-    // takes as the same one.
+    // The request or its answer may have been lost (a connection that broke): again, which the
+    // scheduler takes as the same one.
+    spdlog::info("no answer to {} within {} s: sending it again", CommandName(request.command()),
+                 retry);
     Message msg;
-    msg.header.set_command(proto::REGISTER);
-    *msg.header.mutable_register_() = register_;
+    msg.header = request;
     SPARSEPS_RETURN_IF_ERROR(Send(msg));
   }
+}
+
+Status ControlClient::WaitForMembership() {
+  proto::Header request;
+  request.set_command(proto::REGISTER);
+  *request.mutable_register_() = register_;
+  return WaitResending(
+      request, [this] { return has_membership_; }, config_.cluster().register_timeout_s() + 10.0,
+      "the membership from the scheduler at " + scheduler_endpoint() +
+          " (is it running, and are all nodes started?)");
 }
 
 Status ControlClient::Barrier(const std::string& name, proto::Role group) {
@@ -395,10 +403,12 @@ Status ControlClient::Barrier(const std::string& name, proto::Role group) {
   msg.header.mutable_barrier()->set_name(name);
   msg.header.mutable_barrier()->set_generation(generation);
   msg.header.mutable_barrier()->set_group(group);
+  const proto::Header request = msg.header;
   SPARSEPS_RETURN_IF_ERROR(Send(msg));
-  return WaitFor([&] { return barrier_released_[name] > generation; },
-                 config_.cluster().barrier_timeout_s() + 10.0,
-                 "barrier '" + name + "' generation " + std::to_string(generation));
+  return WaitResending(
+      request, [&] { return barrier_released_[name] > generation; },
+      config_.cluster().barrier_timeout_s() + 10.0,
+      "barrier '" + name + "' generation " + std::to_string(generation));
 }
 
 void ControlClient::StartHeartbeats() {
@@ -458,11 +468,15 @@ Status ControlClient::ReportCheckpoint(uint64_t iteration, const proto::Checkpoi
   return Send(msg);
 }
 
-Status ControlClient::SendDone(const proto::WorkerStats& stats) {
+Status ControlClient::Finish(const proto::WorkerStats& stats) {
   Message msg;
   msg.header.set_command(proto::DONE);
   *msg.header.mutable_done()->mutable_stats() = stats;
-  return Send(msg);
+  const proto::Header request = msg.header;
+  SPARSEPS_RETURN_IF_ERROR(Send(msg));
+  return WaitResending(
+      request, [this] { return shutdown_; }, config_.cluster().request_timeout_s(),
+      "SHUTDOWN from the scheduler");
 }
 
 }  // namespace sparseps

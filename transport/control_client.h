@@ -82,7 +82,10 @@ class ControlClient {
   Status WaitForMembership();
 
   // Enters barrier `name` for `group` (WORKER or ROLE_UNSPECIFIED for all nodes) and waits for
-  // the release. Generations count per name, so the same name can be used again.
+  // the release, for cluster.barrier_timeout_s + 10 s. Generations count per name, so the same
+  // name can be used again. Enters it again every cluster.retry_interval_s meanwhile (a BARRIER
+  // or its release lost to a connection that broke; the scheduler answers a repeat of a released
+  // one with the release).
   Status Barrier(const std::string& name, proto::Role group);
 
   // Starts the heartbeat thread (own socket), one HEARTBEAT per cluster.heartbeat_interval_s.
@@ -93,8 +96,11 @@ class ControlClient {
   // Tells the scheduler that this node's file of checkpoint `iteration` is on disk.
   Status ReportCheckpoint(uint64_t iteration, const proto::CheckpointFile& file);
 
-  // Sends DONE with this worker's statistics.
-  Status SendDone(const proto::WorkerStats& stats);
+  // Sends DONE with this worker's statistics and waits for the SHUTDOWN (once every live worker
+  // is done), for cluster.request_timeout_s; sends DONE again every cluster.retry_interval_s
+  // meanwhile (the scheduler counts a worker done once, and answers a repeat after the end with
+  // the SHUTDOWN again). Errors: as WaitFor's.
+  Status Finish(const proto::WorkerStats& stats);
 
   // Tells the scheduler that this node failed with `error` (FATAL node -> scheduler), so the job
   // ends at once naming this node and the cause instead of waiting for the heartbeat timeout.
@@ -183,6 +189,10 @@ class ControlClient {
 
  private:
   Status Send(Message& msg);
+  // WaitFor(done, timeout_s, what), sending `request` again every cluster.retry_interval_s (0:
+  // never) until done.
+  Status WaitResending(const proto::Header& request, const std::function<bool()>& done,
+                       double timeout_s, const std::string& what);
   void HeartbeatLoop(int rank, uint64_t epoch);
 
   zmq::context_t& context_;

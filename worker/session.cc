@@ -477,9 +477,7 @@ Status WorkerSession::Finish(proto::WorkerStats stats) {
   SPARSEPS_RETURN_IF_ERROR(BeforeStep());  // a hand-over still due goes out empty
   if (held_ != nullptr) SPARSEPS_RETURN_IF_ERROR(SubmitCheckpoint());
   SPARSEPS_RETURN_IF_ERROR(ReportWritten(/*wait=*/true));
-  SPARSEPS_RETURN_IF_ERROR(control_.SendDone(stats));
-  Status s = control_.WaitFor([&] { return control_.shutdown_requested(); },
-                              config_.cluster().request_timeout_s(), "SHUTDOWN from the scheduler");
+  Status s = control_.Finish(stats);
   control_.StopHeartbeats();
   return s;
 }

@@ -1,6 +1,7 @@
-// The node side of a replacement's hand-over (transport/control_client.h): a donor's chunks, as
-// the scheduler passes them on, put back together on the replacement; malformed ones refused and
-// counted. A ROUTER on loopback stands in for the scheduler.
+// The node side of the control plane (transport/control_client.h): a BARRIER and a DONE sent
+// again until answered; a replacement's hand-over, a donor's chunks as the scheduler passes them
+// on put back together on the replacement, malformed ones refused and counted. A ROUTER on
+// loopback stands in for the scheduler.
 #include "transport/control_client.h"
 
 #include <gtest/gtest.h>
@@ -15,7 +16,7 @@
 namespace sparseps {
 namespace {
 
-class HandoffClientTest : public ::testing::Test {
+class ControlClientTest : public ::testing::Test {
  protected:
   void SetUp() override {
     auto router = BindRouter(context_, "127.0.0.1", 0);
@@ -70,7 +71,7 @@ class HandoffClientTest : public ::testing::Test {
   proto::JobConfig config_;
 };
 
-TEST_F(HandoffClientTest, TheDonorsChunksArePutBackTogetherOnTheReplacement) {
+TEST_F(ControlClientTest, TheDonorsChunksArePutBackTogetherOnTheReplacement) {
   std::string donor_id, replacement_id;
   auto donor = Connect(&donor_id);
   auto replacement = Connect(&replacement_id);
@@ -114,7 +115,7 @@ TEST_F(HandoffClientTest, TheDonorsChunksArePutBackTogetherOnTheReplacement) {
   EXPECT_EQ(replacement->rejected(), 0u);
 }
 
-TEST_F(HandoffClientTest, AMalformedChunkFailsTheHandoverAndIsCounted) {
+TEST_F(ControlClientTest, AMalformedChunkFailsTheHandoverAndIsCounted) {
   // Each a first chunk that cannot be: a model not of the job's size, more bytes than the bound,
   // chunks that do not add up, a chunk not due, none expected (another iteration).
   struct Case {
@@ -155,7 +156,7 @@ TEST_F(HandoffClientTest, AMalformedChunkFailsTheHandoverAndIsCounted) {
   }
 }
 
-TEST_F(HandoffClientTest, TheSchedulersRefusalEndsTheWaitWithItsReason) {
+TEST_F(ControlClientTest, TheSchedulersRefusalEndsTheWaitWithItsReason) {
   std::string id;
   auto replacement = Connect(&id);
   SendJoin(id, 1);
@@ -170,6 +171,55 @@ TEST_F(HandoffClientTest, TheSchedulersRefusalEndsTheWaitWithItsReason) {
   EXPECT_EQ(replacement->incoming_handoff().error,
             "worker 0's hand-over was refused: chunk 1 of 2 where chunk 0 was due");
   EXPECT_EQ(replacement->rejected(), 0u);
+}
+
+TEST_F(ControlClientTest, ABarrierAndADoneAreSentAgainUntilTheSchedulerAnswers) {
+  // The scheduler here takes each request's first copy as lost (a connection that broke) and
+  // answers its second.
+  config_.mutable_cluster()->set_retry_interval_s(0.3);
+  config_.mutable_cluster()->set_barrier_timeout_s(20);  // a client that never returns fails
+  config_.mutable_cluster()->set_request_timeout_s(30);
+  std::string id;
+  auto client = Connect(&id);
+  Message m;
+  m.header.set_command(proto::MEMBERSHIP);
+  m.header.mutable_membership()->set_epoch(1);
+  m.header.mutable_membership()->set_your_rank(0);
+  m.header.mutable_membership()->set_num_params(kParams);
+  ASSERT_TRUE(SendMessage(router_.socket, m, &id).ok());
+  PollUntil(*client, [&] { return client->has_membership(); });
+
+  Status barrier = Status::Internal("not returned");
+  std::thread entering([&] { barrier = client->Barrier("init-1", proto::WORKER); });
+  for (int copy = 0; copy < 2; ++copy) {
+    Message b = Receive();
+    EXPECT_EQ(b.header.command(), proto::BARRIER) << copy;
+    EXPECT_EQ(b.header.barrier().name(), "init-1") << copy;
+    EXPECT_EQ(b.header.barrier().generation(), 0u) << copy;
+    EXPECT_EQ(b.header.sender_rank(), 0) << copy;
+  }
+  Message release;
+  release.header.set_command(proto::BARRIER_RELEASE);
+  release.header.mutable_barrier()->set_name("init-1");
+  release.header.mutable_barrier()->set_generation(0);
+  ASSERT_TRUE(SendMessage(router_.socket, release, &id).ok());
+  entering.join();
+  EXPECT_TRUE(barrier.ok()) << barrier.ToString();
+
+  proto::WorkerStats stats;
+  stats.set_steps(7);
+  Status finish = Status::Internal("not returned");
+  std::thread finishing([&] { finish = client->Finish(stats); });
+  for (int copy = 0; copy < 2; ++copy) {
+    Message d = Receive();
+    EXPECT_EQ(d.header.command(), proto::DONE) << copy;
+    EXPECT_EQ(d.header.done().stats().steps(), 7u) << copy;
+  }
+  Message shutdown;
+  shutdown.header.set_command(proto::SHUTDOWN);
+  ASSERT_TRUE(SendMessage(router_.socket, shutdown, &id).ok());
+  finishing.join();
+  EXPECT_TRUE(finish.ok()) << finish.ToString();
 }
 
 }  // namespace

@@ -183,6 +183,27 @@ TEST_F(SchedulerTest, BarrierReleasesOnlyWhenAllArrive) {
   EXPECT_EQ(bad[0].msg.header.command(), proto::ERROR);
 }
 
+TEST_F(SchedulerTest, ABarrierEnteredAgainAfterItsReleaseIsReleasedAgainForThatNodeAlone) {
+  // A node enters its barrier again every cluster.retry_interval_s until released: its BARRIER
+  // or the release may have been lost to a connection that broke.
+  Scheduler s(config_, t0_);
+  RegisterAll(s);
+  EXPECT_TRUE(Send(s, "w-a", BarrierMsg(proto::WORKER, 0, "init", 0, proto::WORKER), t0_).empty());
+  EXPECT_TRUE(Send(s, "w-a", BarrierMsg(proto::WORKER, 0, "init", 0, proto::WORKER), t0_).empty());
+  ASSERT_EQ(Send(s, "w-b", BarrierMsg(proto::WORKER, 1, "init", 0, proto::WORKER), t0_).size(), 2u);
+  auto again = Send(s, "w-b", BarrierMsg(proto::WORKER, 1, "init", 0, proto::WORKER), t0_);
+  ASSERT_EQ(again.size(), 1u);
+  EXPECT_EQ(again[0].to, "w-b");
+  EXPECT_EQ(again[0].msg.header.command(), proto::BARRIER_RELEASE);
+  EXPECT_EQ(again[0].msg.header.barrier().name(), "init");
+  EXPECT_EQ(again[0].msg.header.barrier().generation(), 0u);
+  // The next generation is a barrier of its own: w-a alone does not release it.
+  EXPECT_TRUE(Send(s, "w-a", BarrierMsg(proto::WORKER, 0, "init", 1, proto::WORKER), t0_).empty());
+  auto bad = Send(s, "w-a", BarrierMsg(proto::WORKER, 0, "init", 0, proto::ROLE_UNSPECIFIED), t0_);
+  ASSERT_EQ(bad.size(), 1u);
+  EXPECT_EQ(bad[0].msg.header.command(), proto::ERROR);
+}
+
 TEST_F(SchedulerTest, BarrierTimeoutNamesWhoIsMissing) {
   Scheduler s(config_, t0_);
   RegisterAll(s);
@@ -242,6 +263,34 @@ TEST_F(SchedulerTest, AllWorkersDoneShutsDown) {
   ASSERT_EQ(out.size(), 4u);
   for (auto& o : out) EXPECT_EQ(o.msg.header.command(), proto::SHUTDOWN);
   EXPECT_EQ(s.Summary(t0_ + seconds(1)).steps(), 5u);
+}
+
+TEST_F(SchedulerTest, ADoneSentAgainCountsOnceAndAfterTheEndGetsTheShutdownAgain) {
+  Scheduler s(config_, t0_);
+  RegisterAll(s);
+  auto done = [](uint64_t steps) {
+    Message d;
+    d.header.set_command(proto::DONE);
+    d.header.mutable_done()->mutable_stats()->set_steps(steps);
+    return d;
+  };
+  EXPECT_TRUE(Send(s, "w-a", done(5), t0_).empty());
+  // Sent again (no SHUTDOWN yet): counted once, the first report kept, the job still on.
+  EXPECT_TRUE(Send(s, "w-a", done(6), t0_).empty());
+  EXPECT_FALSE(s.finished());
+  ASSERT_EQ(Send(s, "w-b", done(5), t0_).size(), 4u);
+  ASSERT_TRUE(s.finished());
+  EXPECT_EQ(s.Summary(t0_).workers(0).steps(), 5u);
+  // After the end a worker's DONE again (its SHUTDOWN lost) gets the SHUTDOWN again, to it alone;
+  // the servers' counters are still taken.
+  std::vector<Outgoing> out;
+  EXPECT_FALSE(s.HandleAfterEnd("w-b", Result<Message>(done(5)), &out));
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(out[0].to, "w-b");
+  EXPECT_EQ(out[0].msg.header.command(), proto::SHUTDOWN);
+  out.clear();
+  EXPECT_FALSE(s.HandleAfterEnd("s-a", Result<Message>(done(5)), &out));
+  EXPECT_TRUE(out.empty());  // a server's DONE without counters is not a report
 }
 
 TEST_F(SchedulerTest, MalformedMessageIsCountedAndAnswered) {

@@ -198,9 +198,8 @@ TEST_F(MalformedMessageTest, ServerRejectsGarbageAndKeepsServing) {
   }
 
   // End the job: DONE, then every process exits 0.
-  ASSERT_TRUE(control.SendDone(proto::WorkerStats()).ok());
-  Status shut = control.WaitFor([&] { return control.shutdown_requested(); }, 30, "SHUTDOWN");
-  EXPECT_TRUE(shut.ok() || control.shutdown_requested()) << shut.ToString();
+  Status shut = control.Finish(proto::WorkerStats());
+  EXPECT_TRUE(shut.ok()) << shut.ToString();
   control.StopHeartbeats();
   EXPECT_EQ(server_->Wait(30), 0) << server_->Log();
   EXPECT_EQ(scheduler.Wait(30), 0) << scheduler.Log();
