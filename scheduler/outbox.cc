@@ -48,10 +48,16 @@ void Outbox::Retry(zmq::socket_t& socket, Clock::time_point now, std::vector<Eve
   for (auto it = held_.begin(); it != held_.end();) {
     auto& queue = it->second;
     const bool keep = holds_(it->first);
+    size_t expired = 0;
+    std::string first;
     while (!queue.empty() && (!keep || SecondsBetween(queue.front().since, now) >= hold_s_)) {
-      events->push_back(
-          {Event::kExpired, it->first, CommandName(queue.front().o.msg.header.command())});
+      if (expired++ == 0) first = CommandName(queue.front().o.msg.header.command());
       queue.pop_front();
+    }
+    if (expired > 0) {
+      events->push_back(
+          {Event::kExpired, it->first,
+           expired == 1 ? first : std::to_string(expired) + " messages from " + first + " on"});
     }
     if (queue.empty() || Drain(socket, queue, events)) {
       it = held_.erase(it);

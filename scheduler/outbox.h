@@ -32,10 +32,10 @@ class Outbox {
       kHeld,     // the first message held for `to`: its connection was found gone
       kGone,     // not sent, `to`'s connection is gone: a HEARTBEAT, or `to` is not held
       kDropped,  // not sent: another error (the peer's queue is full)
-      kExpired,  // held hold_s, or `to` is no longer held: not sent
+      kExpired,  // held hold_s, or `to` is no longer held: not sent (one event for a node's all)
     } kind;
     std::string to;
-    std::string what;  // the command (kHeld, kExpired) or the error
+    std::string what;  // the command (kHeld; kExpired: "N messages from <command> on") or the error
   };
 
   // `holds(to)`: whether messages to routing id `to` are held (a node of the job). hold_s:

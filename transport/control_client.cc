@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <random>
@@ -43,13 +44,50 @@ ControlClient::ControlClient(zmq::context_t& context, const proto::JobConfig& co
       role_(role),
       heartbeat_routing_id_(MakeRoutingId(role, "hb")),
       data_routing_id_(MakeRoutingId(role, "data")),
+      control_routing_id_(MakeRoutingId(role, "ctl")),
       socket_(ConnectDealer(context, config.cluster().scheduler_host(),
                             config.cluster().scheduler_port() == 0
                                 ? 1  // placeholder; Register() refuses port 0 with a clear error
                                 : config.cluster().scheduler_port(),
-                            MakeRoutingId(role, "ctl"), SchedulerKey(context))) {}
+                            control_routing_id_, SchedulerKey(context))) {
+  const std::string endpoint = "inproc://sparseps-monitor-" + control_routing_id_;
+  if (zmq_socket_monitor(socket_.handle(), endpoint.c_str(), ZMQ_EVENT_CONNECTED) == 0) {
+    monitor_ = zmq::socket_t(context, zmq::socket_type::pair);
+    monitor_.set(zmq::sockopt::linger, 0);
+    monitor_.connect(endpoint);
+  } else {
+    spdlog::warn(
+        "no monitor on the control socket ({}): a connection to the scheduler made "
+        "again is noticed at this node's next message",
+        zmq_strerror(zmq_errno()));
+  }
+}
 
-ControlClient::~ControlClient() { StopHeartbeats(); }
+ControlClient::~ControlClient() {
+  StopHeartbeats();
+  if (monitor_.handle() != nullptr) zmq_socket_monitor(socket_.handle(), nullptr, 0);
+}
+
+void ControlClient::CheckReconnected() {
+  if (monitor_.handle() == nullptr) return;
+  bool connected = false;
+  zmq::message_t event, address;
+  // Each event is two frames: the event number and value, then the endpoint.
+  while (monitor_.recv(event, zmq::recv_flags::dontwait)) {
+    if (event.more()) (void)monitor_.recv(address, zmq::recv_flags::dontwait);
+    uint16_t id = 0;
+    if (event.size() >= sizeof(id)) std::memcpy(&id, event.data(), sizeof(id));
+    connected = connected || id == ZMQ_EVENT_CONNECTED;
+  }
+  // The first connection carries the registration and the membership; one made after them is
+  // one made again.
+  if (!connected || !has_membership_ || shutdown_) return;
+  ++reconnections_;
+  spdlog::info("the connection to the scheduler at {} was made again", scheduler_endpoint());
+  Message hello;
+  hello.header.set_command(proto::HEARTBEAT);
+  if (Status s = Send(hello); !s.ok()) spdlog::warn("heartbeat not sent: {}", s.message());
+}
 
 std::string ControlClient::scheduler_endpoint() const {
   return Endpoint(config_.cluster().scheduler_host(), config_.cluster().scheduler_port());
@@ -93,6 +131,7 @@ Status ControlClient::Register(const std::string& host, uint32_t port, uint64_t 
 }
 
 Status ControlClient::Poll() {
+  CheckReconnected();
   while (true) {
     if (StopRequested()) return Status::Aborted("stopped by a signal");
     if (scheduler_lost_) return Status::Disconnected(fatal_);

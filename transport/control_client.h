@@ -114,6 +114,9 @@ class ControlClient {
   bool scheduler_lost() const { return scheduler_lost_; }
 
   bool has_membership() const { return has_membership_; }
+  // Times the connection to the scheduler was made again after the membership (its TCP
+  // connection broke; ZeroMQ makes it again), as Poll noticed them.
+  uint64_t reconnections() const { return reconnections_; }
   // The newest membership epoch received.
   const proto::Membership& membership() const { return membership_; }
 
@@ -200,7 +203,17 @@ class ControlClient {
   const proto::Role role_;
   const std::string heartbeat_routing_id_;
   const std::string data_routing_id_;
+  const std::string control_routing_id_;
   zmq::socket_t socket_;
+  // The control socket's connection events (ZMQ_EVENT_CONNECTED), read by Poll; not connected
+  // when ZeroMQ could not start the monitor.
+  zmq::socket_t monitor_;
+  uint64_t reconnections_ = 0;
+  // Reads the connection events; for a connection made again after the membership (its TCP
+  // connection broke) sends a HEARTBEAT on the control socket at once: the scheduler's ROUTER
+  // routes to a routing id that came back only once it has heard from it, and what the scheduler
+  // holds for this node goes out then.
+  void CheckReconnected();
   bool registered_ = false;
   proto::Register register_;  // what Register sent
   bool has_membership_ = false;

@@ -48,6 +48,16 @@ class ControlClientTest : public ::testing::Test {
     ms->mutable_join()->set_donor(0);
     ASSERT_TRUE(SendMessage(router_.socket, m, &to).ok());
   }
+  // The first membership (epoch 1, rank 0) to client `c` at routing id `to`, taken in.
+  void GiveMembership(ControlClient& c, const std::string& to) {
+    Message m;
+    m.header.set_command(proto::MEMBERSHIP);
+    m.header.mutable_membership()->set_epoch(1);
+    m.header.mutable_membership()->set_your_rank(0);
+    m.header.mutable_membership()->set_num_params(kParams);
+    ASSERT_TRUE(SendMessage(router_.socket, m, &to).ok());
+    PollUntil(c, [&] { return c.has_membership(); });
+  }
   // Polls `c` until `done` (within 10 s).
   static void PollUntil(ControlClient& c, const std::function<bool()>& done) {
     for (int i = 0; i < 1000 && !done(); ++i) {
@@ -181,13 +191,7 @@ TEST_F(ControlClientTest, ABarrierAndADoneAreSentAgainUntilTheSchedulerAnswers) 
   config_.mutable_cluster()->set_request_timeout_s(30);
   std::string id;
   auto client = Connect(&id);
-  Message m;
-  m.header.set_command(proto::MEMBERSHIP);
-  m.header.mutable_membership()->set_epoch(1);
-  m.header.mutable_membership()->set_your_rank(0);
-  m.header.mutable_membership()->set_num_params(kParams);
-  ASSERT_TRUE(SendMessage(router_.socket, m, &id).ok());
-  PollUntil(*client, [&] { return client->has_membership(); });
+  GiveMembership(*client, id);
 
   Status barrier = Status::Internal("not returned");
   std::thread entering([&] { barrier = client->Barrier("init-1", proto::WORKER); });
@@ -220,6 +224,35 @@ TEST_F(ControlClientTest, ABarrierAndADoneAreSentAgainUntilTheSchedulerAnswers) 
   ASSERT_TRUE(SendMessage(router_.socket, shutdown, &id).ok());
   finishing.join();
   EXPECT_TRUE(finish.ok()) << finish.ToString();
+}
+
+TEST_F(ControlClientTest, AConnectionMadeAgainAfterTheMembershipIsSaidAtOnce) {
+  // A scheduler's ROUTER routes to a routing id that came back only once it heard from it: the
+  // client sends a HEARTBEAT on its control socket as soon as Poll sees the connection made again.
+  std::string id;
+  auto client = Connect(&id);
+  ASSERT_TRUE(client->Poll().ok());  // the first connection, before the membership
+  GiveMembership(*client, id);
+  EXPECT_EQ(client->reconnections(), 0u);
+  // The scheduler's socket goes and comes back on the same port: the client's ZeroMQ connects
+  // again.
+  const uint32_t port = router_.port;
+  router_.socket.close();
+  auto again = BindRouter(context_, "127.0.0.1", port);
+  for (int i = 0; i < 200 && !again.ok(); ++i) {  // the old socket lets go of the port
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+    again = BindRouter(context_, "127.0.0.1", port);
+  }
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  router_ = std::move(*again);
+  PollUntil(*client, [&] { return client->reconnections() == 1; });
+  std::string from;
+  ASSERT_EQ(PollIn({&router_.socket}, 10000), std::vector<bool>{true});
+  auto hello = RecvMessage(router_.socket, true, &from, nullptr);
+  ASSERT_TRUE(hello.ok());
+  EXPECT_EQ(from, id);
+  EXPECT_EQ(hello->header.command(), proto::HEARTBEAT);
+  EXPECT_EQ(hello->header.sender_rank(), 0);
 }
 
 }  // namespace
