@@ -15,11 +15,8 @@ void HandoffRelay::Expect(int donor_rank, size_t replacement, int64_t iteration)
 }
 
 void HandoffRelay::Fail(const Open& o, const std::string& why, std::vector<Outgoing>* out) const {
-  Outgoing fail{job_.nodes[o.replacement].routing_id, {}};
+  Outgoing fail = job_.To(job_.nodes[o.replacement].routing_id, proto::HANDOFF);
   proto::Header& h = fail.msg.header;
-  h.set_command(proto::HANDOFF);
-  h.set_sender_role(proto::SCHEDULER);
-  h.set_epoch(job_.membership.epoch());
   h.set_iteration(o.iteration);
   h.set_error("worker " + std::to_string(o.donor_rank) + "'s hand-over was refused: " + why);
   h.mutable_handoff()->set_to_rank(job_.nodes[o.replacement].rank);

@@ -114,6 +114,14 @@ void JobState::ReplyError(const std::string& to, const std::string& error,
   out->push_back(std::move(o));
 }
 
+Outgoing JobState::To(const std::string& to, proto::Command command) const {
+  Outgoing o{to, {}};
+  o.msg.header.set_command(command);
+  o.msg.header.set_sender_role(proto::SCHEDULER);
+  o.msg.header.set_epoch(membership.epoch());
+  return o;
+}
+
 void JobState::Broadcast(proto::Command command, const std::string& error,
                          std::vector<Outgoing>* out) {
   proto::Header h;
@@ -137,10 +145,7 @@ void JobState::AskServers(proto::Command command, int worker_rank,
                           std::vector<Outgoing>* out) const {
   for (const auto& s : nodes) {
     if (s.role != proto::SERVER || s.dead) continue;
-    Outgoing o{s.routing_id, {}};
-    o.msg.header.set_command(command);
-    o.msg.header.set_sender_role(proto::SCHEDULER);
-    o.msg.header.set_epoch(membership.epoch());
+    Outgoing o = To(s.routing_id, command);
     o.msg.header.mutable_position()->set_worker_rank(worker_rank);
     out->push_back(std::move(o));
   }
@@ -176,10 +181,7 @@ void JobState::AddSplit(int64_t iteration) {
 }
 
 void JobState::SendMembershipTo(const SchedulerNode& n, std::vector<Outgoing>* out) const {
-  Outgoing o{n.routing_id, {}};
-  o.msg.header.set_command(proto::MEMBERSHIP);
-  o.msg.header.set_sender_role(proto::SCHEDULER);
-  o.msg.header.set_epoch(membership.epoch());
+  Outgoing o = To(n.routing_id, proto::MEMBERSHIP);
   *o.msg.header.mutable_membership() = membership;
   o.msg.header.mutable_membership()->set_your_rank(n.rank);
   out->push_back(std::move(o));

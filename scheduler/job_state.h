@@ -93,6 +93,9 @@ struct JobState {
 
   // Ends the job now: FATAL with `reason` to every live node; finished is Aborted.
   void Abort(const std::string& reason, std::vector<Outgoing>* out);
+  // A message from the scheduler to routing id `to`: `command`, the scheduler's role and the
+  // membership's epoch in the header.
+  Outgoing To(const std::string& to, proto::Command command) const;
   // `command` (with `error`) to every live node.
   void Broadcast(proto::Command command, const std::string& error, std::vector<Outgoing>* out);
   // `header` to every live node, with the scheduler's role and the membership's epoch.

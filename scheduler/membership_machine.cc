@@ -204,10 +204,7 @@ void MembershipMachine::ReleaseBarrier(const BarrierKey& key, std::vector<Outgoi
 
 void MembershipMachine::SendRelease(size_t node, const BarrierKey& key, proto::Role group,
                                     std::vector<Outgoing>* out) const {
-  Outgoing o{job_.nodes[node].routing_id, {}};
-  o.msg.header.set_command(proto::BARRIER_RELEASE);
-  o.msg.header.set_sender_role(proto::SCHEDULER);
-  o.msg.header.set_epoch(job_.membership.epoch());
+  Outgoing o = job_.To(job_.nodes[node].routing_id, proto::BARRIER_RELEASE);
   o.msg.header.mutable_barrier()->set_name(key.first);
   o.msg.header.mutable_barrier()->set_generation(key.second);
   o.msg.header.mutable_barrier()->set_group(group);
@@ -294,11 +291,7 @@ bool MembershipMachine::HandleAfterEnd(const std::string& from, const Result<Mes
   const auto& h = msg->header;
   if (n.role == proto::WORKER && n.done && !n.dead && n.routing_id == from &&
       n.public_key == msg->peer_key && h.command() == proto::DONE) {
-    Outgoing o{from, {}};
-    o.msg.header.set_command(proto::SHUTDOWN);
-    o.msg.header.set_sender_role(proto::SCHEDULER);
-    o.msg.header.set_epoch(job_.membership.epoch());
-    out->push_back(std::move(o));
+    out->push_back(job_.To(from, proto::SHUTDOWN));
     return ServersNotReported().empty();
   }
   if (n.role == proto::SERVER && !n.dead && n.public_key == msg->peer_key &&
@@ -364,11 +357,7 @@ void MembershipMachine::Tick(Clock::time_point now, std::vector<Outgoing>* out) 
     last_heartbeat_sent_ = now;
     for (const auto& n : job_.nodes) {
       if (n.dead) continue;
-      Outgoing o{n.routing_id, {}};
-      o.msg.header.set_command(proto::HEARTBEAT);
-      o.msg.header.set_sender_role(proto::SCHEDULER);
-      o.msg.header.set_epoch(job_.membership.epoch());
-      out->push_back(std::move(o));
+      out->push_back(job_.To(n.routing_id, proto::HEARTBEAT));
     }
   }
   for (const auto& [key, state] : barriers_) {

@@ -26,8 +26,7 @@ void Outbox::Send(zmq::socket_t& socket, std::vector<Outgoing>* out, Clock::time
       events->push_back({Event::kGone, o.to, s.message()});
     } else {
       events->push_back({Event::kHeld, o.to, CommandName(command)});
-      const std::string to = o.to;
-      held_[to].push_back({std::move(o), now});
+      held_[o.to].push_back({std::move(o), now});  // the key is copied before o moves
     }
   }
   out->clear();

@@ -42,10 +42,7 @@ bool Scheduler::CheckSender(const std::string& from, const Message& msg, Clock::
     // A removed worker that speaks again (it was slow, not dead) is out of the job for good.
     if (!n.told_dead) {
       n.told_dead = true;
-      Outgoing o{n.routing_id, {}};
-      o.msg.header.set_command(proto::FATAL);
-      o.msg.header.set_sender_role(proto::SCHEDULER);
-      o.msg.header.set_epoch(job_.membership.epoch());
+      Outgoing o = job_.To(n.routing_id, proto::FATAL);
       o.msg.header.set_error(job_.Describe(n) +
                              " was declared dead and removed from the job; the others went on "
                              "without it");

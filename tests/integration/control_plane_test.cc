@@ -115,10 +115,13 @@ class ControlPlaneTest : public ::testing::Test {
   void StartProxy() {
     proxy_ = Proxy(proxy_port_, port_, dir_.path() + "/proxy-" + std::to_string(proxies_++));
   }
-  // b's DONE ends the job; then a must get its SHUTDOWN, and the job ends well.
-  void ExpectTheShutdownReachesBoth() {
+  // b's DONE ends the job: the SHUTDOWN goes to b at once.
+  void FinishB() {
     Status finished = b_->Finish(proto::WorkerStats());
     ASSERT_TRUE(finished.ok()) << finished.ToString() << "\n" << scheduler_->Log();
+  }
+  // a gets its SHUTDOWN too, and the job ends well.
+  void ExpectTheShutdownReachesA() {
     Status shut = a_->WaitFor([&] { return a_->shutdown_requested(); }, 20, "SHUTDOWN");
     EXPECT_TRUE(shut.ok()) << shut.ToString() << "\n" << scheduler_->Log();
     EXPECT_EQ(scheduler_->Wait(30), 0) << scheduler_->Log();
@@ -143,15 +146,10 @@ TEST_F(ControlPlaneTest, TheShutdownWaitsForAWorkerWhoseConnectionBrokeAndReache
   ASSERT_TRUE(WaitForLog(log_, "could not send", 30)) << scheduler_->Log();
   // b's DONE ends the job: the SHUTDOWN goes to b, and waits for a; the way to the scheduler is
   // back: a's ZeroMQ makes its connections again, and the SHUTDOWN reaches it.
-  Status finished = b_->Finish(proto::WorkerStats());
-  ASSERT_TRUE(finished.ok()) << finished.ToString() << "\n" << scheduler_->Log();
+  FinishB();
   StartProxy();
-  Status shut = a_->WaitFor([&] { return a_->shutdown_requested(); }, 20, "SHUTDOWN");
-  EXPECT_TRUE(shut.ok()) << shut.ToString() << "\n" << scheduler_->Log();
-  EXPECT_EQ(scheduler_->Wait(30), 0) << scheduler_->Log();
+  ExpectTheShutdownReachesA();
   EXPECT_THAT(scheduler_->Log(), HasSubstr("SHUTDOWN and what follows wait for it to be back"));
-  EXPECT_THAT(scheduler_->Log(), ::testing::Not(HasSubstr("were not sent")));
-  EXPECT_THAT(testing::ReadFile(dir_.path() + "/summary.json"), HasSubstr("\"status\": \"ok\""));
 }
 
 TEST_F(ControlPlaneTest, AConnectionMadeAgainAtOnceIsNoticedAndTheShutdownReachesIt) {
@@ -166,7 +164,8 @@ TEST_F(ControlPlaneTest, AConnectionMadeAgainAtOnceIsNoticedAndTheShutdownReache
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   ASSERT_EQ(a_->reconnections(), 1u);
-  ExpectTheShutdownReachesBoth();
+  FinishB();
+  ExpectTheShutdownReachesA();
 }
 
 }  // namespace

@@ -66,6 +66,15 @@ class OutboxTest : public ::testing::Test {
     return out;
   }
 
+  // `events` is one kExpired for `to`, saying `what`.
+  static void ExpectOneExpired(const std::vector<Outbox::Event>& events, const std::string& to,
+                               const std::string& what) {
+    ASSERT_EQ(events.size(), 1u);
+    EXPECT_EQ(events[0].kind, Outbox::Event::kExpired);
+    EXPECT_EQ(events[0].to, to);
+    EXPECT_EQ(events[0].what, what);
+  }
+
   zmq::context_t context_{1};
   BoundRouter router_;
   std::set<std::string> nodes_{"node-a"};  // the routing ids the outbox holds for
@@ -136,17 +145,11 @@ TEST_F(OutboxTest, WhatWaitedTooLongOrWhoseNodeLeftIsDroppedAndSaidOnce) {
   // node-b left the job: its message goes at once; node-a's wait until hold_s.
   nodes_.erase("node-b");
   outbox.Retry(router_.socket, t0 + std::chrono::milliseconds(100), &events);
-  ASSERT_EQ(events.size(), 1u);
-  EXPECT_EQ(events[0].kind, Outbox::Event::kExpired);
-  EXPECT_EQ(events[0].to, "node-b");
-  EXPECT_EQ(events[0].what, "SHUTDOWN");
+  ExpectOneExpired(events, "node-b", "SHUTDOWN");
   EXPECT_EQ(outbox.held(), 2u);
   events.clear();
   outbox.Retry(router_.socket, t0 + std::chrono::milliseconds(300), &events);
-  ASSERT_EQ(events.size(), 1u);
-  EXPECT_EQ(events[0].kind, Outbox::Event::kExpired);
-  EXPECT_EQ(events[0].to, "node-a");
-  EXPECT_EQ(events[0].what, "2 messages from MEMBERSHIP on");
+  ExpectOneExpired(events, "node-a", "2 messages from MEMBERSHIP on");
   EXPECT_EQ(outbox.held(), 0u);
 }
 
