@@ -28,11 +28,12 @@ std::string Endpoint(const std::string& host, uint32_t port) {
 }
 
 Result<BoundRouter> BindRouter(zmq::context_t& context, const std::string& host, uint32_t port,
-                               int64_t max_frame_bytes) {
+                               int64_t max_frame_bytes, RoutingIdReuse reuse) {
   BoundRouter out{zmq::socket_t(context, zmq::socket_type::router), 0};
   const std::string ep = port == 0 ? "tcp://" + host + ":*" : Endpoint(host, port);
   try {
     out.socket.set(zmq::sockopt::router_mandatory, 1);
+    out.socket.set(zmq::sockopt::router_handover, reuse == RoutingIdReuse::kHandOver ? 1 : 0);
     out.socket.set(zmq::sockopt::sndhwm, kSocketHwm);
     out.socket.set(zmq::sockopt::rcvhwm, kSocketHwm);
     out.socket.set(zmq::sockopt::maxmsgsize, max_frame_bytes);

@@ -36,17 +36,31 @@ inline constexpr int kSocketHwm = 1024;
 // messages (header frames) are at most kMaxHeaderBytes.
 inline constexpr int64_t kControlMaxFrameBytes = int64_t{2} << 20;
 
+// What a ROUTER socket does with a connection whose routing id it still has a connection for.
+enum class RoutingIdReuse {
+  // The new connection takes the routing id over (ROUTER_HANDOVER): a peer whose TCP connection
+  // broke is heard again at once, also before this side found the old connection gone. For
+  // sockets whose peers' routing ids cannot be guessed (MakeRoutingId's random nonce).
+  kHandOver,
+  // The new connection is ignored while the old one lasts (libzmq's default): for routing ids a
+  // stranger could guess (the collectives' "w<rank>"), which must not take a peer's place. libzmq
+  // then also takes the ignored peer's next frame for its routing id.
+  kIgnore,
+};
+
 // A ROUTER socket bound to tcp://host:port (host "0.0.0.0" binds every interface); port 0 binds a
 // free port. The socket refuses to send to unknown peers (ROUTER_MANDATORY) instead of dropping
 // silently; a send to a peer with kSocketHwm messages queued fails (IoError in SendMessage). Frames
-// over max_frame_bytes disconnect the peer. With a CurveContext on `context` (security/security.h)
-// the socket is a CURVE server. Errors: IoError naming the endpoint.
+// over max_frame_bytes disconnect the peer. `reuse` says what becomes of a connection with a
+// routing id the socket still has a connection for. With a CurveContext on `context`
+// (security/security.h) the socket is a CURVE server. Errors: IoError naming the endpoint.
 struct BoundRouter {
   zmq::socket_t socket;
   uint32_t port = 0;
 };
 Result<BoundRouter> BindRouter(zmq::context_t& context, const std::string& host, uint32_t port,
-                               int64_t max_frame_bytes = kControlMaxFrameBytes);
+                               int64_t max_frame_bytes = kControlMaxFrameBytes,
+                               RoutingIdReuse reuse = RoutingIdReuse::kHandOver);
 
 // A TCP port held for a listener bound later (a server registers its data port before it knows
 // the job's largest frame, which its socket needs at bind time): a socket bound to host:port

@@ -172,5 +172,59 @@ TEST(TrafficByCommand, SumsEachTypeAndDirectionInTheOrderFirstSeen) {
   EXPECT_EQ(r[3].sent, 0u);
 }
 
+// A second connection with a routing id the ROUTER still has a connection for (a node whose TCP
+// connection broke and came back before the ROUTER found the old one gone): it takes the routing
+// id over on a socket that hands over, and is not heard on one that ignores it (the collectives').
+class RoutingIdReuseTest : public ::testing::TestWithParam<RoutingIdReuse> {
+ protected:
+  // A DEALER with routing id "node" that has said hello, and the ROUTER's answer: the routing id
+  // it heard the hello from, or "" when nothing came within `wait_ms`.
+  std::string Hello(zmq::socket_t& router, uint32_t port, zmq::socket_t* dealer, int wait_ms) {
+    *dealer = ConnectDealer(ctx_, "127.0.0.1", port, "node");
+    dealer->set(zmq::sockopt::linger, 0);
+    Message hello;
+    hello.header.set_command(proto::HEARTBEAT);
+    EXPECT_TRUE(SendMessage(*dealer, hello).ok());
+    std::string from;
+    if (!PollIn({&router}, wait_ms)[0]) return from;
+    EXPECT_TRUE(RecvMessage(router, true, &from, nullptr).ok());
+    return from;
+  }
+  // Which of `dealers` the ROUTER's next message to "node" reaches (-1: none within 2 s).
+  static int Reached(zmq::socket_t& router, std::vector<zmq::socket_t*> dealers) {
+    Message m;
+    m.header.set_command(proto::BARRIER_RELEASE);
+    const std::string to = "node";
+    EXPECT_TRUE(SendMessage(router, m, &to).ok());
+    const auto ready = PollIn(dealers, 2000);
+    for (size_t i = 0; i < ready.size(); ++i) {
+      if (ready[i]) return static_cast<int>(i);
+    }
+    return -1;
+  }
+  zmq::context_t ctx_{1};
+};
+
+TEST_P(RoutingIdReuseTest, ASecondConnectionWithTheSameRoutingIdTakesItOverOrIsIgnored) {
+  auto router = BindRouter(ctx_, "127.0.0.1", 0, kControlMaxFrameBytes, GetParam());
+  ASSERT_TRUE(router.ok()) << router.status().ToString();
+  router->socket.set(zmq::sockopt::linger, 0);
+  zmq::socket_t first, second;
+  ASSERT_EQ(Hello(router->socket, router->port, &first, 10000), "node");
+  if (GetParam() == RoutingIdReuse::kHandOver) {
+    EXPECT_EQ(Hello(router->socket, router->port, &second, 10000), "node");
+    EXPECT_EQ(Reached(router->socket, {&first, &second}), 1);
+  } else {
+    EXPECT_EQ(Hello(router->socket, router->port, &second, 500), "");
+    EXPECT_EQ(Reached(router->socket, {&first, &second}), 0);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Sockets, RoutingIdReuseTest,
+                         ::testing::Values(RoutingIdReuse::kHandOver, RoutingIdReuse::kIgnore),
+                         [](const auto& info) {
+                           return info.param == RoutingIdReuse::kHandOver ? "HandOver" : "Ignore";
+                         });
+
 }  // namespace
 }  // namespace sparseps

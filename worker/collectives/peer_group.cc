@@ -14,7 +14,8 @@ std::string RoutingId(int rank) { return "w" + std::to_string(rank); }
 Result<std::unique_ptr<PeerGroup>> PeerGroup::Bind(zmq::context_t& context, const std::string& host,
                                                    uint32_t port, double timeout_s,
                                                    int64_t max_frame_bytes) {
-  auto bound = BindRouter(context, host, port, max_frame_bytes);
+  // The peers' routing ids are their ranks: a stranger must not take one over.
+  auto bound = BindRouter(context, host, port, max_frame_bytes, RoutingIdReuse::kIgnore);
   if (!bound.ok()) return bound.status();
   return std::unique_ptr<PeerGroup>(
       new PeerGroup(context, std::move(bound->socket), bound->port, timeout_s, max_frame_bytes));
