@@ -75,7 +75,7 @@ void BM_PowerSgdCall(benchmark::State& state) {
     state.SkipWithError(group.status().ToString().c_str());
     return;
   }
-  (*group)->Connect(0, {{"127.0.0.1", (*group)->port(), ""}});
+  (*group)->Connect(0, {{"127.0.0.1", (*group)->port(), "", ""}});
   sparseps::CollectiveOptions options;
   options.layers = state.range(0) == 0 ? TorchMlpLayers() : TorchLmLayers();
   uint64_t n = 1;

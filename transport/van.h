@@ -43,7 +43,8 @@ enum class RoutingIdReuse {
   // sockets whose peers' routing ids cannot be guessed (MakeRoutingId's random nonce).
   kHandOver,
   // The new connection is ignored while the old one lasts (libzmq's default): for routing ids a
-  // stranger could guess (the collectives' "w<rank>"), which must not take a peer's place. libzmq
+  // stranger could guess (the collectives' "w<rank>" in tests), which must not take a peer's place.
+  // libzmq
   // then also takes the ignored peer's next frame for its routing id.
   kIgnore,
 };

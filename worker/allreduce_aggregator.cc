@@ -47,7 +47,8 @@ class AllreduceAggregator final : public Aggregator {
     std::vector<PeerGroup::PeerAddress> peers(static_cast<size_t>(workers));
     for (const auto& node : control->membership().nodes()) {
       if (node.role() == proto::WORKER && node.rank() >= 0 && node.rank() < workers) {
-        peers[static_cast<size_t>(node.rank())] = {node.host(), node.port(), node.public_key()};
+        peers[static_cast<size_t>(node.rank())] = {node.host(), node.port(), node.public_key(),
+                                                   node.data_routing_id()};
       }
     }
     group_->Connect(control->rank(), peers);

@@ -33,8 +33,8 @@ struct Groups {
     spdlog::set_level(spdlog::level::off);
     a = std::move(*PeerGroup::Bind(context, "127.0.0.1", 0, 2.0));
     b = std::move(*PeerGroup::Bind(context, "127.0.0.1", 0, 2.0));
-    const std::vector<PeerGroup::PeerAddress> peers = {{"127.0.0.1", a->port(), ""},
-                                                       {"127.0.0.1", b->port(), ""}};
+    const std::vector<PeerGroup::PeerAddress> peers = {{"127.0.0.1", a->port(), "", ""},
+                                                       {"127.0.0.1", b->port(), "", ""}};
     a->Connect(0, peers);
     b->Connect(1, peers);
     stranger = sparseps::ConnectDealer(context, "127.0.0.1", a->port(), "stranger");

@@ -25,6 +25,7 @@
 #include "encodings/compressor.h"
 #include "kernels/error_feedback.h"
 #include "tests/support/process.h"
+#include "transport/control_client.h"
 #include "worker/collectives/collective.h"
 #include "worker/collectives/exdyna.h"
 #include "worker/collectives/powersgd.h"
@@ -155,7 +156,7 @@ struct RunSetup {
       got += static_cast<size_t>(r);
     }
     std::vector<PeerGroup::PeerAddress> peers;
-    for (uint32_t p : ports) peers.push_back({"127.0.0.1", p, ""});
+    for (uint32_t p : ports) peers.push_back({"127.0.0.1", p, "", ""});
     (*group)->Connect(rank, peers);
 
     proto::JobConfig config;
@@ -841,8 +842,8 @@ TEST(PeerGroup, DeadlineNamesTheSilentPeer) {
   auto a = PeerGroup::Bind(context, "127.0.0.1", 0, 0.3);
   auto b = PeerGroup::Bind(context, "127.0.0.1", 0, 0.3);
   ASSERT_TRUE(a.ok() && b.ok());
-  std::vector<PeerGroup::PeerAddress> peers{{"127.0.0.1", (*a)->port(), ""},
-                                            {"127.0.0.1", (*b)->port(), ""}};
+  std::vector<PeerGroup::PeerAddress> peers{{"127.0.0.1", (*a)->port(), "", ""},
+                                            {"127.0.0.1", (*b)->port(), "", ""}};
   (*a)->Connect(0, peers);
   (*b)->Connect(1, peers);
   auto m = (*a)->Recv(1, 7);
@@ -870,7 +871,7 @@ TEST(PeerGroup, MalformedMessagesAreRejectedAndCounted) {
   zmq::context_t context(1);
   auto a = PeerGroup::Bind(context, "127.0.0.1", 0, 1.0);
   ASSERT_TRUE(a.ok());
-  (*a)->Connect(0, {{"127.0.0.1", (*a)->port(), ""}, {"127.0.0.1", 1, ""}});
+  (*a)->Connect(0, {{"127.0.0.1", (*a)->port(), "", ""}, {"127.0.0.1", 1, "", ""}});
   // A stranger with an unknown routing id is dropped and counted, and ends nothing: the wait runs
   // into its own deadline. Then garbage from a known id is an error.
   auto stranger = ConnectDealer(context, "127.0.0.1", (*a)->port(), "intruder");
@@ -905,6 +906,39 @@ TEST(PeerGroup, MalformedMessagesAreRejectedAndCounted) {
   const std::pair<uint64_t, uint64_t> bounds{0, 10};
   Status s = ParseSparseBlocks(out, std::span(&bounds, 1), "test", &parsed);
   EXPECT_EQ(s.code(), StatusCode::kProtocolError);
+}
+
+// With the membership's routing ids (random, as in a job): the guessable "w1" is a stranger's, and
+// a connection made again with worker 1's routing id, while the old one still stands (its TCP
+// connection broke and came back before this side noticed), is heard at once.
+TEST(PeerGroup, RoutingIdsFromTheMembershipTakeAConnectionMadeAgainAndRefuseTheGuessable) {
+  zmq::context_t context(1);
+  auto a = PeerGroup::Bind(context, "127.0.0.1", 0, 2.0);
+  ASSERT_TRUE(a.ok());
+  const std::string id1 = MakeRoutingId(proto::WORKER, "data");
+  (*a)->Connect(0, {{"127.0.0.1", (*a)->port(), "", MakeRoutingId(proto::WORKER, "data")},
+                    {"127.0.0.1", 1, "", id1}});
+  // Sends COLLECTIVE `tag` as worker 1 on a new connection with routing id `id`.
+  auto send = [&](const std::string& id, uint64_t tag) {
+    zmq::socket_t d = ConnectDealer(context, "127.0.0.1", (*a)->port(), id);
+    d.set(zmq::sockopt::linger, 0);
+    Message m;
+    m.header.set_command(proto::COLLECTIVE);
+    m.header.set_sender_rank(1);
+    m.header.set_request_id(tag);
+    AddFrameCopy(&m, proto::F32, std::vector<float>{1.0f}.data(), 1);
+    EXPECT_TRUE(SendMessage(d, m).ok());
+    return d;
+  };
+  zmq::socket_t guess = send("w1", 1);
+  zmq::socket_t first = send(id1, 2);
+  auto got = (*a)->Recv(1, 2);
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  zmq::socket_t again = send(id1, 3);  // while `first` still stands
+  got = (*a)->Recv(1, 3);
+  EXPECT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_EQ((*a)->Recv(1, 1).status().code(), StatusCode::kDeadlineExceeded);
+  EXPECT_EQ((*a)->strangers(), 1u);
 }
 
 }  // namespace

@@ -7,14 +7,16 @@ namespace {
 
 constexpr size_t kMaxQueuedPerPeer = 4096;
 
-std::string RoutingId(int rank) { return "w" + std::to_string(rank); }
+std::string RoutingId(const std::vector<PeerGroup::PeerAddress>& peers, size_t rank) {
+  return peers[rank].routing_id.empty() ? "w" + std::to_string(rank) : peers[rank].routing_id;
+}
 
 }  // namespace
 
 Result<std::unique_ptr<PeerGroup>> PeerGroup::Bind(zmq::context_t& context, const std::string& host,
                                                    uint32_t port, double timeout_s,
                                                    int64_t max_frame_bytes) {
-  // The peers' routing ids are their ranks: a stranger must not take one over.
+  // Until Connect knows the peers' routing ids, a duplicate is ignored.
   auto bound = BindRouter(context, host, port, max_frame_bytes, RoutingIdReuse::kIgnore);
   if (!bound.ok()) return bound.status();
   return std::unique_ptr<PeerGroup>(
@@ -28,13 +30,17 @@ void PeerGroup::Connect(int rank, const std::vector<PeerAddress>& peers) {
   rank_of_id_.clear();
   queued_.clear();
   queued_.resize(peers.size());
+  const bool unguessable = std::all_of(peers.begin(), peers.end(),
+                                       [](const PeerAddress& p) { return !p.routing_id.empty(); });
+  router_.set(zmq::sockopt::router_handover, unguessable ? 1 : 0);
   for (size_t i = 0; i < peers.size(); ++i) {
-    rank_of_id_[RoutingId(static_cast<int>(i))] = static_cast<int>(i);
+    rank_of_id_[RoutingId(peers, i)] = static_cast<int>(i);
     if (static_cast<int>(i) == rank) {
       dealers_.emplace_back();
       continue;
     }
-    dealers_.push_back(ConnectDealer(context_, peers[i].host, peers[i].port, RoutingId(rank),
+    dealers_.push_back(ConnectDealer(context_, peers[i].host, peers[i].port,
+                                     RoutingId(peers, static_cast<size_t>(rank)),
                                      peers[i].public_key, max_frame_bytes_));
   }
 }

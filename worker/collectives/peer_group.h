@@ -44,9 +44,14 @@ class PeerGroup {
     std::string host;
     uint32_t port = 0;
     std::string public_key;  // CURVE (Z85); empty without CURVE
+    // The routing id of the peer's connections to the others: the worker's data_routing_id from
+    // the membership (random, MakeRoutingId). Empty: "w<rank>".
+    std::string routing_id;
   };
   // Connects to every peer; peers[i] is worker i's address, `rank` is this worker's index in it.
-  // REQUIRES: 0 <= rank < peers.size().
+  // When every peer has a routing_id, a connection with a peer's routing id takes the old one
+  // over (RoutingIdReuse::kHandOver: a peer whose connection broke is heard again at once);
+  // with the guessable "w<rank>" a duplicate is ignored. REQUIRES: 0 <= rank < peers.size().
   void Connect(int rank, const std::vector<PeerAddress>& peers);
 
   // Called about every 200 ms during waits, and at once when `socket` (if not null) is readable;
