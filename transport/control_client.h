@@ -210,9 +210,9 @@ class ControlClient {
   zmq::socket_t monitor_;
   uint64_t reconnections_ = 0;
   // Reads the connection events; for a connection made again after the membership (its TCP
-  // connection broke) sends a HEARTBEAT on the control socket at once: the scheduler's ROUTER
-  // routes to a routing id that came back only once it has heard from it, and what the scheduler
-  // holds for this node goes out then.
+  // connection broke) logs it and sends a HEARTBEAT on the control socket at once: it clears the
+  // scheduler's mark that this node's connection is gone (two heartbeat intervals with it remove
+  // the node) without waiting for the heartbeat thread's next one.
   void CheckReconnected();
   bool registered_ = false;
   proto::Register register_;  // what Register sent

@@ -42,10 +42,9 @@ enum class RoutingIdReuse {
   // broke is heard again at once, also before this side found the old connection gone. For
   // sockets whose peers' routing ids cannot be guessed (MakeRoutingId's random nonce).
   kHandOver,
-  // The new connection is ignored while the old one lasts (libzmq's default): for routing ids a
-  // stranger could guess (the collectives' "w<rank>" in tests), which must not take a peer's place.
-  // libzmq
-  // then also takes the ignored peer's next frame for its routing id.
+  // The new connection is ignored (libzmq's default): for routing ids a stranger could guess (the
+  // collectives' "w<rank>" in tests), which must not take a peer's place. libzmq neither routes
+  // to the ignored connection nor hears from it, also once the old one is gone.
   kIgnore,
 };
 

@@ -229,8 +229,8 @@ TEST_F(ControlClientTest, ABarrierAndADoneAreSentAgainUntilTheSchedulerAnswers) 
 }
 
 TEST_F(ControlClientTest, AConnectionMadeAgainAfterTheMembershipIsSaidAtOnce) {
-  // A scheduler's ROUTER routes to a routing id that came back only once it heard from it: the
-  // client sends a HEARTBEAT on its control socket as soon as Poll sees the connection made again.
+  // The client sends a HEARTBEAT on its control socket as soon as Poll sees the connection made
+  // again, so that the scheduler hears from it at once.
   std::string id;
   auto client = Connect(&id);
   ASSERT_TRUE(client->Poll().ok());  // the first connection, before the membership

@@ -2,8 +2,8 @@
 // control clients (transport/control_client.h) on loopback, one of them through a TCP proxy
 // (socat) that the test stops and starts again. When a node's connection to the scheduler breaks,
 // its ZeroMQ makes it again; what the scheduler sent it in between (here the SHUTDOWN at the end
-// of the job) waits for it instead of being lost, and a connection made again at once is routed
-// to as soon as the node noticed it.
+// of the job) waits for it instead of being lost, and a connection made again at once takes the
+// node's place (ROUTER_HANDOVER) and is noticed by the node.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
@@ -154,8 +154,8 @@ TEST_F(ControlPlaneTest, TheShutdownWaitsForAWorkerWhoseConnectionBrokeAndReache
 
 TEST_F(ControlPlaneTest, AConnectionMadeAgainAtOnceIsNoticedAndTheShutdownReachesIt) {
   // a's connection breaks and is made again at once, possibly before the scheduler's ROUTER let
-  // go of the broken one: the ROUTER then routes to a only once it heard from it, which a's
-  // control client sees to when it notices the connection made again.
+  // go of the broken one (the new connection takes a's routing id over), and a's control client
+  // notices the connection made again.
   proxy_.reset();
   StartProxy();
   const auto start = Clock::now();

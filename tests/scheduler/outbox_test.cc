@@ -105,8 +105,7 @@ TEST_F(OutboxTest, WhatANodeIsSentWhileItsConnectionIsGoneReachesItInOrderOnceIt
   EXPECT_TRUE(events.empty());
   EXPECT_EQ(outbox.held(), 2u);
 
-  // Back (a connection with its routing id, which says so: a ROUTER routes to a routing id that
-  // came back only once it heard from it); a message sent meanwhile goes behind the held ones.
+  // Back (a connection with its routing id); a message sent meanwhile goes behind the held ones.
   zmq::socket_t back = Connect("node-a");
   auto later = Messages("node-a", {proto::SHUTDOWN});
   outbox.Send(router_.socket, &later, Clock::now(), &events);
