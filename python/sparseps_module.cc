@@ -564,7 +564,9 @@ the model's layers, or for something that is not an array or tensor.)doc")
            R"doc(
 Tells the scheduler this worker is done and waits until every worker is; the scheduler then
 writes summary.json (run.dir) with these statistics: test_accuracy (a fraction; -1: the last
-report_evaluation's, or not evaluated here), train_loss (the last epoch's mean), samples_per_s (this worker's), train_s (seconds).)doc")
+report_evaluation's, or not evaluated here), train_loss (the last epoch's mean), samples_per_s (this worker's), train_s (seconds).
+In BSP the others have cluster.barrier_timeout_s to finish too (a leader's final evaluation
+counts); then the job ends with an error naming who did not.)doc")
       .def_property_readonly("last_step", &Worker::LastStep,
                              "What the last push_pull did: bytes, entries selected and applied, "
                              "encode and communication milliseconds.")

@@ -266,7 +266,7 @@ void MembershipMachine::HandleBarrier(const std::string& from, const proto::Head
 }
 
 void MembershipMachine::HandleDone(const std::string& from, const proto::Header& h,
-                                   std::vector<Outgoing>* out) {
+                                   Clock::time_point now, std::vector<Outgoing>* out) {
   const int idx = job_.FindNodeByRoutingId(from);
   if (!job_.membership_sent || idx < 0 ||
       job_.nodes[static_cast<size_t>(idx)].role != proto::WORKER) {
@@ -276,6 +276,11 @@ void MembershipMachine::HandleDone(const std::string& from, const proto::Header&
   SchedulerNode& n = job_.nodes[static_cast<size_t>(idx)];
   if (n.done) return;  // sent again: it had no SHUTDOWN yet, and the job goes on
   n.done = true;
+  if (!first_done_) {
+    first_done_ = now;
+    end_logged_ = now;
+    first_done_by_ = job_.Describe(n);
+  }
   worker_stats_[static_cast<size_t>(n.rank)] = h.done().stats();
   spdlog::info("{} is done ({} of {} workers)", job_.Describe(n), job_.DoneWorkers(),
                job_.LiveWorkers());
@@ -373,6 +378,35 @@ void MembershipMachine::Tick(Clock::time_point now, std::vector<Outgoing>* out) 
                out);
     return;
   }
+  if (first_done_) CheckTheEnd(now, out);
+}
+
+void MembershipMachine::CheckTheEnd(Clock::time_point now, std::vector<Outgoing>* out) {
+  const double timeout = job_.config.cluster().barrier_timeout_s();
+  const bool bsp = job_.config.train().consistency() == proto::BSP;
+  if (job_.finished || !job_.stop_reason.empty() ||
+      SecondsBetween(bsp ? *first_done_ : end_logged_, now) <= timeout) {
+    return;
+  }
+  std::string missing;
+  for (const auto& n : job_.nodes) {
+    if (n.role != proto::WORKER || !n.InJob() || n.done) continue;
+    missing += (missing.empty() ? "" : ", ") + job_.Describe(n);
+  }
+  if (missing.empty()) return;
+  if (bsp) {
+    job_.Abort("the end of training timed out: " + first_done_by_ + " finished " +
+                   FormatSeconds(SecondsBetween(*first_done_, now)) + " ago and " + missing +
+                   " did not within cluster.barrier_timeout_s (" + FormatSeconds(timeout) +
+                   "; in BSP every worker ends at the same iteration, so what a worker does "
+                   "after its last step, such as a final evaluation or saving the model, must "
+                   "end within it)",
+               out);
+    return;
+  }
+  end_logged_ = now;
+  spdlog::info("{} of {} workers are done; still training: {}", job_.DoneWorkers(),
+               job_.LiveWorkers(), missing);
 }
 
 }  // namespace sparseps

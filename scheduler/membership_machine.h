@@ -34,11 +34,15 @@ class MembershipMachine {
                       std::vector<Outgoing>* out);
   void HandleBarrier(const std::string& from, const proto::Header& h, Clock::time_point now,
                      std::vector<Outgoing>* out);
-  void HandleDone(const std::string& from, const proto::Header& h, std::vector<Outgoing>* out);
+  // A worker's DONE: counted once (one sent again is ignored); the first starts the end of
+  // training's deadline (Tick).
+  void HandleDone(const std::string& from, const proto::Header& h, Clock::time_point now,
+                  std::vector<Outgoing>* out);
   // Releases the barriers whose live members all arrived, and ends the job (SHUTDOWN) once every
   // live worker is done: after a worker was removed, neither waits for it any longer.
   void CheckWaits(std::vector<Outgoing>* out);
-  // The registration deadline, heartbeats to every node, the barriers' deadlines.
+  // The registration deadline, heartbeats to every node, the barriers' deadlines and the end of
+  // training's (CheckTheEnd).
   void Tick(Clock::time_point now, std::vector<Outgoing>* out);
 
   // Once the job ended normally: a server's DONE with its counters, a worker's DONE again (see
@@ -75,6 +79,12 @@ class MembershipMachine {
                    std::vector<Outgoing>* out) const;
   // Registration timed out: who is missing.
   std::string MissingNodes() const;
+  // Once a worker is done. BSP: every worker ends at the same iteration, so the end of training
+  // is a barrier: the others have cluster.barrier_timeout_s for their DONE (what a worker does
+  // after its last step: a final evaluation, saving the model), and then the job ends naming who
+  // did not finish. SSP and async: a worker may train on for long; the log names who, every
+  // barrier_timeout_s.
+  void CheckTheEnd(Clock::time_point now, std::vector<Outgoing>* out);
 
   JobState& job_;
   CheckpointCoordinator& checkpoints_;
@@ -85,7 +95,10 @@ class MembershipMachine {
   // the release again.
   std::map<BarrierKey, proto::Role> released_;
   Clock::time_point last_heartbeat_sent_;
-  std::vector<proto::WorkerStats> worker_stats_;                 // index = worker rank
+  std::optional<Clock::time_point> first_done_;   // the first worker's DONE
+  std::string first_done_by_;                     // "worker 1 (host, pid 42)"
+  Clock::time_point end_logged_;                  // SSP and async: who still trains, last logged
+  std::vector<proto::WorkerStats> worker_stats_;  // index = worker rank
   std::vector<std::optional<proto::ServerStats>> server_stats_;  // index = server rank
 };
 

@@ -75,7 +75,7 @@ void Scheduler::Handle(const std::string& from, const Result<Message>& msg, Cloc
       membership_.HandleBarrier(from, h, now, out);
       break;
     case proto::DONE:
-      membership_.HandleDone(from, h, out);
+      membership_.HandleDone(from, h, now, out);
       break;
     case proto::FATAL:
       recovery_.HandleNodeFailure(from, h, out);

@@ -407,6 +407,7 @@ Status ControlClient::WaitResending(const proto::Header& request, const std::fun
                                     double timeout_s, const std::string& what) {
   const double retry = config_.cluster().retry_interval_s();
   const auto start = Clock::now();
+  int resent = 0;
   while (true) {
     const double left = timeout_s - SecondsSince(start);
     Status s = WaitFor(done, std::max(0.0, retry > 0 ? std::min(retry, left) : left), what);
@@ -416,9 +417,10 @@ Status ControlClient::WaitResending(const proto::Header& request, const std::fun
                                       " s waiting for " + what);
     }
     // The request or its answer may have been lost (a connection that broke): again, which the
-    // scheduler takes as the same one.
-    spdlog::info("no answer to {} within {} s: sending it again", CommandName(request.command()),
-                 retry);
+    // scheduler takes as the same one. A long wait (the end of an async job) logs it once.
+    spdlog::log(++resent == 1 ? spdlog::level::info : spdlog::level::debug,
+                "no answer to {} within {} s: sending it again every {} s",
+                CommandName(request.command()), retry, retry);
     Message msg;
     msg.header = request;
     SPARSEPS_RETURN_IF_ERROR(Send(msg));
@@ -513,9 +515,15 @@ Status ControlClient::Finish(const proto::WorkerStats& stats) {
   *msg.header.mutable_done()->mutable_stats() = stats;
   const proto::Header request = msg.header;
   SPARSEPS_RETURN_IF_ERROR(Send(msg));
+  // BSP: the end of training is a barrier, whose deadline the scheduler keeps (naming who did
+  // not finish); this one comes after it. SSP and async: no deadline of its own; the scheduler's
+  // silence (cluster.heartbeat_timeout_s) or its FATAL ends the wait.
+  constexpr double kWhileTheSchedulerLives = 1e9;  // seconds
+  const bool bsp = config_.train().consistency() == proto::BSP;
   return WaitResending(
-      request, [this] { return shutdown_; }, config_.cluster().request_timeout_s(),
-      "SHUTDOWN from the scheduler");
+      request, [this] { return shutdown_; },
+      bsp ? config_.cluster().barrier_timeout_s() + 10.0 : kWhileTheSchedulerLives,
+      "SHUTDOWN from the scheduler (every worker's DONE)");
 }
 
 }  // namespace sparseps

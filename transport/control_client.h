@@ -97,9 +97,11 @@ class ControlClient {
   Status ReportCheckpoint(uint64_t iteration, const proto::CheckpointFile& file);
 
   // Sends DONE with this worker's statistics and waits for the SHUTDOWN (once every live worker
-  // is done), for cluster.request_timeout_s; sends DONE again every cluster.retry_interval_s
-  // meanwhile (the scheduler counts a worker done once, and answers a repeat after the end with
-  // the SHUTDOWN again). Errors: as WaitFor's.
+  // is done); sends DONE again every cluster.retry_interval_s meanwhile (the scheduler counts a
+  // worker done once, and answers a repeat after the end with the SHUTDOWN again). BSP: for
+  // cluster.barrier_timeout_s + 10 s, after the scheduler's own deadline for the other workers'
+  // DONE, whose FATAL names who did not finish. SSP and async: while the scheduler is heard from
+  // (another worker may train on for long). Errors: as WaitFor's.
   Status Finish(const proto::WorkerStats& stats);
 
   // Tells the scheduler that this node failed with `error` (FATAL node -> scheduler), so the job

@@ -717,3 +717,61 @@ def test_a_worker_closed_by_its_with_block_leaves_the_job(cluster, backend):
     summary = json.loads((c.run_dir / "summary.json").read_text())
     assert summary["status"] == "ok", summary
     assert [w["rank"] for w in summary["lost_workers"]] == [1], summary
+
+
+def test_a_leader_working_past_the_request_timeout_after_its_last_step_ends_well(cluster):
+    """The leader's work after its last step (a final evaluation, saving the model) takes longer
+    than cluster.request_timeout_s: the worker that finished first waits for the SHUTDOWN as long
+    as the end of a BSP job may take (cluster.barrier_timeout_s), not request_timeout_s, and the
+    job ends well for both."""
+    sets = ["cluster.request_timeout_s=3"]
+    c = cluster(BASE, sets=sets)
+    ends = {}
+
+    def worker(rank):
+        w = sparseps.Worker(str(c.job), rank=rank, overrides=c.overrides + sets)
+        w.init(initial())
+        for t in range(3):
+            w.push_pull(gradient(rank, t))
+        if rank == 0:
+            time.sleep(8)  # the final evaluation
+            ends["leader_finishing"] = time.monotonic()
+        w.finish()
+        ends[rank] = time.monotonic()
+
+    run_threads([lambda r=r: worker(r) for r in range(2)])
+    assert ends[1] >= ends["leader_finishing"], ends  # worker 1 waited for the leader's DONE
+    assert c.wait() == {k: 0 for k in c.wait()}
+    summary = json.loads((c.run_dir / "summary.json").read_text())
+    assert summary["status"] == "ok" and not summary.get("lost_workers"), summary
+
+
+def test_a_worker_that_does_not_finish_within_the_barrier_timeout_is_named(cluster):
+    """In BSP the end of training is a barrier: once a worker sent DONE, the others have
+    cluster.barrier_timeout_s for theirs, and then the scheduler ends the job naming who did not
+    finish, which the waiting worker's error says too."""
+    sets = ["cluster.barrier_timeout_s=6"]
+    c = cluster(BASE, sets=sets)
+    failed = threading.Event()
+    errors = {}
+
+    def worker(rank):
+        w = sparseps.Worker(str(c.job), rank=rank, overrides=c.overrides + sets)
+        w.init(initial())
+        for t in range(3):
+            w.push_pull(gradient(rank, t))
+        if rank == 0:
+            assert failed.wait(60), "worker 1's finish did not fail"
+        try:
+            w.finish()
+        except (sparseps.Error, TimeoutError) as e:
+            errors[rank] = str(e)
+        if rank == 1:
+            failed.set()
+
+    run_threads([lambda r=r: worker(r) for r in range(2)])
+    assert "end of training" in errors.get(1, "") and "worker 0" in errors[1], errors
+    assert 0 in errors, errors  # the job had ended when the leader got to its finish
+    codes = c.wait()
+    assert codes["scheduler"] != 0, codes
+    assert "worker 0" in c.log("scheduler")

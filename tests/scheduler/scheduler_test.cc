@@ -293,6 +293,44 @@ TEST_F(SchedulerTest, ADoneSentAgainCountsOnceAndAfterTheEndGetsTheShutdownAgain
   EXPECT_TRUE(out.empty());  // a server's DONE without counters is not a report
 }
 
+// In BSP the end of training is a barrier: once worker 1 is done, worker 0 has
+// cluster.barrier_timeout_s (20 s here) for its DONE, and then the job ends naming it, while both
+// still send heartbeats.
+TEST_F(SchedulerTest, TheEndOfTrainingTimesOutNamingWhoDidNotFinish) {
+  Scheduler s(config_, t0_);
+  RegisterAll(s);
+  Message d1;
+  d1.header.set_command(proto::DONE);
+  EXPECT_TRUE(Send(s, "w-b", std::move(d1), t0_ + seconds(5)).empty());
+  std::vector<Outgoing> out;
+  AllAlive(s, 6, 25, &out);  // 20 s after the DONE: not yet
+  ASSERT_FALSE(s.finished());
+  AllAlive(s, 26, 26, &out);
+  ASSERT_TRUE(s.finished());
+  EXPECT_THAT(s.final_status().message(), HasSubstr("end of training timed out"));
+  EXPECT_THAT(s.final_status().message(), HasSubstr("worker 1"));  // the one that finished
+  EXPECT_THAT(s.final_status().message(), HasSubstr("and worker 0"));
+  EXPECT_THAT(s.final_status().message(), HasSubstr("cluster.barrier_timeout_s"));
+}
+
+// SSP and async: a worker may train for long after another finished; nothing ends the job.
+TEST_F(SchedulerTest, AStaleJobsEndWaitsForTheWorkersStillTraining) {
+  config_.mutable_train()->set_consistency(proto::ASYNC);
+  Scheduler s(config_, t0_);
+  RegisterAll(s);
+  Message d1;
+  d1.header.set_command(proto::DONE);
+  EXPECT_TRUE(Send(s, "w-b", std::move(d1), t0_ + seconds(1)).empty());
+  std::vector<Outgoing> out;
+  AllAlive(s, 2, 70, &out);
+  ASSERT_FALSE(s.finished());
+  Message d0;
+  d0.header.set_command(proto::DONE);
+  EXPECT_EQ(Send(s, "w-a", std::move(d0), t0_ + seconds(71)).size(), 4u);  // the SHUTDOWNs
+  ASSERT_TRUE(s.finished());
+  EXPECT_TRUE(s.final_status().ok());
+}
+
 TEST_F(SchedulerTest, MalformedMessageIsCountedAndAnswered) {
   Scheduler s(config_, t0_);
   std::vector<Outgoing> out;

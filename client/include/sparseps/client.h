@@ -300,7 +300,9 @@ class Worker {
   /// (run.dir/model.safetensors, when checkpoint.save_model), sends its statistics to the scheduler
   /// (summary.json) and waits until every worker is done. test_accuracy is a fraction (-1: the
   /// last ReportEvaluation's, or not evaluated here), train_loss the last epoch's mean,
-  /// samples_per_s this worker's rate, train_s its seconds of training.
+  /// samples_per_s this worker's rate, train_s its seconds of training. In BSP the others have
+  /// cluster.barrier_timeout_s to finish too (a leader's final evaluation counts); then the job
+  /// ends, this call throwing kFailed with the scheduler's error naming who did not finish.
   void Finish(double test_accuracy = -1.0, double train_loss = 0.0, double samples_per_s = 0.0,
               double train_s = 0.0);
 
