@@ -40,7 +40,9 @@
 # range and every node goes back to the newest complete checkpoint (with checkpoint.every_steps
 # set, that costs at most that many steps); when any other process dies, or the job cannot roll
 # back, every process is stopped and the whole job restarts from its newest complete checkpoint
-# (from the start when there is none yet).
+# (from the start when there is none yet). Once the scheduler has exited 0 the job has ended and
+# nothing is restarted: a process that exits with code 3 then (the scheduler's SHUTDOWN did not
+# reach it) is reported, any other code fails the launch.
 #
 # --resume RUN_DIR restarts a stopped or crashed job from the newest complete checkpoint in
 # RUN_DIR/checkpoints (checkpoint.every_steps or every_s must have been set): same config and
@@ -344,6 +346,7 @@ restart_with_rejoin() {  # restart_with_rejoin INDEX RC WHAT: starts names[INDEX
 
 run_job() {  # starts every process, waits; sets $failed to the name of a process that failed
   failed=""
+  job_ended=""  # the scheduler exited 0: the job ended normally
   # shellcheck disable=SC2046
   resume_args=()
   [[ -n "$resume" ]] && resume_args=(--resume "$job_dir")
@@ -398,6 +401,24 @@ run_job() {  # starts every process, waits; sets $failed to the name of a proces
       wait "$p"
       rc=$?
       exited[$p]=$rc
+      if [[ ${names[$i]} == scheduler && $rc -eq 0 ]]; then
+        job_ended=1  # every live worker was done and the scheduler wrote summary.json
+        continue
+      fi
+      if [[ -n "$job_ended" && $rc -ne 0 ]]; then
+        # After the end nothing is restarted. Code 3: the scheduler fell silent before its
+        # SHUTDOWN reached this process (a connection that broke as the job ended).
+        if [[ $rc -eq 3 ]]; then
+          echo "launch.sh: ${names[$i]} exited with code 3 after the job had ended (the" \
+            "scheduler's SHUTDOWN did not reach it); the job finished" >&2
+          continue
+        fi
+        failed="${names[$i]}"
+        echo "launch.sh: ${names[$i]} exited with code $rc after the job had ended; its log" \
+          "($run_dir/${names[$i]}.log):" >&2
+        tail -n 30 "$run_dir/${names[$i]}.log" >&2
+        break
+      fi
       # Exit code 3: the daemon heard nothing from the scheduler for cluster.heartbeat_timeout_s
       # (its host was cut off, or the scheduler died): lost to the job, as if killed. A dead
       # scheduler is seen here too and ends the job.
@@ -443,7 +464,7 @@ have_checkpoint() {
 restarts=0
 while true; do
   run_job
-  [[ -z "$failed" || $restarts -ge $max_restarts ]] && break
+  [[ -z "$failed" || $restarts -ge $max_restarts || -n "$job_ended" ]] && break
   restarts=$((restarts + 1))
   echo "launch.sh: stopping the other processes" >&2
   cleanup

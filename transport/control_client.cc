@@ -520,10 +520,20 @@ Status ControlClient::Finish(const proto::WorkerStats& stats) {
   // silence (cluster.heartbeat_timeout_s) or its FATAL ends the wait.
   constexpr double kWhileTheSchedulerLives = 1e9;  // seconds
   const bool bsp = config_.train().consistency() == proto::BSP;
-  return WaitResending(
+  Status s = WaitResending(
       request, [this] { return shutdown_; },
       bsp ? config_.cluster().barrier_timeout_s() + 10.0 : kWhileTheSchedulerLives,
       "SHUTDOWN from the scheduler (every worker's DONE)");
+  if (s.code() != StatusCode::kDisconnected) return s;
+  // This worker's part is over and its DONE went out; the scheduler fell silent before the
+  // SHUTDOWN came: it ended the job and its SHUTDOWN was lost (a connection that broke as the job
+  // ended), or it died. The scheduler's own exit says which; failing here too would have a
+  // supervisor restart a worker of a job that ended.
+  spdlog::warn(
+      "{}; this worker's training is over and its DONE was sent, so it ends normally: whether the "
+      "job did is the scheduler's exit status and run.dir/summary.json",
+      s.message());
+  return Status::OK();
 }
 
 }  // namespace sparseps

@@ -101,7 +101,9 @@ class ControlClient {
   // worker done once, and answers a repeat after the end with the SHUTDOWN again). BSP: for
   // cluster.barrier_timeout_s + 10 s, after the scheduler's own deadline for the other workers'
   // DONE, whose FATAL names who did not finish. SSP and async: while the scheduler is heard from
-  // (another worker may train on for long). Errors: as WaitFor's.
+  // (another worker may train on for long). A scheduler silent for cluster.heartbeat_timeout_s
+  // meanwhile is not an error here (a warning says so): this worker is done, and the scheduler's
+  // exit tells whether the job ended (its SHUTDOWN may have been lost). Errors: as WaitFor's.
   Status Finish(const proto::WorkerStats& stats);
 
   // Tells the scheduler that this node failed with `error` (FATAL node -> scheduler), so the job

@@ -484,9 +484,11 @@ Status RunWorker(const proto::JobConfig& config) {
     if (result.ok()) result = Train(config, **model, *data, **session);
   }
   if (!result.ok()) (*session)->ReportFailure(result);
-  if ((*session)->control().scheduler_lost() && (*session)->is_leader() &&
+  if (!result.ok() && (*session)->control().scheduler_lost() && (*session)->is_leader() &&
       !config.run().dir().empty()) {
-    // No scheduler is left to write the job's result: record the failure where users look.
+    // No scheduler is left to write the job's result: record the failure where users look. (A
+    // leader that was done when the scheduler fell silent leaves the file to the scheduler: its
+    // SHUTDOWN may have been lost after it wrote the job's.)
     proto::RunSummary summary;
     summary.set_job_name(config.run().name());
     summary.set_status(result.message());

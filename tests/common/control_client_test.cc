@@ -228,6 +228,28 @@ TEST_F(ControlClientTest, ABarrierAndADoneAreSentAgainUntilTheSchedulerAnswers) 
   EXPECT_TRUE(finish.ok()) << finish.ToString();
 }
 
+TEST_F(ControlClientTest, ADoneWorkerWhoseSchedulerFallsSilentEndsNormally) {
+  // Its SHUTDOWN lost (or the scheduler gone): the worker's part is over, so Finish returns OK
+  // once the scheduler has been silent for cluster.heartbeat_timeout_s; a barrier in the same
+  // silence is an error (Disconnected), as before.
+  config_.mutable_cluster()->set_heartbeat_timeout_s(1);
+  config_.mutable_cluster()->set_retry_interval_s(0);
+  std::string id;
+  auto client = Connect(&id);
+  GiveMembership(*client, id);
+  Status finish = Status::Internal("not returned");
+  std::thread finishing([&] { finish = client->Finish(proto::WorkerStats()); });
+  EXPECT_EQ(Receive().header.command(), proto::DONE);
+  finishing.join();
+  EXPECT_TRUE(finish.ok()) << finish.ToString();
+
+  std::string other_id;
+  auto other = Connect(&other_id);
+  GiveMembership(*other, other_id);
+  Status barrier = other->Barrier("init-1", proto::WORKER);
+  EXPECT_EQ(barrier.code(), StatusCode::kDisconnected) << barrier.ToString();
+}
+
 TEST_F(ControlClientTest, AConnectionMadeAgainAfterTheMembershipIsSaidAtOnce) {
   // The client sends a HEARTBEAT on its control socket as soon as Poll sees the connection made
   // again, so that the scheduler hears from it at once.

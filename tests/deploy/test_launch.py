@@ -28,3 +28,44 @@ def test_a_reused_run_directory_starts_a_fresh_job(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     assert (run / "scheduler.port").read_text().strip() != "1"
     assert json.loads((run / "summary.json").read_text())["status"] == "ok"
+
+
+STAND_IN = """#!/bin/bash
+# A stand-in for sparseps-{role}: --get goes to the real worker (launch.sh reads the config so);
+# otherwise it finds run.dir, {action}
+for a in "$@"; do [[ $a == --get ]] && exec "{real}" "$@"; done
+for a in "$@"; do [[ $a == run.dir=* ]] && dir="${{a#run.dir=}}"; done
+echo "started: $*" >>"$dir/{role}.starts"
+{body}
+"""
+
+
+def test_nothing_is_restarted_once_the_scheduler_ended_the_job(tmp_path):
+    """With --max-restarts: the scheduler exits 0 (the job ended), then server 0 exits with code 3
+    (the scheduler fell silent before its SHUTDOWN reached it), which mid-job would start a
+    replacement. After the end launch.sh restarts nothing, says why, and exits 0. The daemons are
+    stand-ins (SPARSEPS_BIN_DIR: shell scripts that exit with these codes), since what is tested is
+    launch.sh's supervision; tests/common/control_client_test.cc has a worker's side of it."""
+    bins = tmp_path / "bin"
+    bins.mkdir()
+    real = os.path.join(BUILD, "worker", "sparseps-worker")
+    bodies = {
+        "scheduler": ("writes a port and ends the job", 'echo 1 >"$dir/scheduler.port"; sleep 1'),
+        "server": ("outlives the scheduler and exits with code 3", "sleep 3; exit 3"),
+        "worker": ("ends well", "sleep 0.5"),
+    }
+    for role, (action, body) in bodies.items():
+        path = bins / f"sparseps-{role}"
+        path.write_text(STAND_IN.format(role=role, action=action, real=real, body=body))
+        path.chmod(0o755)
+    run = tmp_path / "run"
+    cmd = [str(ROOT / "deploy" / "launch.sh"), "--run-dir", str(run), "--quiet",
+           "--max-restarts", "2", "--config", str(ROOT / "configs" / "quickstart.yaml"),
+           "--set", "cluster.num_servers=1"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "SPARSEPS_BIN_DIR": str(bins)})
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "server-0 exited with code 3 after the job had ended" in out.stderr, out.stderr
+    assert not (run / "restarts.log").exists(), out.stderr
+    starts = {r: len((run / f"{r}.starts").read_text().splitlines()) for r in bodies}
+    assert starts == {"scheduler": 1, "server": 1, "worker": 2}, starts
