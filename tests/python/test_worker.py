@@ -719,13 +719,10 @@ def test_a_worker_closed_by_its_with_block_leaves_the_job(cluster, backend):
     assert [w["rank"] for w in summary["lost_workers"]] == [1], summary
 
 
-def test_a_leader_working_past_the_request_timeout_after_its_last_step_ends_well(cluster):
-    """The leader's work after its last step (a final evaluation, saving the model) takes longer
-    than cluster.request_timeout_s: the worker that finished first waits for the SHUTDOWN as long
-    as the end of a BSP job may take (cluster.barrier_timeout_s), not request_timeout_s, and the
-    job ends well for both."""
-    sets = ["cluster.request_timeout_s=3"]
-    c = cluster(BASE, sets=sets)
+def three_steps_then(c, sets, before_finish):
+    """Workers 0 and 1 of job c (with the overrides `sets`) each take 3 steps, then call
+    before_finish(rank) and finish(); returns {rank: (the error finish raised or None, when finish
+    returned: time.monotonic())}."""
     ends = {}
 
     def worker(rank):
@@ -733,14 +730,35 @@ def test_a_leader_working_past_the_request_timeout_after_its_last_step_ends_well
         w.init(initial())
         for t in range(3):
             w.push_pull(gradient(rank, t))
-        if rank == 0:
-            time.sleep(8)  # the final evaluation
-            ends["leader_finishing"] = time.monotonic()
-        w.finish()
-        ends[rank] = time.monotonic()
+        before_finish(rank)
+        error = None
+        try:
+            w.finish()
+        except (sparseps.Error, TimeoutError) as e:
+            error = str(e)
+        ends[rank] = (error, time.monotonic())
 
     run_threads([lambda r=r: worker(r) for r in range(2)])
-    assert ends[1] >= ends["leader_finishing"], ends  # worker 1 waited for the leader's DONE
+    return ends
+
+
+def test_a_leader_working_past_the_request_timeout_after_its_last_step_ends_well(cluster):
+    """The leader's work after its last step (a final evaluation, saving the model) takes longer
+    than cluster.request_timeout_s: the worker that finished first waits for the SHUTDOWN as long
+    as the end of a BSP job may take (cluster.barrier_timeout_s), not request_timeout_s, and the
+    job ends well for both."""
+    sets = ["cluster.request_timeout_s=3"]
+    c = cluster(BASE, sets=sets)
+    leader_finishing = []
+
+    def before_finish(rank):
+        if rank == 0:
+            time.sleep(8)  # the final evaluation
+            leader_finishing.append(time.monotonic())
+
+    ends = three_steps_then(c, sets, before_finish)
+    assert ends[0][0] is None and ends[1][0] is None, ends
+    assert ends[1][1] >= leader_finishing[0], ends  # worker 1 waited for the leader's DONE
     assert c.wait() == {k: 0 for k in c.wait()}
     summary = json.loads((c.run_dir / "summary.json").read_text())
     assert summary["status"] == "ok" and not summary.get("lost_workers"), summary
@@ -752,26 +770,19 @@ def test_a_worker_that_does_not_finish_within_the_barrier_timeout_is_named(clust
     finish, which the waiting worker's error says too."""
     sets = ["cluster.barrier_timeout_s=6"]
     c = cluster(BASE, sets=sets)
-    failed = threading.Event()
-    errors = {}
+    waited = []
 
-    def worker(rank):
-        w = sparseps.Worker(str(c.job), rank=rank, overrides=c.overrides + sets)
-        w.init(initial())
-        for t in range(3):
-            w.push_pull(gradient(rank, t))
-        if rank == 0:
-            assert failed.wait(60), "worker 1's finish did not fail"
-        try:
-            w.finish()
-        except (sparseps.Error, TimeoutError) as e:
-            errors[rank] = str(e)
-        if rank == 1:
-            failed.set()
+    def before_finish(rank):
+        if rank == 0:  # until the job has ended without it
+            deadline = time.monotonic() + 60
+            while c.procs[0][1].poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            waited.append(c.procs[0][1].poll() is not None)
 
-    run_threads([lambda r=r: worker(r) for r in range(2)])
-    assert "end of training" in errors.get(1, "") and "worker 0" in errors[1], errors
-    assert 0 in errors, errors  # the job had ended when the leader got to its finish
+    errors = {rank: error for rank, (error, _) in three_steps_then(c, sets, before_finish).items()}
+    assert waited == [True], "the scheduler did not end the job"
+    assert "end of training" in (errors[1] or "") and "worker 0" in errors[1], errors
+    assert errors[0] is not None, errors  # the job had ended when the leader got to its finish
     codes = c.wait()
     assert codes["scheduler"] != 0, codes
     assert "worker 0" in c.log("scheduler")
