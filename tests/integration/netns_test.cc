@@ -61,7 +61,7 @@ TEST(EmulatedNetwork, ShapedLinkCarriesItsRateAndIsRemovedAfterwards) {
   {
     Teardown guard{prefix};
     std::string out;
-    ASSERT_EQ(Shell(kScript + " up --hosts 2 --rate 500mbit --prefix " + prefix, &out), 0) << out;
+    ASSERT_EQ(Shell(kScript + " up --hosts 2 --rate 200mbit --prefix " + prefix, &out), 0) << out;
     testing::TempDir dir("netns");
     testing::ChildProcess server(
         {"/usr/sbin/ip", "netns", "exec", prefix + "-h2", "iperf3", "-s", "-1"},
@@ -76,11 +76,12 @@ TEST(EmulatedNetwork, ShapedLinkCarriesItsRateAndIsRemovedAfterwards) {
     }
     ASSERT_EQ(rc, 0) << json;
     // The shaping is the point: never above the rate. Below it only by what a loaded 2-core
-    // machine takes from iperf3 (0.93 of the rate measured alone, docs/log/benchmarks-2026-11.md;
-    // 0.896 seen once with a job beside it).
+    // machine takes from iperf3: at 500 Mbit/s 0.93 of the rate alone and 0.896 once beside a
+    // job, but 0.59 beside the suite on a slower 2-core VM (ci71, docs/log/benchmarks-2026-11.md),
+    // so the test shapes to 200 Mbit/s, which leaves iperf3 the CPU it needs.
     const double bps = ParseReceivedBitsPerSecond(json);
-    EXPECT_GT(bps, 0.75 * 500e6) << json.substr(0, 2000);
-    EXPECT_LT(bps, 1.05 * 500e6) << json.substr(0, 2000);
+    EXPECT_GT(bps, 0.75 * 200e6) << json.substr(0, 2000);
+    EXPECT_LT(bps, 1.05 * 200e6) << json.substr(0, 2000);
     server.Wait(10);
     // `shape` slows one host's link, both ways (a straggler): into host 2, then out of it (-R).
     ASSERT_EQ(Shell(kScript + " shape --prefix " + prefix + " --rate 50mbit 2", &out), 0) << out;
