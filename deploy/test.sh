@@ -12,7 +12,8 @@
 # GTEST_SKIP messages, or tests/CMakeLists.txt, say so). CI's budget for the whole is 30 min on 2
 # cores; fresh clones took 23 min 59 s to 26 min 15 s on the project's idle 2-core AMD EPYC VM
 # (2026-11-29 to 2026-12-01, 5c52619 to be7ebfa) and 12 min 46 s to 20 min 56 s on 2-core Intel
-# Xeon ones (to 2026-12-02, 0a48a2f; the 12-13 min on a faster host), both builds unity builds
+# Xeon ones (to 2026-12-02, 0a48a2f; the 12-13 min on a faster host) and 26 min 55 s on a slower
+# one (2026-12-02, 128253c), both builds unity builds
 # (CMakeLists.txt); 29 min 44 s to 31 min 33 s file by file and
 # 49 min before the first cuts (docs/log/benchmarks-2026-11.md). The phases stay in
 # sequence: the sanitizer build beside the plain suite at nice 19 slowed the suite by more than it
