@@ -419,8 +419,8 @@ Status ControlClient::WaitResending(const proto::Header& request, const std::fun
     // The request or its answer may have been lost (a connection that broke): again, which the
     // scheduler takes as the same one. A long wait (the end of an async job) logs it once.
     spdlog::log(++resent == 1 ? spdlog::level::info : spdlog::level::debug,
-                "no answer to {} within {} s: sending it again every {} s",
-                CommandName(request.command()), retry, retry);
+                "no answer to {0} within {1} s: sending it again every {1} s",
+                CommandName(request.command()), retry);
     Message msg;
     msg.header = request;
     SPARSEPS_RETURN_IF_ERROR(Send(msg));

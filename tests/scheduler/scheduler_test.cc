@@ -67,6 +67,13 @@ class SchedulerTest : public ::testing::Test {
     b->set_group(group);
     return m;
   }
+  // A worker's DONE with `steps` in its statistics.
+  static Message Done(uint64_t steps = 0) {
+    Message m;
+    m.header.set_command(proto::DONE);
+    m.header.mutable_done()->mutable_stats()->set_steps(steps);
+    return m;
+  }
   // Heartbeats at t0 + `second` from the nodes named (routing id, role, rank), then a Tick; what
   // the scheduler sent goes to *out.
   using Sender = std::tuple<const char*, proto::Role, int>;
@@ -244,20 +251,14 @@ TEST_F(SchedulerTest, SilentNodeIsDeclaredDead) {
 TEST_F(SchedulerTest, AllWorkersDoneShutsDown) {
   Scheduler s(config_, t0_);
   RegisterAll(s);
-  Message d0;
-  d0.header.set_command(proto::DONE);
-  d0.header.mutable_done()->mutable_stats()->set_steps(5);
-  EXPECT_TRUE(Send(s, "w-a", std::move(d0), t0_).empty());
+  EXPECT_TRUE(Send(s, "w-a", Done(5), t0_).empty());
   EXPECT_FALSE(s.finished());
   Message bogus;
   bogus.header.set_command(proto::DONE);
   auto rej = Send(s, "s-a", std::move(bogus), t0_);  // servers are not workers
   ASSERT_EQ(rej.size(), 1u);
   EXPECT_EQ(rej[0].msg.header.command(), proto::ERROR);
-  Message d1;
-  d1.header.set_command(proto::DONE);
-  d1.header.mutable_done()->mutable_stats()->set_steps(5);
-  auto out = Send(s, "w-b", std::move(d1), t0_);
+  auto out = Send(s, "w-b", Done(5), t0_);
   ASSERT_TRUE(s.finished());
   EXPECT_TRUE(s.final_status().ok());
   ASSERT_EQ(out.size(), 4u);
@@ -268,28 +269,22 @@ TEST_F(SchedulerTest, AllWorkersDoneShutsDown) {
 TEST_F(SchedulerTest, ADoneSentAgainCountsOnceAndAfterTheEndGetsTheShutdownAgain) {
   Scheduler s(config_, t0_);
   RegisterAll(s);
-  auto done = [](uint64_t steps) {
-    Message d;
-    d.header.set_command(proto::DONE);
-    d.header.mutable_done()->mutable_stats()->set_steps(steps);
-    return d;
-  };
-  EXPECT_TRUE(Send(s, "w-a", done(5), t0_).empty());
+  EXPECT_TRUE(Send(s, "w-a", Done(5), t0_).empty());
   // Sent again (no SHUTDOWN yet): counted once, the first report kept, the job still on.
-  EXPECT_TRUE(Send(s, "w-a", done(6), t0_).empty());
+  EXPECT_TRUE(Send(s, "w-a", Done(6), t0_).empty());
   EXPECT_FALSE(s.finished());
-  ASSERT_EQ(Send(s, "w-b", done(5), t0_).size(), 4u);
+  ASSERT_EQ(Send(s, "w-b", Done(5), t0_).size(), 4u);
   ASSERT_TRUE(s.finished());
   EXPECT_EQ(s.Summary(t0_).workers(0).steps(), 5u);
   // After the end a worker's DONE again (its SHUTDOWN lost) gets the SHUTDOWN again, to it alone;
   // the servers' counters are still taken.
   std::vector<Outgoing> out;
-  EXPECT_FALSE(s.HandleAfterEnd("w-b", Result<Message>(done(5)), &out));
+  EXPECT_FALSE(s.HandleAfterEnd("w-b", Result<Message>(Done(5)), &out));
   ASSERT_EQ(out.size(), 1u);
   EXPECT_EQ(out[0].to, "w-b");
   EXPECT_EQ(out[0].msg.header.command(), proto::SHUTDOWN);
   out.clear();
-  EXPECT_FALSE(s.HandleAfterEnd("s-a", Result<Message>(done(5)), &out));
+  EXPECT_FALSE(s.HandleAfterEnd("s-a", Result<Message>(Done(5)), &out));
   EXPECT_TRUE(out.empty());  // a server's DONE without counters is not a report
 }
 
@@ -299,9 +294,7 @@ TEST_F(SchedulerTest, ADoneSentAgainCountsOnceAndAfterTheEndGetsTheShutdownAgain
 TEST_F(SchedulerTest, TheEndOfTrainingTimesOutNamingWhoDidNotFinish) {
   Scheduler s(config_, t0_);
   RegisterAll(s);
-  Message d1;
-  d1.header.set_command(proto::DONE);
-  EXPECT_TRUE(Send(s, "w-b", std::move(d1), t0_ + seconds(5)).empty());
+  EXPECT_TRUE(Send(s, "w-b", Done(), t0_ + seconds(5)).empty());
   std::vector<Outgoing> out;
   AllAlive(s, 6, 25, &out);  // 20 s after the DONE: not yet
   ASSERT_FALSE(s.finished());
@@ -318,15 +311,11 @@ TEST_F(SchedulerTest, AStaleJobsEndWaitsForTheWorkersStillTraining) {
   config_.mutable_train()->set_consistency(proto::ASYNC);
   Scheduler s(config_, t0_);
   RegisterAll(s);
-  Message d1;
-  d1.header.set_command(proto::DONE);
-  EXPECT_TRUE(Send(s, "w-b", std::move(d1), t0_ + seconds(1)).empty());
+  EXPECT_TRUE(Send(s, "w-b", Done(), t0_ + seconds(1)).empty());
   std::vector<Outgoing> out;
   AllAlive(s, 2, 70, &out);
   ASSERT_FALSE(s.finished());
-  Message d0;
-  d0.header.set_command(proto::DONE);
-  EXPECT_EQ(Send(s, "w-a", std::move(d0), t0_ + seconds(71)).size(), 4u);  // the SHUTDOWNs
+  EXPECT_EQ(Send(s, "w-a", Done(), t0_ + seconds(71)).size(), 4u);  // the SHUTDOWNs
   ASSERT_TRUE(s.finished());
   EXPECT_TRUE(s.final_status().ok());
 }
@@ -451,10 +440,7 @@ TEST_F(WorkerLossTest, DeadWorkerWhosePushDidNotReachEveryServerIsDroppedEverywh
   EXPECT_TRUE(Send(s, "w-b", std::move(fatal), t0_ + seconds(14)).empty());
   ASSERT_FALSE(s.finished());
   // The one live worker's DONE ends the job.
-  Message d0;
-  d0.header.set_command(proto::DONE);
-  d0.header.mutable_done()->mutable_stats()->set_steps(50);
-  Send(s, "w-a", std::move(d0), t0_ + seconds(15));
+  Send(s, "w-a", Done(50), t0_ + seconds(15));
   ASSERT_TRUE(s.finished());
   EXPECT_TRUE(s.final_status().ok()) << s.final_status().message();
   const auto summary = s.Summary(t0_ + seconds(15));
