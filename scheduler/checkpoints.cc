@@ -107,11 +107,38 @@ void CheckpointCoordinator::HandleWritten(const std::string& from, const proto::
   files.push_back(f);
   // Complete once every live node's file is in (a worker lost since may have written one too:
   // it is listed, not waited for).
-  const size_t writers = job_.CheckpointWorkers(iteration);
-  const size_t expected = job_.expected_servers + writers +
-                          (job_.config.checkpoint().save_model() && writers > 0 ? 1 : 0);
-  if (FromLiveNodes(files, iteration) < expected) return;
+  if (FromLiveNodes(files, iteration) < Expected(iteration)) return;
   Complete(iteration, out);
+}
+
+size_t CheckpointCoordinator::Expected(uint64_t iteration) const {
+  const size_t writers = job_.CheckpointWorkers(iteration);
+  return job_.expected_servers + writers +
+         (job_.config.checkpoint().save_model() && writers > 0 ? 1 : 0);
+}
+
+std::optional<CheckpointCoordinator::AwaitedFiles> CheckpointCoordinator::AwaitedAtTheEnd() const {
+  if (pending_.empty()) return std::nullopt;
+  const auto& [iteration, files] = *pending_.rbegin();
+  if (static_cast<int64_t>(iteration) <= last_checkpoint_) return std::nullopt;
+  AwaitedFiles awaited{iteration, ""};
+  size_t missing = 0;
+  for (size_t rank = 0; rank < job_.expected_servers; ++rank) {
+    const int idx = job_.FindNode(proto::SERVER, static_cast<int>(rank));
+    if (idx < 0) return std::nullopt;  // lost, not replaced
+    if (std::any_of(files.begin(), files.end(), [&](const proto::CheckpointFile& f) {
+          return f.role() == proto::SERVER && f.rank() == static_cast<int>(rank);
+        })) {
+      continue;
+    }
+    ++missing;
+    awaited.servers +=
+        (awaited.servers.empty() ? "" : ", ") + job_.Describe(job_.nodes[static_cast<size_t>(idx)]);
+  }
+  if (missing == 0 || FromLiveNodes(files, iteration) + missing < Expected(iteration)) {
+    return std::nullopt;
+  }
+  return awaited;
 }
 
 void CheckpointCoordinator::Complete(uint64_t iteration, std::vector<Outgoing>* out) {

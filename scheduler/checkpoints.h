@@ -40,6 +40,17 @@ class CheckpointCoordinator {
   // again).
   void DropPending() { pending_.clear(); }
 
+  // What the end of the job waits for (MembershipMachine::CheckWaits): a server writes its file
+  // of a checkpoint after its pull replies left, so the workers' files and DONEs may all come
+  // first. The newest checkpoint being written that lacks only live servers' files: its iteration
+  // and those servers ("server 1 (host, pid 42)"). nullopt when there is none, or when a lost
+  // server's file is missing too (it will not come).
+  struct AwaitedFiles {
+    uint64_t iteration = 0;
+    std::string servers;
+  };
+  std::optional<AwaitedFiles> AwaitedAtTheEnd() const;
+
   // The newest checkpoint whose manifest this scheduler wrote (or resumed from); -1: none.
   int64_t last_checkpoint() const { return last_checkpoint_; }
   // A complete checkpoint exists in a checkpoint folder: a server may be replaced.
@@ -49,6 +60,9 @@ class CheckpointCoordinator {
   // How many of `files` come from the nodes expected to write the checkpoint of `iteration`
   // (not from a lost worker whose rank a replacement took since).
   size_t FromLiveNodes(const std::vector<proto::CheckpointFile>& files, uint64_t iteration) const;
+  // How many files complete the checkpoint of `iteration`: every live server's, every writing
+  // worker's and, with checkpoint.save_model, the leader's model.
+  size_t Expected(uint64_t iteration) const;
   void Complete(uint64_t iteration, std::vector<Outgoing>* out);
 
   JobState& job_;

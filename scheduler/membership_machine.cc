@@ -211,7 +211,7 @@ void MembershipMachine::SendRelease(size_t node, const BarrierKey& key, proto::R
   out->push_back(std::move(o));
 }
 
-void MembershipMachine::CheckWaits(std::vector<Outgoing>* out) {
+void MembershipMachine::CheckWaits(Clock::time_point now, std::vector<Outgoing>* out) {
   std::vector<BarrierKey> ready;
   for (const auto& [key, state] : barriers_) {
     if (Complete(state)) ready.push_back(key);
@@ -219,11 +219,34 @@ void MembershipMachine::CheckWaits(std::vector<Outgoing>* out) {
   for (const auto& key : ready) ReleaseBarrier(key, out);
   if (!job_.membership_sent || job_.finished) return;
   const size_t live = job_.LiveWorkers();
-  if (live > 0 && job_.DoneWorkers() == live && job_.stop_reason.empty()) {
-    job_.finished = Status::OK();
-    job_.finished_at = Clock::now();
-    job_.Broadcast(proto::SHUTDOWN, "", out);
+  if (live == 0 || job_.DoneWorkers() != live || !job_.stop_reason.empty()) return;
+  if (const auto awaited = checkpoints_.AwaitedAtTheEnd()) {
+    if (!end_held_since_) {
+      end_held_since_ = now;
+      spdlog::info(
+          "every worker is done; the job ends once the checkpoint of iteration {} is complete "
+          "(waiting for the file of {})",
+          awaited->iteration, awaited->servers);
+    }
+    return;
   }
+  EndTheJob(out);
+}
+
+void MembershipMachine::EndTheJob(std::vector<Outgoing>* out) {
+  job_.finished = Status::OK();
+  job_.finished_at = Clock::now();
+  job_.Broadcast(proto::SHUTDOWN, "", out);
+}
+
+void MembershipMachine::EndWithoutTheCheckpoint(const std::string& why,
+                                                std::vector<Outgoing>* out) {
+  const auto awaited = checkpoints_.AwaitedAtTheEnd();
+  spdlog::warn(
+      "{}; every worker is done, so the job ends without the checkpoint of iteration {} (the "
+      "newest complete one is iteration {})",
+      why, awaited ? std::to_string(awaited->iteration) : "?", checkpoints_.last_checkpoint());
+  EndTheJob(out);
 }
 
 void MembershipMachine::HandleBarrier(const std::string& from, const proto::Header& h,
@@ -284,7 +307,7 @@ void MembershipMachine::HandleDone(const std::string& from, const proto::Header&
   worker_stats_[static_cast<size_t>(n.rank)] = h.done().stats();
   spdlog::info("{} is done ({} of {} workers)", job_.Describe(n), job_.DoneWorkers(),
                job_.LiveWorkers());
-  CheckWaits(out);
+  CheckWaits(now, out);
 }
 
 bool MembershipMachine::HandleAfterEnd(const std::string& from, const Result<Message>& msg,
@@ -384,6 +407,17 @@ void MembershipMachine::Tick(Clock::time_point now, std::vector<Outgoing>* out) 
 void MembershipMachine::CheckTheEnd(Clock::time_point now, std::vector<Outgoing>* out) {
   const double timeout = job_.config.cluster().barrier_timeout_s();
   const bool bsp = job_.config.train().consistency() == proto::BSP;
+  if (end_held_since_ && !job_.finished &&
+      SecondsBetween(bsp ? *first_done_ : *end_held_since_, now) > timeout) {
+    // BSP: within the end of training's deadline, which the finished workers wait for.
+    const auto awaited = checkpoints_.AwaitedAtTheEnd();
+    EndWithoutTheCheckpoint(
+        (awaited ? awaited->servers : std::string("a server")) +
+            " did not report its checkpoint file within cluster.barrier_timeout_s (" +
+            FormatSeconds(timeout) + ") of the end of training",
+        out);
+    return;
+  }
   if (job_.finished || !job_.stop_reason.empty() ||
       SecondsBetween(bsp ? *first_done_ : end_logged_, now) <= timeout) {
     return;

@@ -1,7 +1,8 @@
 // The scheduler's membership state machine: registration (with a deadline naming who is
 // missing), ranks and key ranges, the first membership epoch, barriers, heartbeats to every node,
-// and the end of the job (SHUTDOWN once every live worker reported DONE; the servers' counters
-// after it). docs/protocol.md has the message and state tables.
+// and the end of the job (SHUTDOWN once every live worker reported DONE and the last checkpoint
+// has its servers' files; the servers' counters after it). docs/protocol.md has the message and
+// state tables.
 //
 // Thread-safety: used by the one thread that runs the Scheduler.
 #pragma once
@@ -39,8 +40,14 @@ class MembershipMachine {
   void HandleDone(const std::string& from, const proto::Header& h, Clock::time_point now,
                   std::vector<Outgoing>* out);
   // Releases the barriers whose live members all arrived, and ends the job (SHUTDOWN) once every
-  // live worker is done: after a worker was removed, neither waits for it any longer.
-  void CheckWaits(std::vector<Outgoing>* out);
+  // live worker is done: after a worker was removed, neither waits for it any longer. A
+  // checkpoint that lacks only the servers' files holds the end until they are in (the end of
+  // training's deadline, Tick), so that the job's last checkpoint gets its manifest.
+  void CheckWaits(Clock::time_point now, std::vector<Outgoing>* out);
+  // Every worker is done and the end waits for the servers' files of the last checkpoint.
+  bool end_held() const { return end_held_since_.has_value(); }
+  // Ends a held end at once, the checkpoint incomplete (`why`: a server was declared dead).
+  void EndWithoutTheCheckpoint(const std::string& why, std::vector<Outgoing>* out);
   // The registration deadline, heartbeats to every node, the barriers' deadlines and the end of
   // training's (CheckTheEnd).
   void Tick(Clock::time_point now, std::vector<Outgoing>* out);
@@ -85,6 +92,8 @@ class MembershipMachine {
   // did not finish. SSP and async: a worker may train on for long; the log names who, every
   // barrier_timeout_s.
   void CheckTheEnd(Clock::time_point now, std::vector<Outgoing>* out);
+  // The job ended normally: SHUTDOWN to every live node.
+  void EndTheJob(std::vector<Outgoing>* out);
 
   JobState& job_;
   CheckpointCoordinator& checkpoints_;
@@ -95,10 +104,12 @@ class MembershipMachine {
   // the release again.
   std::map<BarrierKey, proto::Role> released_;
   Clock::time_point last_heartbeat_sent_;
-  std::optional<Clock::time_point> first_done_;   // the first worker's DONE
-  std::string first_done_by_;                     // "worker 1 (host, pid 42)"
-  Clock::time_point end_logged_;                  // SSP and async: who still trains, last logged
-  std::vector<proto::WorkerStats> worker_stats_;  // index = worker rank
+  std::optional<Clock::time_point> first_done_;  // the first worker's DONE
+  std::string first_done_by_;                    // "worker 1 (host, pid 42)"
+  Clock::time_point end_logged_;                 // SSP and async: who still trains, last logged
+  // Every worker is done; the end waits for the servers' files of the last checkpoint.
+  std::optional<Clock::time_point> end_held_since_;
+  std::vector<proto::WorkerStats> worker_stats_;                 // index = worker rank
   std::vector<std::optional<proto::ServerStats>> server_stats_;  // index = server rank
 };
 

@@ -47,7 +47,7 @@ void Recovery::RemoveWorker(size_t idx, const std::string& reason, Clock::time_p
     job_.Abort(reason + "; no worker is left", out);
     return;
   }
-  membership_.CheckWaits(out);
+  membership_.CheckWaits(now, out);
   if (server_loss_ || rollback_) {
     job_.Abort(reason + ", while the job waits for a replacement of a dead server", out);
     return;
@@ -581,7 +581,9 @@ void Recovery::DetectDead(Clock::time_point now, std::vector<Outgoing>* out) {
     } else {
       continue;
     }
-    if (n.role == proto::WORKER && job_.continue_on_worker_failure) {
+    if (membership_.end_held()) {
+      membership_.EndWithoutTheCheckpoint(reason, out);  // training is over: nothing to recover
+    } else if (n.role == proto::WORKER && job_.continue_on_worker_failure) {
       RemoveWorker(i, reason, now, out);
     } else if (n.role == proto::SERVER) {
       LoseServer(i, reason, now, out);

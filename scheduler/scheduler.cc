@@ -82,6 +82,7 @@ void Scheduler::Handle(const std::string& from, const Result<Message>& msg, Cloc
       break;
     case proto::CHECKPOINT_WRITTEN:
       checkpoints_.HandleWritten(from, h, out);
+      membership_.CheckWaits(now, out);  // the end may wait for this checkpoint
       break;
     case proto::POSITION:
       recovery_.HandlePosition(from, h, out);

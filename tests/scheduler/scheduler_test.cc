@@ -888,20 +888,36 @@ class ServerLossTest : public RejoinTest {
                                    {"s-b", proto::SERVER, 1},
                                    {"w-a", proto::WORKER, 0},
                                    {"w-b", proto::WORKER, 1}}) {
-      Message c;
-      c.header.set_command(proto::CHECKPOINT_WRITTEN);
-      c.header.set_sender_role(role);
-      c.header.set_sender_rank(rank);
-      c.header.set_iteration(static_cast<int64_t>(iteration));
-      auto* f = c.header.mutable_checkpoint_file();
-      f->set_role(role);
-      f->set_rank(rank);
-      f->set_iteration(iteration);
-      f->set_file(std::string(role == proto::SERVER ? "server-" : "worker-") +
-                  std::to_string(rank) + ".safetensors");
-      out = Send(s, who, std::move(c), t0_);
+      out = Send(s, who, Written(role, rank, iteration), t0_);
     }
     return out;
+  }
+  // A node's CHECKPOINT_WRITTEN of its file of `iteration`.
+  static Message Written(proto::Role role, int rank, uint64_t iteration) {
+    Message c;
+    c.header.set_command(proto::CHECKPOINT_WRITTEN);
+    c.header.set_sender_role(role);
+    c.header.set_sender_rank(rank);
+    c.header.set_iteration(static_cast<int64_t>(iteration));
+    auto* f = c.header.mutable_checkpoint_file();
+    f->set_role(role);
+    f->set_rank(rank);
+    f->set_iteration(iteration);
+    f->set_file(std::string(role == proto::SERVER ? "server-" : "worker-") + std::to_string(rank) +
+                ".safetensors");
+    return c;
+  }
+  // Checkpoint 20 complete; then, for checkpoint 40, both workers' files and server 0's, and both
+  // workers' DONE at t0 + 5 s: the job waits for server 1's file.
+  void EndWithoutServer1sFile(Scheduler& s) {
+    RegisterAll(s);
+    CompleteCheckpoint(s, 20);
+    Send(s, "w-a", Written(proto::WORKER, 0, 40), t0_ + seconds(4));
+    Send(s, "w-b", Written(proto::WORKER, 1, 40), t0_ + seconds(4));
+    Send(s, "s-a", Written(proto::SERVER, 0, 40), t0_ + seconds(4));
+    EXPECT_TRUE(Send(s, "w-a", Done(40), t0_ + seconds(5)).empty());
+    EXPECT_TRUE(Send(s, "w-b", Done(40), t0_ + seconds(5)).empty());
+    EXPECT_FALSE(s.finished());
   }
   // Heartbeats from everyone but server 1 from second `from` to `to`; what the scheduler sent.
   std::vector<Outgoing> SilenceServer1(Scheduler& s, int from, int to) {
@@ -1024,6 +1040,49 @@ TEST_F(CheckpointKeepTest, EveryNodeIsToldWhichCheckpointsAreKept) {
   RegisterAll(all);
   EXPECT_TRUE(kept(CompleteCheckpoint(all, 10)).empty());
   EXPECT_TRUE(kept(CompleteCheckpoint(all, 20)).empty());
+}
+
+// A server writes its file of a checkpoint after its last pull replies left, so every worker may
+// be done before it reports. The job ends once the checkpoint is complete, so that its manifest
+// is written and the nodes prune to it (checkpoint.keep), not at the last DONE.
+TEST_F(CheckpointKeepTest, TheEndWaitsForTheServersFilesOfTheLastCheckpoint) {
+  Scheduler s(config_, t0_);
+  EndWithoutServer1sFile(s);
+  std::vector<Outgoing> out;
+  AllAlive(s, 6, 8, &out);
+  ASSERT_FALSE(s.finished());
+  out = Send(s, "s-b", Written(proto::SERVER, 1, 40), t0_ + seconds(9));
+  ASSERT_TRUE(s.finished());
+  EXPECT_TRUE(s.final_status().ok()) << s.final_status().message();
+  EXPECT_EQ(s.last_checkpoint(), 40);
+  EXPECT_TRUE(std::filesystem::exists(CheckpointIterationDir(dir_, 40) + "/MANIFEST.json"));
+  EXPECT_EQ(To(out, proto::SHUTDOWN), (std::set<std::string>{"s-a", "s-b", "w-a", "w-b"}));
+}
+
+// A server that does not report within the end of training's deadline (BSP: barrier_timeout_s
+// from the first DONE, 20 s here), or is declared dead meanwhile, does not fail a job whose
+// training is over: it ends, its last checkpoint incomplete.
+TEST_F(CheckpointKeepTest, AServersFileMissingAtTheEndDelaysItOnlyUntilItsDeadline) {
+  Scheduler s(config_, t0_);
+  EndWithoutServer1sFile(s);
+  std::vector<Outgoing> out;
+  AllAlive(s, 6, 25, &out);
+  ASSERT_FALSE(s.finished());
+  AllAlive(s, 26, 26, &out);
+  ASSERT_TRUE(s.finished());
+  EXPECT_TRUE(s.final_status().ok()) << s.final_status().message();
+  EXPECT_EQ(s.last_checkpoint(), 20);
+  EXPECT_FALSE(std::filesystem::exists(CheckpointIterationDir(dir_, 40) + "/MANIFEST.json"));
+
+  std::filesystem::remove_all(dir_);
+  Scheduler dead(config_, t0_);
+  EndWithoutServer1sFile(dead);
+  out = SilenceServer1(dead, 6, 20);
+  ASSERT_TRUE(dead.finished());
+  EXPECT_TRUE(dead.final_status().ok()) << dead.final_status().message();
+  EXPECT_TRUE(Memberships(out).empty()) << "no pause for a replacement";
+  // Server 1 too: one declared dead may be slow, not dead.
+  EXPECT_EQ(To(out, proto::SHUTDOWN), (std::set<std::string>{"s-a", "s-b", "w-a", "w-b"}));
 }
 
 TEST_F(ServerLossTest, ReplacementStartedBeforeTheDeathWaitsForIt) {
