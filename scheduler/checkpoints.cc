@@ -99,6 +99,14 @@ void CheckpointCoordinator::HandleWritten(const std::string& from, const proto::
     return;
   }
   const uint64_t iteration = static_cast<uint64_t>(h.iteration());
+  if (static_cast<int64_t>(iteration) <= last_checkpoint_ ||
+      f.membership_epoch() < rollback_epoch_) {
+    // Sent again (its connection was made again), or written before the rollback (the node
+    // writes that iteration again): ignored, not refused, since an ERROR would end the node.
+    spdlog::debug("ignoring {}'s report of {} of iteration {} (membership epoch {})",
+                  job_.Describe(node), f.file(), iteration, f.membership_epoch());
+    return;
+  }
   auto& files = pending_[iteration];
   // A node writes a file of an iteration again after a rollback: the newer one replaces it.
   std::erase_if(files, [&](const proto::CheckpointFile& x) {

@@ -25,7 +25,9 @@ class CheckpointCoordinator {
   // config.
   bool PrepareResume(std::vector<Outgoing>* out);
 
-  // A node wrote its file of a checkpoint. Once every node's file of that iteration is in, the
+  // A node wrote its file of a checkpoint (a report sent again, of a checkpoint complete already
+  // or of state from before the last rollback, is ignored). Once every node's file of that
+  // iteration is in, the
   // manifest is written (an earlier incomplete iteration is dropped), old ones pruned
   // (checkpoint.keep) here and, by CHECKPOINTS_KEPT to every live node, in each node's folder,
   // and a job stopping below cluster.min_workers ends. A report from a node
@@ -36,9 +38,14 @@ class CheckpointCoordinator {
   // and the folder) when none is left.
   std::optional<CheckpointManifest> LatestForRollback(const std::string& why,
                                                       std::vector<Outgoing>* out);
-  // After a rollback: files of later iterations can no longer complete (each node writes them
-  // again).
-  void DropPending() { pending_.clear(); }
+  // After the rollback of membership epoch `epoch` to the checkpoint of `iteration`: files of
+  // later iterations can no longer complete (each node writes them again), and a report of state
+  // from before that epoch (CheckpointFile.membership_epoch) is ignored from now on.
+  void RolledBack(uint64_t epoch, uint64_t iteration) {
+    pending_.clear();
+    rollback_epoch_ = epoch;
+    last_checkpoint_ = static_cast<int64_t>(iteration);
+  }
 
   // What the end of the job waits for (MembershipMachine::CheckWaits): a server writes its file
   // of a checkpoint after its pull replies left, so the workers' files and DONEs may all come
@@ -69,6 +76,7 @@ class CheckpointCoordinator {
   // Checkpoints being written: iteration -> the files reported so far.
   std::map<uint64_t, std::vector<proto::CheckpointFile>> pending_;
   int64_t last_checkpoint_ = -1;
+  uint64_t rollback_epoch_ = 0;  // the membership epoch of the last rollback; 0: none
 };
 
 }  // namespace sparseps

@@ -462,7 +462,7 @@ void Recovery::StartRollback(size_t idx, Clock::time_point now, std::vector<Outg
     job_.AddSplit(static_cast<int64_t>(latest->iteration) - 1);
   }
   r.record.set_membership_epoch(m.epoch());
-  checkpoints_.DropPending();
+  checkpoints_.RolledBack(m.epoch(), latest->iteration);
   spdlog::warn(
       "membership epoch {}: {} replaces {}; every node goes back to the checkpoint of iteration "
       "{} (the servers first)",

@@ -56,7 +56,9 @@ Status SaveShard(const proto::JobConfig& config, ShardServer& shard, ControlClie
   spdlog::info("checkpoint of iteration {}: wrote {} ({:.1f} MB) in {:.3f} s", iteration, info.file,
                info.bytes / 1e6, SecondsSince(start));
   if (!report) return Status::OK();
-  return control.ReportCheckpoint(iteration, ToProto(info, iteration));
+  proto::CheckpointFile file = ToProto(info, iteration);
+  file.set_membership_epoch(control.membership().epoch());  // the shard's: applied in order
+  return control.ReportCheckpoint(iteration, file);
 }
 
 // A server's series (docs/user-guide.md, "Live metrics"), refreshed once per loop.

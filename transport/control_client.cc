@@ -87,6 +87,17 @@ void ControlClient::CheckReconnected() {
   Message hello;
   hello.header.set_command(proto::HEARTBEAT);
   if (Status s = Send(hello); !s.ok()) spdlog::warn("heartbeat not sent: {}", s.message());
+  for (const proto::Header& report : reports_) {
+    Message again;
+    again.header = report;
+    if (Status s = Send(again); !s.ok()) {
+      spdlog::warn("checkpoint report not sent again: {}", s.message());
+    }
+  }
+  if (!reports_.empty()) {
+    spdlog::info("reported this node's {} file(s) of checkpoint {} again", reports_.size(),
+                 reports_.front().iteration());
+  }
 }
 
 std::string ControlClient::scheduler_endpoint() const {
@@ -506,6 +517,10 @@ Status ControlClient::ReportCheckpoint(uint64_t iteration, const proto::Checkpoi
   msg.header.set_command(proto::CHECKPOINT_WRITTEN);
   msg.header.set_iteration(static_cast<int64_t>(iteration));
   *msg.header.mutable_checkpoint_file() = file;
+  if (!reports_.empty() && reports_.front().iteration() != msg.header.iteration()) {
+    reports_.clear();
+  }
+  reports_.push_back(msg.header);
   return Send(msg);
 }
 

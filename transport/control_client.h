@@ -93,7 +93,9 @@ class ControlClient {
   void StartHeartbeats();
   void StopHeartbeats();
 
-  // Tells the scheduler that this node's file of checkpoint `iteration` is on disk.
+  // Tells the scheduler that this node's file of checkpoint `iteration` is on disk. The reports of
+  // the newest iteration reported are sent again when the connection to the scheduler is made
+  // again (one sent just before it broke is lost with it); the scheduler ignores a repeat.
   Status ReportCheckpoint(uint64_t iteration, const proto::CheckpointFile& file);
 
   // Sends DONE with this worker's statistics and waits for the SHUTDOWN (once every live worker
@@ -216,7 +218,8 @@ class ControlClient {
   // Reads the connection events; for a connection made again after the membership (its TCP
   // connection broke) logs it and sends a HEARTBEAT on the control socket at once: it clears the
   // scheduler's mark that this node's connection is gone (two heartbeat intervals with it remove
-  // the node) without waiting for the heartbeat thread's next one.
+  // the node) without waiting for the heartbeat thread's next one; then the newest iteration's
+  // checkpoint reports again.
   void CheckReconnected();
   bool registered_ = false;
   proto::Register register_;  // what Register sent
@@ -234,6 +237,7 @@ class ControlClient {
   std::map<std::string, uint64_t> barrier_generation_;
   std::map<std::string, uint64_t> barrier_released_;  // name -> highest released generation + 1
   std::function<void(const std::vector<uint64_t>&)> on_checkpoints_kept_;
+  std::vector<proto::Header> reports_;  // the CHECKPOINT_WRITTEN of the newest iteration reported
   uint64_t rejected_ = 0;
   std::vector<proto::WorkerJoin> handoffs_owed_;
   IncomingHandoff incoming_handoff_;

@@ -259,6 +259,7 @@ Result<std::unique_ptr<WorkerSession::HeldCheckpoint>> WorkerSession::Snapshot(
   held->snapshot_s = SecondsSince(start);
   held->id = CheckpointIdentity{proto::WORKER, rank(), iteration, control_.membership().epoch(),
                                 ConfigFingerprint(config_)};
+  held->state_epoch = connected_epoch_;
   held->iter_dir = CheckpointIterationDir(CheckpointDir(config_), iteration);
   held->name = CheckpointFileName(proto::WORKER, rank());
   return held;
@@ -280,6 +281,7 @@ void WorkerSession::Submit(std::unique_ptr<HeldCheckpoint> held) {
                            Xxh3Hex(bytes.data(), bytes.size())};
       files.push_back(ToProto(m, iteration));
     }
+    for (auto& f : files) f.set_membership_epoch(c->state_epoch);
     spdlog::info(
         "checkpoint of iteration {}: wrote {} ({:.1f} MB){} in {:.3f} s (snapshot "
         "{:.3f} s)",

@@ -218,6 +218,7 @@ class WorkerSession {
     std::shared_ptr<SafetensorsWriter> model;  // the leader's model file; null: none
     std::map<std::string, std::string> model_metadata;
     CheckpointIdentity id;
+    uint64_t state_epoch = 0;  // the epoch the worker's clients act on (its last rollback's on)
     std::string iter_dir;
     std::string name;
     double snapshot_s = 0;

@@ -250,14 +250,30 @@ TEST_F(ControlClientTest, ADoneWorkerWhoseSchedulerFallsSilentEndsNormally) {
   EXPECT_EQ(barrier.code(), StatusCode::kDisconnected) << barrier.ToString();
 }
 
+// A checkpoint file of this node, as reported.
+proto::CheckpointFile File(uint64_t iteration, const std::string& name) {
+  proto::CheckpointFile f;
+  f.set_role(proto::WORKER);
+  f.set_rank(0);
+  f.set_iteration(iteration);
+  f.set_file(name);
+  f.set_membership_epoch(1);
+  return f;
+}
+
 TEST_F(ControlClientTest, AConnectionMadeAgainAfterTheMembershipIsSaidAtOnce) {
   // The client sends a HEARTBEAT on its control socket as soon as Poll sees the connection made
-  // again, so that the scheduler hears from it at once.
+  // again, so that the scheduler hears from it at once, and then its reports of the newest
+  // checkpoint again (one sent just before the connection broke is lost with it).
   std::string id;
   auto client = Connect(&id);
   ASSERT_TRUE(client->Poll().ok());  // the first connection, before the membership
   GiveMembership(*client, id);
   EXPECT_EQ(client->reconnections(), 0u);
+  ASSERT_TRUE(client->ReportCheckpoint(20, File(20, "worker-0.safetensors")).ok());
+  ASSERT_TRUE(client->ReportCheckpoint(40, File(40, "worker-0.safetensors")).ok());
+  ASSERT_TRUE(client->ReportCheckpoint(40, File(40, "model.safetensors")).ok());
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(Receive().header.command(), proto::CHECKPOINT_WRITTEN);
   // The scheduler's socket goes and comes back on the same port: the client's ZeroMQ connects
   // again.
   const uint32_t port = router_.port;
@@ -277,6 +293,16 @@ TEST_F(ControlClientTest, AConnectionMadeAgainAfterTheMembershipIsSaidAtOnce) {
   EXPECT_EQ(from, id);
   EXPECT_EQ(hello->header.command(), proto::HEARTBEAT);
   EXPECT_EQ(hello->header.sender_rank(), 0);
+  std::vector<std::string> reported;
+  for (int i = 0; i < 2; ++i) {
+    Message m = Receive();
+    EXPECT_EQ(m.header.command(), proto::CHECKPOINT_WRITTEN);
+    EXPECT_EQ(m.header.iteration(), 40);
+    EXPECT_EQ(m.header.checkpoint_file().membership_epoch(), 1u);
+    reported.push_back(m.header.checkpoint_file().file());
+  }
+  EXPECT_EQ(reported, (std::vector<std::string>{"worker-0.safetensors", "model.safetensors"}));
+  EXPECT_EQ(PollIn({&router_.socket}, 200), std::vector<bool>{false}) << "not 20's";
 }
 
 }  // namespace

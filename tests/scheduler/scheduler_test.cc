@@ -892,8 +892,8 @@ class ServerLossTest : public RejoinTest {
     }
     return out;
   }
-  // A node's CHECKPOINT_WRITTEN of its file of `iteration`.
-  static Message Written(proto::Role role, int rank, uint64_t iteration) {
+  // A node's CHECKPOINT_WRITTEN of its file of `iteration`, of state of membership `epoch`.
+  static Message Written(proto::Role role, int rank, uint64_t iteration, uint64_t epoch = 1) {
     Message c;
     c.header.set_command(proto::CHECKPOINT_WRITTEN);
     c.header.set_sender_role(role);
@@ -905,6 +905,7 @@ class ServerLossTest : public RejoinTest {
     f->set_iteration(iteration);
     f->set_file(std::string(role == proto::SERVER ? "server-" : "worker-") + std::to_string(rank) +
                 ".safetensors");
+    f->set_membership_epoch(epoch);
     return c;
   }
   // Checkpoint 20 complete; then, for checkpoint 40, both workers' files and server 0's, and both
@@ -1004,6 +1005,40 @@ TEST_F(ServerLossTest, ReplacementTakesTheKeyRangeAndEveryNodeRollsBack) {
   EXPECT_EQ(summary.replaced_servers(0).rollback_iteration(), 50u);
   EXPECT_EQ(summary.replaced_servers(0).pid(), 4242);
   EXPECT_GT(summary.replaced_servers(0).waited_s(), 0.0);
+}
+
+// A report sent again (a node does so when its connection to the scheduler was made again) or
+// one of state from before the last rollback is ignored, without an ERROR (which would end the
+// node): a worker's file of iteration 60 written before the rollback to 50 does not complete the
+// checkpoint of 60 that the nodes write again after it.
+TEST_F(ServerLossTest, AReportOfStateFromBeforeTheRollbackOrSentAgainIsIgnored) {
+  Scheduler s(config_, t0_);
+  RegisterAll(s);
+  CompleteCheckpoint(s, 50);
+  EXPECT_TRUE(Send(s, "w-a", Written(proto::WORKER, 0, 50), t0_).empty());  // sent again
+  SilenceServer1(s, 1, 12);
+  Message reg = Rejoin(1, 0, proto::SERVER);
+  reg.header.mutable_register_()->set_port(6001);
+  auto m = Memberships(Send(s, "s-c", std::move(reg), t0_ + seconds(13)));
+  ASSERT_TRUE(m.count("s-c") && m["s-c"].rollback());
+  const uint64_t rollback = m["s-c"].epoch();
+  // Worker 0's file of 60, written before the rollback, reported after it began.
+  EXPECT_TRUE(
+      Send(s, "w-a", Written(proto::WORKER, 0, 60, rollback - 1), t0_ + seconds(13)).empty());
+  Send(s, "s-a", RolledBack(0, 50), t0_ + seconds(13));
+  ASSERT_EQ(Memberships(Send(s, "s-c", RolledBack(1, 50), t0_ + seconds(13))).size(), 2u);
+  // After the rollback every node writes 60 again: worker 0's file last.
+  for (auto [who, role, rank] : {std::tuple{"s-a", proto::SERVER, 0},
+                                 {"s-c", proto::SERVER, 1},
+                                 {"w-b", proto::WORKER, 1}}) {
+    EXPECT_TRUE(Send(s, who, Written(role, rank, 60, rollback), t0_ + seconds(14)).empty());
+  }
+  EXPECT_EQ(s.last_checkpoint(), 50) << "completed with the file from before the rollback";
+  Send(s, "w-a", Written(proto::WORKER, 0, 60, rollback), t0_ + seconds(14));
+  EXPECT_EQ(s.last_checkpoint(), 60);
+  EXPECT_TRUE(Send(s, "s-c", Written(proto::SERVER, 1, 60, rollback), t0_ + seconds(14)).empty());
+  EXPECT_FALSE(s.finished()) << s.final_status().message();
+  EXPECT_EQ(s.rejected_messages(), 0u);
 }
 
 // checkpoint.keep on every host: each complete checkpoint tells every live node which complete
