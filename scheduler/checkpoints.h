@@ -27,10 +27,9 @@ class CheckpointCoordinator {
 
   // A node wrote its file of a checkpoint (a report sent again, of a checkpoint complete already
   // or of state from before the last rollback, is ignored). Once every node's file of that
-  // iteration is in, the
-  // manifest is written (an earlier incomplete iteration is dropped), old ones pruned
-  // (checkpoint.keep) here and, by CHECKPOINTS_KEPT to every live node, in each node's folder,
-  // and a job stopping below cluster.min_workers ends. A report from a node
+  // iteration is in, the manifest is written (an earlier incomplete iteration is dropped), old
+  // ones pruned (checkpoint.keep) here and, by CHECKPOINTS_KEPT to every live node, in each
+  // node's folder, and a job stopping below cluster.min_workers ends. A report from a node
   // that is not registered, for another node or with a bad file name is rejected.
   void HandleWritten(const std::string& from, const proto::Header& h, std::vector<Outgoing>* out);
 

@@ -241,11 +241,12 @@ void MembershipMachine::EndTheJob(std::vector<Outgoing>* out) {
 
 void MembershipMachine::EndWithoutTheCheckpoint(const std::string& why,
                                                 std::vector<Outgoing>* out) {
-  const auto awaited = checkpoints_.AwaitedAtTheEnd();
-  spdlog::warn(
-      "{}; every worker is done, so the job ends without the checkpoint of iteration {} (the "
-      "newest complete one is iteration {})",
-      why, awaited ? std::to_string(awaited->iteration) : "?", checkpoints_.last_checkpoint());
+  if (const auto awaited = checkpoints_.AwaitedAtTheEnd()) {
+    spdlog::warn(
+        "{}; every worker is done, so the job ends without the checkpoint of iteration {}, which "
+        "lacks the file of {} (the newest complete one is iteration {})",
+        why, awaited->iteration, awaited->servers, checkpoints_.last_checkpoint());
+  }
   EndTheJob(out);
 }
 
@@ -410,12 +411,9 @@ void MembershipMachine::CheckTheEnd(Clock::time_point now, std::vector<Outgoing>
   if (end_held_since_ && !job_.finished &&
       SecondsBetween(bsp ? *first_done_ : *end_held_since_, now) > timeout) {
     // BSP: within the end of training's deadline, which the finished workers wait for.
-    const auto awaited = checkpoints_.AwaitedAtTheEnd();
-    EndWithoutTheCheckpoint(
-        (awaited ? awaited->servers : std::string("a server")) +
-            " did not report its checkpoint file within cluster.barrier_timeout_s (" +
-            FormatSeconds(timeout) + ") of the end of training",
-        out);
+    EndWithoutTheCheckpoint("no checkpoint report within cluster.barrier_timeout_s (" +
+                                FormatSeconds(timeout) + ") of the end of training",
+                            out);
     return;
   }
   if (job_.finished || !job_.stop_reason.empty() ||

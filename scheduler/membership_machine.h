@@ -46,7 +46,8 @@ class MembershipMachine {
   void CheckWaits(Clock::time_point now, std::vector<Outgoing>* out);
   // Every worker is done and the end waits for the servers' files of the last checkpoint.
   bool end_held() const { return end_held_since_.has_value(); }
-  // Ends a held end at once, the checkpoint incomplete (`why`: a server was declared dead).
+  // Ends a held end at once, the checkpoint incomplete (`why`: a server was declared dead, or
+  // the deadline passed); the warning names the servers whose files are missing.
   void EndWithoutTheCheckpoint(const std::string& why, std::vector<Outgoing>* out);
   // The registration deadline, heartbeats to every node, the barriers' deadlines and the end of
   // training's (CheckTheEnd).
