@@ -2,6 +2,8 @@
 #pragma once
 
 #include <chrono>
+#include <sstream>
+#include <string>
 
 namespace sparseps {
 
@@ -15,5 +17,13 @@ inline double SecondsBetween(Clock::time_point from, Clock::time_point to) {
 
 // Seconds since `start`.
 inline double SecondsSince(Clock::time_point start) { return SecondsBetween(start, Clock::now()); }
+
+// A duration for a message: "8 s", "0.25 s", "1.23e+03 s" (three significant digits).
+inline std::string FormatSeconds(double s) {
+  std::ostringstream os;
+  os.precision(3);
+  os << s << " s";
+  return os.str();
+}
 
 }  // namespace sparseps

@@ -3,17 +3,9 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
-#include <sstream>
 #include <utility>
 
 namespace sparseps {
-
-std::string FormatSeconds(double s) {
-  std::ostringstream os;
-  os.precision(3);
-  os << s << " s";
-  return os.str();
-}
 
 SchedulerNode SchedulerNode::From(const std::string& from, const std::string& key,
                                   const proto::Register& r, Clock::time_point now) {

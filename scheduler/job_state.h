@@ -16,9 +16,6 @@
 
 namespace sparseps {
 
-// "1.5 s": a duration for a log line or an error.
-std::string FormatSeconds(double s);
-
 // One node that registered, as the scheduler knows it.
 struct SchedulerNode {
   proto::Role role = proto::ROLE_UNSPECIFIED;

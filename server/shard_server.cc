@@ -361,17 +361,6 @@ std::string ShardServer::Cut(const proto::WorkerCut& cut, uint64_t epoch, bool c
   return problem;
 }
 
-bool ShardServer::IsRepeat(const std::vector<PendingPull>& waiting, const std::string& peer,
-                           const proto::Header& h) {
-  for (const auto& w : waiting) {
-    if (w.peer == peer && w.request_id == h.request_id() && h.request_id() != 0) {
-      ++counters_.duplicate_requests;  // a retry of a request still waiting: answered once
-      return true;
-    }
-  }
-  return false;
-}
-
 bool ShardServer::TooManyWaiting(const std::string& peer, const proto::Header* h,
                                  std::vector<Outgoing>* out) {
   size_t waiting = 0;
@@ -482,7 +471,7 @@ void ShardServer::HandlePullCandidates(const std::string& peer, const Message& m
            out);
     return;
   }
-  if (IsRepeat(candidate_requests_, peer, h)) return;
+  if (IsRepeat(candidate_requests_, peer, h, out)) return;
   if (TooManyWaiting(peer, &h, out)) return;
   candidate_requests_.push_back({peer, h.iteration(), -1, h.request_id()});
   // commit_on_pull: the request commits the worker's sketch (phase 0).
@@ -561,7 +550,7 @@ void ShardServer::HandlePull(const std::string& peer, const Message& msg,
              out);
       return;
     }
-    if (IsRepeat(pending_pulls_, peer, h)) return;
+    if (IsRepeat(pending_pulls_, peer, h, out)) return;
     if (TooManyWaiting(peer, &h, out)) return;
     ++counters_.pulls;
     pending_pulls_.push_back(
@@ -586,7 +575,7 @@ void ShardServer::HandlePull(const std::string& peer, const Message& msg,
            out);
     return;
   }
-  if (IsRepeat(pending_pulls_, peer, h)) return;
+  if (IsRepeat(pending_pulls_, peer, h, out)) return;
   if (TooManyWaiting(peer, &h, out)) return;
   ++counters_.pulls;
   pending_pulls_.push_back({peer, h.iteration() + 1, h.have_version(), h.request_id()});

@@ -180,9 +180,14 @@ class ShardServer {
   void HandlePullCandidates(const std::string& peer, const Message& msg,
                             std::vector<Outgoing>* out);
   void AnswerCandidateRequests(std::vector<Outgoing>* out);
-  // True (and counted) when `waiting` holds peer's request h.request_id() already: a retry.
+  // True (and counted) when `waiting` holds peer's request h.request_id() already: a retry,
+  // answered with an ERROR `held` that says what the request waits for (WaitingFor).
   bool IsRepeat(const std::vector<PendingPull>& waiting, const std::string& peer,
-                const proto::Header& h);
+                const proto::Header& h, std::vector<Outgoing>* out);
+  // What the held `request` waits for, in words: "the push of iteration 3 from worker 1"
+  // (server/shard_waits.cc).
+  std::string WaitingFor(const PendingPull& request) const;
+  std::string SspWaitingFor(const PendingPull& request) const;
   void Apply();
   void AnswerReadyPulls(std::vector<Outgoing>* out);
   // The payloads of the BSP pull replies of one version of the shard: the sparse changes of the
@@ -237,6 +242,7 @@ class ShardServer {
   std::vector<std::string> data_ids_;
   std::vector<std::string> keys_;
   RateLimitedLog reject_log_{10.0};
+  RateLimitedLog held_log_{30.0};  // requests held long enough to be sent again
   // Rejects (true) a request of `peer` that already has kMaxWaitingPerWorker waiting.
   bool TooManyWaiting(const std::string& peer, const proto::Header* h, std::vector<Outgoing>* out);
   // Why a data message claiming a worker cannot be from it; empty when it can.

@@ -240,8 +240,8 @@ Status ControlClient::WaitFor(const std::function<bool()>& done, double timeout_
       return Status::Aborted("the scheduler shut the job down while waiting for " + what);
     const double left = timeout_s - SecondsSince(start);
     if (left <= 0) {
-      return Status::DeadlineExceeded("timed out after " + std::to_string(timeout_s) +
-                                      " s waiting for " + what);
+      return Status::DeadlineExceeded("timed out after " + FormatSeconds(timeout_s) +
+                                      " waiting for " + what);
     }
     PollIn({&socket_}, std::min<int64_t>(100, static_cast<int64_t>(left * 1000) + 1));
   }
@@ -424,8 +424,8 @@ Status ControlClient::WaitResending(const proto::Header& request, const std::fun
     Status s = WaitFor(done, std::max(0.0, retry > 0 ? std::min(retry, left) : left), what);
     if (s.code() != StatusCode::kDeadlineExceeded) return s;
     if (SecondsSince(start) >= timeout_s) {
-      return Status::DeadlineExceeded("timed out after " + std::to_string(timeout_s) +
-                                      " s waiting for " + what);
+      return Status::DeadlineExceeded("timed out after " + FormatSeconds(timeout_s) +
+                                      " waiting for " + what);
     }
     // The request or its answer may have been lost (a connection that broke): again, which the
     // scheduler takes as the same one. A long wait (the end of an async job) logs it once.

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cmath>
 
+#include "common/log_limit.h"
 #include "encodings/codec.h"
 #include "encodings/dense.h"
 #include "encodings/registry.h"
@@ -110,7 +111,7 @@ Status PsClient::Send(Peer& peer, Message& msg, proto::Command expected, Ticket*
   h.set_epoch(control_->membership().epoch());
   h.set_request_id(next_request_id_++);
   if (ticket != nullptr) *ticket = h.request_id();
-  Pending p{expected, {}, Later(retry_interval_s_)};
+  Pending p{expected, {}, Later(retry_interval_s_), {}};
   const uint64_t before = bytes_sent_;
   const proto::Command command = h.command();  // h goes with msg below
   if (retry_interval_s_ > 0) {
@@ -403,10 +404,10 @@ Status PsClient::AwaitUntil(int64_t iteration, float* params, const std::functio
     if (waiting == nullptr) return Status::Internal("waiting for a reply that no request expects");
     const double left = request_timeout_s_ - SecondsSince(start);
     if (left <= 0) {
-      return Status::DeadlineExceeded("timed out after " + std::to_string(request_timeout_s_) +
-                                      " s waiting for " + CommandName(what->expected) +
-                                      " (iteration " + std::to_string(iteration) + ") from " +
-                                      waiting->name);
+      return Status::DeadlineExceeded(
+          "timed out after " + FormatSeconds(request_timeout_s_) + " waiting for " +
+          CommandName(what->expected) + " (iteration " + std::to_string(iteration) + ") from " +
+          waiting->name + (what->held_for.empty() ? "" : "; it waits for " + what->held_for));
     }
     if (retry_interval_s_ > 0) {
       const auto now = Clock::now();
@@ -449,6 +450,12 @@ Status PsClient::ReceiveFrom(Peer& p, float* params) {
       continue;
     }
     if (h.command() == proto::ERROR) {
+      if (h.held() && it != p.pending.end()) {
+        // Not refused: the server holds the request (answering a repeat) and says for what; it
+        // is sent again at the usual interval.
+        it->held_for = Printable(h.error(), 400);
+        continue;
+      }
       if (h.retryable() && it != p.pending.end() && retry_interval_s_ > 0) {
         // Not ready yet (e.g. still waiting for the membership): again after a short wait.
         it->resend_at = Later(std::min(retry_interval_s_, 0.5));

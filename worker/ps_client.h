@@ -5,7 +5,9 @@
 // an id that its reply echoes; one without a reply after cluster.retry_interval_s (a message lost
 // with a broken connection) is sent again with the same id, as is one a server refused as not yet
 // ready (ERROR with retryable), until the deadline. The servers answer repeats as the first
-// (server/shard_server.h); a reply to a request answered already is dropped and counted.
+// (server/shard_server.h); a reply to a request answered already is dropped and counted. A server
+// answers the repeat of a pull it holds with what the pull waits for (ERROR with held: "the push
+// of iteration 3 from worker 1"), which the deadline's error then names.
 //
 // The core is ps-lite's: Push and Pull send one range's request and return a ticket, Wait(tickets)
 // receives until those requests are answered (pulls applied). Every other call (PushPull, its two
@@ -177,6 +179,7 @@ class PsClient {
     proto::Command expected;  // the reply's command
     Message request;
     Clock::time_point resend_at;
+    std::string held_for;  // what the server said the request waits for (ERROR with held)
   };
   struct Peer {
     KeyRange range;

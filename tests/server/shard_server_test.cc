@@ -151,7 +151,11 @@ TEST(ShardServer, RepeatedRequestsAreAnsweredAsTheFirst) {
     return Send(s, std::move(m), peer);
   };
   EXPECT_TRUE(pull(7, "a").empty());
-  EXPECT_TRUE(pull(7, "a").empty()) << "the repeat waits with the first";
+  // The repeat waits with the first; it is answered with what the pull waits for.
+  auto held = pull(7, "a");
+  ASSERT_EQ(Only(held), proto::ERROR);
+  EXPECT_TRUE(held[0].msg.header.held());
+  EXPECT_EQ(held[0].msg.header.error(), "the push of iteration 0 from workers 0 and 1");
   EXPECT_TRUE(pull(9, "b").empty());
   ASSERT_EQ(Only(Send(s, Push(r, 0, 0, {0}, {1}), "a")), proto::PUSH_ACK);
   auto out = Send(s, Push(r, 0, 1, {1}, {1}), "b");
@@ -168,7 +172,61 @@ TEST(ShardServer, RepeatedRequestsAreAnsweredAsTheFirst) {
   EXPECT_EQ(again[0].msg.header.version(), 1);
   EXPECT_EQ(again[0].msg.header.request_id(), 7u);
   EXPECT_EQ(s.counters().duplicate_requests, 2u);
+  EXPECT_EQ(s.counters().rejected, 1u) << "the INIT of other values only";
   EXPECT_EQ(s.params(), (std::vector<float>{4, 4, 5}));
+}
+
+// What the repeat of a held request is told it waits for (the worker's deadline names it): the
+// workers whose push is missing; under commit_on_pull those whose push waits for their next
+// request; under ssp the workers that staleness waits for.
+TEST(ShardServer, ARepeatOfAHeldPullSaysWhoIsMissing) {
+  KeyRange r{0, 3};
+  auto held_for = [](ShardServer& s, int worker, int64_t iteration, const std::string& peer) {
+    auto pull = [&] {
+      Message m = Pull(KeyRange{0, 3}, iteration, worker, -1);
+      m.header.set_request_id(5);
+      return m;
+    };
+    EXPECT_TRUE(Send(s, pull(), peer).empty());  // held
+    auto out = Send(s, pull(), peer);
+    EXPECT_EQ(out.size(), 1u);
+    EXPECT_TRUE(!out.empty() && out[0].msg.header.held() && out[0].msg.header.retryable());
+    return out.empty() ? std::string() : out[0].msg.header.error();
+  };
+  {
+    ShardServer s({r, 0, 4, 1.0, {}, 0.0});
+    EXPECT_EQ(held_for(s, 0, -1, "a"), "the initial values (INIT from worker 0)");
+    auto init = Send(s, Init(r, {0, 0, 0}));
+    ASSERT_EQ(init.size(), 2u) << "the ack and the held pull's one reply";
+    EXPECT_EQ(init[1].msg.header.command(), proto::PULL_REPLY);
+    for (int w : {0, 2}) ASSERT_EQ(Only(Send(s, Push(r, 0, w, {0}, {1}))), proto::PUSH_ACK);
+    EXPECT_EQ(held_for(s, 0, 0, "b"), "the push of iteration 0 from workers 1 and 3");
+  }
+  {
+    ShardOptions o{r, 0, 2, 1.0, {}, 0.0};
+    o.commit_on_pull = true;
+    ShardServer s(o);
+    ASSERT_EQ(Only(Send(s, Init(r, {0, 0, 0}))), proto::INIT_ACK);
+    for (int w : {0, 1}) ASSERT_EQ(Only(Send(s, Push(r, 0, w, {0}, {1}))), proto::PUSH_ACK);
+    EXPECT_EQ(held_for(s, 0, 0, "a"),
+              "the next request of worker 1, which commits the push of iteration 0 it sent");
+  }
+  {
+    ShardOptions o{r, 0, 3, 1.0, {}, 0.0};
+    o.consistency = proto::SSP;
+    o.staleness = 1;
+    ShardServer s(o);
+    ASSERT_EQ(Only(Send(s, Init(r, {0, 0, 0}))), proto::INIT_ACK);
+    // Worker 0 pushes iterations 0 and 1, worker 2 iteration 0: worker 0's pull of 1 waits for
+    // every worker's push of 0, of which worker 1's is missing.
+    ASSERT_EQ(Only(Send(s, Push(r, 0, 0, {0}, {1}))), proto::PUSH_ACK);
+    ASSERT_EQ(Only(Send(s, Push(r, 1, 0, {0}, {1}))), proto::PUSH_ACK);
+    ASSERT_EQ(Only(Send(s, Push(r, 0, 2, {0}, {1}))), proto::PUSH_ACK);
+    EXPECT_EQ(held_for(s, 0, 1, "a"),
+              "worker 1's push of iteration 0 (train.staleness 1: a pull of iteration t waits for "
+              "every worker's push of t - 1)");
+    EXPECT_EQ(s.counters().rejected, 0u);
+  }
 }
 
 // Iterations at the ends of int64 are refused without arithmetic that overflows (UBSan runs this).

@@ -499,6 +499,48 @@ TEST_F(PsClientTest, NotReadyServerIsAskedAgain) {
   EXPECT_THAT(s.message(), HasSubstr("server not ready"));
 }
 
+// A pull that a server holds longer than cluster.retry_interval_s is sent again, and the real
+// shard answers the repeat with what it waits for (ERROR with held): the request stays pending
+// (not refused, not resent faster) and its deadline's error names the worker that is missing,
+// not only the server. A job of 2 workers whose worker 1 never pushes.
+TEST_F(PsClientTest, AHeldPullsDeadlineNamesTheWorkerItWaitsFor) {
+  ShardServer shard({kRange, 0, /*num_workers=*/2, 1.0, {}, 0.0});
+  std::mutex mu;
+  std::vector<Outgoing> sent;  // what the shard answered
+  FakeServer server(context_,
+                    [&](const std::string& peer, Result<Message> msg, std::vector<Outgoing>* out) {
+                      std::lock_guard<std::mutex> lock(mu);
+                      shard.Handle(peer, std::move(msg), out);
+                      for (const auto& o : *out) {
+                        sent.push_back(Outgoing{o.to, {}});
+                        sent.back().msg.header = o.msg.header;
+                      }
+                    });
+  auto ps = Connect(server.port(), /*timeout_s=*/2, /*retry_s=*/0.4);
+  std::vector<float> params = {1, 2, 3, 4, 5, 6, 7, 8};
+  ASSERT_TRUE(ps->Init(params.data()).ok());
+  ASSERT_TRUE(ps->PullInitial(params.data()).ok());
+  auto pushes = OnePush();
+  Status s = ps->PushPull(0, pushes, params.data());
+  EXPECT_EQ(s.code(), StatusCode::kDeadlineExceeded) << s.ToString();
+  EXPECT_THAT(s.message(), HasSubstr("timed out after 2 s waiting for PULL_REPLY (iteration 0) "
+                                     "from server 0"));
+  EXPECT_THAT(s.message(), HasSubstr("; it waits for the push of iteration 0 from worker 1"));
+  std::lock_guard<std::mutex> lock(mu);
+  size_t held = 0;
+  for (const auto& o : sent) {
+    if (o.msg.header.command() != proto::ERROR) continue;
+    EXPECT_TRUE(o.msg.header.held() && o.msg.header.retryable()) << o.msg.header.error();
+    ++held;
+  }
+  // Sent again at the interval (about 4 times in 2 s), not at once after each answer.
+  EXPECT_GE(held, 1u);
+  EXPECT_LE(held, 6u);
+  EXPECT_EQ(shard.counters().duplicate_requests, held);
+  EXPECT_EQ(shard.counters().rejected, 0u);
+  EXPECT_EQ(shard.waiting_pulls(), 1u) << "the pull still waits";
+}
+
 // cluster.push_window: with a window of 1, range r + 1's push leaves only once range r's was
 // acknowledged, whatever the ack's delay; with no window every push leaves at once. Three real
 // shards (one worker, lr 1), the first of which acknowledges 1 s late; the iteration's result is

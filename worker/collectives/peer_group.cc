@@ -133,8 +133,8 @@ Status PeerGroup::WaitUntil(const std::function<bool()>& done, const std::string
   while (!done()) {
     const double left = timeout_s_ - SecondsSince(start);
     if (left <= 0) {
-      return Status::DeadlineExceeded("timed out after " + std::to_string(timeout_s_) +
-                                      " s waiting for " + what);
+      return Status::DeadlineExceeded("timed out after " + FormatSeconds(timeout_s_) +
+                                      " waiting for " + what);
     }
     SPARSEPS_RETURN_IF_ERROR(Pump(std::min<int64_t>(200, static_cast<int64_t>(left * 1000) + 1)));
   }
