@@ -133,11 +133,12 @@ void JobState::Broadcast(const proto::Header& header, std::vector<Outgoing>* out
   }
 }
 
-void JobState::AskServers(proto::Command command, int worker_rank,
+void JobState::AskServers(proto::Command command, int worker_rank, uint64_t question,
                           std::vector<Outgoing>* out) const {
   for (const auto& s : nodes) {
     if (s.role != proto::SERVER || s.dead) continue;
     Outgoing o = To(s.routing_id, command);
+    o.msg.header.set_request_id(question);
     o.msg.header.mutable_position()->set_worker_rank(worker_rank);
     out->push_back(std::move(o));
   }

@@ -97,8 +97,10 @@ struct JobState {
   void Broadcast(proto::Command command, const std::string& error, std::vector<Outgoing>* out);
   // `header` to every live node, with the scheduler's role and the membership's epoch.
   void Broadcast(const proto::Header& header, std::vector<Outgoing>* out);
-  // `command` about worker `worker_rank` (WORKER_LOST, WORKER_JOIN) to every live server.
-  void AskServers(proto::Command command, int worker_rank, std::vector<Outgoing>* out) const;
+  // `command` about worker `worker_rank` (WORKER_LOST, WORKER_JOIN) to every live server, as
+  // question number `question` (request_id, which each server's POSITION echoes).
+  void AskServers(proto::Command command, int worker_rank, uint64_t question,
+                  std::vector<Outgoing>* out) const;
   void ReplyError(const std::string& to, const std::string& error,
                   std::vector<Outgoing>* out) const;
   // Counts a rejected message and answers ERROR `why`; the log gets one line per peer per 10 s.

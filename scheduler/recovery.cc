@@ -61,8 +61,8 @@ void Recovery::RemoveWorker(size_t idx, const std::string& reason, Clock::time_p
 
 void Recovery::StartRemoval(size_t idx, const std::string& reason, Clock::time_point now,
                             std::vector<Outgoing>* out) {
-  removal_ = Removal{idx, reason, now, {}};
-  job_.AskServers(proto::WORKER_LOST, job_.nodes[idx].rank, out);
+  removal_ = Removal{idx, reason, now, next_question_++, {}};
+  job_.AskServers(proto::WORKER_LOST, job_.nodes[idx].rank, removal_->question, out);
 }
 
 void Recovery::HandlePosition(const std::string& from, const proto::Header& h,
@@ -78,15 +78,16 @@ void Recovery::HandlePosition(const std::string& from, const proto::Header& h,
   const bool from_server = idx >= 0 && job_.nodes[static_cast<size_t>(idx)].role == proto::SERVER;
   const int server_rank = from_server ? job_.nodes[static_cast<size_t>(idx)].rank : -1;
   if (from_server && h.has_position() && !joins_.empty() && joins_.front().started &&
-      joins_.front().iteration < 0 &&
+      joins_.front().iteration < 0 && h.request_id() == joins_.front().question &&
       h.position().worker_rank() == job_.nodes[joins_.front().node].rank) {
     Join& j = joins_.front();
     j.positions[server_rank] = h.position();
     if (j.positions.size() == job_.expected_servers) PublishJoin(out);
     return;
   }
-  if (!from_server || !h.has_position() || !removal_ ||
+  if (!from_server || !h.has_position() || !removal_ || h.request_id() != removal_->question ||
       h.position().worker_rank() != job_.nodes[removal_->node].rank) {
+    if (from_server && AnsweredAlready(h)) return;
     job_.Refuse(from, "POSITION from a node that is not a server, or for no worker being removed",
                 out);
     return;
@@ -279,7 +280,8 @@ void Recovery::MaybeStartJoin(Clock::time_point now, std::vector<Outgoing>* out)
   if (job_.FindNode(proto::WORKER, n.rank) >= 0) return;  // the worker it replaces is still in
   j.started = true;
   j.started_at = now;
-  job_.AskServers(proto::WORKER_JOIN, n.rank, out);
+  j.question = next_question_++;
+  job_.AskServers(proto::WORKER_JOIN, n.rank, j.question, out);
 }
 
 void Recovery::PublishJoin(std::vector<Outgoing>* out) {
@@ -292,6 +294,7 @@ void Recovery::PublishJoin(std::vector<Outgoing>* out) {
   j.iteration = fastest + 1;
   n.joined_at = j.iteration;
   job_.NextEpoch();
+  j.epoch = job_.membership.epoch();
   job_.membership.mutable_join()->set_worker_rank(n.rank);
   job_.membership.mutable_join()->set_iteration(j.iteration);
   job_.membership.set_leader(job_.leader);
@@ -309,8 +312,11 @@ void Recovery::PublishJoin(std::vector<Outgoing>* out) {
 void Recovery::HandleJoined(const std::string& from, const proto::Header& h, Clock::time_point now,
                             std::vector<Outgoing>* out) {
   const int idx = job_.FindNodeByRoutingId(from);
-  if (idx < 0 || job_.nodes[static_cast<size_t>(idx)].role != proto::SERVER || joins_.empty() ||
-      joins_.front().iteration < 0 || h.iteration() != joins_.front().iteration) {
+  const bool from_server = idx >= 0 && job_.nodes[static_cast<size_t>(idx)].role == proto::SERVER;
+  // A server's JOINED carries the epoch it acts in, that of the join or a newer one.
+  if (!from_server || joins_.empty() || joins_.front().iteration < 0 ||
+      h.iteration() != joins_.front().iteration || h.epoch() < joins_.front().epoch) {
+    if (from_server && AnsweredAlready(h)) return;
     job_.Refuse(from, "JOINED from a node that is not a server, or for no join in progress", out);
     return;
   }
@@ -324,7 +330,7 @@ void Recovery::HandleJoined(const std::string& from, const proto::Header& h, Clo
   proto::JoinedWorker joined;
   joined.set_rank(n.rank);
   joined.set_iteration(j.iteration);
-  joined.set_membership_epoch(job_.membership.epoch());
+  joined.set_membership_epoch(j.epoch);
   joined.set_host(n.hostname.empty() ? n.host : n.hostname);
   joined.set_pid(n.pid);
   joined_workers_.push_back(joined);
@@ -475,8 +481,13 @@ void Recovery::StartRollback(size_t idx, Clock::time_point now, std::vector<Outg
 void Recovery::HandleRolledBack(const std::string& from, const proto::Header& h,
                                 Clock::time_point now, std::vector<Outgoing>* out) {
   const int idx = job_.FindNodeByRoutingId(from);
-  if (idx < 0 || job_.nodes[static_cast<size_t>(idx)].role != proto::SERVER || !rollback_ ||
-      h.iteration() != static_cast<int64_t>(rollback_->record.rollback_iteration())) {
+  const bool from_server = idx >= 0 && job_.nodes[static_cast<size_t>(idx)].role == proto::SERVER;
+  // A server's ROLLED_BACK carries the epoch it acts in, that of the rollback or a newer one: an
+  // earlier rollback's to the same checkpoint, sent again, does not count.
+  if (!from_server || !rollback_ ||
+      h.iteration() != static_cast<int64_t>(rollback_->record.rollback_iteration()) ||
+      h.epoch() < rollback_->record.membership_epoch()) {
+    if (from_server && AnsweredAlready(h)) return;
     job_.Refuse(from, "ROLLED_BACK from a node that is not a server, or for no rollback", out);
     return;
   }
@@ -490,6 +501,33 @@ void Recovery::HandleRolledBack(const std::string& from, const proto::Header& h,
   rollback_.reset();
   for (auto& w : job_.nodes) w.last_seen = std::max(w.last_seen, now);
   job_.SendMembership(out, proto::WORKER);
+}
+
+bool Recovery::AnsweredAlready(const proto::Header& h) const {
+  bool repeat = false;
+  switch (h.command()) {
+    case proto::POSITION:  // an answer to a question asked, not counted now
+      repeat = h.request_id() > 0 && h.request_id() < next_question_;
+      break;
+    case proto::JOINED:
+      for (const auto& j : joined_workers_) {
+        repeat = repeat || (h.iteration() == j.iteration() && h.epoch() >= j.membership_epoch());
+      }
+      break;
+    case proto::ROLLED_BACK:
+      for (const auto& r : replaced_servers_) {
+        repeat = repeat || (h.iteration() == static_cast<int64_t>(r.rollback_iteration()) &&
+                            h.epoch() >= r.membership_epoch());
+      }
+      break;
+    default:
+      break;
+  }
+  if (repeat) {
+    spdlog::debug("ignoring server {}'s {} sent again (iteration {}, epoch {})", h.sender_rank(),
+                  CommandName(h.command()), h.iteration(), h.epoch());
+  }
+  return repeat;
 }
 
 // --- Deadlines and dead nodes ----------------------------------------------------------------

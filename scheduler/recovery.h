@@ -65,8 +65,10 @@ class Recovery {
     Clock::time_point registered;
     bool started = false;  // WORKER_JOIN sent
     Clock::time_point started_at;
+    uint64_t question = 0;                     // WORKER_JOIN's number (request_id)
     std::map<int, proto::Position> positions;  // server rank -> answer
     int64_t iteration = -1;                    // picked once every server answered
+    uint64_t epoch = 0;                        // the membership epoch with the join
     std::set<int> ready;                       // servers that sent JOINED
   };
   // A worker being removed: the servers' answers so far.
@@ -74,6 +76,7 @@ class Recovery {
     size_t node = 0;
     std::string reason;
     Clock::time_point started;
+    uint64_t question = 0;                     // WORKER_LOST's number (request_id)
     std::map<int, proto::Position> positions;  // server rank -> answer
   };
   // A dead server waiting for its replacement.
@@ -136,6 +139,11 @@ class Recovery {
   std::string MissingServers(const Map& answered, bool live_only) const;
   // A change to the workers (a removal or a join) is in progress.
   bool ChangingWorkers() const { return removal_ || (!joins_.empty() && joins_.front().started); }
+  // Whether a server's POSITION, JOINED or ROLLED_BACK that the change in progress does not
+  // count is a repeat of its answer to a change completed already (a node sends its newest
+  // answer again once its connection to the scheduler was made again): ignored then, since an
+  // ERROR would end the server; anything else is refused.
+  bool AnsweredAlready(const proto::Header& h) const;
 
   JobState& job_;
   MembershipMachine& membership_;
@@ -149,6 +157,7 @@ class Recovery {
   // A replacement server registered before the one it replaces was declared dead.
   std::optional<size_t> waiting_server_;
   std::vector<proto::LostWorker> lost_workers_;
+  uint64_t next_question_ = 1;  // the number of the next WORKER_LOST or WORKER_JOIN
   std::vector<proto::JoinedWorker> joined_workers_;
   std::vector<proto::ReplacedServer> replaced_servers_;
 };

@@ -221,7 +221,7 @@ Status ServerLoop::MakeShard(const proto::Membership& m) {
   Message done;
   done.header.set_command(proto::ROLLED_BACK);
   done.header.set_iteration(shard_->version());
-  return control_.SendToScheduler(done);
+  return control_.SendAnswer(done);
 }
 
 Status ServerLoop::Open() {
@@ -278,10 +278,11 @@ Status ServerLoop::ApplyUpdates() {
       // next iteration until the membership with it arrives).
       Message reply;
       reply.header.set_command(proto::POSITION);
+      reply.header.set_request_id(u.request_id());  // the question's number
       const int w = u.position().worker_rank();
       *reply.header.mutable_position() =
           u.command() == proto::WORKER_JOIN ? shard_->PrepareJoin(w) : shard_->Position(w);
-      SPARSEPS_RETURN_IF_ERROR(control_.SendToScheduler(reply));
+      SPARSEPS_RETURN_IF_ERROR(control_.SendAnswer(reply));
       continue;
     }
     SPARSEPS_RETURN_IF_ERROR(ApplyMembership(u.membership()));
@@ -326,7 +327,7 @@ Status ServerLoop::ApplyMembership(const proto::Membership& m) {
     Message joined;
     joined.header.set_command(proto::JOINED);
     joined.header.set_iteration(m.join().iteration());
-    SPARSEPS_RETURN_IF_ERROR(control_.SendToScheduler(joined));
+    SPARSEPS_RETURN_IF_ERROR(control_.SendAnswer(joined));
   }
   return SaveIfDue();
 }

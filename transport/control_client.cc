@@ -98,6 +98,16 @@ void ControlClient::CheckReconnected() {
     spdlog::info("reported this node's {} file(s) of checkpoint {} again", reports_.size(),
                  reports_.front().iteration());
   }
+  if (answer_) {
+    Message again;
+    again.header = *answer_;  // as first sent: the epoch it was sent in says which change
+    if (Status s = SendMessage(socket_, again); !s.ok()) {
+      spdlog::warn("{} not sent again: {}", CommandName(answer_->command()), s.message());
+    } else {
+      spdlog::info("sent the scheduler this node's {} (iteration {}) again",
+                   CommandName(answer_->command()), answer_->iteration());
+    }
+  }
 }
 
 std::string ControlClient::scheduler_endpoint() const {
@@ -522,6 +532,12 @@ Status ControlClient::ReportCheckpoint(uint64_t iteration, const proto::Checkpoi
   }
   reports_.push_back(msg.header);
   return Send(msg);
+}
+
+Status ControlClient::SendAnswer(Message& msg) {
+  Status s = Send(msg);
+  answer_ = msg.header;  // stamped by Send
+  return s;
 }
 
 Status ControlClient::Finish(const proto::WorkerStats& stats) {

@@ -98,6 +98,13 @@ class ControlClient {
   // again (one sent just before it broke is lost with it); the scheduler ignores a repeat.
   Status ReportCheckpoint(uint64_t iteration, const proto::CheckpointFile& file);
 
+  // A server's answer to the scheduler's recovery (POSITION to WORKER_LOST or WORKER_JOIN, with
+  // the question's request_id; JOINED; ROLLED_BACK): sent, and sent again as it was (its epoch
+  // too) when the connection to the scheduler is made again, since one sent just before it broke
+  // is lost with it. Only the newest answer goes again; the scheduler counts a repeat once and
+  // ignores one of a change it completed.
+  Status SendAnswer(Message& msg);
+
   // Sends DONE with this worker's statistics and waits for the SHUTDOWN (once every live worker
   // is done); sends DONE again every cluster.retry_interval_s meanwhile (the scheduler counts a
   // worker done once, and answers a repeat after the end with the SHUTDOWN again). BSP: for
@@ -219,7 +226,7 @@ class ControlClient {
   // connection broke) logs it and sends a HEARTBEAT on the control socket at once: it clears the
   // scheduler's mark that this node's connection is gone (two heartbeat intervals with it remove
   // the node) without waiting for the heartbeat thread's next one; then the newest iteration's
-  // checkpoint reports again.
+  // checkpoint reports and the newest answer (SendAnswer) again.
   void CheckReconnected();
   bool registered_ = false;
   proto::Register register_;  // what Register sent
@@ -237,7 +244,8 @@ class ControlClient {
   std::map<std::string, uint64_t> barrier_generation_;
   std::map<std::string, uint64_t> barrier_released_;  // name -> highest released generation + 1
   std::function<void(const std::vector<uint64_t>&)> on_checkpoints_kept_;
-  std::vector<proto::Header> reports_;  // the CHECKPOINT_WRITTEN of the newest iteration reported
+  std::vector<proto::Header> reports_;   // the CHECKPOINT_WRITTEN of the newest iteration reported
+  std::optional<proto::Header> answer_;  // SendAnswer's newest, as sent
   uint64_t rejected_ = 0;
   std::vector<proto::WorkerJoin> handoffs_owed_;
   IncomingHandoff incoming_handoff_;

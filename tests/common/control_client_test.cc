@@ -264,7 +264,8 @@ proto::CheckpointFile File(uint64_t iteration, const std::string& name) {
 TEST_F(ControlClientTest, AConnectionMadeAgainAfterTheMembershipIsSaidAtOnce) {
   // The client sends a HEARTBEAT on its control socket as soon as Poll sees the connection made
   // again, so that the scheduler hears from it at once, and then its reports of the newest
-  // checkpoint again (one sent just before the connection broke is lost with it).
+  // checkpoint and its newest answer to the scheduler's recovery again (one sent just before the
+  // connection broke is lost with it).
   std::string id;
   auto client = Connect(&id);
   ASSERT_TRUE(client->Poll().ok());  // the first connection, before the membership
@@ -274,6 +275,26 @@ TEST_F(ControlClientTest, AConnectionMadeAgainAfterTheMembershipIsSaidAtOnce) {
   ASSERT_TRUE(client->ReportCheckpoint(40, File(40, "worker-0.safetensors")).ok());
   ASSERT_TRUE(client->ReportCheckpoint(40, File(40, "model.safetensors")).ok());
   for (int i = 0; i < 3; ++i) EXPECT_EQ(Receive().header.command(), proto::CHECKPOINT_WRITTEN);
+  // A server's answers to the scheduler's recovery: only the newest goes again, as first sent
+  // (the epoch it was sent in, though the client acts in a newer one by then).
+  Message position, joined;
+  position.header.set_command(proto::POSITION);
+  position.header.set_request_id(3);
+  joined.header.set_command(proto::JOINED);
+  joined.header.set_iteration(10);
+  ASSERT_TRUE(client->SendAnswer(position).ok());
+  ASSERT_TRUE(client->SendAnswer(joined).ok());
+  EXPECT_EQ(Receive().header.command(), proto::POSITION);
+  Message first = Receive();
+  EXPECT_EQ(first.header.command(), proto::JOINED);
+  EXPECT_EQ(first.header.epoch(), 1u);
+  Message epoch2;
+  epoch2.header.set_command(proto::MEMBERSHIP);
+  epoch2.header.mutable_membership()->set_epoch(2);
+  epoch2.header.mutable_membership()->set_your_rank(0);
+  epoch2.header.mutable_membership()->set_num_params(kParams);
+  ASSERT_TRUE(SendMessage(router_.socket, epoch2, &id).ok());
+  PollUntil(*client, [&] { return client->membership().epoch() == 2; });
   // The scheduler's socket goes and comes back on the same port: the client's ZeroMQ connects
   // again.
   const uint32_t port = router_.port;
@@ -302,7 +323,12 @@ TEST_F(ControlClientTest, AConnectionMadeAgainAfterTheMembershipIsSaidAtOnce) {
     reported.push_back(m.header.checkpoint_file().file());
   }
   EXPECT_EQ(reported, (std::vector<std::string>{"worker-0.safetensors", "model.safetensors"}));
-  EXPECT_EQ(PollIn({&router_.socket}, 200), std::vector<bool>{false}) << "not 20's";
+  Message answer = Receive();
+  EXPECT_EQ(answer.header.command(), proto::JOINED);
+  EXPECT_EQ(answer.header.iteration(), 10);
+  EXPECT_EQ(answer.header.epoch(), 1u);
+  EXPECT_EQ(PollIn({&router_.socket}, 200), std::vector<bool>{false})
+      << "not 20's reports, not the older answer";
 }
 
 }  // namespace

@@ -39,8 +39,22 @@ class SchedulerTest : public ::testing::Test {
     }
     std::vector<Outgoing> out;
     s.Handle(from, Result<Message>(std::move(m)), now, &out);
+    Note(out);
     return out;
   }
+  // Keeps what a server would answer with: the newest membership epoch sent (a server stamps its
+  // messages with the epoch it acts in) and the number of the newest WORKER_LOST or WORKER_JOIN
+  // (its POSITION echoes it), from out[first..].
+  void Note(const std::vector<Outgoing>& out, size_t first = 0) {
+    for (size_t i = first; i < out.size(); ++i) {
+      const auto& h = out[i].msg.header;
+      if (h.command() == proto::MEMBERSHIP) epoch_ = std::max(epoch_, h.membership().epoch());
+      if (h.command() == proto::WORKER_LOST || h.command() == proto::WORKER_JOIN) {
+        question_ = h.request_id();
+      }
+    }
+  }
+  uint64_t epoch_ = 0, question_ = 0;
   Message Register(proto::Role role, int requested_rank, uint64_t num_params, uint32_t port) {
     Message m;
     m.header.set_command(proto::REGISTER);
@@ -86,7 +100,9 @@ class SchedulerTest : public ::testing::Test {
       hb.header.set_sender_rank(rank);
       Send(s, who, std::move(hb), t0_ + seconds(second));
     }
+    const size_t first = out->size();
     s.Tick(t0_ + seconds(second), out);
+    Note(*out, first);
   }
   // Heartbeats from all four nodes of RegisterAll at t0 + `from` .. `to` s, each round followed by
   // a Tick.
@@ -352,6 +368,8 @@ class WorkerLossTest : public SchedulerTest {
     m.header.set_command(proto::POSITION);
     m.header.set_sender_role(proto::SERVER);
     m.header.set_sender_rank(server);
+    m.header.set_epoch(epoch_);
+    m.header.set_request_id(question_);
     auto* p = m.header.mutable_position();
     p->set_worker_rank(1);
     p->set_version(version);
@@ -574,11 +592,12 @@ class RejoinTest : public WorkerLossTest {
     return m;
   }
   // A server's JOINED or ROLLED_BACK of `iteration`.
-  static Message ServerDone(proto::Command command, int server, int64_t iteration) {
+  Message ServerDone(proto::Command command, int server, int64_t iteration) {
     Message m;
     m.header.set_command(command);
     m.header.set_sender_role(proto::SERVER);
     m.header.set_sender_rank(server);
+    m.header.set_epoch(epoch_);
     m.header.set_iteration(iteration);
     return m;
   }
@@ -668,6 +687,52 @@ TEST_F(RejoinTest, ReplacementJoinsAfterTheLostWorkerIsRemoved) {
   EXPECT_EQ(summary.joined_workers(0).iteration(), 10);
   EXPECT_EQ(summary.joined_workers(0).pid(), 4242);
   EXPECT_EQ(summary.lost_workers_size(), 1);
+}
+
+// A server sends its newest answer again once its connection to the scheduler was made again
+// (ControlClient::SendAnswer), since one sent just before the connection broke is lost with it:
+// the answer to the question open counts once, and one of a removal or join completed already is
+// ignored without an ERROR (which would end the server). Anything else is still refused.
+TEST_F(RejoinTest, AServersAnswerSentAgainCountsOnceAndIsIgnoredOnceTheChangeIsDone) {
+  Scheduler s(config_, t0_);
+  RegisterAll(s);
+  Send(s, "w-c", Rejoin(1), t0_ + seconds(1));
+  SilenceWorker1(s);
+  const uint64_t removal = question_;
+  ASSERT_GT(removal, 0u);
+  EXPECT_TRUE(Send(s, "s-a", PositionMsg(0, 7, 0), t0_ + seconds(13)).empty());
+  EXPECT_TRUE(Send(s, "s-a", PositionMsg(0, 7, 0), t0_ + seconds(13)).empty()) << "again";
+  auto out = Send(s, "s-b", PositionMsg(1, 7, 0), t0_ + seconds(13));
+  EXPECT_EQ(Memberships(out).size(), 3u) << "the removal needs both servers, not server 0 twice";
+  EXPECT_EQ(To(out, proto::WORKER_JOIN), (std::set<std::string>{"s-a", "s-b"}));
+  EXPECT_GT(question_, removal);
+  const uint64_t rejected = s.rejected_messages();
+  // The removal's answer again, while the join's question is open: ignored.
+  Message late = PositionMsg(1, 7, 0);
+  late.header.set_request_id(removal);
+  EXPECT_TRUE(Send(s, "s-b", std::move(late), t0_ + seconds(14)).empty());
+  EXPECT_TRUE(Send(s, "s-a", JoinPosition(0, 9), t0_ + seconds(14)).empty());
+  EXPECT_TRUE(Send(s, "s-a", JoinPosition(0, 9), t0_ + seconds(14)).empty()) << "again";
+  auto m = Memberships(Send(s, "s-b", JoinPosition(1, 8), t0_ + seconds(14)));
+  ASSERT_EQ(m.size(), 3u);
+  EXPECT_EQ(m["s-a"].join().iteration(), 10);
+  // The join's answer again once it is published, and JOINED twice.
+  EXPECT_TRUE(Send(s, "s-b", JoinPosition(1, 8), t0_ + seconds(14)).empty());
+  EXPECT_TRUE(Send(s, "s-a", Joined(0, 10), t0_ + seconds(14)).empty());
+  EXPECT_TRUE(Send(s, "s-a", Joined(0, 10), t0_ + seconds(14)).empty()) << "again";
+  m = Memberships(Send(s, "s-b", Joined(1, 10), t0_ + seconds(14)));
+  ASSERT_TRUE(m.count("w-c")) << "the replacement is let in once both servers applied the join";
+  EXPECT_TRUE(Send(s, "s-a", Joined(0, 10), t0_ + seconds(15)).empty()) << "after the join";
+  EXPECT_EQ(s.rejected_messages(), rejected);
+  EXPECT_FALSE(s.finished()) << s.final_status().message();
+  // Not a repeat: a JOINED of no join, a POSITION of no question.
+  EXPECT_THAT(ErrorTo(Send(s, "s-a", Joined(0, 11), t0_ + seconds(15)), "s-a"),
+              HasSubstr("for no join in progress"));
+  Message unasked = PositionMsg(0, 7, 0);
+  unasked.header.set_request_id(question_ + 1);
+  EXPECT_THAT(ErrorTo(Send(s, "s-a", std::move(unasked), t0_ + seconds(15)), "s-a"),
+              HasSubstr("for no worker being removed"));
+  EXPECT_EQ(s.rejected_messages(), rejected + 2);
 }
 
 // Worker 1 lost at iteration 7, its replacement "w-c" joined at iteration 10 (every server
@@ -978,13 +1043,13 @@ TEST_F(ServerLossTest, ReplacementTakesTheKeyRangeAndEveryNodeRollsBack) {
   EXPECT_TRUE(m["w-b"].rollback());
   // A later epoch (here: worker 1 lost) is no rollback, or a server would load the checkpoint
   // again.
-  Message p0 = PositionMsg(0, 60, 0), p1 = PositionMsg(1, 60, 0);
   std::vector<Outgoing> out;
   for (int i = 14; i <= 26; ++i) {
     HeartbeatsThenTick(
         s, i, {{"w-a", proto::WORKER, 0}, {"s-a", proto::SERVER, 0}, {"s-c", proto::SERVER, 1}},
         &out);
   }
+  Message p0 = PositionMsg(0, 60, 0), p1 = PositionMsg(1, 60, 0);
   Send(s, "s-a", std::move(p0), t0_ + seconds(26));
   m = Memberships(Send(s, "s-c", std::move(p1), t0_ + seconds(26)));
   ASSERT_TRUE(m.count("s-c"));
@@ -1039,6 +1104,47 @@ TEST_F(ServerLossTest, AReportOfStateFromBeforeTheRollbackOrSentAgainIsIgnored) 
   EXPECT_TRUE(Send(s, "s-c", Written(proto::SERVER, 1, 60, rollback), t0_ + seconds(14)).empty());
   EXPECT_FALSE(s.finished()) << s.final_status().message();
   EXPECT_EQ(s.rejected_messages(), 0u);
+}
+
+// A server's ROLLED_BACK sent again (its connection to the scheduler made again) is ignored once
+// the rollback is done, and one of an earlier rollback to the same checkpoint does not count for
+// the next: it carries the epoch it was sent in, before the new rollback's.
+TEST_F(ServerLossTest, ARolledBackSentAgainCountsOnlyForItsOwnRollback) {
+  Scheduler s(config_, t0_);
+  RegisterAll(s);
+  CompleteCheckpoint(s, 50);
+  SilenceServer1(s, 1, 12);
+  Message reg = Rejoin(1, 0, proto::SERVER);
+  reg.header.mutable_register_()->set_port(6001);
+  auto m = Memberships(Send(s, "s-c", std::move(reg), t0_ + seconds(13)));
+  ASSERT_TRUE(m.count("s-c") && m["s-c"].rollback());
+  const uint64_t first = m["s-c"].epoch();
+  Message first_answer = RolledBack(0, 50);  // server 0's, kept to be sent again
+  EXPECT_TRUE(Send(s, "s-a", RolledBack(0, 50), t0_ + seconds(13)).empty());
+  ASSERT_EQ(Memberships(Send(s, "s-c", RolledBack(1, 50), t0_ + seconds(13))).size(), 2u);
+  const uint64_t rejected = s.rejected_messages();
+  EXPECT_TRUE(Send(s, "s-a", RolledBack(0, 50), t0_ + seconds(13)).empty()) << "after it";
+  // The replacement is lost too before the next checkpoint: a second rollback to 50.
+  std::vector<Outgoing> out;
+  for (int i = 14; i <= 26 && !s.finished(); ++i) {
+    HeartbeatsThenTick(
+        s, i, {{"w-a", proto::WORKER, 0}, {"w-b", proto::WORKER, 1}, {"s-a", proto::SERVER, 0}},
+        &out);
+  }
+  ASSERT_FALSE(s.finished()) << s.final_status().message();
+  Message again = Rejoin(1, 0, proto::SERVER);
+  again.header.mutable_register_()->set_port(6002);
+  m = Memberships(Send(s, "s-d", std::move(again), t0_ + seconds(27)));
+  ASSERT_TRUE(m.count("s-d") && m["s-d"].rollback());
+  EXPECT_GT(m["s-d"].epoch(), first);
+  EXPECT_EQ(m["s-d"].resume_iteration(), 50u);
+  ASSERT_EQ(first_answer.header.epoch(), first);
+  EXPECT_TRUE(Send(s, "s-a", std::move(first_answer), t0_ + seconds(27)).empty());
+  EXPECT_TRUE(Memberships(Send(s, "s-d", RolledBack(1, 50), t0_ + seconds(27))).empty())
+      << "server 0's answer to the first rollback counted for the second";
+  EXPECT_EQ(Memberships(Send(s, "s-a", RolledBack(0, 50), t0_ + seconds(27))).size(), 2u);
+  EXPECT_EQ(s.rejected_messages(), rejected);
+  EXPECT_FALSE(s.finished()) << s.final_status().message();
 }
 
 // checkpoint.keep on every host: each complete checkpoint tells every live node which complete
