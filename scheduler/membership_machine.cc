@@ -3,6 +3,9 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "common/key_range.h"
 #include "config/config.h"
@@ -174,6 +177,18 @@ void MembershipMachine::BuildMembership(Clock::time_point now, std::vector<Outgo
   job_.membership_sent = true;
   spdlog::info("membership epoch {}: {} servers, {} workers, {} parameters in {} key ranges",
                m.epoch(), job_.expected_servers, job_.expected_workers, num_params, ranges.size());
+  // Who is who from now on: errors name nodes by role and rank ("the push of iteration 3 from
+  // worker 1"), this line tells where each runs.
+  std::vector<const SchedulerNode*> ranked;
+  for (const auto& n : job_.nodes) {
+    if (n.InJob()) ranked.push_back(&n);
+  }
+  std::sort(ranked.begin(), ranked.end(), [](const SchedulerNode* a, const SchedulerNode* b) {
+    return std::make_pair(a->role, a->rank) < std::make_pair(b->role, b->rank);
+  });
+  std::string ranks;
+  for (const SchedulerNode* n : ranked) ranks += (ranks.empty() ? "" : ", ") + job_.Describe(*n);
+  spdlog::info("ranks: {}", ranks);
 }
 
 std::vector<size_t> MembershipMachine::BarrierMembers(proto::Role group) const {
