@@ -49,14 +49,15 @@ class ControlClientTest : public ::testing::Test {
     ASSERT_TRUE(SendMessage(router_.socket, m, &to).ok());
   }
   // The first membership (epoch 1, rank 0) to client `c` at routing id `to`, taken in.
-  void GiveMembership(ControlClient& c, const std::string& to) {
+  // Sends membership `epoch` (rank 0) to `to` and polls `c` until it has it.
+  void GiveMembership(ControlClient& c, const std::string& to, uint64_t epoch = 1) {
     Message m;
     m.header.set_command(proto::MEMBERSHIP);
-    m.header.mutable_membership()->set_epoch(1);
+    m.header.mutable_membership()->set_epoch(epoch);
     m.header.mutable_membership()->set_your_rank(0);
     m.header.mutable_membership()->set_num_params(kParams);
     ASSERT_TRUE(SendMessage(router_.socket, m, &to).ok());
-    PollUntil(c, [&] { return c.has_membership(); });
+    PollUntil(c, [&] { return c.has_membership() && c.membership().epoch() == epoch; });
   }
   // Polls `c` until `done` (within 10 s).
   static void PollUntil(ControlClient& c, const std::function<bool()>& done) {
@@ -288,13 +289,7 @@ TEST_F(ControlClientTest, AConnectionMadeAgainAfterTheMembershipIsSaidAtOnce) {
   Message first = Receive();
   EXPECT_EQ(first.header.command(), proto::JOINED);
   EXPECT_EQ(first.header.epoch(), 1u);
-  Message epoch2;
-  epoch2.header.set_command(proto::MEMBERSHIP);
-  epoch2.header.mutable_membership()->set_epoch(2);
-  epoch2.header.mutable_membership()->set_your_rank(0);
-  epoch2.header.mutable_membership()->set_num_params(kParams);
-  ASSERT_TRUE(SendMessage(router_.socket, epoch2, &id).ok());
-  PollUntil(*client, [&] { return client->membership().epoch() == 2; });
+  GiveMembership(*client, id, 2);
   // The scheduler's socket goes and comes back on the same port: the client's ZeroMQ connects
   // again.
   const uint32_t port = router_.port;

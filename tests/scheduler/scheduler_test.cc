@@ -995,6 +995,14 @@ class ServerLossTest : public RejoinTest {
     }
     return out;
   }
+  // A replacement for server 1 registers from `who` with data port `port` at t0 + `second`;
+  // the memberships the scheduler sent.
+  std::map<std::string, proto::Membership> ReplaceServer1(Scheduler& s, const std::string& who,
+                                                          uint32_t port, int second) {
+    Message reg = Rejoin(1, 0, proto::SERVER);
+    reg.header.mutable_register_()->set_port(port);
+    return Memberships(Send(s, who, std::move(reg), t0_ + seconds(second)));
+  }
   Message RolledBack(int server, int64_t iteration) {
     return ServerDone(proto::ROLLED_BACK, server, iteration);
   }
@@ -1015,9 +1023,7 @@ TEST_F(ServerLossTest, ReplacementTakesTheKeyRangeAndEveryNodeRollsBack) {
   EXPECT_EQ(m["w-a"].server_lost().server_rank(), 1);
   EXPECT_THAT(m["w-a"].server_lost().reason(), HasSubstr("server 1"));
   // The replacement registers: the servers first get the rollback epoch, with the checkpoint.
-  Message reg = Rejoin(1, 0, proto::SERVER);
-  reg.header.mutable_register_()->set_port(6001);
-  m = Memberships(Send(s, "s-c", std::move(reg), t0_ + seconds(13)));
+  m = ReplaceServer1(s, "s-c", 6001, 13);
   ASSERT_EQ(m.size(), 2u);
   ASSERT_TRUE(m.count("s-a") && m.count("s-c"));
   const auto& epoch3 = m["s-c"];
@@ -1082,9 +1088,7 @@ TEST_F(ServerLossTest, AReportOfStateFromBeforeTheRollbackOrSentAgainIsIgnored) 
   CompleteCheckpoint(s, 50);
   EXPECT_TRUE(Send(s, "w-a", Written(proto::WORKER, 0, 50), t0_).empty());  // sent again
   SilenceServer1(s, 1, 12);
-  Message reg = Rejoin(1, 0, proto::SERVER);
-  reg.header.mutable_register_()->set_port(6001);
-  auto m = Memberships(Send(s, "s-c", std::move(reg), t0_ + seconds(13)));
+  auto m = ReplaceServer1(s, "s-c", 6001, 13);
   ASSERT_TRUE(m.count("s-c") && m["s-c"].rollback());
   const uint64_t rollback = m["s-c"].epoch();
   // Worker 0's file of 60, written before the rollback, reported after it began.
@@ -1114,9 +1118,7 @@ TEST_F(ServerLossTest, ARolledBackSentAgainCountsOnlyForItsOwnRollback) {
   RegisterAll(s);
   CompleteCheckpoint(s, 50);
   SilenceServer1(s, 1, 12);
-  Message reg = Rejoin(1, 0, proto::SERVER);
-  reg.header.mutable_register_()->set_port(6001);
-  auto m = Memberships(Send(s, "s-c", std::move(reg), t0_ + seconds(13)));
+  auto m = ReplaceServer1(s, "s-c", 6001, 13);
   ASSERT_TRUE(m.count("s-c") && m["s-c"].rollback());
   const uint64_t first = m["s-c"].epoch();
   Message first_answer = RolledBack(0, 50);  // server 0's, kept to be sent again
@@ -1132,9 +1134,7 @@ TEST_F(ServerLossTest, ARolledBackSentAgainCountsOnlyForItsOwnRollback) {
         &out);
   }
   ASSERT_FALSE(s.finished()) << s.final_status().message();
-  Message again = Rejoin(1, 0, proto::SERVER);
-  again.header.mutable_register_()->set_port(6002);
-  m = Memberships(Send(s, "s-d", std::move(again), t0_ + seconds(27)));
+  m = ReplaceServer1(s, "s-d", 6002, 27);
   ASSERT_TRUE(m.count("s-d") && m["s-d"].rollback());
   EXPECT_GT(m["s-d"].epoch(), first);
   EXPECT_EQ(m["s-d"].resume_iteration(), 50u);
