@@ -398,7 +398,7 @@ Status ServerLoop::Run() {
     if (shard_ == nullptr && SecondsSince(start_) > membership_deadline_s) {
       return Status::DeadlineExceeded("no membership from the scheduler at " +
                                       control_.scheduler_endpoint() + " after " +
-                                      std::to_string(membership_deadline_s) + " s");
+                                      FormatSeconds(membership_deadline_s));
     }
     if (!data_) {
       PollIn({&control_.socket()}, 100);

@@ -164,8 +164,8 @@ Status ControlClient::Poll() {
           SecondsSince(last_heard_) > config_.cluster().heartbeat_timeout_s()) {
         scheduler_lost_ = true;
         fatal_ = "the scheduler at " + scheduler_endpoint() + " sent nothing for " +
-                 std::to_string(SecondsSince(last_heard_)) + " s (cluster.heartbeat_timeout_s = " +
-                 std::to_string(config_.cluster().heartbeat_timeout_s()) +
+                 FormatSeconds(SecondsSince(last_heard_)) + " (cluster.heartbeat_timeout_s = " +
+                 FormatSeconds(config_.cluster().heartbeat_timeout_s()) +
                  "): it is dead or unreachable";
         return Status::Disconnected(fatal_);
       }
