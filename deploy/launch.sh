@@ -2,7 +2,8 @@
 # Runs a whole local cluster for one config: 1 scheduler, S servers, W workers (S and W from the
 # config), each a process of its own with its log in the run directory. Streams the leading
 # worker's progress lines, stops every process it started on exit or Ctrl-C, fails fast (showing the
-# failing process's log) if one dies, and prints the run directory at the end.
+# failing process's log) if one dies, and prints the run directory at the end: --run-dir, else
+# the config's (or a --set) run.dir, else a new runs/<run.name>-<date>-<pid>.
 #
 #   deploy/launch.sh [--config F] [--set key=value ...] [--run-dir D] [--build-dir B] [--quiet]
 #                    [--netns PREFIX [--servers-per-host K]] [--worker-command "CMD ARGS"]
@@ -152,11 +153,11 @@ done
 if ! resolved="$("$worker_bin" --config "$config" "${sets[@]}" \
       --get cluster.num_servers --get cluster.num_workers --get run.name \
       --get aggregation --get checkpoint.dir --get cluster.on_worker_failure \
-      --get checkpoint.keep 2>&1)"; then
+      --get checkpoint.keep --get run.dir 2>&1)"; then
   echo "$resolved" >&2
   exit 2
 fi
-{ read -r num_servers; read -r num_workers; read -r job_name; read -r aggregation; read -r checkpoint_dir; read -r on_worker_failure; read -r checkpoint_keep; } <<<"$resolved"
+{ read -r num_servers; read -r num_workers; read -r job_name; read -r aggregation; read -r checkpoint_dir; read -r on_worker_failure; read -r checkpoint_keep; read -r config_run_dir || :; } <<<"$resolved"
 [[ "$max_restarts" =~ ^[0-9]+$ ]] || { echo "launch.sh: --max-restarts needs a number" >&2; exit 2; }
 # With allreduce the workers aggregate among themselves: no servers.
 [[ "$aggregation" == "allreduce" ]] && num_servers=0
@@ -174,6 +175,14 @@ if [[ -n "$hosts_file" ]]; then
   parse_hosts "$hosts_file" || exit 2
 fi
 
+# The run directory: --run-dir, else the config's or a --set run.dir, else a new one under runs/.
+# Every process gets it as run.dir (after the --set arguments: the directory whose
+# scheduler.port this script reads is the one the scheduler writes).
+if [[ -n "$run_dir" && -n "$config_run_dir" && -z "$resume" &&
+      "$(realpath -m "$run_dir")" != "$(realpath -m "$config_run_dir")" ]]; then
+  echo "launch.sh: --run-dir $run_dir takes the place of run.dir = $config_run_dir" >&2
+fi
+[[ -z "$run_dir" ]] && run_dir="$config_run_dir"
 if [[ -z "$run_dir" ]]; then
   runs="$here/runs"
   # An installed launcher (/usr/share/sparseps, no source tree) writes under the current directory.
@@ -332,8 +341,8 @@ restart_with_rejoin() {  # restart_with_rejoin INDEX RC WHAT: starts names[INDEX
   echo "launch.sh: $msg" >&2
   echo "$msg" >>"$run_dir/restarts.log"
   # shellcheck disable=SC2046
-  local args=(--config "$job_config" --rejoin --set "run.dir=$job_dir"
-    $(host_set scheduler cluster.scheduler_host) "${sets[@]}")
+  local args=(--config "$job_config" --rejoin $(host_set scheduler cluster.scheduler_host)
+    "${sets[@]}" --set "run.dir=$job_dir")
   local saved_append="$append_logs"
   append_logs=1
   if [[ $name == server-* ]]; then
@@ -350,8 +359,8 @@ run_job() {  # starts every process, waits; sets $failed to the name of a proces
   # shellcheck disable=SC2046
   resume_args=()
   [[ -n "$resume" ]] && resume_args=(--resume "$job_dir")
-  common=(--config "$job_config" "${resume_args[@]}" --set "run.dir=$job_dir"
-    --set cluster.scheduler_port=0 $(host_set scheduler cluster.scheduler_host) "${sets[@]}")
+  common=(--config "$job_config" "${resume_args[@]}" --set cluster.scheduler_port=0
+    $(host_set scheduler cluster.scheduler_host) "${sets[@]}" --set "run.dir=$job_dir")
   # shellcheck disable=SC2046
   start scheduler "$scheduler_bin" "${common[@]}" $(host_set scheduler node.host)
   # The scheduler binds a free port and writes it to the run directory (deadline 30 s).

@@ -98,8 +98,10 @@ def slurm(tmp_path_factory):
 
 def test_quickstart_trains_across_nodes(slurm, tmp_path):
     run_dir = tmp_path / "run"
+    # The run directory as a --set (the other tests give --run-dir): the script's logs and the
+    # daemons' files land in the same one.
     job = slurm.submit(5, "--config", str(QUICKSTART), "--set", "train.epochs=1",
-                       "--run-dir", str(run_dir))
+                       "--set", f"run.dir={run_dir}")
     state, code = slurm.wait(job)
     out = slurm.output(job)
     assert (state, code) == ("COMPLETED", "0:0"), out

@@ -47,6 +47,30 @@ TEST(Launcher, RunsAJobAndWritesTheRunDirectory) {
   EXPECT_THAT(testing::ReadFile(run + "/summary.json"), HasSubstr("\"status\": \"ok\""));
 }
 
+// The run directory a config or a --set names is the one the launcher uses: every process writes
+// there and the launcher reads the scheduler's port from it (before, the launcher made its own
+// under runs/, the daemons got the user's after it, and the launch failed after 30 s with "the
+// scheduler did not start"). The --set wins over the config's, as for any key.
+TEST(Launcher, TheRunDirectoryOfTheConfigOrASetIsTheOneUsed) {
+  if (!std::filesystem::exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")) {
+    GTEST_SKIP() << "Fashion-MNIST not installed";
+  }
+  TempDir dir("launch-run-dir");
+  const std::string config = dir.path() + "/job.yaml", named = dir.path() + "/named",
+                    in_config = dir.path() + "/in-config";
+  std::ofstream(config) << "run:\n  name: named\n  dir: " << in_config
+                        << "\nmodel:\n  hidden: [32]\ndata:\n  max_train_samples: 2048\n"
+                           "  max_test_samples: 500\ntrain:\n  max_steps: 20\n";
+  ChildProcess p(LaunchCommand("", {"--config", config, "--set", "run.dir=" + named}),
+                 dir.path() + "/launch.log");
+  ASSERT_EQ(p.Wait(120), 0) << p.Log();
+  EXPECT_THAT(p.Log(), HasSubstr("run directory " + named));
+  for (const char* f : {"summary.json", "scheduler.log", "worker-1.log", "metrics-worker-0.csv"}) {
+    EXPECT_TRUE(std::filesystem::exists(named + "/" + f)) << f;
+  }
+  EXPECT_FALSE(std::filesystem::exists(in_config));
+}
+
 // configs/cnn.yaml as shipped, shortened: the CNN trains through the PS (train.device: auto, which
 // takes the GPU where one answers and says so either way).
 TEST(Launcher, CnnConfigTrains) {
