@@ -87,26 +87,19 @@ void ControlClient::CheckReconnected() {
   Message hello;
   hello.header.set_command(proto::HEARTBEAT);
   if (Status s = Send(hello); !s.ok()) spdlog::warn("heartbeat not sent: {}", s.message());
-  for (const proto::Header& report : reports_) {
-    Message again;
-    again.header = report;
-    if (Status s = Send(again); !s.ok()) {
-      spdlog::warn("checkpoint report not sent again: {}", s.message());
-    }
-  }
-  if (!reports_.empty()) {
-    spdlog::info("reported this node's {} file(s) of checkpoint {} again", reports_.size(),
-                 reports_.front().iteration());
-  }
-  if (answer_) {
-    Message again;
-    again.header = *answer_;  // as first sent: the epoch it was sent in says which change
-    if (Status s = SendMessage(socket_, again); !s.ok()) {
-      spdlog::warn("{} not sent again: {}", CommandName(answer_->command()), s.message());
-    } else {
-      spdlog::info("sent the scheduler this node's {} (iteration {}) again",
-                   CommandName(answer_->command()), answer_->iteration());
-    }
+  // As first sent (stamped by Send): a server's answer names by its epoch the change it answers.
+  auto again = [&](const proto::Header& h) {
+    Message m;
+    m.header = h;
+    Status s = SendMessage(socket_, m);
+    if (!s.ok()) spdlog::warn("{} not sent again: {}", CommandName(h.command()), s.message());
+  };
+  for (const proto::Header& report : reports_) again(report);
+  if (answer_) again(*answer_);
+  if (!reports_.empty() || answer_) {
+    spdlog::info("sent the scheduler again {} report(s) of checkpoint {}{}", reports_.size(),
+                 reports_.empty() ? std::string("-") : std::to_string(reports_.front().iteration()),
+                 answer_ ? " and this node's " + CommandName(answer_->command()) : std::string());
   }
 }
 
@@ -530,8 +523,9 @@ Status ControlClient::ReportCheckpoint(uint64_t iteration, const proto::Checkpoi
   if (!reports_.empty() && reports_.front().iteration() != msg.header.iteration()) {
     reports_.clear();
   }
-  reports_.push_back(msg.header);
-  return Send(msg);
+  Status s = Send(msg);
+  reports_.push_back(msg.header);  // stamped by Send, as SendAnswer keeps its answer
+  return s;
 }
 
 Status ControlClient::SendAnswer(Message& msg) {

@@ -244,8 +244,10 @@ class ControlClient {
   std::map<std::string, uint64_t> barrier_generation_;
   std::map<std::string, uint64_t> barrier_released_;  // name -> highest released generation + 1
   std::function<void(const std::vector<uint64_t>&)> on_checkpoints_kept_;
-  std::vector<proto::Header> reports_;   // the CHECKPOINT_WRITTEN of the newest iteration reported
-  std::optional<proto::Header> answer_;  // SendAnswer's newest, as sent
+  // What CheckReconnected sends again, each as first sent: the CHECKPOINT_WRITTEN of the newest
+  // iteration reported, and SendAnswer's newest.
+  std::vector<proto::Header> reports_;
+  std::optional<proto::Header> answer_;
   uint64_t rejected_ = 0;
   std::vector<proto::WorkerJoin> handoffs_owed_;
   IncomingHandoff incoming_handoff_;
