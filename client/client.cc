@@ -37,6 +37,8 @@ namespace {
       throw Error(ErrorCode::kInvalidArgument, s.message());
     case StatusCode::kDeadlineExceeded:
       throw Error(ErrorCode::kDeadlineExceeded, s.message());
+    case StatusCode::kDisconnected:
+      throw Error(ErrorCode::kLost, s.message());
     default:
       throw Error(ErrorCode::kFailed, s.ToString());
   }

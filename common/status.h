@@ -20,8 +20,10 @@ enum class StatusCode {
   kAborted,      // the job was ended by the scheduler (FATAL) or by a signal
   kUnavailable,  // a server died: the work in progress is void until the job rolls back
   kInternal,
-  kDisconnected,  // this node heard nothing from the scheduler for cluster.heartbeat_timeout_s:
-                  // its host was cut off, or the scheduler died (daemons exit with code 3)
+  kDisconnected,  // this node is out of the job: it heard nothing from the scheduler for
+                  // cluster.heartbeat_timeout_s (its host was cut off, or the scheduler died), or
+                  // the scheduler removed it (declared dead while it was stopped or slow); the
+                  // job may go on without it (daemons exit with code 3)
 };
 
 class [[nodiscard]] Status {

@@ -140,6 +140,14 @@ int DaemonMain(int argc, char** argv, const std::string& name, const std::string
       name == "sparseps-worker" ? RankEnv::kSparsepsRankOrRank : RankEnv::kSparsepsRank;
   std::string footer = "\nEnvironment:";
   for (const auto& line : EnvironmentHelp(rank_env)) footer += "\n  " + line;
+  footer +=
+      "\n\nExit codes:\n"
+      "  0  the job finished\n"
+      "  1  this process or the job failed\n"
+      "  2  a bad config or argument (the message names the file, line and key)\n"
+      "  3  out of the job: cut off from the scheduler, or removed by it after being silent for\n"
+      "     cluster.heartbeat_timeout_s (a stopped process); the job may go on without it, and\n"
+      "     deploy/launch.sh lets it go (or starts a replacement under --max-restarts)";
   app.footer(footer);
   app.set_version_flag("--version", std::string(name) + " " + SPARSEPS_VERSION);
   std::string config_path;

@@ -36,7 +36,8 @@ inline constexpr size_t kMessageMmapThreshold = size_t{32} << 20;  // glibc's ma
 inline constexpr size_t kMessageTrimThreshold = size_t{128} << 20;
 void KeepFreedMessageBuffers();
 
-// Exit code for a status: 0 OK, 2 InvalidArgument, 3 Disconnected, 1 otherwise.
+// Exit code for a status: 0 OK, 2 InvalidArgument, 3 Disconnected (out of the job: cut off from
+// the scheduler, or removed by it), 1 otherwise.
 int ExitCodeFor(const Status& status);
 
 }  // namespace sparseps

@@ -71,8 +71,10 @@
 # A worker killed by a signal (kill -9, a crash) in ps mode with cluster.on_worker_failure: continue
 # (the default) does not end the job: the scheduler drops it and the others go on (with
 # --max-restarts, a replacement joins as above). So does a worker whose host was cut off for longer
-# than cluster.heartbeat_timeout_s (it exits with code 3, naming the scheduler it lost); with
-# --max-restarts a server that exits so is replaced as one killed. A worker that exits with an
+# than cluster.heartbeat_timeout_s (it exits with code 3, naming the scheduler it lost), or that
+# was stopped that long (SIGSTOP, a suspended VM: the scheduler removed it, and it exits with
+# code 3 once it runs again); with --max-restarts a server that exits so is replaced as one
+# killed. A worker that exits with an
 # error (bad data, a diverging loss) ends the job as before.
 #
 # Exit code: 0 when the job finished, 2 for a bad config, 1 when a process failed.
@@ -429,8 +431,9 @@ run_job() {  # starts every process, waits; sets $failed to the name of a proces
         break
       fi
       # Exit code 3: the daemon heard nothing from the scheduler for cluster.heartbeat_timeout_s
-      # (its host was cut off, or the scheduler died): lost to the job, as if killed. A dead
-      # scheduler is seen here too and ends the job.
+      # (its host was cut off, or the scheduler died), or the scheduler removed it (it was
+      # stopped that long): lost to the job, as if killed. A dead scheduler is seen here too and
+      # ends the job.
       if [[ ($rc -gt 128 || $rc -eq 3) && ${names[$i]} == server-* &&
             $restarts -lt $max_restarts ]]; then
         # Killed by a signal or cut off: a replacement takes its key range and the job rolls back

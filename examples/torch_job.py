@@ -46,7 +46,7 @@ import sparseps
 import sparseps.torch
 from sparseps import capi
 
-ERRORS = [ValueError, TimeoutError, capi.Error]  # a clear message and exit code 1 or 2
+ERRORS = [ValueError, TimeoutError, capi.Error]  # a clear message and exit code 1, 2 or 3
 
 
 def log(rank, level, text):
@@ -587,9 +587,11 @@ def rate(x):
 
 def main(fn, name):
     """Runs fn() and turns the loop's errors into a message and exit code 2 (bad arguments or
-    config) or 1 (the job failed)."""
+    config), 3 (this worker is out of the job: sparseps.Lost, as the daemons exit when cut off or
+    removed; launch.sh lets the job go on without it) or 1 (the job failed)."""
     try:
         fn()
     except tuple(ERRORS) as e:
         print(f"{name}: {e}", file=sys.stderr)
-        sys.exit(2 if isinstance(e, ValueError) else 1)
+        lost = type(e).__name__ == "Lost"  # sparseps.Lost or sparseps.capi's
+        sys.exit(2 if isinstance(e, ValueError) else 3 if lost else 1)

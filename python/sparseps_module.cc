@@ -10,8 +10,8 @@
 // The module does not link libtorch.
 //
 // Errors become Python exceptions: ValueError for bad input or configuration, TimeoutError for a
-// deadline (naming who is missing), KeyboardInterrupt when Ctrl-C ended a wait, sparseps.Error
-// (a RuntimeError) for the rest.
+// deadline (naming who is missing), KeyboardInterrupt when Ctrl-C ended a wait, sparseps.Lost when
+// this worker is out of the job, sparseps.Error (a RuntimeError) for the rest.
 //
 // Thread-safety: a Worker belongs to one Python thread; blocking calls release the GIL.
 #include <pybind11/numpy.h>
@@ -45,9 +45,11 @@ using pymodule::Owned;
 
 PyObject* g_error = nullptr;        // sparseps.Error
 PyObject* g_rolled_back = nullptr;  // sparseps.RolledBack
+PyObject* g_lost = nullptr;         // sparseps.Lost
 
 // The client library's errors as Python's: ValueError, TimeoutError, KeyboardInterrupt (Ctrl-C
-// ended a wait), sparseps.RolledBack (a server was replaced), sparseps.Error.
+// ended a wait), sparseps.RolledBack (a server was replaced), sparseps.Lost (this worker is out
+// of the job), sparseps.Error.
 [[noreturn]] void Raise(const client::Error& e) {
   switch (e.code()) {
     case client::ErrorCode::kInvalidArgument:
@@ -60,6 +62,9 @@ PyObject* g_rolled_back = nullptr;  // sparseps.RolledBack
       break;
     case client::ErrorCode::kRolledBack:
       PyErr_SetString(g_rolled_back, e.what());
+      break;
+    case client::ErrorCode::kLost:
+      PyErr_SetString(g_lost, e.what());
       break;
     default:
       PyErr_SetString(g_error, e.what());
@@ -487,14 +492,23 @@ void DefineMembershipFacts(py::class_<sparseps::Worker>& worker) {
           "evaluating and writing the model after worker 0 was lost");
 }
 
-PYBIND11_MODULE(_sparseps, m) {
-  using sparseps::Worker;
-  m.doc() = "sparseps: sparse, compressed gradient aggregation (parameter server or allreduce)";
+// sparseps.Error (a RuntimeError) and its kinds, which Raise uses.
+void DefineErrors(py::module_& m) {
   static py::exception<std::runtime_error> error(m, "Error", PyExc_RuntimeError);
   sparseps::g_error = error.ptr();
   // A server was replaced: back at the checkpoint (step, params()); the loop goes on from there.
   static py::exception<std::runtime_error> rolled_back(m, "RolledBack", error.ptr());
   sparseps::g_rolled_back = rolled_back.ptr();
+  // This worker is out of the job (cut off from the scheduler, or removed by it); the job may go
+  // on without it: a loop exits with code 3, as the daemons do, so that launch.sh lets it go.
+  static py::exception<std::runtime_error> lost(m, "Lost", error.ptr());
+  sparseps::g_lost = lost.ptr();
+}
+
+PYBIND11_MODULE(_sparseps, m) {
+  using sparseps::Worker;
+  m.doc() = "sparseps: sparse, compressed gradient aggregation (parameter server or allreduce)";
+  DefineErrors(m);
   m.attr("cuda") = sparseps::client::CudaBuild();  // CUDA tensors are compressed on the device
   py::class_<Worker> worker(m, "Worker", R"doc(
 One worker of a sparseps job, driven by a Python training loop.

@@ -32,8 +32,9 @@ struct SchedulerNode {
   uint64_t num_params = 0;
   Clock::time_point last_seen;
   bool done = false;
-  bool dead = false;       // removed from the job (on_worker_failure: continue)
-  bool told_dead = false;  // a FATAL went to it after it spoke again
+  bool dead = false;         // removed from the job (on_worker_failure: continue)
+  bool told_dead = false;    // a FATAL went to it after it spoke again
+  std::string dead_because;  // why it was declared dead (the FATAL it gets names it)
   std::optional<Clock::time_point> unreachable_since;  // its connection is gone
   bool joining = false;    // a replacement (--rejoin) not yet told its membership
   int64_t joined_at = -1;  // a replacement's first iteration

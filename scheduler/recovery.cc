@@ -41,6 +41,7 @@ void Recovery::RemoveWorker(size_t idx, const std::string& reason, Clock::time_p
   SchedulerNode& n = job_.nodes[idx];
   if (n.dead) return;
   n.dead = true;  // no longer waited for at barriers, the end, or heartbeats
+  n.dead_because = reason;
   spdlog::warn("{}; on_worker_failure is continue: removing it ({} workers left)", reason,
                job_.LiveWorkers());
   if (job_.LiveWorkers() == 0) {
@@ -376,6 +377,7 @@ void Recovery::LoseServer(size_t idx, const std::string& reason, Clock::time_poi
   }
   SchedulerNode& n = job_.nodes[idx];
   n.dead = true;
+  n.dead_because = reason;
   server_loss_ = ServerLoss{idx, reason, now};
   job_.NextEpoch();
   job_.membership.mutable_server_lost()->set_server_rank(n.rank);

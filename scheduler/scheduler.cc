@@ -39,13 +39,16 @@ bool Scheduler::CheckSender(const std::string& from, const Message& msg, Clock::
   }
   SchedulerNode& n = job_.nodes[static_cast<size_t>(own)];
   if (n.dead) {
-    // A removed worker that speaks again (it was slow, not dead) is out of the job for good.
+    // A removed node that speaks again (it was slow or stopped, not dead) is out of the job for
+    // good; `removed` tells it so, and it exits as one cut off does (code 3).
     if (!n.told_dead) {
       n.told_dead = true;
       Outgoing o = job_.To(n.routing_id, proto::FATAL);
-      o.msg.header.set_error(job_.Describe(n) +
-                             " was declared dead and removed from the job; the others went on "
-                             "without it");
+      o.msg.header.set_removed(true);
+      o.msg.header.set_error(
+          (n.dead_because.empty() ? job_.Describe(n) + " was declared dead" : n.dead_because) +
+          (n.role == proto::SERVER ? "; a replacement takes its key range (--rejoin)"
+                                   : "; the others went on without it"));
       out->push_back(std::move(o));
     }
     return false;

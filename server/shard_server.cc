@@ -154,6 +154,7 @@ void ShardServer::HandlePush(const std::string& peer, Message msg, std::vector<O
            "PUSH from worker " + std::to_string(rank) +
                ", which the scheduler removed from the job (declared dead)",
            out);
+    out->back().msg.header.set_removed(join_at_[rank] < 0);  // not a replacement come early
     return;
   }
   if (ssp_) {
@@ -548,6 +549,8 @@ void ShardServer::HandlePull(const std::string& peer, const Message& msg,
                         : "; worker " + std::to_string(w) + "'s clock here is " +
                               std::to_string(clock_[static_cast<size_t>(w)])),
              out);
+      // Its identity was checked: a worker not active was removed (ssp has no replacements).
+      out->back().msg.header.set_removed(w < 0);
       return;
     }
     if (IsRepeat(pending_pulls_, peer, h, out)) return;

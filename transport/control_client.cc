@@ -148,13 +148,13 @@ Status ControlClient::Poll() {
   CheckReconnected();
   while (true) {
     if (StopRequested()) return Status::Aborted("stopped by a signal");
-    if (scheduler_lost_) return Status::Disconnected(fatal_);
+    if (scheduler_lost_ || removed_) return Status::Disconnected(fatal_);
     if (!fatal_.empty()) return Status::Aborted("the scheduler ended the job: " + fatal_);
     auto ready = PollIn({&socket_}, 0);
     if (!ready[0]) {
       // Checked after draining: a node busy for a while finds the heartbeats queued.
       if (has_membership_ && !shutdown_ &&
-          SecondsSince(last_heard_) > config_.cluster().heartbeat_timeout_s()) {
+          SecondsSince(last_heard_) > config_.cluster().heartbeat_timeout_s() && Listening()) {
         scheduler_lost_ = true;
         fatal_ = "the scheduler at " + scheduler_endpoint() + " sent nothing for " +
                  FormatSeconds(SecondsSince(last_heard_)) + " (cluster.heartbeat_timeout_s = " +
@@ -222,6 +222,12 @@ Status ControlClient::Poll() {
         break;
       case proto::FATAL:
         fatal_ = h.error().empty() ? "no reason given" : h.error();
+        if (h.removed()) {
+          // Declared dead while slow or stopped: out of the job, which goes on without this node.
+          removed_ = true;
+          fatal_ = "removed from the job: " + fatal_;
+          return Status::Disconnected(fatal_);
+        }
         return Status::Aborted("the scheduler ended the job: " + fatal_);
       case proto::ERROR:
         fatal_ = "scheduler rejected our request: " + h.error();
@@ -481,6 +487,7 @@ void ControlClient::StopHeartbeats() {
   }
   heartbeat_cv_.notify_all();
   if (heartbeat_thread_.joinable()) heartbeat_thread_.join();
+  heartbeat_tick_ns_ = 0;  // no thread: Listening() no longer waits for its ticks
 }
 
 void ControlClient::HeartbeatLoop(int rank, uint64_t epoch) {
@@ -488,8 +495,12 @@ void ControlClient::HeartbeatLoop(int rank, uint64_t epoch) {
                                    config_.cluster().scheduler_port(), heartbeat_routing_id_,
                                    SchedulerKey(context_));
   hb.set(zmq::sockopt::linger, 0);
+  // Never blocks: with the scheduler unreachable for kSocketHwm intervals the queue is full, and a
+  // heartbeat that cannot be queued is dropped; the thread keeps its pace (Listening()).
+  hb.set(zmq::sockopt::sndtimeo, 0);
   const auto interval = std::chrono::duration<double>(config_.cluster().heartbeat_interval_s());
   std::unique_lock<std::mutex> lock(heartbeat_mu_);
+  bool failing = false;  // warned about a heartbeat not sent, none sent since
   while (!heartbeat_stop_) {
     Message msg;
     msg.header.set_command(proto::HEARTBEAT);
@@ -497,13 +508,29 @@ void ControlClient::HeartbeatLoop(int rank, uint64_t epoch) {
     msg.header.set_sender_rank(rank);
     msg.header.set_epoch(epoch);
     Status s = SendMessage(hb, msg);
-    if (!s.ok()) spdlog::warn("heartbeat not sent: {}", s.message());
+    if (!s.ok() && !failing) spdlog::warn("heartbeat not sent: {}", s.message());
+    failing = !s.ok();
     heartbeat_cv_.wait_for(lock, interval, [this] { return heartbeat_stop_; });
+    const int64_t now = Clock::now().time_since_epoch().count();
+    const int64_t last = heartbeat_tick_ns_.exchange(now);
+    if (last > 0 && Clock::duration(now - last) > 2 * interval) resumed_ns_ = now;
   }
 }
 
+bool ControlClient::Listening() const {
+  const int64_t tick = heartbeat_tick_ns_;
+  if (tick == 0) return true;  // no heartbeat thread: nothing tells a stop
+  const double interval = config_.cluster().heartbeat_interval_s();
+  const auto at = [](int64_t ns) { return Clock::time_point(Clock::duration(ns)); };
+  return SecondsSince(at(tick)) <= 2 * interval &&
+         SecondsSince(at(resumed_ns_)) > std::max(2 * interval, 1.0);
+}
+
 void ControlClient::ReportFailure(const Status& error) {
-  if (error.ok() || !registered_ || !fatal_.empty() || shutdown_) return;
+  if (error.ok() || error.code() == StatusCode::kDisconnected || !registered_ || !fatal_.empty() ||
+      shutdown_) {
+    return;
+  }
   Message msg;
   msg.header.set_command(proto::FATAL);
   msg.header.set_error(error.message());
@@ -549,7 +576,7 @@ Status ControlClient::Finish(const proto::WorkerStats& stats) {
       request, [this] { return shutdown_; },
       bsp ? config_.cluster().barrier_timeout_s() + 10.0 : kWhileTheSchedulerLives,
       "SHUTDOWN from the scheduler (every worker's DONE)");
-  if (s.code() != StatusCode::kDisconnected) return s;
+  if (s.code() != StatusCode::kDisconnected || removed_) return s;
   // This worker's part is over and its DONE went out; the scheduler fell silent before the
   // SHUTDOWN came: it ended the job and its SHUTDOWN was lost (a connection that broke as the job
   // ended), or it died. The scheduler's own exit says which; failing here too would have a

@@ -68,12 +68,13 @@ class ControlClient {
   // Handles every message waiting from the scheduler: MEMBERSHIP, BARRIER_RELEASE, SHUTDOWN,
   // FATAL, CHECKPOINTS_KEPT, HANDOFF. Returns Aborted once FATAL arrived (the scheduler's reason in
   // the message), or when a stop signal arrived; Disconnected once nothing came from the scheduler
-  // for cluster.heartbeat_timeout_s (scheduler_lost()); OK otherwise (check shutdown_requested()).
+  // for cluster.heartbeat_timeout_s (scheduler_lost()) or once a FATAL said this node was removed
+  // from the job (removed()); OK otherwise (check shutdown_requested()).
   Status Poll();
 
   // Polls the scheduler socket until done() is true. Errors: DeadlineExceeded after timeout_s
   // ("timed out after N s waiting for <what>"), Aborted on FATAL or a stop signal, Disconnected
-  // when the scheduler went silent, Aborted on
+  // when the scheduler went silent or removed this node, Aborted on
   // SHUTDOWN if done() is still false, Unavailable once a watched pause arrived (WatchPauses).
   Status WaitFor(const std::function<bool()>& done, double timeout_s, const std::string& what);
 
@@ -117,7 +118,8 @@ class ControlClient {
 
   // Tells the scheduler that this node failed with `error` (FATAL node -> scheduler), so the job
   // ends at once naming this node and the cause instead of waiting for the heartbeat timeout.
-  // Best effort: does nothing if the failure came from the scheduler itself or if this node never
+  // Best effort: does nothing if the failure came from the scheduler itself, if this node is out
+  // of the job (Disconnected: cut off or removed; the job goes on without it) or if it never
   // registered; never blocks longer than about 1 s.
   void ReportFailure(const Status& error);
 
@@ -125,6 +127,10 @@ class ControlClient {
   // sends a HEARTBEAT every heartbeat_interval_s): Poll then fails with Disconnected naming the
   // scheduler.
   bool scheduler_lost() const { return scheduler_lost_; }
+  // True once the scheduler said this node was removed from the job (FATAL with `removed`: it
+  // declared the node dead, e.g. a process stopped for longer than cluster.heartbeat_timeout_s,
+  // and the others went on without it): Poll then fails with Disconnected, saying why.
+  bool removed() const { return removed_; }
 
   bool has_membership() const { return has_membership_; }
   // Times the connection to the scheduler was made again after the membership (its TCP
@@ -233,6 +239,7 @@ class ControlClient {
   bool has_membership_ = false;
   bool shutdown_ = false;
   bool scheduler_lost_ = false;
+  bool removed_ = false;          // a FATAL with `removed`
   Clock::time_point last_heard_;  // from the scheduler
   std::string fatal_;
   proto::Membership membership_;
@@ -261,6 +268,17 @@ class ControlClient {
   std::mutex heartbeat_mu_;
   std::condition_variable heartbeat_cv_;
   bool heartbeat_stop_ = false;
+  // The heartbeat thread's newest wake-up, and the newest one after a stop (it slept past two
+  // intervals: the process was stopped, e.g. SIGSTOP or a frozen VM), as Clock ticks since its
+  // epoch; 0: none yet.
+  std::atomic<int64_t> heartbeat_tick_ns_{0};
+  std::atomic<int64_t> resumed_ns_{0};
+  // Whether the scheduler's silence counts now: not while the heartbeat thread is overdue (this
+  // process is not running, or only just runs again) nor for max(2 heartbeat intervals, 1 s)
+  // after a stop, in which the scheduler's queued heartbeats, or its FATAL saying this node was
+  // removed meanwhile, arrive. A node busy in its own loop still hears the heartbeats (they are
+  // queued), so only a stopped one waits longer.
+  bool Listening() const;
 };
 
 // A routing id unique to this process and purpose, across hosts too

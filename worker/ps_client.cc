@@ -461,6 +461,13 @@ Status PsClient::ReceiveFrom(Peer& p, float* params) {
         it->resend_at = Later(std::min(retry_interval_s_, 0.5));
         continue;
       }
+      if (h.removed()) {
+        // The scheduler removed this worker (declared dead while it was stopped or slow): out of
+        // the job, as the scheduler's own FATAL says when it comes first.
+        return Status::Disconnected("removed from the job: " + p.name +
+                                    " refused our request (iteration " +
+                                    std::to_string(h.iteration()) + "): " + h.error());
+      }
       return Status::ProtocolError(p.name + " rejected our request (iteration " +
                                    std::to_string(h.iteration()) + "): " + h.error());
     }

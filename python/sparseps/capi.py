@@ -26,16 +26,17 @@ import os
 
 import numpy as np
 
-__all__ = ["DeadlineExceeded", "Error", "InvalidArgument", "RolledBack", "Worker", "cuda",
-           "library"]
+__all__ = ["DeadlineExceeded", "Error", "InvalidArgument", "Lost", "RolledBack", "Worker",
+           "cuda", "library"]
 
-OK, INVALID_ARGUMENT, DEADLINE_EXCEEDED, FAILED, INTERRUPTED, ROLLED_BACK = 0, 1, 2, 3, 4, 5
+OK, INVALID_ARGUMENT, DEADLINE_EXCEEDED, FAILED, INTERRUPTED, ROLLED_BACK, LOST = range(7)
 HOST = -1
 _ERR_LEN = 4096
 
 
 class Error(RuntimeError):
-    """A failed call: code is one of INVALID_ARGUMENT, DEADLINE_EXCEEDED, FAILED."""
+    """A failed call: code is one of INVALID_ARGUMENT, DEADLINE_EXCEEDED, FAILED, ROLLED_BACK,
+    LOST."""
 
     def __init__(self, code, message):
         super().__init__(message)
@@ -57,6 +58,14 @@ class RolledBack(Error):
     """A server was lost and replaced: the job, and this worker, went back to the newest complete
     checkpoint (step and params() are its). Restore the loop's own state of that step and go on
     from step."""
+
+
+class Lost(Error):
+    """This worker is out of the job (code LOST): it heard nothing from the scheduler for
+    cluster.heartbeat_timeout_s (its host was cut off, or the scheduler died), or the scheduler
+    removed it (declared dead while the process was stopped or too slow) and the others went on
+    without it. Exit with code 3, as the daemons do, so that deploy/launch.sh lets the job go on
+    (with --max-restarts, a replacement joins)."""
 
 
 class _Buffer(ctypes.Structure):
@@ -245,6 +254,8 @@ class Worker:
             raise KeyboardInterrupt(err.value.decode(errors="replace"))
         if code == ROLLED_BACK:
             raise RolledBack(code, err.value.decode(errors="replace"))
+        if code == LOST:
+            raise Lost(code, err.value.decode(errors="replace"))
         if code == INVALID_ARGUMENT:
             raise InvalidArgument(code, err.value.decode(errors="replace"))
         if code == DEADLINE_EXCEEDED:

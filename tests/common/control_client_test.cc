@@ -251,6 +251,52 @@ TEST_F(ControlClientTest, ADoneWorkerWhoseSchedulerFallsSilentEndsNormally) {
   EXPECT_EQ(barrier.code(), StatusCode::kDisconnected) << barrier.ToString();
 }
 
+TEST_F(ControlClientTest, ANodeTheSchedulerRemovedIsOutOfTheJobNotFailed) {
+  // A FATAL marked `removed` (the node was declared dead while stopped or slow, and the job went
+  // on): Disconnected, as a node cut off (its daemon exits with code 3, which launch.sh lets go),
+  // saying why; no FATAL of its own goes back. A FATAL without it ends the job: Aborted.
+  std::string id;
+  auto client = Connect(&id);
+  GiveMembership(*client, id);
+  Message fatal;
+  fatal.header.set_command(proto::FATAL);
+  fatal.header.set_removed(true);
+  fatal.header.set_error("worker 0 (vm, pid 7) sent no heartbeat for 5 s; the others went on");
+  ASSERT_TRUE(SendMessage(router_.socket, fatal, &id).ok());
+  Status s = Status::OK();
+  for (int i = 0; i < 1000 && s.ok(); ++i) {
+    s = client->Poll();
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(s.code(), StatusCode::kDisconnected) << s.ToString();
+  EXPECT_EQ(s.message(),
+            "removed from the job: worker 0 (vm, pid 7) sent no heartbeat for 5 s; the others "
+            "went on");
+  EXPECT_TRUE(client->removed());
+  EXPECT_FALSE(client->scheduler_lost());
+  EXPECT_EQ(client->Poll().code(), StatusCode::kDisconnected);  // for good
+  EXPECT_EQ(client->Barrier("init-1", proto::WORKER).code(), StatusCode::kDisconnected);
+  client->ReportFailure(s);
+  while (PollIn({&router_.socket}, 300)[0]) {  // its BARRIER, and no FATAL: nothing to report
+    EXPECT_NE(Receive().header.command(), proto::FATAL);
+  }
+
+  std::string other_id;
+  auto other = Connect(&other_id);
+  GiveMembership(*other, other_id);
+  fatal.header.set_removed(false);
+  fatal.header.set_error("worker 1 failed: out of memory");
+  ASSERT_TRUE(SendMessage(router_.socket, fatal, &other_id).ok());
+  s = Status::OK();
+  for (int i = 0; i < 1000 && s.ok(); ++i) {
+    s = other->Poll();
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(s.code(), StatusCode::kAborted) << s.ToString();
+  EXPECT_EQ(s.message(), "the scheduler ended the job: worker 1 failed: out of memory");
+  EXPECT_FALSE(other->removed());
+}
+
 // A checkpoint file of this node, as reported.
 proto::CheckpointFile File(uint64_t iteration, const std::string& name) {
   proto::CheckpointFile f;

@@ -193,11 +193,12 @@ def test_a_replacement_takes_the_leaders_model_and_optimizer_state(cluster, back
                                   np.fromfile(c.dir / "leader.bin", dtype=np.float32))
 
 
-def launch_and_kill(tmp_path, command, sets, victim, after_steps, launch_args=()):
+def launch_and_kill(tmp_path, command, sets, victim, after_steps, launch_args=(), stop_s=None):
     """deploy/launch.sh of examples/torch_cnn.yaml with `sets` and workers started as COMMAND (a
     run directory tmp_path/run); worker VICTIM killed with kill -9 (its pid from its log) once
-    it logged more than `after_steps` steps. Returns (run directory, the launcher's exit code and
-    output); the launcher is stopped when the test fails."""
+    it logged more than `after_steps` steps, or with stop_s, stopped (SIGSTOP) for that many
+    seconds and continued. Returns (run directory, the launcher's exit code and output); the
+    launcher is stopped when the test fails."""
     run = tmp_path / "run"
     args = ["bash", str(ROOT / "deploy" / "launch.sh"), "--build-dir", str(BUILD), "--config",
             str(ROOT / "examples" / "torch_cnn.yaml"), "--run-dir", str(run), "--quiet",
@@ -215,7 +216,12 @@ def launch_and_kill(tmp_path, command, sets, victim, after_steps, launch_args=()
             time.sleep(0.02)
         pid = re.search(r"\(pid (\d+)\)", (run / f"worker-{victim}.log").read_text())
         assert pid, (run / f"worker-{victim}.log").read_text()
-        os.kill(int(pid.group(1)), signal.SIGKILL)
+        if stop_s is None:
+            os.kill(int(pid.group(1)), signal.SIGKILL)
+        else:
+            os.kill(int(pid.group(1)), signal.SIGSTOP)
+            time.sleep(stop_s)
+            os.kill(int(pid.group(1)), signal.SIGCONT)
         out, _ = launcher.communicate(timeout=300)
     finally:
         if launcher.poll() is None:
@@ -228,19 +234,27 @@ def launch_and_kill(tmp_path, command, sets, victim, after_steps, launch_args=()
                     reason="Fashion-MNIST not installed (deploy/install-deps.sh)")
 def test_the_launchers_replacement_of_a_python_worker_takes_the_leaders_state(tmp_path):
     """deploy/launch.sh --max-restarts 1 with examples/fashion_mnist.py (the MLP, Adam over the
-    aggregated gradient): worker 1 killed with kill -9 after step 20 is started again with
-    --rejoin, which the example passes on (node.rejoin); it joins, takes worker 0's model and
-    optimizer state after its first step (the scheduler's log: the hand-over's bytes) and trains
-    to the job's last step; the job ends well."""
+    aggregated gradient): worker 1 stopped (SIGSTOP, as a swapped-out or frozen process) after
+    step 20 for longer than cluster.heartbeat_timeout_s, then continued: the scheduler removed it
+    meanwhile and tells it so; the example exits with code 3 (sparseps.Lost: out of the job, not
+    failed), so launch.sh starts it again with --rejoin, which the example passes on
+    (node.rejoin); the replacement joins, takes worker 0's model and optimizer state after its
+    first step (the scheduler's log: the hand-over's bytes) and trains to the job's last step;
+    the job ends well. (A worker killed with kill -9 takes the same way through launch.sh: the
+    next test.)"""
     steps = 900  # worker 0 trains on alone while the replacement starts: room for it to join
     command = f"{sys.executable} {ROOT / 'examples' / 'fashion_mnist.py'} --model mlp " \
         "--optimizer adam"
     run, code, out = launch_and_kill(
         tmp_path, command, ["train.momentum=0", f"train.max_steps={steps}",
-                            "data.max_test_samples=200", "cluster.heartbeat_interval_s=0.25"],
-        victim=1, after_steps=20, launch_args=["--max-restarts", "1"])
+                            "data.max_test_samples=200", "cluster.heartbeat_interval_s=0.25",
+                            "cluster.heartbeat_timeout_s=5"],
+        victim=1, after_steps=20, launch_args=["--max-restarts", "1"], stop_s=8)
     assert code == 0, out
-    assert "restart 1 of 1: worker-1 exited with code 137" in (run / "restarts.log").read_text()
+    assert "restart 1 of 1: worker-1 exited with code 3" in (run / "restarts.log").read_text()
+    log1 = (run / "worker-1.log").read_text()
+    assert re.search(r"fashion_mnist.py: removed from the job: worker 1 \(.*\) sent no heartbeat "
+                     r"for .*; the others went on without it", log1), log1
     joined = re.search(r"a replacement from step (\d+)\)", (run / "worker-1.log").read_text())
     assert joined, (run / "worker-1.log").read_text()
     handed = re.search(f"worker 0 handed its loop's state of iteration {joined.group(1)} "
@@ -250,6 +264,7 @@ def test_the_launchers_replacement_of_a_python_worker_takes_the_leaders_state(tm
     assert last.split(",")[0] == str(steps), last
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "ok", summary
+    assert [w["rank"] for w in summary["lost_workers"]] == [1], summary
     assert [(j["rank"], int(j["iteration"])) for j in summary["joined_workers"]] == \
         [(1, int(joined.group(1)))], summary
 

@@ -395,6 +395,61 @@ def test_a_missing_scheduler_is_a_timeout_naming_it():
         w.init(initial())
 
 
+def test_a_stopped_worker_is_told_it_is_out_of_the_job_and_the_job_goes_on(cluster):
+    """A Python loop (through sparseps.capi) stopped with SIGSTOP for longer than
+    cluster.heartbeat_timeout_s: the scheduler removes it; continued, its next call raises
+    capi.Lost (code LOST, a capi.Error) saying it was removed and why, not that the scheduler
+    died (the time it was stopped is not the scheduler's silence); worker 0 trains on alone to
+    the end and the job ends well, listing worker 1 as lost. The module's sparseps.Lost, and the
+    exit code 3 that launch.sh lets go: tests/python/test_torch_checkpoint.py."""
+    steps = 120
+    c = cluster(BASE, sets=["cluster.heartbeat_interval_s=0.25", "cluster.heartbeat_timeout_s=3"])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(BUILD / "python"),
+                                                      str(pathlib.Path(__file__).parent)]))
+    script = pathlib.Path(__file__).parent / "loop_worker.py"
+    victim = subprocess.Popen([sys.executable, str(script), str(c.job), "1", str(steps),
+                               str(c.dir / "victim.bin"), "--capi"] + c.overrides,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+    def worker0():
+        w = sparseps.Worker(str(c.job), rank=0, overrides=c.overrides)
+        params = initial()
+        w.init(params)
+        for t in range(steps):
+            params -= w.push_pull(gradient(0, t))
+            time.sleep(0.05)  # still training when worker 1 runs again
+        w.finish()
+        return w.step
+
+    done = {}
+    thread = threading.Thread(target=lambda: done.update(step=worker0()))
+    thread.start()
+    try:
+        lines = []
+        for line in victim.stdout:
+            lines.append(line)
+            if line.strip() == "step 5":
+                break
+        assert lines and lines[-1].strip() == "step 5", "".join(lines)
+        victim.send_signal(signal.SIGSTOP)
+        time.sleep(5)
+        victim.send_signal(signal.SIGCONT)
+        out, _ = victim.communicate(timeout=60)
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+            victim.wait()
+    thread.join(timeout=120)
+    assert victim.returncode != 0, out
+    assert "sparseps.capi.Lost: removed from the job: worker 1 (" in out, out
+    assert "sent no heartbeat for" in out and "the others went on without it" in out, out
+    assert done.get("step") == steps, "worker 0 failed (its exception is above)"
+    assert c.wait() == {"scheduler": 0, "server-0": 0, "server-1": 0}
+    summary = json.loads((c.run_dir / "summary.json").read_text())
+    assert summary["status"] == "ok", summary
+    assert [w["rank"] for w in summary["lost_workers"]] == [1], summary
+
+
 @pytest.mark.parametrize("backend", ["module", "capi"])
 def test_a_killed_python_worker_is_replaced_by_one_that_rejoins(cluster, backend):
     """A Python loop killed with kill -9 mid-job is replaced by another (node.rejoin=true, its

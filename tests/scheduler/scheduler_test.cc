@@ -451,6 +451,10 @@ TEST_F(WorkerLossTest, DeadWorkerWhosePushDidNotReachEveryServerIsDroppedEverywh
   ASSERT_EQ(told.size(), 1u);
   EXPECT_EQ(told[0].to, "w-b");
   EXPECT_EQ(told[0].msg.header.command(), proto::FATAL);
+  EXPECT_TRUE(told[0].msg.header.removed()) << "it is out of the job, not failed";
+  EXPECT_THAT(told[0].msg.header.error(),
+              HasSubstr("worker 1 (127.0.0.1, pid 1000) sent no heartbeat"));
+  EXPECT_THAT(told[0].msg.header.error(), HasSubstr("the others went on without it"));
   Message fatal;
   fatal.header.set_command(proto::FATAL);
   fatal.header.set_sender_role(proto::WORKER);

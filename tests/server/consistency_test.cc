@@ -241,6 +241,16 @@ TEST(StaleSynchronous, CutOfTheSlowWorkerReleasesTheOthers) {
   EXPECT_EQ(out.size(), 2u);  // both waiting pulls
   EXPECT_EQ(shard->params()[1], 100.0f - 6.0f);
   EXPECT_EQ(shard->version(), 2);
+  // Worker 2 was stopped, not dead: its late pull and push are refused as from a worker out of
+  // the job (`removed`: it exits as one cut off does, and the job goes on).
+  for (int push = 0; push < 2; ++push) {
+    auto refused =
+        testing::Deliver(*shard, push ? PushOf(2, 1, {1}, {3.0f}) : PullOf(2, 0, 0), Peer(2));
+    ASSERT_EQ(refused.size(), 1u);
+    EXPECT_EQ(refused[0].msg.header.command(), proto::ERROR);
+    EXPECT_TRUE(refused[0].msg.header.removed()) << refused[0].msg.header.error();
+  }
+  EXPECT_EQ(shard->version(), 2);
 }
 
 }  // namespace

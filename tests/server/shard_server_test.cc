@@ -779,6 +779,7 @@ TEST_F(CommitOnPull, DroppedPushOfTheDeadWorkerIsNotAdded) {
   auto late = PushFrom(2, 1);
   ASSERT_EQ(Only(late), proto::ERROR);
   EXPECT_NE(late[0].msg.header.error().find("removed from the job"), std::string::npos);
+  EXPECT_TRUE(late[0].msg.header.removed()) << "it is out of the job, not failed";
   PushFrom(0, 1);
   PushFrom(1, 1);
   PullFrom(0, 1);

@@ -306,6 +306,24 @@ TEST_F(PsClientTest, ServerErrorIsReturnedWithTheServersReason) {
   EXPECT_THAT(s.message(), HasSubstr("duplicate PUSH from worker 0 for iteration 0"));
 }
 
+TEST_F(PsClientTest, ARefusalOfARemovedWorkerSaysItIsOutOfTheJob) {
+  // The server refuses the push of a worker the scheduler removed (declared dead while it was
+  // stopped): Disconnected, as the scheduler's own FATAL says it, not a protocol error.
+  FakeServer server(
+      context_, [](const std::string& peer, Result<Message> msg, std::vector<Outgoing>* out) {
+        ASSERT_TRUE(msg.ok());
+        Outgoing o = ReplyTo(peer, *msg, proto::ERROR, 0);
+        o.msg.header.set_removed(true);
+        o.msg.header.set_error("PUSH from worker 0, which the scheduler removed from the job");
+        out->push_back(std::move(o));
+      });
+  Status s = PushOnce(server.port());
+  EXPECT_EQ(s.code(), StatusCode::kDisconnected) << s.ToString();
+  EXPECT_THAT(s.message(), HasSubstr("removed from the job: server 0 at tcp://127.0.0.1:" +
+                                     std::to_string(server.port()) + " refused our request"));
+  EXPECT_THAT(s.message(), HasSubstr("PUSH from worker 0, which the scheduler removed"));
+}
+
 TEST_F(PsClientTest, SilentServerFailsWithinTheTimeoutNamingIt) {
   FakeServer server(context_, [](const std::string&, Result<Message>, std::vector<Outgoing>*) {});
   constexpr double kTimeoutS = 0.5;

@@ -39,6 +39,12 @@ enum class ErrorCode {
   /// of that step (its optimizer's, from checkpoint_state(); its data position) and goes on
   /// from step().
   kRolledBack,
+  /// This worker is out of the job: it heard nothing from the scheduler for
+  /// cluster.heartbeat_timeout_s (its host was cut off, or the scheduler died), or the scheduler
+  /// removed it (declared dead while the process was stopped or too slow) and the others went on
+  /// without it. Not an error of the job: exit with code 3, as the daemons do, so that
+  /// deploy/launch.sh lets the job go on (with --max-restarts, a replacement joins).
+  kLost,
 };
 
 /// The exception every call throws; what() is the cause, in words.

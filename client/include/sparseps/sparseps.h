@@ -26,7 +26,11 @@ enum {
   SPARSEPS_FAILED = 3,      /* anything else: the job ended, a peer failed, I/O */
   SPARSEPS_INTERRUPTED = 4, /* SIGINT ended a wait (sparseps_worker_set_interruptible) */
   SPARSEPS_ROLLED_BACK =
-      5 /* a server was replaced: back at the checkpoint (sparseps_worker_step) */
+      5, /* a server was replaced: back at the checkpoint (sparseps_worker_step) */
+  /* This worker is out of the job (cut off from the scheduler, or removed by it after it was
+     silent for cluster.heartbeat_timeout_s); the job may go on without it: exit with code 3, as
+     the daemons do. */
+  SPARSEPS_LOST = 6
 };
 
 /* sparseps_buffer.device of host memory; a CUDA device's ordinal otherwise. */
