@@ -206,6 +206,10 @@ Status RunScheduler(const proto::JobConfig& config) {
   // that stays unreachable for two heartbeat intervals is declared dead before that.
   Sender sender(scheduler, socket, config.cluster().heartbeat_timeout_s());
   auto flush = [&] { sender.Flush(&out); };
+  // The loop ticks every 50 ms or so; much later, and this process was stopped.
+  const auto stop_gap = std::chrono::duration_cast<Clock::duration>(
+      std::chrono::duration<double>(std::max(2 * config.cluster().heartbeat_interval_s(), 1.0)));
+  auto last_tick = Clock::now();
   while (!scheduler.finished()) {
     auto ready = PollIn({&socket}, 50);
     // At most kDrainBudget messages between two flushes and ticks: a flood neither starves the
@@ -223,7 +227,16 @@ Status RunScheduler(const proto::JobConfig& config) {
       scheduler.Abort("the scheduler was stopped by a signal", &out);
       break;
     }
-    scheduler.Tick(Clock::now(), &out);
+    const auto now = Clock::now();
+    if (now - last_tick > stop_gap) {
+      spdlog::warn(
+          "the scheduler did not run for {} (the process was stopped?); that time does not count "
+          "as the nodes' silence",
+          FormatSeconds(SecondsBetween(last_tick, now)));
+      scheduler.ExcuseOwnStop(now - last_tick, now);
+    }
+    last_tick = now;
+    scheduler.Tick(now, &out);
     flush();
     metrics.Update(scheduler, sender.held(), Clock::now());
   }

@@ -4,7 +4,9 @@ scheduler.port of the last job must not send the workers to a dead scheduler. Ru
 Debian's python3 -m pytest."""
 import json
 import os
+import signal
 import subprocess
+import time
 
 from conftest import ROOT, cannot_run
 
@@ -69,3 +71,41 @@ def test_nothing_is_restarted_once_the_scheduler_ended_the_job(tmp_path):
     assert not (run / "restarts.log").exists(), out.stderr
     starts = {r: len((run / f"{r}.starts").read_text().splitlines()) for r in bodies}
     assert starts == {"scheduler": 1, "server": 1, "worker": 2}, starts
+
+
+def test_a_job_stopped_whole_past_the_heartbeat_timeout_goes_on(tmp_path):
+    """The whole job stopped (as Ctrl-Z of launch.sh in a terminal stops its process group) for
+    longer than cluster.heartbeat_timeout_s, then continued (fg): nobody is declared dead (the
+    scheduler does not count the time it was stopped as the nodes' silence, nor a node as the
+    scheduler's) and the job ends well, with no worker lost."""
+    if not os.path.exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz"):
+        cannot_run("Fashion-MNIST not installed (dataset-fashion-mnist)")
+    run = tmp_path / "run"
+    cmd = [str(ROOT / "deploy" / "launch.sh"), "--build-dir", BUILD, "--run-dir", str(run),
+           "--quiet", "--config", str(ROOT / "configs" / "quickstart.yaml"),
+           "--set", "model.hidden=[32]", "--set", "data.max_train_samples=4096",
+           "--set", "data.max_test_samples=500", "--set", "train.epochs=100",
+           "--set", "train.max_steps=1500",
+           "--set", "cluster.heartbeat_interval_s=0.25", "--set", "cluster.heartbeat_timeout_s=5"]
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+    try:
+        metrics = run / "metrics-worker-0.csv"
+        deadline = time.time() + 120
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) > 20):
+            assert time.time() < deadline and launcher.poll() is None, "no step 20"
+            time.sleep(0.02)
+        os.killpg(launcher.pid, signal.SIGSTOP)
+        time.sleep(8)
+        os.killpg(launcher.pid, signal.SIGCONT)
+        out, _ = launcher.communicate(timeout=180)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    assert launcher.returncode == 0, out
+    last = int(metrics.read_text().splitlines()[-1].split(",")[0])
+    assert last == 1500, last
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["lost_workers"] == [], summary
+    assert "the scheduler did not run for" in (run / "scheduler.log").read_text()
