@@ -475,6 +475,8 @@ Status ControlClient::Barrier(const std::string& name, proto::Role group) {
 void ControlClient::StartHeartbeats() {
   if (heartbeat_thread_.joinable()) return;
   heartbeat_stop_ = false;
+  // Its first tick: a stop within the first interval is seen as one (the next tick is late).
+  heartbeat_tick_ns_ = Clock::now().time_since_epoch().count();
   // The thread gets its identity by value: membership_ belongs to the calling thread.
   heartbeat_thread_ = std::thread([this, rank = membership_.your_rank(),
                                    epoch = membership_.epoch()] { HeartbeatLoop(rank, epoch); });
@@ -513,16 +515,25 @@ void ControlClient::HeartbeatLoop(int rank, uint64_t epoch) {
     heartbeat_cv_.wait_for(lock, interval, [this] { return heartbeat_stop_; });
     const int64_t now = Clock::now().time_since_epoch().count();
     const int64_t last = heartbeat_tick_ns_.exchange(now);
-    if (last > 0 && Clock::duration(now - last) > 2 * interval) resumed_ns_ = now;
+    if (last > 0 && SecondsBetween(Clock::time_point(Clock::duration(last)),
+                                   Clock::time_point(Clock::duration(now))) > StopGap()) {
+      resumed_ns_ = now;
+    }
   }
+}
+
+double ControlClient::StopGap() const {
+  // A thread late by a second or more did not run: a stop, not a busy machine's delay.
+  const double interval = config_.cluster().heartbeat_interval_s();
+  return interval + std::max(interval, 1.0);
 }
 
 bool ControlClient::Listening() const {
   const int64_t tick = heartbeat_tick_ns_;
   if (tick == 0) return true;  // no heartbeat thread: nothing tells a stop
   const double interval = config_.cluster().heartbeat_interval_s();
-  const auto at = [](int64_t ns) { return Clock::time_point(Clock::duration(ns)); };
-  return SecondsSince(at(tick)) <= 2 * interval &&
+  const auto at = [](int64_t ticks) { return Clock::time_point(Clock::duration(ticks)); };
+  return SecondsSince(at(tick)) <= StopGap() &&
          SecondsSince(at(resumed_ns_)) > std::max(2 * interval, 1.0);
 }
 
