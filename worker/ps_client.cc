@@ -130,6 +130,20 @@ Status PsClient::Send(Peer& peer, Message& msg, proto::Command expected, Ticket*
   return Status::OK();
 }
 
+Status PsClient::AskWhatItWaitsFor(Peer& peer, Pending& p) {
+  p.asked = true;
+  Message wire;  // a pull is its header alone
+  wire.header = p.request.header;
+  wire.header.set_epoch(control_->membership().epoch());
+  spdlog::info("no reply from {} to {} (iteration {}) near its deadline: asking what it waits for",
+               peer.name, CommandName(wire.header.command()), wire.header.iteration());
+  const uint64_t before = bytes_sent_;
+  Status s = SendMessage(peer.socket, wire, nullptr, &bytes_sent_);
+  if (!s.ok()) return Status::IoError("sending to " + peer.name + " again: " + s.message());
+  traffic_.Sent(wire.header.command(), bytes_sent_ - before);
+  return Status::OK();
+}
+
 Status PsClient::Resend(Peer& peer, Pending& p) {
   p.request.header.set_epoch(control_->membership().epoch());
   Message wire = WireCopy(p.request);
@@ -417,7 +431,19 @@ Status PsClient::AwaitUntil(int64_t iteration, float* params, const std::functio
         }
       }
     }
-    auto ready = PollIn(sockets, std::min<int64_t>(200, static_cast<int64_t>(left * 1000) + 1));
+    const double ask_within = std::min(5.0, request_timeout_s_ / 4);  // seconds
+    if (left <= ask_within) {
+      for (auto& p : peers_) {
+        for (auto& q : p.pending) {
+          const bool pull = q.expected == proto::PULL_REPLY || q.expected == proto::CANDIDATES;
+          if (pull && !q.asked && q.held_for.empty()) {
+            SPARSEPS_RETURN_IF_ERROR(AskWhatItWaitsFor(p, q));
+          }
+        }
+      }
+    }
+    const double until = left > ask_within ? left - ask_within : left;  // the next turn
+    auto ready = PollIn(sockets, std::min<int64_t>(200, static_cast<int64_t>(until * 1000) + 1));
     for (size_t i = 0; i < peers_.size(); ++i) {
       if (ready[i]) SPARSEPS_RETURN_IF_ERROR(ReceiveFrom(peers_[i], params));
     }

@@ -337,7 +337,10 @@ TEST_F(PsClientTest, SilentServerFailsWithinTheTimeoutNamingIt) {
                                      std::to_string(server.port())));
   EXPECT_GE(waited, kTimeoutS);
   EXPECT_LT(waited, kTimeoutS + 10.0) << "the deadline was not kept";
-  EXPECT_EQ(server.received(), 2) << "the push and its pull reached the server";
+  // The push, its pull, and the pull once more near the deadline (asking what it waits for),
+  // unless a loaded machine woke the client past that moment.
+  EXPECT_GE(server.received(), 2) << "the push and its pull reached the server";
+  EXPECT_LE(server.received(), 3);
 }
 
 // ssp / async: the final pull (PullBarrier) that no server answers in time says what it waited
@@ -520,43 +523,48 @@ TEST_F(PsClientTest, NotReadyServerIsAskedAgain) {
 // A pull that a server holds longer than cluster.retry_interval_s is sent again, and the real
 // shard answers the repeat with what it waits for (ERROR with held): the request stays pending
 // (not refused, not resent faster) and its deadline's error names the worker that is missing,
-// not only the server. A job of 2 workers whose worker 1 never pushes.
+// not only the server. With no repeats (retry_interval_s 0) the worker asks once near the
+// deadline. A job of 2 workers whose worker 1 never pushes.
 TEST_F(PsClientTest, AHeldPullsDeadlineNamesTheWorkerItWaitsFor) {
-  ShardServer shard({kRange, 0, /*num_workers=*/2, 1.0, {}, 0.0});
-  std::mutex mu;
-  std::vector<Outgoing> sent;  // what the shard answered
-  FakeServer server(context_,
-                    [&](const std::string& peer, Result<Message> msg, std::vector<Outgoing>* out) {
-                      std::lock_guard<std::mutex> lock(mu);
-                      shard.Handle(peer, std::move(msg), out);
-                      for (const auto& o : *out) {
-                        sent.push_back(Outgoing{o.to, {}});
-                        sent.back().msg.header = o.msg.header;
-                      }
-                    });
-  auto ps = Connect(server.port(), /*timeout_s=*/2, /*retry_s=*/0.4);
-  std::vector<float> params = {1, 2, 3, 4, 5, 6, 7, 8};
-  ASSERT_TRUE(ps->Init(params.data()).ok());
-  ASSERT_TRUE(ps->PullInitial(params.data()).ok());
-  auto pushes = OnePush();
-  Status s = ps->PushPull(0, pushes, params.data());
-  EXPECT_EQ(s.code(), StatusCode::kDeadlineExceeded) << s.ToString();
-  EXPECT_THAT(s.message(), HasSubstr("timed out after 2 s waiting for PULL_REPLY (iteration 0) "
-                                     "from server 0"));
-  EXPECT_THAT(s.message(), HasSubstr("; it waits for the push of iteration 0 from worker 1"));
-  std::lock_guard<std::mutex> lock(mu);
-  size_t held = 0;
-  for (const auto& o : sent) {
-    if (o.msg.header.command() != proto::ERROR) continue;
-    EXPECT_TRUE(o.msg.header.held() && o.msg.header.retryable()) << o.msg.header.error();
-    ++held;
+  for (double retry_s : {0.4, 0.0}) {
+    SCOPED_TRACE("retry_interval_s " + std::to_string(retry_s));
+    ShardServer shard({kRange, 0, /*num_workers=*/2, 1.0, {}, 0.0});
+    std::mutex mu;
+    std::vector<Outgoing> sent;  // what the shard answered
+    FakeServer server(
+        context_, [&](const std::string& peer, Result<Message> msg, std::vector<Outgoing>* out) {
+          std::lock_guard<std::mutex> lock(mu);
+          shard.Handle(peer, std::move(msg), out);
+          for (const auto& o : *out) {
+            sent.push_back(Outgoing{o.to, {}});
+            sent.back().msg.header = o.msg.header;
+          }
+        });
+    auto ps = Connect(server.port(), /*timeout_s=*/2, retry_s);
+    std::vector<float> params = {1, 2, 3, 4, 5, 6, 7, 8};
+    ASSERT_TRUE(ps->Init(params.data()).ok());
+    ASSERT_TRUE(ps->PullInitial(params.data()).ok());
+    auto pushes = OnePush();
+    Status s = ps->PushPull(0, pushes, params.data());
+    EXPECT_EQ(s.code(), StatusCode::kDeadlineExceeded) << s.ToString();
+    EXPECT_THAT(s.message(), HasSubstr("timed out after 2 s waiting for PULL_REPLY (iteration 0) "
+                                       "from server 0"));
+    EXPECT_THAT(s.message(), HasSubstr("; it waits for the push of iteration 0 from worker 1"));
+    std::lock_guard<std::mutex> lock(mu);
+    size_t held = 0;
+    for (const auto& o : sent) {
+      if (o.msg.header.command() != proto::ERROR) continue;
+      EXPECT_TRUE(o.msg.header.held() && o.msg.header.retryable()) << o.msg.header.error();
+      ++held;
+    }
+    // Sent again at the interval (about 4 times in 2 s), not at once after each answer; or asked
+    // once.
+    EXPECT_GE(held, 1u);
+    EXPECT_LE(held, retry_s > 0 ? 6u : 1u);
+    EXPECT_EQ(shard.counters().duplicate_requests, held);
+    EXPECT_EQ(shard.counters().rejected, 0u);
+    EXPECT_EQ(shard.waiting_pulls(), 1u) << "the pull still waits";
   }
-  // Sent again at the interval (about 4 times in 2 s), not at once after each answer.
-  EXPECT_GE(held, 1u);
-  EXPECT_LE(held, 6u);
-  EXPECT_EQ(shard.counters().duplicate_requests, held);
-  EXPECT_EQ(shard.counters().rejected, 0u);
-  EXPECT_EQ(shard.waiting_pulls(), 1u) << "the pull still waits";
 }
 
 // cluster.push_window: with a window of 1, range r + 1's push leaves only once range r's was
