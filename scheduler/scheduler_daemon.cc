@@ -206,11 +206,9 @@ Status RunScheduler(const proto::JobConfig& config) {
   // that stays unreachable for two heartbeat intervals is declared dead before that.
   Sender sender(scheduler, socket, config.cluster().heartbeat_timeout_s());
   auto flush = [&] { sender.Flush(&out); };
-  // The loop ticks every 50 ms or so; a heartbeat interval plus a second (or two intervals)
-  // later, and this process was stopped, as a node's heartbeat thread judges it.
-  const double interval = config.cluster().heartbeat_interval_s();
+  // The loop ticks every 50 ms or so; StopGapSeconds later, and this process was stopped.
   const auto stop_gap = std::chrono::duration_cast<Clock::duration>(
-      std::chrono::duration<double>(interval + std::max(interval, 1.0)));
+      std::chrono::duration<double>(StopGapSeconds(config.cluster().heartbeat_interval_s())));
   auto last_tick = Clock::now();
   while (!scheduler.finished()) {
     auto ready = PollIn({&socket}, 50);

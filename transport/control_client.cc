@@ -515,17 +515,11 @@ void ControlClient::HeartbeatLoop(int rank, uint64_t epoch) {
     heartbeat_cv_.wait_for(lock, interval, [this] { return heartbeat_stop_; });
     const int64_t now = Clock::now().time_since_epoch().count();
     const int64_t last = heartbeat_tick_ns_.exchange(now);
-    if (last > 0 && SecondsBetween(Clock::time_point(Clock::duration(last)),
-                                   Clock::time_point(Clock::duration(now))) > StopGap()) {
+    const std::chrono::duration<double> gap = Clock::duration(now - last);
+    if (last > 0 && gap.count() > StopGapSeconds(interval.count())) {
       resumed_ns_ = now;
     }
   }
-}
-
-double ControlClient::StopGap() const {
-  // A thread late by a second or more did not run: a stop, not a busy machine's delay.
-  const double interval = config_.cluster().heartbeat_interval_s();
-  return interval + std::max(interval, 1.0);
 }
 
 bool ControlClient::Listening() const {
@@ -533,7 +527,7 @@ bool ControlClient::Listening() const {
   if (tick == 0) return true;  // no heartbeat thread: nothing tells a stop
   const double interval = config_.cluster().heartbeat_interval_s();
   const auto at = [](int64_t ticks) { return Clock::time_point(Clock::duration(ticks)); };
-  return SecondsSince(at(tick)) <= StopGap() &&
+  return SecondsSince(at(tick)) <= StopGapSeconds(interval) &&
          SecondsSince(at(resumed_ns_)) > std::max(2 * interval, 1.0);
 }
 

@@ -268,20 +268,17 @@ class ControlClient {
   std::mutex heartbeat_mu_;
   std::condition_variable heartbeat_cv_;
   bool heartbeat_stop_ = false;
-  // The heartbeat thread's newest wake-up, and the newest one after a stop (it woke StopGap()
-  // seconds or more after the one before: the process was stopped, e.g. SIGSTOP or a frozen VM),
-  // as Clock ticks since its epoch; 0: none yet.
+  // The heartbeat thread's newest wake-up, and the newest one after a stop (it woke
+  // StopGapSeconds after the one before: the process was stopped, e.g. SIGSTOP or a frozen VM), as
+  // Clock ticks since its epoch; 0: none yet.
   std::atomic<int64_t> heartbeat_tick_ns_{0};
   std::atomic<int64_t> resumed_ns_{0};
-  // Whether the scheduler's silence counts now: not while the heartbeat thread is StopGap() overdue
-  // (this process is not running, or only just runs again) nor for max(2 heartbeat intervals, 1 s)
-  // after a stop, in which the scheduler's queued heartbeats, or its FATAL saying this node was
-  // removed meanwhile, arrive. A node busy in its own loop still hears the heartbeats (they are
-  // queued), so only a stopped one waits longer.
+  // Whether the scheduler's silence counts now: not while the heartbeat thread is StopGapSeconds
+  // overdue (this process is not running, or only just runs again) nor for max(2 heartbeat
+  // intervals, 1 s) after a stop, in which the scheduler's queued heartbeats, or its FATAL saying
+  // this node was removed meanwhile, arrive. A node busy in its own loop still hears the
+  // heartbeats (they are queued), so only a stopped one waits longer.
   bool Listening() const;
-  // Seconds between two of the heartbeat thread's wake-ups that mean a stop: an interval plus the
-  // larger of an interval and 1 s.
-  double StopGap() const;
 };
 
 // A routing id unique to this process and purpose, across hosts too

@@ -130,20 +130,6 @@ Status PsClient::Send(Peer& peer, Message& msg, proto::Command expected, Ticket*
   return Status::OK();
 }
 
-Status PsClient::AskWhatItWaitsFor(Peer& peer, Pending& p) {
-  p.asked = true;
-  Message wire;  // a pull is its header alone
-  wire.header = p.request.header;
-  wire.header.set_epoch(control_->membership().epoch());
-  spdlog::info("no reply from {} to {} (iteration {}) near its deadline: asking what it waits for",
-               peer.name, CommandName(wire.header.command()), wire.header.iteration());
-  const uint64_t before = bytes_sent_;
-  Status s = SendMessage(peer.socket, wire, nullptr, &bytes_sent_);
-  if (!s.ok()) return Status::IoError("sending to " + peer.name + " again: " + s.message());
-  traffic_.Sent(wire.header.command(), bytes_sent_ - before);
-  return Status::OK();
-}
-
 Status PsClient::Resend(Peer& peer, Pending& p) {
   p.request.header.set_epoch(control_->membership().epoch());
   Message wire = WireCopy(p.request);
@@ -437,7 +423,8 @@ Status PsClient::AwaitUntil(int64_t iteration, float* params, const std::functio
         for (auto& q : p.pending) {
           const bool pull = q.expected == proto::PULL_REPLY || q.expected == proto::CANDIDATES;
           if (pull && !q.asked && q.held_for.empty()) {
-            SPARSEPS_RETURN_IF_ERROR(AskWhatItWaitsFor(p, q));
+            q.asked = true;  // a pull is its header alone, kept also without repeats
+            SPARSEPS_RETURN_IF_ERROR(Resend(p, q));
           }
         }
       }

@@ -180,7 +180,10 @@ class PsClient {
     Message request;
     Clock::time_point resend_at;
     std::string held_for;  // what the server said the request waits for (ERROR with held)
-    bool asked = false;    // its header went again near the deadline to learn held_for
+    // A pull with no reason heard near its deadline (no repeat went before it: retry_interval_s 0,
+    // or not below request_timeout_s) goes again once, so that a server holding it says what for
+    // (held_for) before the deadline's error names it.
+    bool asked = false;
   };
   struct Peer {
     KeyRange range;
@@ -202,10 +205,6 @@ class PsClient {
   Status Send(Peer& peer, Message& msg, proto::Command expected, Ticket* ticket = nullptr);
   // Sends p.request again (a copy sharing its frames).
   Status Resend(Peer& peer, Pending& p);
-  // A pull still unanswered near its deadline with no reason heard (no repeat went before it:
-  // cluster.retry_interval_s of 0, or not below request_timeout_s): its header once more, so
-  // that a server holding it says what for (held_for) before the deadline error names it.
-  Status AskWhatItWaitsFor(Peer& peer, Pending& p);
   Message Request(const Peer& peer, proto::Command command, int64_t iteration);
   Status AwaitAll(int64_t iteration, float* params);
   // Receives until at most `at_most` of this worker's pushes are unacknowledged (push_window_),
