@@ -2,7 +2,8 @@
 slurmctld and three slurmd nodes (each an emulated host in a network namespace; one node on
 127.0.0.1 where ip netns does not work here), the quickstart is submitted with sbatch and waited
 for with a deadline; the accuracy comes from the job's summary.json, the state and exit code from
-scontrol; a stopped job resumes with --resume to a never-stopped one's parameters;
+scontrol; a stopped job resumes with --resume to a never-stopped one's parameters; a worker
+killed with kill -9 does not end the job, a killed server ends it with its own exit code;
 sparseps-advise --slurm measures the nodes' shaped links through srun from an allocation. Skips, saying why, only where slurmctld cannot start (not root, Slurm not installed).
 Run by ctest with Debian's python3 -m pytest."""
 import csv
@@ -11,6 +12,7 @@ import os
 import pathlib
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -157,6 +159,60 @@ def test_a_failing_training_fails_the_job_with_its_exit_code(slurm, tmp_path):
     out = slurm.output(job)
     assert (state, code) == ("FAILED", "1:0"), out
     assert "NaN" in out and "the job failed (exit 1)" in out, out
+
+
+def test_a_killed_worker_does_not_end_the_job(slurm, tmp_path):
+    """kill -9 of worker 1's daemon at step 20 of 1,500 (ps mode, cluster.on_worker_failure:
+    continue, the default): its task ends well, so srun stops nobody; the scheduler drops the
+    worker and worker 0 trains to the end alone. The job completes with exit code 0, its output
+    names the lost worker, and summary.json lists it under lost_workers."""
+    run_dir = tmp_path / "run"
+    job = slurm.submit(5, "--config", str(QUICKSTART), "--set", "model.hidden=[32]",
+                       "--set", "data.max_train_samples=4096", "--set", "data.max_test_samples=500",
+                       "--set", "train.epochs=100", "--set", "train.max_steps=1500",
+                       "--run-dir", str(run_dir))
+    metrics, log = run_dir / "metrics-worker-1.csv", run_dir / "worker-1.log"
+    deadline = time.time() + 120
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) > 20):
+        assert time.time() < deadline, f"worker 1 took no 20 steps:\n{slurm.output(job)}"
+        time.sleep(0.02)
+    pid = int(re.search(r"starting \(pid (\d+)\)", log.read_text()).group(1))
+    os.kill(pid, signal.SIGKILL)
+    state, code = slurm.wait(job)
+    out = slurm.output(job)
+    assert (state, code) == ("COMPLETED", "0:0"), out
+    assert "worker-1 exited with code 137; the job goes on without it" in out, out
+    assert "worker-1 was lost (exit code 137)" in out, out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "ok", summary
+    assert [w["rank"] for w in summary["lost_workers"]] == [1], summary
+    with open(run_dir / "metrics-worker-0.csv") as f:
+        assert int(list(csv.DictReader(f))[-1]["step"]) == 1500
+
+
+def test_a_killed_server_fails_the_job_naming_it(slurm, tmp_path):
+    """kill -9 of server 1: nothing replaces it under Slurm, so its task fails and srun stops
+    the others (each then exits with code 1, "stopped by a signal"); the job's exit code is the
+    server's own, 137, and the output names it as the process that failed first."""
+    run_dir = tmp_path / "run"
+    job = slurm.submit(5, "--config", str(QUICKSTART), "--set", "model.hidden=[32]",
+                       "--set", "data.max_train_samples=4096", "--set", "data.max_test_samples=500",
+                       "--set", "train.epochs=100", "--set", "train.max_steps=1500",
+                       "--run-dir", str(run_dir))
+    metrics = run_dir / "metrics-worker-0.csv"
+    deadline = time.time() + 120
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) > 20):
+        assert time.time() < deadline, f"worker 0 took no 20 steps:\n{slurm.output(job)}"
+        time.sleep(0.02)
+    log = (run_dir / "server-1.log").read_text()
+    os.kill(int(re.search(r"starting \(pid (\d+)\)", log).group(1)), signal.SIGKILL)
+    state, code = slurm.wait(job)
+    out = slurm.output(job)
+    assert (state, code) == ("FAILED", "137:0"), out
+    assert "server-1 failed first (exit code 137, killed by signal 9)" in out, out
+    # The workers srun stopped were stopped, not lost (no SIGPIPE from their output's filter).
+    assert "goes on without it" not in out, out
+    assert "run directory" in out.splitlines()[-1], out  # the script ran to its end
 
 
 def test_a_task_count_that_does_not_match_the_config_is_refused(slurm, tmp_path):
