@@ -148,7 +148,7 @@ void JobState::Abort(const std::string& reason, std::vector<Outgoing>* out) {
   if (finished) return;
   spdlog::error("ending the job: {}", reason);
   finished = Status::Aborted(reason);
-  finished_at = Clock::now();
+  finished_at = RunNow();
   Broadcast(proto::FATAL, reason, out);
 }
 

@@ -250,7 +250,7 @@ void MembershipMachine::CheckWaits(Clock::time_point now, std::vector<Outgoing>*
 
 void MembershipMachine::EndTheJob(std::vector<Outgoing>* out) {
   job_.finished = Status::OK();
-  job_.finished_at = Clock::now();
+  job_.finished_at = RunNow();
   job_.Broadcast(proto::SHUTDOWN, "", out);
 }
 

@@ -94,7 +94,7 @@ void Recovery::HandlePosition(const std::string& from, const proto::Header& h,
     return;
   }
   removal_->positions[server_rank] = h.position();
-  if (removal_->positions.size() == job_.expected_servers) FinishRemoval(Clock::now(), out);
+  if (removal_->positions.size() == job_.expected_servers) FinishRemoval(RunNow(), out);
 }
 
 void Recovery::FinishRemoval(Clock::time_point now, std::vector<Outgoing>* out) {

@@ -111,13 +111,6 @@ void Scheduler::Tick(Clock::time_point now, std::vector<Outgoing>* out) {
   recovery_.Tick(now, out);
 }
 
-void Scheduler::ExcuseOwnStop(Clock::duration gap, Clock::time_point now) {
-  for (auto& n : job_.nodes) {
-    n.last_seen = std::min(n.last_seen + gap, now);
-    if (n.unreachable_since) n.unreachable_since = std::min(*n.unreachable_since + gap, now);
-  }
-}
-
 bool Scheduler::Unreachable(const std::string& to, Clock::time_point now) {
   const int idx = job_.FindNodeByRoutingId(to);
   if (idx < 0) return false;

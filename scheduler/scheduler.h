@@ -49,12 +49,6 @@ class Scheduler {
   // back to the newest complete checkpoint (Membership.rollback). See recovery.h.
   void Tick(Clock::time_point now, std::vector<Outgoing>* out);
 
-  // The scheduler itself did not run for `gap` up to `now` (its daemon found its loop that late:
-  // the process was stopped, e.g. Ctrl-Z of the launcher or SIGSTOP, with the nodes or alone). The
-  // nodes' silence before `now` then counts only up to the stop: none is declared dead for what
-  // the scheduler did not hear while it was not running, before their queued heartbeats are read.
-  void ExcuseOwnStop(Clock::duration gap, Clock::time_point now);
-
   // True once the job ended: every worker reported DONE (status OK), or a deadline or error
   // ended it (status says why).
   bool finished() const { return job_.finished.has_value(); }

@@ -106,8 +106,8 @@ class Sender {
       switch (e.kind) {
         case Outbox::Event::kHeld:
           // A node whose connection is gone: declared dead soon (Unreachable) unless it is back;
-          // what it is sent meanwhile waits for it.
-          scheduler_.Unreachable(e.to, now);
+          // what it is sent meanwhile waits for it. The scheduler's own time (RunNow).
+          scheduler_.Unreachable(e.to, RunNow());
           held_log_.Warn(e.to, "its connection is gone: " + e.what +
                                    " and what follows wait for it to be back");
           break;
@@ -198,7 +198,9 @@ Status RunScheduler(const proto::JobConfig& config) {
     }
   }
 
-  Scheduler scheduler(config, Clock::now());
+  // The scheduler's time is RunNow(): the time its process was stopped (SIGSTOP, a paused VM)
+  // counts neither as the nodes' silence nor toward any deadline.
+  Scheduler scheduler(config, RunNow());
   SchedulerMetrics metrics(config);
   SPARSEPS_RETURN_IF_ERROR(metrics.Start(config));
   std::vector<Outgoing> out;
@@ -207,9 +209,9 @@ Status RunScheduler(const proto::JobConfig& config) {
   Sender sender(scheduler, socket, config.cluster().heartbeat_timeout_s());
   auto flush = [&] { sender.Flush(&out); };
   // The loop ticks every 50 ms or so; StopGapSeconds later, and this process was stopped.
-  const auto stop_gap = std::chrono::duration_cast<Clock::duration>(
-      std::chrono::duration<double>(StopGapSeconds(config.cluster().heartbeat_interval_s())));
-  auto last_tick = Clock::now();
+  const double stop_gap_s = StopGapSeconds(config.cluster().heartbeat_interval_s());
+  StoppedTime& stopped = StoppedTime::OfProcess();
+  stopped.Begin(stop_gap_s, Clock::now());
   while (!scheduler.finished()) {
     auto ready = PollIn({&socket}, 50);
     // At most kDrainBudget messages between two flushes and ticks: a flood neither starves the
@@ -219,7 +221,7 @@ Status RunScheduler(const proto::JobConfig& config) {
       std::string from;
       auto msg = RecvMessage(socket, true, &from, nullptr);
       if (!msg.ok() && msg.status().code() == StatusCode::kIoError) break;
-      scheduler.Handle(from, msg, Clock::now(), &out);
+      scheduler.Handle(from, msg, RunNow(), &out);
       ready = PollIn({&socket}, 0);
     }
     if (StopRequested()) {
@@ -227,24 +229,27 @@ Status RunScheduler(const proto::JobConfig& config) {
       scheduler.Abort("the scheduler was stopped by a signal", &out);
       break;
     }
-    const auto now = Clock::now();
-    if (now - last_tick > stop_gap) {
+    const Clock::duration stop = stopped.Round(Clock::now());
+    if (stop > Clock::duration::zero()) {
       spdlog::warn(
-          "the scheduler did not run for {} (the process was stopped?); that time does not count "
-          "as the nodes' silence",
-          FormatSeconds(SecondsBetween(last_tick, now)));
-      scheduler.ExcuseOwnStop(now - last_tick, now);
+          "the scheduler did not run for {} (the process was stopped?); that time counts neither "
+          "as the nodes' silence nor toward a deadline",
+          FormatSeconds(std::chrono::duration<double>(stop).count() + stop_gap_s));
     }
-    last_tick = now;
-    scheduler.Tick(now, &out);
+    scheduler.Tick(RunNow(), &out);
     flush();
-    metrics.Update(scheduler, sender.held(), Clock::now());
+    metrics.Update(scheduler, sender.held(), RunNow());
   }
+  stopped.End();
   flush();
   Status result = scheduler.final_status();
   if (result.ok()) AwaitTheEnd(config, scheduler, socket, sender);
   if (!dir.empty()) {
-    Status w = WriteJson(dir + "/summary.json", scheduler.Summary(Clock::now()));
+    proto::RunSummary summary = scheduler.Summary(RunNow());
+    // The scheduler's time leaves its stops out; wall_clock_s is the wall clock's.
+    const Clock::duration stops = stopped.Total(Clock::now());
+    summary.set_wall_clock_s(summary.wall_clock_s() + std::chrono::duration<double>(stops).count());
+    Status w = WriteJson(dir + "/summary.json", summary);
     if (!w.ok())
       spdlog::warn("{}", w.message());
     else

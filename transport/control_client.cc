@@ -240,14 +240,14 @@ Status ControlClient::Poll() {
 
 Status ControlClient::WaitFor(const std::function<bool()>& done, double timeout_s,
                               const std::string& what) {
-  const auto start = Clock::now();
+  const RunTimer waited;  // a stop of this process does not run the deadline out
   while (true) {
     SPARSEPS_RETURN_IF_ERROR(Poll());
     if (done()) return Status::OK();
     SPARSEPS_RETURN_IF_ERROR(CheckWatched());
     if (shutdown_)
       return Status::Aborted("the scheduler shut the job down while waiting for " + what);
-    const double left = timeout_s - SecondsSince(start);
+    const double left = timeout_s - waited.Seconds();
     if (left <= 0) {
       return Status::DeadlineExceeded("timed out after " + FormatSeconds(timeout_s) +
                                       " waiting for " + what);
@@ -426,13 +426,13 @@ Status ControlClient::WaitForEpoch(uint64_t epoch) {
 Status ControlClient::WaitResending(const proto::Header& request, const std::function<bool()>& done,
                                     double timeout_s, const std::string& what) {
   const double retry = config_.cluster().retry_interval_s();
-  const auto start = Clock::now();
+  const RunTimer waited;
   int resent = 0;
   while (true) {
-    const double left = timeout_s - SecondsSince(start);
+    const double left = timeout_s - waited.Seconds();
     Status s = WaitFor(done, std::max(0.0, retry > 0 ? std::min(retry, left) : left), what);
     if (s.code() != StatusCode::kDeadlineExceeded) return s;
-    if (SecondsSince(start) >= timeout_s) {
+    if (waited.Seconds() >= timeout_s) {
       return Status::DeadlineExceeded("timed out after " + FormatSeconds(timeout_s) +
                                       " waiting for " + what);
     }
@@ -476,7 +476,10 @@ void ControlClient::StartHeartbeats() {
   if (heartbeat_thread_.joinable()) return;
   heartbeat_stop_ = false;
   // Its first tick: a stop within the first interval is seen as one (the next tick is late).
-  heartbeat_tick_ns_ = Clock::now().time_since_epoch().count();
+  const auto now = Clock::now();
+  heartbeat_tick_ns_ = now.time_since_epoch().count();
+  // The thread's pace tells this process's stops, which its deadlines leave out (RunTimer).
+  StoppedTime::OfProcess().Begin(StopGapSeconds(config_.cluster().heartbeat_interval_s()), now);
   // The thread gets its identity by value: membership_ belongs to the calling thread.
   heartbeat_thread_ = std::thread([this, rank = membership_.your_rank(),
                                    epoch = membership_.epoch()] { HeartbeatLoop(rank, epoch); });
@@ -488,7 +491,9 @@ void ControlClient::StopHeartbeats() {
     heartbeat_stop_ = true;
   }
   heartbeat_cv_.notify_all();
-  if (heartbeat_thread_.joinable()) heartbeat_thread_.join();
+  if (!heartbeat_thread_.joinable()) return;
+  heartbeat_thread_.join();
+  StoppedTime::OfProcess().End();
   heartbeat_tick_ns_ = 0;  // no thread: Listening() no longer waits for its ticks
 }
 
@@ -513,7 +518,9 @@ void ControlClient::HeartbeatLoop(int rank, uint64_t epoch) {
     if (!s.ok() && !failing) spdlog::warn("heartbeat not sent: {}", s.message());
     failing = !s.ok();
     heartbeat_cv_.wait_for(lock, interval, [this] { return heartbeat_stop_; });
-    const int64_t now = Clock::now().time_since_epoch().count();
+    const auto woke = Clock::now();
+    StoppedTime::OfProcess().Round(woke);
+    const int64_t now = woke.time_since_epoch().count();
     const int64_t last = heartbeat_tick_ns_.exchange(now);
     const std::chrono::duration<double> gap = Clock::duration(now - last);
     if (last > 0 && gap.count() > StopGapSeconds(interval.count())) {

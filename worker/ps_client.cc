@@ -379,7 +379,7 @@ Status PsClient::AwaitPushAcks(int64_t iteration, float* params, size_t at_most)
 
 Status PsClient::AwaitUntil(int64_t iteration, float* params, const std::function<bool()>& done,
                             const std::function<bool(const Pending&)>& waits) {
-  const auto start = Clock::now();
+  const RunTimer waited;  // a stop of this process does not run the deadline out
   std::vector<zmq::socket_t*> sockets;
   for (auto& p : peers_) sockets.push_back(&p.socket);
   sockets.push_back(&control_->socket());
@@ -402,7 +402,7 @@ Status PsClient::AwaitUntil(int64_t iteration, float* params, const std::functio
       }
     }
     if (waiting == nullptr) return Status::Internal("waiting for a reply that no request expects");
-    const double left = request_timeout_s_ - SecondsSince(start);
+    const double left = request_timeout_s_ - waited.Seconds();
     if (left <= 0) {
       return Status::DeadlineExceeded(
           "timed out after " + FormatSeconds(request_timeout_s_) + " waiting for " +

@@ -75,14 +75,16 @@ def test_nothing_is_restarted_once_the_scheduler_ended_the_job(tmp_path):
     assert starts == {"scheduler": 1, "server": 1, "worker": 2}, starts
 
 
-def test_a_job_stopped_whole_past_the_heartbeat_timeout_goes_on(tmp_path):
+def test_a_job_stopped_whole_past_its_timeouts_goes_on(tmp_path):
     """The whole job stopped (as Ctrl-Z of launch.sh in a terminal stops its process group) for
-    longer than cluster.heartbeat_timeout_s, then continued (fg): nobody is declared dead (the
-    scheduler does not count the time it was stopped as the nodes' silence, nor a node as the
-    scheduler's) and the job ends well, with no worker lost."""
+    longer than cluster.heartbeat_timeout_s, request_timeout_s and barrier_timeout_s, then
+    continued (fg): nobody is declared dead (the scheduler does not count the time it was stopped
+    as the nodes' silence, nor a node as the scheduler's), no wait times out (the deadlines leave
+    the stop out) and the job ends well, with no worker lost; summary.json's wall_clock_s counts
+    the stop."""
     if os.environ.get("SPARSEPS_SANITIZE"):
-        pytest.skip("a whole job and an 8 s stop: the plain build only (scheduler_test's "
-                    "TheTimeTheSchedulerWasStoppedIsNotTheNodesSilence runs under the sanitizers)")
+        pytest.skip("a whole job and an 8 s stop: the plain build only (common_test's "
+                    "StoppedTimeTest runs under the sanitizers)")
     if not os.path.exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz"):
         cannot_run("Fashion-MNIST not installed (dataset-fashion-mnist)")
     run = tmp_path / "run"
@@ -91,7 +93,8 @@ def test_a_job_stopped_whole_past_the_heartbeat_timeout_goes_on(tmp_path):
            "--set", "model.hidden=[32]", "--set", "data.max_train_samples=4096",
            "--set", "data.max_test_samples=500", "--set", "train.epochs=100",
            "--set", "train.max_steps=1500",
-           "--set", "cluster.heartbeat_interval_s=0.25", "--set", "cluster.heartbeat_timeout_s=5"]
+           "--set", "cluster.heartbeat_interval_s=0.25", "--set", "cluster.heartbeat_timeout_s=5",
+           "--set", "cluster.request_timeout_s=6", "--set", "cluster.barrier_timeout_s=6"]
     launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
     try:
@@ -113,4 +116,5 @@ def test_a_job_stopped_whole_past_the_heartbeat_timeout_goes_on(tmp_path):
     assert last == 1500, last
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["lost_workers"] == [], summary
+    assert summary["wall_clock_s"] >= 8, summary
     assert "the scheduler did not run for" in (run / "scheduler.log").read_text()

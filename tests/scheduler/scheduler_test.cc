@@ -264,32 +264,6 @@ TEST_F(SchedulerTest, SilentNodeIsDeclaredDead) {
   EXPECT_EQ(sent.size(), 2u);
 }
 
-TEST_F(SchedulerTest, TheTimeTheSchedulerWasStoppedIsNotTheNodesSilence) {
-  // The whole job stopped for 30 s (Ctrl-Z of the launcher) at t0 + 1 s: the scheduler runs again
-  // before it read the nodes' heartbeats, and excuses the stop; nobody is declared dead. A node
-  // that stays silent after it is, once its silence without the stop passes the timeout (10 s).
-  config_.mutable_cluster()->set_on_worker_failure(proto::ABORT);
-  Scheduler s(config_, t0_);
-  RegisterAll(s);
-  std::vector<Outgoing> out;
-  AllAlive(s, 1, 1, &out);
-  s.ExcuseOwnStop(seconds(30), t0_ + seconds(31));
-  s.Tick(t0_ + seconds(31), &out);
-  ASSERT_FALSE(s.finished()) << s.final_status().message();
-  for (int i = 32; i <= 40; ++i) {
-    HeartbeatsThenTick(
-        s, i, {{"w-a", proto::WORKER, 0}, {"s-a", proto::SERVER, 0}, {"s-b", proto::SERVER, 1}},
-        &out);
-  }
-  ASSERT_FALSE(s.finished()) << "worker 1 was silent for 9 s without the stop";
-  HeartbeatsThenTick(
-      s, 42, {{"w-a", proto::WORKER, 0}, {"s-a", proto::SERVER, 0}, {"s-b", proto::SERVER, 1}},
-      &out);
-  ASSERT_TRUE(s.finished());
-  EXPECT_THAT(s.final_status().message(), HasSubstr("worker 1"));
-  EXPECT_THAT(s.final_status().message(), HasSubstr("sent no heartbeat for 11 s"));
-}
-
 TEST_F(SchedulerTest, AllWorkersDoneShutsDown) {
   Scheduler s(config_, t0_);
   RegisterAll(s);

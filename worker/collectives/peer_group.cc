@@ -129,9 +129,9 @@ Status PeerGroup::Pump(int64_t timeout_ms) {
 }
 
 Status PeerGroup::WaitUntil(const std::function<bool()>& done, const std::string& what) {
-  const auto start = Clock::now();
+  const RunTimer waited;  // a stop of this process does not run the deadline out
   while (!done()) {
-    const double left = timeout_s_ - SecondsSince(start);
+    const double left = timeout_s_ - waited.Seconds();
     if (left <= 0) {
       return Status::DeadlineExceeded("timed out after " + FormatSeconds(timeout_s_) +
                                       " waiting for " + what);
