@@ -155,11 +155,11 @@ done
 if ! resolved="$("$worker_bin" --config "$config" "${sets[@]}" \
       --get cluster.num_servers --get cluster.num_workers --get run.name \
       --get aggregation --get checkpoint.dir --get cluster.on_worker_failure \
-      --get checkpoint.keep --get run.dir 2>&1)"; then
+      --get checkpoint.keep --get cluster.heartbeat_interval_s --get run.dir 2>&1)"; then
   echo "$resolved" >&2
   exit 2
 fi
-{ read -r num_servers; read -r num_workers; read -r job_name; read -r aggregation; read -r checkpoint_dir; read -r on_worker_failure; read -r checkpoint_keep; read -r config_run_dir || :; } <<<"$resolved"
+{ read -r num_servers; read -r num_workers; read -r job_name; read -r aggregation; read -r checkpoint_dir; read -r on_worker_failure; read -r checkpoint_keep; read -r heartbeat_interval; read -r config_run_dir || :; } <<<"$resolved"
 [[ "$max_restarts" =~ ^[0-9]+$ ]] || { echo "launch.sh: --max-restarts needs a number" >&2; exit 2; }
 # With allreduce the workers aggregate among themselves: no servers.
 [[ "$aggregation" == "allreduce" ]] && num_servers=0
@@ -249,6 +249,20 @@ cleanup() {
   [[ -n "$tail_pid" ]] && kill "$tail_pid" 2>/dev/null
   for p in "${pids[@]}" $tail_pid; do wait "$p" 2>/dev/null; done
   [[ -n "$hosts_file" ]] && remote_collect
+}
+# After a process failed, the others were told (the scheduler's FATAL) or notice it themselves (a
+# scheduler gone silent, within a heartbeat interval of whoever noticed first): they get up to two
+# heartbeat intervals (at least 1 s) to end on their own, their reason in their logs, before
+# cleanup stops them.
+let_the_others_end() {
+  local polls
+  polls="$(awk -v i="$heartbeat_interval" 'BEGIN { g = 2 * i; if (g < 1) g = 1; print int(10 * g + 0.5) }')"
+  for _ in $(seq "$polls"); do
+    local alive=0
+    for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
+    [[ $alive -eq 0 ]] && return
+    sleep 0.1
+  done
 }
 on_signal() {
   echo "launch.sh: interrupted; stopping every process" >&2
@@ -478,6 +492,7 @@ while true; do
   run_job
   [[ -z "$failed" || $restarts -ge $max_restarts || -n "$job_ended" ]] && break
   restarts=$((restarts + 1))
+  let_the_others_end
   echo "launch.sh: stopping the other processes" >&2
   cleanup
   pids=()
@@ -504,7 +519,10 @@ while true; do
   fi
 done
 sleep 0.3  # let the progress stream print its last lines
-[[ -n "$failed" ]] && echo "launch.sh: stopping the other processes" >&2
+if [[ -n "$failed" ]]; then
+  let_the_others_end
+  echo "launch.sh: stopping the other processes" >&2
+fi
 # With --hosts: every host's files (summary.json among them) into the run directory now.
 [[ -n "$hosts_file" ]] && cleanup
 [[ -n "$failed" ]] && exit 1
