@@ -3,7 +3,8 @@ slurmctld and three slurmd nodes (each an emulated host in a network namespace; 
 127.0.0.1 where ip netns does not work here), the quickstart is submitted with sbatch and waited
 for with a deadline; the accuracy comes from the job's summary.json, the state and exit code from
 scontrol; a stopped job resumes with --resume to a never-stopped one's parameters; a worker
-killed with kill -9 does not end the job, a killed server ends it with its own exit code;
+killed with kill -9 does not end the job, a killed server ends it with its own exit code; a
+requeued job goes on from its checkpoint;
 sparseps-advise --slurm measures the nodes' shaped links through srun from an allocation. Skips, saying why, only where slurmctld cannot start (not root, Slurm not installed).
 Run by ctest with Debian's python3 -m pytest."""
 import csv
@@ -149,6 +150,43 @@ def test_a_stopped_job_resumes_from_its_checkpoint(slurm, tmp_path):
     with open(cut / "metrics-worker-1.csv") as f:
         assert [int(row["step"]) for row in csv.DictReader(f)] == list(range(1, 81))
     assert json.loads((cut / "summary.json").read_text())["status"] == "ok"
+
+
+def test_a_requeued_job_goes_on_from_its_checkpoint(slurm, tmp_path):
+    """scontrol requeue of a running job (what a preemption, or a failed node under --requeue,
+    does): Slurm cancels it and runs the script again under the same job id, so in the same run
+    directory, where it goes on from the newest complete checkpoint; the job completes with every
+    step in worker 0's metrics once, and its output keeps both runs."""
+    run_dir = tmp_path / "run"
+    job = slurm.submit(5, "--config", str(QUICKSTART), "--set", "model.hidden=[32]",
+                       "--set", "data.max_train_samples=4096", "--set", "data.max_test_samples=500",
+                       "--set", "train.epochs=200", "--set", "train.max_steps=4000",
+                       "--set", "checkpoint.every_steps=200", "--run-dir", str(run_dir))
+    deadline = time.time() + 120
+    while not list((run_dir / "checkpoints").glob("iter-*/MANIFEST.json")):
+        assert time.time() < deadline, f"no complete checkpoint:\n{slurm.output(job)}"
+        time.sleep(0.05)
+    r = slurm.run("scontrol", "requeue", job)
+    assert r.returncode == 0, r.stderr
+    # A requeued job, once pending again, waits minutes before it may start (Reason=BeginTime):
+    # it may start now.
+    deadline = time.time() + 60
+    while "Reason=BeginTime" not in slurm.run("scontrol", "show", "job", "-o", job).stdout:
+        assert time.time() < deadline, slurm.run("scontrol", "show", "job", "-o", job).stdout
+        time.sleep(0.2)
+    r = slurm.run("scontrol", "update", f"jobid={job}", "StartTime=now")
+    assert r.returncode == 0, r.stderr
+    state, code = slurm.wait(job)
+    out = slurm.output(job)
+    assert (state, code) == ("COMPLETED", "0:0"), out
+    assert "requeued (restart 1): going on from the newest complete checkpoint" in out, out
+    log0 = (run_dir / "worker-0.log").read_text()
+    assert log0.count(" starting (pid ") == 2, log0
+    m = re.search(r"resumed from \S*/iter-(\d+)/worker-0\.safetensors at iteration (\d+)", log0)
+    assert m and int(m.group(1)) == int(m.group(2)) > 0, log0
+    with open(run_dir / "metrics-worker-0.csv") as f:
+        assert [int(row["step"]) for row in csv.DictReader(f)] == list(range(1, 4001))
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "ok"
 
 
 def test_a_failing_training_fails_the_job_with_its_exit_code(slurm, tmp_path):
