@@ -73,6 +73,13 @@ class Slurm:
             time.sleep(1)
         pytest.fail(f"job {job} still {state} after {deadline_s} s:\n{self.output(job)}")
 
+    def completed(self, job):
+        """Waits for the job (wait) and returns its output, asserting that it completed well."""
+        state, code = self.wait(job)
+        out = self.output(job)
+        assert (state, code) == ("COMPLETED", "0:0"), out
+        return out
+
     def output(self, job):
         p = self.dir / f"job-{job}.out"
         return p.read_text() if p.exists() else "(no output file)"
@@ -105,9 +112,7 @@ def test_quickstart_trains_across_nodes(slurm, tmp_path):
     # daemons' files land in the same one.
     job = slurm.submit(5, "--config", str(QUICKSTART), "--set", "train.epochs=1",
                        "--set", f"run.dir={run_dir}")
-    state, code = slurm.wait(job)
-    out = slurm.output(job)
-    assert (state, code) == ("COMPLETED", "0:0"), out
+    out = slurm.completed(job)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "ok"
     assert summary["final_test_accuracy"] >= 0.83, summary
@@ -138,9 +143,7 @@ def test_a_stopped_job_resumes_from_its_checkpoint(slurm, tmp_path):
         state, code = slurm.wait(job)
         assert (state, code) == ("COMPLETED", "0:0"), slurm.output(job)
     job = slurm.submit(5, "--resume", str(cut), "--set", "train.max_steps=80")
-    state, code = slurm.wait(job)
-    out = slurm.output(job)
-    assert (state, code) == ("COMPLETED", "0:0"), out
+    out = slurm.completed(job)
     assert "resuming the job in" in out, out
     log1 = (cut / "worker-1.log").read_text()
     assert log1.count(" starting (pid ") == 2, log1
@@ -176,9 +179,7 @@ def test_a_requeued_job_goes_on_from_its_checkpoint(slurm, tmp_path):
         time.sleep(0.2)
     r = slurm.run("scontrol", "update", f"jobid={job}", "StartTime=now")
     assert r.returncode == 0, r.stderr
-    state, code = slurm.wait(job)
-    out = slurm.output(job)
-    assert (state, code) == ("COMPLETED", "0:0"), out
+    out = slurm.completed(job)
     assert "requeued (restart 1): going on from the newest complete checkpoint" in out, out
     log0 = (run_dir / "worker-0.log").read_text()
     assert log0.count(" starting (pid ") == 2, log0
@@ -216,9 +217,7 @@ def test_a_killed_worker_does_not_end_the_job(slurm, tmp_path):
         time.sleep(0.02)
     pid = int(re.search(r"starting \(pid (\d+)\)", log.read_text()).group(1))
     os.kill(pid, signal.SIGKILL)
-    state, code = slurm.wait(job)
-    out = slurm.output(job)
-    assert (state, code) == ("COMPLETED", "0:0"), out
+    out = slurm.completed(job)
     assert "worker-1 exited with code 137; the job goes on without it" in out, out
     assert "worker-1 was lost (exit code 137)" in out, out
     summary = json.loads((run_dir / "summary.json").read_text())
