@@ -25,6 +25,7 @@ Clock::duration StoppedTime::Round(Clock::time_point now) {
   std::lock_guard<std::mutex> lock(mu_);
   const Clock::duration stop = Overdue(now);
   stopped_ += stop;
+  if (stop > Clock::duration::zero()) resumed_ = now;
   newest_ = std::max(newest_, now);
   return stop;
 }
@@ -37,6 +38,12 @@ void StoppedTime::End() {
 Clock::duration StoppedTime::Total(Clock::time_point now) const {
   std::lock_guard<std::mutex> lock(mu_);
   return stopped_ + Overdue(now);
+}
+
+bool StoppedTime::RunningFor(Clock::duration settle, Clock::time_point now) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (Overdue(now) > Clock::duration::zero()) return false;
+  return !resumed_ || now - *resumed_ > settle;
 }
 
 }  // namespace sparseps

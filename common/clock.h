@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <string>
 
@@ -50,16 +51,21 @@ class StoppedTime {
   // The time this process was stopped until `now`, including a stop that no paced loop has come
   // round from yet (its newest round more than the stop gap ago). Never decreases.
   Clock::duration Total(Clock::time_point now) const;
+  // Whether the process has run for more than `settle` since its latest stop, at `now`: false
+  // while a paced loop is overdue (a stop that no round has ended yet) and for `settle` after
+  // the round that ended one; true when it was never stopped.
+  bool RunningFor(Clock::duration settle, Clock::time_point now) const;
 
  private:
   // The stop a round at `now` would end, with mu_ held: zero when none.
   Clock::duration Overdue(Clock::time_point now) const;
 
   mutable std::mutex mu_;
-  int loops_ = 0;              // paced loops running
-  Clock::time_point newest_;   // the newest round of any of them
-  Clock::duration gap_{};      // of the loop that began last
-  Clock::duration stopped_{};  // the stops that a round ended
+  int loops_ = 0;                             // paced loops running
+  Clock::time_point newest_;                  // the newest round of any of them
+  Clock::duration gap_{};                     // of the loop that began last
+  Clock::duration stopped_{};                 // the stops that a round ended
+  std::optional<Clock::time_point> resumed_;  // the round that ended the latest stop
 };
 
 // Clock::now() less the time this process was stopped: the clock for deadlines.

@@ -233,16 +233,21 @@ stop_all() {
   local sig="${1:-TERM}"
   for p in "${pids[@]}"; do kill -"$sig" "$p" 2>/dev/null; done
 }
+# await_exit N: waits up to N tenths of a second for every process started to have exited.
+await_exit() {
+  local alive p
+  for _ in $(seq "$1"); do
+    alive=0
+    for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && { alive=1; break; }; done
+    ((alive)) || return 0
+    sleep 0.1
+  done
+}
 cleanup() {
   # With --hosts the remote processes are signalled, and their ssh ends when they have.
   if [[ -n "$hosts_file" ]]; then remote_signal TERM; else stop_all TERM; fi
   # Give the processes up to 5 s to exit (10 s on remote hosts), then kill what is left.
-  for _ in $(seq "$([[ -n "$hosts_file" ]] && echo 100 || echo 50)"); do
-    local alive=0
-    for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
-    [[ $alive -eq 0 ]] && break
-    sleep 0.1
-  done
+  await_exit "$([[ -n "$hosts_file" ]] && echo 100 || echo 50)"
   [[ -n "$hosts_file" ]] && remote_signal KILL
   stop_all KILL
   # Ending tail closes the pipe, so the filter behind it ends too.
@@ -255,14 +260,7 @@ cleanup() {
 # heartbeat intervals (at least 1 s) to end on their own, their reason in their logs, before
 # cleanup stops them.
 let_the_others_end() {
-  local polls
-  polls="$(awk -v i="$heartbeat_interval" 'BEGIN { g = 2 * i; if (g < 1) g = 1; print int(10 * g + 0.5) }')"
-  for _ in $(seq "$polls"); do
-    local alive=0
-    for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
-    [[ $alive -eq 0 ]] && return
-    sleep 0.1
-  done
+  await_exit "$(awk -v i="$heartbeat_interval" 'BEGIN { g = 2 * i; if (g < 1) g = 1; print int(10 * g + 0.5) }')"
 }
 on_signal() {
   echo "launch.sh: interrupted; stopping every process" >&2

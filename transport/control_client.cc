@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <functional>
@@ -475,11 +476,10 @@ Status ControlClient::Barrier(const std::string& name, proto::Role group) {
 void ControlClient::StartHeartbeats() {
   if (heartbeat_thread_.joinable()) return;
   heartbeat_stop_ = false;
-  // Its first tick: a stop within the first interval is seen as one (the next tick is late).
-  const auto now = Clock::now();
-  heartbeat_tick_ns_ = now.time_since_epoch().count();
-  // The thread's pace tells this process's stops, which its deadlines leave out (RunTimer).
-  StoppedTime::OfProcess().Begin(StopGapSeconds(config_.cluster().heartbeat_interval_s()), now);
+  // The thread's pace tells this process's stops (its first round now: a stop within the first
+  // interval is seen too), which its deadlines (RunTimer) and Listening() leave out.
+  StoppedTime::OfProcess().Begin(StopGapSeconds(config_.cluster().heartbeat_interval_s()),
+                                 Clock::now());
   // The thread gets its identity by value: membership_ belongs to the calling thread.
   heartbeat_thread_ = std::thread([this, rank = membership_.your_rank(),
                                    epoch = membership_.epoch()] { HeartbeatLoop(rank, epoch); });
@@ -493,8 +493,7 @@ void ControlClient::StopHeartbeats() {
   heartbeat_cv_.notify_all();
   if (!heartbeat_thread_.joinable()) return;
   heartbeat_thread_.join();
-  StoppedTime::OfProcess().End();
-  heartbeat_tick_ns_ = 0;  // no thread: Listening() no longer waits for its ticks
+  StoppedTime::OfProcess().End();  // no thread: no stop is seen any longer
 }
 
 void ControlClient::HeartbeatLoop(int rank, uint64_t epoch) {
@@ -518,24 +517,15 @@ void ControlClient::HeartbeatLoop(int rank, uint64_t epoch) {
     if (!s.ok() && !failing) spdlog::warn("heartbeat not sent: {}", s.message());
     failing = !s.ok();
     heartbeat_cv_.wait_for(lock, interval, [this] { return heartbeat_stop_; });
-    const auto woke = Clock::now();
-    StoppedTime::OfProcess().Round(woke);
-    const int64_t now = woke.time_since_epoch().count();
-    const int64_t last = heartbeat_tick_ns_.exchange(now);
-    const std::chrono::duration<double> gap = Clock::duration(now - last);
-    if (last > 0 && gap.count() > StopGapSeconds(interval.count())) {
-      resumed_ns_ = now;
-    }
+    StoppedTime::OfProcess().Round(Clock::now());
   }
 }
 
 bool ControlClient::Listening() const {
-  const int64_t tick = heartbeat_tick_ns_;
-  if (tick == 0) return true;  // no heartbeat thread: nothing tells a stop
-  const double interval = config_.cluster().heartbeat_interval_s();
-  const auto at = [](int64_t ticks) { return Clock::time_point(Clock::duration(ticks)); };
-  return SecondsSince(at(tick)) <= StopGapSeconds(interval) &&
-         SecondsSince(at(resumed_ns_)) > std::max(2 * interval, 1.0);
+  const double settle_s = std::max(2 * config_.cluster().heartbeat_interval_s(), 1.0);
+  return StoppedTime::OfProcess().RunningFor(
+      std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(settle_s)),
+      Clock::now());
 }
 
 void ControlClient::ReportFailure(const Status& error) {

@@ -5,7 +5,6 @@
 // socket and touches nothing else.
 #pragma once
 
-#include <atomic>
 #include <condition_variable>
 #include <functional>
 #include <map>
@@ -268,16 +267,11 @@ class ControlClient {
   std::mutex heartbeat_mu_;
   std::condition_variable heartbeat_cv_;
   bool heartbeat_stop_ = false;
-  // The heartbeat thread's newest wake-up, and the newest one after a stop (it woke
-  // StopGapSeconds after the one before: the process was stopped, e.g. SIGSTOP or a frozen VM), as
-  // Clock ticks since its epoch; 0: none yet.
-  std::atomic<int64_t> heartbeat_tick_ns_{0};
-  std::atomic<int64_t> resumed_ns_{0};
-  // Whether the scheduler's silence counts now: not while the heartbeat thread is StopGapSeconds
-  // overdue (this process is not running, or only just runs again) nor for max(2 heartbeat
-  // intervals, 1 s) after a stop, in which the scheduler's queued heartbeats, or its FATAL saying
-  // this node was removed meanwhile, arrive. A node busy in its own loop still hears the
-  // heartbeats (they are queued), so only a stopped one waits longer.
+  // Whether the scheduler's silence counts now: not while the process's heartbeat thread is
+  // StopGapSeconds overdue (this process is not running, or only just runs again: StoppedTime)
+  // nor for max(2 heartbeat intervals, 1 s) after a stop, in which the scheduler's queued
+  // heartbeats, or its FATAL saying this node was removed meanwhile, arrive. A node busy in its
+  // own loop still hears the heartbeats (they are queued), so only a stopped one waits longer.
   bool Listening() const;
 };
 

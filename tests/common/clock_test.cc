@@ -65,6 +65,20 @@ TEST_F(StoppedTimeTest, AStopIsCountedOnceWhateverTheLoopsThatSeeIt) {
   EXPECT_DOUBLE_EQ(Seconds(t_.Total(t0_ + milliseconds(5500))), 3.75);
 }
 
+TEST_F(StoppedTimeTest, TheProcessRunsOnlyOnceAStopIsOverAndSettled) {
+  // What a node's Listening() asks: never stopped, it runs; while its heartbeat thread is overdue
+  // it does not, nor for the settling time after the round that ended the stop.
+  const auto settle = milliseconds(1000);
+  t_.Begin(1.25, t0_);
+  EXPECT_TRUE(t_.RunningFor(settle, t0_ + milliseconds(1000)));
+  EXPECT_FALSE(t_.RunningFor(settle, t0_ + milliseconds(5000)));  // overdue: stopped
+  t_.Round(t0_ + milliseconds(9000));                             // the stop ends
+  EXPECT_FALSE(t_.RunningFor(settle, t0_ + milliseconds(9500)));
+  EXPECT_TRUE(t_.RunningFor(settle, t0_ + milliseconds(10010)));
+  t_.Round(t0_ + milliseconds(9250));  // a round on time is no stop: still running
+  EXPECT_TRUE(t_.RunningFor(settle, t0_ + milliseconds(10020)));
+}
+
 TEST_F(StoppedTimeTest, WithNoLoopLeftNoStopIsSeen) {
   t_.Begin(1.25, t0_);
   t_.End();
