@@ -59,6 +59,7 @@ from sparseps._frozen_adam import (_check_freeze, _frozen, _frozen_adam_step,
                                    _frozen_denominator, _step_count)
 from sparseps._state import ModuleBuffers
 from sparseps._tensors import _finished, _float32_params
+from sparseps._wrapped import WrappedOptimizer
 
 __all__ = ["DistributedOptimizer", "ElasticSampler", "ModuleBuffers", "SparseAllreduceState",
            "load_model_file", "sparse_allreduce_hook"]
@@ -77,10 +78,20 @@ def load_model_file(path, device="cpu"):
     return {name: torch.from_numpy(array).to(device) for name, array in tensors.items()}
 
 
-class DistributedOptimizer:
+class DistributedOptimizer(WrappedOptimizer):
     """Wraps `optimizer` so that step() aggregates through `worker` (a sparseps.Worker or
     capi.Worker, not yet initialised: this calls its init) either its parameters' gradients
     (aggregate="gradient", the default) or its own steps (aggregate="update").
+
+    It is a torch.optim.Optimizer (as Horovod's): param_groups, state and defaults are the wrapped
+    optimizer's own objects, so an LR scheduler made over it (StepLR(opt, ...),
+    ReduceLROnPlateau(opt), ...) sets the wrapped optimizer's rates, and state_dict() and
+    load_state_dict() are the wrapped optimizer's. Its parameters are fixed when it is made (they
+    are the job's keys): add_param_group raises RuntimeError, and so does step() when a parameter
+    that did not require a gradient then (left out of the job) has one now (unfrozen since: each
+    worker would step it on its own gradient, and the models would part); make it with every
+    parameter that will train requiring a gradient, and keep a part still for a while by zeroing
+    its gradients before step() (or by a parameter group with lr 0).
 
     aggregate="update" is error feedback on the optimizer's update: each worker's optimizer
     (Adam, AdamW, any) steps on the worker's own gradient, and the step it took (old minus new
@@ -203,6 +214,8 @@ class DistributedOptimizer:
             if len(names) != len(every):
                 raise ValueError(f"DistributedOptimizer: {len(names)} names for the optimizer's "
                                  f"{len(every)} parameters")
+        self._leave_out_frozen(names)
+        if names is not None:
             names = [str(n) for n, p in zip(names, every) if p.requires_grad]
         self._params = _float32_params(every, "DistributedOptimizer")
         total = sum(p.numel() for p in self._params)
@@ -305,6 +318,7 @@ class DistributedOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 closure_loss = closure()
+        self._check_left_out()
         reported = loss if loss is not None else closure_loss
         reported = None if reported is None else float(reported)
         self._submit_pending()
@@ -682,6 +696,3 @@ class DistributedOptimizer:
     def zero_grad(self, set_to_none=False):
         """Zeroes the flat gradient buffer (set_to_none would drop the views; it is ignored)."""
         self._flat.zero_()
-
-    def __getattr__(self, name):
-        return getattr(self.optimizer, name)

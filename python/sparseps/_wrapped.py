@@ -1,0 +1,72 @@
+"""WrappedOptimizer: the torch.optim.Optimizer face of sparseps.torch.DistributedOptimizer, whose
+param_groups, state and defaults are those of the optimizer it wraps (as Horovod's and BytePS's
+are), so that what takes a torch optimizer (an LR scheduler, a GradScaler) takes it."""
+import torch
+
+
+class WrappedOptimizer(torch.optim.Optimizer):
+    """A torch.optim.Optimizer that is another, self.optimizer (set first by the subclass): its
+    param_groups, state and defaults are the wrapped optimizer's own objects, so an LR scheduler
+    made over it (StepLR(opt, ...), ReduceLROnPlateau(opt)) sets the wrapped optimizer's rates;
+    state_dict() and load_state_dict() are the wrapped optimizer's, and any other attribute too.
+    Optimizer.__init__ is not called: it holds no parameters of its own. Its parameters are fixed
+    when it is made (the subclass's step() sees them all): add_param_group raises RuntimeError,
+    and _check_left_out does where a parameter left out then (_leave_out_frozen) has a gradient
+    now. Not thread-safe, as torch's optimizers."""
+
+    param_groups = property(lambda self: self.optimizer.param_groups,
+                            lambda self, groups: setattr(self.optimizer, "param_groups", groups))
+    state = property(lambda self: self.optimizer.state,
+                     lambda self, state: setattr(self.optimizer, "state", state))
+    defaults = property(lambda self: self.optimizer.defaults,
+                        lambda self, defaults: setattr(self.optimizer, "defaults", defaults))
+
+    def state_dict(self):
+        """The wrapped optimizer's state_dict."""
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict):
+        """The wrapped optimizer's load_state_dict."""
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group):
+        """Refused (RuntimeError): the parameters are fixed when the wrapper is made."""
+        raise RuntimeError(f"{type(self).__name__}.add_param_group: the parameters are the job's "
+                           f"keys, fixed when the {type(self).__name__} is made; give the "
+                           "wrapped optimizer every parameter group before wrapping it")
+
+    def _leave_out_frozen(self, names):
+        """Notes the wrapped optimizer's parameters that require no gradient now (left out of the
+        job), by names[i] (one per parameter, in the optimizer's order) or their place."""
+        self._left_out = []
+        i = 0
+        for g, group in enumerate(self.optimizer.param_groups):
+            for j, p in enumerate(group["params"]):
+                if not p.requires_grad:
+                    self._left_out.append((p, str(names[i]) if names is not None else
+                                           f"parameter {j} of group {g} (shape {tuple(p.shape)})"))
+                i += 1
+
+    def _check_left_out(self):
+        """RuntimeError where a parameter left out of the job (_leave_out_frozen) has a gradient
+        now (unfrozen since): the wrapped optimizer would step it on this worker's own gradient,
+        and the workers' models would part. Call it before anything is pushed."""
+        grown = [name for p, name in self._left_out if p.grad is not None]
+        if grown:
+            named = "; ".join(grown[:3]) + (f" and {len(grown) - 3} more" if len(grown) > 3 else "")
+            one = len(grown) == 1
+            raise RuntimeError(
+                f"{type(self).__name__}: {named} required no gradient when the "
+                f"{type(self).__name__} was made, so the job does not aggregate "
+                f"{'it' if one else 'them'}, but {'has a gradient' if one else 'have gradients'} "
+                "now (unfrozen since?): make it with every parameter that will train requiring a "
+                "gradient (to keep some still for a while, zero their gradients before step(), or "
+                "give them a parameter group with lr 0), or set their .grad to None")
+
+    def __repr__(self):
+        return f"sparseps.torch.{type(self).__name__}({self.optimizer!r})"
+
+    def __getattr__(self, name):
+        if name == "optimizer":  # not set yet: no recursion through the properties above
+            raise AttributeError(name)
+        return getattr(self.optimizer, name)

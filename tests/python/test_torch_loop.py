@@ -1,0 +1,132 @@
+"""What a Horovod or torch DDP user's training loop does with sparseps.torch.DistributedOptimizer
+besides step(): an LR scheduler made over the wrapper (it is a torch.optim.Optimizer whose
+param_groups are the wrapped optimizer's), and freezing part of the model for a while: a
+parameter left out of the job and unfrozen later is an error naming it, not a silent parting of
+the workers' models, and the way that works (zeroed gradients) keeps the part still and then
+trains it on every worker alike."""
+import pytest
+import torch
+
+import sparseps
+import sparseps.torch
+from conftest import run_threads
+
+JOB = "train: {lr: 0.5, momentum: 0}\ncompression: {encoding: topk, density: 0.1}\n"
+
+
+def flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def two_layers():
+    """A model (each worker's its own at first: DistributedOptimizer makes them worker 0's)."""
+    return torch.nn.Sequential(torch.nn.Linear(30, 5), torch.nn.ReLU(), torch.nn.Linear(5, 2))
+
+
+def backward(model, rank, step):
+    """Each worker's own batch of the step (a generator of its own: the workers are threads)."""
+    batch = torch.randn(8, 30, generator=torch.Generator().manual_seed(100 * rank + step))
+    model(batch).pow(2).mean().backward()
+
+
+def test_lr_schedulers_take_the_distributed_optimizer_and_set_the_wrapped_rates(cluster):
+    """StepLR and ReduceLROnPlateau are made over the DistributedOptimizer as over any torch
+    optimizer (as Horovod's users do); they set the wrapped optimizer's rate, which its step then
+    uses: the workers' models stay equal and move as the halved rates say. state_dict() is the
+    wrapped optimizer's, and add_param_group is refused (the job's keys are fixed)."""
+    c = cluster(JOB)
+
+    def worker(rank):
+        model = two_layers()
+        inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        opt = sparseps.torch.DistributedOptimizer(
+            inner, sparseps.Worker(str(c.job), rank=rank, overrides=c.overrides))
+        assert isinstance(opt, torch.optim.Optimizer)
+        assert opt.param_groups is inner.param_groups and opt.state is inner.state
+        step_lr = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        moved = []
+        for t in range(5):
+            before = flat(model)
+            opt.zero_grad()
+            backward(model, rank, t)
+            opt.step()
+            step_lr.step()
+            moved.append(float((flat(model) - before).norm()))
+        rates = [inner.param_groups[0]["lr"]]
+        assert opt._step_count == 5  # the scheduler counted the optimizer's steps: no warning
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)
+        plateau.step(1.0)
+        plateau.step(2.0)  # worse: halves the rate
+        rates.append(inner.param_groups[0]["lr"])
+        assert opt.state_dict() == inner.state_dict()
+        with pytest.raises(RuntimeError, match="add_param_group: the parameters are the job's"):
+            opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})
+        opt.synchronize()
+        opt.worker.finish()
+        return flat(model), rates, moved
+
+    (p0, rates0, moved0), (p1, rates1, moved1) = run_threads([lambda r=r: worker(r)
+                                                              for r in range(2)])
+    assert torch.equal(p0, p1)
+    assert rates0 == rates1 == [pytest.approx(0.025), pytest.approx(0.0125)]
+    assert moved0 == moved1 and all(m > 0 for m in moved0), moved0
+
+
+def test_a_parameter_unfrozen_after_wrapping_is_an_error_naming_it(cluster):
+    """A layer that required no gradient when the DistributedOptimizer was made is not part of the
+    job: unfrozen later, step() raises before anything is pushed, naming it (without the check the
+    wrapped optimizer stepped it on each worker's own gradient and the models parted), and the
+    job still ends well."""
+    c = cluster(JOB)
+
+    def worker(rank):
+        model = two_layers()
+        model[0].requires_grad_(False)
+        names = [n for n, _ in model.named_parameters()]
+        opt = sparseps.torch.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+            sparseps.Worker(str(c.job), rank=rank, overrides=c.overrides), names=names)
+        for t in range(2):
+            opt.zero_grad()
+            backward(model, rank, t)
+            opt.step()
+        model[0].requires_grad_(True)
+        opt.zero_grad()
+        backward(model, rank, 2)
+        with pytest.raises(RuntimeError, match=r"0\.weight; 0\.bias required no gradient when the "
+                                               r"DistributedOptimizer was made.*unfrozen since"):
+            opt.step()
+        assert opt.worker.step == 2  # nothing pushed
+        opt.worker.finish()
+
+    run_threads([lambda r=r: worker(r) for r in range(2)])
+
+
+def test_a_part_kept_still_by_zeroed_gradients_stays_and_then_trains_alike(cluster):
+    """The way to freeze a part for a while: it requires a gradient when the optimizer is made and
+    the loop zeroes its gradients before step() while it is to stay still. Plain SGD at train.lr
+    (the model follows the job's parameters): the part stays exactly still for 3 steps while the
+    rest trains, then moves, and both workers' models stay equal throughout."""
+    c = cluster(JOB)
+
+    def worker(rank):
+        model = two_layers()
+        opt = sparseps.torch.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.5),
+            sparseps.Worker(str(c.job), rank=rank, overrides=c.overrides))
+        first = flat(model[0])  # worker 0's
+        still = []
+        for t in range(6):
+            opt.zero_grad()
+            backward(model, rank, t)
+            if t < 3:
+                for p in model[0].parameters():
+                    p.grad.zero_()
+            opt.step()
+            still.append(torch.equal(flat(model[0]), first))
+        opt.worker.finish()
+        return flat(model), still
+
+    (p0, still0), (p1, still1) = run_threads([lambda r=r: worker(r) for r in range(2)])
+    assert torch.equal(p0, p1)
+    assert still0 == still1 == [True, True, True, False, False, False]
