@@ -5,7 +5,9 @@ systemd-analyze verify; the installed launcher runs; and a consumer project outs
 (tests/install/consumer) builds against the unpacked tree with find_package(sparseps) and trains
 through the client library against daemons from the package, checking the parameters exactly.
 Run by ctest with Debian's python3 -m pytest."""
+import csv
 import json
+import os
 import re
 import shutil
 import signal
@@ -172,3 +174,75 @@ def test_a_consumer_project_builds_with_find_package_and_trains(package, tmp_pat
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "ok", summary
     assert summary["workers"][0]["steps"] == 7 and summary["servers"][0]["pushes"] == 7, summary
+
+
+OWN_MODEL = '''"""A user's own PyTorch model and data on the loop of the package's examples (torch_job), so
+that sparseps-compare runs it under torch DDP and under sparseps alike."""
+import sys
+
+import torch
+
+sys.path.insert(0, "{examples}")  # /usr/share/sparseps/examples once installed
+import torch_job  # noqa: E402
+
+
+def build_model(name, get):
+    return torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+
+
+def load_data(args, get):
+    """Seeded points labelled by a fixed linear map: 4000 to train on, 500 to test."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(20, 4, generator=g)
+    x = torch.randn(4500, 20, generator=g)
+    y = (x @ w).argmax(1)
+    return x[:4000], y[:4000], x[4000:], y[4000:], "points labelled by a linear map"
+
+
+args = torch_job.parser(__doc__, models=["mine"]).parse_args()
+torch_job.run(args, build_model, load_data)
+'''
+
+
+def test_the_packaged_comparison_runs_a_users_own_model_against_ddp(package, tmp_path):
+    """A user's own model (a script outside the tree on the package's torch_job loop) compared
+    by the package's sparseps-compare, run from the user's folder with no build around: torch DDP
+    over Gloo against PS top-k through sparseps.torch. Both train to the accuracy the data allow,
+    the time to DDP's accuracy target is computed, and the results land in ./runs (before, the
+    comparison looked for its worker in <share>/build and died with a traceback, and the
+    package had no examples for the configs' PyTorch settings)."""
+    _, root = package
+    share = root / "usr" / "share" / "sparseps"
+    assert (share / "examples" / "torch_job.py").is_file()
+    assert (share / "examples" / "fashion_mnist.py").is_file()
+    script = tmp_path / "my_train.py"
+    script.write_text(OWN_MODEL.replace("{examples}", str(share / "examples")))
+    (tmp_path / "job.yaml").write_text(
+        "cluster: {register_timeout_s: 60}\n"
+        "train: {lr: 0.1, momentum: 0, batch_size: 32, epochs: 2, seed: 42}\n"
+        "compression: {density: 0.1}\n")
+    (tmp_path / "compare.yaml").write_text(
+        "name: own_model\njob: job.yaml\nworkers: 2\nservers: 1\n"
+        "target: {baseline: ddp, minus: 0.05}\nsettings:\n"
+        "  - {name: ddp, set: [aggregation=allreduce, collective.algorithm=ring],\n"
+        f"     worker: 'env GLOO_SOCKET_IFNAME=lo /usr/bin/python3 {script} --ddp'}}\n"
+        "  - {name: ps_topk, set: [aggregation=ps, compression.encoding=topk],\n"
+        f"     worker: '/usr/bin/python3 {script}'}}\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSEPS_")}
+    env.update(PATH=f"{root / 'usr' / 'bin'}:{env['PATH']}",
+               PYTHONPATH=str(root / "usr" / "lib" / "python3" / "dist-packages"),
+               # The package's libraries are not where its RPATH says (/usr/lib/...) until installed.
+               LD_LIBRARY_PATH=str(root / "usr" / "lib" / "x86_64-linux-gnu"))
+    r = run([str(root / "usr" / "bin" / "sparseps-compare"), "--config", "compare.yaml",
+             "--no-netns"], cwd=tmp_path, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    results = list(tmp_path.glob("runs/own_model-*/results.csv"))
+    assert len(results) == 1, r.stdout[-3000:]
+    rows = {row["setting"]: row for row in csv.DictReader(results[0].open())}
+    assert set(rows) == {"ddp", "ps_topk"}, rows
+    for name, row in rows.items():
+        assert int(row["steps"]) == 2 * 62, row  # 2 epochs of 2000 samples a worker, 32 a step
+        assert float(row["final_accuracy"]) >= 0.8, (name, row)
+    assert float(rows["ddp"]["time_to_target_s"]) > 0, rows["ddp"]
+    assert "model: torch mine" in (results[0].parent / "runs" / "ps_topk" /
+                                   "worker-0.log").read_text()
