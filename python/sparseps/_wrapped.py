@@ -35,9 +35,26 @@ class WrappedOptimizer(torch.optim.Optimizer):
                            f"keys, fixed when the {type(self).__name__} is made; give the "
                            "wrapped optimizer every parameter group before wrapping it")
 
-    def _leave_out_frozen(self, names):
+    def _leave_out_frozen(self, names=None, named_parameters=None):
         """Notes the wrapped optimizer's parameters that require no gradient now (left out of the
-        job), by names[i] (one per parameter, in the optimizer's order) or their place."""
+        job) for _check_left_out, by their names: `names` (one per parameter, in the optimizer's
+        order), or `named_parameters` ((name, parameter) pairs, as module.named_parameters(): by
+        identity), or their place. Returns the names of the others, in order (None without
+        names); ValueError where the names do not fit the parameters."""
+        what = type(self).__name__
+        every = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if names is not None and named_parameters is not None:
+            raise ValueError(f"{what}: names or named_parameters, not both")
+        if named_parameters is not None:
+            by_id = {id(p): str(n) for n, p in named_parameters}
+            unnamed = [i for i, p in enumerate(every) if id(p) not in by_id]
+            if unnamed:
+                raise ValueError(f"{what}: named_parameters does not name the optimizer's "
+                                 f"parameters {unnamed[:5]} (in its order; of another module?)")
+            names = [by_id[id(p)] for p in every]
+        if names is not None and len(names) != len(every):
+            raise ValueError(f"{what}: {len(names)} names for the optimizer's {len(every)} "
+                             "parameters")
         self._left_out = []
         i = 0
         for g, group in enumerate(self.optimizer.param_groups):
@@ -46,6 +63,9 @@ class WrappedOptimizer(torch.optim.Optimizer):
                     self._left_out.append((p, str(names[i]) if names is not None else
                                            f"parameter {j} of group {g} (shape {tuple(p.shape)})"))
                 i += 1
+        if names is None:
+            return None
+        return [str(n) for n, p in zip(names, every) if p.requires_grad]
 
     def _check_left_out(self):
         """RuntimeError where a parameter left out of the job (_leave_out_frozen) has a gradient

@@ -178,10 +178,13 @@ class DistributedOptimizer(WrappedOptimizer):
     model.parameters(): the trained model file (<run.dir>/model.safetensors) then holds the
     tensors under the model's own names and shapes (model.load_state_dict takes them), and the
     traces (metrics.trace_steps) name the layers so. Without them: "param0", "param1", ...
+    named_parameters (as Horovod's and BytePS's): model.named_parameters(), each parameter's name
+    found by identity instead (ValueError where the optimizer has a parameter it does not name).
     """
 
     def __init__(self, optimizer, worker, aggregate="gradient", freeze_variance_step=None,
-                 overlap=False, names=None, local_view=False, extra_state=None):
+                 overlap=False, names=None, local_view=False, extra_state=None,
+                 named_parameters=None):
         if aggregate not in ("gradient", "update"):
             raise ValueError(f"DistributedOptimizer: aggregate={aggregate!r}; 'gradient' or "
                              "'update'")
@@ -210,13 +213,7 @@ class DistributedOptimizer(WrappedOptimizer):
         self.last_push_pull_ms = 0.0  # wall time of the last push_pull
         self._dense = None  # push_pull's out or params_out (on the CPU), made at first use
         every = [p for group in optimizer.param_groups for p in group["params"]]
-        if names is not None:
-            if len(names) != len(every):
-                raise ValueError(f"DistributedOptimizer: {len(names)} names for the optimizer's "
-                                 f"{len(every)} parameters")
-        self._leave_out_frozen(names)
-        if names is not None:
-            names = [str(n) for n, p in zip(names, every) if p.requires_grad]
+        names = self._leave_out_frozen(names, named_parameters)  # those of the job's parameters
         self._params = _float32_params(every, "DistributedOptimizer")
         total = sum(p.numel() for p in self._params)
         device = self._params[0].device

@@ -1,6 +1,7 @@
 """What a Horovod or torch DDP user's training loop does with sparseps.torch.DistributedOptimizer
 besides step(): an LR scheduler made over the wrapper (it is a torch.optim.Optimizer whose
-param_groups are the wrapped optimizer's), and freezing part of the model for a while: a
+param_groups are the wrapped optimizer's), Horovod's named_parameters, and freezing part of the
+model for a while: a
 parameter left out of the job and unfrozen later is an error naming it, not a silent parting of
 the workers' models, and the way that works (zeroed gradients) keeps the part still and then
 trains it on every worker alike."""
@@ -130,3 +131,36 @@ def test_a_part_kept_still_by_zeroed_gradients_stays_and_then_trains_alike(clust
     (p0, still0), (p1, still1) = run_threads([lambda r=r: worker(r) for r in range(2)])
     assert torch.equal(p0, p1)
     assert still0 == still1 == [True, True, True, False, False, False]
+
+
+def test_named_parameters_names_the_model_file_by_identity_as_horovods(cluster):
+    """DistributedOptimizer(opt, worker, named_parameters=model.named_parameters()), as a Horovod
+    user writes it, with the optimizer's parameter groups in another order than the module's
+    (the head first, at its own rate): the model file holds each trained tensor under its own
+    module name. A parameter it does not name, or names given twice over, are errors."""
+    from test_model_file import read_safetensors
+    c = cluster(JOB, workers=1)
+    model = two_layers()
+    groups = [{"params": list(model[2].parameters()), "lr": 0.05},
+              {"params": list(model[0].parameters())}]
+    opt = sparseps.torch.DistributedOptimizer(
+        torch.optim.SGD(groups, lr=0.1), sparseps.Worker(str(c.job), rank=0, overrides=c.overrides),
+        named_parameters=model.named_parameters())
+    for t in range(3):
+        opt.zero_grad()
+        backward(model, 0, t)
+        opt.step()
+    with pytest.raises(ValueError, match=r"does not name the optimizer's parameters \[0, 1\]"):
+        sparseps.torch.DistributedOptimizer(torch.optim.SGD(groups, lr=0.1), opt.worker,
+                                            named_parameters=model[0].named_parameters())
+    with pytest.raises(ValueError, match="names or named_parameters, not both"):
+        sparseps.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                            opt.worker, names=["a"] * 4,
+                                            named_parameters=model.named_parameters())
+    opt.synchronize()
+    opt.worker.finish()
+    tensors, _ = read_safetensors(c.run_dir / "model.safetensors")
+    assert sorted(tensors) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    for name, p in model.named_parameters():
+        assert tensors[name].shape == tuple(p.shape)
+        assert torch.equal(torch.from_numpy(tensors[name].copy()), p.detach()), name
