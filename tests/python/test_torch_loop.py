@@ -1,10 +1,9 @@
 """What a Horovod or torch DDP user's training loop does with sparseps.torch.DistributedOptimizer
 besides step(): an LR scheduler made over the wrapper (it is a torch.optim.Optimizer whose
 param_groups are the wrapped optimizer's), Horovod's named_parameters, and freezing part of the
-model for a while: a
-parameter left out of the job and unfrozen later is an error naming it, not a silent parting of
-the workers' models, and the way that works (zeroed gradients) keeps the part still and then
-trains it on every worker alike."""
+model for a while: a parameter left out of the job and unfrozen later is an error naming it, not
+a silent parting of the workers' models, and the way that works (zeroed gradients) keeps the part
+still and then trains it on every worker alike."""
 import pytest
 import torch
 
