@@ -345,6 +345,21 @@ int sparseps_worker_report_evaluation(sparseps_worker* worker, double test_accur
   return Guard([&] { worker->worker.ReportEvaluation(test_accuracy); }, err, err_len);
 }
 
+int sparseps_worker_allreduce_values(sparseps_worker* worker, const double* values, size_t n,
+                                     double* sums, uint32_t* contributors, char* err,
+                                     size_t err_len) {
+  if (worker == nullptr) return Missing("worker", err, err_len);
+  if (n > 0 && (values == nullptr || sums == nullptr))
+    return Missing("values or sums", err, err_len);
+  return Guard(
+      [&] {
+        const auto got =
+            worker->worker.AllreduceValues(std::span<const double>(values, n), contributors);
+        std::copy(got.begin(), got.end(), sums);
+      },
+      err, err_len);
+}
+
 int sparseps_worker_set_density_scale(sparseps_worker* worker, double scale, char* err,
                                       size_t err_len) {
   if (worker == nullptr) return Missing("worker", err, err_len);

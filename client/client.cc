@@ -458,6 +458,28 @@ void Worker::ReportEvaluation(double test_accuracy) {
   impl_->log->SetTestAccuracy(test_accuracy);
 }
 
+std::vector<double> Worker::AllreduceValues(std::span<const double> values,
+                                            uint32_t* contributors) {
+  Impl& m = *impl_;
+  m.agg();  // FailedPrecondition before Init
+  if (values.empty() || values.size() > kMaxBarrierValues) {
+    Raise(Status::InvalidArgument("AllreduceValues: " + std::to_string(values.size()) +
+                                  " numbers; 1 to " + std::to_string(kMaxBarrierValues)));
+  }
+  // The n-th call after step S of every worker is barrier "values@S" generation n (each
+  // ControlClient counts a name's generations).
+  std::vector<double> sums;
+  uint32_t count = 0;
+  m.Wait(
+      [&] {
+        return m.session->control().SumOverBarrier("values@" + std::to_string(m.steps),
+                                                   proto::WORKER, values, &sums, &count);
+      },
+      false);
+  if (contributors != nullptr) *contributors = count;
+  return sums;
+}
+
 void Worker::SetDensityScale(double scale) {
   if (!(scale > 0) || !std::isfinite(scale)) {
     Raise(Status::InvalidArgument("SetDensityScale: scale " + std::to_string(scale) +

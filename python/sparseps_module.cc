@@ -272,6 +272,24 @@ class Worker {
     Call([&] { live().ReportEvaluation(test_accuracy); });
   }
 
+  // client::Worker::AllreduceValues, their mean (op "mean") or sums ("sum"), as float64.
+  py::array_t<double> AllreduceValues(
+      py::array_t<double, py::array::c_style | py::array::forcecast> values,
+      const std::string& op) {
+    if (op != "mean" && op != "sum") {
+      throw py::value_error("allreduce_values: op '" + op + "'; 'mean' or 'sum'");
+    }
+    const std::span<const double> in(values.data(), static_cast<size_t>(values.size()));
+    std::vector<double> sums;
+    uint32_t contributors = 0;
+    Call([&] { sums = live().AllreduceValues(in, &contributors); });
+    py::array_t<double> out(static_cast<py::ssize_t>(sums.size()));
+    for (size_t i = 0; i < sums.size(); ++i) {
+      out.mutable_data()[i] = op == "mean" ? sums[i] / contributors : sums[i];
+    }
+    return out;
+  }
+
   // ssp / async: waits until every worker pushed as many steps as this one; the job's parameters
   // then (a copy). bsp, allreduce: the parameters at once.
   py::array_t<float> Synchronize() {
@@ -469,7 +487,8 @@ TimeoutError naming the donor, sparseps.RolledBack as push_pull.)doc")
           "push_pull: the donor's model and state are coming");
 }
 
-// The membership as a loop sees it: who is live, which data share is this worker's, who leads.
+// The membership as a loop sees it: who is live, which data share is this worker's, who leads;
+// and the numbers its live workers share (allreduce_values).
 void DefineMembershipFacts(py::class_<sparseps::Worker>& worker) {
   using sparseps::Worker;
   worker
@@ -489,7 +508,14 @@ void DefineMembershipFacts(py::class_<sparseps::Worker>& worker) {
       .def_property_readonly(
           "is_leader", [](const Worker& w) { return w.worker().is_leader(); },
           "true on the lowest live rank: worker 0, or the one that took over "
-          "evaluating and writing the model after worker 0 was lost");
+          "evaluating and writing the model after worker 0 was lost")
+      .def("allreduce_values", &Worker::AllreduceValues, py::arg("values"), py::arg("op") = "mean",
+           "The mean (op='mean') or the sum (op='sum') over the live workers of `values` (1 to "
+           "4096 numbers: a list, a NumPy array, a CPU tensor), element by element, as a float64 "
+           "array, the same on every worker (as Horovod's allreduce of a metric). Every live "
+           "worker calls it at the same point of its loop with as many numbers (the n-th call "
+           "after the same step); through the scheduler, not the gradients' path. ValueError "
+           "for no or too many numbers.");
 }
 
 // sparseps.Error (a RuntimeError) and its kinds, which Raise uses.

@@ -209,21 +209,63 @@ bool MembershipMachine::Complete(const BarrierState& b) const {
 void MembershipMachine::ReleaseBarrier(const BarrierKey& key, std::vector<Outgoing>* out) {
   auto it = barriers_.find(key);
   if (it == barriers_.end()) return;
-  const auto members = BarrierMembers(it->second.group);
-  for (size_t m : members) SendRelease(m, key, it->second.group, out);
+  const BarrierState& b = it->second;
+  const auto members = BarrierMembers(b.group);
+  Released released{b.group, {}, 0};
+  if (!b.values.empty()) {
+    // The members' numbers, summed in rank order (the same sums whichever arrived first); a
+    // member lost after it entered is not among them.
+    std::vector<std::pair<int, size_t>> by_rank;
+    for (size_t m : members) by_rank.emplace_back(job_.nodes[m].rank, m);
+    std::sort(by_rank.begin(), by_rank.end());
+    released.sums.assign(b.values.begin()->second.size(), 0.0);
+    for (const auto& [rank, m] : by_rank) {
+      const auto& v = b.values.at(m);
+      for (size_t i = 0; i < v.size(); ++i) released.sums[i] += v[i];
+      ++released.contributors;
+    }
+    summing_released_.push_back(key);
+    if (summing_released_.size() > kSummingReleasesKept) {
+      released_.erase(summing_released_.front());
+      summing_released_.pop_front();
+    }
+  }
+  for (size_t m : members) SendRelease(m, key, released, out);
   spdlog::debug("barrier '{}' generation {} released ({} members)", key.first, key.second,
                 members.size());
-  released_[key] = it->second.group;
+  released_[key] = std::move(released);
   barriers_.erase(it);
 }
 
-void MembershipMachine::SendRelease(size_t node, const BarrierKey& key, proto::Role group,
+void MembershipMachine::SendRelease(size_t node, const BarrierKey& key, const Released& released,
                                     std::vector<Outgoing>* out) const {
   Outgoing o = job_.To(job_.nodes[node].routing_id, proto::BARRIER_RELEASE);
-  o.msg.header.mutable_barrier()->set_name(key.first);
-  o.msg.header.mutable_barrier()->set_generation(key.second);
-  o.msg.header.mutable_barrier()->set_group(group);
+  proto::Barrier* b = o.msg.header.mutable_barrier();
+  b->set_name(key.first);
+  b->set_generation(key.second);
+  b->set_group(released.group);
+  b->mutable_values()->Add(released.sums.begin(), released.sums.end());
+  b->set_contributors(released.contributors);
   out->push_back(std::move(o));
+}
+
+std::string MembershipMachine::SummingError(const BarrierState& b, const BarrierKey& key,
+                                            size_t node, const proto::Barrier& entered) const {
+  const std::string who = job_.Describe(job_.nodes[node]);
+  const std::string what = "barrier '" + key.first + "' generation " + std::to_string(key.second);
+  if (static_cast<size_t>(entered.values_size()) > kMaxBarrierValues) {
+    return who + " gave " + std::to_string(entered.values_size()) + " numbers to " + what +
+           " (at most " + std::to_string(kMaxBarrierValues) + ")";
+  }
+  if (b.arrived.empty()) return "";
+  if (b.values.empty() != (entered.values_size() == 0)) {
+    return what + " entered both as a plain and as a summing barrier (by " + who + ")";
+  }
+  if (b.values.empty()) return "";
+  const auto& [first, given] = *b.values.begin();
+  if (given.size() == static_cast<size_t>(entered.values_size())) return "";
+  return who + " gave " + std::to_string(entered.values_size()) + " numbers to " + what + ", " +
+         job_.Describe(job_.nodes[first]) + " " + std::to_string(given.size());
 }
 
 void MembershipMachine::CheckWaits(Clock::time_point now, std::vector<Outgoing>* out) {
@@ -285,11 +327,19 @@ void MembershipMachine::HandleBarrier(const std::string& from, const proto::Head
   if (auto done = released_.find(key); done != released_.end()) {
     // Entered again after the release (the node sends it again until released: its release, or
     // its first BARRIER, was lost to a connection that broke): the release again, to it alone.
-    if (done->second != b.group()) {
+    if (done->second.group != b.group()) {
       job_.Refuse(from, "barrier '" + b.name() + "' entered with two different groups", out);
     } else {
-      SendRelease(static_cast<size_t>(idx), key, b.group(), out);
+      SendRelease(static_cast<size_t>(idx), key, done->second, out);
     }
+    return;
+  }
+  const auto pending = barriers_.find(key);
+  const BarrierState none;
+  if (const std::string error = SummingError(pending == barriers_.end() ? none : pending->second,
+                                             key, static_cast<size_t>(idx), b);
+      !error.empty()) {
+    job_.Refuse(from, error, out);
     return;
   }
   auto [it, fresh] = barriers_.try_emplace(key);
@@ -299,6 +349,9 @@ void MembershipMachine::HandleBarrier(const std::string& from, const proto::Head
   } else if (it->second.group != b.group()) {
     job_.Refuse(from, "barrier '" + b.name() + "' entered with two different groups", out);
     return;
+  }
+  if (b.values_size() > 0) {  // a repeat keeps the numbers the member gave first
+    it->second.values.try_emplace(static_cast<size_t>(idx), b.values().begin(), b.values().end());
   }
   it->second.arrived.insert(static_cast<size_t>(idx));
   if (Complete(it->second)) ReleaseBarrier(key, out);

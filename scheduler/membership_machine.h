@@ -7,6 +7,7 @@
 // Thread-safety: used by the one thread that runs the Scheduler.
 #pragma once
 
+#include <deque>
 #include <map>
 #include <optional>
 #include <set>
@@ -68,8 +69,19 @@ class MembershipMachine {
     Clock::time_point first_arrival;
     proto::Role group = proto::ROLE_UNSPECIFIED;
     std::set<size_t> arrived;  // indices into JobState::nodes
+    // A summing barrier's numbers, by member (an index into JobState::nodes); empty: a plain one.
+    std::map<size_t, std::vector<double>> values;
+  };
+  // What a released barrier's members got: its group and, for a summing one, the sums.
+  struct Released {
+    proto::Role group = proto::ROLE_UNSPECIFIED;
+    std::vector<double> sums;
+    uint32_t contributors = 0;
   };
   using BarrierKey = std::pair<std::string, uint64_t>;  // name, generation
+  // Summing barriers whose release is kept for a repeat: a member waits for one release at a
+  // time, and the next summing barrier needs every member, so a few suffice.
+  static constexpr size_t kSummingReleasesKept = 64;
 
   // Why a registration is refused before the membership (role, counts, rank, model size);
   // empty: it is not.
@@ -83,8 +95,12 @@ class MembershipMachine {
   bool Complete(const BarrierState& b) const;
   void ReleaseBarrier(const BarrierKey& key, std::vector<Outgoing>* out);
   // BARRIER_RELEASE of `key` to node `node` (an index into JobState::nodes).
-  void SendRelease(size_t node, const BarrierKey& key, proto::Role group,
+  void SendRelease(size_t node, const BarrierKey& key, const Released& released,
                    std::vector<Outgoing>* out) const;
+  // Why `values` from `node` cannot enter summing barrier `b` (too many, or not as many as the
+  // first member gave); empty: they can.
+  std::string SummingError(const BarrierState& b, const BarrierKey& key, size_t node,
+                           const proto::Barrier& entered) const;
   // Registration timed out: who is missing.
   std::string MissingNodes() const;
   // Once a worker is done. BSP: every worker ends at the same iteration, so the end of training
@@ -101,9 +117,10 @@ class MembershipMachine {
   const std::string config_text_;  // CanonicalJobConfig of the scheduler's config
   const std::string config_hash_;
   std::map<BarrierKey, BarrierState> barriers_;
-  // Barriers released, by group: a member that enters one again (its release seemed lost) gets
-  // the release again.
-  std::map<BarrierKey, proto::Role> released_;
+  // Barriers released: a member that enters one again (its release seemed lost) gets the
+  // release again. The summing ones, oldest first, of which kSummingReleasesKept stay.
+  std::map<BarrierKey, Released> released_;
+  std::deque<BarrierKey> summing_released_;
   Clock::time_point last_heartbeat_sent_;
   std::optional<Clock::time_point> first_done_;  // the first worker's DONE
   std::string first_done_by_;                    // "worker 1 (host, pid 42)"

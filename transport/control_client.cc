@@ -191,7 +191,12 @@ Status ControlClient::Poll() {
         break;
       case proto::BARRIER_RELEASE: {
         auto& released = barrier_released_[h.barrier().name()];
-        released = std::max(released, h.barrier().generation() + 1);
+        const uint64_t generation = h.barrier().generation();
+        // A summing barrier's sums, kept for its waiter (not for a release it has had already).
+        if (h.barrier().contributors() > 0 && generation + 1 > released) {
+          barrier_sums_[{h.barrier().name(), generation}] = h.barrier();
+        }
+        released = std::max(released, generation + 1);
         break;
       }
       case proto::SHUTDOWN:
@@ -459,18 +464,49 @@ Status ControlClient::WaitForMembership() {
 }
 
 Status ControlClient::Barrier(const std::string& name, proto::Role group) {
-  const uint64_t generation = barrier_generation_[name]++;
+  uint64_t generation = 0;
+  return EnterBarrier(name, group, {}, &generation);
+}
+
+Status ControlClient::SumOverBarrier(const std::string& name, proto::Role group,
+                                     std::span<const double> values, std::vector<double>* sums,
+                                     uint32_t* contributors) {
+  if (values.empty() || values.size() > kMaxBarrierValues) {
+    return Status::InvalidArgument("a summing barrier takes 1 to " +
+                                   std::to_string(kMaxBarrierValues) + " numbers, not " +
+                                   std::to_string(values.size()));
+  }
+  uint64_t generation = 0;
+  SPARSEPS_RETURN_IF_ERROR(EnterBarrier(name, group, values, &generation));
+  const auto it = barrier_sums_.find({name, generation});
+  if (it == barrier_sums_.end() || static_cast<size_t>(it->second.values_size()) != values.size()) {
+    return Status::ProtocolError("barrier '" + name + "' generation " + std::to_string(generation) +
+                                 " was released without " + std::to_string(values.size()) +
+                                 " sums");
+  }
+  sums->assign(it->second.values().begin(), it->second.values().end());
+  *contributors = it->second.contributors();
+  barrier_sums_.erase(it);
+  return Status::OK();
+}
+
+Status ControlClient::EnterBarrier(const std::string& name, proto::Role group,
+                                   std::span<const double> values, uint64_t* generation) {
+  *generation = barrier_generation_[name]++;
   Message msg;
   msg.header.set_command(proto::BARRIER);
-  msg.header.mutable_barrier()->set_name(name);
-  msg.header.mutable_barrier()->set_generation(generation);
-  msg.header.mutable_barrier()->set_group(group);
+  proto::Barrier* b = msg.header.mutable_barrier();
+  b->set_name(name);
+  b->set_generation(*generation);
+  b->set_group(group);
+  b->mutable_values()->Add(values.begin(), values.end());
   const proto::Header request = msg.header;
   SPARSEPS_RETURN_IF_ERROR(Send(msg));
+  const uint64_t awaited = *generation;
   return WaitResending(
-      request, [&] { return barrier_released_[name] > generation; },
+      request, [&] { return barrier_released_[name] > awaited; },
       config_.cluster().barrier_timeout_s() + 10.0,
-      "barrier '" + name + "' generation " + std::to_string(generation));
+      "barrier '" + name + "' generation " + std::to_string(awaited));
 }
 
 void ControlClient::StartHeartbeats() {

@@ -88,6 +88,14 @@ class ControlClient {
   // one with the release).
   Status Barrier(const std::string& name, proto::Role group);
 
+  // A barrier that sums: enters barrier `name` for `group` with `values` (1 to kMaxBarrierValues
+  // numbers; every member gives as many) and, at its release, sets *sums to their element-wise
+  // sums over the members (in rank order; a member lost meanwhile is left out) and *contributors
+  // to how many members they are. Waits and errs as Barrier; the scheduler refuses (Aborted
+  // naming both) a member that gives another count than the first.
+  Status SumOverBarrier(const std::string& name, proto::Role group, std::span<const double> values,
+                        std::vector<double>* sums, uint32_t* contributors);
+
   // Starts the heartbeat thread (own socket), one HEARTBEAT per cluster.heartbeat_interval_s.
   // REQUIRES: has_membership().
   void StartHeartbeats();
@@ -249,6 +257,12 @@ class ControlClient {
   std::vector<proto::Header> updates_;
   std::map<std::string, uint64_t> barrier_generation_;
   std::map<std::string, uint64_t> barrier_released_;  // name -> highest released generation + 1
+  // Summing barriers' releases not yet taken by SumOverBarrier: (name, generation) -> the release.
+  std::map<std::pair<std::string, uint64_t>, proto::Barrier> barrier_sums_;
+  // Barrier's and SumOverBarrier's entry and wait; with `values` the release lands in
+  // barrier_sums_.
+  Status EnterBarrier(const std::string& name, proto::Role group, std::span<const double> values,
+                      uint64_t* generation);
   std::function<void(const std::vector<uint64_t>&)> on_checkpoints_kept_;
   // What CheckReconnected sends again, each as first sent: the CHECKPOINT_WRITTEN of the newest
   // iteration reported, and SendAnswer's newest.

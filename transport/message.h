@@ -25,6 +25,8 @@ namespace sparseps {
 // Limits that bound what a hostile peer can make us allocate or parse.
 inline constexpr size_t kMaxHeaderBytes = 1 << 20;  // 1 MiB
 inline constexpr size_t kMaxPayloadFrames = 16;
+// The numbers one member gives a summing barrier (proto::Barrier::values): Worker::AllreduceValues.
+inline constexpr size_t kMaxBarrierValues = 4096;
 
 struct Message {
   Message() = default;

@@ -150,6 +150,10 @@ def _declare(lib):
         "worker_handoff_missing": (ctypes.c_size_t, [handle, ctypes.c_char_p, ctypes.c_size_t]),
         "worker_set_epoch": (ctypes.c_int, [handle, ctypes.c_uint32] + err),
         "worker_set_density_scale": (ctypes.c_int, [handle, ctypes.c_double] + err),
+        "worker_allreduce_values": (ctypes.c_int, [handle, ctypes.POINTER(ctypes.c_double),
+                                                   ctypes.c_size_t,
+                                                   ctypes.POINTER(ctypes.c_double),
+                                                   ctypes.POINTER(ctypes.c_uint32)] + err),
         "worker_report_evaluation": (ctypes.c_int, [handle, ctypes.c_double] + err),
         "worker_set_interruptible": (None, [handle, ctypes.c_int]),
         "worker_finish": (ctypes.c_int, [handle] + [ctypes.c_double] * 4 + err),
@@ -461,6 +465,20 @@ class Worker:
         """The loop's test accuracy: the live metrics' gauge and finish()'s default (as
         sparseps.Worker.report_evaluation)."""
         self._call(library().sparseps_worker_report_evaluation, self._handle, test_accuracy)
+
+    def allreduce_values(self, values, op="mean"):
+        """The mean (op="mean") or sum (op="sum") of `values` over the live workers, element by
+        element, as a float64 array (as sparseps.Worker.allreduce_values)."""
+        if op not in ("mean", "sum"):
+            raise ValueError(f"allreduce_values: op {op!r}; 'mean' or 'sum'")
+        v = np.ascontiguousarray(np.asarray(values, dtype=np.float64).reshape(-1))
+        sums = np.empty_like(v)
+        contributors = ctypes.c_uint32(0)
+        as_doubles = ctypes.POINTER(ctypes.c_double)
+        self._call(library().sparseps_worker_allreduce_values, self._handle,
+                   v.ctypes.data_as(as_doubles), v.size, sums.ctypes.data_as(as_doubles),
+                   ctypes.byref(contributors))
+        return sums / contributors.value if op == "mean" else sums
 
     def set_density_scale(self, scale):
         """Scales the top-k k from the next push (as sparseps.Worker.set_density_scale)."""

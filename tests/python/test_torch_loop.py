@@ -1,14 +1,17 @@
 """What a Horovod or torch DDP user's training loop does with sparseps.torch.DistributedOptimizer
 besides step(): an LR scheduler made over the wrapper (it is a torch.optim.Optimizer whose
-param_groups are the wrapped optimizer's), Horovod's named_parameters, and freezing part of the
-model for a while: a parameter left out of the job and unfrozen later is an error naming it, not
-a silent parting of the workers' models, and the way that works (zeroed gradients) keeps the part
-still and then trains it on every worker alike."""
+param_groups are the wrapped optimizer's), Horovod's named_parameters and metric average
+(Worker.allreduce_values), and freezing part of the model for a while: a parameter left out of
+the job and unfrozen later is an error naming it, not a silent parting of the workers' models,
+and the way that works (zeroed gradients) keeps the part still and then trains it on every
+worker alike."""
+import numpy as np
 import pytest
 import torch
 
 import sparseps
 import sparseps.torch
+from sparseps import capi
 from conftest import run_threads
 
 JOB = "train: {lr: 0.5, momentum: 0}\ncompression: {encoding: topk, density: 0.1}\n"
@@ -163,3 +166,35 @@ def test_named_parameters_names_the_model_file_by_identity_as_horovods(cluster):
     for name, p in model.named_parameters():
         assert tensors[name].shape == tuple(p.shape)
         assert torch.equal(torch.from_numpy(tensors[name].copy()), p.detach()), name
+
+
+@pytest.mark.parametrize("backend", [sparseps.Worker, capi.Worker], ids=["module", "capi"])
+def test_allreduce_values_averages_a_metric_over_the_workers_as_horovods(cluster, backend):
+    """Horovod's metric_average (hvd.allreduce of each worker's validation loss): each of 3
+    workers gives its own numbers after its steps and every one gets their mean, or with
+    op="sum" their sum, the same everywhere; a list, a NumPy array and a tensor are taken. No
+    numbers, or an op other than mean and sum, are ValueErrors."""
+    c = cluster(JOB, servers=1, workers=3)
+
+    def worker(rank):
+        model = two_layers()
+        opt = sparseps.torch.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.5),
+            backend(str(c.job), rank=rank, overrides=c.overrides))
+        for t in range(2):
+            opt.zero_grad()
+            backward(model, rank, t)
+            opt.step()
+        w = opt.worker
+        got = [w.allreduce_values([rank, 10.0 * rank + 0.5]),
+               w.allreduce_values(np.array([1.0]), op="sum"),
+               w.allreduce_values(torch.tensor([float(rank), 2.0 ** 40 * rank]), op="sum")]
+        for bad, match in (([], "1 to 4096"), ([1.0], "'mean' or 'sum'")):
+            with pytest.raises(ValueError, match=match):
+                w.allreduce_values(bad, op="mean" if bad == [] else "max")
+        w.finish()
+        return [g.tolist() for g in got]
+
+    results = run_threads([lambda r=r: worker(r) for r in range(3)])
+    assert results[0] == results[1] == results[2]
+    assert results[0] == [[1.0, 10.5], [3.0], [3.0, 3 * 2.0 ** 40]]

@@ -81,6 +81,15 @@ class SchedulerTest : public ::testing::Test {
     b->set_group(group);
     return m;
   }
+  // A worker's BARRIER of a summing barrier (Worker::AllreduceValues) with `values`.
+  Message SumMsg(int rank, uint64_t gen, const std::vector<double>& values) {
+    Message m = BarrierMsg(proto::WORKER, rank, "values@5", gen, proto::WORKER);
+    m.header.mutable_barrier()->mutable_values()->Add(values.begin(), values.end());
+    return m;
+  }
+  static std::vector<double> Sums(const Outgoing& o) {
+    return {o.msg.header.barrier().values().begin(), o.msg.header.barrier().values().end()};
+  }
   // A worker's DONE with `steps` in its statistics.
   static Message Done(uint64_t steps = 0) {
     Message m;
@@ -225,6 +234,56 @@ TEST_F(SchedulerTest, ABarrierEnteredAgainAfterItsReleaseIsReleasedAgainForThatN
   auto bad = Send(s, "w-a", BarrierMsg(proto::WORKER, 0, "init", 0, proto::ROLE_UNSPECIFIED), t0_);
   ASSERT_EQ(bad.size(), 1u);
   EXPECT_EQ(bad[0].msg.header.command(), proto::ERROR);
+}
+
+TEST_F(SchedulerTest, ASummingBarrierReleasesTheSumsToEveryMemberAndAgainToARepeat) {
+  Scheduler s(config_, t0_);
+  RegisterAll(s);
+  EXPECT_TRUE(Send(s, "w-b", SumMsg(1, 0, {1.5, 10, -1}), t0_).empty());
+  EXPECT_TRUE(Send(s, "w-b", SumMsg(1, 0, {99, 99, 99}), t0_).empty());  // a repeat changes nothing
+  auto out = Send(s, "w-a", SumMsg(0, 0, {0.25, 20, 1}), t0_);
+  ASSERT_EQ(out.size(), 2u);
+  std::set<std::string> to;
+  for (const auto& o : out) {
+    EXPECT_EQ(o.msg.header.command(), proto::BARRIER_RELEASE);
+    EXPECT_EQ(Sums(o), (std::vector<double>{1.75, 30, 0}));
+    EXPECT_EQ(o.msg.header.barrier().contributors(), 2u);
+    to.insert(o.to);
+  }
+  EXPECT_EQ(to, (std::set<std::string>{"w-a", "w-b"}));
+  auto again = Send(s, "w-a", SumMsg(0, 0, {0.25, 20, 1}), t0_);
+  ASSERT_EQ(again.size(), 1u);
+  EXPECT_EQ(again[0].to, "w-a");
+  EXPECT_EQ(Sums(again[0]), (std::vector<double>{1.75, 30, 0}));
+  // The next generation sums anew.
+  EXPECT_TRUE(Send(s, "w-a", SumMsg(0, 1, {1}), t0_).empty());
+  out = Send(s, "w-b", SumMsg(1, 1, {2}), t0_);
+  ASSERT_EQ(out.size(), 2u);
+  EXPECT_EQ(Sums(out[0]), (std::vector<double>{3}));
+  EXPECT_EQ(s.rejected_messages(), 0u);
+}
+
+TEST_F(SchedulerTest, ASummingBarrierRefusesAnotherCountTooManyAndAPlainEntryNamingWho) {
+  Scheduler s(config_, t0_);
+  RegisterAll(s);
+  EXPECT_TRUE(Send(s, "w-a", SumMsg(0, 0, {1, 2}), t0_).empty());
+  auto out = Send(s, "w-b", SumMsg(1, 0, {1, 2, 3}), t0_);
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(out[0].msg.header.command(), proto::ERROR);
+  EXPECT_THAT(out[0].msg.header.error(), HasSubstr("worker 1"));
+  EXPECT_THAT(out[0].msg.header.error(), HasSubstr("gave 3 numbers to barrier 'values@5'"));
+  EXPECT_THAT(out[0].msg.header.error(), HasSubstr("worker 0"));
+  out = Send(s, "w-b", BarrierMsg(proto::WORKER, 1, "values@5", 0, proto::WORKER), t0_);
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_THAT(out[0].msg.header.error(), HasSubstr("both as a plain and as a summing barrier"));
+  out = Send(s, "w-b", SumMsg(1, 1, std::vector<double>(kMaxBarrierValues + 1, 1.0)), t0_);
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_THAT(out[0].msg.header.error(), HasSubstr("gave 4097 numbers"));
+  EXPECT_EQ(s.rejected_messages(), 3u);
+  // Worker 1's right entry still completes it.
+  out = Send(s, "w-b", SumMsg(1, 0, {10, 20}), t0_);
+  ASSERT_EQ(out.size(), 2u);
+  EXPECT_EQ(Sums(out[1]), (std::vector<double>{11, 22}));
 }
 
 TEST_F(SchedulerTest, BarrierTimeoutNamesWhoIsMissing) {
@@ -410,6 +469,29 @@ TEST_F(WorkerLossTest, PositionAtTheEndOfInt64IsRefused) {
   auto m = Memberships(Send(s, "s-b", PositionMsg(1, 7, 0), t0_ + seconds(13)));
   ASSERT_EQ(m.size(), 3u);
   EXPECT_EQ(m["s-a"].cut().iteration(), 7);
+}
+
+TEST_F(WorkerLossTest, ASummingBarrierLeavesOutAWorkerLostAfterItEntered) {
+  Scheduler s(config_, t0_);
+  RegisterAll(s);
+  Send(s, "w-b", SumMsg(1, 0, {100}), t0_);
+  Send(s, "w-a", SumMsg(0, 1, {5}), t0_);  // another generation: worker 1 never enters it
+  auto out = SilenceWorker1(s);
+  ASSERT_FALSE(s.finished());
+  std::vector<const Outgoing*> released;
+  for (const auto& o : out) {
+    if (o.msg.header.command() == proto::BARRIER_RELEASE) released.push_back(&o);
+  }
+  ASSERT_EQ(released.size(), 1u);
+  EXPECT_EQ(released[0]->to, "w-a");
+  EXPECT_EQ(released[0]->msg.header.barrier().generation(), 1u);
+  EXPECT_EQ(Sums(*released[0]), (std::vector<double>{5}));
+  EXPECT_EQ(released[0]->msg.header.barrier().contributors(), 1u);
+  // Generation 0, which the lost worker 1 entered, holds its number no more.
+  out = Send(s, "w-a", SumMsg(0, 0, {7}), t0_ + seconds(13));
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(Sums(out[0]), (std::vector<double>{7}));
+  EXPECT_EQ(out[0].msg.header.barrier().contributors(), 1u);
 }
 
 TEST_F(WorkerLossTest, DeadWorkerWhosePushDidNotReachEveryServerIsDroppedEverywhere) {

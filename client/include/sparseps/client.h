@@ -211,6 +211,18 @@ class Worker {
   /// kFailedPrecondition before Init.
   void ReportEvaluation(double test_accuracy);
 
+  /// Sums `values` (1 to 4096 numbers: a validation loss and accuracy, a count) over the live
+  /// workers, element by element, and returns the sums; *contributors (when not null) gets how
+  /// many workers gave them (divide for their mean, as Horovod's allreduce of a metric). Every
+  /// live worker calls it at the same point of its loop with as many numbers: the n-th call after
+  /// step() steps meets the others' n-th call after as many, through the scheduler (a barrier;
+  /// not the gradients' path). The sums are in rank order, the same on every worker. A worker
+  /// lost meanwhile is left out; one that does not call within cluster.barrier_timeout_s ends the
+  /// job naming it. Throws kInvalidArgument for no or more than 4096 numbers, kFailedPrecondition
+  /// before Init, kFailed when the scheduler refused them (another worker gave another count).
+  std::vector<double> AllreduceValues(std::span<const double> values,
+                                      uint32_t* contributors = nullptr);
+
   /// Scales this worker's top-k k (PS mode, encoding topk) from the next push on: k = scale times
   /// the epoch's (compression.density, through the warm-up), at least 1 and at most every key;
   /// 1 goes back to the config's. 1 / density sends everything held back in one step (a

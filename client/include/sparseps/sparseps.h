@@ -180,6 +180,11 @@ size_t sparseps_worker_handoff_missing(const sparseps_worker* worker, char* out,
  * default (see sparseps::client::Worker::ReportEvaluation). */
 int sparseps_worker_report_evaluation(sparseps_worker* worker, double test_accuracy, char* err,
                                       size_t err_len);
+/* Sums values[0, n) over the live workers into sums[0, n) (see
+ * sparseps::client::Worker::AllreduceValues); *contributors (may be NULL): how many workers. */
+int sparseps_worker_allreduce_values(sparseps_worker* worker, const double* values, size_t n,
+                                     double* sums, uint32_t* contributors, char* err,
+                                     size_t err_len);
 /* Scales the top-k k from the next push (see sparseps::client::Worker::SetDensityScale). */
 int sparseps_worker_set_density_scale(sparseps_worker* worker, double scale, char* err,
                                       size_t err_len);
