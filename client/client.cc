@@ -72,6 +72,8 @@ struct Worker::Impl {
   std::vector<float> trained_model;  // SetTrainedModel's parameters (empty: the job's)
   ExtraTensors buffers;              // SetModelBuffers', for the model file
   std::vector<uint8_t> loop_user;    // the loop's own state in the checkpoint resumed from
+  uint64_t values_step = 0;          // AllreduceValues: the step of the last call
+  uint64_t values_index = 0;         // and the calls after that step so far
   UpdateRecorder recorder;
   std::optional<TrainingLog> log;  // the live metrics (metrics.port)
   Clock::time_point last_return;   // when the last push-pull (or Init) returned
@@ -466,13 +468,16 @@ std::vector<double> Worker::AllreduceValues(std::span<const double> values,
     Raise(Status::InvalidArgument("AllreduceValues: " + std::to_string(values.size()) +
                                   " numbers; 1 to " + std::to_string(kMaxBarrierValues)));
   }
-  // The n-th call after step S of every worker is barrier "values@S" generation n (each
-  // ControlClient counts a name's generations).
+  // The n-th call after step S of every worker is barrier "values@S" generation n: a replacement
+  // that joined meets the others, and a loop that went back to a checkpoint calls them anew.
+  if (m.values_step != m.steps) m.values_index = 0;
+  m.values_step = m.steps;
+  const uint64_t generation = m.values_index++;
   std::vector<double> sums;
   uint32_t count = 0;
   m.Wait(
       [&] {
-        return m.session->control().SumOverBarrier("values@" + std::to_string(m.steps),
+        return m.session->control().SumOverBarrier("values@" + std::to_string(m.steps), generation,
                                                    proto::WORKER, values, &sums, &count);
       },
       false);

@@ -211,7 +211,7 @@ void MembershipMachine::ReleaseBarrier(const BarrierKey& key, std::vector<Outgoi
   if (it == barriers_.end()) return;
   const BarrierState& b = it->second;
   const auto members = BarrierMembers(b.group);
-  Released released{b.group, {}, 0};
+  Released released{b.group, {}, 0, b.calls};
   if (!b.values.empty()) {
     // The members' numbers, summed in rank order (the same sums whichever arrived first); a
     // member lost after it entered is not among them.
@@ -220,8 +220,9 @@ void MembershipMachine::ReleaseBarrier(const BarrierKey& key, std::vector<Outgoi
     std::sort(by_rank.begin(), by_rank.end());
     released.sums.assign(b.values.begin()->second.size(), 0.0);
     for (const auto& [rank, m] : by_rank) {
-      const auto& v = b.values.at(m);
-      for (size_t i = 0; i < v.size(); ++i) released.sums[i] += v[i];
+      const auto v = b.values.find(m);  // every member's (SummingError)
+      if (v == b.values.end()) continue;
+      for (size_t i = 0; i < v->second.size(); ++i) released.sums[i] += v->second[i];
       ++released.contributors;
     }
     summing_released_.push_back(key);
@@ -246,6 +247,9 @@ void MembershipMachine::SendRelease(size_t node, const BarrierKey& key, const Re
   b->set_group(released.group);
   b->mutable_values()->Add(released.sums.begin(), released.sums.end());
   b->set_contributors(released.contributors);
+  if (const auto call = released.calls.find(node); call != released.calls.end()) {
+    b->set_call(call->second);
+  }
   out->push_back(std::move(o));
 }
 
@@ -256,6 +260,9 @@ std::string MembershipMachine::SummingError(const BarrierState& b, const Barrier
   if (static_cast<size_t>(entered.values_size()) > kMaxBarrierValues) {
     return who + " gave " + std::to_string(entered.values_size()) + " numbers to " + what +
            " (at most " + std::to_string(kMaxBarrierValues) + ")";
+  }
+  if (entered.values_size() > 0 && entered.call() == 0) {
+    return who + " entered summing " + what + " without a call id";
   }
   if (b.arrived.empty()) return "";
   if (b.values.empty() != (entered.values_size() == 0)) {
@@ -325,14 +332,23 @@ void MembershipMachine::HandleBarrier(const std::string& from, const proto::Head
   }
   const BarrierKey key(b.name(), b.generation());
   if (auto done = released_.find(key); done != released_.end()) {
-    // Entered again after the release (the node sends it again until released: its release, or
-    // its first BARRIER, was lost to a connection that broke): the release again, to it alone.
-    if (done->second.group != b.group()) {
-      job_.Refuse(from, "barrier '" + b.name() + "' entered with two different groups", out);
+    const auto call = done->second.calls.find(static_cast<size_t>(idx));
+    if (b.call() != 0 && (call == done->second.calls.end() || call->second != b.call())) {
+      // A summing barrier's name and generation called anew (the loop went back to a
+      // checkpoint): it sums anew.
+      released_.erase(done);
+      summing_released_.erase(std::remove(summing_released_.begin(), summing_released_.end(), key),
+                              summing_released_.end());
     } else {
-      SendRelease(static_cast<size_t>(idx), key, done->second, out);
+      // Entered again after the release (the node sends it again until released: its release,
+      // or its first BARRIER, was lost to a connection that broke): the release again, to it.
+      if (done->second.group != b.group()) {
+        job_.Refuse(from, "barrier '" + b.name() + "' entered with two different groups", out);
+      } else {
+        SendRelease(static_cast<size_t>(idx), key, done->second, out);
+      }
+      return;
     }
-    return;
   }
   const auto pending = barriers_.find(key);
   const BarrierState none;
@@ -350,8 +366,12 @@ void MembershipMachine::HandleBarrier(const std::string& from, const proto::Head
     job_.Refuse(from, "barrier '" + b.name() + "' entered with two different groups", out);
     return;
   }
-  if (b.values_size() > 0) {  // a repeat keeps the numbers the member gave first
-    it->second.values.try_emplace(static_cast<size_t>(idx), b.values().begin(), b.values().end());
+  if (b.values_size() > 0) {  // a repeat changes nothing; a new call replaces the member's numbers
+    const auto member = static_cast<size_t>(idx);
+    if (it->second.calls[member] != b.call()) {
+      it->second.calls[member] = b.call();
+      it->second.values[member].assign(b.values().begin(), b.values().end());
+    }
   }
   it->second.arrived.insert(static_cast<size_t>(idx));
   if (Complete(it->second)) ReleaseBarrier(key, out);

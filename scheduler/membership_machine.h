@@ -69,14 +69,18 @@ class MembershipMachine {
     Clock::time_point first_arrival;
     proto::Role group = proto::ROLE_UNSPECIFIED;
     std::set<size_t> arrived;  // indices into JobState::nodes
-    // A summing barrier's numbers, by member (an index into JobState::nodes); empty: a plain one.
+    // A summing barrier's numbers and call ids, by member (an index into JobState::nodes);
+    // empty: a plain one.
     std::map<size_t, std::vector<double>> values;
+    std::map<size_t, uint64_t> calls;
   };
-  // What a released barrier's members got: its group and, for a summing one, the sums.
+  // What a released barrier's members got: its group and, for a summing one, the sums and each
+  // member's call id.
   struct Released {
     proto::Role group = proto::ROLE_UNSPECIFIED;
     std::vector<double> sums;
     uint32_t contributors = 0;
+    std::map<size_t, uint64_t> calls;
   };
   using BarrierKey = std::pair<std::string, uint64_t>;  // name, generation
   // Summing barriers whose release is kept for a repeat: a member waits for one release at a

@@ -190,13 +190,12 @@ Status ControlClient::Poll() {
                      membership_.ranges_size(), membership_.num_params());
         break;
       case proto::BARRIER_RELEASE: {
-        auto& released = barrier_released_[h.barrier().name()];
-        const uint64_t generation = h.barrier().generation();
-        // A summing barrier's sums, kept for its waiter (not for a release it has had already).
-        if (h.barrier().contributors() > 0 && generation + 1 > released) {
-          barrier_sums_[{h.barrier().name(), generation}] = h.barrier();
+        if (h.barrier().call() != 0) {  // a summing barrier's: its call's, if still awaited
+          if (h.barrier().call() == summing_call_) summing_release_ = h.barrier();
+          break;
         }
-        released = std::max(released, generation + 1);
+        auto& released = barrier_released_[h.barrier().name()];
+        released = std::max(released, h.barrier().generation() + 1);
         break;
       }
       case proto::SHUTDOWN:
@@ -464,49 +463,57 @@ Status ControlClient::WaitForMembership() {
 }
 
 Status ControlClient::Barrier(const std::string& name, proto::Role group) {
-  uint64_t generation = 0;
-  return EnterBarrier(name, group, {}, &generation);
+  const uint64_t generation = barrier_generation_[name]++;
+  Message msg;
+  msg.header.set_command(proto::BARRIER);
+  msg.header.mutable_barrier()->set_name(name);
+  msg.header.mutable_barrier()->set_generation(generation);
+  msg.header.mutable_barrier()->set_group(group);
+  const proto::Header request = msg.header;
+  SPARSEPS_RETURN_IF_ERROR(Send(msg));
+  return WaitResending(
+      request, [&] { return barrier_released_[name] > generation; },
+      config_.cluster().barrier_timeout_s() + 10.0,
+      "barrier '" + name + "' generation " + std::to_string(generation));
 }
 
-Status ControlClient::SumOverBarrier(const std::string& name, proto::Role group,
-                                     std::span<const double> values, std::vector<double>* sums,
-                                     uint32_t* contributors) {
+Status ControlClient::SumOverBarrier(const std::string& name, uint64_t generation,
+                                     proto::Role group, std::span<const double> values,
+                                     std::vector<double>* sums, uint32_t* contributors) {
   if (values.empty() || values.size() > kMaxBarrierValues) {
     return Status::InvalidArgument("a summing barrier takes 1 to " +
                                    std::to_string(kMaxBarrierValues) + " numbers, not " +
                                    std::to_string(values.size()));
   }
-  uint64_t generation = 0;
-  SPARSEPS_RETURN_IF_ERROR(EnterBarrier(name, group, values, &generation));
-  const auto it = barrier_sums_.find({name, generation});
-  if (it == barrier_sums_.end() || static_cast<size_t>(it->second.values_size()) != values.size()) {
-    return Status::ProtocolError("barrier '" + name + "' generation " + std::to_string(generation) +
-                                 " was released without " + std::to_string(values.size()) +
-                                 " sums");
-  }
-  sums->assign(it->second.values().begin(), it->second.values().end());
-  *contributors = it->second.contributors();
-  barrier_sums_.erase(it);
-  return Status::OK();
-}
-
-Status ControlClient::EnterBarrier(const std::string& name, proto::Role group,
-                                   std::span<const double> values, uint64_t* generation) {
-  *generation = barrier_generation_[name]++;
   Message msg;
   msg.header.set_command(proto::BARRIER);
   proto::Barrier* b = msg.header.mutable_barrier();
   b->set_name(name);
-  b->set_generation(*generation);
+  b->set_generation(generation);
   b->set_group(group);
   b->mutable_values()->Add(values.begin(), values.end());
+  b->set_call(++summing_calls_);  // this node's calls differ, so a call anew is told from a repeat
+  summing_call_ = b->call();
+  summing_release_.reset();
   const proto::Header request = msg.header;
-  SPARSEPS_RETURN_IF_ERROR(Send(msg));
-  const uint64_t awaited = *generation;
-  return WaitResending(
-      request, [&] { return barrier_released_[name] > awaited; },
-      config_.cluster().barrier_timeout_s() + 10.0,
-      "barrier '" + name + "' generation " + std::to_string(awaited));
+  Status s = Send(msg);
+  if (s.ok()) {
+    s = WaitResending(
+        request, [&] { return summing_release_.has_value(); },
+        config_.cluster().barrier_timeout_s() + 10.0,
+        "barrier '" + name + "' generation " + std::to_string(generation));
+  }
+  summing_call_ = 0;
+  if (!s.ok()) return s;
+  const proto::Barrier released = *std::exchange(summing_release_, std::nullopt);
+  if (static_cast<size_t>(released.values_size()) != values.size()) {
+    return Status::ProtocolError("barrier '" + name + "' generation " + std::to_string(generation) +
+                                 " was released with " + std::to_string(released.values_size()) +
+                                 " sums for " + std::to_string(values.size()) + " numbers");
+  }
+  sums->assign(released.values().begin(), released.values().end());
+  *contributors = released.contributors();
+  return Status::OK();
 }
 
 void ControlClient::StartHeartbeats() {

@@ -88,13 +88,16 @@ class ControlClient {
   // one with the release).
   Status Barrier(const std::string& name, proto::Role group);
 
-  // A barrier that sums: enters barrier `name` for `group` with `values` (1 to kMaxBarrierValues
-  // numbers; every member gives as many) and, at its release, sets *sums to their element-wise
-  // sums over the members (in rank order; a member lost meanwhile is left out) and *contributors
-  // to how many members they are. Waits and errs as Barrier; the scheduler refuses (Aborted
-  // naming both) a member that gives another count than the first.
-  Status SumOverBarrier(const std::string& name, proto::Role group, std::span<const double> values,
-                        std::vector<double>* sums, uint32_t* contributors);
+  // A barrier that sums: enters barrier `name` generation `generation` for `group` with `values`
+  // (1 to kMaxBarrierValues numbers; every member gives as many) and, at its release, sets *sums
+  // to their element-wise sums over the members (in rank order; a member lost meanwhile is left
+  // out) and *contributors to how many members they are. The caller numbers the generations (a
+  // name and generation called again, after the loop went back to a checkpoint, sums anew: each
+  // call has an id of its own). Waits and errs as Barrier; the scheduler refuses (Aborted naming
+  // both) a member that gives another count than the first.
+  Status SumOverBarrier(const std::string& name, uint64_t generation, proto::Role group,
+                        std::span<const double> values, std::vector<double>* sums,
+                        uint32_t* contributors);
 
   // Starts the heartbeat thread (own socket), one HEARTBEAT per cluster.heartbeat_interval_s.
   // REQUIRES: has_membership().
@@ -257,12 +260,9 @@ class ControlClient {
   std::vector<proto::Header> updates_;
   std::map<std::string, uint64_t> barrier_generation_;
   std::map<std::string, uint64_t> barrier_released_;  // name -> highest released generation + 1
-  // Summing barriers' releases not yet taken by SumOverBarrier: (name, generation) -> the release.
-  std::map<std::pair<std::string, uint64_t>, proto::Barrier> barrier_sums_;
-  // Barrier's and SumOverBarrier's entry and wait; with `values` the release lands in
-  // barrier_sums_.
-  Status EnterBarrier(const std::string& name, proto::Role group, std::span<const double> values,
-                      uint64_t* generation);
+  uint64_t summing_calls_ = 0;                        // SumOverBarrier's calls so far
+  uint64_t summing_call_ = 0;                         // the call waiting (0: none)
+  std::optional<proto::Barrier> summing_release_;     // its release, once here
   std::function<void(const std::vector<uint64_t>&)> on_checkpoints_kept_;
   // What CheckReconnected sends again, each as first sent: the CHECKPOINT_WRITTEN of the newest
   // iteration reported, and SendAnswer's newest.

@@ -82,9 +82,11 @@ class SchedulerTest : public ::testing::Test {
     return m;
   }
   // A worker's BARRIER of a summing barrier (Worker::AllreduceValues) with `values`.
-  Message SumMsg(int rank, uint64_t gen, const std::vector<double>& values) {
+  // `call`: the member's id of this call (a repeat keeps it).
+  Message SumMsg(int rank, uint64_t gen, const std::vector<double>& values, uint64_t call = 1) {
     Message m = BarrierMsg(proto::WORKER, rank, "values@5", gen, proto::WORKER);
     m.header.mutable_barrier()->mutable_values()->Add(values.begin(), values.end());
+    m.header.mutable_barrier()->set_call(call);
     return m;
   }
   static std::vector<double> Sums(const Outgoing& o) {
@@ -255,6 +257,15 @@ TEST_F(SchedulerTest, ASummingBarrierReleasesTheSumsToEveryMemberAndAgainToARepe
   ASSERT_EQ(again.size(), 1u);
   EXPECT_EQ(again[0].to, "w-a");
   EXPECT_EQ(Sums(again[0]), (std::vector<double>{1.75, 30, 0}));
+  EXPECT_EQ(again[0].msg.header.barrier().call(), 1u);
+  // Called anew (the loop went back to a checkpoint): the same name and generation sum anew.
+  EXPECT_TRUE(Send(s, "w-a", SumMsg(0, 0, {1, 1, 1}, 2), t0_).empty());
+  out = Send(s, "w-b", SumMsg(1, 0, {2, 2, 2}, 7), t0_);
+  ASSERT_EQ(out.size(), 2u);
+  for (const auto& o : out) {
+    EXPECT_EQ(Sums(o), (std::vector<double>{3, 3, 3}));
+    EXPECT_EQ(o.msg.header.barrier().call(), o.to == "w-a" ? 2u : 7u);
+  }
   // The next generation sums anew.
   EXPECT_TRUE(Send(s, "w-a", SumMsg(0, 1, {1}), t0_).empty());
   out = Send(s, "w-b", SumMsg(1, 1, {2}), t0_);
@@ -279,7 +290,10 @@ TEST_F(SchedulerTest, ASummingBarrierRefusesAnotherCountTooManyAndAPlainEntryNam
   out = Send(s, "w-b", SumMsg(1, 1, std::vector<double>(kMaxBarrierValues + 1, 1.0)), t0_);
   ASSERT_EQ(out.size(), 1u);
   EXPECT_THAT(out[0].msg.header.error(), HasSubstr("gave 4097 numbers"));
-  EXPECT_EQ(s.rejected_messages(), 3u);
+  out = Send(s, "w-b", SumMsg(1, 0, {10, 20}, 0), t0_);
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_THAT(out[0].msg.header.error(), HasSubstr("without a call id"));
+  EXPECT_EQ(s.rejected_messages(), 4u);
   // Worker 1's right entry still completes it.
   out = Send(s, "w-b", SumMsg(1, 0, {10, 20}), t0_);
   ASSERT_EQ(out.size(), 2u);

@@ -216,7 +216,8 @@ class Worker {
   /// many workers gave them (divide for their mean, as Horovod's allreduce of a metric). Every
   /// live worker calls it at the same point of its loop with as many numbers: the n-th call after
   /// step() steps meets the others' n-th call after as many, through the scheduler (a barrier;
-  /// not the gradients' path). The sums are in rank order, the same on every worker. A worker
+  /// not the gradients' path), so a replacement meets the others, and after a rollback the calls
+  /// sum anew. The sums are in rank order, the same on every worker. A worker
   /// lost meanwhile is left out; one that does not call within cluster.barrier_timeout_s ends the
   /// job naming it. Throws kInvalidArgument for no or more than 4096 numbers, kFailedPrecondition
   /// before Init, kFailed when the scheduler refused them (another worker gave another count).
