@@ -1,6 +1,6 @@
 """WrappedOptimizer: the torch.optim.Optimizer face of sparseps.torch.DistributedOptimizer, whose
 param_groups, state and defaults are those of the optimizer it wraps (as Horovod's and BytePS's
-are), so that what takes a torch optimizer (an LR scheduler, a GradScaler) takes it."""
+are), so that what takes a torch optimizer (an LR scheduler) takes it."""
 import torch
 
 
