@@ -292,6 +292,30 @@ def evaluate_file(args, build_model, load_data, get, device, perplexity):
           f"iteration {meta.get('iteration', '?')})")
 
 
+POWERSGD_START = 2  # the PowerSGD hook's start_powerSGD_iter: its first steps allreduce vanilla
+
+
+def ddp_step_bytes(params, workers, hook, rank, step):
+    """The bytes one worker sends (and as many it receives) in step `step` (1-based) of torch
+    DDP over Gloo, counted, not measured: Gloo's ring allreduce moves 2 (P - 1) / P of every
+    allreduced tensor's bytes each way. The fp16 hook allreduces half-floats; torch's PowerSGD
+    hook (after POWERSGD_START vanilla steps) allreduces, for each gradient viewed as n x m
+    (its first dimension by the rest), the factors P (n x r) and Q (m x r), r = min(n, m, rank),
+    where they hold under half of its n m elements (its min_compression_rate 2), else the whole
+    gradient (powerSGD_hook.py's _should_compress)."""
+    if workers < 2:
+        return 0
+    elements = 0
+    for p in params:
+        n = p.shape[0] if p.dim() else 1
+        m = p.numel() // n
+        r = min(n, m, rank)
+        compress = hook == "powersgd" and step > POWERSGD_START and (n + m) * r * 2 < n * m
+        elements += (n + m) * r if compress else n * m
+    width = 2 if hook == "fp16" else 4
+    return round(2 * (workers - 1) / workers * width * elements)
+
+
 def make_optimizer(args, params, get, ddp):
     """The torch optimizer of --optimizer: SGD at train.lr (with train.momentum under DDP; inside
     sparseps otherwise), Adam / AdamW at --opt-lr."""
@@ -354,6 +378,7 @@ def run(args, build_model, load_data, perplexity=False):
     torch.manual_seed(seed)  # the same initial model everywhere (worker 0's is used anyway)
     model = build_model(args.model, get).to(device)
     n = sum(p.numel() for p in model.parameters())
+    trained = [p for p in model.parameters() if p.requires_grad]  # what DDP allreduces
     horizon = {}  # --lr-schedule's last step, once the data are loaded
     if args.ddp:
         # sparseps only for the rank and the job's end; DDP broadcasts worker 0's parameters.
@@ -375,7 +400,7 @@ def run(args, build_model, load_data, perplexity=False):
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
             state = powerSGD_hook.PowerSGDState(process_group=None,
                                                 matrix_approximation_rank=args.powersgd_rank,
-                                                start_powerSGD_iter=2)
+                                                start_powerSGD_iter=POWERSGD_START)
             # Gloo completes a bucket's allreduce on a thread of its own, where the hook starts
             # the next of its chain (P, then Q): two buckets' chains then interleave differently
             # on each rank and Gloo pairs tensors of different sizes ("op.preamble.length <=
@@ -525,7 +550,10 @@ def run(args, build_model, load_data, perplexity=False):
             epoch_loss, epoch_steps = epoch_loss + loss, epoch_steps + 1
             if metrics and args.ddp:
                 # DDP's allreduce runs inside backward (compute_ms); comm_ms is the optimizer step.
-                metrics.writerow([step, epoch + 1, loss, 0, 0, n, 1000 * (t1 - t0), 0,
+                # Its bytes are Gloo's ring's, counted (ddp_step_bytes).
+                sent = ddp_step_bytes(trained, worker.num_workers, args.ddp_hook,
+                                      args.powersgd_rank, step)
+                metrics.writerow([step, epoch + 1, loss, sent, sent, n, 1000 * (t1 - t0), 0,
                                   1000 * (t2 - t1), t2 - start, n, -1, 0])
             elif metrics:
                 last_step = worker.last_step

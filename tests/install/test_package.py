@@ -246,3 +246,16 @@ def test_the_packaged_comparison_runs_a_users_own_model_against_ddp(package, tmp
     assert float(rows["ddp"]["time_to_target_s"]) > 0, rows["ddp"]
     assert "model: torch mine" in (results[0].parent / "runs" / "ps_topk" /
                                    "worker-0.log").read_text()
+    # DDP's bytes, Gloo's ring counted (2 (P - 1) / P of the 1,604 floats each way), so that the
+    # advisor charges DDP's step for the network it names: here 10 Mbit/s.
+    assert float(rows["ddp"]["sent_bytes_per_step"]) == 4 * 1604, rows["ddp"]
+    r = run([str(root / "usr" / "bin" / "sparseps-advise"), "--config", "compare.yaml",
+             "--calibration", str(results[0].parent), "--link", "1.25e6,0.0001"],
+            cwd=tmp_path, env=env, timeout=300)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    advice = json.loads(next(tmp_path.glob("runs/advise-own_model-*/advice.json")).read_text())
+    ddp = next(s for s in advice["settings"] if s["setting"] == "ddp")
+    assert ddp["sent_bytes_per_step"] == 4 * 1604, ddp
+    # 5.1 ms on the link (less what the same bytes took on loopback); with no bytes counted, the
+    # round trips' 0.05 ms alone
+    assert ddp["network_ms"] > 0.9 * 1000 * 4 * 1604 / 1.25e6, ddp
