@@ -487,6 +487,7 @@ def run(args, build_model, load_data, perplexity=False):
     memcpy = MemcpyCount(args.profile_memcpy, run_dir, rank, device.type == "cuda")
     start = last = time.monotonic()
     steps_run = 0  # in this process (a resumed job's start at its checkpoint's step)
+    ddp_bytes = 0  # --ddp: the bytes counted so far (each way)
     rollback_error = capi.RolledBack if Worker is capi.Worker else sparseps.RolledBack
     eval_s, accuracy, epoch_loss, epoch_steps = 0.0, -1.0, 0.0, 0
     progress_loss, progress_steps = 0.0, 0
@@ -548,11 +549,12 @@ def run(args, build_model, load_data, perplexity=False):
             loss = loss.item()
             memcpy.after(step)
             epoch_loss, epoch_steps = epoch_loss + loss, epoch_steps + 1
-            if metrics and args.ddp:
-                # DDP's allreduce runs inside backward (compute_ms); comm_ms is the optimizer step.
-                # Its bytes are Gloo's ring's, counted (ddp_step_bytes).
+            if args.ddp:  # Gloo's ring's bytes, counted (ddp_step_bytes)
                 sent = ddp_step_bytes(trained, worker.num_workers, args.ddp_hook,
                                       args.powersgd_rank, step)
+                ddp_bytes += sent
+            if metrics and args.ddp:
+                # DDP's allreduce runs inside backward (compute_ms); comm_ms is the optimizer step.
                 metrics.writerow([step, epoch + 1, loss, sent, sent, n, 1000 * (t1 - t0), 0,
                                   1000 * (t2 - t1), t2 - start, n, -1, 0])
             elif metrics:
@@ -574,8 +576,9 @@ def run(args, build_model, load_data, perplexity=False):
                     f"{progress_loss / progress_steps:.4f} test_acc {acc} cluster "
                     f"{rate(progress_steps * batch * plan.count / (t2 - last))} samples/s, this "
                     f"worker "
-                    f"sent {worker.bytes_sent / 1e6:.2f} MB and received "
-                    f"{worker.bytes_received / 1e6:.2f} MB in all")
+                    f"sent {(ddp_bytes if args.ddp else worker.bytes_sent) / 1e6:.2f} MB and "
+                    f"received {(ddp_bytes if args.ddp else worker.bytes_received) / 1e6:.2f} "
+                    f"MB in all{' (counted)' if args.ddp else ''}")
                 last, progress_loss, progress_steps = t2, 0.0, 0
             every = get("train.eval_every_steps")
             if every and step % every == 0 and step < plan.total and lead():
