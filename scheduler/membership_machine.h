@@ -101,8 +101,9 @@ class MembershipMachine {
   // BARRIER_RELEASE of `key` to node `node` (an index into JobState::nodes).
   void SendRelease(size_t node, const BarrierKey& key, const Released& released,
                    std::vector<Outgoing>* out) const;
-  // Why `values` from `node` cannot enter summing barrier `b` (too many, or not as many as the
-  // first member gave); empty: they can.
+  // Why `entered` from `node` cannot enter barrier `b` as it stands: over kMaxBarrierValues
+  // numbers, numbers without a call id, a plain entry of a summing barrier or the reverse, or not
+  // as many numbers as the first member gave. Empty: it can.
   std::string SummingError(const BarrierState& b, const BarrierKey& key, size_t node,
                            const proto::Barrier& entered) const;
   // Registration timed out: who is missing.

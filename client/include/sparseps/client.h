@@ -221,6 +221,7 @@ class Worker {
   /// lost meanwhile is left out; one that does not call within cluster.barrier_timeout_s ends the
   /// job naming it. Throws kInvalidArgument for no or more than 4096 numbers, kFailedPrecondition
   /// before Init, kFailed when the scheduler refused them (another worker gave another count).
+  /// Not thread-safe against this worker's other calls.
   std::vector<double> AllreduceValues(std::span<const double> values,
                                       uint32_t* contributors = nullptr);
 
