@@ -23,11 +23,17 @@ ROUNDS = {
 }
 
 
-def method_of(overrides):
+def method_of(overrides, worker=""):
     """The method a setting's `set` overrides name: ("ps", encoding) or ("allreduce",
     collective.algorithm), with the job's defaults (aggregation ps, encoding topk, collective
-    ring) where a key is not overridden."""
+    ring) where a key is not overridden. A `worker` command of torch DDP with its PowerSGD hook
+    (the examples' `--ddp --ddp-hook powersgd`) is ("allreduce", "powersgd"): the hook's two
+    rings a step (P, then Q), whatever collective the job names."""
     kv = dict(o.split("=", 1) for o in overrides if "=" in o)
+    words = worker.split()
+    if "--ddp" in words and "--ddp-hook" in words and \
+            words[words.index("--ddp-hook") + 1:][:1] == ["powersgd"]:
+        return "allreduce", "powersgd"
     if kv.get("aggregation", "ps") == "allreduce":
         return "allreduce", kv.get("collective.algorithm", "ring")
     return "ps", kv.get("compression.encoding", "topk")

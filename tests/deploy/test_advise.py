@@ -55,6 +55,13 @@ def test_method_of_reads_the_overrides_with_the_defaults():
     assert cost_model.method_of(["aggregation=allreduce"]) == ("allreduce", "ring")
     assert cost_model.method_of(["compression.encoding=sbc"]) == ("ps", "sbc")
     assert cost_model.method_of([]) == ("ps", "topk")
+    # torch DDP's PowerSGD hook (the examples' worker command): two rings a step, as sparseps's.
+    ddp = ["aggregation=allreduce", "collective.algorithm=ring"]
+    assert cost_model.method_of(ddp, "python3 fashion_mnist.py --ddp --ddp-hook powersgd") == \
+        ("allreduce", "powersgd")
+    assert cost_model.method_of(ddp, "python3 fashion_mnist.py --ddp --ddp-hook fp16") == \
+        ("allreduce", "ring")
+    assert cost_model.method_of(ddp, "python3 fashion_mnist.py --ddp") == ("allreduce", "ring")
 
 
 def test_predict_adds_the_network_time_per_step_to_the_calibration():
