@@ -242,13 +242,16 @@ def test_the_launchers_replacement_of_a_python_worker_takes_the_leaders_state(tm
     first step (the scheduler's log: the hand-over's bytes) and trains to the job's last step;
     the job ends well. (A worker killed with kill -9 takes the same way through launch.sh: the
     next test.)"""
-    steps = 900  # worker 0 trains on alone while the replacement starts: room for it to join
+    # Worker 0 trains on alone while the replacement starts and joins: room for it to join before
+    # the end (at 900 steps, under a loaded CI, worker 0 once ended the job first and the
+    # replacement, unanswered, timed out and failed the launch).
+    steps = 2000
     command = f"{sys.executable} {ROOT / 'examples' / 'fashion_mnist.py'} --model mlp " \
         "--optimizer adam"
     run, code, out = launch_and_kill(
         tmp_path, command, ["train.momentum=0", f"train.max_steps={steps}",
-                            "data.max_test_samples=200", "cluster.heartbeat_interval_s=0.25",
-                            "cluster.heartbeat_timeout_s=5"],
+                            "train.epochs=10", "data.max_test_samples=200",
+                            "cluster.heartbeat_interval_s=0.25", "cluster.heartbeat_timeout_s=5"],
         victim=1, after_steps=20, launch_args=["--max-restarts", "1"], stop_s=8)
     assert code == 0, out
     assert "restart 1 of 1: worker-1 exited with code 3" in (run / "restarts.log").read_text()
