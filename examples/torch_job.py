@@ -488,6 +488,9 @@ def run(args, build_model, load_data, perplexity=False):
     start = last = time.monotonic()
     steps_run = 0  # in this process (a resumed job's start at its checkpoint's step)
     ddp_bytes = 0  # --ddp: the bytes counted so far (each way)
+    # --ddp: a step's bytes before and after PowerSGD's vanilla steps, counted once.
+    ddp_step = [ddp_step_bytes(trained, worker.num_workers, args.ddp_hook, args.powersgd_rank,
+                               s) for s in (1, POWERSGD_START + 1)] if args.ddp else None
     rollback_error = capi.RolledBack if Worker is capi.Worker else sparseps.RolledBack
     eval_s, accuracy, epoch_loss, epoch_steps = 0.0, -1.0, 0.0, 0
     progress_loss, progress_steps = 0.0, 0
@@ -550,8 +553,7 @@ def run(args, build_model, load_data, perplexity=False):
             memcpy.after(step)
             epoch_loss, epoch_steps = epoch_loss + loss, epoch_steps + 1
             if args.ddp:  # Gloo's ring's bytes, counted (ddp_step_bytes)
-                sent = ddp_step_bytes(trained, worker.num_workers, args.ddp_hook,
-                                      args.powersgd_rank, step)
+                sent = ddp_step[step > POWERSGD_START]
                 ddp_bytes += sent
             if metrics and args.ddp:
                 # DDP's allreduce runs inside backward (compute_ms); comm_ms is the optimizer step.
