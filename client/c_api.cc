@@ -44,6 +44,8 @@ int Guard(F&& f, char* err, size_t err_len) {
         return Fail(SPARSEPS_ROLLED_BACK, e.what(), err, err_len);
       case sparseps::client::ErrorCode::kLost:
         return Fail(SPARSEPS_LOST, e.what(), err, err_len);
+      case sparseps::client::ErrorCode::kJobEnded:
+        return Fail(SPARSEPS_JOB_ENDED, e.what(), err, err_len);
       default:
         return Fail(SPARSEPS_FAILED, e.what(), err, err_len);
     }

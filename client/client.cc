@@ -248,7 +248,12 @@ void Worker::Impl::Join(std::span<const Buffer> params, const std::vector<Tensor
         if (joined.ok()) session = std::move(*joined);
         return joined.status();
       },
-      /*report_failure=*/false);        // JoinOwnLoop reported it
+      /*report_failure=*/false);  // JoinOwnLoop reported it
+  if (session == nullptr) {
+    throw Error(ErrorCode::kJobEnded,
+                "the job ended before this replacement worker could join: nothing to do (exit "
+                "with code 0)");
+  }
   session->set_hold_checkpoints(true);  // SetCheckpointState completes them
   session->set_hold_handoffs(true);     // SendHandoff and ReceiveHandoff, the loop's state
   if (session->rejoining()) steps = session->rejoin_iteration();  // the lost worker's

@@ -430,10 +430,12 @@ run_job() {  # starts every process, waits; sets $failed to the name of a proces
       fi
       if [[ -n "$job_ended" && $rc -ne 0 ]]; then
         # After the end nothing is restarted. Code 3: the scheduler fell silent before its
-        # SHUTDOWN reached this process (a connection that broke as the job ended).
+        # SHUTDOWN reached this process (a connection that broke as the job ended), or a
+        # replacement started just before the end found no scheduler listening any more.
         if [[ $rc -eq 3 ]]; then
           echo "launch.sh: ${names[$i]} exited with code 3 after the job had ended (the" \
-            "scheduler's SHUTDOWN did not reach it); the job finished" >&2
+            "scheduler's SHUTDOWN did not reach it, or it came after the scheduler had gone);" \
+            "the job finished" >&2
           continue
         fi
         failed="${names[$i]}"

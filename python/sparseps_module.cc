@@ -11,7 +11,8 @@
 //
 // Errors become Python exceptions: ValueError for bad input or configuration, TimeoutError for a
 // deadline (naming who is missing), KeyboardInterrupt when Ctrl-C ended a wait, sparseps.Lost when
-// this worker is out of the job, sparseps.Error (a RuntimeError) for the rest.
+// this worker is out of the job, sparseps.JobEnded when a replacement came after the end,
+// sparseps.Error (a RuntimeError) for the rest.
 //
 // Thread-safety: a Worker belongs to one Python thread; blocking calls release the GIL.
 #include <pybind11/numpy.h>
@@ -46,10 +47,11 @@ using pymodule::Owned;
 PyObject* g_error = nullptr;        // sparseps.Error
 PyObject* g_rolled_back = nullptr;  // sparseps.RolledBack
 PyObject* g_lost = nullptr;         // sparseps.Lost
+PyObject* g_job_ended = nullptr;    // sparseps.JobEnded
 
 // The client library's errors as Python's: ValueError, TimeoutError, KeyboardInterrupt (Ctrl-C
 // ended a wait), sparseps.RolledBack (a server was replaced), sparseps.Lost (this worker is out
-// of the job), sparseps.Error.
+// of the job), sparseps.JobEnded (a replacement came after the end), sparseps.Error.
 [[noreturn]] void Raise(const client::Error& e) {
   switch (e.code()) {
     case client::ErrorCode::kInvalidArgument:
@@ -65,6 +67,9 @@ PyObject* g_lost = nullptr;         // sparseps.Lost
       break;
     case client::ErrorCode::kLost:
       PyErr_SetString(g_lost, e.what());
+      break;
+    case client::ErrorCode::kJobEnded:
+      PyErr_SetString(g_job_ended, e.what());
       break;
     default:
       PyErr_SetString(g_error, e.what());
@@ -529,6 +534,10 @@ void DefineErrors(py::module_& m) {
   // on without it: a loop exits with code 3, as the daemons do, so that launch.sh lets it go.
   static py::exception<std::runtime_error> lost(m, "Lost", error.ptr());
   sparseps::g_lost = lost.ptr();
+  // A replacement came as or after the job ended (init): nothing to join, nothing failed; a loop
+  // exits with code 0, as the daemons do.
+  static py::exception<std::runtime_error> job_ended(m, "JobEnded", error.ptr());
+  sparseps::g_job_ended = job_ended.ptr();
 }
 
 PYBIND11_MODULE(_sparseps, m) {

@@ -402,6 +402,13 @@ void MembershipMachine::HandleDone(const std::string& from, const proto::Header&
 bool MembershipMachine::HandleAfterEnd(const std::string& from, const Result<Message>& msg,
                                        std::vector<Outgoing>* out) {
   if (!job_.finished || !job_.finished->ok() || !msg.ok()) return ServersNotReported().empty();
+  if (msg->header.command() == proto::REGISTER) {
+    // A replacement (or a registration sent again) that comes after the end: nothing to join.
+    Outgoing o = job_.To(from, proto::SHUTDOWN);
+    o.msg.header.set_error("nothing to join: the job has ended");
+    out->push_back(std::move(o));
+    return ServersNotReported().empty();
+  }
   const int idx = job_.FindNodeByRoutingId(from);
   if (idx < 0) return ServersNotReported().empty();
   const SchedulerNode& n = job_.nodes[static_cast<size_t>(idx)];

@@ -54,8 +54,8 @@ class MembershipMachine {
   // training's (CheckTheEnd).
   void Tick(Clock::time_point now, std::vector<Outgoing>* out);
 
-  // Once the job ended normally: a server's DONE with its counters, a worker's DONE again (see
-  // Scheduler).
+  // Once the job ended normally: a server's DONE with its counters, a worker's DONE again, a
+  // REGISTER (see Scheduler).
   bool HandleAfterEnd(const std::string& from, const Result<Message>& msg,
                       std::vector<Outgoing>* out);
   std::vector<int> ServersNotReported() const;

@@ -191,11 +191,15 @@ std::string Recovery::WorkerRejoinError(const proto::Register& r) const {
   if (!job_.continue_on_worker_failure) {
     return "a replacement worker joins a ps job with cluster.on_worker_failure: continue only";
   }
-  if (!job_.stop_reason.empty()) return "the job is ending: " + job_.stop_reason;
   if (r.num_params() != job_.membership.num_params()) {
     return "its model has " + std::to_string(r.num_params()) + " parameters, the job's " +
            std::to_string(job_.membership.num_params()) + "; does it run the same config?";
   }
+  return "";
+}
+
+std::string Recovery::EndingReason() const {
+  if (!job_.stop_reason.empty()) return "the job is ending: " + job_.stop_reason;
   for (const auto& n : job_.nodes) {
     if (n.role == proto::WORKER && n.done && !n.dead) {
       return "the job's workers are finishing (" + job_.Describe(n) + " is done)";
@@ -245,11 +249,26 @@ static void RefuseRejoin(JobState& job, const std::string& from, const proto::Re
   job.Refuse(from, "--rejoin refused: " + why, out);
 }
 
+// A replacement that comes as the job ends has nothing to join: a SHUTDOWN (not an ERROR:
+// nothing failed) with the reason, and it exits as a node of a finished job does (code 0).
+static void DismissRejoin(JobState& job, const std::string& from, const proto::Register& r,
+                          const std::string& why, std::vector<Outgoing>* out) {
+  spdlog::info("a replacement {} from {} (pid {}) came as the job ends ({}): told to exit",
+               RoleName(r.role()), r.hostname(), r.pid(), why);
+  Outgoing o = job.To(from, proto::SHUTDOWN);
+  o.msg.header.set_error("nothing to join: " + why);
+  out->push_back(std::move(o));
+}
+
 void Recovery::RejoinWorker(const std::string& from, const std::string& key,
                             const proto::Register& r, Clock::time_point now,
                             std::vector<Outgoing>* out) {
   std::string why = r.role() != proto::WORKER ? "only servers and workers join a running job"
                                               : WorkerRejoinError(r);
+  if (const std::string ending = EndingReason(); why.empty() && !ending.empty()) {
+    DismissRejoin(job_, from, r, ending, out);
+    return;
+  }
   const int rank = why.empty() ? PickWorkerRank(r, &why) : -1;
   if (!why.empty()) {
     RefuseRejoin(job_, from, r, why, out);
@@ -342,10 +361,18 @@ void Recovery::HandleJoined(const std::string& from, const proto::Header& h, Clo
   StartNextChange(now, out);
 }
 
-void Recovery::TurnAway(SchedulerNode& n, const std::string& why, std::vector<Outgoing>* out) {
+void Recovery::TurnAway(SchedulerNode& n, const std::string& why, bool ending,
+                        std::vector<Outgoing>* out) {
   n.dead = true;
   n.joining = false;
   n.told_dead = true;  // its later messages get no FATAL: it was told here
+  if (ending) {
+    Outgoing o = job_.To(n.routing_id, proto::SHUTDOWN);
+    o.msg.header.set_error("nothing to join: " + why);
+    out->push_back(std::move(o));
+    spdlog::info("told the replacement {} to exit: {}", job_.Describe(n), why);
+    return;
+  }
   job_.Refuse(n.routing_id, "--rejoin refused: " + why, out);
   spdlog::warn("turned away the replacement {}: {}", job_.Describe(n), why);
 }
@@ -399,6 +426,10 @@ void Recovery::LoseServer(size_t idx, const std::string& reason, Clock::time_poi
 void Recovery::RejoinServer(const std::string& from, const std::string& key,
                             const proto::Register& r, Clock::time_point now,
                             std::vector<Outgoing>* out) {
+  if (const std::string ending = EndingReason(); !ending.empty()) {
+    DismissRejoin(job_, from, r, ending, out);
+    return;
+  }
   if (rollback_ || waiting_server_) {
     RefuseRejoin(job_, from, r, "another replacement server is joining", out);
     return;
@@ -577,15 +608,15 @@ void Recovery::TurnAwayStale(Clock::time_point now, std::vector<Outgoing>* out) 
     SchedulerNode& n = job_.nodes[j.node];
     if (j.started || n.dead) continue;
     const double waited = SecondsBetween(j.registered, now);
-    if (!job_.stop_reason.empty()) {
-      TurnAway(n, "the job is ending: " + job_.stop_reason, out);
+    if (const std::string ending = EndingReason(); !ending.empty()) {
+      TurnAway(n, ending, /*ending=*/true, out);
     } else if (waited > patience && job_.FindNode(proto::WORKER, n.rank) >= 0) {
       // The worker it replaces is alive and in the job.
       TurnAway(n,
                "worker " + std::to_string(n.rank) + " is still in the job after " +
                    FormatSeconds(waited) +
                    "; a replacement joins once the scheduler declared it dead",
-               out);
+               /*ending=*/false, out);
     }
   }
   std::erase_if(joins_, [&](const Join& j) { return !j.started && job_.nodes[j.node].dead; });
@@ -597,7 +628,7 @@ void Recovery::TurnAwayStale(Clock::time_point now, std::vector<Outgoing>* out) 
                "server " + std::to_string(n.rank) + " is still in the job after " +
                    FormatSeconds(waited) +
                    "; a replacement takes over once the scheduler declared it dead",
-               out);
+               /*ending=*/false, out);
       waiting_server_.reset();
     }
   }

@@ -96,8 +96,11 @@ class Recovery {
                     Clock::time_point now, std::vector<Outgoing>* out);
   void RejoinWorker(const std::string& from, const std::string& key, const proto::Register& r,
                     Clock::time_point now, std::vector<Outgoing>* out);
-  // Why a replacement worker cannot join now; empty: it can.
+  // Why a replacement worker cannot join now; empty: it can (EndingReason is asked first).
   std::string WorkerRejoinError(const proto::Register& r) const;
+  // Why a replacement has nothing left to join: the job is ending (a stop) or its workers are
+  // finishing (one is done); empty: neither.
+  std::string EndingReason() const;
   // The rank a replacement worker takes (-1 with *why set: none).
   int PickWorkerRank(const proto::Register& r, std::string* why) const;
   // A replacement (not dead) still joining with worker rank `rank`; nullptr: none.
@@ -118,8 +121,9 @@ class Recovery {
   void MaybeStartJoin(Clock::time_point now, std::vector<Outgoing>* out);
   // Every server answered WORKER_JOIN: the join iteration, the next membership epoch.
   void PublishJoin(std::vector<Outgoing>* out);
-  // A waiting replacement (--rejoin) is refused with `why` and leaves the job's books.
-  void TurnAway(SchedulerNode& n, const std::string& why, std::vector<Outgoing>* out);
+  // A waiting replacement (--rejoin) is refused with `why` and leaves the job's books; `ending`:
+  // told with a SHUTDOWN (the job ends; it exits as a finished node does), else an ERROR.
+  void TurnAway(SchedulerNode& n, const std::string& why, bool ending, std::vector<Outgoing>* out);
   // A server was declared dead: pauses the job for a replacement, or ends it (why not, in the
   // reason) when the job cannot roll back.
   void LoseServer(size_t idx, const std::string& reason, Clock::time_point now,

@@ -70,8 +70,9 @@ class Scheduler {
 
   // Once the job ended normally (SHUTDOWN sent): a server's DONE with its counters, accepted only
   // from that server's own control socket and key, for summary.json's `servers`; a worker's DONE
-  // again (it did not get the SHUTDOWN, or its DONE seemed lost) is answered with SHUTDOWN again.
-  // Anything else is ignored. Returns true once every server in the job has reported.
+  // again (it did not get the SHUTDOWN, or its DONE seemed lost) is answered with SHUTDOWN again,
+  // and so is a REGISTER (a replacement that came too late: it exits with code 0). Anything else
+  // is ignored. Returns true once every server in the job has reported.
   bool HandleAfterEnd(const std::string& from, const Result<Message>& msg,
                       std::vector<Outgoing>* out) {
     return membership_.HandleAfterEnd(from, msg, out);

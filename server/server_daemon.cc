@@ -412,6 +412,11 @@ Status ServerLoop::Run() {
   }
   control_.StopHeartbeats();
   if (shard_ != nullptr) ReportCounters();
+  if (shard_ == nullptr && config_.node().rejoin()) {
+    const std::string& why = control_.shutdown_reason();
+    spdlog::info("the job finished before this replacement server could join{}",
+                 why.empty() ? "" : " (" + why + ")");
+  }
   return Status::OK();
 }
 

@@ -52,7 +52,8 @@ ControlClient::ControlClient(zmq::context_t& context, const proto::JobConfig& co
                                 : config.cluster().scheduler_port(),
                             control_routing_id_, SchedulerKey(context))) {
   const std::string endpoint = "inproc://sparseps-monitor-" + control_routing_id_;
-  if (zmq_socket_monitor(socket_.handle(), endpoint.c_str(), ZMQ_EVENT_CONNECTED) == 0) {
+  if (zmq_socket_monitor(socket_.handle(), endpoint.c_str(),
+                         ZMQ_EVENT_CONNECTED | ZMQ_EVENT_CONNECT_RETRIED) == 0) {
     monitor_ = zmq::socket_t(context, zmq::socket_type::pair);
     monitor_.set(zmq::sockopt::linger, 0);
     monitor_.connect(endpoint);
@@ -78,7 +79,12 @@ void ControlClient::CheckReconnected() {
     if (event.more()) (void)monitor_.recv(address, zmq::recv_flags::dontwait);
     uint16_t id = 0;
     if (event.size() >= sizeof(id)) std::memcpy(&id, event.data(), sizeof(id));
-    connected = connected || id == ZMQ_EVENT_CONNECTED;
+    if (id == ZMQ_EVENT_CONNECTED) {
+      connected = true;
+      refused_since_.reset();
+    } else if (id == ZMQ_EVENT_CONNECT_RETRIED && !refused_since_) {
+      refused_since_ = Clock::now();
+    }
   }
   // The first connection carries the registration and the membership; one made after them is
   // one made again.
@@ -145,8 +151,24 @@ Status ControlClient::Register(const std::string& host, uint32_t port, uint64_t 
   return Status::OK();
 }
 
+Status ControlClient::CheckSchedulerThere() {
+  const double timeout = config_.cluster().heartbeat_timeout_s();
+  if (!registered_ || !register_.rejoin() || has_membership_ || shutdown_ || !refused_since_ ||
+      SecondsSince(*refused_since_) <= timeout) {
+    return Status::OK();
+  }
+  scheduler_lost_ = true;
+  fatal_ = "no scheduler at " + scheduler_endpoint() + ": it refused this replacement's " +
+           "connections for " + FormatSeconds(SecondsSince(*refused_since_)) +
+           " (cluster.heartbeat_timeout_s = " + FormatSeconds(timeout) +
+           "); a replacement (--rejoin) joins a running job: has the job ended, or did the "
+           "scheduler die?";
+  return Status::Disconnected(fatal_);
+}
+
 Status ControlClient::Poll() {
   CheckReconnected();
+  SPARSEPS_RETURN_IF_ERROR(CheckSchedulerThere());
   while (true) {
     if (StopRequested()) return Status::Aborted("stopped by a signal");
     if (scheduler_lost_ || removed_) return Status::Disconnected(fatal_);
@@ -200,6 +222,7 @@ Status ControlClient::Poll() {
       }
       case proto::SHUTDOWN:
         shutdown_ = true;
+        shutdown_reason_ = h.error();
         break;
       case proto::HEARTBEAT:
         break;  // last_heard_ is set above

@@ -68,7 +68,10 @@ class ControlClient {
   // FATAL, CHECKPOINTS_KEPT, HANDOFF. Returns Aborted once FATAL arrived (the scheduler's reason in
   // the message), or when a stop signal arrived; Disconnected once nothing came from the scheduler
   // for cluster.heartbeat_timeout_s (scheduler_lost()) or once a FATAL said this node was removed
-  // from the job (removed()); OK otherwise (check shutdown_requested()).
+  // from the job (removed()); OK otherwise (check shutdown_requested()). A replacement
+  // (node.rejoin) still waiting for its membership is Disconnected too once the scheduler's port
+  // refused its connections for cluster.heartbeat_timeout_s: no scheduler runs there (the job
+  // ended, or the scheduler died), and a replacement joins a running job only.
   Status Poll();
 
   // Polls the scheduler socket until done() is true. Errors: DeadlineExceeded after timeout_s
@@ -213,6 +216,8 @@ class ControlClient {
   Status SendToScheduler(Message& msg) { return Send(msg); }
   int rank() const { return membership_.your_rank(); }
   bool shutdown_requested() const { return shutdown_; }
+  // What the SHUTDOWN said, if anything (e.g. why a replacement has nothing to join).
+  const std::string& shutdown_reason() const { return shutdown_reason_; }
   zmq::socket_t& socket() { return socket_; }
   std::string scheduler_endpoint() const;
   // The routing id this node's push/pull socket must use (a worker's PsClient): registered with
@@ -234,20 +239,26 @@ class ControlClient {
   const std::string data_routing_id_;
   const std::string control_routing_id_;
   zmq::socket_t socket_;
-  // The control socket's connection events (ZMQ_EVENT_CONNECTED), read by Poll; not connected
-  // when ZeroMQ could not start the monitor.
+  // The control socket's connection events (ZMQ_EVENT_CONNECTED and _CONNECT_RETRIED), read by
+  // Poll; not connected when ZeroMQ could not start the monitor.
   zmq::socket_t monitor_;
   uint64_t reconnections_ = 0;
+  // Since when the scheduler's port refused every connection (a CONNECT_RETRIED with no
+  // CONNECTED after it); empty while connected.
+  std::optional<Clock::time_point> refused_since_;
   // Reads the connection events; for a connection made again after the membership (its TCP
   // connection broke) logs it and sends a HEARTBEAT on the control socket at once: it clears the
   // scheduler's mark that this node's connection is gone (two heartbeat intervals with it remove
   // the node) without waiting for the heartbeat thread's next one; then the newest iteration's
   // checkpoint reports and the newest answer (SendAnswer) again.
   void CheckReconnected();
+  // Poll's check for a replacement waiting for its membership at a port no scheduler listens on.
+  Status CheckSchedulerThere();
   bool registered_ = false;
   proto::Register register_;  // what Register sent
   bool has_membership_ = false;
   bool shutdown_ = false;
+  std::string shutdown_reason_;
   bool scheduler_lost_ = false;
   bool removed_ = false;          // a FATAL with `removed`
   Clock::time_point last_heard_;  // from the scheduler

@@ -78,7 +78,9 @@ Result<std::unique_ptr<WorkerSession>> WorkerSession::Join(const proto::JobConfi
   if (!st.ok()) {
     if (config.node().rejoin() && s->control_.shutdown_requested() &&
         !s->control_.has_membership()) {
-      spdlog::info("the job finished before this replacement worker could join");
+      const std::string& why = s->control_.shutdown_reason();
+      spdlog::info("the job finished before this replacement worker could join{}",
+                   why.empty() ? "" : " (" + why + ")");
       return std::unique_ptr<WorkerSession>();
     }
     s->control_.ReportFailure(st);
@@ -507,10 +509,7 @@ Result<std::unique_ptr<WorkerSession>> JoinOwnLoop(
     const proto::JobConfig& config, const std::vector<float>& initial, bool on_device,
     const std::function<void(StateArchive&)>& loop_state, const std::vector<TensorLayout>& layers) {
   auto joined = WorkerSession::Join(config, initial.size(), on_device, /*name_log=*/false, layers);
-  if (!joined.ok()) return joined.status();
-  if (*joined == nullptr) {
-    return Status::Aborted("the job finished before this replacement worker could join");
-  }
+  if (!joined.ok() || *joined == nullptr) return joined;  // nullptr: the job ended first
   std::unique_ptr<WorkerSession> session = std::move(*joined);
   // A replacement (--rejoin): the job's parameters at its first iteration, empty residuals; the
   // loop goes on from rejoin_iteration() as a resumed one does from its checkpoint's step. A

@@ -33,7 +33,8 @@ class WorkerSession {
   // registering is reported to the scheduler (which ends the job naming this worker) before it is
   // returned. Errors: those of each step (a deadline naming who is missing, Aborted on FATAL,
   // IoError binding a port). A replacement (node.rejoin, --rejoin) waits until the scheduler let it
-  // in (rejoining()); when the job ended normally before that, Join returns a null session.
+  // in (rejoining()); when the job ended before that, or was ending (the scheduler's SHUTDOWN says
+  // why), Join returns a null session: nothing to do, the process exits with code 0.
   // `layers`: the model's tensors (a collective that works layer by layer, powersgd, needs
   // them; empty: unknown).
   static Result<std::unique_ptr<WorkerSession>> Join(const proto::JobConfig& config,
@@ -268,8 +269,8 @@ Result<proto::JobConfig> LoadOwnLoopConfig(const std::string& config_path,
 // and sets its starting parameters: from the checkpoint when the job resumes (loop_state keeps
 // the loop's own position), the job's at rejoin_iteration() for a replacement (--rejoin; the
 // loop goes on from that step with its own data order), else worker 0's `initial`. A replacement
-// for a job that finished before it joined: Aborted. A failure after joining is reported to the
-// scheduler.
+// for a job that ended (or was ending) before it joined: a null session, as Join. A failure after
+// joining is reported to the scheduler.
 Result<std::unique_ptr<WorkerSession>> JoinOwnLoop(
     const proto::JobConfig& config, const std::vector<float>& initial, bool on_device,
     const std::function<void(StateArchive&)>& loop_state,

@@ -28,7 +28,8 @@ import json
 from ._epochs import EpochPlan
 from ._model_file import read_model_file
 
-__all__ = ["EpochPlan", "Error", "Lost", "RolledBack", "Worker", "cuda", "read_model_file"]
+__all__ = ["EpochPlan", "Error", "JobEnded", "Lost", "RolledBack", "Worker", "cuda",
+           "read_model_file"]
 
 
 def _module():

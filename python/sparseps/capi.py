@@ -26,17 +26,18 @@ import os
 
 import numpy as np
 
-__all__ = ["DeadlineExceeded", "Error", "InvalidArgument", "Lost", "RolledBack", "Worker",
-           "cuda", "library"]
+__all__ = ["DeadlineExceeded", "Error", "InvalidArgument", "JobEnded", "Lost", "RolledBack",
+           "Worker", "cuda", "library"]
 
-OK, INVALID_ARGUMENT, DEADLINE_EXCEEDED, FAILED, INTERRUPTED, ROLLED_BACK, LOST = range(7)
+OK, INVALID_ARGUMENT, DEADLINE_EXCEEDED, FAILED, INTERRUPTED, ROLLED_BACK, LOST, JOB_ENDED = \
+    range(8)
 HOST = -1
 _ERR_LEN = 4096
 
 
 class Error(RuntimeError):
     """A failed call: code is one of INVALID_ARGUMENT, DEADLINE_EXCEEDED, FAILED, ROLLED_BACK,
-    LOST."""
+    LOST, JOB_ENDED."""
 
     def __init__(self, code, message):
         super().__init__(message)
@@ -66,6 +67,12 @@ class Lost(Error):
     removed it (declared dead while the process was stopped or too slow) and the others went on
     without it. Exit with code 3, as the daemons do, so that deploy/launch.sh lets the job go on
     (with --max-restarts, a replacement joins)."""
+
+
+class JobEnded(Error):
+    """A replacement (node.rejoin) came when the job had ended or was ending (code JOB_ENDED,
+    from init): nothing to join, and nothing failed. Exit with code 0, as sparseps-worker does,
+    so that deploy/launch.sh and Slurm count the job a success."""
 
 
 class _Buffer(ctypes.Structure):
@@ -260,6 +267,8 @@ class Worker:
             raise RolledBack(code, err.value.decode(errors="replace"))
         if code == LOST:
             raise Lost(code, err.value.decode(errors="replace"))
+        if code == JOB_ENDED:
+            raise JobEnded(code, err.value.decode(errors="replace"))
         if code == INVALID_ARGUMENT:
             raise InvalidArgument(code, err.value.decode(errors="replace"))
         if code == DEADLINE_EXCEEDED:

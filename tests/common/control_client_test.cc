@@ -251,6 +251,50 @@ TEST_F(ControlClientTest, ADoneWorkerWhoseSchedulerFallsSilentEndsNormally) {
   EXPECT_EQ(barrier.code(), StatusCode::kDisconnected) << barrier.ToString();
 }
 
+TEST_F(ControlClientTest, AReplacementTheJobHasNoRoomForIsToldWhyBySchedulersShutdown) {
+  // The scheduler's SHUTDOWN before the membership (the job ended, or is ending): the wait ends
+  // and the reason is kept for the log (WorkerSession::Join then exits with code 0).
+  config_.mutable_node()->set_rejoin(true);
+  std::string id;
+  auto replacement = Connect(&id);
+  Message m;
+  m.header.set_command(proto::SHUTDOWN);
+  m.header.set_error("nothing to join: the job has ended");
+  ASSERT_TRUE(SendMessage(router_.socket, m, &id).ok());
+  const Status s = replacement->WaitForMembership();
+  EXPECT_EQ(s.code(), StatusCode::kAborted) << s.ToString();
+  EXPECT_TRUE(replacement->shutdown_requested());
+  EXPECT_FALSE(replacement->has_membership());
+  EXPECT_EQ(replacement->shutdown_reason(), "nothing to join: the job has ended");
+}
+
+TEST_F(ControlClientTest, AReplacementWhoseSchedulerIsGoneIsOutOfTheJobAFirstNodeWaits) {
+  // No one listens at the scheduler's port any more (the job ended, or the scheduler died): a
+  // replacement (node.rejoin), which joins a running job only, is out of it once the port
+  // refused its connections for cluster.heartbeat_timeout_s (Disconnected: its daemon exits with
+  // code 3, which launch.sh lets go after the end), not after the registration's deadline. A
+  // node of a job that starts waits on: its scheduler may start after it.
+  config_.mutable_cluster()->set_heartbeat_interval_s(0.1);
+  config_.mutable_cluster()->set_heartbeat_timeout_s(0.5);
+  config_.mutable_cluster()->set_register_timeout_s(600);
+  router_.socket.close();
+  ControlClient first(context_, config_, proto::WORKER);
+  ASSERT_TRUE(first.Register("127.0.0.1", 0, kParams).ok());
+  config_.mutable_node()->set_rejoin(true);
+  ControlClient replacement(context_, config_, proto::WORKER);
+  ASSERT_TRUE(replacement.Register("127.0.0.1", 0, kParams).ok());
+  const Status s = replacement.WaitForMembership();
+  EXPECT_EQ(s.code(), StatusCode::kDisconnected) << s.ToString();
+  EXPECT_NE(s.message().find("no scheduler at tcp://127.0.0.1:" + std::to_string(router_.port) +
+                             ": it refused this replacement's connections for"),
+            std::string::npos)
+      << s.message();
+  EXPECT_NE(s.message().find("has the job ended"), std::string::npos) << s.message();
+  EXPECT_TRUE(replacement.scheduler_lost());
+  const Status waited = first.WaitFor([&] { return first.has_membership(); }, 1.5, "membership");
+  EXPECT_EQ(waited.code(), StatusCode::kDeadlineExceeded) << waited.ToString();
+}
+
 TEST_F(ControlClientTest, ANodeTheSchedulerRemovedIsOutOfTheJobNotFailed) {
   // A FATAL marked `removed` (the node was declared dead while stopped or slow, and the job went
   // on): Disconnected, as a node cut off (its daemon exits with code 3, which launch.sh lets go),

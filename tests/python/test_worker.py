@@ -539,6 +539,57 @@ def test_a_killed_python_worker_is_replaced_by_one_that_rejoins(cluster, backend
         [(0, 2)] * (steps - joined), (lost, joined, done["splits"])
 
 
+@pytest.mark.parametrize("backend", ["module", "capi"])
+def test_a_replacement_that_comes_as_the_job_ends_has_nothing_to_join(cluster, backend, capfd):
+    """A replacement (node.rejoin=true) that registers once worker 0 is done, while worker 1 is
+    still at its last step: init raises JobEnded (nothing to join, nothing failed: a loop exits
+    with code 0, as launch.sh's replacement does), not an error; the job then ends well. One
+    that comes after the scheduler exited raises Lost (exit code 3, which launch.sh lets go after
+    the end) once the port refused it for cluster.heartbeat_timeout_s, not a registration
+    timeout after 70 s. (The scheduler's side: tests/scheduler/scheduler_test.cc.)"""
+    c = cluster(BASE, sets=["cluster.heartbeat_interval_s=0.25", "cluster.heartbeat_timeout_s=2"])
+    make = sparseps.Worker if backend == "module" else capi.Worker
+    module = sparseps if backend == "module" else capi
+    replacement_tried = threading.Event()
+
+    def worker(rank):
+        w = make(str(c.job), rank=rank, overrides=c.overrides)
+        params = initial()
+        w.init(params)
+        for t in range(5):
+            params -= w.push_pull(gradient(rank, t))
+        if rank == 1:  # still at its last step while the replacement comes
+            assert replacement_tried.wait(120)
+        w.finish()
+        return w.step
+
+    def replacement():
+        time.sleep(1)  # worker 0's DONE first (else it waits for worker 1 and is told as well)
+        w = make(str(c.job), rank=1, overrides=c.overrides + ["node.rejoin=true"])
+        try:
+            with pytest.raises(module.JobEnded, match="ended before this replacement worker"):
+                w.init(initial())
+        finally:
+            replacement_tried.set()
+        return "told"
+
+    assert run_threads([lambda: worker(0), lambda: worker(1), replacement]) == [5, 5, "told"]
+    assert c.wait() == {"scheduler": 0, "server-0": 0, "server-1": 0}
+    # The client's log says why (the scheduler's SHUTDOWN).
+    assert "could join (nothing to join: the job's workers are finishing (worker 0" in \
+        capfd.readouterr().out
+    summary = json.loads((c.run_dir / "summary.json").read_text())
+    assert summary["status"] == "ok" and not summary.get("joined_workers"), summary
+    # After the end: no scheduler listens any more.
+    late = make(str(c.job), rank=1, overrides=c.overrides + ["node.rejoin=true",
+                                                             "cluster.heartbeat_timeout_s=2"])
+    started = time.monotonic()
+    with pytest.raises(module.Lost, match=r"no scheduler at .* refused this replacement's "
+                                          r"connections.*has the job ended"):
+        late.init(initial())
+    assert time.monotonic() - started < 30  # not the 70 s registration deadline
+
+
 @pytest.mark.parametrize("kind", ["module", "capi"])
 def test_ctrl_c_ends_a_blocking_call_at_once(kind):
     """SIGINT during a wait (here for a scheduler that never answers, 70 s deadline) ends it at

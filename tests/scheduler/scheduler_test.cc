@@ -1008,6 +1008,48 @@ TEST_F(RejoinTest, ReplacementsThatCannotJoinAreToldWhy) {
   EXPECT_EQ(s.rejected_messages(), 8u);
 }
 
+// A replacement that comes as the job ends has nothing to join: a SHUTDOWN saying why (the node
+// exits with code 0), not an ERROR (which fails it, and launch.sh with it): one registering after
+// a worker is done, one that waited for its rank then, a server's, and a REGISTER after the end.
+TEST_F(RejoinTest, AReplacementThatComesAsTheJobEndsIsToldToExitNotRefused) {
+  Scheduler s(config_, t0_);
+  RegisterAll(s);
+  EXPECT_TRUE(Send(s, "w-c", Rejoin(1), t0_).empty());  // waits for worker 1 to be declared dead
+  EXPECT_TRUE(Send(s, "w-a", Done(5), t0_ + seconds(1)).empty());
+  auto shutdown_to = [](const std::vector<Outgoing>& out, const std::string& who) {
+    for (const auto& o : out) {
+      if (o.to == who && o.msg.header.command() == proto::SHUTDOWN) return o.msg.header.error();
+    }
+    return std::string("(none)");
+  };
+  for (const std::string who : {"w-d", "w-e", "s-c"}) {
+    auto out = Send(s, who,
+                    who == "s-c"   ? Rejoin(0, 0, proto::SERVER)
+                    : who == "w-d" ? Rejoin(1)
+                                   : Rejoin(-1),
+                    t0_ + seconds(1));
+    ASSERT_EQ(out.size(), 1u) << who;
+    EXPECT_THAT(shutdown_to(out, who),
+                HasSubstr("nothing to join: the job's workers are finishing (worker 0 ("));
+  }
+  std::vector<Outgoing> out;
+  s.Tick(t0_ + seconds(2), &out);
+  EXPECT_THAT(shutdown_to(out, "w-c"), HasSubstr("nothing to join: the job's workers are"));
+  EXPECT_TRUE(ErrorTo(out, "w-c").empty());
+  EXPECT_EQ(s.rejected_messages(), 0u);
+  // Worker 1 finishes: the job ends well, and no SHUTDOWN goes to the replacement told already.
+  out = Send(s, "w-b", Done(5), t0_ + seconds(2));
+  ASSERT_TRUE(s.finished());
+  EXPECT_TRUE(s.final_status().ok());
+  EXPECT_EQ(To(out, proto::SHUTDOWN), (std::set<std::string>{"w-a", "w-b", "s-a", "s-b"}));
+  EXPECT_EQ(s.Summary(t0_ + seconds(2)).joined_workers_size(), 0);
+  // After the end (the scheduler waits for the servers' counters) a REGISTER gets a SHUTDOWN.
+  out.clear();
+  s.HandleAfterEnd("w-f", Result<Message>(Rejoin(1)), &out);
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(shutdown_to(out, "w-f"), "nothing to join: the job has ended");
+}
+
 TEST_F(RejoinTest, AbortModeRefusesReplacements) {
   config_.mutable_cluster()->set_on_worker_failure(proto::ABORT);
   Scheduler s(config_, t0_);

@@ -45,6 +45,10 @@ enum class ErrorCode {
   /// without it. Not an error of the job: exit with code 3, as the daemons do, so that
   /// deploy/launch.sh lets the job go on (with --max-restarts, a replacement joins).
   kLost,
+  /// A replacement (node.rejoin) came when the job had ended or was ending (its workers done, or
+  /// a stop): nothing to join, and nothing failed. Not an error of the job: exit with code 0, as
+  /// sparseps-worker does, so that deploy/launch.sh and Slurm count the job a success.
+  kJobEnded,
 };
 
 /// The exception every call throws; what() is the cause, in words.
@@ -128,8 +132,8 @@ class Worker {
   /// the job's starting parameters (worker 0's; a checkpoint's when the job resumes; for a
   /// replacement, node.rejoin, the job's at the iteration it joins at), and step() is the steps
   /// done (0, the checkpoint's, or that iteration): the loop goes on from there. Throws
-  /// kDeadlineExceeded naming who did not register, kFailed when a replacement comes after the
-  /// job finished.
+  /// kDeadlineExceeded naming who did not register, kJobEnded when a replacement comes as or
+  /// after the job ends, kLost when no scheduler listens for a replacement.
   void Init(std::span<float> params);
 
   /// Init for a model of several tensors in host or CUDA device memory (all on one device; a

@@ -30,7 +30,10 @@ enum {
   /* This worker is out of the job (cut off from the scheduler, or removed by it after it was
      silent for cluster.heartbeat_timeout_s); the job may go on without it: exit with code 3, as
      the daemons do. */
-  SPARSEPS_LOST = 6
+  SPARSEPS_LOST = 6,
+  /* A replacement (node.rejoin) came as or after the job ended (sparseps_worker_init): nothing to
+     join, nothing failed: exit with code 0, as the daemons do. */
+  SPARSEPS_JOB_ENDED = 7
 };
 
 /* sparseps_buffer.device of host memory; a CUDA device's ordinal otherwise. */
