@@ -3,8 +3,9 @@ slurmctld and three slurmd nodes (each an emulated host in a network namespace; 
 127.0.0.1 where ip netns does not work here), the quickstart is submitted with sbatch and waited
 for with a deadline; the accuracy comes from the job's summary.json, the state and exit code from
 scontrol; a stopped job resumes with --resume to a never-stopped one's parameters; a worker
-killed with kill -9 does not end the job, a killed server ends it with its own exit code; a
-requeued job goes on from its checkpoint;
+killed with kill -9 does not end the job, a killed server ends it with its own exit code, and
+with --max-restarts both are replaced and the job completes; a requeued job goes on from its
+checkpoint;
 sparseps-advise --slurm measures the nodes' shaped links through srun from an allocation. Skips, saying why, only where slurmctld cannot start (not root, Slurm not installed).
 Run by ctest with Debian's python3 -m pytest."""
 import csv
@@ -227,10 +228,64 @@ def test_a_killed_worker_does_not_end_the_job(slurm, tmp_path):
         assert int(list(csv.DictReader(f))[-1]["step"]) == 1500
 
 
+def test_with_max_restarts_a_killed_worker_and_a_killed_server_are_replaced(slurm, tmp_path):
+    """--max-restarts 1: kill -9 of worker 1's daemon at step 20: its task starts it again with
+    --rejoin, and the replacement joins the running job; then, once a checkpoint after the join
+    is complete, kill -9 of server 1: its task starts a replacement that takes its key range,
+    and the job rolls back to that checkpoint. The job completes with exit code 0, worker 0
+    reaches the last step, the output names both restarts, and summary.json lists worker 1 as
+    lost and joined and server 1 as replaced."""
+    run_dir = tmp_path / "run"
+    job = slurm.submit(5, "--config", str(QUICKSTART), "--set", "model.hidden=[32]",
+                       "--set", "data.max_train_samples=4096", "--set", "data.max_test_samples=500",
+                       "--set", "train.epochs=200", "--set", "train.max_steps=4000",
+                       "--set", "checkpoint.every_steps=100", "--run-dir", str(run_dir),
+                       "--max-restarts", "1")
+
+    def pid_of(name, nth):  # the pid of the nth start (1-based) in the daemon's log
+        starts = re.findall(r"starting \(pid (\d+)\)", (run_dir / f"{name}.log").read_text())
+        return int(starts[nth - 1]) if len(starts) >= nth else None
+
+    def wait_for(what, done, deadline_s=120):
+        end = time.time() + deadline_s
+        while not done():
+            assert time.time() < end, f"{what}:\n{slurm.output(job)}"
+            time.sleep(0.02)
+
+    metrics = run_dir / "metrics-worker-1.csv"
+    wait_for("worker 1 took no 20 steps",
+             lambda: metrics.exists() and len(metrics.read_text().splitlines()) > 20)
+    os.kill(pid_of("worker-1", 1), signal.SIGKILL)
+    joined = re.compile(r"joined the running job as worker 1: pushing from iteration (\d+) on")
+    wait_for("worker 1's replacement did not join",
+             lambda: joined.search((run_dir / "worker-1.log").read_text()))
+    after = int(joined.search((run_dir / "worker-1.log").read_text()).group(1))
+    wait_for(f"no complete checkpoint after iteration {after}",
+             lambda: any(int(m.parent.name[len("iter-"):]) > after
+                         for m in (run_dir / "checkpoints").glob("iter-*/MANIFEST.json")))
+    os.kill(pid_of("server-1", 1), signal.SIGKILL)
+    out = slurm.completed(job)
+    assert "worker-1 exited with code 137; restart 1 of 1: a replacement joins the running job" \
+        in out, out
+    assert "server-1 exited with code 137; restart 1 of 1: a replacement takes its key range" \
+        in out, out
+    assert "worker-1 was replaced 1 time(s) (exit codes 137)" in out, out
+    assert "server-1 was replaced 1 time(s) (exit codes 137)" in out, out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "ok", summary
+    assert [w["rank"] for w in summary["lost_workers"]] == [1], summary
+    assert [(w["rank"], int(w["iteration"])) for w in summary["joined_workers"]] == \
+        [(1, after)], summary
+    assert [s["rank"] for s in summary["replaced_servers"]] == [1], summary
+    assert pid_of("server-1", 2) is not None and pid_of("worker-1", 2) is not None
+    with open(run_dir / "metrics-worker-0.csv") as f:
+        assert int(list(csv.DictReader(f))[-1]["step"]) == 4000
+
+
 def test_a_killed_server_fails_the_job_naming_it(slurm, tmp_path):
-    """kill -9 of server 1: nothing replaces it under Slurm, so its task fails and srun stops
-    the others (each then exits with code 1, "stopped by a signal"); the job's exit code is the
-    server's own, 137, and the output names it as the process that failed first."""
+    """kill -9 of server 1 (no --max-restarts): nothing replaces it, so its task fails and srun
+    stops the others (each then exits with code 1, "stopped by a signal"); the job's exit code is
+    the server's own, 137, and the output names it as the process that failed first."""
     run_dir = tmp_path / "run"
     job = slurm.submit(5, "--config", str(QUICKSTART), "--set", "model.hidden=[32]",
                        "--set", "data.max_train_samples=4096", "--set", "data.max_test_samples=500",
