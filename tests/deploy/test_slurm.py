@@ -16,6 +16,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -51,9 +52,9 @@ class Slurm:
         return subprocess.run([str(LOCAL_SLURM), "run", "--dir", str(self.dir), *cmd],
                               capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
-    def submit(self, ntasks, *args):
+    def submit(self, ntasks, *args, env=()):
         env = dict(os.environ, SPARSEPS_BUILD_DIR=str(BUILD),
-                   SPARSEPS_SCHEDULER_PORT=str(free_base(1)))
+                   SPARSEPS_SCHEDULER_PORT=str(free_base(1)), **dict(env))
         r = self.run("sbatch", "--parsable", f"--ntasks={ntasks}",
                      f"--output={self.dir}/job-%j.out", str(SBATCH), *args, env=env)
         assert r.returncode == 0, r.stderr
@@ -128,6 +129,31 @@ def test_quickstart_trains_across_nodes(slurm, tmp_path):
         assert m, name
         hosts.add(m.group(1))
     assert len(hosts) == slurm.nodes, hosts
+
+
+@pytest.mark.skipif(not pathlib.Path("/usr/share/datasets/fashion-mnist").exists(),
+                    reason="Debian's dataset-fashion-mnist is not installed")
+def test_a_python_training_loop_runs_as_the_workers(slurm, tmp_path):
+    """--worker-command: each worker task runs examples/fashion_mnist.py (the MLP through the
+    pybind11 module, from the build tree's python/) instead of sparseps-worker, finding the
+    scheduler, its rank and its node's address in the task's environment: the job completes,
+    each worker's metrics have every step, the leader's progress is in the job's output, and
+    the model learns."""
+    run_dir = tmp_path / "run"
+    command = f"{sys.executable} {ROOT / 'examples' / 'fashion_mnist.py'} --model mlp"
+    job = slurm.submit(5, "--config", str(ROOT / "examples" / "torch_cnn.yaml"),
+                       "--set", "train.max_steps=150", "--set", "data.max_test_samples=1000",
+                       "--set", "run.progress_interval_s=0.5", "--run-dir", str(run_dir),
+                       "--worker-command", command, env={"SPARSEPS_CACHE": str(tmp_path / "c")})
+    out = slurm.completed(job)
+    assert "progress epoch" in out and "final test accuracy" in out, out
+    for w in range(2):
+        with open(run_dir / f"metrics-worker-{w}.csv") as f:
+            assert [int(r["step"]) for r in csv.DictReader(f)] == list(range(1, 151)), w
+        assert "model: torch mlp" in (run_dir / f"worker-{w}.log").read_text(), w  # the example
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "ok", summary
+    assert summary["final_test_accuracy"] > 0.7, summary
 
 
 def test_a_stopped_job_resumes_from_its_checkpoint(slurm, tmp_path):
