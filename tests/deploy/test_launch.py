@@ -1,8 +1,8 @@
 """deploy/launch.sh with a run directory used before (--run-dir of an earlier job, as
 bench/sparseps-compare --resume does for a setting that did not finish): the stale
 scheduler.port of the last job must not send the workers to a dead scheduler; its supervision
-once the job ended; a whole job stopped and continued. Run by ctest with Debian's python3 -m
-pytest."""
+once the job ended, and of a replacement that comes after the end; a whole job stopped and
+continued. Run by ctest with Debian's python3 -m pytest."""
 import json
 import os
 import signal
@@ -73,6 +73,63 @@ def test_nothing_is_restarted_once_the_scheduler_ended_the_job(tmp_path):
     assert not (run / "restarts.log").exists(), out.stderr
     starts = {r: len((run / f"{r}.starts").read_text().splitlines()) for r in bodies}
     assert starts == {"scheduler": 1, "server": 1, "worker": 2}, starts
+
+
+SLOW_REPLACEMENT = """#!/bin/bash
+# sparseps-worker, but a replacement (--rejoin) starts only after the job ended: the scheduler
+# wrote summary.json, and a second later has exited.
+for a in "$@"; do [[ $a == run.dir=* ]] && dir="${{a#run.dir=}}"; done
+if [[ " $* " == *" --rejoin "* ]]; then
+  while [[ ! -e "$dir/summary.json" ]]; do sleep 0.05; done
+  sleep 1
+fi
+exec "{real}" "$@"
+"""
+
+
+def test_a_replacement_that_comes_after_the_end_does_not_fail_the_job(tmp_path):
+    """--max-restarts 1, worker 1 killed with kill -9 at step 20 of 300: launch.sh starts a
+    replacement, which here starts only after worker 0 alone ended the job and the scheduler
+    exited (a replacement slow to start, as a Python one importing torch: ci85). It finds the
+    scheduler's port refusing connections and exits with code 3 after
+    cluster.heartbeat_timeout_s, saying the job may have ended; launch.sh takes code 3 after the
+    end as finished and exits 0. (Unanswered, it waited 70 s and exited 1, failing the launch.)"""
+    if not os.path.exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz"):
+        cannot_run("Fashion-MNIST not installed (dataset-fashion-mnist)")
+    wrapper = tmp_path / "slow-replacement"
+    wrapper.write_text(SLOW_REPLACEMENT.format(
+        real=os.path.join(BUILD, "worker", "sparseps-worker")))
+    wrapper.chmod(0o755)
+    run = tmp_path / "run"
+    cmd = [str(ROOT / "deploy" / "launch.sh"), "--build-dir", BUILD, "--run-dir", str(run),
+           "--quiet", "--max-restarts", "1", "--worker-command", str(wrapper),
+           "--config", str(ROOT / "configs" / "quickstart.yaml"),
+           "--set", "model.hidden=[32]", "--set", "data.max_train_samples=4096",
+           "--set", "data.max_test_samples=500", "--set", "train.epochs=100",
+           "--set", "train.max_steps=300",
+           "--set", "cluster.heartbeat_interval_s=0.25", "--set", "cluster.heartbeat_timeout_s=4"]
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+    try:
+        metrics = run / "metrics-worker-1.csv"
+        deadline = time.time() + 120
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) > 20):
+            assert time.time() < deadline and launcher.poll() is None, "no step 20"
+            time.sleep(0.02)
+        log = (run / "worker-1.log").read_text()
+        os.kill(int(log.split("starting (pid ", 1)[1].split(")", 1)[0]), signal.SIGKILL)
+        out, _ = launcher.communicate(timeout=180)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    assert launcher.returncode == 0, out
+    assert "restart 1 of 1: worker-1 exited with code 137" in out, out
+    assert "worker-1 exited with code 3 after the job had ended" in out, out
+    log = (run / "worker-1.log").read_text()
+    assert "no scheduler at tcp://" in log and "has the job ended" in log, log
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["joined_workers"] == [], summary
 
 
 def test_a_job_stopped_whole_past_its_timeouts_goes_on(tmp_path):
