@@ -308,6 +308,32 @@ def test_with_max_restarts_a_killed_worker_and_a_killed_server_are_replaced(slur
         assert int(list(csv.DictReader(f))[-1]["step"]) == 4000
 
 
+def test_with_max_restarts_a_failed_allreduce_job_goes_on_from_its_checkpoint(slurm, tmp_path):
+    """Allreduce mode (the ring; 1 + 2 tasks), --max-restarts 1: kill -9 of worker 1 after the
+    first complete checkpoint fails the job (an allreduce's group is fixed), and the script runs
+    it again in the allocation from that checkpoint, as a requeue would: the job completes with
+    exit code 0, its output names the restart, and worker 0's metrics have every step once."""
+    run_dir = tmp_path / "run"
+    job = slurm.submit(3, "--config", str(QUICKSTART), "--set", "aggregation=allreduce",
+                       "--set", "model.hidden=[32]", "--set", "data.max_train_samples=4096",
+                       "--set", "data.max_test_samples=500", "--set", "train.epochs=200",
+                       "--set", "train.max_steps=4000", "--set", "checkpoint.every_steps=100",
+                       "--run-dir", str(run_dir), "--max-restarts", "1")
+    deadline = time.time() + 120
+    while not list((run_dir / "checkpoints").glob("iter-*/MANIFEST.json")):
+        assert time.time() < deadline, f"no complete checkpoint:\n{slurm.output(job)}"
+        time.sleep(0.02)
+    log = (run_dir / "worker-1.log").read_text()
+    os.kill(int(re.search(r"starting \(pid (\d+)\)", log).group(1)), signal.SIGKILL)
+    out = slurm.completed(job)
+    assert re.search(r"worker-1 failed \(exit code 137\); restart 1 of 1: the whole job from the "
+                     r"newest complete checkpoint", out), out
+    assert (run_dir / "worker-1.log").read_text().count(" starting (pid ") == 2
+    with open(run_dir / "metrics-worker-0.csv") as f:
+        assert [int(r["step"]) for r in csv.DictReader(f)] == list(range(1, 4001))
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "ok"
+
+
 def test_a_killed_server_fails_the_job_naming_it(slurm, tmp_path):
     """kill -9 of server 1 (no --max-restarts): nothing replaces it, so its task fails and srun
     stops the others (each then exits with code 1, "stopped by a signal"); the job's exit code is
