@@ -621,12 +621,11 @@ def rate(x):
 def main(fn, name):
     """Runs fn() and turns the loop's errors into a message and exit code 2 (bad arguments or
     config), 3 (this worker is out of the job: sparseps.Lost, as the daemons exit when cut off or
-    removed; launch.sh lets the job go on without it), 0 (a replacement that came as the job
-    ended: sparseps.JobEnded, nothing to do) or 1 (the job failed)."""
+    removed; launch.sh lets the job go on without it) or 1 (the job failed). A replacement that
+    came as the job ended gets sparseps.JobEnded, a SystemExit with code 0: nothing to do."""
     try:
         fn()
     except tuple(ERRORS) as e:
-        kind = type(e).__name__  # sparseps.Lost or sparseps.capi's, and so on
-        print(f"{name}: {e}", file=sys.stdout if kind == "JobEnded" else sys.stderr)
-        sys.exit(2 if isinstance(e, ValueError) else 3 if kind == "Lost" else
-                 0 if kind == "JobEnded" else 1)
+        print(f"{name}: {e}", file=sys.stderr)
+        lost = type(e).__name__ == "Lost"  # sparseps.Lost or sparseps.capi's
+        sys.exit(2 if isinstance(e, ValueError) else 3 if lost else 1)

@@ -534,10 +534,11 @@ void DefineErrors(py::module_& m) {
   // on without it: a loop exits with code 3, as the daemons do, so that launch.sh lets it go.
   static py::exception<std::runtime_error> lost(m, "Lost", error.ptr());
   sparseps::g_lost = lost.ptr();
-  // A replacement came as or after the job ended (init): nothing to join, nothing failed; a loop
-  // exits with code 0, as the daemons do.
-  static py::exception<std::runtime_error> job_ended(m, "JobEnded", error.ptr());
-  sparseps::g_job_ended = job_ended.ptr();
+  // A replacement came as or after the job ended (init): nothing to join, nothing failed.
+  // sparseps.JobEnded (python/sparseps/_job_ended.py), a SystemExit with code 0, shared with
+  // sparseps.capi: uncaught, the loop exits with code 0, as the daemons do.
+  py::object job_ended = py::module_::import("sparseps._job_ended").attr("JobEnded");
+  sparseps::g_job_ended = job_ended.release().ptr();  // a reference kept for the process's life
 }
 
 PYBIND11_MODULE(_sparseps, m) {

@@ -26,6 +26,7 @@ the live workers share the data anew after one is lost or joins.
 import json
 
 from ._epochs import EpochPlan
+from ._job_ended import JobEnded
 from ._model_file import read_model_file
 
 __all__ = ["EpochPlan", "Error", "JobEnded", "Lost", "RolledBack", "Worker", "cuda",

@@ -26,6 +26,8 @@ import os
 
 import numpy as np
 
+from ._job_ended import JobEnded
+
 __all__ = ["DeadlineExceeded", "Error", "InvalidArgument", "JobEnded", "Lost", "RolledBack",
            "Worker", "cuda", "library"]
 
@@ -37,7 +39,7 @@ _ERR_LEN = 4096
 
 class Error(RuntimeError):
     """A failed call: code is one of INVALID_ARGUMENT, DEADLINE_EXCEEDED, FAILED, ROLLED_BACK,
-    LOST, JOB_ENDED."""
+    LOST (JOB_ENDED is sparseps.JobEnded, a SystemExit with code 0)."""
 
     def __init__(self, code, message):
         super().__init__(message)
@@ -67,12 +69,6 @@ class Lost(Error):
     removed it (declared dead while the process was stopped or too slow) and the others went on
     without it. Exit with code 3, as the daemons do, so that deploy/launch.sh lets the job go on
     (with --max-restarts, a replacement joins)."""
-
-
-class JobEnded(Error):
-    """A replacement (node.rejoin) came when the job had ended or was ending (code JOB_ENDED,
-    from init): nothing to join, and nothing failed. Exit with code 0, as sparseps-worker does,
-    so that deploy/launch.sh and Slurm count the job a success."""
 
 
 class _Buffer(ctypes.Structure):
@@ -267,8 +263,8 @@ class Worker:
             raise RolledBack(code, err.value.decode(errors="replace"))
         if code == LOST:
             raise Lost(code, err.value.decode(errors="replace"))
-        if code == JOB_ENDED:
-            raise JobEnded(code, err.value.decode(errors="replace"))
+        if code == JOB_ENDED:  # a SystemExit with code 0: nothing to join, nothing failed
+            raise JobEnded(err.value.decode(errors="replace"))
         if code == INVALID_ARGUMENT:
             raise InvalidArgument(code, err.value.decode(errors="replace"))
         if code == DEADLINE_EXCEEDED:

@@ -542,11 +542,12 @@ def test_a_killed_python_worker_is_replaced_by_one_that_rejoins(cluster, backend
 @pytest.mark.parametrize("backend", ["module", "capi"])
 def test_a_replacement_that_comes_as_the_job_ends_has_nothing_to_join(cluster, backend, capfd):
     """A replacement (node.rejoin=true) that registers once worker 0 is done, while worker 1 is
-    still at its last step: init raises JobEnded (nothing to join, nothing failed: a loop exits
-    with code 0, as launch.sh's replacement does), not an error; the job then ends well. One
-    that comes after the scheduler exited raises Lost (exit code 3, which launch.sh lets go after
-    the end) once the port refused it for cluster.heartbeat_timeout_s, not a registration
-    timeout after 70 s. (The scheduler's side: tests/scheduler/scheduler_test.cc.)"""
+    still at its last step: init raises sparseps.JobEnded (nothing to join, nothing failed: a
+    SystemExit with code 0, so an uncaught one ends the script with exit code 0, as launch.sh's
+    replacement needs), not an error; the job then ends well. One that comes after the
+    scheduler exited raises Lost (exit code 3, which launch.sh lets go after the end) once the
+    port refused it for cluster.heartbeat_timeout_s, not a registration timeout after 70 s.
+    (The scheduler's side: tests/scheduler/scheduler_test.cc.)"""
     c = cluster(BASE, sets=["cluster.heartbeat_interval_s=0.25", "cluster.heartbeat_timeout_s=2"])
     make = sparseps.Worker if backend == "module" else capi.Worker
     module = sparseps if backend == "module" else capi
@@ -567,10 +568,13 @@ def test_a_replacement_that_comes_as_the_job_ends_has_nothing_to_join(cluster, b
         time.sleep(1)  # worker 0's DONE first (else it waits for worker 1 and is told as well)
         w = make(str(c.job), rank=1, overrides=c.overrides + ["node.rejoin=true"])
         try:
-            with pytest.raises(module.JobEnded, match="ended before this replacement worker"):
+            with pytest.raises(sparseps.JobEnded, match="ended before this replacement worker") \
+                    as ended:
                 w.init(initial())
         finally:
             replacement_tried.set()
+        assert isinstance(ended.value, SystemExit) and ended.value.code == 0
+        assert module.JobEnded is sparseps.JobEnded  # one class, through both bindings
         return "told"
 
     assert run_threads([lambda: worker(0), lambda: worker(1), replacement]) == [5, 5, "told"]
@@ -588,6 +592,11 @@ def test_a_replacement_that_comes_as_the_job_ends_has_nothing_to_join(cluster, b
                                           r"connections.*has the job ended"):
         late.init(initial())
     assert time.monotonic() - started < 30  # not the 70 s registration deadline
+    # Uncaught, JobEnded ends a script with exit code 0 and nothing on stderr.
+    env = dict(os.environ, PYTHONPATH=str(BUILD / "python"))
+    p = subprocess.run([sys.executable, "-c", "import sparseps; raise sparseps.JobEnded('x')"],
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert (p.returncode, p.stderr) == (0, ""), p.stderr
 
 
 @pytest.mark.parametrize("kind", ["module", "capi"])
