@@ -75,6 +75,26 @@ def test_nothing_is_restarted_once_the_scheduler_ended_the_job(tmp_path):
     assert starts == {"scheduler": 1, "server": 1, "worker": 2}, starts
 
 
+def launch_and_act(cmd, metrics, act, steps=20):
+    """Runs launch.sh (cmd) in a session of its own; once `metrics` (a worker's CSV) has more
+    than `steps` rows, calls act(launcher), then waits for the end. Returns (exit code, output);
+    the session is killed if anything fails on the way."""
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) > steps):
+            assert time.time() < deadline and launcher.poll() is None, f"no step {steps}"
+            time.sleep(0.02)
+        act(launcher)
+        out, _ = launcher.communicate(timeout=180)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    return launcher.returncode, out
+
+
 SLOW_REPLACEMENT = """#!/bin/bash
 # sparseps-worker, but a replacement (--rejoin) starts only after the job ended: the scheduler
 # wrote summary.json, and a second later has exited.
@@ -108,22 +128,12 @@ def test_a_replacement_that_comes_after_the_end_does_not_fail_the_job(tmp_path):
            "--set", "data.max_test_samples=500", "--set", "train.epochs=100",
            "--set", "train.max_steps=300",
            "--set", "cluster.heartbeat_interval_s=0.25", "--set", "cluster.heartbeat_timeout_s=4"]
-    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
-    try:
-        metrics = run / "metrics-worker-1.csv"
-        deadline = time.time() + 120
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) > 20):
-            assert time.time() < deadline and launcher.poll() is None, "no step 20"
-            time.sleep(0.02)
+    def kill_worker1(_):
         log = (run / "worker-1.log").read_text()
         os.kill(int(log.split("starting (pid ", 1)[1].split(")", 1)[0]), signal.SIGKILL)
-        out, _ = launcher.communicate(timeout=180)
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.wait()
-    assert launcher.returncode == 0, out
+
+    code, out = launch_and_act(cmd, run / "metrics-worker-1.csv", kill_worker1)
+    assert code == 0, out
     assert "restart 1 of 1: worker-1 exited with code 137" in out, out
     assert "worker-1 exited with code 3 after the job had ended" in out, out
     log = (run / "worker-1.log").read_text()
@@ -152,23 +162,14 @@ def test_a_job_stopped_whole_past_its_timeouts_goes_on(tmp_path):
            "--set", "train.max_steps=1500",
            "--set", "cluster.heartbeat_interval_s=0.25", "--set", "cluster.heartbeat_timeout_s=5",
            "--set", "cluster.request_timeout_s=6", "--set", "cluster.barrier_timeout_s=6"]
-    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
-    try:
-        metrics = run / "metrics-worker-0.csv"
-        deadline = time.time() + 120
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) > 20):
-            assert time.time() < deadline and launcher.poll() is None, "no step 20"
-            time.sleep(0.02)
+    def stop_the_whole_job(launcher):
         os.killpg(launcher.pid, signal.SIGSTOP)
         time.sleep(8)
         os.killpg(launcher.pid, signal.SIGCONT)
-        out, _ = launcher.communicate(timeout=180)
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.wait()
-    assert launcher.returncode == 0, out
+
+    metrics = run / "metrics-worker-0.csv"
+    code, out = launch_and_act(cmd, metrics, stop_the_whole_job)
+    assert code == 0, out
     last = int(metrics.read_text().splitlines()[-1].split(",")[0])
     assert last == 1500, last
     summary = json.loads((run / "summary.json").read_text())
