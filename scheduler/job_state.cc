@@ -106,6 +106,13 @@ void JobState::ReplyError(const std::string& to, const std::string& error,
   out->push_back(std::move(o));
 }
 
+void JobState::Dismiss(const std::string& to, const std::string& why,
+                       std::vector<Outgoing>* out) const {
+  Outgoing o = To(to, proto::SHUTDOWN);
+  o.msg.header.set_error("nothing to join: " + why);
+  out->push_back(std::move(o));
+}
+
 Outgoing JobState::To(const std::string& to, proto::Command command) const {
   Outgoing o{to, {}};
   o.msg.header.set_command(command);

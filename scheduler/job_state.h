@@ -108,6 +108,9 @@ struct JobState {
   void Reject(const std::string& from, const std::string& why, std::vector<Outgoing>* out);
   // Counts a rejected message and answers ERROR `why`, without a log line.
   void Refuse(const std::string& from, const std::string& why, std::vector<Outgoing>* out);
+  // Tells a replacement that came as the job ends that it has nothing to join: SHUTDOWN with
+  // error "nothing to join: <why>" (not an ERROR, not counted: nothing failed; it exits 0).
+  void Dismiss(const std::string& to, const std::string& why, std::vector<Outgoing>* out) const;
 
   // Numbers the next membership epoch and clears what belongs to one epoch only (cut, join,
   // server_lost, rollback, checkpoint_and_stop): each change sets its own after this.

@@ -403,10 +403,8 @@ bool MembershipMachine::HandleAfterEnd(const std::string& from, const Result<Mes
                                        std::vector<Outgoing>* out) {
   if (!job_.finished || !job_.finished->ok() || !msg.ok()) return ServersNotReported().empty();
   if (msg->header.command() == proto::REGISTER) {
-    // A replacement (or a registration sent again) that comes after the end: nothing to join.
-    Outgoing o = job_.To(from, proto::SHUTDOWN);
-    o.msg.header.set_error("nothing to join: the job has ended");
-    out->push_back(std::move(o));
+    // A replacement (or a registration sent again) that comes after the end.
+    job_.Dismiss(from, "the job has ended", out);
     return ServersNotReported().empty();
   }
   const int idx = job_.FindNodeByRoutingId(from);

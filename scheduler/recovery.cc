@@ -249,15 +249,12 @@ static void RefuseRejoin(JobState& job, const std::string& from, const proto::Re
   job.Refuse(from, "--rejoin refused: " + why, out);
 }
 
-// A replacement that comes as the job ends has nothing to join: a SHUTDOWN (not an ERROR:
-// nothing failed) with the reason, and it exits as a node of a finished job does (code 0).
-static void DismissRejoin(JobState& job, const std::string& from, const proto::Register& r,
+// A replacement that comes as the job ends has nothing to join (JobState::Dismiss), logged.
+static void DismissRejoin(const JobState& job, const std::string& from, const proto::Register& r,
                           const std::string& why, std::vector<Outgoing>* out) {
   spdlog::info("a replacement {} from {} (pid {}) came as the job ends ({}): told to exit",
                RoleName(r.role()), r.hostname(), r.pid(), why);
-  Outgoing o = job.To(from, proto::SHUTDOWN);
-  o.msg.header.set_error("nothing to join: " + why);
-  out->push_back(std::move(o));
+  job.Dismiss(from, why, out);
 }
 
 void Recovery::RejoinWorker(const std::string& from, const std::string& key,
@@ -367,9 +364,7 @@ void Recovery::TurnAway(SchedulerNode& n, const std::string& why, bool ending,
   n.joining = false;
   n.told_dead = true;  // its later messages get no FATAL: it was told here
   if (ending) {
-    Outgoing o = job_.To(n.routing_id, proto::SHUTDOWN);
-    o.msg.header.set_error("nothing to join: " + why);
-    out->push_back(std::move(o));
+    job_.Dismiss(n.routing_id, why, out);
     spdlog::info("told the replacement {} to exit: {}", job_.Describe(n), why);
     return;
   }

@@ -96,7 +96,7 @@ class Recovery {
                     Clock::time_point now, std::vector<Outgoing>* out);
   void RejoinWorker(const std::string& from, const std::string& key, const proto::Register& r,
                     Clock::time_point now, std::vector<Outgoing>* out);
-  // Why a replacement worker cannot join now; empty: it can (EndingReason is asked first).
+  // Why a replacement worker cannot join now; empty: it can (EndingReason is asked after it).
   std::string WorkerRejoinError(const proto::Register& r) const;
   // Why a replacement has nothing left to join: the job is ending (a stop) or its workers are
   // finishing (one is done); empty: neither.

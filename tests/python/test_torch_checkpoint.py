@@ -243,8 +243,8 @@ def test_the_launchers_replacement_of_a_python_worker_takes_the_leaders_state(tm
     the job ends well. (A worker killed with kill -9 takes the same way through launch.sh: the
     next test.)"""
     # Worker 0 trains on alone while the replacement starts and joins: room for it to join before
-    # the end (at 900 steps, under a loaded CI, worker 0 once ended the job first and the
-    # replacement, unanswered, timed out and failed the launch).
+    # the end (at 900 steps, under a loaded CI, worker 0 once ended the job first, and the
+    # replacement had nothing to join).
     steps = 2000
     command = f"{sys.executable} {ROOT / 'examples' / 'fashion_mnist.py'} --model mlp " \
         "--optimizer adam"
