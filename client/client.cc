@@ -21,6 +21,7 @@
 #include "common/status.h"
 #include "common/tensor_layout.h"
 #include "config/config.h"
+#include "kernels/device.h"
 #include "storage/safetensors.h"
 #include "transport/van.h"
 #include "worker/device_buffer.h"
@@ -122,6 +123,7 @@ struct Worker::Impl {
 };
 
 void Worker::Impl::Wait(const std::function<Status()>& call, bool report_failure) {
+  const kernels::ScopedCudaDevice on(device);  // the tensors' GPU, whichever the caller's is
   Status s;
   bool interrupted = false;
   {
@@ -171,7 +173,12 @@ Worker::Worker(const std::string& config_path, const std::vector<std::string>& o
   impl_->config = std::move(*config);
 }
 
-Worker::~Worker() = default;
+Worker::~Worker() {
+  if (impl_ == nullptr) return;  // moved from
+  // Its device memory and streams are freed on their GPU.
+  const kernels::ScopedCudaDevice on(impl_->device);
+  impl_.reset();
+}
 Worker::Worker(Worker&&) noexcept = default;
 Worker& Worker::operator=(Worker&&) noexcept = default;
 
@@ -194,6 +201,9 @@ void Worker::Impl::Join(std::span<const Buffer> params, const std::vector<Tensor
   layers.clear();  // an init refused before leaves none behind
   sizes.clear();
   device = params[0].device;
+  // Every allocation, stream and kernel of this worker on the tensors' GPU, not the calling
+  // thread's current one (a PyTorch loop need not call torch.cuda.set_device).
+  const kernels::ScopedCudaDevice on(device);
   size_t total = 0;
   std::set<std::string> names;  // the layers', each once
   for (size_t i = 0; i < params.size(); ++i) {
@@ -272,6 +282,7 @@ void Worker::Impl::Join(std::span<const Buffer> params, const std::vector<Tensor
 }
 
 float* Worker::Impl::Gradient(std::span<const Buffer> grads) {
+  const kernels::ScopedCudaDevice on(device);
   const size_t n = agg().num_params();
   for (size_t i = 0; i < grads.size(); ++i) {
     if (grads[i].device != kHost && !BuiltWithCuda()) {
@@ -318,6 +329,7 @@ float* Worker::Impl::Gradient(std::span<const Buffer> grads) {
 
 void Worker::Impl::Step(float* grad, double loss, bool record, float* out) {
   const auto called = Clock::now();
+  const kernels::ScopedCudaDevice on(device);  // the checkpoints' reads too
   Aggregator& a = agg();
   // The loop's forward and backward: the time since the previous push-pull returned.
   const double compute_ms =
@@ -396,6 +408,7 @@ SparseUpdate Worker::PushPullSparse(std::span<const Buffer> grads, double loss, 
 
 bool Worker::BeginStep(Buffer grad) {
   Impl& m = *impl_;
+  const kernels::ScopedCudaDevice on(m.device);
   Aggregator& a = m.agg();
   const size_t n = a.num_params();
   if (m.begun) Raise(Status::FailedPrecondition("begin_step: this step has begun already"));
@@ -430,6 +443,7 @@ bool Worker::BeginStep(Buffer grad) {
 
 void Worker::GradientReady(size_t key_begin) {
   Impl& m = *impl_;
+  const kernels::ScopedCudaDevice on(m.device);
   if (!m.begun) return;
   if (m.tracing) {
     std::lock_guard<std::mutex> lock(m.trace_mu);
@@ -444,6 +458,7 @@ std::span<const float> Worker::params() const {
 }
 
 std::vector<float> Worker::residual() const {
+  const kernels::ScopedCudaDevice on(impl_->device);
   std::vector<float> r;
   Check(impl_->agg().ReadResidual(&r));
   return r;
@@ -547,7 +562,8 @@ void Worker::SetModelBuffers(std::vector<ModelBuffer> buffers) {
 
 void Worker::SetCheckpointState(std::span<const uint8_t> state, std::span<const float> model) {
   Impl& m = *impl_;
-  m.agg();  // before init: "call init(params) first"
+  const kernels::ScopedCudaDevice on(m.device);  // the residuals may be on it
+  m.agg();                                       // before init: "call init(params) first"
   Check(m.session->SubmitCheckpoint(state, model, &m.buffers));
 }
 
@@ -557,7 +573,8 @@ bool Worker::handoff_due() const { return impl_->session && impl_->session->hand
 
 void Worker::SendHandoff(std::span<const uint8_t> state, std::span<const float> model) {
   Impl& m = *impl_;
-  m.agg();  // before init: "call init(params) first"
+  const kernels::ScopedCudaDevice on(m.device);  // the residuals may be on it
+  m.agg();                                       // before init: "call init(params) first"
   Check(m.session->SendHandoff(state, model));
 }
 

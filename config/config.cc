@@ -434,6 +434,10 @@ std::vector<std::string> EnvironmentHelp(RankEnv rank_env) {
     lines.push_back(
         "RANK=r                        a worker's rank as torchrun sets it, when SPARSEPS_RANK is "
         "unset");
+    lines.push_back(
+        "SPARSEPS_LOCAL_RANK=r         the worker's rank among its host's workers: with "
+        "train.device cuda and train.cuda_device -1 it computes on GPU r modulo the GPUs it sees "
+        "(else LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_RANK or SLURM_LOCALID, the first set)");
   }
   lines.push_back("The config file and --set win over the environment.");
   return lines;
@@ -451,8 +455,8 @@ std::string CanonicalJobConfig(const proto::JobConfig& config) {
   static const char* const kJobKeys[] = {"cluster.num_servers ", "cluster.num_workers ",
                                          "cluster.on_worker_failure ", "cluster.min_workers ",
                                          "security.curve "};
-  static const char* const kPerHost[] = {"data.dir ", "train.device ", "checkpoint.dir ",
-                                         "checkpoint.resume "};
+  static const char* const kPerHost[] = {"data.dir ", "train.device ", "train.cuda_device ",
+                                         "checkpoint.dir ", "checkpoint.resume "};
   auto starts = [](const std::string& line, const char* prefix) {
     return line.compare(0, std::strlen(prefix), prefix) == 0;
   };

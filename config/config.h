@@ -40,7 +40,8 @@ enum class RankEnv {
 // An enum value's name as a config spells it: lower case ("TOPK" -> "topk").
 std::string ConfigSpelling(std::string enum_name);
 
-// The environment variables LoadConfig reads, one line each ("NAME  meaning"), for --help.
+// The environment variables a daemon reads (LoadConfig; a worker's local rank, for its GPU), one
+// line each ("NAME  meaning"), for --help.
 std::vector<std::string> EnvironmentHelp(RankEnv rank_env);
 
 // Loads `path` (empty: defaults only), applies the environment and the `overrides`

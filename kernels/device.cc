@@ -26,19 +26,92 @@ bool CudaDeviceAvailable(std::string* detail) {
     *detail = "no CUDA device found";
     return false;
   }
-  cudaDeviceProp prop{};
-  if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) {
-    *detail = "CUDA device 0 did not report its properties";
-    return false;
-  }
-  *detail = std::string(prop.name) + " (sm_" + std::to_string(prop.major) +
-            std::to_string(prop.minor) + ")";
+  *detail = CudaDeviceName(0);
   return true;
 #else
   *detail =
       "this build has no CUDA: nvcc was not found when CMake configured it (install the CUDA "
       "toolkit, or set CUDACXX, and rebuild)";
   return false;
+#endif
+}
+
+int CudaDeviceCount() {
+#if defined(SPARSEPS_HAVE_CUDA)
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();  // not the next call's error
+    return 0;
+  }
+  return count;
+#else
+  return 0;
+#endif
+}
+
+int CurrentCudaDevice() {
+#if defined(SPARSEPS_HAVE_CUDA)
+  int device = -1;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();
+    return -1;
+  }
+  return device;
+#else
+  return -1;
+#endif
+}
+
+bool SetCudaDevice(int device, std::string* error) {
+#if defined(SPARSEPS_HAVE_CUDA)
+  const cudaError_t e = cudaSetDevice(device);
+  if (e == cudaSuccess) return true;
+  cudaGetLastError();
+  *error = "CUDA device " + std::to_string(device) + " cannot be used (" + cudaGetErrorString(e) +
+           "; this process sees " + std::to_string(CudaDeviceCount()) + ")";
+  return false;
+#else
+  *error = "CUDA device " + std::to_string(device) + ": this build has no CUDA";
+  return false;
+#endif
+}
+
+std::string CudaDeviceName(int device) {
+#if defined(SPARSEPS_HAVE_CUDA)
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, device) != cudaSuccess) {
+    cudaGetLastError();
+    return "CUDA device " + std::to_string(device) + " did not report its properties";
+  }
+  return std::string(prop.name) + " (sm_" + std::to_string(prop.major) +
+         std::to_string(prop.minor) + ")";
+#else
+  return "CUDA device " + std::to_string(device) + ": this build has no CUDA";
+#endif
+}
+
+ScopedCudaDevice::ScopedCudaDevice(int device) {
+#if defined(SPARSEPS_HAVE_CUDA)
+  if (device < 0) return;
+  int current = -1;
+  if (cudaGetDevice(&current) != cudaSuccess) {
+    cudaGetLastError();
+    return;
+  }
+  if (current == device) return;
+  if (cudaSetDevice(device) != cudaSuccess) {
+    cudaGetLastError();
+    return;
+  }
+  previous_ = current;
+#else
+  (void)device;
+#endif
+}
+
+ScopedCudaDevice::~ScopedCudaDevice() {
+#if defined(SPARSEPS_HAVE_CUDA)
+  if (previous_ >= 0 && cudaSetDevice(previous_) != cudaSuccess) cudaGetLastError();
 #endif
 }
 

@@ -152,6 +152,7 @@ std::string ConfigFingerprint(const proto::JobConfig& config) {
   c.mutable_train()->clear_eval_every_epochs();
   c.mutable_train()->clear_eval_every_steps();
   c.mutable_train()->clear_device();
+  c.mutable_train()->clear_cuda_device();
   *c.mutable_compression() = config.compression();
   c.mutable_compression()->mutable_sketch()->clear_server_threads();  // the same result for any
   c.set_aggregation(config.aggregation());

@@ -3,7 +3,9 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstdlib>
 #include <optional>
 #include <random>
 
@@ -447,6 +449,42 @@ Result<proto::Device> ResolveDevice(proto::Device requested, std::string* detail
                                     " (use train.device: cpu or auto)");
 }
 
+Result<int> PickCudaDevice(int configured, int count, std::string* detail,
+                           const std::function<const char*(const char*)>& env_in) {
+  const auto env =
+      env_in ? env_in : [](const char* name) -> const char* { return std::getenv(name); };
+  const std::string of = " of " + std::to_string(count);
+  if (configured >= 0) {
+    if (configured >= count) {
+      return Status::InvalidArgument(
+          "train.cuda_device: " + std::to_string(configured) + ", but this process sees " +
+          std::to_string(count) + " CUDA device" + (count == 1 ? "" : "s") +
+          " (ordinals from 0; CUDA_VISIBLE_DEVICES may hide the others): use -1 for the local "
+          "rank's");
+    }
+    *detail = "GPU " + std::to_string(configured) + of + ": train.cuda_device";
+    return configured;
+  }
+  for (const char* name :
+       {"SPARSEPS_LOCAL_RANK", "LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"}) {
+    const char* value = env(name);
+    if (value == nullptr || *value == '\0') continue;
+    char* end = nullptr;
+    errno = 0;
+    const long rank = std::strtol(value, &end, 10);
+    if (value[0] < '0' || value[0] > '9' || *end != '\0' || errno != 0 || rank > 1'000'000) {
+      return Status::InvalidArgument(std::string("env ") + name + "='" + value +
+                                     "': a local rank must be a non-negative integer");
+    }
+    const int device = static_cast<int>(rank % count);
+    *detail = "GPU " + std::to_string(device) + of + ": local rank " + std::to_string(rank) + " (" +
+              name + ")" + (rank >= count ? ", shared: more local ranks than GPUs" : "");
+    return device;
+  }
+  *detail = "GPU 0" + of + ": no local rank set (SPARSEPS_LOCAL_RANK, LOCAL_RANK, ...)";
+  return 0;
+}
+
 std::vector<uint32_t> ShardIndices(size_t num_samples, uint64_t seed, int rank, int num_workers) {
   std::vector<uint32_t> perm(num_samples);
   for (size_t i = 0; i < num_samples; ++i) perm[i] = static_cast<uint32_t>(i);
@@ -468,6 +506,17 @@ Status RunWorker(const proto::JobConfig& config) {
   auto device = ResolveDevice(config.train().device(), &device_detail);
   if (!device.ok()) return device.status();
   if (!device_detail.empty()) spdlog::info("{}", device_detail);
+  if (*device == proto::CUDA) {
+    // Before the model and the aggregator allocate: all of this worker's device memory, streams
+    // and kernels are on its GPU (the aggregation's own threads take the same one).
+    std::string detail, error;
+    auto gpu = PickCudaDevice(config.train().cuda_device(), kernels::CudaDeviceCount(), &detail);
+    if (!gpu.ok()) return gpu.status();
+    if (!kernels::SetCudaDevice(*gpu, &error)) {
+      return Status::FailedPrecondition("train.cuda_device: " + error);
+    }
+    spdlog::info("train.cuda_device: {}: {}", detail, kernels::CudaDeviceName(*gpu));
+  }
   auto data = LoadData(config);
   if (!data.ok()) return data.status();
   auto model = MakeModel(config.model(), data->train, *device);

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -23,6 +24,17 @@ uint64_t StepsPerEpoch(size_t num_samples, int num_workers, size_t batch_size);
 // cuda fails with FailedPrecondition naming the reason (no CUDA in this build, no driver or
 // device, or no GPU training path yet: so far only the kernels in kernels/cuda exist).
 Result<proto::Device> ResolveDevice(proto::Device requested, std::string* detail);
+
+// The CUDA device ordinal a worker process computes on, for train.cuda_device = `configured`
+// among `count` devices (count >= 1): `configured` when >= 0; for -1 the host's local rank
+// modulo count (several workers share a GPU when they outnumber them), the local rank read
+// through `env` (null: the process's) from SPARSEPS_LOCAL_RANK, LOCAL_RANK,
+// OMPI_COMM_WORLD_LOCAL_RANK or SLURM_LOCALID, the first one set; 0 without any. *detail says
+// which and why ("GPU 1 of 4: local rank 1 (LOCAL_RANK)"). Errors: InvalidArgument naming
+// train.cuda_device for an ordinal >= count, or the variable for a value that is not a
+// non-negative integer.
+Result<int> PickCudaDevice(int configured, int count, std::string* detail,
+                           const std::function<const char*(const char*)>& env = nullptr);
 
 // Runs one worker: loads the data, registers (reporting the model size), initialises the servers
 // (rank 0), trains for train.epochs (or train.max_steps) with BSP push/pull, evaluates on the

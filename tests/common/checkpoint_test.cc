@@ -424,6 +424,9 @@ TEST(ConfigFingerprint, CoversWhatDefinesTheTrainingOnly) {
   b.mutable_node()->set_rank(3);
   // The servers' recovery threads: the same result for any count (a resume may use more cores).
   b.mutable_compression()->mutable_sketch()->set_server_threads(8);
+  // Where it computes: a checkpoint resumes on the CPU, the GPU or another of a host's GPUs.
+  b.mutable_train()->set_device(proto::CUDA);
+  b.mutable_train()->set_cuda_device(3);
   EXPECT_EQ(ConfigFingerprint(a), ConfigFingerprint(b));
   b.mutable_train()->set_lr(0.1);
   EXPECT_NE(ConfigFingerprint(a), ConfigFingerprint(b));

@@ -280,6 +280,8 @@ TEST(EnvironmentHelp, NamesWhatIsRead) {
   }
   EXPECT_THAT(server, Not(HasSubstr("\nRANK")));
   EXPECT_THAT(worker, HasSubstr("\nRANK=r"));
+  EXPECT_THAT(worker, HasSubstr("\nSPARSEPS_LOCAL_RANK=r"));  // its GPU (train.cuda_device)
+  EXPECT_THAT(server, Not(HasSubstr("LOCAL_RANK")));
   EXPECT_THAT(worker, Not(HasSubstr("SLURM_PROCID")));
 }
 
@@ -293,6 +295,20 @@ TEST_F(ConfigTest, LogLevelIsChecked) {
   ASSERT_FALSE(c.ok());
   EXPECT_THAT(c.status().message(), HasSubstr(path + ":3:"));
   EXPECT_THAT(c.status().message(), HasSubstr("unknown level 'verbose'"));
+}
+
+// What the scheduler compares between nodes (the config hash of REGISTER): the job's keys, not a
+// host's own, such as which device (and which of its GPUs) a worker computes on.
+TEST(CanonicalJobConfig, LeavesOutWhereAWorkerComputes) {
+  proto::JobConfig a;
+  proto::JobConfig b = a;
+  b.mutable_train()->set_device(proto::CUDA);
+  b.mutable_train()->set_cuda_device(2);
+  b.mutable_data()->set_dir("/elsewhere");
+  EXPECT_EQ(CanonicalJobConfig(a), CanonicalJobConfig(b));
+  b.mutable_train()->set_lr(0.5);
+  EXPECT_NE(CanonicalJobConfig(a), CanonicalJobConfig(b));
+  EXPECT_THAT(CanonicalJobConfig(b), HasSubstr("train.lr "));
 }
 
 }  // namespace

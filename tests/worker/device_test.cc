@@ -6,6 +6,7 @@
 
 #include <cstdio>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -59,6 +60,84 @@ TEST(Device, CudaRunsOnTheGpuOrFailsNamingTheReason) {
 #else
   EXPECT_THAT(why, HasSubstr("this build has no CUDA"));
 #endif
+}
+
+// train.cuda_device: an ordinal given is taken when the process sees it; -1 takes the local rank
+// from the first variable set, in the documented order, modulo the GPUs; none set: GPU 0.
+TEST(CudaDevicePick, TakesTheOrdinalOrTheLocalRanksGpu) {
+  std::map<std::string, std::string> env;
+  auto lookup = [&env](const char* name) -> const char* {
+    auto it = env.find(name);
+    return it == env.end() ? nullptr : it->second.c_str();
+  };
+  std::string detail;
+  auto pick = [&](int configured, int count) {
+    auto d = PickCudaDevice(configured, count, &detail, lookup);
+    return d.ok() ? *d : -100;
+  };
+  env = {{"LOCAL_RANK", "3"}};
+  EXPECT_EQ(pick(2, 4), 2);  // the config wins over the environment
+  EXPECT_EQ(detail, "GPU 2 of 4: train.cuda_device");
+  auto beyond = PickCudaDevice(4, 4, &detail, lookup);
+  ASSERT_FALSE(beyond.ok());
+  EXPECT_EQ(beyond.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(beyond.status().message(),
+              HasSubstr("train.cuda_device: 4, but this process sees 4 CUDA devices"));
+
+  EXPECT_EQ(pick(-1, 4), 3);
+  EXPECT_EQ(detail, "GPU 3 of 4: local rank 3 (LOCAL_RANK)");
+  EXPECT_EQ(pick(-1, 2), 1);  // more local ranks than GPUs: shared
+  EXPECT_THAT(detail, HasSubstr("local rank 3 (LOCAL_RANK), shared"));
+  EXPECT_EQ(pick(-1, 1), 0);  // one visible GPU (CUDA_VISIBLE_DEVICES, Slurm's --gpus-per-task)
+  env = {{"SLURM_LOCALID", "1"}, {"OMPI_COMM_WORLD_LOCAL_RANK", "2"}, {"LOCAL_RANK", ""}};
+  EXPECT_EQ(pick(-1, 8), 2);  // an empty variable is unset; Open MPI's comes before Slurm's
+  env["SPARSEPS_LOCAL_RANK"] = "5";
+  EXPECT_EQ(pick(-1, 8), 5);  // the launcher's own first
+  EXPECT_EQ(detail, "GPU 5 of 8: local rank 5 (SPARSEPS_LOCAL_RANK)");
+  env.clear();
+  EXPECT_EQ(pick(-1, 8), 0);
+  EXPECT_THAT(detail, HasSubstr("GPU 0 of 8: no local rank set"));
+
+  for (const char* bad : {"-1", "one", "2x", " 1", "+1", "99999999999999999999"}) {
+    env = {{"SPARSEPS_LOCAL_RANK", bad}, {"LOCAL_RANK", "1"}};
+    auto refused = PickCudaDevice(-1, 2, &detail, lookup);
+    ASSERT_FALSE(refused.ok()) << bad;
+    EXPECT_THAT(refused.status().message(),
+                HasSubstr(std::string("env SPARSEPS_LOCAL_RANK='") + bad + "'"));
+  }
+}
+
+// The guard makes a device current for its scope and puts the caller's back; for the host it
+// changes nothing (and, without a GPU, never touches CUDA).
+TEST(ScopedCudaDevice, SetsTheDeviceForItsScopeOnly) {
+  const int before = kernels::CurrentCudaDevice();
+  {
+    const kernels::ScopedCudaDevice host(-1);
+    EXPECT_EQ(kernels::CurrentCudaDevice(), before);
+  }
+  const int count = kernels::CudaDeviceCount();
+  if (count == 0) {
+    EXPECT_EQ(before, -1);
+    std::string error;
+    EXPECT_FALSE(kernels::SetCudaDevice(0, &error));
+    EXPECT_THAT(error, HasSubstr("CUDA device 0"));
+    GTEST_SKIP() << "no CUDA device: the guard around one is not exercised";
+  }
+  for (int d = count - 1; d >= 0; --d) {
+    {
+      const kernels::ScopedCudaDevice on(d);
+      EXPECT_EQ(kernels::CurrentCudaDevice(), d);
+      // A thread starts on device 0, whatever its creator's is: the reason for the guard.
+      int other = -2;
+      std::thread t([&] { other = kernels::CurrentCudaDevice(); });
+      t.join();
+      EXPECT_EQ(other, 0);
+    }
+    EXPECT_EQ(kernels::CurrentCudaDevice(), before);
+  }
+  std::string error;
+  EXPECT_FALSE(kernels::SetCudaDevice(count, &error));
+  EXPECT_THAT(error, HasSubstr("this process sees " + std::to_string(count)));
 }
 
 // What the trainer uploads to a GPU model's copy of the parameters: everything at first, then the

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "encodings/registry.h"
+#include "kernels/device.h"
 #include "kernels/error_feedback.h"
 #include "worker/aggregator_internal.h"
 #include "worker/device_buffer.h"
@@ -37,7 +38,10 @@ Result<std::unique_ptr<StepSchedule>> RangeStep::OnDevice(const PsStepContext& c
 
 RangeStep::RangeStep(const PsStepContext& ctx, std::vector<std::unique_ptr<Compressor>> slices,
                      bool on_device)
-    : ctx_(ctx), slices_(std::move(slices)), on_device_(on_device) {
+    : ctx_(ctx),
+      slices_(std::move(slices)),
+      on_device_(on_device),
+      cuda_device_(on_device ? kernels::CurrentCudaDevice() : -1) {
   const proto::JobConfig& config = *ctx_.config;
   for (size_t r = 0; r < slices_.size(); ++r) {
     slices_[r]->set_key_base(ctx_.ps->ranges()[r].begin);
@@ -98,7 +102,10 @@ bool RangeStep::BeginStep(float* grad) {
   }
   // Ranges past the last key (none in practice) are ready at once.
   MarkReady(num_params(), Clock::now());
-  comm_ = std::thread([this, grad] { comm_status_ = PushRanges(grad); });
+  comm_ = std::thread([this, grad] {
+    const kernels::ScopedCudaDevice on(cuda_device_);  // the slices' (a thread starts on GPU 0)
+    comm_status_ = PushRanges(grad);
+  });
   return true;
 }
 

@@ -71,6 +71,7 @@ class RangeStep final : public StepSchedule {
   PsStepContext ctx_;
   std::vector<std::unique_ptr<Compressor>> slices_;  // one per key range, in key order
   const bool on_device_;                             // the gradient and the slices' work
+  const int cuda_device_;                            // on_device_: the slices' GPU, else -1
   std::vector<Message> one_;                         // the push of one range
   std::vector<RangeTimes> times_;                    // this step's, per range
   std::thread comm_;                                 // the step's pushes (BeginStep to Step)
