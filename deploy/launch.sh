@@ -60,6 +60,9 @@
 # <build>/python is put on PYTHONPATH), for instance
 #   deploy/launch.sh --config examples/torch_cnn.yaml \
 #     --worker-command "python3 examples/fashion_mnist.py --model cnn"
+# Each worker gets SPARSEPS_LOCAL_RANK, its rank among the workers on its host (with --hosts; else
+# its rank): on a host with several GPUs, sparseps-worker (train.cuda_device -1) and
+# sparseps.local_rank() take GPU SPARSEPS_LOCAL_RANK modulo their number.
 #
 # --netns PREFIX places each process on an emulated host made by `deploy/netns.sh up --prefix
 # PREFIX` (needs S + W hosts): server s on host 1+s, worker w on host S+1+w, the scheduler on
@@ -340,10 +343,20 @@ start_server() {  # start_server RANK COMMON_ARGS...
     --set "cluster.scheduler_port=$port" --set "node.rank=$s" $(host_set "server-$s" node.host)
 }
 
+# local_rank W: worker W's rank among the workers on its host, SPARSEPS_LOCAL_RANK in its
+# environment (its GPU, train.cuda_device -1, where the host has several): with --hosts among
+# the hosts file's workers on its host; else W (the emulated --netns hosts share this machine).
+local_rank() {
+  local w="$1" i n=0
+  [[ -z "$hosts_file" ]] && { echo "$w"; return; }
+  for ((i = 0; i < w; i++)); do [[ "${worker_on[$i]}" == "${worker_on[$w]}" ]] && n=$((n + 1)); done
+  echo "$n"
+}
+
 start_worker() {  # start_worker RANK COMMON_ARGS...
   local w="$1"; shift
   # shellcheck disable=SC2046
-  start "worker-$w" "${worker_argv[@]}" "$@" \
+  start "worker-$w" env "SPARSEPS_LOCAL_RANK=$(local_rank "$w")" "${worker_argv[@]}" "$@" \
     --set "cluster.scheduler_port=$port" --set "node.rank=$w" $(host_set "worker-$w" node.host)
 }
 

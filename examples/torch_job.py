@@ -343,6 +343,29 @@ def lr_schedule(args, optimizer, horizon):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def pick_device(name, cuda_device, rank):
+    """The torch.device of train.device `name` (cpu, cuda, auto: cuda where this PyTorch sees a
+    GPU) and train.cuda_device (-1: the local rank's GPU, sparseps.local_rank() modulo the GPUs,
+    as sparseps-worker takes it), made the current CUDA device. ValueError for cuda without a GPU
+    or an ordinal it does not see."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name != "cuda":
+        return torch.device(name)
+    if not torch.cuda.is_available():
+        raise ValueError("--device cuda: this PyTorch sees no CUDA device")
+    count = torch.cuda.device_count()
+    if cuda_device >= count:
+        raise ValueError(f"train.cuda_device: {cuda_device}, but this PyTorch sees {count} CUDA "
+                         "device(s): use -1 for the local rank's")
+    index = cuda_device if cuda_device >= 0 else sparseps.local_rank() % count
+    device = torch.device("cuda", index)
+    torch.cuda.set_device(device)  # PyTorch's own allocations and kernels (DDP, hooks) too
+    if count > 1:
+        log(rank, "info", f"GPU {index} of {count}: {torch.cuda.get_device_name(index)}")
+    return device
+
+
 def run(args, build_model, load_data, perplexity=False):
     """Trains one worker: build_model(name, get) -> torch module; load_data(args, get) ->
     (x, y, xt, yt, what) training and test tensors on the CPU and a description for the log.
@@ -353,9 +376,8 @@ def run(args, build_model, load_data, perplexity=False):
     rejoin = ["node.rejoin=true"] if args.rejoin else []
     worker = Worker(args.config, overrides=resume_overrides(args.resume) + rejoin + args.set)
     get = worker.get
-    device = torch.device(args.device or get("train.device"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: this PyTorch sees no CUDA device")
+    device = pick_device(args.device or get("train.device"), get("train.cuda_device"),
+                         worker.rank)
     if args.evaluate:
         return evaluate_file(args, build_model, load_data, get, device, perplexity)
     if args.rejoin and args.ddp:

@@ -21,16 +21,18 @@ not built for; both are layers on the client library (libsparseps_client.so).
 sparseps.read_model_file reads the model file a job writes (model.safetensors) into NumPy arrays;
 sparseps.torch.load_model_file into a state_dict for a module's load_state_dict. sparseps.EpochPlan
 (and sparseps.torch.ElasticSampler for a DataLoader) plan a loop's epochs as the membership says:
-the live workers share the data anew after one is lost or joins.
+the live workers share the data anew after one is lost or joins. sparseps.local_rank() is the
+worker's rank among its host's workers, for its GPU on a host with several.
 """
 import json
 
 from ._epochs import EpochPlan
 from ._job_ended import JobEnded
+from ._local_rank import local_rank
 from ._model_file import read_model_file
 
 __all__ = ["EpochPlan", "Error", "JobEnded", "Lost", "RolledBack", "Worker", "cuda",
-           "read_model_file"]
+           "local_rank", "read_model_file"]
 
 
 def _module():

@@ -27,9 +27,10 @@ import os
 import numpy as np
 
 from ._job_ended import JobEnded
+from ._local_rank import local_rank
 
 __all__ = ["DeadlineExceeded", "Error", "InvalidArgument", "JobEnded", "Lost", "RolledBack",
-           "Worker", "cuda", "library"]
+           "Worker", "cuda", "library", "local_rank"]
 
 OK, INVALID_ARGUMENT, DEADLINE_EXCEEDED, FAILED, INTERRUPTED, ROLLED_BACK, LOST, JOB_ENDED = \
     range(8)

@@ -38,6 +38,8 @@ STAND_IN = """#!/bin/bash
 # A stand-in for sparseps-{role}: --get goes to the real worker (launch.sh reads the config so);
 # otherwise it finds run.dir, {action}
 for a in "$@"; do [[ $a == --get ]] && exec "{real}" "$@"; done
+# What launch.sh sets per worker (its GPU on a host with several), into the worker's log.
+echo "SPARSEPS_LOCAL_RANK=$SPARSEPS_LOCAL_RANK"
 for a in "$@"; do [[ $a == run.dir=* ]] && dir="${{a#run.dir=}}"; done
 echo "started: $*" >>"$dir/{role}.starts"
 {body}
@@ -98,6 +100,8 @@ def launch_and_act(cmd, metrics, act, steps=20):
 SLOW_REPLACEMENT = """#!/bin/bash
 # sparseps-worker, but a replacement (--rejoin) starts only after the job ended: the scheduler
 # wrote summary.json, and a second later has exited.
+# What launch.sh sets per worker (its GPU on a host with several), into the worker's log.
+echo "SPARSEPS_LOCAL_RANK=$SPARSEPS_LOCAL_RANK"
 for a in "$@"; do [[ $a == run.dir=* ]] && dir="${{a#run.dir=}}"; done
 if [[ " $* " == *" --rejoin "* ]]; then
   while [[ ! -e "$dir/summary.json" ]]; do sleep 0.05; done
@@ -138,6 +142,9 @@ def test_a_replacement_that_comes_after_the_end_does_not_fail_the_job(tmp_path):
     assert "worker-1 exited with code 3 after the job had ended" in out, out
     log = (run / "worker-1.log").read_text()
     assert "no scheduler at tcp://" in log and "has the job ended" in log, log
+    # Each worker's rank among this host's workers, the replacement's its predecessor's.
+    assert log.count("SPARSEPS_LOCAL_RANK=1\n") == 2, log
+    assert "SPARSEPS_LOCAL_RANK=0\n" in (run / "worker-0.log").read_text()
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["joined_workers"] == [], summary
 

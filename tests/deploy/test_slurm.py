@@ -138,19 +138,38 @@ def test_a_python_training_loop_runs_as_the_workers(slurm, tmp_path):
     pybind11 module, from the build tree's python/) instead of sparseps-worker, finding the
     scheduler, its rank and its node's address in the task's environment: the job completes,
     each worker's metrics have every step, the leader's progress is in the job's output, and
-    the model learns."""
+    the model learns. Three workers on three nodes (6 tasks, block distribution): two share the
+    last node, and their local ranks (SPARSEPS_LOCAL_RANK) are 0 and 1."""
     run_dir = tmp_path / "run"
-    command = f"{sys.executable} {ROOT / 'examples' / 'fashion_mnist.py'} --model mlp"
-    job = slurm.submit(5, "--config", str(ROOT / "examples" / "torch_cnn.yaml"),
-                       "--set", "train.max_steps=150", "--set", "data.max_test_samples=1000",
+    # The example behind a shell that writes what sparseps.sbatch set into the worker's log.
+    wrapper = tmp_path / "worker"
+    wrapper.write_text('#!/bin/bash\n'
+                       'echo "node $SLURMD_NODENAME SPARSEPS_LOCAL_RANK=$SPARSEPS_LOCAL_RANK"\n'
+                       f'exec {sys.executable} {ROOT / "examples" / "fashion_mnist.py"} "$@"\n')
+    wrapper.chmod(0o755)
+    command = f"{wrapper} --model mlp"
+    job = slurm.submit(6, "--config", str(ROOT / "examples" / "torch_cnn.yaml"),
+                       "--set", "cluster.num_workers=3", "--set", "train.max_steps=150",
+                       "--set", "data.max_test_samples=1000",
                        "--set", "run.progress_interval_s=0.5", "--run-dir", str(run_dir),
                        "--worker-command", command, env={"SPARSEPS_CACHE": str(tmp_path / "c")})
     out = slurm.completed(job)
     assert "progress epoch" in out and "final test accuracy" in out, out
-    for w in range(2):
+    for w in range(3):
         with open(run_dir / f"metrics-worker-{w}.csv") as f:
             assert [int(r["step"]) for r in csv.DictReader(f)] == list(range(1, 151)), w
         assert "model: torch mlp" in (run_dir / f"worker-{w}.log").read_text(), w  # the example
+    # Each worker's rank among its node's workers (not SLURM_LOCALID, which counts the
+    # scheduler's and servers' tasks too): its GPU where the node has several.
+    node, local = {}, {}
+    for w in range(3):
+        log = (run_dir / f"worker-{w}.log").read_text()
+        m = re.search(r"node (\S+) SPARSEPS_LOCAL_RANK=(\d+)", log)
+        assert m, log
+        node[w], local[w] = m.group(1), int(m.group(2))
+    assert local == {w: sum(node[v] == node[w] for v in range(w)) for w in range(3)}, (node, local)
+    if slurm.nodes == 3:
+        assert sorted(local.values()) == [0, 0, 1], (node, local)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "ok", summary
     assert summary["final_test_accuracy"] > 0.7, summary

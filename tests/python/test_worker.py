@@ -599,6 +599,24 @@ def test_a_replacement_that_comes_as_the_job_ends_has_nothing_to_join(cluster, b
     assert (p.returncode, p.stderr) == (0, ""), p.stderr
 
 
+def test_local_rank_reads_the_launchers_variables_in_order():
+    """sparseps.local_rank (one function through both bindings): the first of
+    SPARSEPS_LOCAL_RANK, LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_RANK, SLURM_LOCALID that is set (an
+    empty one is unset), 0 without any, as sparseps-worker reads them (PickCudaDevice); a value
+    that is not a non-negative integer is refused naming it."""
+    assert capi.local_rank is sparseps.local_rank
+    assert sparseps.local_rank({}) == 0
+    env = {"SLURM_LOCALID": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "3", "LOCAL_RANK": ""}
+    assert sparseps.local_rank(env) == 3
+    env["LOCAL_RANK"] = "2"
+    assert sparseps.local_rank(env) == 2
+    env["SPARSEPS_LOCAL_RANK"] = "1"
+    assert sparseps.local_rank(env) == 1
+    for bad in ("-1", "one", " 1", "\u0661"):  # the last: an Arabic-Indic digit one
+        with pytest.raises(ValueError, match=r"env SPARSEPS_LOCAL_RANK="):
+            sparseps.local_rank({"SPARSEPS_LOCAL_RANK": bad, "LOCAL_RANK": "0"})
+
+
 @pytest.mark.parametrize("kind", ["module", "capi"])
 def test_ctrl_c_ends_a_blocking_call_at_once(kind):
     """SIGINT during a wait (here for a scheduler that never answers, 70 s deadline) ends it at
