@@ -1,7 +1,9 @@
 #include "kernels/device.h"
 
 #if defined(SPARSEPS_HAVE_CUDA)
+#include <cuda.h>
 #include <cuda_runtime_api.h>
+#include <dlfcn.h>
 #endif
 
 namespace sparseps::kernels {
@@ -90,6 +92,35 @@ std::string CudaDeviceName(int device) {
 #endif
 }
 
+bool PrimaryContextActive(int device) {
+#if defined(SPARSEPS_HAVE_CUDA)
+  // The driver's own functions, from the libcuda.so.1 that the runtime loaded (the runtime is
+  // linked statically and has no call for this).
+  struct Driver {
+    decltype(&cuDeviceGet) get = nullptr;
+    decltype(&cuDevicePrimaryCtxGetState) state = nullptr;
+  };
+  static const Driver driver = [] {
+    Driver d;
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (lib == nullptr) return d;
+    d.get = reinterpret_cast<decltype(&cuDeviceGet)>(dlsym(lib, "cuDeviceGet"));
+    d.state = reinterpret_cast<decltype(&cuDevicePrimaryCtxGetState)>(
+        dlsym(lib, "cuDevicePrimaryCtxGetState"));
+    return d;
+  }();
+  CUdevice handle{};
+  unsigned int flags = 0;
+  int active = 0;
+  return device >= 0 && driver.get != nullptr && driver.state != nullptr &&
+         driver.get(&handle, device) == CUDA_SUCCESS &&
+         driver.state(handle, &flags, &active) == CUDA_SUCCESS && active != 0;
+#else
+  (void)device;
+  return false;
+#endif
+}
+
 ScopedCudaDevice::ScopedCudaDevice(int device) {
 #if defined(SPARSEPS_HAVE_CUDA)
   if (device < 0) return;
@@ -111,7 +142,12 @@ ScopedCudaDevice::ScopedCudaDevice(int device) {
 
 ScopedCudaDevice::~ScopedCudaDevice() {
 #if defined(SPARSEPS_HAVE_CUDA)
-  if (previous_ >= 0 && cudaSetDevice(previous_) != cudaSuccess) cudaGetLastError();
+  // Not onto a device the caller never used: making it current would create its context there
+  // (hundreds of MB on that GPU, in every worker process), as PyTorch's device guard avoids.
+  if (previous_ >= 0 && PrimaryContextActive(previous_) &&
+      cudaSetDevice(previous_) != cudaSuccess) {
+    cudaGetLastError();
+  }
 #endif
 }
 

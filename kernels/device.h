@@ -29,9 +29,15 @@ bool SetCudaDevice(int device, std::string* error);
 // did not answer.
 std::string CudaDeviceName(int device);
 
+// True when CUDA device `device`'s primary context is active in this process (some thread
+// computed or allocated there); false when not, or when the driver cannot say.
+bool PrimaryContextActive(int device);
+
 // While it lives, `device` is the calling thread's current CUDA device; the one before comes back
-// at the end, as PyTorch's device guard does. Nothing at all (no CUDA call) for device < 0, the
-// host, or in a build without CUDA. A device that cannot be set leaves the current one (the CUDA
+// at the end where it has an active context (PrimaryContextActive), as PyTorch's device guard
+// does: a thread that never used its current device keeps `device` rather than have a context
+// made on the other GPU. Nothing at all (no CUDA call) for device < 0, the host, or in a build
+// without CUDA. A device that cannot be set leaves the current one (the CUDA
 // calls after it then fail and say so). Not movable: a guard belongs to one scope of one thread.
 class ScopedCudaDevice {
  public:

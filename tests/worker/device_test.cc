@@ -107,9 +107,11 @@ TEST(CudaDevicePick, TakesTheOrdinalOrTheLocalRanksGpu) {
   }
 }
 
-// The guard makes a device current for its scope and puts the caller's back; for the host it
-// changes nothing (and, without a GPU, never touches CUDA).
-TEST(ScopedCudaDevice, SetsTheDeviceForItsScopeOnly) {
+// The guard makes a device current for its scope and puts the caller's back where the caller has
+// a context there; onto a device the caller never used it does not go back (that would make a
+// context there: hundreds of MB on that GPU in every worker process). For the host it changes
+// nothing (and, without a GPU, never touches CUDA).
+TEST(ScopedCudaDevice, SetsTheDeviceForItsScopeAndMakesNoContextOnTheCallersDevice) {
   const int before = kernels::CurrentCudaDevice();
   {
     const kernels::ScopedCudaDevice host(-1);
@@ -118,11 +120,30 @@ TEST(ScopedCudaDevice, SetsTheDeviceForItsScopeOnly) {
   const int count = kernels::CudaDeviceCount();
   if (count == 0) {
     EXPECT_EQ(before, -1);
+    EXPECT_FALSE(kernels::PrimaryContextActive(0));
     std::string error;
     EXPECT_FALSE(kernels::SetCudaDevice(0, &error));
     EXPECT_THAT(error, HasSubstr("CUDA device 0"));
     GTEST_SKIP() << "no CUDA device: the guard around one is not exercised";
   }
+  // ctest runs each test in a process of its own: nothing has used a GPU yet.
+  if (count >= 2 && !kernels::PrimaryContextActive(0)) {
+    {
+      const kernels::ScopedCudaDevice on(count - 1);
+      EXPECT_EQ(kernels::CurrentCudaDevice(), count - 1);
+      DeviceBuffer b;
+      ASSERT_TRUE(b.Allocate(16).ok());
+      EXPECT_TRUE(kernels::PrimaryContextActive(count - 1));
+    }
+    EXPECT_FALSE(kernels::PrimaryContextActive(0));  // no context made on the caller's GPU 0
+    EXPECT_EQ(kernels::CurrentCudaDevice(), count - 1);
+  }
+  // Once GPU 0 has a context (here an allocation's), the guard puts it back.
+  std::string error;
+  ASSERT_TRUE(kernels::SetCudaDevice(0, &error)) << error;
+  DeviceBuffer on0;
+  ASSERT_TRUE(on0.Allocate(16).ok());
+  EXPECT_TRUE(kernels::PrimaryContextActive(0));
   for (int d = count - 1; d >= 0; --d) {
     {
       const kernels::ScopedCudaDevice on(d);
@@ -133,9 +154,8 @@ TEST(ScopedCudaDevice, SetsTheDeviceForItsScopeOnly) {
       t.join();
       EXPECT_EQ(other, 0);
     }
-    EXPECT_EQ(kernels::CurrentCudaDevice(), before);
+    EXPECT_EQ(kernels::CurrentCudaDevice(), 0);
   }
-  std::string error;
   EXPECT_FALSE(kernels::SetCudaDevice(count, &error));
   EXPECT_THAT(error, HasSubstr("this process sees " + std::to_string(count)));
 }

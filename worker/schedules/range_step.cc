@@ -103,7 +103,11 @@ bool RangeStep::BeginStep(float* grad) {
   // Ranges past the last key (none in practice) are ready at once.
   MarkReady(num_params(), Clock::now());
   comm_ = std::thread([this, grad] {
-    const kernels::ScopedCudaDevice on(cuda_device_);  // the slices' (a thread starts on GPU 0)
+    // A new thread starts on GPU 0: the slices' GPU first, for the thread's life.
+    if (std::string error; cuda_device_ >= 0 && !kernels::SetCudaDevice(cuda_device_, &error)) {
+      comm_status_ = Status::FailedPrecondition("the overlap's pushes: " + error);
+      return;
+    }
     comm_status_ = PushRanges(grad);
   });
   return true;
