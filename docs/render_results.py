@@ -248,7 +248,12 @@ def render():
                 "not yet run on a GPU); "
                 "sparseps's own PowerSGD on GPU workers (its row in the ResNet-18 comparison ran "
                 "densely, before a5935e0); the GPU comparison at 10 Gbit/s and with the language "
-                "model; racecheck on an H100 since f4b5423 (it ran there on an H200)."]}
+                "model; racecheck on an H100 since f4b5423 (it ran there on an H200); a host "
+                "with several GPUs (a worker on its local rank's GPU, train.cuda_device, and the "
+                "library on its tensors' GPU whichever is current, since 9f0acd1: the device "
+                "machine has one GPU, so test_gpu.py's test_tensors_on_another_gpu_than_the_"
+                "current_one and the two-GPU part of worker_test's ScopedCudaDevice test skip "
+                "there; their one-GPU parts run)."]}
     out = ["# Results", "",
            "What sparseps measures now, one section per question. Every figure names its "
            "command, machine, date and commit. This page is rendered by "
