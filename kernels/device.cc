@@ -94,15 +94,16 @@ std::string CudaDeviceName(int device) {
 
 bool PrimaryContextActive(int device) {
 #if defined(SPARSEPS_HAVE_CUDA)
-  // The driver's own functions, from the libcuda.so.1 that the runtime loaded (the runtime is
-  // linked statically and has no call for this).
+  // The driver's own functions, from libcuda.so.1 (the runtime, linked statically, has no call
+  // for this, and loads the same library). A machine without it has no driver: no context. Before
+  // the driver is initialised its calls fail: no context either.
   struct Driver {
     decltype(&cuDeviceGet) get = nullptr;
     decltype(&cuDevicePrimaryCtxGetState) state = nullptr;
   };
   static const Driver driver = [] {
     Driver d;
-    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
     if (lib == nullptr) return d;
     d.get = reinterpret_cast<decltype(&cuDeviceGet)>(dlsym(lib, "cuDeviceGet"));
     d.state = reinterpret_cast<decltype(&cuDevicePrimaryCtxGetState)>(
