@@ -100,7 +100,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max
 gpu_tests=("gpu_kernels_test tests/gpu_kernels_test *"
   "gpu_models_test tests/gpu_models_test *"
   "gpu_allreduce_test tests/collectives_test GpuContribution.*"
-  "gpu_device_test tests/worker_test Device.*:DeviceCopies.*"
+  "gpu_device_test tests/worker_test Device.*:DeviceCopies.*:ScopedCudaDevice.*"
   "gpu_overlap_test tests/integration_test *OverlapTest*cuda*"
   "gpu_resume_test tests/integration_test *ResumeTest*cuda*")
 # integration_test starts the daemons of the build it was given (not the one it was built in).
