@@ -153,15 +153,28 @@ def test_quickstart_trains_across_hosts(hosts, tmp_path):
 
 
 def test_a_failing_worker_stops_every_host(hosts, tmp_path):
+    """A diverging job (train.lr 900) of three workers, one on the second host and two on the
+    third, through a worker command that writes what launch.sh set: each worker's rank among its
+    host's workers (SPARSEPS_LOCAL_RANK, its GPU where the host has several) is 0, 0 and 1."""
     run_dir = tmp_path / "run"
-    r = hosts.launch(hosts.hosts_file(tmp_path / "hosts"), run_dir, "train.epochs=1",
-                     "train.lr=900")
+    d = hosts.dests if hosts.count == 3 else hosts.dests * 3
+    layout = hosts.hosts_file(tmp_path / "hosts", [f"{d[0]} scheduler server",
+                                                   f"{d[1]} server worker",
+                                                   f"{d[2]} worker worker"])
+    wrapper = tmp_path / "worker"
+    wrapper.write_text('#!/bin/bash\necho "SPARSEPS_LOCAL_RANK=$SPARSEPS_LOCAL_RANK"\n'
+                       f'exec {BUILD}/worker/sparseps-worker "$@"\n')
+    wrapper.chmod(0o755)
+    r = hosts.launch(layout, run_dir, "train.epochs=1", "train.lr=900", "cluster.num_workers=3",
+                     args=("--worker-command", str(wrapper)))
     assert r.returncode == 1, r.stdout + r.stderr
     assert "NaN" in r.stdout + r.stderr
     assert_none_left(str(run_dir) + "-remote")
-    for name in NAMES:
+    for name in NAMES + ("worker-2",):
         assert (run_dir / f"{name}.log").exists(), name
     assert json.loads((run_dir / "summary.json").read_text())["status"] != "ok"
+    for w, local in enumerate((0, 0, 1)):
+        assert f"SPARSEPS_LOCAL_RANK={local}\n" in (run_dir / f"worker-{w}.log").read_text(), w
 
 
 def wait_for_training(proc, run_dir, deadline_s=120):
