@@ -38,6 +38,9 @@ instead of Gloo's dense allreduce, as torch's own PowerSGD hook does with its st
 The job must use `aggregation: allreduce` (no servers); the hook hands DDP the averaged
 aggregated gradient (update / train.lr), so train.lr: 1 is exact.
 
+GradScaler: fp16 mixed precision's loss scaling, torch.cuda.amp.GradScaler's interface, with the
+workers skipping an overflow together.
+
 load_model_file: the model file a job writes (<run.dir>/model.safetensors, a checkpoint's) as a
 state_dict, for model.load_state_dict(..., strict=True) without the safetensors package.
 
@@ -55,14 +58,15 @@ from sparseps import _state
 from sparseps._model_file import read_model_file
 from sparseps._sampler import ElasticSampler
 from sparseps._ddp_hook import SparseAllreduceState, sparse_allreduce_hook
+from sparseps._grad_scaler import GradScaler
 from sparseps._frozen_adam import (_check_freeze, _frozen, _frozen_adam_step,
                                    _frozen_denominator, _step_count)
 from sparseps._state import ModuleBuffers
 from sparseps._tensors import _finished, _float32_params
 from sparseps._wrapped import WrappedOptimizer
 
-__all__ = ["DistributedOptimizer", "ElasticSampler", "ModuleBuffers", "SparseAllreduceState",
-           "load_model_file", "sparse_allreduce_hook"]
+__all__ = ["DistributedOptimizer", "ElasticSampler", "GradScaler", "ModuleBuffers",
+           "SparseAllreduceState", "load_model_file", "sparse_allreduce_hook"]
 
 
 def load_model_file(path, device="cpu"):
@@ -209,6 +213,7 @@ class DistributedOptimizer(WrappedOptimizer):
         self.worker = worker
         self.aggregate = aggregate
         self.local_view = local_view
+        self.overlap = overlap  # (sparseps.torch.GradScaler refuses it)
         self._view_shift = None  # local_view: the flat shift now subtracted from the parameters
         self.last_push_pull_ms = 0.0  # wall time of the last push_pull
         self._dense = None  # push_pull's out or params_out (on the CPU), made at first use

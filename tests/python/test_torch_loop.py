@@ -5,6 +5,8 @@ param_groups are the wrapped optimizer's), Horovod's named_parameters and metric
 the job and unfrozen later is an error naming it, not a silent parting of the workers' models,
 and the way that works (zeroed gradients) keeps the part still and then trains it on every
 worker alike."""
+import types
+
 import numpy as np
 import pytest
 import torch
@@ -198,3 +200,65 @@ def test_allreduce_values_averages_a_metric_over_the_workers_as_horovods(cluster
     results = run_threads([lambda r=r: worker(r) for r in range(3)])
     assert results[0] == results[1] == results[2]
     assert results[0] == [[1.0, 10.5], [3.0], [3.0, 3 * 2.0 ** 40]]
+
+
+def test_grad_scaler_has_every_worker_skip_an_overflow_together(cluster):
+    """sparseps.torch.GradScaler (fp16 mixed precision's dynamic loss scaling; float32 here):
+    worker 1's gradient overflows (an inf) at step 3 of 8. Both workers skip that step together
+    (nothing pushed: the job's step count stays), halve their scale alike and double it after
+    growth_interval steps without one; every other step unscales exactly (powers of two), so the
+    models equal, bit for bit, those of a run without the scaler whose workers both left batch 3
+    out. (torch's GradScaler skips on worker 1 alone.) Anything but a DistributedOptimizer, and
+    overlap=True, are refused; enabled=False passes everything through."""
+    jobs = {True: cluster(JOB), False: cluster(JOB)}
+
+    def worker(rank, scaled):
+        model = two_layers()
+        with torch.no_grad():  # the same worker 0's model in both jobs (threads share torch's RNG)
+            for i, p in enumerate(model.parameters()):
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) * 0.3)
+        c = jobs[scaled]
+        opt = sparseps.torch.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.5),
+            sparseps.Worker(str(c.job), rank=rank, overrides=c.overrides))
+        scaler = sparseps.torch.GradScaler(init_scale=2.0 ** 10, growth_interval=3)
+        scales, steps = [], []
+        for t in range(8):
+            opt.zero_grad()
+            if scaled:
+                batch = torch.randn(8, 30, generator=torch.Generator().manual_seed(100 * rank + t))
+                loss = model(batch).pow(2).mean()
+                if rank == 1 and t == 3:
+                    loss = loss * float("inf")
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                scales.append(scaler.get_scale())
+            elif t != 3:
+                backward(model, rank, t)
+                opt.step()
+            steps.append(opt.worker.step)
+        opt.synchronize()
+        opt.worker.finish()
+        return flat(model), scales, steps, scaler.state_dict()
+
+    scaled = run_threads([lambda r=r: worker(r, True) for r in range(2)])
+    plain = run_threads([lambda r=r: worker(r, False) for r in range(2)])
+    for (p, scales, steps, state), (q, _, plain_steps, _) in zip(scaled, plain):
+        assert scales == [1024.0, 1024.0, 2048.0, 1024.0, 1024.0, 1024.0, 2048.0, 2048.0]
+        assert steps == plain_steps == [1, 2, 3, 3, 4, 5, 6, 7]
+        assert torch.equal(p, q)
+        assert state["scale"] == 2048.0 and state["_growth_tracker"] == 1
+    assert torch.equal(scaled[0][0], scaled[1][0])
+
+    with pytest.raises(TypeError, match="takes a sparseps.torch.DistributedOptimizer"):
+        sparseps.torch.GradScaler().step(torch.optim.SGD(two_layers().parameters(), lr=0.1))
+    overlapping = types.SimpleNamespace(worker=object(), overlap=True, param_groups=[])
+    with pytest.raises(ValueError, match="not with DistributedOptimizer\\(overlap=True\\)"):
+        sparseps.torch.GradScaler().unscale_(overlapping)
+    off = sparseps.torch.GradScaler(enabled=False)
+    loss = torch.ones(1)
+    assert off.scale(loss) is loss and off.get_scale() == 1.0 and off.state_dict() == {}
+    assert off.step(types.SimpleNamespace(step=lambda: "stepped")) == "stepped"
+    with pytest.raises(ValueError, match="growth_interval"):
+        sparseps.torch.GradScaler(growth_interval=0)
