@@ -141,9 +141,10 @@ class Worker {
   /// starting parameters into them, in order. `tensors` names and shapes them in the model file
   /// (one per buffer; none: "params" for one buffer, else "param0", "param1", ..., flat).
   /// On a CUDA device, every call of this worker computes on that device (its memory, streams
-  /// and kernels; the calling thread's current device is put back on return), whichever device
-  /// is current on the calling thread. Throws kInvalidArgument for buffers on several devices,
-  /// device memory in a build without CUDA, or device memory with SBC's local steps
+  /// and kernels), whichever device is current on the calling thread; the caller's current
+  /// device is put back on return where it has a context (none is made on a GPU the caller never
+  /// used: the tensors' device stays current then). Throws kInvalidArgument for buffers on several
+  /// devices, device memory in a build without CUDA, or device memory with SBC's local steps
   /// (compression.local_iterations > 1).
   void Init(std::span<const Buffer> params, const std::vector<TensorInfo>& tensors = {});
 
