@@ -400,19 +400,14 @@ Result<proto::JobConfig> LoadConfig(const std::string& path,
     sources["node.bind_host"] = "env SPARSEPS_BIND_HOST";
   }
   if (config.node().rank() < 0) {
-    std::vector<const char*> names = {"SPARSEPS_RANK"};
-    if (rank_env == RankEnv::kSparsepsRankOrRank) names.push_back("RANK");
-    for (const char* name : names) {
-      const char* s = env(name);
-      if (s == nullptr || !*s) continue;
-      int32_t rank;
-      if (!ParseInteger(std::string(s), &rank) || rank < 0) {
-        return Status::InvalidArgument(std::string("env ") + name + "='" + s +
-                                       "': expected a non-negative integer rank");
-      }
-      config.mutable_node()->set_rank(rank);
+    const char* name = nullptr;
+    auto rank = rank_env == RankEnv::kSparsepsRankOrRank
+                    ? FirstEnvInteger({"SPARSEPS_RANK", "RANK"}, "rank", env, &name)
+                    : FirstEnvInteger({"SPARSEPS_RANK"}, "rank", env, &name);
+    if (!rank.ok()) return rank.status();
+    if (*rank >= 0) {
+      config.mutable_node()->set_rank(*rank);
       sources["node.rank"] = std::string("env ") + name;
-      break;
     }
   }
 
@@ -420,6 +415,23 @@ Result<proto::JobConfig> LoadConfig(const std::string& path,
   SPARSEPS_RETURN_IF_ERROR(ValidateConfig(config, sources));
   if (sources_out != nullptr) *sources_out = std::move(sources);
   return config;
+}
+
+Result<int32_t> FirstEnvInteger(std::initializer_list<const char*> names, const std::string& what,
+                                const EnvLookup& env_in, const char** name) {
+  const EnvLookup env = env_in ? env_in : [](const char* n) { return std::getenv(n); };
+  for (const char* n : names) {
+    const char* s = env(n);
+    if (s == nullptr || !*s) continue;
+    int32_t value = -1;
+    if (*s < '0' || *s > '9' || !ParseInteger(std::string(s), &value)) {
+      return Status::InvalidArgument(std::string("env ") + n + "='" + s +
+                                     "': expected a non-negative integer " + what);
+    }
+    if (name != nullptr) *name = n;
+    return value;
+  }
+  return -1;
 }
 
 std::vector<std::string> EnvironmentHelp(RankEnv rank_env) {

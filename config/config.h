@@ -12,6 +12,7 @@
 #pragma once
 
 #include <functional>
+#include <initializer_list>
 #include <map>
 #include <string>
 #include <vector>
@@ -36,6 +37,13 @@ enum class RankEnv {
   kSparsepsRank,        // SPARSEPS_RANK only (scheduler, server, tools)
   kSparsepsRankOrRank,  // SPARSEPS_RANK, else RANK (a worker)
 };
+
+// The first of `names` set (not empty) in `env` (null: the process's environment), read as a
+// non-negative integer (digits only): its value, and *name the variable (when name is not null);
+// -1 when none is set. Errors: InvalidArgument "env NAME='value': expected a non-negative integer
+// <what>" for any other value. Reentrant.
+Result<int32_t> FirstEnvInteger(std::initializer_list<const char*> names, const std::string& what,
+                                const EnvLookup& env = nullptr, const char** name = nullptr);
 
 // An enum value's name as a config spells it: lower case ("TOPK" -> "topk").
 std::string ConfigSpelling(std::string enum_name);

@@ -3,9 +3,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <cmath>
-#include <cstdlib>
 #include <optional>
 #include <random>
 
@@ -449,10 +447,7 @@ Result<proto::Device> ResolveDevice(proto::Device requested, std::string* detail
                                     " (use train.device: cpu or auto)");
 }
 
-Result<int> PickCudaDevice(int configured, int count, std::string* detail,
-                           const std::function<const char*(const char*)>& env_in) {
-  const auto env =
-      env_in ? env_in : [](const char* name) -> const char* { return std::getenv(name); };
+Result<int> PickCudaDevice(int configured, int count, std::string* detail, const EnvLookup& env) {
   const std::string of = " of " + std::to_string(count);
   if (configured >= 0) {
     if (configured >= count) {
@@ -465,20 +460,15 @@ Result<int> PickCudaDevice(int configured, int count, std::string* detail,
     *detail = "GPU " + std::to_string(configured) + of + ": train.cuda_device";
     return configured;
   }
-  for (const char* name :
-       {"SPARSEPS_LOCAL_RANK", "LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"}) {
-    const char* value = env(name);
-    if (value == nullptr || *value == '\0') continue;
-    char* end = nullptr;
-    errno = 0;
-    const long rank = std::strtol(value, &end, 10);
-    if (value[0] < '0' || value[0] > '9' || *end != '\0' || errno != 0 || rank > 1'000'000) {
-      return Status::InvalidArgument(std::string("env ") + name + "='" + value +
-                                     "': a local rank must be a non-negative integer");
-    }
-    const int device = static_cast<int>(rank % count);
-    *detail = "GPU " + std::to_string(device) + of + ": local rank " + std::to_string(rank) + " (" +
-              name + ")" + (rank >= count ? ", shared: more local ranks than GPUs" : "");
+  const char* name = nullptr;
+  auto rank = FirstEnvInteger(
+      {"SPARSEPS_LOCAL_RANK", "LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"},
+      "local rank", env, &name);
+  if (!rank.ok()) return rank.status();
+  if (*rank >= 0) {
+    const int device = *rank % count;
+    *detail = "GPU " + std::to_string(device) + of + ": local rank " + std::to_string(*rank) +
+              " (" + name + ")" + (*rank >= count ? ", shared: more local ranks than GPUs" : "");
     return device;
   }
   *detail = "GPU 0" + of + ": no local rank set (SPARSEPS_LOCAL_RANK, LOCAL_RANK, ...)";

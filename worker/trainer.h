@@ -2,11 +2,11 @@
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <string>
 #include <vector>
 
 #include "common/status.h"
+#include "config/config.h"
 #include "proto/config.pb.h"
 
 namespace sparseps {
@@ -34,7 +34,7 @@ Result<proto::Device> ResolveDevice(proto::Device requested, std::string* detail
 // train.cuda_device for an ordinal >= count, or the variable for a value that is not a
 // non-negative integer.
 Result<int> PickCudaDevice(int configured, int count, std::string* detail,
-                           const std::function<const char*(const char*)>& env = nullptr);
+                           const EnvLookup& env = nullptr);
 
 // Runs one worker: loads the data, registers (reporting the model size), initialises the servers
 // (rank 0), trains for train.epochs (or train.max_steps) with BSP push/pull, evaluates on the

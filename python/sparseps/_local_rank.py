@@ -24,7 +24,7 @@ def local_rank(environ=None):
         value = env.get(name, "")
         if value == "":
             continue
-        if not value.isdigit() or not value.isascii() or int(value) > 1_000_000:
-            raise ValueError(f"env {name}={value!r}: a local rank must be a non-negative integer")
+        if not value.isdigit() or not value.isascii() or int(value) >= 2 ** 31:
+            raise ValueError(f"env {name}={value!r}: expected a non-negative integer local rank")
         return int(value)
     return 0
