@@ -253,8 +253,10 @@ def render():
                 "library on its tensors' GPU whichever is current, since 9f0acd1: the device "
                 "machine has one GPU, so test_gpu.py's test_tensors_on_another_gpu_than_the_"
                 "current_one and the two-GPU part of worker_test's ScopedCudaDevice test skip "
-                "there; their one-GPU parts run); sparseps.torch.GradScaler with fp16 autocast "
-                "(its test runs in float32 on the CPU)."]}
+                "there; their one-GPU parts run); sparseps.torch.GradScaler and the DDP hook "
+                "with torch's GradScaler (SparseAllreduceState's grad_scaler), with fp16 autocast "
+                "(their tests run in float32 on the CPU; test_gpu.py's "
+                "test_ddp_hook_with_fp16_autocast_and_torchs_grad_scaler skips there)."]}
     out = ["# Results", "",
            "What sparseps measures now, one section per question. Every figure names its "
            "command, machine, date and commit. This page is rendered by "

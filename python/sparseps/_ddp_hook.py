@@ -28,9 +28,21 @@ class SparseAllreduceState:
     none: its job's parameters are not the DDP model), so the loop starts at worker.step.
     synchronize() after the last step, on every worker, hands over a checkpoint of that step and
     makes the model the trained model file's (<run.dir>/model.safetensors), which otherwise holds
-    the job's parameters."""
+    the job's parameters.
 
-    def __init__(self, worker, model, optimizer=None, extra_state=None):
+    grad_scaler: the loop's torch GradScaler (torch.amp.GradScaler, torch.cuda.amp.GradScaler),
+    for fp16 mixed precision (Micikevicius et al., ICLR 2018, section 3.2). With DDP's allreduce
+    an overflow (an inf or a NaN) on one worker reaches every worker and each one's scaler skips
+    the step; sparseps's collectives take no inf, so given an enabled scaler the hook sums the
+    workers' overflow flags at each step's last bucket (Worker.allreduce_values: one round trip
+    through the scheduler a step) and, where any worker overflowed, hands DDP inf buckets on
+    every worker and pushes nothing (worker.step stays; overflows counts them): every scaler
+    skips the step and backs off alike. Otherwise it pushes the gradient divided by the scale
+    and multiplies the update back, so that the residuals (error feedback) hold unscaled values
+    whatever the scale does (a power of two: exact). Without one, a gradient with NaN or Inf is
+    a ValueError on its worker (nothing is pushed)."""
+
+    def __init__(self, worker, model, optimizer=None, extra_state=None, grad_scaler=None):
         if worker.aggregation != "allreduce":
             raise ValueError("sparse_allreduce_hook needs a job with aggregation: allreduce")
         self._loop = _state.LoopState(extra_state, "SparseAllreduceState")
@@ -46,6 +58,8 @@ class SparseAllreduceState:
             offset += p.numel()
         self.flat = torch.zeros(offset, dtype=torch.float32, device=self.params[0].device)
         self.pending = []  # (bucket, future) of this step
+        self.grad_scaler = grad_scaler
+        self.overflows = 0  # steps every worker skipped for an overflow (grad_scaler)
         self._held_buffers = {}  # the module's buffers at the checkpoint's step (_step_ended)
         self.worker = worker
         _finished(self.flat)
@@ -54,6 +68,19 @@ class SparseAllreduceState:
             worker.init([p.detach() for p in self.params], names=[n for n, _ in named])
         if worker.resumed:
             self._restore()
+
+    def _loss_scale(self):
+        """The scale of this step's gradients (a float), None without an enabled scaler."""
+        scaler = self.grad_scaler
+        if scaler is None or not scaler.is_enabled():
+            return None
+        return float(scaler.get_scale())
+
+    def _any_overflow(self):
+        """Whether any worker's gradient of this step holds an inf or a NaN (every worker asks,
+        at its last bucket)."""
+        local = not bool(torch.isfinite(self.flat).all())
+        return self.worker.allreduce_values([1.0 if local else 0.0], op="sum")[0] > 0
 
     def _model(self):
         """The model's parameters, flat, on the CPU (a copy)."""
@@ -118,7 +145,8 @@ def sparse_allreduce_hook(state, bucket):
     """DDP communication hook: collects the step's buckets into state.flat and, at the last one,
     aggregates it in one push_pull (residuals stay in sparseps, per key) and completes every
     bucket's future with its part of update / train.lr, the averaged aggregated gradient. A
-    checkpoint waiting for the model gets it before the push (SparseAllreduceState)."""
+    checkpoint waiting for the model gets it before the push (SparseAllreduceState). With the
+    state's grad_scaler, an overflow on any worker comes back as inf buckets on every worker."""
     for p, g in zip(bucket.parameters(), bucket.gradients()):
         start, n = state.offset[id(p)]
         state.flat[start:start + n].copy_(g.reshape(-1))
@@ -126,11 +154,31 @@ def sparse_allreduce_hook(state, bucket):
     state.pending.append((bucket, future))
     if bucket.is_last():
         _finished(state.flat)
+        scale = state._loss_scale()
+        if scale is not None and state._any_overflow():
+            state.overflows += 1
+            for b, f in state.pending:
+                f.set_result(b.buffer().fill_(float("inf")))
+            state.pending = []
+            return future
+        if scale is not None:
+            state.flat.mul_(1.0 / scale)
         state._submit_pending()
-        update = torch.from_numpy(state.worker.push_pull(state.flat))
+        try:
+            update = torch.from_numpy(state.worker.push_pull(state.flat))
+        except ValueError as e:
+            if scale is None and not bool(torch.isfinite(state.flat).all()):
+                raise ValueError(
+                    f"sparse_allreduce_hook: this worker's gradient holds NaN or Inf at step "
+                    f"{state.worker.step} (nothing was pushed); with a torch GradScaler (fp16 "
+                    "mixed precision) give it to SparseAllreduceState(..., grad_scaler=scaler), "
+                    "so that every worker skips an overflowed step together") from e
+            raise
         if state.worker.checkpoint_due:
             state._step_ended()  # the model of this step: after the loop's optimizer step
         update = update.to(state.flat.device).div_(state.worker.lr)
+        if scale is not None:
+            update.mul_(scale)
         for b, f in state.pending:
             out = b.buffer()
             pos = 0

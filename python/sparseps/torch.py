@@ -39,7 +39,7 @@ The job must use `aggregation: allreduce` (no servers); the hook hands DDP the a
 aggregated gradient (update / train.lr), so train.lr: 1 is exact.
 
 GradScaler: fp16 mixed precision's loss scaling, torch.cuda.amp.GradScaler's interface, with the
-workers skipping an overflow together.
+workers skipping an overflow together (with the DDP hook: torch's, as its state's grad_scaler).
 
 load_model_file: the model file a job writes (<run.dir>/model.safetensors, a checkpoint's) as a
 state_dict, for model.load_state_dict(..., strict=True) without the safetensors package.

@@ -2,7 +2,8 @@
 own broadcast) whose gradient buckets are aggregated by sparseps.torch.sparse_allreduce_hook.
 
     ddp_worker.py RANK WORLD INIT_FILE JOB_YAML OUT_FILE [--set k=v ...] [--steps N]
-                  [--stop-after N] [--momentum M] [--batchnorm]
+                  [--stop-after N] [--momentum M] [--batchnorm] [--amp] [--overflow-at T]
+                  [--skip T]
 
 Trains a small MLP on seeded random data (step t's batch fixed by the rank and t) with torch SGD
 at lr 0.5 (momentum M) and a StepLR halving it every 8 steps, both kept in sparseps's checkpoints
@@ -11,9 +12,15 @@ at lr 0.5 (momentum M) and a StepLR halving it every 8 steps, both kept in spars
 losses, the final parameters, the number of nonzero entries of each step's averaged gradient, the
 first step and the model's buffers (its state_dict's). --batchnorm: a BatchNorm1d after the first
 layer, and a buffer registered with persistent=False.
---stop-after N: exits after step N without finishing (workers that die). DDP_DEVICE=cuda trains
-on the GPU (tests/python/test_gpu.py); the worker is sparseps.capi's where the pybind11
-module is not built for this Python."""
+--stop-after N: exits after step N without finishing (workers that die). --amp: loss scaling
+with torch's GradScaler given to SparseAllreduceState (and fp16 autocast on a GPU; on the CPU of
+a torch without one for it, PowerOfTwoScaler below). --overflow-at T: the last rank's loss is inf
+at step T. --skip T: every rank leaves step T out. The file also holds {steps, skipped,
+overflows}: worker.step after each step, the steps whose gradients came back non-finite and
+the state's overflows.
+DDP_DEVICE=cuda trains on the GPU (tests/python/test_gpu.py); the worker is sparseps.capi's where
+the pybind11 module is not built for this Python.
+"""
 import argparse
 import os
 
@@ -27,6 +34,49 @@ import sparseps.torch
 from sparseps import capi
 
 
+class PowerOfTwoScaler:
+    """torch.amp.GradScaler's dynamic loss scaling (the same calls and rule: skip the step and
+    halve the scale on an inf or NaN, double it after growth_interval steps without one), for
+    Debian's torch 1.13, whose GradScaler is CUDA's only (disabled on the CPU)."""
+
+    def __init__(self, init_scale, growth_interval):
+        self.scale_, self.interval, self.tracker, self.found = init_scale, growth_interval, 0, 0
+
+    def is_enabled(self):
+        return True
+
+    def get_scale(self):
+        return self.scale_
+
+    def scale(self, loss):
+        return loss * self.scale_
+
+    def step(self, opt):
+        grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        for g in grads:
+            g.mul_(1.0 / self.scale_)
+        self.found = not all(bool(torch.isfinite(g).all()) for g in grads)
+        if not self.found:
+            opt.step()
+
+    def update(self):
+        self.tracker = 0 if self.found else self.tracker + 1
+        if self.found:
+            self.scale_ *= 0.5
+        elif self.tracker == self.interval:
+            self.scale_, self.tracker = self.scale_ * 2.0, 0
+
+
+def grad_scaler(device):
+    """torch's GradScaler for `device` where this torch has one, else PowerOfTwoScaler."""
+    kwargs = {"init_scale": 2.0 ** 10, "growth_interval": 3}
+    if hasattr(torch.amp, "GradScaler"):  # torch >= 2.3: the CPU's too
+        return torch.amp.GradScaler(device.type, **kwargs)
+    if device.type == "cuda":
+        return torch.cuda.amp.GradScaler(**kwargs)
+    return PowerOfTwoScaler(**kwargs)
+
+
 def main():
     ap = argparse.ArgumentParser()
     for name in ("rank", "world"):
@@ -38,6 +88,9 @@ def main():
     ap.add_argument("--stop-after", type=int, default=None)
     ap.add_argument("--momentum", type=float, default=0.0)
     ap.add_argument("--batchnorm", action="store_true")
+    ap.add_argument("--amp", action="store_true")
+    ap.add_argument("--overflow-at", type=int, default=None)
+    ap.add_argument("--skip", type=int, default=None)
     args = ap.parse_args()
     rank = args.rank
     torch.set_num_threads(1)
@@ -57,23 +110,39 @@ def main():
     opt = torch.optim.SGD(ddp.parameters(), lr=0.5, momentum=args.momentum)
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=8, gamma=0.5)
     worker = Worker(args.job, rank=rank, overrides=args.set)
+    scaler = grad_scaler(device) if args.amp else None
     state = sparseps.torch.SparseAllreduceState(worker, ddp, optimizer=opt,
-                                                extra_state={"scheduler": scheduler})
+                                                extra_state={"scheduler": scheduler},
+                                                grad_scaler=scaler)
     ddp.register_comm_hook(state, sparseps.torch.sparse_allreduce_hook)
     w_true = torch.randn(20, 4, generator=torch.Generator().manual_seed(7))
-    losses, nonzero = [], []
+    losses, nonzero, steps, skipped = [], [], [], []
     first = worker.step
+    autocast = args.amp and device.type == "cuda"
     for t in range(first, args.steps):
+        if t == args.skip:
+            scheduler.step()  # as a loop with a scaler steps it after a skipped step
+            continue
         x = torch.randn(32, 20, generator=torch.Generator().manual_seed(1000 * rank + t))
         y = (x @ w_true).argmax(1)
         x, y = x.to(device), y.to(device)
         opt.zero_grad()
-        loss = F.cross_entropy(ddp(x), y)
-        loss.backward()
+        with torch.autocast("cuda", dtype=torch.float16, enabled=autocast):
+            loss = F.cross_entropy(ddp(x), y)
+        if t == args.overflow_at and rank == args.world - 1:
+            loss = loss * float("inf")
+        (loss if scaler is None else scaler.scale(loss)).backward()
+        if not all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()):
+            skipped.append(t)
         nonzero.append(sum(int((p.grad != 0).sum()) for p in model.parameters()))
-        opt.step()
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
         scheduler.step()
         losses.append(loss.item())
+        steps.append(worker.step)
         if args.stop_after == t + 1:
             # Both die after the step, once neither waits for the other's part of it (one gone
             # within the collective would end the other's job first).
@@ -81,7 +150,8 @@ def main():
             os._exit(0)  # no finish, no checkpoint handed over after this
     state.synchronize()
     worker.finish()
-    torch.save({"loss": losses, "nonzero": nonzero, "first": first,
+    torch.save({"loss": losses, "nonzero": nonzero, "first": first, "steps": steps,
+                "skipped": skipped, "overflows": state.overflows,
                 "buffers": {n: b.detach().cpu() for n, b in model.state_dict().items()
                             if n not in dict(model.named_parameters())},
                 "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()},

@@ -16,9 +16,9 @@ import sys
 import pytest
 import torch
 
-from conftest import (DATA, ROOT, ddp_hook_keeps_the_workers_equal_and_sparse, launch_example,
-                      overlap_pushes_during_the_backward_pass_and_changes_nothing,
-                      set_trained_model_takes_a_tensor)
+from conftest import (DATA, DDP_HOOK_SETS, ROOT, ddp_hook_keeps_the_workers_equal_and_sparse,
+                      launch_example, overlap_pushes_during_the_backward_pass_and_changes_nothing,
+                      run_ddp_workers, set_trained_model_takes_a_tensor)
 from sparseps import capi
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -86,6 +86,25 @@ def test_example_trains_on_the_gpu_to_the_cpu_accuracy(tmp_path):
 
 def test_ddp_hook_on_cuda_tensors_keeps_the_workers_equal_and_sparse(cluster, tmp_path):
     ddp_hook_keeps_the_workers_equal_and_sparse(cluster, tmp_path, "cuda")
+
+
+def test_ddp_hook_with_fp16_autocast_and_torchs_grad_scaler(cluster, tmp_path):
+    """DDP with sparse_allreduce_hook, fp16 autocast and torch's own GradScaler (growing its scale
+    every 3 steps, so that fp16 overflows come by themselves too) given to SparseAllreduceState;
+    worker 1's loss is inf at step 3. Every overflow, on either worker, is skipped by both
+    (worker.step stays there and advances on every other step), the models stay equal and the
+    loss falls."""
+    c = cluster("cluster: {register_timeout_s: 60}\n", servers=0, sets=DDP_HOOK_SETS)
+    got = run_ddp_workers(c, tmp_path, "cuda", args=["--amp", "--overflow-at", "3"])
+    skipped = got[0]["skipped"]
+    print(f"fp16 autocast, GradScaler: steps skipped for an overflow {skipped}")
+    assert 3 in skipped and got[1]["skipped"] == skipped
+    for g in got:
+        assert g["overflows"] == len(skipped)
+        assert g["steps"] == [t + 1 - sum(s <= t for s in skipped) for t in range(40)]
+    assert torch.equal(got[0]["params"], got[1]["params"])
+    loss = got[0]["loss"]
+    assert sum(loss[-5:]) < 0.6 * sum(loss[:5]), loss
 
 
 def test_overlap_pushes_during_the_backward_pass_on_the_gpu(cluster):

@@ -339,6 +339,44 @@ def test_ddp_hook_keeps_the_workers_equal_and_sparse(cluster, tmp_path):
     ddp_hook_keeps_the_workers_equal_and_sparse(cluster, tmp_path, "cpu")
 
 
+def test_ddp_hook_with_a_grad_scaler_has_every_worker_skip_an_overflow(cluster, tmp_path):
+    """Loss scaling with the DDP hook (torch's GradScaler given to SparseAllreduceState; Debian's
+    torch has none for the CPU: tests/python/ddp_worker.py's PowerOfTwoScaler, the same rule):
+    worker 1's loss is inf at step 3 of 12. Both workers' buckets come back inf, both scalers
+    skip the step and halve the scale, nothing is pushed (worker.step stays), and, the residuals
+    holding unscaled values whatever the scale does, both models equal bit for bit those of the
+    same job without a scaler whose workers left batch 3 out."""
+    steps = ["--steps", "12"]
+    amp = run_ddp_workers(cluster("cluster: {register_timeout_s: 60}\n", servers=0,
+                                  sets=DDP_HOOK_SETS), tmp_path, "cpu",
+                          args=steps + ["--amp", "--overflow-at", "3"], name="amp")
+    plain = run_ddp_workers(cluster("cluster: {register_timeout_s: 60}\n", servers=0,
+                                    sets=DDP_HOOK_SETS), tmp_path, "cpu",
+                            args=steps + ["--skip", "3"], name="plain")
+    for got in amp:
+        assert got["skipped"] == [3] and got["overflows"] == 1
+        assert got["steps"] == [1, 2, 3, 3, 4, 5, 6, 7, 8, 9, 10, 11]
+    assert plain[0]["steps"] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
+    assert plain[0]["skipped"] == []
+    assert torch.equal(amp[0]["params"], amp[1]["params"])
+    assert torch.equal(amp[0]["params"], plain[0]["params"])
+
+
+def test_ddp_hook_names_the_grad_scaler_for_an_overflow_without_one(cluster, tmp_path):
+    """Without a GradScaler given to the state, an inf in a worker's gradient is a ValueError
+    that says how to give it (one worker: nobody waits for it)."""
+    c = cluster("cluster: {register_timeout_s: 60}\n", servers=0, workers=1,
+                sets=DDP_HOOK_SETS)
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "python" / "ddp_worker.py"), "0", "1",
+         str(tmp_path / "init"), str(c.job), str(tmp_path / "out.pt"), "--overflow-at", "2"] +
+        sum((["--set", s] for s in c.overrides + DDP_HOOK_SETS), []),
+        capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0
+    assert "holds NaN or Inf at step 2 (nothing was pushed)" in p.stderr, p.stderr
+    assert "SparseAllreduceState(..., grad_scaler=scaler)" in p.stderr, p.stderr
+
+
 def test_the_ddp_hooks_model_file_holds_the_models_buffers(cluster, tmp_path):
     """SparseAllreduceState.synchronize() hands the DDP model's buffers to the worker: worker 0's
     model file holds BatchNorm's running statistics as rank 0's model has them (DDP broadcasts
