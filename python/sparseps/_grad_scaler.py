@@ -95,7 +95,10 @@ class GradScaler:
 
     def step(self, optimizer, *args, **kwargs):
         """optimizer.step(*args, **kwargs) unless a worker overflowed this iteration (then every
-        worker skips it and it returns None); unscales first where unscale_ was not called."""
+        worker skips it and it returns None); unscales first where unscale_ was not called.
+        Where optimizer.step raises (sparseps.RolledBack after a lost server was replaced: the
+        optimizer and extra_state, this scaler too, are back at the checkpoint's step), the
+        iteration is forgotten: the loop goes on from worker.step without calling update()."""
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
@@ -107,7 +110,14 @@ class GradScaler:
         self._stepped.add(id(optimizer))
         if self._found_inf[id(optimizer)]:
             return None
-        return optimizer.step(*args, **kwargs)
+        try:
+            return optimizer.step(*args, **kwargs)
+        except Exception:
+            # No step (sparseps.RolledBack: the job went back to a checkpoint, and the loop goes
+            # on from worker.step without update()): the next iteration starts afresh.
+            self._found_inf.clear()
+            self._stepped.clear()
+            raise
 
     def update(self, new_scale=None):
         """The next iteration's scale: new_scale when given (a float or a one-element tensor);
@@ -149,3 +159,5 @@ class GradScaler:
         self._backoff_factor = float(state_dict["backoff_factor"])
         self._growth_interval = int(state_dict["growth_interval"])
         self._growth_tracker = int(state_dict["_growth_tracker"])
+        self._found_inf.clear()  # (a rollback restores it within step(): nothing of that one)
+        self._stepped.clear()

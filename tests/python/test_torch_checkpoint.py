@@ -48,12 +48,14 @@ def flat(model):
                       [*model.parameters(), *model.buffers()]]).numpy().copy()
 
 
-def train(c, case, backend, sets=(), stop_after=None, kill_at=None, keep_scheduler=True):
+def train(c, case, backend, sets=(), stop_after=None, kill_at=None, keep_scheduler=True,
+          scaled=False):
     """Two workers train `case` for TOTAL steps (each step's batch fixed by rank and step; the
     learning rate halved every 4 steps by a StepLR stepped after each step; the StepLR and the
     BatchNorm's running statistics kept in the checkpoints as extra_state unless keep_scheduler
-    is False); returns per worker (first step, {step: model and buffers after it}, final
-    residual, the steps it rolled back from and to)."""
+    is False; scaled: the loss scaled by a sparseps.torch.GradScaler, in extra_state too, whose
+    scale grows every 3 steps); returns per worker (first step, {step: model and buffers after
+    it}, final residual, the steps it rolled back from and to)."""
     aggregate, freeze, view = CASES[case]
 
     def worker(rank):
@@ -61,11 +63,13 @@ def train(c, case, backend, sets=(), stop_after=None, kill_at=None, keep_schedul
         w = backend(str(c.job), rank=rank, overrides=c.overrides + SETS + list(sets))
         adam = torch.optim.Adam(model.parameters(), lr=0.01)
         scheduler = torch.optim.lr_scheduler.StepLR(adam, step_size=4, gamma=0.5)
+        scaler = sparseps.torch.GradScaler(init_scale=2.0 ** 4, growth_interval=3,
+                                           enabled=scaled)
         opt = sparseps.torch.DistributedOptimizer(
             adam, w, aggregate=aggregate, freeze_variance_step=freeze, local_view=view,
             names=[n for n, _ in model.named_parameters()],
-            extra_state={"scheduler": scheduler, "buffers": sparseps.torch.ModuleBuffers(model)}
-            if keep_scheduler else None)
+            extra_state={"scheduler": scheduler, "buffers": sparseps.torch.ModuleBuffers(model),
+                         "scaler": scaler} if keep_scheduler else None)
         start = t = w.step
         models, rolled = {}, []
         while t < TOTAL:
@@ -73,13 +77,14 @@ def train(c, case, backend, sets=(), stop_after=None, kill_at=None, keep_schedul
             if t < 3:  # the last input's weights have no gradient before the variance freezes
                 x[:, 4] = 0
             opt.zero_grad()
-            model(x).pow(2).mean().backward()
+            scaler.scale(model(x).pow(2).mean()).backward()
             try:
-                opt.step()
+                scaler.step(opt)
             except (sparseps.RolledBack, capi.RolledBack):
                 rolled.append((t, w.step))
                 t = w.step  # the loop's own position; the optimizer restored itself
                 continue
+            scaler.update()
             scheduler.step()
             t += 1
             models[t] = flat(model)
@@ -88,7 +93,7 @@ def train(c, case, backend, sets=(), stop_after=None, kill_at=None, keep_schedul
             if rank == 0 and kill_at == t and not rolled:
                 c.kill("server-0")
                 c.start_server(0, ["--rejoin"])
-        out = (start, models, w.residual(), rolled)
+        out = (start, models, w.residual(), rolled, scaler.get_scale())
         opt.synchronize()
         w.finish()
         return out
@@ -126,21 +131,25 @@ def test_a_resumed_job_goes_on_with_the_optimizers_state(cluster, case, backend)
         np.testing.assert_array_equal(again[r][2], whole[r][2])
 
 
-def test_a_rolled_back_job_goes_on_with_the_optimizers_state(cluster):
+@pytest.mark.parametrize("scaled", [False, True], ids=["fp32", "grad_scaler"])
+def test_a_rolled_back_job_goes_on_with_the_optimizers_state(cluster, scaled):
     """Server 0 killed with kill -9 after step 12 and replaced: step() raises RolledBack with the
     optimizer back at the checkpoint's step, the loop goes on from worker.step, and every worker
     ends with the models of the job never interrupted (Adam over the aggregated gradient, the
-    variance frozen, local_view)."""
+    variance frozen, local_view). With a sparseps.torch.GradScaler (scaler.step(opt) raises it)
+    the scaler is back at the checkpoint's scale too and its next iteration starts afresh
+    (before, unscale_ refused it: "already been called")."""
     case = "adam_gradient_frozen_view"
-    whole = train(cluster(CONFIG, sets=SETS), case, sparseps.Worker)
+    whole = train(cluster(CONFIG, sets=SETS), case, sparseps.Worker, scaled=scaled)
     cut = cluster(CONFIG, sets=SETS)
-    again = train(cut, case, sparseps.Worker, kill_at=12)
+    again = train(cut, case, sparseps.Worker, kill_at=12, scaled=scaled)
     codes = cut.wait()
     assert codes.pop("server-0") == -9 and codes == {k: 0 for k in codes}, codes
     for r in range(2):
         assert again[r][3] and all(to % 5 == 0 and 0 < to <= at for at, to in again[r][3])
         np.testing.assert_array_equal(again[r][1][TOTAL], whole[r][1][TOTAL])
         np.testing.assert_array_equal(again[r][2], whole[r][2])
+        assert again[r][4] == whole[r][4] == (2.0 ** 9 if scaled else 1.0)
 
 
 @pytest.mark.parametrize("backend", ["module", "capi"])
