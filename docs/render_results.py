@@ -256,7 +256,8 @@ def render():
                 "there; their one-GPU parts run); sparseps.torch.GradScaler and the DDP hook "
                 "with torch's GradScaler (SparseAllreduceState's grad_scaler), with fp16 autocast "
                 "(their tests run in float32 on the CPU; test_gpu.py's "
-                "test_ddp_hook_with_fp16_autocast_and_torchs_grad_scaler skips there)."]}
+                "test_ddp_hook_with_fp16_autocast_and_torchs_grad_scaler skips there), and the "
+                "examples' --amp fp16 (test_gpu.py's test_example_trains_under_fp16_autocast)."]}
     out = ["# Results", "",
            "What sparseps measures now, one section per question. Every figure names its "
            "command, machine, date and commit. This page is rendered by "

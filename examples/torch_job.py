@@ -29,6 +29,8 @@ correction (train.momentum) inside sparseps; adam and adamw are torch's at --opt
 aggregated one; with `--aggregate update` each worker's optimizer steps on its own gradient and
 sparseps aggregates those steps, error feedback keeping what the compression leaves out
 (sparseps.torch.DistributedOptimizer's aggregate="update": what Adam needs at low density).
+--amp bf16 computes the forward pass under torch.autocast in bfloat16; --amp fp16 (a GPU) in
+float16 with loss scaling (sparseps.torch.GradScaler, torch's under --ddp).
 """
 import argparse
 import csv
@@ -229,6 +231,10 @@ def parser(doc, models, default_model=None):
                     "(DistributedOptimizer's overlap; the job needs train.overlap=backward)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default=None,
                     help="where the model trains (default: the config's train.device)")
+    ap.add_argument("--amp", choices=["off", "bf16", "fp16"], default="off",
+                    help="mixed precision: the forward pass under torch.autocast in bfloat16 "
+                    "(CPU or GPU), or float16 with loss scaling (GPU; sparseps.torch.GradScaler, "
+                    "under --ddp torch's)")
     ap.add_argument("--capi", action="store_true",
                     help="sparseps.capi's worker even where the pybind11 module loads")
     ap.add_argument("--profile-memcpy", type=int, default=0, metavar="N",
@@ -366,6 +372,24 @@ def pick_device(name, cuda_device, rank):
     return device
 
 
+def loss_scaler(args, device):
+    """--amp fp16's loss scaler (None otherwise): torch's under --ddp (DDP's allreduce takes an
+    overflow to every rank), else sparseps.torch.GradScaler (the workers skip an overflow
+    together). ValueError for fp16 off a GPU or with --overlap."""
+    if args.amp != "fp16":
+        return None
+    if device.type != "cuda":
+        raise ValueError("--amp fp16: CUDA's (autocast and loss scaling); --amp bf16 needs no "
+                         "scaling and runs on the CPU too")
+    if args.overlap:
+        raise ValueError("--amp fp16 with --overlap: the gradients would leave during the "
+                         "backward pass, before they are unscaled")
+    if not args.ddp:
+        return sparseps.torch.GradScaler()
+    return torch.amp.GradScaler("cuda") if hasattr(torch.amp, "GradScaler") else \
+        torch.cuda.amp.GradScaler()
+
+
 def run(args, build_model, load_data, perplexity=False):
     """Trains one worker: build_model(name, get) -> torch module; load_data(args, get) ->
     (x, y, xt, yt, what) training and test tensors on the CPU and a description for the log.
@@ -393,6 +417,8 @@ def run(args, build_model, load_data, perplexity=False):
         raise ValueError("--local-view: sparseps's DistributedOptimizer's, not DDP's")
     if args.average_views and not args.local_view:
         raise ValueError("--average-views needs --local-view")
+    scaler = loss_scaler(args, device)
+    amp = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.amp]
     if args.lr_schedule != "constant" and args.optimizer == "sgd" and not args.ddp:
         raise ValueError("--lr-schedule: with --optimizer adam or adamw (SGD's rate inside "
                          "sparseps is the job's train.lr)")
@@ -444,6 +470,8 @@ def run(args, build_model, load_data, perplexity=False):
         extra = {"lr_schedule": scheduler} if scheduler else {}
         if any(True for _ in model.buffers()):
             extra["buffers"] = sparseps.torch.ModuleBuffers(model)
+        if scaler:
+            extra["scaler"] = scaler
         opt = sparseps.torch.DistributedOptimizer(
             inner, worker, aggregate=args.aggregate, freeze_variance_step=args.freeze_variance_step,
             overlap=args.overlap, names=[n for n, _ in model.named_parameters()],
@@ -469,7 +497,7 @@ def run(args, build_model, load_data, perplexity=False):
             f"over {horizon['steps']}"
     method = (f"torch DDP (gloo, {args.ddp_hook} hook)" if args.ddp else f"{worker.aggregation} " + (
         get("compression.encoding") if worker.aggregation == "ps" else get("collective.algorithm"))
-        + f", aggregating the {args.aggregate}")
+        + f", aggregating the {args.aggregate}") + ("" if amp is None else f"; {args.amp} autocast")
     log(rank, "info", f"model: torch {args.model}, {n} parameters on {device}; {what}; "
         f"{len(x) // plan.count} training samples on this worker, {plan.steps} steps per epoch; "
         f"{method}; optimizer {optimizer}; through "
@@ -546,17 +574,26 @@ def run(args, build_model, load_data, perplexity=False):
             t0 = time.monotonic()
             idx = order[s * batch:(s + 1) * batch]
             opt.zero_grad()
-            out = model(x[idx])
-            loss = F.cross_entropy(out.flatten(0, -2), y[idx].flatten())
-            loss.backward()
+            with torch.autocast(device.type, dtype=amp or torch.bfloat16, enabled=bool(amp)):
+                out = model(x[idx])
+                loss = F.cross_entropy(out.flatten(0, -2).float(), y[idx].flatten())
+            (scaler.scale(loss) if scaler else loss).backward()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # compute_ms: the forward and backward, finished
             t1 = time.monotonic()
-            if args.ddp:
+            pushed = worker.step
+            if args.ddp and scaler:
+                scaler.step(opt)
+            elif args.ddp:
                 opt.step()
             else:
                 try:
-                    opt.step(loss=loss)  # the live metrics' loss gauge
+                    # loss: the live metrics' loss gauge. --amp fp16: an overflow on any worker
+                    # skips the step on every one (nothing pushed; the batch is spent).
+                    if scaler:
+                        scaler.step(opt, loss=loss)
+                    else:
+                        opt.step(loss=loss)
                 except rollback_error as e:
                     # A lost server was replaced: the job, the model and the optimizer are back
                     # at the newest complete checkpoint; so goes the data position.
@@ -566,6 +603,8 @@ def run(args, build_model, load_data, perplexity=False):
                         if f:
                             f.keep_to(step)  # the steps after it are done again
                     break
+            if scaler:
+                scaler.update()
             if scheduler:
                 scheduler.step()
             t2 = time.monotonic()
@@ -582,12 +621,14 @@ def run(args, build_model, load_data, perplexity=False):
                 metrics.writerow([step, epoch + 1, loss, sent, sent, n, 1000 * (t1 - t0), 0,
                                   1000 * (t2 - t1), t2 - start, n, -1, 0])
             elif metrics:
-                last_step = worker.last_step
+                skipped = worker.step == pushed  # --amp fp16's overflow: nothing pushed
+                last_step = dict.fromkeys(worker.last_step, 0) if skipped else worker.last_step
                 # comm_ms: push_pull and the optimizer's step less the aggregation's encoding;
                 # binding_ms: push_pull's time outside the C++ aggregation (tensor intake, the
                 # update's array, the GIL), the cost of being called from Python.
                 comm = 1000 * (t2 - t1) - last_step["encode_ms"]
-                binding = opt.last_push_pull_ms - last_step["encode_ms"] - last_step["comm_ms"]
+                binding = 0 if skipped else \
+                    opt.last_push_pull_ms - last_step["encode_ms"] - last_step["comm_ms"]
                 metrics.writerow([step, epoch + 1, loss, last_step["bytes_sent"],
                                   last_step["bytes_received"], last_step["selected"],
                                   1000 * (t1 - t0), last_step["encode_ms"], comm, t2 - start,

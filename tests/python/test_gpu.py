@@ -84,6 +84,32 @@ def test_example_trains_on_the_gpu_to_the_cpu_accuracy(tmp_path):
     assert abs(accuracy["cuda"] - accuracy["cpu"]) <= 0.005, accuracy
 
 
+@pytest.mark.skipif(not (DATA / "train-images-idx3-ubyte.gz").exists(),
+                    reason="Fashion-MNIST not installed (deploy/install-deps.sh)")
+@pytest.mark.parametrize("method", ["sparseps", "ddp"])
+def test_example_trains_under_fp16_autocast(tmp_path, method):
+    """--amp fp16: the CNN's forward pass in float16 with loss scaling (sparseps.torch.GradScaler
+    through PS top-k; torch's GradScaler under --ddp), 200 steps of 2 workers on the GPU: every
+    step has its row, the loss falls and the test accuracy is the float32 run's kind (about 85%
+    there on the CPU); the steps skipped for an overflow (nothing pushed) are printed."""
+    run = launch_example(
+        tmp_path, "torch_cnn.yaml",
+        f"{sys.executable} {ROOT / 'examples' / 'fashion_mnist.py'} --capi --model cnn "
+        "--device cuda --amp fp16" + (" --ddp" if method == "ddp" else ""),
+        sets=["train.max_steps=200", "data.max_test_samples=1000"] +
+        (["aggregation=allreduce"] if method == "ddp" else []), timeout=600)
+    assert "; fp16 autocast" in (run / "worker-0.log").read_text()
+    rows = read_csv(run / "metrics-worker-0.csv")
+    assert len(rows) == 200
+    loss = [float(r["loss"]) for r in rows]
+    assert sum(loss[-20:]) < 0.5 * sum(loss[:20]), (loss[:20], loss[-20:])
+    skipped = [r["step"] for r in rows if method == "sparseps" and int(r["selected"]) == 0]
+    accuracy = float(read_csv(run / "eval-worker-0.csv")[-1]["test_accuracy"])
+    print(f"{method}, fp16 autocast: test accuracy {100 * accuracy:.2f}% after 200 steps; "
+          f"steps skipped for an overflow: {skipped}")
+    assert accuracy > 0.7, accuracy
+
+
 def test_ddp_hook_on_cuda_tensors_keeps_the_workers_equal_and_sparse(cluster, tmp_path):
     ddp_hook_keeps_the_workers_equal_and_sparse(cluster, tmp_path, "cuda")
 
