@@ -15,7 +15,8 @@
 #   pytorch  tests/python/test_gpu.py under the machine's own python3 and PyTorch (sparseps.capi
 #            over the bundle's client library, and the pybind11 module built there by
 #            python/build_module.sh): the example on the GPU against the CPU, DDP's
-#            sparse_allreduce_hook on CUDA tensors, overlap through both layers
+#            sparse_allreduce_hook on CUDA tensors (with fp16 autocast and torch's GradScaler), the
+#            example under --amp fp16, overlap through both layers
 #   step     the GPU step split (bench/gpu_step.py): cnn and the 5.8M MLP (the C++ worker,
 #            train.device=cuda) and resnet18 (the example, --device cuda), each with PS top-k 1%
 #            and SparDL, 2 workers on loopback, next to PyTorch's own step of each model
@@ -110,7 +111,7 @@ phase_pytorch() {
   local built=$?
   cat /tmp/p1/build_module.log
   [[ $built -eq 0 ]] && path=/tmp/pymod
-  PYTHONPATH=$path timeout "$(cap 200)" python3 -m pytest -v -s -p no:cacheprovider tests/python/test_gpu.py \
+  PYTHONPATH=$path timeout "$(cap 260)" python3 -m pytest -v -s -p no:cacheprovider tests/python/test_gpu.py \
     2>&1 | tee /tmp/p1/test_gpu.log | grep -E "PASS|FAIL|SKIP|ERROR|accuracy|passed|failed|Error"
   pack p1
 }
