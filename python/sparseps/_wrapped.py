@@ -21,6 +21,19 @@ class WrappedOptimizer(torch.optim.Optimizer):
     defaults = property(lambda self: self.optimizer.defaults,
                         lambda self, defaults: setattr(self.optimizer, "defaults", defaults))
 
+    # torch's GradScaler.step hands itself to an optimizer that says so (its contract for
+    # optimizers that handle the scale: grad_scaler=, or the found_inf attribute) instead of
+    # skipping the step on an overflowed worker alone, which would part it from the others.
+    _step_supports_amp_scaling = True
+
+    def _refuse_torch_grad_scaler(self, grad_scaler):
+        """TypeError where step() came from torch's GradScaler (see above)."""
+        if grad_scaler is not None or getattr(self, "found_inf", None) is not None:
+            raise TypeError(f"{type(self).__name__}: torch's GradScaler skips the step on a "
+                            "worker whose gradients overflowed alone, and its push would then "
+                            "come a batch late: use sparseps.torch.GradScaler (the same calls; "
+                            "every worker skips together)")
+
     def state_dict(self):
         """The wrapped optimizer's state_dict."""
         return self.optimizer.state_dict()

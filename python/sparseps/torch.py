@@ -37,7 +37,6 @@ instead of Gloo's dense allreduce, as torch's own PowerSGD hook does with its st
 
 The job must use `aggregation: allreduce` (no servers); the hook hands DDP the averaged
 aggregated gradient (update / train.lr), so train.lr: 1 is exact.
-
 GradScaler: fp16 mixed precision's loss scaling, torch.cuda.amp.GradScaler's interface, with the
 workers skipping an overflow together (with the DDP hook: torch's, as its state's grad_scaler).
 
@@ -307,15 +306,16 @@ class DistributedOptimizer(WrappedOptimizer):
                    not g.get("weight_decay") and not g.get("nesterov") and
                    not g.get("maximize") for g in self.optimizer.param_groups)
 
-    def step(self, closure=None, loss=None):
+    def step(self, closure=None, loss=None, grad_scaler=None):
         """Aggregates the gradients (sparseps.Worker.push_pull) and applies the result: with plain
         SGD at train.lr the changed parameters become the job's (a sparse copy; .grad keeps the
         local gradient); otherwise each .grad becomes the job's aggregated gradient, update /
         train.lr (zero where nothing changed), and the wrapped optimizer steps.
-
         The step's training loss goes to the live metrics (metrics.port: sparseps_worker_loss):
         `loss` when given (a float or a one-element tensor; a tensor on a GPU is read with a
-        device sync), else what `closure` returned. Returns the closure's loss, as torch does."""
+        device sync), else what `closure` returned. Returns the closure's loss, as torch does.
+        From torch's GradScaler (grad_scaler) a TypeError: sparseps.torch.GradScaler's instead."""
+        self._refuse_torch_grad_scaler(grad_scaler)
         closure_loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -110,6 +110,25 @@ def test_example_trains_under_fp16_autocast(tmp_path, method):
     assert accuracy > 0.7, accuracy
 
 
+def test_torchs_grad_scaler_is_refused_by_the_distributed_optimizer(cluster):
+    """torch's own GradScaler (enabled: CUDA) stepping a DistributedOptimizer: a TypeError that
+    names sparseps.torch.GradScaler, before anything is pushed (torch's would skip the step on an
+    overflowed worker alone)."""
+    import sparseps.torch
+    c = cluster("train: {lr: 0.1, momentum: 0}\n", workers=1)
+    model = torch.nn.Linear(4, 2).cuda()
+    opt = sparseps.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                              capi.Worker(str(c.job), rank=0,
+                                                          overrides=c.overrides))
+    scaler = torch.amp.GradScaler("cuda") if hasattr(torch.amp, "GradScaler") else \
+        torch.cuda.amp.GradScaler()
+    scaler.scale(model(torch.ones(3, 4, device="cuda")).sum()).backward()
+    with pytest.raises(TypeError, match="use sparseps.torch.GradScaler"):
+        scaler.step(opt)
+    assert opt.worker.step == 0
+    opt.worker.finish()
+
+
 def test_ddp_hook_on_cuda_tensors_keeps_the_workers_equal_and_sparse(cluster, tmp_path):
     ddp_hook_keeps_the_workers_equal_and_sparse(cluster, tmp_path, "cuda")
 

@@ -208,8 +208,9 @@ def test_grad_scaler_has_every_worker_skip_an_overflow_together(cluster):
     (nothing pushed: the job's step count stays), halve their scale alike and double it after
     growth_interval steps without one; every other step unscales exactly (powers of two), so the
     models equal, bit for bit, those of a run without the scaler whose workers both left batch 3
-    out. (torch's GradScaler skips on worker 1 alone.) Anything but a DistributedOptimizer, and
-    overlap=True, are refused; enabled=False passes everything through."""
+    out. (torch's GradScaler skips on worker 1 alone: its step(), handing itself over, is
+    refused.) Anything but a DistributedOptimizer, and overlap=True, are refused; enabled=False
+    passes everything through."""
     jobs = {True: cluster(JOB), False: cluster(JOB)}
 
     def worker(rank, scaled):
@@ -238,6 +239,10 @@ def test_grad_scaler_has_every_worker_skip_an_overflow_together(cluster):
                 backward(model, rank, t)
                 opt.step()
             steps.append(opt.worker.step)
+        # torch's GradScaler hands itself to step() (its contract for an optimizer with
+        # _step_supports_amp_scaling): refused before anything is pushed.
+        with pytest.raises(TypeError, match="torch's GradScaler skips the step on a worker"):
+            opt.step(grad_scaler=object())
         opt.synchronize()
         opt.worker.finish()
         return flat(model), scales, steps, scaler.state_dict()
