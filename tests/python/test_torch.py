@@ -201,11 +201,12 @@ def test_the_resnets_train_through_sparseps(tmp_path, model):
 @needs_data
 @pytest.mark.parametrize("method", ["sparseps", "ddp"])
 def test_example_trains_under_bfloat16_autocast(tmp_path, method):
-    """--amp bf16: the CNN's forward pass under torch.autocast in bfloat16 (on the CPU here),
-    through sparseps's PS top-k and under torch DDP: 32 steps of 2 workers, the loss falls and
-    the log says so (this VM's CPU has no bfloat16 instructions: a step computes for about
-    0.8 s, against 0.06 s in float32). (--amp fp16 needs a GPU: tests/python/test_gpu.py.)"""
-    command = (f"{sys.executable} {ROOT / 'examples' / 'fashion_mnist.py'} --model cnn --amp bf16"
+    """--amp bf16: the forward pass under torch.autocast in bfloat16 (on the CPU here), through
+    sparseps's PS top-k and under torch DDP: 32 steps of the MLP on 2 workers, the loss falls and
+    the log says so. (The MLP: this VM's CPU has no bfloat16 instructions, and the CNN's
+    convolutions took about 0.8 s a step there against 0.06 s in float32, the MLP's 0.05 s.)
+    --amp fp16 needs a GPU: tests/python/test_gpu.py."""
+    command = (f"{sys.executable} {ROOT / 'examples' / 'fashion_mnist.py'} --model mlp --amp bf16"
                + (" --ddp" if method == "ddp" else ""))
     sets = ["train.max_steps=32", "data.max_test_samples=100"]
     if method == "ddp":
