@@ -60,21 +60,22 @@ class Hosts:
         path.write_text("\n".join(lines) + "\n")
         return path
 
-    def launch(self, hosts, run_dir, *sets, wait=True, args=()):
-        """deploy/launch.sh --hosts HOSTS with the quickstart's config into RUN_DIR."""
+    def launch(self, hosts, run_dir, *sets, wait=True, args=(), env=None):
+        """deploy/launch.sh --hosts HOSTS with the quickstart's config into RUN_DIR (env: more
+        environment variables for it)."""
         return self._launcher(hosts, run_dir, ["--config", str(QUICKSTART), "--run-dir",
-                                               str(run_dir), *args], sets, wait)
+                                               str(run_dir), *args], sets, wait, env)
 
     def resume(self, hosts, run_dir, *sets):
         """deploy/launch.sh --hosts HOSTS --resume RUN_DIR (the same --remote-dir as launch)."""
         return self._launcher(hosts, run_dir, ["--resume", str(run_dir)], sets, True)
 
-    def _launcher(self, hosts, run_dir, args, sets, wait):
+    def _launcher(self, hosts, run_dir, args, sets, wait, env=None):
         cmd = [str(LOCAL_SSH), "run", "--dir", str(self.dir), str(LAUNCH), "--hosts", str(hosts),
                "--remote-dir", str(run_dir) + "-remote", *args]
         for s in sets:
             cmd += ["--set", s]
-        env = dict(os.environ, SPARSEPS_BUILD_DIR=str(BUILD))
+        env = dict(os.environ, SPARSEPS_BUILD_DIR=str(BUILD), **(env or {}))
         if not wait:
             return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     text=True, env=env, cwd=ROOT)
@@ -211,16 +212,23 @@ def test_sigterm_stops_every_host_and_copies_the_logs(hosts, tmp_path):
 
 def test_a_killed_launcher_leaves_nothing_running(hosts, tmp_path):
     run_dir = tmp_path / "run"
-    proc = hosts.launch(hosts.hosts_file(tmp_path / "hosts"), run_dir, "train.epochs=50",
-                        wait=False)
-    wait_for_training(proc, run_dir)
-    proc.kill()
-    # Reaped at once, as a shell would: the progress stream's `tail --pid` follows the launcher
-    # until then, holding our end of the pipe.
-    proc.wait(timeout=60)
-    proc.communicate(timeout=60)
-    # Each ssh gets SIGTERM as its parent dies; each host then stops its processes.
-    assert_none_left(str(run_dir) + "-remote")
+    # The launcher's own temporary folder (mktemp -d: its ssh connections' sockets), which a
+    # SIGKILL leaves behind, goes under one of the test's (short: a socket's path is at most
+    # 107 bytes), removed at the end.
+    keep = tempfile.mkdtemp(prefix="sps-", dir="/tmp")
+    try:
+        proc = hosts.launch(hosts.hosts_file(tmp_path / "hosts"), run_dir, "train.epochs=50",
+                            wait=False, env={"TMPDIR": keep})
+        wait_for_training(proc, run_dir)
+        proc.kill()
+        # Reaped at once, as a shell would: the progress stream's `tail --pid` follows the
+        # launcher until then, holding our end of the pipe.
+        proc.wait(timeout=60)
+        proc.communicate(timeout=60)
+        # Each ssh gets SIGTERM as its parent dies; each host then stops its processes.
+        assert_none_left(str(run_dir) + "-remote")
+    finally:
+        shutil.rmtree(keep, ignore_errors=True)
 
 
 def test_a_job_resumes_across_hosts_from_its_checkpoint(hosts, tmp_path):
