@@ -33,6 +33,7 @@ sparseps aggregates those steps, error feedback keeping what the compression lea
 float16 with loss scaling (sparseps.torch.GradScaler, torch's under --ddp).
 """
 import argparse
+import contextlib
 import csv
 import datetime
 import json
@@ -419,6 +420,7 @@ def run(args, build_model, load_data, perplexity=False):
         raise ValueError("--average-views needs --local-view")
     scaler = loss_scaler(args, device)
     amp = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.amp]
+    autocast = (lambda: torch.autocast(device.type, dtype=amp)) if amp else contextlib.nullcontext
     if args.lr_schedule != "constant" and args.optimizer == "sgd" and not args.ddp:
         raise ValueError("--lr-schedule: with --optimizer adam or adamw (SGD's rate inside "
                          "sparseps is the job's train.lr)")
@@ -574,14 +576,14 @@ def run(args, build_model, load_data, perplexity=False):
             t0 = time.monotonic()
             idx = order[s * batch:(s + 1) * batch]
             opt.zero_grad()
-            with torch.autocast(device.type, dtype=amp or torch.bfloat16, enabled=bool(amp)):
+            with autocast():
                 out = model(x[idx])
                 loss = F.cross_entropy(out.flatten(0, -2).float(), y[idx].flatten())
             (scaler.scale(loss) if scaler else loss).backward()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # compute_ms: the forward and backward, finished
             t1 = time.monotonic()
-            pushed = worker.step
+            pushed = worker.step if scaler else None  # --amp fp16: a skipped step pushes nothing
             if args.ddp and scaler:
                 scaler.step(opt)
             elif args.ddp:
@@ -621,7 +623,7 @@ def run(args, build_model, load_data, perplexity=False):
                 metrics.writerow([step, epoch + 1, loss, sent, sent, n, 1000 * (t1 - t0), 0,
                                   1000 * (t2 - t1), t2 - start, n, -1, 0])
             elif metrics:
-                skipped = worker.step == pushed  # --amp fp16's overflow: nothing pushed
+                skipped = scaler is not None and worker.step == pushed
                 last_step = dict.fromkeys(worker.last_step, 0) if skipped else worker.last_step
                 # comm_ms: push_pull and the optimizer's step less the aggregation's encoding;
                 # binding_ms: push_pull's time outside the C++ aggregation (tensor intake, the

@@ -243,6 +243,10 @@ def test_grad_scaler_has_every_worker_skip_an_overflow_together(cluster):
         # _step_supports_amp_scaling): refused before anything is pushed.
         with pytest.raises(TypeError, match="torch's GradScaler skips the step on a worker"):
             opt.step(grad_scaler=object())
+        opt.found_inf = torch.zeros(1)  # newer torch's contract: attributes, not the keyword
+        with pytest.raises(TypeError, match="torch's GradScaler skips the step on a worker"):
+            opt.step()
+        del opt.found_inf
         opt.synchronize()
         opt.worker.finish()
         return flat(model), scales, steps, scaler.state_dict()
