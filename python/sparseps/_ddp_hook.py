@@ -40,11 +40,26 @@ class SparseAllreduceState:
     skips the step and backs off alike. Otherwise it pushes the gradient divided by the scale
     and multiplies the update back, so that the residuals (error feedback) hold unscaled values
     whatever the scale does (a power of two: exact). Without one, a gradient with NaN or Inf is
-    a ValueError on its worker (nothing is pushed)."""
+    a ValueError on its worker (nothing is pushed).
+
+    The job aggregates with a collective (aggregation: allreduce) or through its servers
+    (aggregation: ps, train.consistency bsp: every worker gets the same update, so the DDP
+    models stay equal; ssp and async are a ValueError). Where a lost server was replaced, the
+    job rolls back to its newest complete checkpoint (sparseps.RolledBack from push_pull); an
+    exception inside a hook would break DDP's reducer for good, so the hook hands DDP zero
+    buckets instead, sets rolled_back (True until the next forward pass) and, before that
+    forward pass (a forward pre-hook on the module), restores the model, the optimizer's and
+    extra_state's state of the checkpoint, overwriting what the loop's optimizer step did in
+    between. The loop goes back to worker.step in its data when it sees rolled_back after its
+    optimizer step; one that does not goes on with its own count (the model is the
+    checkpoint's all the same). Not thread-safe: one loop's, as DDP's reducer."""
 
     def __init__(self, worker, model, optimizer=None, extra_state=None, grad_scaler=None):
-        if worker.aggregation != "allreduce":
-            raise ValueError("sparse_allreduce_hook needs a job with aggregation: allreduce")
+        if worker.aggregation == "ps" and worker.get("train.consistency") != "bsp":
+            raise ValueError(f"sparse_allreduce_hook: train.consistency "
+                             f"{worker.get('train.consistency')} gives the workers different "
+                             "updates, and DDP's models must stay equal: use bsp (or "
+                             "DistributedOptimizer, which keeps a model per worker)")
         self._loop = _state.LoopState(extra_state, "SparseAllreduceState")
         self.optimizer = optimizer
         module = getattr(model, "module", model)
@@ -61,6 +76,9 @@ class SparseAllreduceState:
         self.grad_scaler = grad_scaler
         self.overflows = 0  # steps every worker skipped for an overflow (grad_scaler)
         self._held_buffers = {}  # the module's buffers at the checkpoint's step (_step_ended)
+        self.rolled_back = False  # a rollback's backward pass, until the next forward pass
+        self._restore_due = False  # a rollback's state, restored before the next forward pass
+        module.register_forward_pre_hook(lambda _module, _inputs: self._before_forward())
         self.worker = worker
         _finished(self.flat)
         with torch.no_grad():
@@ -109,11 +127,26 @@ class SparseAllreduceState:
             self._held_buffers = {n: b.detach().clone() for n, b in
                                   _state.persistent_buffers(self.module).items()}
 
-    def _restore(self):
-        """A resumed job: the model, the optimizer's and extra_state's state of the checkpoint."""
+    def _rolled_back(self):
+        """push_pull raised RolledBack: the worker is at the checkpoint's step; its state (not the
+        last step's, which waits for nothing now) comes back before the next forward pass."""
+        self._loop.waiting = False
+        self._held_buffers = {}
+        self.rolled_back = self._restore_due = True
+
+    def _before_forward(self):
+        """The module's forward pre-hook: after a rollback, the checkpoint's state."""
+        self.rolled_back = False
+        if self._restore_due:
+            self._restore_due = False
+            self._restore("rolled back to")
+
+    def _restore(self, how="resumed from"):
+        """A resumed job, or after a rollback (how): the model, the optimizer's and extra_state's
+        state of the checkpoint."""
         raw = self.worker.checkpoint_state
         where = (f"SparseAllreduceState: the checkpoint of step {self.worker.step} the job "
-                 "resumed from")
+                 f"{how}")
         if not raw:
             raise RuntimeError(where + " holds no model of this DDP hook (taken without it, or "
                                "before it saved one): the job's parameters there are not the "
@@ -133,7 +166,9 @@ class SparseAllreduceState:
         """After the last step, on every worker, before worker.finish: a checkpoint taken at that
         step gets the model's state, and the trained model file (written by worker 0 at finish)
         gets this model's parameters instead of the job's, and its buffers (BatchNorm's running
-        statistics, under the module's names) beside them."""
+        statistics, under the module's names) beside them. After a rollback in the last step, the
+        model is the checkpoint's first."""
+        self._before_forward()
         self._submit_pending()
         self.worker.set_trained_model(self._model().numpy())
         buffers = _state.persistent_buffers(self.module)
@@ -143,10 +178,11 @@ class SparseAllreduceState:
 
 def sparse_allreduce_hook(state, bucket):
     """DDP communication hook: collects the step's buckets into state.flat and, at the last one,
-    aggregates it in one push_pull (residuals stay in sparseps, per key) and completes every
-    bucket's future with its part of update / train.lr, the averaged aggregated gradient. A
-    checkpoint waiting for the model gets it before the push (SparseAllreduceState). With the
-    state's grad_scaler, an overflow on any worker comes back as inf buckets on every worker."""
+    aggregates it in one push_pull (a sparse collective or the servers; residuals stay in
+    sparseps, per key) and completes every bucket's future with its part of update / train.lr,
+    the averaged aggregated gradient. A checkpoint waiting for the model gets it before the push
+    (SparseAllreduceState). With the state's grad_scaler, an overflow on any worker comes back as
+    inf buckets on every worker; a rollback as zero buckets and state.rolled_back."""
     for p, g in zip(bucket.parameters(), bucket.gradients()):
         start, n = state.offset[id(p)]
         state.flat[start:start + n].copy_(g.reshape(-1))
@@ -154,38 +190,51 @@ def sparse_allreduce_hook(state, bucket):
     state.pending.append((bucket, future))
     if bucket.is_last():
         _finished(state.flat)
-        scale = state._loss_scale()
-        if scale is not None and state._any_overflow():
-            state.overflows += 1
-            for b, f in state.pending:
-                f.set_result(b.buffer().fill_(float("inf")))
-            state.pending = []
-            return future
-        if scale is not None:
-            state.flat.mul_(1.0 / scale)
-        state._submit_pending()
         try:
-            update = torch.from_numpy(state.worker.push_pull(state.flat))
-        except ValueError as e:
-            if scale is None and not bool(torch.isfinite(state.flat).all()):
-                raise ValueError(
-                    f"sparse_allreduce_hook: this worker's gradient holds NaN or Inf at step "
-                    f"{state.worker.step} (nothing was pushed); with a torch GradScaler (fp16 "
-                    "mixed precision) give it to SparseAllreduceState(..., grad_scaler=scaler), "
-                    "so that every worker skips an overflowed step together") from e
-            raise
-        if state.worker.checkpoint_due:
-            state._step_ended()  # the model of this step: after the loop's optimizer step
-        update = update.to(state.flat.device).div_(state.worker.lr)
-        if scale is not None:
-            update.mul_(scale)
-        for b, f in state.pending:
-            out = b.buffer()
-            pos = 0
-            for p in b.parameters():
-                start, n = state.offset[id(p)]
-                out[pos:pos + n].copy_(update[start:start + n])
-                pos += n
-            f.set_result(out)
+            _aggregate(state)
+        except Exception as e:
+            if type(e).__name__ != "RolledBack":  # sparseps.RolledBack or sparseps.capi's
+                raise
+            state._rolled_back()
+            for b, f in state.pending:
+                f.set_result(b.buffer().zero_())
         state.pending = []
     return future
+
+
+def _aggregate(state):
+    """The last bucket's work: the step's flat gradient aggregated (or, with an overflow on any
+    worker under the state's grad_scaler, nothing pushed) and every pending bucket's future
+    completed."""
+    scale = state._loss_scale()
+    if scale is not None and state._any_overflow():
+        state.overflows += 1
+        for b, f in state.pending:
+            f.set_result(b.buffer().fill_(float("inf")))
+        return
+    if scale is not None:
+        state.flat.mul_(1.0 / scale)
+    state._submit_pending()
+    try:
+        update = torch.from_numpy(state.worker.push_pull(state.flat))
+    except ValueError as e:
+        if scale is None and not bool(torch.isfinite(state.flat).all()):
+            raise ValueError(
+                f"sparse_allreduce_hook: this worker's gradient holds NaN or Inf at step "
+                f"{state.worker.step} (nothing was pushed); with a torch GradScaler (fp16 "
+                "mixed precision) give it to SparseAllreduceState(..., grad_scaler=scaler), "
+                "so that every worker skips an overflowed step together") from e
+        raise
+    if state.worker.checkpoint_due:
+        state._step_ended()  # the model of this step: after the loop's optimizer step
+    update = update.to(state.flat.device).div_(state.worker.lr)
+    if scale is not None:
+        update.mul_(scale)
+    for b, f in state.pending:
+        out = b.buffer()
+        pos = 0
+        for p in b.parameters():
+            start, n = state.offset[id(p)]
+            out[pos:pos + n].copy_(update[start:start + n])
+            pos += n
+        f.set_result(out)

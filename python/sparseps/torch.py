@@ -26,8 +26,8 @@ needs train.momentum: 0): what Adam needs at low density, where a sparse aggrega
 would feed its second moment zeros and bursts.
 
 sparse_allreduce_hook: a torch DDP communication hook that aggregates DDP's gradient buckets with
-a sparse collective of sparseps (topk_allgather, gtopk, spardl, exdyna; collective.algorithm)
-instead of Gloo's dense allreduce, as torch's own PowerSGD hook does with its state:
+a sparse collective of sparseps (topk_allgather, gtopk, spardl, exdyna) or its servers instead of
+Gloo's dense allreduce, as torch's own PowerSGD hook does with its state:
 
     state = sparseps.torch.SparseAllreduceState(sparseps.Worker("job.yaml"), ddp_model,
                                                 optimizer=opt)
@@ -35,8 +35,8 @@ instead of Gloo's dense allreduce, as torch's own PowerSGD hook does with its st
     ...  # the loop, from worker.step
     state.synchronize()  # every worker: the model file and the last checkpoint get the model
 
-The job must use `aggregation: allreduce` (no servers); the hook hands DDP the averaged
-aggregated gradient (update / train.lr), so train.lr: 1 is exact.
+The job aggregates by a collective or through its servers (aggregation: ps under BSP); the hook
+hands DDP the averaged aggregated gradient (update / train.lr), so train.lr: 1 is exact.
 GradScaler: fp16 mixed precision's loss scaling, torch.cuda.amp.GradScaler's interface, with the
 workers skipping an overflow together (with the DDP hook: torch's, as its state's grad_scaler).
 

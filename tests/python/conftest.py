@@ -135,12 +135,16 @@ def run_threads(targets, timeout_s=120):
 
 DDP_HOOK_SETS = ["aggregation=allreduce", "collective.algorithm=topk_allgather", "train.lr=1",
                  "train.momentum=0", "compression.density=0.1"]
+# The DDP hook through the servers (aggregation: ps, BSP): top-k 10% at the workers.
+PS_HOOK_SETS = ["aggregation=ps", "compression.encoding=topk", "train.lr=1", "train.momentum=0",
+                "compression.density=0.1"]
 
 
-def run_ddp_workers(c, tmp_path, device, args=(), sets=(), name="ddp"):
-    """Two processes of tests/python/ddp_worker.py on cluster `c` (started with
-    DDP_HOOK_SETS + sets), the model on `device`, each given `args`; returns what each saved
-    (None for one that stopped early: --stop-after)."""
+def run_ddp_workers(c, tmp_path, device, args=(), sets=(), name="ddp", hook_sets=DDP_HOOK_SETS,
+                    during=None):
+    """Two processes of tests/python/ddp_worker.py on cluster `c` (started with hook_sets +
+    sets), the model on `device`, each given `args`; during(): called once they run; returns
+    what each saved (None for one that stopped early: --stop-after)."""
     import torch  # only the tests that use it need it
     init = tmp_path / f"{name}_init"
     outs = [tmp_path / f"{name}-{r}.pt" for r in range(2)]
@@ -148,21 +152,31 @@ def run_ddp_workers(c, tmp_path, device, args=(), sets=(), name="ddp"):
     procs = [subprocess.Popen(
         [sys.executable, str(ROOT / "tests" / "python" / "ddp_worker.py"), str(r), "2", str(init),
          str(c.job), str(outs[r])] + list(args) +
-        sum((["--set", s] for s in c.overrides + DDP_HOOK_SETS + list(sets)), []),
+        sum((["--set", s] for s in c.overrides + list(hook_sets) + list(sets)), []),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for r in range(2)]
-    for p in procs:
-        out, _ = p.communicate(timeout=300)
-        assert p.returncode == 0, out
+    try:
+        if during:
+            during()
+        for p in procs:
+            out, _ = p.communicate(timeout=300)
+            assert p.returncode == 0, out
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     return [torch.load(o) if o.exists() else None for o in outs]
 
 
-def ddp_hook_keeps_the_workers_equal_and_sparse(cluster, tmp_path, device):
+def ddp_hook_keeps_the_workers_equal_and_sparse(cluster, tmp_path, device, ps=False):
     """Two processes of tests/python/ddp_worker.py (DDP with sparse_allreduce_hook, the model on
-    `device`): their final models are equal, each step's averaged gradient holds at most the
-    union of the two workers' k entries, and the loss falls."""
+    `device`; ps: the job's servers aggregate, else TopK-AllGather): their final models are
+    equal, each step's averaged gradient holds at most the union of the two workers' k entries,
+    and the loss falls."""
     import torch  # only the tests that use it need it
-    c = cluster("cluster: {register_timeout_s: 60}\n", servers=0, sets=DDP_HOOK_SETS)
-    got = run_ddp_workers(c, tmp_path, device)
+    sets = PS_HOOK_SETS if ps else DDP_HOOK_SETS
+    c = cluster("cluster: {register_timeout_s: 60}\n", servers=2 if ps else 0, sets=sets)
+    got = run_ddp_workers(c, tmp_path, device, hook_sets=sets)
     assert torch.equal(got[0]["params"], got[1]["params"])
     n = got[0]["params"].numel()  # 20*64 + 64 + 64*4 + 4 = 1604; k = 160 per worker
     for nz in got[0]["nonzero"]:

@@ -3,7 +3,7 @@ own broadcast) whose gradient buckets are aggregated by sparseps.torch.sparse_al
 
     ddp_worker.py RANK WORLD INIT_FILE JOB_YAML OUT_FILE [--set k=v ...] [--steps N]
                   [--stop-after N] [--momentum M] [--batchnorm] [--amp] [--overflow-at T]
-                  [--skip T]
+                  [--skip T] [--kill-at T --kill-pid PID]
 
 Trains a small MLP on seeded random data (step t's batch fixed by the rank and t) with torch SGD
 at lr 0.5 (momentum M) and a StepLR halving it every 8 steps, both kept in sparseps's checkpoints
@@ -18,11 +18,15 @@ a torch without one for it, PowerOfTwoScaler below). --overflow-at T: the last r
 at step T. --skip T: every rank leaves step T out. The file also holds {steps, skipped,
 overflows}: worker.step after each step, the steps whose gradients came back non-finite and
 the state's overflows.
+--kill-at T --kill-pid PID: rank 0 kills PID (a server) with SIGKILL after step T, once; the
+loop goes back to worker.step when the hook says it rolled back (state.rolled_back), and the file
+holds {rolled}: the (step, checkpoint's step) of each rollback.
 DDP_DEVICE=cuda trains on the GPU (tests/python/test_gpu.py); the worker is sparseps.capi's where
 the pybind11 module is not built for this Python.
 """
 import argparse
 import os
+import signal
 
 import torch
 import torch.distributed as dist
@@ -91,6 +95,8 @@ def main():
     ap.add_argument("--amp", action="store_true")
     ap.add_argument("--overflow-at", type=int, default=None)
     ap.add_argument("--skip", type=int, default=None)
+    ap.add_argument("--kill-at", type=int, default=None)
+    ap.add_argument("--kill-pid", type=int, default=None)
     args = ap.parse_args()
     rank = args.rank
     torch.set_num_threads(1)
@@ -116,12 +122,13 @@ def main():
                                                 grad_scaler=scaler)
     ddp.register_comm_hook(state, sparseps.torch.sparse_allreduce_hook)
     w_true = torch.randn(20, 4, generator=torch.Generator().manual_seed(7))
-    losses, nonzero, steps, skipped = [], [], [], []
-    first = worker.step
+    losses, nonzero, steps, skipped, rolled = [], [], [], [], []
+    first = t = worker.step
     autocast = args.amp and device.type == "cuda"
-    for t in range(first, args.steps):
+    while t < args.steps:
         if t == args.skip:
             scheduler.step()  # as a loop with a scaler steps it after a skipped step
+            t += 1
             continue
         x = torch.randn(32, 20, generator=torch.Generator().manual_seed(1000 * rank + t))
         y = (x @ w_true).argmax(1)
@@ -141,9 +148,16 @@ def main():
             scaler.step(opt)
             scaler.update()
         scheduler.step()
+        if state.rolled_back:  # the model and optimizer come back before the next forward
+            rolled.append((t + 1, worker.step))
+            t = worker.step
+            continue
+        t += 1
         losses.append(loss.item())
         steps.append(worker.step)
-        if args.stop_after == t + 1:
+        if rank == 0 and args.kill_at == t and not rolled:
+            os.kill(args.kill_pid, signal.SIGKILL)
+        if args.stop_after == t:
             # Both die after the step, once neither waits for the other's part of it (one gone
             # within the collective would end the other's job first).
             dist.barrier()
@@ -151,7 +165,7 @@ def main():
     state.synchronize()
     worker.finish()
     torch.save({"loss": losses, "nonzero": nonzero, "first": first, "steps": steps,
-                "skipped": skipped, "overflows": state.overflows,
+                "skipped": skipped, "overflows": state.overflows, "rolled": rolled,
                 "buffers": {n: b.detach().cpu() for n, b in model.state_dict().items()
                             if n not in dict(model.named_parameters())},
                 "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()},

@@ -16,7 +16,7 @@ import torch
 import sparseps
 import sparseps.torch
 from sparseps import capi
-from conftest import (BUILD, DATA, DDP_HOOK_SETS, ROOT,
+from conftest import (BUILD, DATA, DDP_HOOK_SETS, PS_HOOK_SETS, ROOT,
                       ddp_hook_keeps_the_workers_equal_and_sparse, launch_example,
                       overlap_pushes_during_the_backward_pass_and_changes_nothing,
                       run_ddp_workers, run_threads, set_trained_model_takes_a_tensor)
@@ -368,8 +368,21 @@ def test_a_dense_methods_gradient_comes_through_out(cluster, kind):
     run_threads([lambda r=r: worker(r) for r in range(2)])
 
 
-def test_ddp_hook_keeps_the_workers_equal_and_sparse(cluster, tmp_path):
-    ddp_hook_keeps_the_workers_equal_and_sparse(cluster, tmp_path, "cpu")
+@pytest.mark.parametrize("ps", [False, True], ids=["topk_allgather", "ps"])
+def test_ddp_hook_keeps_the_workers_equal_and_sparse(cluster, tmp_path, ps):
+    ddp_hook_keeps_the_workers_equal_and_sparse(cluster, tmp_path, "cpu", ps=ps)
+
+
+@pytest.mark.parametrize("consistency", ["ssp", "async"])
+def test_ddp_hook_refuses_a_ps_job_that_is_not_bsp(cluster, consistency):
+    """Through the servers under ssp or async the workers would get different updates and DDP's
+    models would part: the state is a ValueError naming the key and what to use."""
+    sets = PS_HOOK_SETS + [f"train.consistency={consistency}"]
+    c = cluster("", workers=1, sets=sets)
+    w = sparseps.Worker(str(c.job), rank=0, overrides=c.overrides + sets)
+    with pytest.raises(ValueError, match=f"train.consistency {consistency} gives the workers "
+                                         "different updates.*use bsp"):
+        sparseps.torch.SparseAllreduceState(w, torch.nn.Linear(5, 3))
 
 
 def test_ddp_hook_with_a_grad_scaler_has_every_worker_skip_an_overflow(cluster, tmp_path):

@@ -19,8 +19,8 @@ import torch
 import sparseps
 import sparseps.torch
 from sparseps import capi
-from conftest import (BUILD, DATA, DDP_HOOK_SETS, ROOT, launch_example, run_ddp_workers,
-                      run_threads)
+from conftest import (BUILD, DATA, DDP_HOOK_SETS, PS_HOOK_SETS, ROOT, launch_example,
+                      run_ddp_workers, run_threads)
 from test_model_file import read_safetensors
 
 CONFIG = "train: {lr: 0.1, momentum: 0}\ncompression: {encoding: topk, density: 0.5}\n"
@@ -453,6 +453,39 @@ def test_a_ddp_hook_job_resumes_with_its_model_and_saves_it(cluster, tmp_path):
     again_saved = np.concatenate([tensors[n].reshape(-1) for n in ("0.weight", "0.bias",
                                                                      "2.weight", "2.bias")])
     np.testing.assert_array_equal(again_saved, saved)
+
+
+def test_a_ddp_hook_job_through_the_servers_rolls_back_to_the_model_of_a_job_never_stopped(
+        cluster, tmp_path):
+    """DDP with sparse_allreduce_hook on a PS job (top-k 10%, 2 servers), torch SGD with
+    momentum 0.9 and a StepLR, 40 steps, a checkpoint every 5: server 0 killed with kill -9
+    after step 22 and replaced. The hook hands DDP zero buckets and says rolled_back, the loop
+    goes back to worker.step (a checkpoint's), the model, the momentum and the scheduler come
+    back before the next forward pass, and both workers end with the model of the job never
+    interrupted, bit for bit."""
+    sets = ["checkpoint.every_steps=5", "checkpoint.keep=0"]
+    head = "cluster: {register_timeout_s: 60}\n"
+    args = ["--momentum", "0.9"]
+    whole_c = cluster(head, sets=PS_HOOK_SETS + sets)
+    whole = run_ddp_workers(whole_c, tmp_path, "cpu", args, sets, name="whole",
+                            hook_sets=PS_HOOK_SETS)
+    assert whole_c.wait() == {k: 0 for k in ("scheduler", "server-0", "server-1")}
+    c = cluster(head, sets=PS_HOOK_SETS + sets)
+    server = dict(c.procs)["server-0"]
+
+    def replace_server_0():
+        server.wait(timeout=240)  # killed by worker 0 after step 22
+        c.start_server(0, ["--rejoin"])
+    cut = run_ddp_workers(c, tmp_path, "cpu",
+                          args + ["--kill-at", "22", "--kill-pid", str(server.pid)], sets,
+                          name="cut", hook_sets=PS_HOOK_SETS, during=replace_server_0)
+    codes = c.wait()
+    assert codes.pop("server-0") == -9 and codes == {k: 0 for k in codes}, codes
+    for r in range(2):
+        assert cut[r]["rolled"] and all(to % 5 == 0 and 0 < to <= at
+                                        for at, to in cut[r]["rolled"]), cut[r]["rolled"]
+        assert torch.equal(cut[r]["params"], whole[r]["params"])
+    assert torch.equal(whole[0]["params"], whole[1]["params"])
 
 
 def test_a_ddp_hook_job_does_not_resume_without_its_model(cluster):
