@@ -10,7 +10,8 @@ start it in place of sparseps-worker (examples/train_torch.sh does):
         [--set key=value ...] [--model cnn|resnet18|mlp] [--device cuda]
 
 The loop is examples/torch_job.py's (its docstring has the options: --ddp with --ddp-hook fp16 or
-powersgd for torch DDP over Gloo, the baseline; --optimizer adam|adamw with --aggregate update;
+powersgd for torch DDP over Gloo, the baseline, or sparseps for DDP with sparseps's hook;
+--optimizer adam|adamw with --aggregate update;
 --device cuda; --capi). The data: torchvision's FashionMNIST reader over the IDX files of
 data.dir (Debian's dataset-fashion-mnist), unpacked once into ~/.cache/sparseps (SPARSEPS_CACHE).
 bench/sparseps-compare runs its settings side by side (configs/compare_torch_1gbit.yaml).

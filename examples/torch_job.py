@@ -1,6 +1,7 @@
 """The training loop that the PyTorch examples share (examples/fashion_mnist.py,
 examples/language_model.py): one worker of a sparseps job through sparseps.torch, or of torch DDP
-over Gloo (the baseline users run today), started like the C++ worker with the job's config and
+over Gloo (the baseline users run today; examples/torch_ddp.py, with torch's hooks or sparseps's
+own, --ddp-hook sparseps), started like the C++ worker with the job's config and
 --set overrides, writing the C++ worker's metrics and eval CSVs (so deploy/summarize.py and
 bench/sparseps-compare read its runs).
 
@@ -35,7 +36,6 @@ float16 with loss scaling (sparseps.torch.GradScaler, torch's under --ddp).
 import argparse
 import contextlib
 import csv
-import datetime
 import json
 import math
 import os
@@ -47,6 +47,7 @@ import torch.nn.functional as F
 
 import sparseps
 import sparseps.torch
+import torch_ddp
 from sparseps import capi
 
 ERRORS = [ValueError, TimeoutError, capi.Error]  # a clear message and exit code 1, 2 or 3
@@ -196,8 +197,10 @@ def parser(doc, models, default_model=None):
                     help="torch threads (1: the workers of a machine share its cores)")
     ap.add_argument("--ddp", action="store_true",
                     help="torch DDP over Gloo instead of sparseps (the baseline)")
-    ap.add_argument("--ddp-hook", choices=["none", "fp16", "powersgd"], default="none",
-                    help="with --ddp: DDP's communication hook (fp16_compress_hook, powerSGD_hook)")
+    ap.add_argument("--ddp-hook", choices=["none", "fp16", "powersgd", "sparseps"],
+                    default="none", help="with --ddp: DDP's communication hook (torch's "
+                    "fp16_compress_hook, powerSGD_hook; sparseps's sparse_allreduce_hook: the "
+                    "job's collective or servers)")
     ap.add_argument("--powersgd-rank", type=int, default=4,
                     help="with --ddp-hook powersgd: its matrix_approximation_rank")
     ap.add_argument("--bucket-cap-mb", type=float, default=25.0,
@@ -299,30 +302,6 @@ def evaluate_file(args, build_model, load_data, get, device, perplexity):
           f"iteration {meta.get('iteration', '?')})")
 
 
-POWERSGD_START = 2  # the PowerSGD hook's start_powerSGD_iter: its first steps allreduce vanilla
-
-
-def ddp_step_bytes(params, workers, hook, rank, step):
-    """The bytes one worker sends (and as many it receives) in step `step` (1-based) of torch
-    DDP over Gloo, counted, not measured: Gloo's ring allreduce moves 2 (P - 1) / P of every
-    allreduced tensor's bytes each way. The fp16 hook allreduces half-floats; torch's PowerSGD
-    hook (after POWERSGD_START vanilla steps) allreduces, for each gradient viewed as n x m
-    (its first dimension by the rest), the factors P (n x r) and Q (m x r), r = min(n, m, rank),
-    where they hold under half of its n m elements (its min_compression_rate 2), else the whole
-    gradient (powerSGD_hook.py's _should_compress)."""
-    if workers < 2:
-        return 0
-    elements = 0
-    for p in params:
-        n = p.shape[0] if p.dim() else 1
-        m = p.numel() // n
-        r = min(n, m, rank)
-        compress = hook == "powersgd" and step > POWERSGD_START and (n + m) * r * 2 < n * m
-        elements += (n + m) * r if compress else n * m
-    width = 2 if hook == "fp16" else 4
-    return round(2 * (workers - 1) / workers * width * elements)
-
-
 def make_optimizer(args, params, get, ddp):
     """The torch optimizer of --optimizer: SGD at train.lr (with train.momentum under DDP; inside
     sparseps otherwise), Adam / AdamW at --opt-lr."""
@@ -391,6 +370,18 @@ def loss_scaler(args, device):
         torch.cuda.amp.GradScaler()
 
 
+def loop_state(model, scheduler, scaler):
+    """What sparseps keeps in its checkpoints beside the optimizer (extra_state): the schedule,
+    BatchNorm's running statistics (ResNet's), which sparseps does not aggregate (synchronize()
+    also puts them into the trained model file), and the loss scaler."""
+    extra = {"lr_schedule": scheduler} if scheduler else {}
+    if any(True for _ in model.buffers()):
+        extra["buffers"] = sparseps.torch.ModuleBuffers(model)
+    if scaler:
+        extra["scaler"] = scaler
+    return extra
+
+
 def run(args, build_model, load_data, perplexity=False):
     """Trains one worker: build_model(name, get) -> torch module; load_data(args, get) ->
     (x, y, xt, yt, what) training and test tensors on the CPU and a description for the log.
@@ -430,54 +421,31 @@ def run(args, build_model, load_data, perplexity=False):
     n = sum(p.numel() for p in model.parameters())
     trained = [p for p in model.parameters() if p.requires_grad]  # what DDP allreduces
     horizon = {}  # --lr-schedule's last step, once the data are loaded
-    if args.ddp:
+    hook_state = None  # --ddp-hook sparseps: the hook's state (torch_ddp.TimedState)
+    if args.ddp and args.ddp_hook == "sparseps":
+        # SGD at train.lr over the aggregated gradient (the job's momentum inside sparseps), as
+        # DistributedOptimizer's; the state restores a resumed job's model before DDP starts.
+        opt = make_optimizer(args, model.parameters(), get, ddp=False)
+        scheduler = lr_schedule(args, opt, horizon)
+        hook_state = torch_ddp.TimedState(worker, model, optimizer=opt,
+                                          extra_state=loop_state(model, scheduler, scaler),
+                                          grad_scaler=scaler)
+        model = torch_ddp.ddp_model(args, model, worker, get, hook_state)
+    elif args.ddp:
         # sparseps only for the rank and the job's end; DDP broadcasts worker 0's parameters.
         with torch.no_grad():
             worker.init([p.detach() for p in model.parameters()])
-        import torch.distributed as dist
-        run_dir = get("run.dir") or "."
-        # Gloo's collectives fail after cluster.request_timeout_s instead of hanging (DDP's
-        # PowerSGD hook deadlocked at 4 Gloo ranks in Debian's torch 1.13).
-        dist.init_process_group("gloo", init_method=f"file://{os.path.abspath(run_dir)}/ddp.init",
-                                rank=worker.rank, world_size=worker.num_workers,
-                                timeout=datetime.timedelta(seconds=get("cluster.request_timeout_s")))
-        model = torch.nn.parallel.DistributedDataParallel(  # Gloo takes CUDA tensors too
-            model, bucket_cap_mb=args.bucket_cap_mb)
-        if args.ddp_hook == "fp16":
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-            model.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        elif args.ddp_hook == "powersgd":
-            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
-            state = powerSGD_hook.PowerSGDState(process_group=None,
-                                                matrix_approximation_rank=args.powersgd_rank,
-                                                start_powerSGD_iter=POWERSGD_START)
-            # Gloo completes a bucket's allreduce on a thread of its own, where the hook starts
-            # the next of its chain (P, then Q): two buckets' chains then interleave differently
-            # on each rank and Gloo pairs tensors of different sizes ("op.preamble.length <=
-            # op.nbytes", an abort: Debian's torch 1.13 at 4 ranks on the CPU, torch 2.11 on an
-            # H100). One bucket's chain ends before the next bucket's starts.
-            def hook(state, bucket):
-                fut = powerSGD_hook.powerSGD_hook(state, bucket)
-                fut.wait()
-                return fut
-            model.register_comm_hook(state, hook)
+        model = torch_ddp.ddp_model(args, model, worker, get)
         opt = make_optimizer(args, model.parameters(), get, ddp=True)
         scheduler = lr_schedule(args, opt, horizon)
     else:
         inner = make_optimizer(args, model.parameters(), get, ddp=False)
         scheduler = lr_schedule(args, inner, horizon)
-        # Kept in the checkpoints beside the optimizer: the schedule, and BatchNorm's running
-        # statistics (ResNet's), which sparseps does not aggregate (synchronize() also puts them
-        # into the trained model file).
-        extra = {"lr_schedule": scheduler} if scheduler else {}
-        if any(True for _ in model.buffers()):
-            extra["buffers"] = sparseps.torch.ModuleBuffers(model)
-        if scaler:
-            extra["scaler"] = scaler
         opt = sparseps.torch.DistributedOptimizer(
             inner, worker, aggregate=args.aggregate, freeze_variance_step=args.freeze_variance_step,
             overlap=args.overlap, names=[n for n, _ in model.named_parameters()],
-            local_view=args.local_view, extra_state=extra)
+            local_view=args.local_view, extra_state=loop_state(model, scheduler, scaler))
+    native = args.ddp and hook_state is None  # torch's communication: its bytes counted
     rank = worker.rank
 
     x, y, xt, yt, what = load_data(args, get)
@@ -497,9 +465,11 @@ def run(args, build_model, load_data, perplexity=False):
     if scheduler:
         optimizer += f", its rate warmed up over {args.warmup_steps} steps and cosine-decayed " \
             f"over {horizon['steps']}"
-    method = (f"torch DDP (gloo, {args.ddp_hook} hook)" if args.ddp else f"{worker.aggregation} " + (
+    sparse = f"{worker.aggregation} " + (
         get("compression.encoding") if worker.aggregation == "ps" else get("collective.algorithm"))
-        + f", aggregating the {args.aggregate}") + ("" if amp is None else f"; {args.amp} autocast")
+    method = (f"torch DDP (gloo) with sparseps's hook: {sparse}" if hook_state else
+              f"torch DDP (gloo, {args.ddp_hook} hook)" if args.ddp else
+              f"{sparse}, aggregating the {args.aggregate}") + ("" if amp is None else f"; {args.amp} autocast")
     log(rank, "info", f"model: torch {args.model}, {n} parameters on {device}; {what}; "
         f"{len(x) // plan.count} training samples on this worker, {plan.steps} steps per epoch; "
         f"{method}; optimizer {optimizer}; through "
@@ -510,7 +480,7 @@ def run(args, build_model, load_data, perplexity=False):
     run_dir = get("run.dir")
     # A resumed job (deploy/launch.sh --resume) goes on from its checkpoint's step, where
     # DistributedOptimizer restored the model and the optimizer's state.
-    step = 0 if args.ddp else worker.step
+    step = 0 if native else worker.step
     plan.seek(step)
     horizon["steps"] = plan.horizon
     metrics = evals = None
@@ -541,8 +511,9 @@ def run(args, build_model, load_data, perplexity=False):
     steps_run = 0  # in this process (a resumed job's start at its checkpoint's step)
     ddp_bytes = 0  # --ddp: the bytes counted so far (each way)
     # --ddp: a step's bytes before and after PowerSGD's vanilla steps, counted once.
-    ddp_step = [ddp_step_bytes(trained, worker.num_workers, args.ddp_hook, args.powersgd_rank,
-                               s) for s in (1, POWERSGD_START + 1)] if args.ddp else None
+    ddp_step = [torch_ddp.ddp_step_bytes(trained, worker.num_workers, args.ddp_hook,
+                                         args.powersgd_rank, s)
+                for s in (1, torch_ddp.POWERSGD_START + 1)] if native else None
     rollback_error = capi.RolledBack if Worker is capi.Worker else sparseps.RolledBack
     eval_s, accuracy, epoch_loss, epoch_steps = 0.0, -1.0, 0.0, 0
     progress_loss, progress_steps = 0.0, 0
@@ -584,6 +555,7 @@ def run(args, build_model, load_data, perplexity=False):
                 torch.cuda.synchronize(device)  # compute_ms: the forward and backward, finished
             t1 = time.monotonic()
             pushed = worker.step if scaler else None  # --amp fp16: a skipped step pushes nothing
+            rollback = None
             if args.ddp and scaler:
                 scaler.step(opt)
             elif args.ddp:
@@ -597,14 +569,18 @@ def run(args, build_model, load_data, perplexity=False):
                     else:
                         opt.step(loss=loss)
                 except rollback_error as e:
-                    # A lost server was replaced: the job, the model and the optimizer are back
-                    # at the newest complete checkpoint; so goes the data position.
-                    log(rank, "warning", f"{e}; going on from step {worker.step}")
-                    step, rolled_back = worker.step, True
-                    for f in (metrics, evals):
-                        if f:
-                            f.keep_to(step)  # the steps after it are done again
-                    break
+                    rollback = str(e)
+            if hook_state and hook_state.rolled_back:  # its state comes back at the next forward
+                rollback = f"rolled back to the checkpoint of step {worker.step}"
+            if rollback is not None:
+                # A lost server was replaced: the job, the model and the optimizer are back at
+                # the newest complete checkpoint; so goes the data position.
+                log(rank, "warning", f"{rollback}; going on from step {worker.step}")
+                step, rolled_back = worker.step, True
+                for f in (metrics, evals):
+                    if f:
+                        f.keep_to(step)  # the steps after it are done again
+                break
             if scaler:
                 scaler.update()
             if scheduler:
@@ -615,10 +591,10 @@ def run(args, build_model, load_data, perplexity=False):
             loss = loss.item()
             memcpy.after(step)
             epoch_loss, epoch_steps = epoch_loss + loss, epoch_steps + 1
-            if args.ddp:  # Gloo's ring's bytes, counted (ddp_step_bytes)
-                sent = ddp_step[step > POWERSGD_START]
+            if native:  # Gloo's ring's bytes, counted (ddp_step_bytes)
+                sent = ddp_step[step > torch_ddp.POWERSGD_START]
                 ddp_bytes += sent
-            if metrics and args.ddp:
+            if metrics and native:
                 # DDP's allreduce runs inside backward (compute_ms); comm_ms is the optimizer step.
                 metrics.writerow([step, epoch + 1, loss, sent, sent, n, 1000 * (t1 - t0), 0,
                                   1000 * (t2 - t1), t2 - start, n, -1, 0])
@@ -627,13 +603,16 @@ def run(args, build_model, load_data, perplexity=False):
                 last_step = dict.fromkeys(worker.last_step, 0) if skipped else worker.last_step
                 # comm_ms: push_pull and the optimizer's step less the aggregation's encoding;
                 # binding_ms: push_pull's time outside the C++ aggregation (tensor intake, the
-                # update's array, the GIL), the cost of being called from Python.
-                comm = 1000 * (t2 - t1) - last_step["encode_ms"]
-                binding = 0 if skipped else \
-                    opt.last_push_pull_ms - last_step["encode_ms"] - last_step["comm_ms"]
+                # update's array, the GIL), the cost of being called from Python. The hook's
+                # push_pull runs inside the backward pass: out of compute_ms, into comm_ms.
+                push = hook_state.push_ms if hook_state else opt.last_push_pull_ms
+                inside = hook_state.push_ms if hook_state else 0.0
+                comm = 1000 * (t2 - t1) + inside - last_step["encode_ms"]
+                binding = 0 if skipped else push - last_step["encode_ms"] - last_step["comm_ms"]
                 metrics.writerow([step, epoch + 1, loss, last_step["bytes_sent"],
                                   last_step["bytes_received"], last_step["selected"],
-                                  1000 * (t1 - t0), last_step["encode_ms"], comm, t2 - start,
+                                  1000 * (t1 - t0) - inside, last_step["encode_ms"], comm,
+                                  t2 - start,
                                   last_step["applied"], -1, binding])
             progress_loss, progress_steps = progress_loss + loss, progress_steps + 1
             if lead() and t2 - last >= get("run.progress_interval_s"):
@@ -643,9 +622,9 @@ def run(args, build_model, load_data, perplexity=False):
                     f"{progress_loss / progress_steps:.4f} test_acc {acc} cluster "
                     f"{rate(progress_steps * batch * plan.count / (t2 - last))} samples/s, this "
                     f"worker "
-                    f"sent {(ddp_bytes if args.ddp else worker.bytes_sent) / 1e6:.2f} MB and "
-                    f"received {(ddp_bytes if args.ddp else worker.bytes_received) / 1e6:.2f} "
-                    f"MB in all{' (counted)' if args.ddp else ''}")
+                    f"sent {(ddp_bytes if native else worker.bytes_sent) / 1e6:.2f} MB and "
+                    f"received {(ddp_bytes if native else worker.bytes_received) / 1e6:.2f} "
+                    f"MB in all{' (counted)' if native else ''}")
                 last, progress_loss, progress_steps = t2, 0.0, 0
             every = get("train.eval_every_steps")
             if every and step % every == 0 and step < plan.total and lead():
@@ -664,7 +643,9 @@ def run(args, build_model, load_data, perplexity=False):
     if args.average_views:
         opt.average_views()  # every worker, at the same step
     train_s = time.monotonic() - start
-    if not args.ddp:
+    if hook_state:
+        hook_state.synchronize()  # the model file and a last checkpoint: the DDP model
+    elif not args.ddp:
         # ssp / async: every push in; the model file: this model; a checkpoint of the last
         # step: the learning-rate schedule's state (extra_state).
         opt.synchronize()

@@ -214,6 +214,7 @@ def test_the_packaged_comparison_runs_a_users_own_model_against_ddp(package, tmp
     _, root = package
     share = root / "usr" / "share" / "sparseps"
     assert (share / "examples" / "torch_job.py").is_file()
+    assert (share / "examples" / "torch_ddp.py").is_file()  # torch_job.py's --ddp
     assert (share / "examples" / "fashion_mnist.py").is_file()
     script = tmp_path / "my_train.py"
     script.write_text(OWN_MODEL.replace("{examples}", str(share / "examples")))

@@ -233,12 +233,14 @@ def test_example_refuses_fp16_autocast_off_a_gpu(cluster):
 
 @needs_data
 @pytest.mark.parametrize("method", ["ddp", "ddp_fp16", "ddp_powersgd", "ddp_powersgd_4",
-                                    "sparseps_powersgd", "sparseps_powersgd_capi"])
+                                    "sparseps_powersgd", "sparseps_powersgd_capi", "ddp_sparseps",
+                                    "ddp_sparseps_spardl"])
 def test_example_runs_the_baselines_and_sparseps_powersgd(tmp_path, method):
     """The comparison's torch settings: the example under torch DDP over Gloo (plain, with DDP's
     fp16 hook, with its PowerSGD hook, also at 4 ranks, where Debian's torch 1.13 aborted until
     the example ended each bucket's chain of allreduces before the next; plain DDP with
-    --lr-schedule cosine) and through
+    --lr-schedule cosine; DDP with sparseps's own hook through the job's servers, top-k 1%, and
+    through SparDL: a DDP user's way in) and through
     sparseps.torch with collective.algorithm: powersgd (the torch model's tensors are its
     layers; through the pybind11 module or sparseps.capi, which hands the library their shapes
     too); each trains 60 steps of the CNN on 2 workers (30 of the MLP on 4: its last 10 steps'
@@ -256,7 +258,11 @@ def test_example_runs_the_baselines_and_sparseps_powersgd(tmp_path, method):
     sets += ["--set", f"cluster.num_workers={workers}"]
     if workers == 4:
         sets += ["--set", "model.hidden=[2048,2048]"]
-    if method.startswith("ddp"):
+    if method.startswith("ddp_sparseps"):
+        command += " --ddp --ddp-hook sparseps"
+        if method.endswith("spardl"):
+            sets += ["--set", "aggregation=allreduce", "--set", "collective.algorithm=spardl"]
+    elif method.startswith("ddp"):
         command += " --ddp" + (" --ddp-hook fp16" if method == "ddp_fp16" else
                                " --ddp-hook powersgd" if "powersgd" in method else
                                " --lr-schedule cosine --warmup-steps 10")  # plain DDP
@@ -279,13 +285,19 @@ def test_example_runs_the_baselines_and_sparseps_powersgd(tmp_path, method):
             "ddp_powersgd": "torch DDP (gloo, powersgd hook)",
             "ddp_powersgd_4": "torch DDP (gloo, powersgd hook)",
             "sparseps_powersgd": "allreduce powersgd",
-            "sparseps_powersgd_capi": "allreduce powersgd"}[method]
+            "sparseps_powersgd_capi": "allreduce powersgd",
+            "ddp_sparseps": "torch DDP (gloo) with sparseps's hook: ps topk",
+            "ddp_sparseps_spardl": "torch DDP (gloo) with sparseps's hook: allreduce spardl"}[method]
     assert said in (run / "worker-0.log").read_text()
     if method == "ddp":  # the torch optimizer's schedule, under DDP too
         assert "its rate warmed up over 10 steps and cosine-decayed over" in \
             (run / "worker-0.log").read_text()
     rows = read_csv(run / "metrics-worker-0.csv")
-    if method.startswith("sparseps"):
+    if method.startswith("ddp_sparseps"):
+        # Measured: top-k 1% of the 215,370 floats, 2,154 keys and values a push (SparDL's
+        # blocks a little more), far from the dense 861 KB.
+        assert all(0 < int(r["bytes_sent"]) < 0.05 * 4 * 215370 for r in rows[1:])
+    elif method.startswith("sparseps"):
         # Rank-4 factors of the conv and dense layers: far fewer bytes than the 215,370 floats.
         assert all(0 < int(r["bytes_sent"]) < 0.2 * 4 * 215370 for r in rows[1:])
     else:
