@@ -73,6 +73,7 @@ class SparseAllreduceState:
             offset += p.numel()
         self.flat = torch.zeros(offset, dtype=torch.float32, device=self.params[0].device)
         self.pending = []  # (bucket, future) of this step
+        self._dense = None  # push_pull's out for a dense method (CPU), made at first use
         self.grad_scaler = grad_scaler
         self.overflows = 0  # steps every worker skipped for an overflow (grad_scaler)
         self._held_buffers = {}  # the module's buffers at the checkpoint's step (_step_ended)
@@ -215,8 +216,13 @@ def _aggregate(state):
     if scale is not None:
         state.flat.mul_(1.0 / scale)
     state._submit_pending()
+    flat = state.flat
+    # A dense method's update comes into one array kept from step to step (CPU), a sparse one as
+    # its changed keys: no array of the model's size a step.
+    if flat.device.type == "cpu" and state._dense is None:
+        state._dense = torch.empty_like(flat)
     try:
-        update = torch.from_numpy(state.worker.push_pull(state.flat))
+        keys, update, _ = state.worker.push_pull(flat, sparse=True, out=state._dense)
     except ValueError as e:
         if scale is None and not bool(torch.isfinite(state.flat).all()):
             raise ValueError(
@@ -227,9 +233,21 @@ def _aggregate(state):
         raise
     if state.worker.checkpoint_due:
         state._step_ended()  # the model of this step: after the loop's optimizer step
-    update = update.to(state.flat.device).div_(state.worker.lr)
-    if scale is not None:
-        update.mul_(scale)
+    # flat becomes what DDP gets: update / train.lr (times the loss scale), zero where nothing
+    # changed.
+    lr = state.worker.lr
+    with torch.no_grad():
+        if len(keys) == flat.numel():  # every key changed (ring, Gloo, PowerSGD)
+            if update is not state._dense:
+                update = torch.from_numpy(update)
+            torch.div(update.to(flat.device), lr, out=flat)
+        else:
+            flat.zero_()
+            flat.index_put_((torch.from_numpy(keys).to(flat.device),),
+                            torch.from_numpy(update).to(flat.device) / lr)
+        if scale is not None:
+            flat.mul_(scale)
+    update = flat
     for b, f in state.pending:
         out = b.buffer()
         pos = 0

@@ -168,19 +168,24 @@ def run_ddp_workers(c, tmp_path, device, args=(), sets=(), name="ddp", hook_sets
     return [torch.load(o) if o.exists() else None for o in outs]
 
 
-def ddp_hook_keeps_the_workers_equal_and_sparse(cluster, tmp_path, device, ps=False):
+def ddp_hook_keeps_the_workers_equal_and_sparse(cluster, tmp_path, device, method="allgather"):
     """Two processes of tests/python/ddp_worker.py (DDP with sparse_allreduce_hook, the model on
-    `device`; ps: the job's servers aggregate, else TopK-AllGather): their final models are
-    equal, each step's averaged gradient holds at most the union of the two workers' k entries,
-    and the loss falls."""
+    `device`; method: TopK-AllGather, "ps" through the job's servers, or sparseps's dense
+    "ring"): their final models are equal, each step's averaged gradient holds at most the union
+    of the two workers' k entries (the ring's: more), and the loss falls."""
     import torch  # only the tests that use it need it
-    sets = PS_HOOK_SETS if ps else DDP_HOOK_SETS
-    c = cluster("cluster: {register_timeout_s: 60}\n", servers=2 if ps else 0, sets=sets)
+    sets = {"allgather": DDP_HOOK_SETS, "ps": PS_HOOK_SETS,
+            "ring": DDP_HOOK_SETS + ["collective.algorithm=ring"]}[method]
+    c = cluster("cluster: {register_timeout_s: 60}\n", servers=2 if method == "ps" else 0,
+                sets=sets)
     got = run_ddp_workers(c, tmp_path, device, hook_sets=sets)
     assert torch.equal(got[0]["params"], got[1]["params"])
     n = got[0]["params"].numel()  # 20*64 + 64 + 64*4 + 4 = 1604; k = 160 per worker
     for nz in got[0]["nonzero"]:
-        assert 0 < nz <= 2 * round(0.1 * n), got[0]["nonzero"]
+        if method == "ring":
+            assert nz > 2 * round(0.1 * n), got[0]["nonzero"]
+        else:
+            assert 0 < nz <= 2 * round(0.1 * n), got[0]["nonzero"]
     loss = got[0]["loss"]
     assert sum(loss[-5:]) < 0.6 * sum(loss[:5]), loss
 

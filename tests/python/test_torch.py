@@ -380,9 +380,9 @@ def test_a_dense_methods_gradient_comes_through_out(cluster, kind):
     run_threads([lambda r=r: worker(r) for r in range(2)])
 
 
-@pytest.mark.parametrize("ps", [False, True], ids=["topk_allgather", "ps"])
-def test_ddp_hook_keeps_the_workers_equal_and_sparse(cluster, tmp_path, ps):
-    ddp_hook_keeps_the_workers_equal_and_sparse(cluster, tmp_path, "cpu", ps=ps)
+@pytest.mark.parametrize("method", ["allgather", "ps", "ring"])
+def test_ddp_hook_keeps_the_workers_equal_and_sparse(cluster, tmp_path, method):
+    ddp_hook_keeps_the_workers_equal_and_sparse(cluster, tmp_path, "cpu", method=method)
 
 
 @pytest.mark.parametrize("consistency", ["ssp", "async"])

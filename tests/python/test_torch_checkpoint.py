@@ -377,16 +377,19 @@ def test_resuming_without_the_optimizers_state_is_refused(cluster):
 
 @pytest.mark.skipif(not (DATA / "train-images-idx3-ubyte.gz").exists(),
                     reason="Fashion-MNIST not installed (deploy/install-deps.sh)")
-def test_the_example_resumed_ends_with_the_model_of_a_job_never_stopped(tmp_path):
-    """examples/fashion_mnist.py (the CNN, Adam with the variance frozen at step 20 and its rate
-    warmed up over 40 steps, PS top-k 1%) through deploy/launch.sh: 45 steps, then `launch.sh
+@pytest.mark.parametrize("loop", ["distributed_optimizer", "ddp_hook"])
+def test_the_example_resumed_ends_with_the_model_of_a_job_never_stopped(tmp_path, loop):
+    """examples/fashion_mnist.py (the CNN, Adam with its rate warmed up over 40 steps, PS top-k
+    1%; through DistributedOptimizer with the variance frozen at step 20, or under DDP with
+    sparseps's hook, --ddp-hook sparseps) through deploy/launch.sh: 45 steps, then `launch.sh
     --resume RUN --set train.max_steps=60` (from the checkpoint of step 30, the worker command
     given --resume), writes the same model file, byte for byte, as 60 steps never stopped (the
     schedule's state went with the checkpoint). The example's --evaluate scores that file as the
     job's own final evaluation did, and refuses it for another --model, naming the faults."""
     command = (f"{sys.executable} {ROOT / 'examples' / 'fashion_mnist.py'} --model cnn "
-               "--optimizer adam --freeze-variance-step 20 --lr-schedule cosine "
-               "--warmup-steps 40")
+               "--optimizer adam --lr-schedule cosine --warmup-steps 40 " +
+               ("--freeze-variance-step 20" if loop == "distributed_optimizer" else
+                "--ddp --ddp-hook sparseps"))
     sets = ["train.momentum=0", "checkpoint.every_steps=30", "data.max_test_samples=500"]
     whole = launch_example(tmp_path, "torch_cnn.yaml", command, sets + ["train.max_steps=60"],
                            name="whole")
