@@ -66,12 +66,17 @@ class SparseAllreduceState:
         self.module = module
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.params = _float32_params([p for _, p in named], "SparseAllreduceState")
-        self.offset = {}
+        self.offset = {}  # id(parameter) -> (its first key, its elements)
+        self.index = {}  # id(parameter) -> its place in self.params
         offset = 0
-        for p in self.params:
+        for i, p in enumerate(self.params):
             self.offset[id(p)] = (offset, p.numel())
+            self.index[id(p)] = i
             offset += p.numel()
         self.flat = torch.zeros(offset, dtype=torch.float32, device=self.params[0].device)
+        # Each parameter's first key, and the end.
+        self.bounds = torch.tensor([self.offset[id(p)][0] for p in self.params] + [offset],
+                                   dtype=torch.int64, device=self.flat.device)
         self.pending = []  # (bucket, future) of this step
         self._dense = None  # push_pull's out for a dense method (CPU), made at first use
         self.grad_scaler = grad_scaler
@@ -233,26 +238,41 @@ def _aggregate(state):
         raise
     if state.worker.checkpoint_due:
         state._step_ended()  # the model of this step: after the loop's optimizer step
-    # flat becomes what DDP gets: update / train.lr (times the loss scale), zero where nothing
-    # changed.
+    _complete(state, keys, update, scale)
+
+
+def _complete(state, keys, update, scale):
+    """Each pending bucket's future completed with its part of update / train.lr (times the loss
+    scale), written straight into the bucket (one pass over the model): a dense method's update
+    divided in place, a sparse one's changed keys scattered over zeros."""
     lr = state.worker.lr
+    device = state.flat.device
+    dense = len(keys) == state.flat.numel()  # every key changed (ring, Gloo, PowerSGD)
     with torch.no_grad():
-        if len(keys) == flat.numel():  # every key changed (ring, Gloo, PowerSGD)
-            if update is not state._dense:
-                update = torch.from_numpy(update)
-            torch.div(update.to(flat.device), lr, out=flat)
+        if dense:
+            src = (update if update is state._dense else torch.from_numpy(update)).to(device)
         else:
-            flat.zero_()
-            flat.index_put_((torch.from_numpy(keys).to(flat.device),),
-                            torch.from_numpy(update).to(flat.device) / lr)
-        if scale is not None:
-            flat.mul_(scale)
-    update = flat
-    for b, f in state.pending:
-        out = b.buffer()
-        pos = 0
-        for p in b.parameters():
-            start, n = state.offset[id(p)]
-            out[pos:pos + n].copy_(update[start:start + n])
-            pos += n
-        f.set_result(out)
+            keys = torch.from_numpy(keys).to(device)
+            src = torch.from_numpy(update).to(device) / lr
+            if scale is not None:
+                src.mul_(scale)
+            # Where each parameter's keys start and end among the changed keys.
+            bounds = torch.searchsorted(keys, state.bounds).tolist()
+        for b, f in state.pending:
+            out = b.buffer()
+            if not dense:
+                out.zero_()
+            pos = 0
+            for p in b.parameters():
+                start, n = state.offset[id(p)]
+                part = out[pos:pos + n]
+                if dense:
+                    torch.div(src[start:start + n], lr, out=part)
+                    if scale is not None:
+                        part.mul_(scale)
+                else:
+                    lo, hi = bounds[state.index[id(p)]], bounds[state.index[id(p)] + 1]
+                    if hi > lo:
+                        part.index_copy_(0, keys[lo:hi] - start, src[lo:hi])
+                pos += n
+            f.set_result(out)

@@ -172,14 +172,19 @@ def ddp_hook_keeps_the_workers_equal_and_sparse(cluster, tmp_path, device, metho
     """Two processes of tests/python/ddp_worker.py (DDP with sparse_allreduce_hook, the model on
     `device`; method: TopK-AllGather, "ps" through the job's servers, or sparseps's dense
     "ring"): their final models are equal, each step's averaged gradient holds at most the union
-    of the two workers' k entries (the ring's: more), and the loss falls."""
+    of the two workers' k entries (the ring's: more), the loss falls, and nothing is lost: the
+    sum over the steps of what the hook gave DDP equals the workers' mean of the sum of their
+    own gradients less their final residuals (train.lr 1, momentum 0)."""
     import torch  # only the tests that use it need it
     sets = {"allgather": DDP_HOOK_SETS, "ps": PS_HOOK_SETS,
             "ring": DDP_HOOK_SETS + ["collective.algorithm=ring"]}[method]
     c = cluster("cluster: {register_timeout_s: 60}\n", servers=2 if method == "ps" else 0,
                 sets=sets)
-    got = run_ddp_workers(c, tmp_path, device, hook_sets=sets)
+    got = run_ddp_workers(c, tmp_path, device, args=["--conserve"], hook_sets=sets)
     assert torch.equal(got[0]["params"], got[1]["params"])
+    kept = sum(g["local_sum"] - g["residual"] for g in got) / 2
+    assert float(kept.abs().max()) > 0.1  # something was trained
+    torch.testing.assert_close(got[0]["hook_sum"], kept, rtol=1e-5, atol=1e-5)
     n = got[0]["params"].numel()  # 20*64 + 64 + 64*4 + 4 = 1604; k = 160 per worker
     for nz in got[0]["nonzero"]:
         if method == "ring":

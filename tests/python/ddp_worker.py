@@ -3,7 +3,7 @@ own broadcast) whose gradient buckets are aggregated by sparseps.torch.sparse_al
 
     ddp_worker.py RANK WORLD INIT_FILE JOB_YAML OUT_FILE [--set k=v ...] [--steps N]
                   [--stop-after N] [--momentum M] [--batchnorm] [--amp] [--overflow-at T]
-                  [--skip T] [--kill-at T --kill-pid PID]
+                  [--skip T] [--kill-at T --kill-pid PID] [--conserve]
 
 Trains a small MLP on seeded random data (step t's batch fixed by the rank and t) with torch SGD
 at lr 0.5 (momentum M) and a StepLR halving it every 8 steps, both kept in sparseps's checkpoints
@@ -21,6 +21,9 @@ the state's overflows.
 --kill-at T --kill-pid PID: rank 0 kills PID (a server) with SIGKILL after step T, once; the
 loop goes back to worker.step when the hook says it rolled back (state.rolled_back), and the file
 holds {rolled}: the (step, checkpoint's step) of each rollback.
+--conserve (momentum 0): the file also holds {local_sum, hook_sum, residual}: the sum over the
+steps of this worker's own gradient (torch.autograd.grad through the module, not DDP), of what
+the hook gave DDP (the parameters' .grad) and the worker's final residual, flat.
 DDP_DEVICE=cuda trains on the GPU (tests/python/test_gpu.py); the worker is sparseps.capi's where
 the pybind11 module is not built for this Python.
 """
@@ -97,6 +100,7 @@ def main():
     ap.add_argument("--skip", type=int, default=None)
     ap.add_argument("--kill-at", type=int, default=None)
     ap.add_argument("--kill-pid", type=int, default=None)
+    ap.add_argument("--conserve", action="store_true")
     args = ap.parse_args()
     rank = args.rank
     torch.set_num_threads(1)
@@ -125,6 +129,7 @@ def main():
     losses, nonzero, steps, skipped, rolled = [], [], [], [], []
     first = t = worker.step
     autocast = args.amp and device.type == "cuda"
+    local_sum = hook_sum = 0
     while t < args.steps:
         if t == args.skip:
             scheduler.step()  # as a loop with a scaler steps it after a skipped step
@@ -133,6 +138,9 @@ def main():
         x = torch.randn(32, 20, generator=torch.Generator().manual_seed(1000 * rank + t))
         y = (x @ w_true).argmax(1)
         x, y = x.to(device), y.to(device)
+        if args.conserve:  # this worker's own gradient, as DDP's backward computes it
+            mine = torch.autograd.grad(F.cross_entropy(model(x), y), list(model.parameters()))
+            local_sum = local_sum + torch.cat([g.reshape(-1) for g in mine]).double()
         opt.zero_grad()
         with torch.autocast("cuda", dtype=torch.float16, enabled=autocast):
             loss = F.cross_entropy(ddp(x), y)
@@ -142,6 +150,9 @@ def main():
         if not all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()):
             skipped.append(t)
         nonzero.append(sum(int((p.grad != 0).sum()) for p in model.parameters()))
+        if args.conserve:
+            hook_sum = hook_sum + torch.cat([p.grad.reshape(-1) for p in model.parameters()]) \
+                .double()
         if scaler is None:
             opt.step()
         else:
@@ -163,9 +174,11 @@ def main():
             dist.barrier()
             os._exit(0)  # no finish, no checkpoint handed over after this
     state.synchronize()
+    residual = torch.from_numpy(worker.residual()).double() if args.conserve else None
     worker.finish()
     torch.save({"loss": losses, "nonzero": nonzero, "first": first, "steps": steps,
                 "skipped": skipped, "overflows": state.overflows, "rolled": rolled,
+                "local_sum": local_sum, "hook_sum": hook_sum, "residual": residual,
                 "buffers": {n: b.detach().cpu() for n, b in model.state_dict().items()
                             if n not in dict(model.named_parameters())},
                 "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()},
