@@ -469,7 +469,8 @@ def run(args, build_model, load_data, perplexity=False):
         get("compression.encoding") if worker.aggregation == "ps" else get("collective.algorithm"))
     method = (f"torch DDP (gloo) with sparseps's hook: {sparse}" if hook_state else
               f"torch DDP (gloo, {args.ddp_hook} hook)" if args.ddp else
-              f"{sparse}, aggregating the {args.aggregate}") + ("" if amp is None else f"; {args.amp} autocast")
+              f"{sparse}, aggregating the {args.aggregate}") + \
+        ("" if amp is None else f"; {args.amp} autocast")
     log(rank, "info", f"model: torch {args.model}, {n} parameters on {device}; {what}; "
         f"{len(x) // plan.count} training samples on this worker, {plan.steps} steps per epoch; "
         f"{method}; optimizer {optimizer}; through "

@@ -287,7 +287,8 @@ def test_example_runs_the_baselines_and_sparseps_powersgd(tmp_path, method):
             "sparseps_powersgd": "allreduce powersgd",
             "sparseps_powersgd_capi": "allreduce powersgd",
             "ddp_sparseps": "torch DDP (gloo) with sparseps's hook: ps topk",
-            "ddp_sparseps_spardl": "torch DDP (gloo) with sparseps's hook: allreduce spardl"}[method]
+            "ddp_sparseps_spardl":
+                "torch DDP (gloo) with sparseps's hook: allreduce spardl"}[method]
     assert said in (run / "worker-0.log").read_text()
     if method == "ddp":  # the torch optimizer's schedule, under DDP too
         assert "its rate warmed up over 10 steps and cosine-decayed over" in \
