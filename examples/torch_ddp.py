@@ -66,7 +66,7 @@ def ddp_model(args, model, worker, get, state=None):
                             rank=worker.rank, world_size=worker.num_workers,
                             timeout=datetime.timedelta(seconds=get("cluster.request_timeout_s")))
     ddp = torch.nn.parallel.DistributedDataParallel(  # Gloo takes CUDA tensors too
-        model, bucket_cap_mb=args.bucket_cap_mb)
+        model, bucket_cap_mb=args.bucket_cap_mb, gradient_as_bucket_view=args.bucket_view)
     if args.ddp_hook == "sparseps":
         ddp.register_comm_hook(state, timed_hook)
     elif args.ddp_hook == "fp16":

@@ -205,6 +205,9 @@ def parser(doc, models, default_model=None):
                     help="with --ddp-hook powersgd: its matrix_approximation_rank")
     ap.add_argument("--bucket-cap-mb", type=float, default=25.0,
                     help="with --ddp: DDP's bucket_cap_mb (the gradient bucket's size)")
+    ap.add_argument("--bucket-view", action="store_true",
+                    help="with --ddp: DDP's gradient_as_bucket_view=True (no copy of the "
+                    "gradients into DDP's buckets)")
     ap.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], default="sgd",
                     help="sgd at train.lr (momentum: train.momentum), or adam / adamw at --opt-lr")
     ap.add_argument("--opt-lr", type=float, default=1e-3, help="adam's and adamw's learning rate")

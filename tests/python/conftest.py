@@ -168,10 +168,11 @@ def run_ddp_workers(c, tmp_path, device, args=(), sets=(), name="ddp", hook_sets
     return [torch.load(o) if o.exists() else None for o in outs]
 
 
-def ddp_hook_keeps_the_workers_equal_and_sparse(cluster, tmp_path, device, method="allgather"):
+def ddp_hook_keeps_the_workers_equal_and_sparse(cluster, tmp_path, device, method="allgather",
+                                                bucket_view=False):
     """Two processes of tests/python/ddp_worker.py (DDP with sparse_allreduce_hook, the model on
     `device`; method: TopK-AllGather, "ps" through the job's servers, or sparseps's dense
-    "ring"): their final models are equal, each step's averaged gradient holds at most the union
+    "ring"; bucket_view: DDP's gradient_as_bucket_view): their final models are equal, each step's averaged gradient holds at most the union
     of the two workers' k entries (the ring's: more), the loss falls, and nothing is lost: the
     sum over the steps of what the hook gave DDP equals the workers' mean of the sum of their
     own gradients less their final residuals (train.lr 1, momentum 0)."""
@@ -180,7 +181,8 @@ def ddp_hook_keeps_the_workers_equal_and_sparse(cluster, tmp_path, device, metho
             "ring": DDP_HOOK_SETS + ["collective.algorithm=ring"]}[method]
     c = cluster("cluster: {register_timeout_s: 60}\n", servers=2 if method == "ps" else 0,
                 sets=sets)
-    got = run_ddp_workers(c, tmp_path, device, args=["--conserve"], hook_sets=sets)
+    args = ["--conserve"] + (["--bucket-view"] if bucket_view else [])
+    got = run_ddp_workers(c, tmp_path, device, args=args, hook_sets=sets)
     assert torch.equal(got[0]["params"], got[1]["params"])
     kept = sum(g["local_sum"] - g["residual"] for g in got) / 2
     assert float(kept.abs().max()) > 0.1  # something was trained

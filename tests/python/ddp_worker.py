@@ -3,7 +3,7 @@ own broadcast) whose gradient buckets are aggregated by sparseps.torch.sparse_al
 
     ddp_worker.py RANK WORLD INIT_FILE JOB_YAML OUT_FILE [--set k=v ...] [--steps N]
                   [--stop-after N] [--momentum M] [--batchnorm] [--amp] [--overflow-at T]
-                  [--skip T] [--kill-at T --kill-pid PID] [--conserve]
+                  [--skip T] [--kill-at T --kill-pid PID] [--conserve] [--bucket-view]
 
 Trains a small MLP on seeded random data (step t's batch fixed by the rank and t) with torch SGD
 at lr 0.5 (momentum M) and a StepLR halving it every 8 steps, both kept in sparseps's checkpoints
@@ -21,6 +21,7 @@ the state's overflows.
 --kill-at T --kill-pid PID: rank 0 kills PID (a server) with SIGKILL after step T, once; the
 loop goes back to worker.step when the hook says it rolled back (state.rolled_back), and the file
 holds {rolled}: the (step, checkpoint's step) of each rollback.
+--bucket-view: DDP's gradient_as_bucket_view=True (the gradients are views of DDP's buckets).
 --conserve (momentum 0): the file also holds {local_sum, hook_sum, residual}: the sum over the
 steps of this worker's own gradient (torch.autograd.grad through the module, not DDP), of what
 the hook gave DDP (the parameters' .grad) and the worker's final residual, flat.
@@ -101,6 +102,7 @@ def main():
     ap.add_argument("--kill-at", type=int, default=None)
     ap.add_argument("--kill-pid", type=int, default=None)
     ap.add_argument("--conserve", action="store_true")
+    ap.add_argument("--bucket-view", action="store_true")
     args = ap.parse_args()
     rank = args.rank
     torch.set_num_threads(1)
@@ -116,7 +118,8 @@ def main():
     model = nn.Sequential(*hidden, nn.ReLU(), nn.Linear(64, 4)).to(device)
     if args.batchnorm:  # and a buffer that is no part of the state (a causal mask's kind)
         model.register_buffer("scratch", torch.ones(3, device=device), persistent=False)
-    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.001)  # several buckets
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.001,  # several buckets
+                                              gradient_as_bucket_view=args.bucket_view)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.5, momentum=args.momentum)
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=8, gamma=0.5)
     worker = Worker(args.job, rank=rank, overrides=args.set)

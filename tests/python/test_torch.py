@@ -381,9 +381,11 @@ def test_a_dense_methods_gradient_comes_through_out(cluster, kind):
     run_threads([lambda r=r: worker(r) for r in range(2)])
 
 
-@pytest.mark.parametrize("method", ["allgather", "ps", "ring"])
+@pytest.mark.parametrize("method", ["allgather", "ps", "ring", "ps_bucket_view"])
 def test_ddp_hook_keeps_the_workers_equal_and_sparse(cluster, tmp_path, method):
-    ddp_hook_keeps_the_workers_equal_and_sparse(cluster, tmp_path, "cpu", method=method)
+    ddp_hook_keeps_the_workers_equal_and_sparse(cluster, tmp_path, "cpu",
+                                                method=method.removesuffix("_bucket_view"),
+                                                bucket_view=method.endswith("_bucket_view"))
 
 
 @pytest.mark.parametrize("consistency", ["ssp", "async"])
