@@ -52,7 +52,10 @@ class SparseAllreduceState:
     extra_state's state of the checkpoint, overwriting what the loop's optimizer step did in
     between. The loop goes back to worker.step in its data when it sees rolled_back after its
     optimizer step; one that does not goes on with its own count (the model is the
-    checkpoint's all the same). Not thread-safe: one loop's, as DDP's reducer."""
+    checkpoint's all the same). Not thread-safe: one loop's, as DDP's reducer.
+    Wrap the model with DDP's gradient_as_bucket_view=True: the hook writes the update into
+    DDP's buckets, and the gradients then are views of them (one copy of the model less a step:
+    the MLP's step 274 to 251 ms, docs/results.md)."""
 
     def __init__(self, worker, model, optimizer=None, extra_state=None, grad_scaler=None):
         if worker.aggregation == "ps" and worker.get("train.consistency") != "bsp":
