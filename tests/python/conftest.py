@@ -172,10 +172,11 @@ def ddp_hook_keeps_the_workers_equal_and_sparse(cluster, tmp_path, device, metho
                                                 bucket_view=False):
     """Two processes of tests/python/ddp_worker.py (DDP with sparse_allreduce_hook, the model on
     `device`; method: TopK-AllGather, "ps" through the job's servers, or sparseps's dense
-    "ring"; bucket_view: DDP's gradient_as_bucket_view): their final models are equal, each step's averaged gradient holds at most the union
-    of the two workers' k entries (the ring's: more), the loss falls, and nothing is lost: the
-    sum over the steps of what the hook gave DDP equals the workers' mean of the sum of their
-    own gradients less their final residuals (train.lr 1, momentum 0)."""
+    "ring"; bucket_view: DDP's gradient_as_bucket_view): their final models are equal, each
+    step's averaged gradient holds at most the union of the two workers' k entries (the ring's:
+    more), the loss falls, and nothing is lost: the sum over the steps of what the hook gave DDP
+    equals the workers' mean of the sum of their own gradients less their final residuals
+    (train.lr 1, momentum 0)."""
     import torch  # only the tests that use it need it
     sets = {"allgather": DDP_HOOK_SETS, "ps": PS_HOOK_SETS,
             "ring": DDP_HOOK_SETS + ["collective.algorithm=ring"]}[method]
