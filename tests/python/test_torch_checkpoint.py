@@ -425,6 +425,47 @@ def test_the_example_resumed_ends_with_the_model_of_a_job_never_stopped(tmp_path
         "[64, 1, 3, 3])" in p.stderr, p.stderr
 
 
+@pytest.mark.skipif(not (DATA / "train-images-idx3-ubyte.gz").exists(),
+                    reason="Fashion-MNIST not installed (deploy/install-deps.sh)")
+@pytest.mark.parametrize("loop", ["distributed_optimizer", "ddp_hook"])
+def test_the_example_goes_on_after_a_lost_server_is_replaced(tmp_path, loop):
+    """examples/fashion_mnist.py (the CNN, PS top-k 1%, a checkpoint every 10 steps, 100 steps;
+    through DistributedOptimizer, or under DDP with sparseps's hook) through `deploy/launch.sh
+    --max-restarts 1`: server 0 killed with kill -9 once worker 0 has done 25 steps. launch.sh
+    starts a replacement, the job rolls back to a checkpoint, the example's loop goes back there
+    in its data (DistributedOptimizer's RolledBack; the hook's state.rolled_back), and the model
+    file is byte for byte that of the job never interrupted."""
+    command = (f"{sys.executable} {ROOT / 'examples' / 'fashion_mnist.py'} --model cnn" +
+               (" --ddp --ddp-hook sparseps" if loop == "ddp_hook" else ""))
+    sets = ["train.max_steps=100", "checkpoint.every_steps=10", "data.max_test_samples=200"]
+    whole = launch_example(tmp_path, "torch_cnn.yaml", command, sets, name="whole")
+    run = tmp_path / "cut"
+    cmd = ["bash", str(ROOT / "deploy" / "launch.sh"), "--build-dir", str(BUILD), "--config",
+           str(ROOT / "examples" / "torch_cnn.yaml"), "--run-dir", str(run), "--quiet",
+           "--max-restarts", "1", "--worker-command", command] + \
+        sum((["--set", s] for s in sets), [])
+    env = dict(os.environ, SPARSEPS_CACHE=str(tmp_path / "cache"))
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=env, start_new_session=True)
+    try:
+        metrics, deadline = run / "metrics-worker-0.csv", time.time() + 180
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) > 25):
+            assert time.time() < deadline and launcher.poll() is None, "no step 25"
+            time.sleep(0.02)
+        log = (run / "server-0.log").read_text()
+        os.kill(int(log.split("starting (pid ", 1)[1].split(")", 1)[0]), signal.SIGKILL)
+        out, _ = launcher.communicate(timeout=240)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    assert launcher.returncode == 0, out
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["replaced_servers"], summary
+    assert re.search(r"going on from step [1-9]0\b", (run / "worker-0.log").read_text())
+    assert (run / "model.safetensors").read_bytes() == (whole / "model.safetensors").read_bytes()
+
+
 def test_a_ddp_hook_job_resumes_with_its_model_and_saves_it(cluster, tmp_path):
     """DDP with sparse_allreduce_hook (TopK-AllGather 10%), torch SGD with momentum 0.9 and a
     StepLR, 40 steps, a checkpoint every 10: the trained model file holds the DDP model (not the
