@@ -6,7 +6,6 @@ of torch's settings, counted.
 """
 import datetime
 import os
-import time
 
 import torch
 
@@ -36,28 +35,11 @@ def ddp_step_bytes(params, workers, hook, rank, step):
     return round(2 * (workers - 1) / workers * width * elements)
 
 
-class TimedState(sparseps.torch.SparseAllreduceState):
-    """--ddp-hook sparseps's state: SparseAllreduceState that also keeps the wall time of each
-    step's aggregation inside the backward pass (push_ms, milliseconds: the last bucket's
-    push_pull, its encoding included), which the metrics take out of the compute column."""
-
-    push_ms = 0.0
-
-
-def timed_hook(state, bucket):
-    """sparse_allreduce_hook, timing the last bucket's aggregation into state.push_ms."""
-    t = time.monotonic()
-    future = sparseps.torch.sparse_allreduce_hook(state, bucket)
-    if bucket.is_last():
-        state.push_ms = 1000 * (time.monotonic() - t)
-    return future
-
-
 def ddp_model(args, model, worker, get, state=None):
     """Gloo's process group (worker.rank of worker.num_workers; a file store in run.dir) and the
-    DDP model of `model` with --ddp-hook's hook registered: `state` (a TimedState made on the
-    plain model before, so that a resumed job's model is in it before DDP broadcasts rank 0's)
-    for sparseps."""
+    DDP model of `model` with --ddp-hook's hook registered: `state` (a SparseAllreduceState made
+    on the plain model before, so that a resumed job's model is in it before DDP broadcasts rank
+    0's) for sparseps."""
     import torch.distributed as dist
     run_dir = get("run.dir") or "."
     # Gloo's collectives fail after cluster.request_timeout_s instead of hanging (DDP's
@@ -68,7 +50,7 @@ def ddp_model(args, model, worker, get, state=None):
     ddp = torch.nn.parallel.DistributedDataParallel(  # Gloo takes CUDA tensors too
         model, bucket_cap_mb=args.bucket_cap_mb, gradient_as_bucket_view=args.bucket_view)
     if args.ddp_hook == "sparseps":
-        ddp.register_comm_hook(state, timed_hook)
+        ddp.register_comm_hook(state, sparseps.torch.sparse_allreduce_hook)
     elif args.ddp_hook == "fp16":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)

@@ -424,15 +424,15 @@ def run(args, build_model, load_data, perplexity=False):
     n = sum(p.numel() for p in model.parameters())
     trained = [p for p in model.parameters() if p.requires_grad]  # what DDP allreduces
     horizon = {}  # --lr-schedule's last step, once the data are loaded
-    hook_state = None  # --ddp-hook sparseps: the hook's state (torch_ddp.TimedState)
+    hook_state = None  # --ddp-hook sparseps: the hook's SparseAllreduceState
     if args.ddp and args.ddp_hook == "sparseps":
         # SGD at train.lr over the aggregated gradient (the job's momentum inside sparseps), as
         # DistributedOptimizer's; the state restores a resumed job's model before DDP starts.
         opt = make_optimizer(args, model.parameters(), get, ddp=False)
         scheduler = lr_schedule(args, opt, horizon)
-        hook_state = torch_ddp.TimedState(worker, model, optimizer=opt,
-                                          extra_state=loop_state(model, scheduler, scaler),
-                                          grad_scaler=scaler)
+        hook_state = sparseps.torch.SparseAllreduceState(
+            worker, model, optimizer=opt, extra_state=loop_state(model, scheduler, scaler),
+            grad_scaler=scaler)
         model = torch_ddp.ddp_model(args, model, worker, get, hook_state)
     elif args.ddp:
         # sparseps only for the rank and the job's end; DDP broadcasts worker 0's parameters.
@@ -609,8 +609,8 @@ def run(args, build_model, load_data, perplexity=False):
                 # binding_ms: push_pull's time outside the C++ aggregation (tensor intake, the
                 # update's array, the GIL), the cost of being called from Python. The hook's
                 # push_pull runs inside the backward pass: out of compute_ms, into comm_ms.
-                push = hook_state.push_ms if hook_state else opt.last_push_pull_ms
-                inside = hook_state.push_ms if hook_state else 0.0
+                push = (hook_state or opt).last_push_pull_ms
+                inside = push if hook_state else 0.0
                 comm = 1000 * (t2 - t1) + inside - last_step["encode_ms"]
                 binding = 0 if skipped else push - last_step["encode_ms"] - last_step["comm_ms"]
                 metrics.writerow([step, epoch + 1, loss, last_step["bytes_sent"],

@@ -1,5 +1,7 @@
 """sparseps.torch's DDP communication hook: sparse_allreduce_hook and its SparseAllreduceState (see
 sparseps.torch)."""
+import time
+
 import torch
 
 from sparseps import _state
@@ -70,20 +72,23 @@ class SparseAllreduceState:
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.params = _float32_params([p for _, p in named], "SparseAllreduceState")
         self.offset = {}  # id(parameter) -> (its first key, its elements)
-        self.index = {}  # id(parameter) -> its place in self.params
+        self._index = {}  # id(parameter) -> its place in self.params
         offset = 0
         for i, p in enumerate(self.params):
             self.offset[id(p)] = (offset, p.numel())
-            self.index[id(p)] = i
+            self._index[id(p)] = i
             offset += p.numel()
         self.flat = torch.zeros(offset, dtype=torch.float32, device=self.params[0].device)
         # Each parameter's first key, and the end.
-        self.bounds = torch.tensor([self.offset[id(p)][0] for p in self.params] + [offset],
+        self._bounds = torch.tensor([self.offset[id(p)][0] for p in self.params] + [offset],
                                    dtype=torch.int64, device=self.flat.device)
         self.pending = []  # (bucket, future) of this step
         self._dense = None  # push_pull's out for a dense method (CPU), made at first use
         self.grad_scaler = grad_scaler
         self.overflows = 0  # steps every worker skipped for an overflow (grad_scaler)
+        # Wall time of the last step's aggregation inside the backward pass (milliseconds: the
+        # last bucket's work, push_pull included), as DistributedOptimizer's.
+        self.last_push_pull_ms = 0.0
         self._held_buffers = {}  # the module's buffers at the checkpoint's step (_step_ended)
         self.rolled_back = False  # a rollback's backward pass, until the next forward pass
         self._restore_due = False  # a rollback's state, restored before the next forward pass
@@ -192,6 +197,7 @@ def sparse_allreduce_hook(state, bucket):
     the averaged aggregated gradient. A checkpoint waiting for the model gets it before the push
     (SparseAllreduceState). With the state's grad_scaler, an overflow on any worker comes back as
     inf buckets on every worker; a rollback as zero buckets and state.rolled_back."""
+    t = time.monotonic()
     for p, g in zip(bucket.parameters(), bucket.gradients()):
         start, n = state.offset[id(p)]
         state.flat[start:start + n].copy_(g.reshape(-1))
@@ -208,6 +214,7 @@ def sparse_allreduce_hook(state, bucket):
             for b, f in state.pending:
                 f.set_result(b.buffer().zero_())
         state.pending = []
+        state.last_push_pull_ms = 1000 * (time.monotonic() - t)
     return future
 
 
@@ -260,7 +267,7 @@ def _complete(state, keys, update, scale):
             if scale is not None:
                 src.mul_(scale)
             # Where each parameter's keys start and end among the changed keys.
-            bounds = torch.searchsorted(keys, state.bounds).tolist()
+            bounds = torch.searchsorted(keys, state._bounds).tolist()
         for b, f in state.pending:
             out = b.buffer()
             if not dense:
@@ -274,7 +281,8 @@ def _complete(state, keys, update, scale):
                     if scale is not None:
                         part.mul_(scale)
                 else:
-                    lo, hi = bounds[state.index[id(p)]], bounds[state.index[id(p)] + 1]
+                    i = state._index[id(p)]
+                    lo, hi = bounds[i], bounds[i + 1]
                     if hi > lo:
                         part.index_copy_(0, keys[lo:hi] - start, src[lo:hi])
                 pos += n
