@@ -31,8 +31,18 @@ if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then
 fi
 "$here/deploy/install-deps.sh"
 jobs="$(nproc)"
-# Each phase's heading says how long the run has taken so far (CI's budget: 30 min).
-phase() { echo "== $1 (at $((SECONDS / 60)) min $((SECONDS % 60)) s) =="; }
+# Each phase's heading says how long the run has taken so far (CI's budget: 30 min) and how much
+# CPU time the machine spent meanwhile (/proc/stat: user, nice, system, irq and softirq of every
+# core, daemons and containers included), so that how busy its cores were in a phase shows
+# between two headings.
+busy_ticks() { awk '$1 == "cpu" { print $2 + $3 + $4 + $7 + $8 }' /proc/stat; }
+busy0="$(busy_ticks)"
+phase() {
+  local cpu
+  cpu="$(awk -v a="$busy0" -v b="$(busy_ticks)" -v hz="$(getconf CLK_TCK)" \
+    'BEGIN { printf "%.1f", (b - a) / hz / 60 }')"
+  echo "== $1 (at $((SECONDS / 60)) min $((SECONDS % 60)) s; machine CPU time ${cpu} min) =="
+}
 
 if git -C "$here" rev-parse --git-dir >/dev/null 2>&1; then
   phase "format (clang-format --dry-run, .clang-format)"
@@ -88,4 +98,5 @@ if [[ "${SPARSEPS_TEST_SANITIZE:-1}" != 0 ]]; then
     done
   fi
 fi
+phase "end"
 echo "test.sh: all tests passed in $((SECONDS / 60)) min $((SECONDS % 60)) s"
