@@ -375,26 +375,38 @@ def test_resuming_without_the_optimizers_state_is_refused(cluster):
         sparseps.torch.DistributedOptimizer(torch.optim.Adam(model.parameters()), w)
 
 
-@pytest.mark.skipif(not (DATA / "train-images-idx3-ubyte.gz").exists(),
-                    reason="Fashion-MNIST not installed (deploy/install-deps.sh)")
-@pytest.mark.parametrize("loop", ["distributed_optimizer", "ddp_hook"])
-def test_the_example_resumed_ends_with_the_model_of_a_job_never_stopped(tmp_path, loop):
-    """examples/fashion_mnist.py (the CNN, Adam with its rate warmed up over 40 steps, PS top-k
-    1%; through DistributedOptimizer with the variance frozen at step 20, or under DDP with
-    sparseps's hook, --ddp-hook sparseps) through deploy/launch.sh: 45 steps, then `launch.sh
-    --resume RUN --set train.max_steps=60` (from the checkpoint of step 30, the worker command
-    given --resume), writes the same model file, byte for byte, as 60 steps never stopped (the
-    schedule's state went with the checkpoint). The example's --evaluate scores that file as the
-    job's own final evaluation did, and refuses it for another --model, naming the faults."""
+# The example's job of the two tests below: the CNN, Adam with its rate warmed up over 40 steps,
+# PS top-k 1%, a checkpoint every 10 steps, 60 steps; through DistributedOptimizer with the
+# variance frozen at step 20, or under DDP with sparseps's hook.
+EXAMPLE_LOOPS = {"distributed_optimizer": "--freeze-variance-step 20",
+                 "ddp_hook": "--ddp --ddp-hook sparseps"}
+EXAMPLE_SETS = ["train.momentum=0", "checkpoint.every_steps=10", "data.max_test_samples=500"]
+
+
+@pytest.fixture(scope="module", params=list(EXAMPLE_LOOPS))
+def example_job(request, tmp_path_factory):
+    """(the worker command, the run directory of its job of 60 steps never interrupted): run once
+    per loop for both tests below."""
+    if not (DATA / "train-images-idx3-ubyte.gz").exists():
+        pytest.skip("Fashion-MNIST not installed (deploy/install-deps.sh)")
     command = (f"{sys.executable} {ROOT / 'examples' / 'fashion_mnist.py'} --model cnn "
                "--optimizer adam --lr-schedule cosine --warmup-steps 40 " +
-               ("--freeze-variance-step 20" if loop == "distributed_optimizer" else
-                "--ddp --ddp-hook sparseps"))
-    sets = ["train.momentum=0", "checkpoint.every_steps=30", "data.max_test_samples=500"]
-    whole = launch_example(tmp_path, "torch_cnn.yaml", command, sets + ["train.max_steps=60"],
-                           name="whole")
-    cut = launch_example(tmp_path, "torch_cnn.yaml", command, sets + ["train.max_steps=45"],
-                         name="cut")
+               EXAMPLE_LOOPS[request.param])
+    whole = launch_example(tmp_path_factory.mktemp(request.param), "torch_cnn.yaml", command,
+                           EXAMPLE_SETS + ["train.max_steps=60"], name="whole")
+    return command, whole
+
+
+def test_the_example_resumed_ends_with_the_model_of_a_job_never_stopped(tmp_path, example_job):
+    """examples/fashion_mnist.py (example_job's) through deploy/launch.sh: 45 steps, then
+    `launch.sh --resume RUN --set train.max_steps=60` (from the checkpoint of step 40, the worker
+    command given --resume), writes the same model file, byte for byte, as 60 steps never
+    stopped (the schedule's state went with the checkpoint). The example's --evaluate (checked
+    once, on DistributedOptimizer's file) scores that file as the job's own final evaluation did,
+    and refuses it for another --model, naming the faults."""
+    command, whole = example_job
+    cut = launch_example(tmp_path, "torch_cnn.yaml", command,
+                         EXAMPLE_SETS + ["train.max_steps=45"], name="cut")
     env = dict(os.environ, SPARSEPS_CACHE=str(tmp_path / "cache"))
     p = subprocess.run(["bash", str(ROOT / "deploy" / "launch.sh"), "--build-dir", str(BUILD),
                         "--resume", str(cut), "--quiet", "--worker-command", command,
@@ -403,6 +415,8 @@ def test_the_example_resumed_ends_with_the_model_of_a_job_never_stopped(tmp_path
     assert p.returncode == 0, p.stdout + p.stderr
     assert "resumed from" in (cut / "worker-0.log").read_text()
     assert (cut / "model.safetensors").read_bytes() == (whole / "model.safetensors").read_bytes()
+    if "--ddp" in command:
+        return
     example = [sys.executable, str(ROOT / "examples" / "fashion_mnist.py"), "--evaluate",
                str(whole / "model.safetensors"), "--config", str(whole / "config.yaml"),
                *(whole / "overrides.txt").read_text().split()]
@@ -425,25 +439,19 @@ def test_the_example_resumed_ends_with_the_model_of_a_job_never_stopped(tmp_path
         "[64, 1, 3, 3])" in p.stderr, p.stderr
 
 
-@pytest.mark.skipif(not (DATA / "train-images-idx3-ubyte.gz").exists(),
-                    reason="Fashion-MNIST not installed (deploy/install-deps.sh)")
-@pytest.mark.parametrize("loop", ["distributed_optimizer", "ddp_hook"])
-def test_the_example_goes_on_after_a_lost_server_is_replaced(tmp_path, loop):
-    """examples/fashion_mnist.py (the CNN, PS top-k 1%, a checkpoint every 10 steps, 100 steps;
-    through DistributedOptimizer, or under DDP with sparseps's hook) through `deploy/launch.sh
-    --max-restarts 1`: server 0 killed with kill -9 once worker 0 has done 25 steps. launch.sh
-    starts a replacement, the job rolls back to a checkpoint, the example's loop goes back there
-    in its data (DistributedOptimizer's RolledBack; the hook's state.rolled_back), and the model
-    file is byte for byte that of the job never interrupted."""
-    command = (f"{sys.executable} {ROOT / 'examples' / 'fashion_mnist.py'} --model cnn" +
-               (" --ddp --ddp-hook sparseps" if loop == "ddp_hook" else ""))
-    sets = ["train.max_steps=100", "checkpoint.every_steps=10", "data.max_test_samples=200"]
-    whole = launch_example(tmp_path, "torch_cnn.yaml", command, sets, name="whole")
+def test_the_example_goes_on_after_a_lost_server_is_replaced(tmp_path, example_job):
+    """examples/fashion_mnist.py (example_job's) through `deploy/launch.sh --max-restarts 1`:
+    server 0 killed with kill -9 once worker 0 has done 25 steps. launch.sh starts a
+    replacement, the job rolls back to a checkpoint, the example's loop goes back there in its
+    data (DistributedOptimizer's RolledBack; the hook's state.rolled_back) with the optimizer's
+    and the schedule's state of that step, and the model file is byte for byte that of the job
+    never interrupted."""
+    command, whole = example_job
     run = tmp_path / "cut"
     cmd = ["bash", str(ROOT / "deploy" / "launch.sh"), "--build-dir", str(BUILD), "--config",
            str(ROOT / "examples" / "torch_cnn.yaml"), "--run-dir", str(run), "--quiet",
            "--max-restarts", "1", "--worker-command", command] + \
-        sum((["--set", s] for s in sets), [])
+        sum((["--set", s] for s in EXAMPLE_SETS + ["train.max_steps=60"]), [])
     env = dict(os.environ, SPARSEPS_CACHE=str(tmp_path / "cache"))
     launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env=env, start_new_session=True)
