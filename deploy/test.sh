@@ -10,14 +10,13 @@
 # compiles the sanitizer build in half GCC's time, so it also builds the fuzz targets instead of a
 # third build. Whole jobs too long for -O0 under the sanitizers run in the plain build only (their
 # GTEST_SKIP messages, or tests/CMakeLists.txt, say so). CI's budget for the whole is 30 min on 2
-# cores; fresh clones took 23 min 59 s to 26 min 15 s on the project's idle 2-core AMD EPYC VM
-# (2026-11-29 to 2026-12-01, 5c52619 to be7ebfa) and 12 min 46 s to 20 min 56 s on 2-core Intel
-# Xeon ones (to 2026-12-02, 0a48a2f; the 12-13 min on a faster host) and 26 min 55 s on a slower
-# one (2026-12-02, 128253c), both builds unity builds
-# (CMakeLists.txt); 29 min 44 s to 31 min 33 s file by file and
-# 49 min before the first cuts (docs/log/benchmarks-2026-11.md). The phases stay in
-# sequence: the sanitizer build beside the plain suite at nice 19 slowed the suite by more than it
-# saved.
+# cores; CI's machine took 33 min 31 s (2026-12-04, f0bf11c), fresh clones on the project's 2-core
+# AMD EPYC VM 29 min 0 s to 30 min 29 s (2026-12-04, 8489cef to 1650936), both builds unity
+# builds (CMakeLists.txt); docs/log/benchmarks-2026-11.md has the history and where the time goes.
+# Every phase keeps both cores busy (the tests too: 1,692 CPU-s of them in a 928 s ctest phase),
+# so the phases stay in sequence and ctest runs as many tests as there are cores: the sanitizer
+# build beside the plain suite at nice 19 slowed the suite by more than it saved, and `ctest -j 3`
+# doubled the long suites' times.
 #
 #   deploy/test.sh                 # both builds and the fuzz targets (what CI runs)
 #   SPARSEPS_TEST_SANITIZE=0 deploy/test.sh   # skip the sanitizer build (and the fuzz targets)
