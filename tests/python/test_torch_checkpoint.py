@@ -385,8 +385,8 @@ EXAMPLE_SETS = ["train.momentum=0", "checkpoint.every_steps=10", "data.max_test_
 
 @pytest.fixture(scope="module", params=list(EXAMPLE_LOOPS))
 def example_job(request, tmp_path_factory):
-    """(the worker command, the run directory of its job of 60 steps never interrupted): run once
-    per loop for both tests below."""
+    """(the loop, the worker command, the run directory of its job of 60 steps never
+    interrupted): run once per loop for both tests below."""
     if not (DATA / "train-images-idx3-ubyte.gz").exists():
         pytest.skip("Fashion-MNIST not installed (deploy/install-deps.sh)")
     command = (f"{sys.executable} {ROOT / 'examples' / 'fashion_mnist.py'} --model cnn "
@@ -394,7 +394,7 @@ def example_job(request, tmp_path_factory):
                EXAMPLE_LOOPS[request.param])
     whole = launch_example(tmp_path_factory.mktemp(request.param), "torch_cnn.yaml", command,
                            EXAMPLE_SETS + ["train.max_steps=60"], name="whole")
-    return command, whole
+    return request.param, command, whole
 
 
 def test_the_example_resumed_ends_with_the_model_of_a_job_never_stopped(tmp_path, example_job):
@@ -404,7 +404,7 @@ def test_the_example_resumed_ends_with_the_model_of_a_job_never_stopped(tmp_path
     stopped (the schedule's state went with the checkpoint). The example's --evaluate (checked
     once, on DistributedOptimizer's file) scores that file as the job's own final evaluation did,
     and refuses it for another --model, naming the faults."""
-    command, whole = example_job
+    loop, command, whole = example_job
     cut = launch_example(tmp_path, "torch_cnn.yaml", command,
                          EXAMPLE_SETS + ["train.max_steps=45"], name="cut")
     env = dict(os.environ, SPARSEPS_CACHE=str(tmp_path / "cache"))
@@ -415,7 +415,7 @@ def test_the_example_resumed_ends_with_the_model_of_a_job_never_stopped(tmp_path
     assert p.returncode == 0, p.stdout + p.stderr
     assert "resumed from" in (cut / "worker-0.log").read_text()
     assert (cut / "model.safetensors").read_bytes() == (whole / "model.safetensors").read_bytes()
-    if "--ddp" in command:
+    if loop != "distributed_optimizer":
         return
     example = [sys.executable, str(ROOT / "examples" / "fashion_mnist.py"), "--evaluate",
                str(whole / "model.safetensors"), "--config", str(whole / "config.yaml"),
@@ -446,7 +446,7 @@ def test_the_example_goes_on_after_a_lost_server_is_replaced(tmp_path, example_j
     data (DistributedOptimizer's RolledBack; the hook's state.rolled_back) with the optimizer's
     and the schedule's state of that step, and the model file is byte for byte that of the job
     never interrupted."""
-    command, whole = example_job
+    _, command, whole = example_job
     run = tmp_path / "cut"
     cmd = ["bash", str(ROOT / "deploy" / "launch.sh"), "--build-dir", str(BUILD), "--config",
            str(ROOT / "examples" / "torch_cnn.yaml"), "--run-dir", str(run), "--quiet",
