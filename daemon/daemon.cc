@@ -6,13 +6,13 @@
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
-#include <CLI/CLI.hpp>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <string>
 #include <vector>
 
+#include "common/command_line.h"
 #include "common/sanitizers.h"
 #include "config/config.h"
 #include "observability/metrics.h"
@@ -135,7 +135,7 @@ int ExitCodeFor(const Status& status) {
 
 int DaemonMain(int argc, char** argv, const std::string& name, const std::string& description,
                const std::function<Status(const proto::JobConfig&)>& body) {
-  CLI::App app{description, name};
+  CommandLine cli(description, name);
   const RankEnv rank_env =
       name == "sparseps-worker" ? RankEnv::kSparsepsRankOrRank : RankEnv::kSparsepsRank;
   std::string footer = "\nEnvironment:";
@@ -148,33 +148,27 @@ int DaemonMain(int argc, char** argv, const std::string& name, const std::string
       "  3  out of the job: cut off from the scheduler, or removed by it after being silent for\n"
       "     cluster.heartbeat_timeout_s (a stopped process); the job may go on without it, and\n"
       "     deploy/launch.sh lets it go (or starts a replacement under --max-restarts)";
-  app.footer(footer);
-  app.set_version_flag("--version", std::string(name) + " " + SPARSEPS_VERSION);
+  cli.Footer(footer);
+  cli.Version(name + " " + SPARSEPS_VERSION);
   std::string config_path;
   std::vector<std::string> overrides;
-  app.add_option("-c,--config", config_path, "YAML job config (schema: proto/config.proto)")
-      ->check(CLI::ExistingFile);
+  cli.Option("-c,--config", &config_path, "YAML job config (schema: proto/config.proto)",
+             CommandLine::kExistingFile);
   std::vector<std::string> gets;
-  app.add_option("--set", overrides, "Override one config key, e.g. --set train.lr=0.05")
-      ->take_all();
-  app.add_option("--get", gets,
-                 "Print the resolved value of a config key (e.g. cluster.num_workers), one line "
-                 "per key, and exit without starting; for scripts");
+  cli.Option("--set", &overrides, "Override one config key, e.g. --set train.lr=0.05");
+  cli.Option("--get", &gets,
+             "Print the resolved value of a config key (e.g. cluster.num_workers), one line "
+             "per key, and exit without starting; for scripts");
   std::string resume_dir;
-  app.add_option("--resume", resume_dir,
-                 "Resume the job from the newest complete checkpoint in DIR: a run directory (its "
-                 "checkpoints/ folder, unless checkpoint.dir is set; the run writes on into it) or "
-                 "a checkpoint folder (the iter-* folders); every daemon of the job gets it");
+  cli.Option("--resume", &resume_dir,
+             "Resume the job from the newest complete checkpoint in DIR: a run directory (its "
+             "checkpoints/ folder, unless checkpoint.dir is set; the run writes on into it) or "
+             "a checkpoint folder (the iter-* folders); every daemon of the job gets it");
   bool rejoin = false;
-  app.add_flag("--rejoin", rejoin,
-               "Join the running job as the replacement of a lost worker (node.rank, or the lowest "
-               "lost rank): it gets the current parameters and pushes from the next iteration on");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    const int rc = app.exit(e);
-    return rc == 0 ? 0 : 2;
-  }
+  cli.Flag("--rejoin", &rejoin,
+           "Join the running job as the replacement of a lost worker (node.rank, or the lowest "
+           "lost rank): it gets the current parameters and pushes from the next iteration on");
+  if (const int rc = cli.Parse(argc, argv); rc >= 0) return rc;
   if (!resume_dir.empty() && !AddResumeOverrides(resume_dir, &overrides)) return 2;
   if (rejoin) overrides.insert(overrides.begin(), "node.rejoin=true");
   SetLogName(name);

@@ -6,35 +6,29 @@
 // JSON object. Exit code: 0, 2 for a bad command line, config or model file, 1 otherwise.
 #include <spdlog/spdlog.h>
 
-#include <CLI/CLI.hpp>
 #include <cstdio>
 
+#include "common/command_line.h"
 #include "config/config.h"
 #include "daemon/daemon.h"
 #include "worker/evaluate.h"
 
 int main(int argc, char** argv) {
-  CLI::App app{
+  sparseps::CommandLine cli(
       "sparseps-eval: evaluates a trained model file (model.safetensors) on the test set "
       "of a job's config (model.*, data.*)",
-      "sparseps-eval"};
+      "sparseps-eval");
   std::string model_path, config_path;
   std::vector<std::string> overrides;
   bool json = false;
-  app.set_version_flag("--version", std::string("sparseps-eval ") + SPARSEPS_VERSION);
-  app.add_option("-m,--model", model_path, "The model file (safetensors) a job wrote")
-      ->required()
-      ->check(CLI::ExistingFile);
-  app.add_option("-c,--config", config_path, "The job's YAML config")->check(CLI::ExistingFile);
-  app.add_option("--set", overrides,
-                 "Override one config key, e.g. --set data.max_test_samples=500")
-      ->take_all();
-  app.add_flag("--json", json, "Print a JSON object instead of a line");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e) == 0 ? 0 : 2;
-  }
+  cli.Version(std::string("sparseps-eval ") + SPARSEPS_VERSION);
+  cli.Option("-m,--model", &model_path, "The model file (safetensors) a job wrote",
+             sparseps::CommandLine::kRequired | sparseps::CommandLine::kExistingFile);
+  cli.Option("-c,--config", &config_path, "The job's YAML config",
+             sparseps::CommandLine::kExistingFile);
+  cli.Option("--set", &overrides, "Override one config key, e.g. --set data.max_test_samples=500");
+  cli.Flag("--json", &json, "Print a JSON object instead of a line");
+  if (const int rc = cli.Parse(argc, argv); rc >= 0) return rc;
   sparseps::SetLogName("sparseps-eval");
   auto config = sparseps::LoadConfig(config_path, overrides);
   if (!config.ok()) {

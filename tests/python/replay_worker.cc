@@ -10,12 +10,12 @@
 // (num_params float32 each).
 //
 //   replay_worker --config F --num-params N --steps T --out FILE [--final-out FILE] [--set k=v]
-#include <CLI/CLI.hpp>
 #include <cstdio>
 #include <fstream>
 #include <string>
 #include <vector>
 
+#include "common/command_line.h"
 #include "config/config.h"
 #include "worker/session.h"
 
@@ -23,18 +23,22 @@ namespace sparseps {
 namespace {
 
 int Run(int argc, char** argv) {
-  CLI::App app{"push known gradients through a sparseps job (a test helper)", "replay_worker"};
+  CommandLine cli("push known gradients through a sparseps job (a test helper)", "replay_worker");
   std::string config_path, out_path, final_path;
   std::vector<std::string> overrides;
-  size_t n = 0;
-  int steps = 0;
-  app.add_option("--config", config_path)->required();
-  app.add_option("--set", overrides);
-  app.add_option("--num-params", n)->required();
-  app.add_option("--steps", steps)->required();
-  app.add_option("--out", out_path)->required();
-  app.add_option("--final-out", final_path);
-  CLI11_PARSE(app, argc, argv);
+  int64_t num_params = 0, steps = 0;
+  cli.Option("--config", &config_path, "", CommandLine::kRequired);
+  cli.Option("--set", &overrides);
+  cli.Option("--num-params", &num_params, "", CommandLine::kRequired);
+  cli.Option("--steps", &steps, "", CommandLine::kRequired);
+  cli.Option("--out", &out_path, "", CommandLine::kRequired);
+  cli.Option("--final-out", &final_path);
+  if (const int rc = cli.Parse(argc, argv); rc >= 0) return rc;
+  if (num_params < 0) {
+    std::fprintf(stderr, "replay_worker: --num-params must be >= 0\n");
+    return 2;
+  }
+  const auto n = static_cast<size_t>(num_params);
   auto config = LoadConfig(config_path, overrides);
   if (!config.ok()) {
     std::fprintf(stderr, "replay_worker: %s\n", config.status().ToString().c_str());
