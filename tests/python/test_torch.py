@@ -176,26 +176,30 @@ def test_the_language_model_trains_through_sparseps(tmp_path):
 
 @pytest.mark.parametrize("model", ["resnet18", "resnet50"])
 def test_the_resnets_train_through_sparseps(tmp_path, model):
-    """ResNet-18 (CIFAR-style, Fashion-MNIST padded to 32x32) trains a few steps through PS top-k
-    and its loss falls; ResNet-50 on --synthetic data (a large model without its data set) runs
-    and records each step's bytes: 23.5M parameters at density 1%. Each evaluates 20 test samples
+    """ResNet-18 (CIFAR-style, Fashion-MNIST padded to 32x32) learns 16 training samples through
+    PS top-k: 8 steps of 8 samples a worker at lr 0.01 (each step the same 16 samples), and its
+    loss falls to under 0.6 of its first steps' (2.29, 1.82, ... 0.93, 0.77 when measured, the
+    same in every run; 16 steps of 16 fresh samples at lr 0.05 took 2.3 times the CPU and fell by
+    a quarter only). ResNet-50 on --synthetic data (a large model without its data set) runs and
+    records each step's bytes: 23.5M parameters at density 1%. Each evaluates 20 test samples
     (ResNet-50's forward pass over 200 took a minute of the suite's CPU)."""
     if model == "resnet18" and not (DATA / "train-images-idx3-ubyte.gz").exists():
         pytest.skip("Fashion-MNIST not installed (deploy/install-deps.sh)")
-    steps, batch = (16, 16) if model == "resnet18" else (2, 2)
+    steps, batch = (8, 8) if model == "resnet18" else (2, 2)
     command = f"{sys.executable} {ROOT / 'examples' / 'fashion_mnist.py'} --model {model}"
+    sets = [f"train.max_steps={steps}", f"train.batch_size={batch}", "data.max_test_samples=20"]
     if model == "resnet50":
         command += " --synthetic"
-    run = launch_example(tmp_path, "torch_cnn.yaml", command,
-                         [f"train.max_steps={steps}", f"train.batch_size={batch}",
-                          "data.max_test_samples=20"], timeout=600)
+    else:
+        sets += ["data.max_train_samples=16", "train.epochs=100", "train.lr=0.01"]
+    run = launch_example(tmp_path, "torch_cnn.yaml", command, sets, timeout=600)
     rows = read_csv(run / "metrics-worker-0.csv")
     assert len(rows) == steps
     n = 11172810 if model == "resnet18" else 23519690
     assert {int(r["selected"]) for r in rows} == {round(0.01 * n)}
     if model == "resnet18":
         loss = [float(r["loss"]) for r in rows]
-        assert sum(loss[-4:]) < sum(loss[:4]), loss
+        assert sum(loss[-2:]) < 0.6 * sum(loss[:2]), loss
 
 
 @needs_data
