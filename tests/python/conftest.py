@@ -1,11 +1,14 @@
 """Test support for the Python module: a sparseps job's scheduler and servers started as the real
 daemons (from the build, SPARSEPS_BUILD_DIR), stopped by pid when a test ends, and workers run as
 threads of the test (each sparseps.Worker releases the GIL while it waits)."""
+import atexit
 import csv
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -14,6 +17,18 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BUILD = pathlib.Path(os.environ.get("SPARSEPS_BUILD_DIR", ROOT / "build"))
 DATA = pathlib.Path("/usr/share/datasets/fashion-mnist")
+_example_cache = None
+
+
+def example_cache():
+    """The examples' data cache (SPARSEPS_CACHE) of this pytest run: one temporary directory for
+    every example job of the run (Fashion-MNIST unpacked into it once, about 0.5 CPU-s, instead of
+    in each job; the examples replace its files atomically), removed when the run ends."""
+    global _example_cache
+    if _example_cache is None:
+        _example_cache = tempfile.mkdtemp(prefix="sparseps-examples-")
+        atexit.register(shutil.rmtree, _example_cache, True)
+    return _example_cache
 
 
 class Cluster:
@@ -226,9 +241,10 @@ def set_trained_model_takes_a_tensor(cluster, backend, device):
 def launch_example(tmp_path, config, command, sets=(), name="run", timeout=300):
     """Runs a job of examples/CONFIG through deploy/launch.sh (1 scheduler, its servers, workers
     started as COMMAND, a Python example) on loopback with the `sets` overrides; asserts that it
-    ended well and returns its run directory. The examples' data cache is the test's own."""
+    ended well and returns its run directory. The examples' data cache is the pytest run's
+    (example_cache())."""
     run = tmp_path / name
-    env = dict(os.environ, SPARSEPS_CACHE=str(tmp_path / "cache"))
+    env = dict(os.environ, SPARSEPS_CACHE=example_cache())
     args = ["bash", str(ROOT / "deploy" / "launch.sh"), "--build-dir", str(BUILD), "--config",
             str(ROOT / "examples" / config), "--run-dir", str(run), "--quiet",
             "--worker-command", command]

@@ -17,7 +17,7 @@ import sparseps
 import sparseps.torch
 from sparseps import capi
 from conftest import (BUILD, DATA, DDP_HOOK_SETS, PS_HOOK_SETS, ROOT,
-                      ddp_hook_keeps_the_workers_equal_and_sparse, launch_example,
+                      ddp_hook_keeps_the_workers_equal_and_sparse, example_cache, launch_example,
                       overlap_pushes_during_the_backward_pass_and_changes_nothing,
                       run_ddp_workers, run_threads, set_trained_model_takes_a_tensor)
 
@@ -247,17 +247,17 @@ def test_example_runs_the_baselines_and_sparseps_powersgd(tmp_path, method):
     through SparDL: a DDP user's way in) and through
     sparseps.torch with collective.algorithm: powersgd (the torch model's tensors are its
     layers; through the pybind11 module or sparseps.capi, which hands the library their shapes
-    too); each trains 60 steps of the CNN on 2 workers (20 of the MLP on 4) and its loss
-    falls."""
+    too); each trains 40 steps of the CNN on 2 workers (20 of the MLP on 4) and its loss
+    falls (its last 10 steps' at 0.39-0.49 of its first 10's when measured, 2 workers)."""
     run = tmp_path / "run"
-    env = dict(os.environ, SPARSEPS_CACHE=str(tmp_path / "cache"), GLOO_SOCKET_IFNAME="lo")
+    env = dict(os.environ, SPARSEPS_CACHE=example_cache(), GLOO_SOCKET_IFNAME="lo")
     # At 4 ranks the comparison's MLP (5.8M parameters) in DDP buckets of 1 MB: 23 buckets whose
     # chains of allreduces interleave differently on the ranks without the example's
     # serialization (then Gloo aborts at the third step, on loopback too; checked by undoing it).
     workers = 4 if method.endswith("_4") else 2
     model = "mlp --bucket-cap-mb 1" if workers == 4 else "cnn"
     command = f"{sys.executable} {ROOT / 'examples' / 'fashion_mnist.py'} --model {model}"
-    steps = 20 if workers == 4 else 60
+    steps = 20 if workers == 4 else 40
     sets = ["--set", f"train.max_steps={steps}", "--set", "data.max_test_samples=1000"]
     sets += ["--set", f"cluster.num_workers={workers}"]
     if workers == 4:

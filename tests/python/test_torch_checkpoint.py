@@ -19,8 +19,8 @@ import torch
 import sparseps
 import sparseps.torch
 from sparseps import capi
-from conftest import (BUILD, DATA, DDP_HOOK_SETS, PS_HOOK_SETS, ROOT, launch_example,
-                      run_ddp_workers, run_threads)
+from conftest import (BUILD, DATA, DDP_HOOK_SETS, PS_HOOK_SETS, ROOT, example_cache,
+                      launch_example, run_ddp_workers, run_threads)
 from test_model_file import read_safetensors
 
 CONFIG = "train: {lr: 0.1, momentum: 0}\ncompression: {encoding: topk, density: 0.5}\n"
@@ -215,7 +215,7 @@ def launch_and_kill(tmp_path, command, sets, victim, after_steps, launch_args=()
     for s in sets:
         args += ["--set", s]
     launcher = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=dict(os.environ, SPARSEPS_CACHE=str(tmp_path / "cache")))
+                                env=dict(os.environ, SPARSEPS_CACHE=example_cache()))
     try:
         metrics = run / f"metrics-worker-{victim}.csv"
         deadline = time.time() + 120
@@ -407,7 +407,7 @@ def test_the_example_resumed_ends_with_the_model_of_a_job_never_stopped(tmp_path
     loop, command, whole = example_job
     cut = launch_example(tmp_path, "torch_cnn.yaml", command,
                          EXAMPLE_SETS + ["train.max_steps=45"], name="cut")
-    env = dict(os.environ, SPARSEPS_CACHE=str(tmp_path / "cache"))
+    env = dict(os.environ, SPARSEPS_CACHE=example_cache())
     p = subprocess.run(["bash", str(ROOT / "deploy" / "launch.sh"), "--build-dir", str(BUILD),
                         "--resume", str(cut), "--quiet", "--worker-command", command,
                         "--set", "train.max_steps=60"],
@@ -452,7 +452,7 @@ def test_the_example_goes_on_after_a_lost_server_is_replaced(tmp_path, example_j
            str(ROOT / "examples" / "torch_cnn.yaml"), "--run-dir", str(run), "--quiet",
            "--max-restarts", "1", "--worker-command", command] + \
         sum((["--set", s] for s in EXAMPLE_SETS + ["train.max_steps=60"]), [])
-    env = dict(os.environ, SPARSEPS_CACHE=str(tmp_path / "cache"))
+    env = dict(os.environ, SPARSEPS_CACHE=example_cache())
     launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env=env, start_new_session=True)
     try:
