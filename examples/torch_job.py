@@ -205,9 +205,10 @@ def parser(doc, models, default_model=None):
                     help="with --ddp-hook powersgd: its matrix_approximation_rank")
     ap.add_argument("--bucket-cap-mb", type=float, default=25.0,
                     help="with --ddp: DDP's bucket_cap_mb (the gradient bucket's size)")
-    ap.add_argument("--bucket-view", action="store_true",
+    ap.add_argument("--bucket-view", action=argparse.BooleanOptionalAction, default=None,
                     help="with --ddp: DDP's gradient_as_bucket_view=True (no copy of the "
-                    "gradients into DDP's buckets)")
+                    "gradients into DDP's buckets; the default with --ddp-hook sparseps, which "
+                    "then writes the update into them: docs/results.md)")
     ap.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], default="sgd",
                     help="sgd at train.lr (momentum: train.momentum), or adam / adamw at --opt-lr")
     ap.add_argument("--opt-lr", type=float, default=1e-3, help="adam's and adamw's learning rate")
@@ -390,6 +391,8 @@ def run(args, build_model, load_data, perplexity=False):
     (x, y, xt, yt, what) training and test tensors on the CPU and a description for the log.
     perplexity: the log reports exp(test loss) beside the accuracy (a language model)."""
     torch.set_num_threads(args.threads)
+    if args.bucket_view is None:
+        args.bucket_view = args.ddp and args.ddp_hook == "sparseps"
     Worker, error = worker_backend(args.capi)
     ERRORS.append(error)
     rejoin = ["node.rejoin=true"] if args.rejoin else []
@@ -473,6 +476,7 @@ def run(args, build_model, load_data, perplexity=False):
     method = (f"torch DDP (gloo) with sparseps's hook: {sparse}" if hook_state else
               f"torch DDP (gloo, {args.ddp_hook} hook)" if args.ddp else
               f"{sparse}, aggregating the {args.aggregate}") + \
+        (", gradients as views of DDP's buckets" if args.ddp and args.bucket_view else "") + \
         ("" if amp is None else f"; {args.amp} autocast")
     log(rank, "info", f"model: torch {args.model}, {n} parameters on {device}; {what}; "
         f"{len(x) // plan.count} training samples on this worker, {plan.steps} steps per epoch; "

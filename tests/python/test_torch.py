@@ -244,7 +244,8 @@ def test_example_runs_the_baselines_and_sparseps_powersgd(tmp_path, method):
     fp16 hook, with its PowerSGD hook, also at 4 ranks, where Debian's torch 1.13 aborted until
     the example ended each bucket's chain of allreduces before the next; plain DDP with
     --lr-schedule cosine; DDP with sparseps's own hook through the job's servers, top-k 1%, and
-    through SparDL: a DDP user's way in) and through
+    through SparDL: a DDP user's way in, its gradients views of DDP's buckets by default) and
+    through
     sparseps.torch with collective.algorithm: powersgd (the torch model's tensors are its
     layers; through the pybind11 module or sparseps.capi, which hands the library their shapes
     too); each trains 40 steps of the CNN on 2 workers (20 of the MLP on 4) and its loss
@@ -293,10 +294,12 @@ def test_example_runs_the_baselines_and_sparseps_powersgd(tmp_path, method):
             "ddp_sparseps": "torch DDP (gloo) with sparseps's hook: ps topk",
             "ddp_sparseps_spardl":
                 "torch DDP (gloo) with sparseps's hook: allreduce spardl"}[method]
-    assert said in (run / "worker-0.log").read_text()
+    log = (run / "worker-0.log").read_text()
+    assert said in log
+    # DDP's gradients are views of its buckets by default with sparseps's hook only.
+    assert ("gradients as views of DDP's buckets" in log) == method.startswith("ddp_sparseps")
     if method == "ddp":  # the torch optimizer's schedule, under DDP too
-        assert "its rate warmed up over 10 steps and cosine-decayed over" in \
-            (run / "worker-0.log").read_text()
+        assert "its rate warmed up over 10 steps and cosine-decayed over" in log
     rows = read_csv(run / "metrics-worker-0.csv")
     if method.startswith("ddp_sparseps"):
         # Measured: top-k 1% of the 215,370 floats, 2,154 keys and values a push (SparDL's
