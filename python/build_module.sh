@@ -11,8 +11,9 @@
 # (default python3). OUT (default build-python/): gets sparseps/ (the package's .py files and
 # _sparseps<the interpreter's extension suffix>); then `PYTHONPATH=OUT PY -c "import sparseps"`.
 # INC: a folder holding dlpack/dlpack.h where it is not on the compiler's path (Debian:
-# libdlpack-dev). Needs a C++20 compiler (CXX, default c++), the interpreter's headers and
-# pybind11 (pip's, or Debian's pybind11-dev). Exit 1 naming what is missing.
+# libdlpack-dev). Needs a C++20 compiler (CXX, default c++; CXXFLAGS go after the script's -O2,
+# e.g. -O0 to compile faster), the interpreter's headers and pybind11 (pip's, or
+# Debian's pybind11-dev). Exit 1 naming what is missing.
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 lib="" py=python3 out=build-python dlpack=""
@@ -44,6 +45,8 @@ if [[ -z "$pbinc" ]]; then
 fi
 flags=()
 [[ -n "$dlpack" ]] && flags+=("-I$dlpack")
+read -r -a extra <<<"${CXXFLAGS:-}"
+flags+=("${extra[@]}")
 mkdir -p "$out/sparseps"
 cp "$here"/python/sparseps/*.py "$out/sparseps/"
 # The module will ask for the library by its SONAME (libsparseps_client.so.0); a copy that kept
