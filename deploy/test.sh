@@ -10,13 +10,15 @@
 # compiles the sanitizer build in half GCC's time, so it also builds the fuzz targets instead of a
 # third build. Whole jobs too long for -O0 under the sanitizers run in the plain build only (their
 # GTEST_SKIP messages, or tests/CMakeLists.txt, say so). CI's budget for the whole is 30 min on 2
-# cores; CI's machine took 33 min 31 s (2026-12-04, f0bf11c), fresh clones on the project's 2-core
-# AMD EPYC VM 29 min 0 s to 30 min 29 s (2026-12-04, 8489cef to 1650936), both builds unity
-# builds (CMakeLists.txt); docs/log/benchmarks-2026-11.md has the history and where the time goes.
-# Every phase keeps both cores busy (the tests too: 1,692 CPU-s of them in a 928 s ctest phase),
-# so the phases stay in sequence and ctest runs as many tests as there are cores: the sanitizer
-# build beside the plain suite at nice 19 slowed the suite by more than it saved, and `ctest -j 3`
-# doubled the long suites' times.
+# cores; CI's machine took 30 min 18 s (2026-12-04, 610d8a0), fresh clones on the project's 2-core
+# AMD EPYC VM 27 min 15 s (2026-12-05, 2340128: 44.8 CPU-min) after cuts that CI has not run yet,
+# both builds unity builds (CMakeLists.txt); docs/log/benchmarks-2026-11.md has the history and
+# where the time goes.
+# Every phase keeps the cores busy (ctest build/ 18.6 CPU-min in 13 min 17 s there: 1.4 of the 2
+# cores, the rest tests waiting on deadlines, shaped links and daemons), so the phases stay in
+# sequence and ctest runs as many tests as there are cores: the sanitizer build beside the plain
+# suite at nice 19 slowed the suite by more than it saved, and `ctest -j 3` doubled the long
+# suites' times.
 #
 #   deploy/test.sh                 # both builds and the fuzz targets (what CI runs)
 #   SPARSEPS_TEST_SANITIZE=0 deploy/test.sh   # skip the sanitizer build (and the fuzz targets)
