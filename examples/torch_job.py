@@ -676,10 +676,20 @@ def main(fn, name):
     """Runs fn() and turns the loop's errors into a message and exit code 2 (bad arguments or
     config), 3 (this worker is out of the job: sparseps.Lost, as the daemons exit when cut off or
     removed; launch.sh lets the job go on without it) or 1 (the job failed). A replacement that
-    came as the job ended gets sparseps.JobEnded, a SystemExit with code 0: nothing to do."""
+    came as the job ended gets sparseps.JobEnded, a SystemExit with code 0: nothing to do. A
+    failed collective of torch DDP's process group (Gloo: a rank lost) is a message and 1 too."""
     try:
         fn()
     except tuple(ERRORS) as e:
         print(f"{name}: {e}", file=sys.stderr)
         lost = type(e).__name__ == "Lost"  # sparseps.Lost or sparseps.capi's
         sys.exit(2 if isinstance(e, ValueError) else 3 if lost else 1)
+    except RuntimeError as e:
+        if "gloo" not in str(e).lower():
+            raise
+        print(f"{name}: a collective of torch DDP's process group failed ({e}): DDP needs every "
+              "rank to the end (its allreduce, or with a communication hook the broadcast of the "
+              "model's buffers at every forward pass), so a lost worker ends a DDP job even under "
+              "cluster.on_worker_failure: continue; sparseps.torch.DistributedOptimizer goes on "
+              "without it", file=sys.stderr)
+        sys.exit(1)

@@ -283,6 +283,25 @@ def test_the_launchers_replacement_of_a_python_worker_takes_the_leaders_state(tm
 
 @pytest.mark.skipif(not (DATA / "train-images-idx3-ubyte.gz").exists(),
                     reason="Fashion-MNIST not installed (deploy/install-deps.sh)")
+def test_a_ddp_job_that_loses_a_worker_ends_naming_why(tmp_path):
+    """The example under torch DDP (2 workers, plain DDP over Gloo), worker 1 killed with kill -9
+    after step 10: worker 0's next allreduce fails, and instead of Gloo's traceback it says that
+    DDP needs every rank, even under cluster.on_worker_failure: continue, and names
+    DistributedOptimizer; the job ends with exit code 1 (the same message when a hook job loses a
+    worker at DDP's broadcast of the buffers: docs/log/benchmarks-2026-11.md)."""
+    command = f"{sys.executable} {ROOT / 'examples' / 'fashion_mnist.py'} --model cnn --ddp"
+    run, code, out = launch_and_kill(
+        tmp_path, command, ["aggregation=allreduce", "train.max_steps=2000",
+                            "data.max_test_samples=100", "cluster.on_worker_failure=continue"],
+        victim=1, after_steps=10)
+    assert code == 1, out
+    log0 = (run / "worker-0.log").read_text()
+    assert "fashion_mnist.py: a collective of torch DDP's process group failed (" in log0, log0
+    assert "DistributedOptimizer goes on without it" in log0 and "Traceback" not in log0, log0
+
+
+@pytest.mark.skipif(not (DATA / "train-images-idx3-ubyte.gz").exists(),
+                    reason="Fashion-MNIST not installed (deploy/install-deps.sh)")
 def test_a_python_job_that_loses_worker_0_goes_on_as_the_cpp_workers_do(tmp_path):
     """deploy/launch.sh with 3 examples/fashion_mnist.py workers (the MLP; 24576 samples, batch
     64: 128 steps an epoch each, 3 epochs), cluster.on_worker_failure: continue, no restarts:
