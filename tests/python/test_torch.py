@@ -245,8 +245,7 @@ def test_example_runs_the_baselines_and_sparseps_powersgd(tmp_path, method):
     the example ended each bucket's chain of allreduces before the next; plain DDP with
     --lr-schedule cosine; DDP with sparseps's own hook through the job's servers, top-k 1%, and
     through SparDL: a DDP user's way in, its gradients views of DDP's buckets by default) and
-    through
-    sparseps.torch with collective.algorithm: powersgd (the torch model's tensors are its
+    through sparseps.torch with collective.algorithm: powersgd (the torch model's tensors are its
     layers; through the pybind11 module or sparseps.capi, which hands the library their shapes
     too); each trains 40 steps of the CNN on 2 workers (20 of the MLP on 4) and its loss
     falls (its last 10 steps' at 0.39-0.49 of its first 10's when measured, 2 workers)."""
