@@ -11,9 +11,9 @@
 # third build. Whole jobs too long for -O0 under the sanitizers run in the plain build only (their
 # GTEST_SKIP messages, or tests/CMakeLists.txt, say so). CI's budget for the whole is 30 min on 2
 # cores; CI's machine took 30 min 18 s (2026-12-04, 610d8a0), fresh clones on the project's 2-core
-# AMD EPYC VM 27 min 15 s (2026-12-05, 2340128: 44.8 CPU-min) after cuts that CI has not run yet,
-# both builds unity builds (CMakeLists.txt); docs/log/benchmarks-2026-11.md has the history and
-# where the time goes.
+# AMD EPYC VM 27 min 15 s to 29 min 52 s (2026-12-05, 2340128 and 045265a: the VM's speed
+# varies) after cuts that CI has not run yet, both builds unity builds (CMakeLists.txt);
+# docs/log/benchmarks-2026-11.md has the history and where the time goes.
 # Every phase keeps the cores busy (ctest build/ 18.6 CPU-min in 13 min 17 s there: 1.4 of the 2
 # cores, the rest tests waiting on deadlines, shaped links and daemons), so the phases stay in
 # sequence and ctest runs as many tests as there are cores: the sanitizer build beside the plain
