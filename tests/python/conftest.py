@@ -20,15 +20,16 @@ DATA = pathlib.Path("/usr/share/datasets/fashion-mnist")
 _example_cache = None
 
 
-def example_cache():
-    """The examples' data cache (SPARSEPS_CACHE) of this pytest run: one temporary directory for
-    every example job of the run (Fashion-MNIST unpacked into it once, about 0.5 CPU-s, instead of
-    in each job; the examples replace its files atomically), removed when the run ends."""
+def example_env(**extra):
+    """The environment of an example's job: this one with SPARSEPS_CACHE, the examples' data cache
+    of this pytest run (one temporary directory for every example job of the run: Fashion-MNIST
+    unpacked into it once, about 0.5 CPU-s, instead of in each job; the examples replace its files
+    atomically; removed when the run ends), and `extra`."""
     global _example_cache
     if _example_cache is None:
         _example_cache = tempfile.mkdtemp(prefix="sparseps-examples-")
         atexit.register(shutil.rmtree, _example_cache, True)
-    return _example_cache
+    return dict(os.environ, SPARSEPS_CACHE=_example_cache, **extra)
 
 
 class Cluster:
@@ -242,9 +243,9 @@ def launch_example(tmp_path, config, command, sets=(), name="run", timeout=300):
     """Runs a job of examples/CONFIG through deploy/launch.sh (1 scheduler, its servers, workers
     started as COMMAND, a Python example) on loopback with the `sets` overrides; asserts that it
     ended well and returns its run directory. The examples' data cache is the pytest run's
-    (example_cache())."""
+    (example_env())."""
     run = tmp_path / name
-    env = dict(os.environ, SPARSEPS_CACHE=example_cache())
+    env = example_env()
     args = ["bash", str(ROOT / "deploy" / "launch.sh"), "--build-dir", str(BUILD), "--config",
             str(ROOT / "examples" / config), "--run-dir", str(run), "--quiet",
             "--worker-command", command]

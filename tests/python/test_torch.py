@@ -3,7 +3,6 @@ sparseps.torch.DistributedOptimizer) trains a small CNN with 2 workers and 2 ser
 local launcher and its loss falls; DDP with sparse_allreduce_hook keeps the workers' models equal
 and sparse; bad tensors are clear exceptions."""
 import csv
-import os
 import pathlib
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import sparseps
 import sparseps.torch
 from sparseps import capi
 from conftest import (BUILD, DATA, DDP_HOOK_SETS, PS_HOOK_SETS, ROOT,
-                      ddp_hook_keeps_the_workers_equal_and_sparse, example_cache, launch_example,
+                      ddp_hook_keeps_the_workers_equal_and_sparse, example_env, launch_example,
                       overlap_pushes_during_the_backward_pass_and_changes_nothing,
                       run_ddp_workers, run_threads, set_trained_model_takes_a_tensor)
 
@@ -250,7 +249,7 @@ def test_example_runs_the_baselines_and_sparseps_powersgd(tmp_path, method):
     too); each trains 40 steps of the CNN on 2 workers (20 of the MLP on 4) and its loss
     falls (its last 10 steps' at 0.39-0.49 of its first 10's when measured, 2 workers)."""
     run = tmp_path / "run"
-    env = dict(os.environ, SPARSEPS_CACHE=example_cache(), GLOO_SOCKET_IFNAME="lo")
+    env = example_env(GLOO_SOCKET_IFNAME="lo")
     # At 4 ranks the comparison's MLP (5.8M parameters) in DDP buckets of 1 MB: 23 buckets whose
     # chains of allreduces interleave differently on the ranks without the example's
     # serialization (then Gloo aborts at the third step, on loopback too; checked by undoing it).

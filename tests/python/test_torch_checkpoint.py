@@ -19,7 +19,7 @@ import torch
 import sparseps
 import sparseps.torch
 from sparseps import capi
-from conftest import (BUILD, DATA, DDP_HOOK_SETS, PS_HOOK_SETS, ROOT, example_cache,
+from conftest import (BUILD, DATA, DDP_HOOK_SETS, PS_HOOK_SETS, ROOT, example_env,
                       launch_example, run_ddp_workers, run_threads)
 from test_model_file import read_safetensors
 
@@ -215,7 +215,7 @@ def launch_and_kill(tmp_path, command, sets, victim, after_steps, launch_args=()
     for s in sets:
         args += ["--set", s]
     launcher = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=dict(os.environ, SPARSEPS_CACHE=example_cache()))
+                                env=example_env())
     try:
         metrics = run / f"metrics-worker-{victim}.csv"
         deadline = time.time() + 120
@@ -426,7 +426,7 @@ def test_the_example_resumed_ends_with_the_model_of_a_job_never_stopped(tmp_path
     loop, command, whole = example_job
     cut = launch_example(tmp_path, "torch_cnn.yaml", command,
                          EXAMPLE_SETS + ["train.max_steps=45"], name="cut")
-    env = dict(os.environ, SPARSEPS_CACHE=example_cache())
+    env = example_env()
     p = subprocess.run(["bash", str(ROOT / "deploy" / "launch.sh"), "--build-dir", str(BUILD),
                         "--resume", str(cut), "--quiet", "--worker-command", command,
                         "--set", "train.max_steps=60"],
@@ -471,7 +471,7 @@ def test_the_example_goes_on_after_a_lost_server_is_replaced(tmp_path, example_j
            str(ROOT / "examples" / "torch_cnn.yaml"), "--run-dir", str(run), "--quiet",
            "--max-restarts", "1", "--worker-command", command] + \
         sum((["--set", s] for s in EXAMPLE_SETS + ["train.max_steps=60"]), [])
-    env = dict(os.environ, SPARSEPS_CACHE=example_cache())
+    env = example_env()
     launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env=env, start_new_session=True)
     try:
