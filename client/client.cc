@@ -104,10 +104,14 @@ struct Worker::Impl {
     if (!session) Raise(Status::FailedPrecondition("call init(params) first"));
     return session->aggregator();
   }
+  // What a failed wait does before it throws: nothing more (kThrow); with kRollBack a lost
+  // server first rolls this worker back (kRolledBack: it is at the checkpoint's step), as with
+  // kEndJob, where any other failure but a bad gradient's also ends the job.
+  enum class OnFailure { kThrow, kRollBack, kEndJob };
   // Runs a call that may wait: with set_interruptible, SIGINT ends its waits; then its failure
-  // is kInterrupted. With report_failure (a step, a synchronize), a failure ends the job (but a
-  // bad gradient's), and a lost server rolls this worker back (kRolledBack).
-  void Wait(const std::function<Status()>& call, bool report_failure);
+  // is kInterrupted. A step and a synchronize end the job on failure (kEndJob); a call between
+  // steps that waits for the other workers rolls back with them (kRollBack).
+  void Wait(const std::function<Status()>& call, OnFailure on_failure);
   // After a step failed with `lost` (Unavailable: a server was lost): waits for the rollback and
   // resumes from this worker's file of the checkpoint. Unavailable naming the checkpoint's step
   // when done; the wait's or the file's error otherwise.
@@ -122,7 +126,7 @@ struct Worker::Impl {
   void Step(float* grad, double loss, bool record, float* out = nullptr);
 };
 
-void Worker::Impl::Wait(const std::function<Status()>& call, bool report_failure) {
+void Worker::Impl::Wait(const std::function<Status()>& call, OnFailure on_failure) {
   const kernels::ScopedCudaDevice on(device);  // the tensors' GPU, whichever the caller's is
   Status s;
   bool interrupted = false;
@@ -133,12 +137,13 @@ void Worker::Impl::Wait(const std::function<Status()>& call, bool report_failure
     interrupted = stop && stop->interrupted();
   }
   if (s.ok()) return;
-  if (report_failure && session && s.code() == StatusCode::kUnavailable && !interrupted) {
+  if (on_failure != OnFailure::kThrow && session && s.code() == StatusCode::kUnavailable &&
+      !interrupted) {
     // A server was lost: once its replacement holds the checkpoint, every worker goes back to it.
     s = RollBack(s);
   }
   // A bad gradient changes nothing and the job goes on; anything else ends it.
-  if (report_failure && session && s.code() != StatusCode::kInvalidArgument &&
+  if (on_failure == OnFailure::kEndJob && session && s.code() != StatusCode::kInvalidArgument &&
       s.code() != StatusCode::kUnavailable) {
     session->ReportFailure(s);
   }
@@ -258,7 +263,7 @@ void Worker::Impl::Join(std::span<const Buffer> params, const std::vector<Tensor
         if (joined.ok()) session = std::move(*joined);
         return joined.status();
       },
-      /*report_failure=*/false);  // JoinOwnLoop reported it
+      OnFailure::kThrow);  // JoinOwnLoop reported it
   if (session == nullptr) {
     throw Error(ErrorCode::kJobEnded,
                 "the job ended before this replacement worker could join: nothing to do (exit "
@@ -356,7 +361,7 @@ void Worker::Impl::Step(float* grad, double loss, bool record, float* out) {
           SPARSEPS_RETURN_IF_ERROR(session->BeforeStep());
           return a.Step(grad, on_device, &last);
         },
-        /*report_failure=*/true);
+        OnFailure::kEndJob);
     ++steps;
     if (tracing) {
       std::lock_guard<std::mutex> lock(trace_mu);
@@ -489,7 +494,9 @@ std::vector<double> Worker::AllreduceValues(std::span<const double> values,
                                   " numbers; 1 to " + std::to_string(kMaxBarrierValues)));
   }
   // The n-th call after step S of every worker is barrier "values@S" generation n: a replacement
-  // that joined meets the others, and a loop that went back to a checkpoint calls them anew.
+  // that joined meets the others, and a loop that went back to a checkpoint calls them anew. A
+  // server lost while it waits rolls this worker back as a step does (kRolledBack): the others
+  // wait for it at the checkpoint.
   if (m.values_step != m.steps) m.values_index = 0;
   m.values_step = m.steps;
   const uint64_t generation = m.values_index++;
@@ -500,7 +507,7 @@ std::vector<double> Worker::AllreduceValues(std::span<const double> values,
         return m.session->control().SumOverBarrier("values@" + std::to_string(m.steps), generation,
                                                    proto::WORKER, values, &sums, &count);
       },
-      false);
+      Impl::OnFailure::kRollBack);
   if (contributors != nullptr) *contributors = count;
   return sums;
 }
@@ -521,7 +528,7 @@ void Worker::Synchronize(std::span<float> params) {
     Raise(Status::InvalidArgument("Synchronize: params has " + std::to_string(params.size()) +
                                   " elements; the job has " + std::to_string(n)));
   }
-  m.Wait([&] { return agg.Synchronize(); }, /*report_failure=*/true);
+  m.Wait([&] { return agg.Synchronize(); }, Impl::OnFailure::kEndJob);
   const float* now = agg.host_model_params();
   std::copy(now, now + n, params.begin());
 }
@@ -598,7 +605,7 @@ Worker::Handoff Worker::ReceiveHandoff() {
         out.missing = std::move(got->missing);
         return Status::OK();
       },
-      /*report_failure=*/true);
+      Impl::OnFailure::kEndJob);
   return out;
 }
 
@@ -627,7 +634,7 @@ void Worker::Finish(double test_accuracy, double train_loss, double samples_per_
     return s;
   };
   try {
-    m.Wait(finish, /*report_failure=*/false);
+    m.Wait(finish, Impl::OnFailure::kThrow);
   } catch (...) {
     m.session.reset();
     throw;

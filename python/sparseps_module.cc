@@ -520,7 +520,8 @@ void DefineMembershipFacts(py::class_<sparseps::Worker>& worker) {
            "array, the same on every worker (as Horovod's allreduce of a metric). Every live "
            "worker calls it at the same point of its loop with as many numbers (the n-th call "
            "after the same step); through the scheduler, not the gradients' path. ValueError "
-           "for no or too many numbers.");
+           "for no or too many numbers; sparseps.RolledBack, as from push_pull, when a server "
+           "lost meanwhile sent the job back to a checkpoint.");
 }
 
 // sparseps.Error (a RuntimeError) and its kinds, which Raise uses.

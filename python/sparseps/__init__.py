@@ -26,6 +26,7 @@ worker's rank among its host's workers, for its GPU on a host with several.
 """
 import json
 
+from . import _rollback
 from ._epochs import EpochPlan
 from ._job_ended import JobEnded
 from ._local_rank import local_rank
@@ -59,6 +60,10 @@ def _worker_class(module):
                 return json.loads(text)
             except ValueError:
                 return text  # enum values: topk, allreduce, ...
+
+        def allreduce_values(self, values, op="mean"):
+            return _rollback.call(self, super().allreduce_values, values, op)
+        allreduce_values.__doc__ = module.Worker.allreduce_values.__doc__
 
         def __enter__(self):
             return self

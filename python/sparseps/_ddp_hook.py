@@ -4,7 +4,7 @@ import time
 
 import torch
 
-from sparseps import _state
+from sparseps import _rollback, _state
 from sparseps._tensors import _finished, _float32_params
 
 __all__ = ["SparseAllreduceState", "sparse_allreduce_hook"]
@@ -47,7 +47,8 @@ class SparseAllreduceState:
     The job aggregates with a collective (aggregation: allreduce) or through its servers
     (aggregation: ps, train.consistency bsp: every worker gets the same update, so the DDP
     models stay equal; ssp and async are a ValueError). Where a lost server was replaced, the
-    job rolls back to its newest complete checkpoint (sparseps.RolledBack from push_pull); an
+    job rolls back to its newest complete checkpoint (sparseps.RolledBack from push_pull, or from
+    the loop's own worker.allreduce_values, which raises it after the same restore); an
     exception inside a hook would break DDP's reducer for good, so the hook hands DDP zero
     buckets instead, sets rolled_back (True until the next forward pass) and, before that
     forward pass (a forward pre-hook on the module), restores the model, the optimizer's and
@@ -100,6 +101,7 @@ class SparseAllreduceState:
             worker.init([p.detach() for p in self.params], names=[n for n, _ in named])
         if worker.resumed:
             self._restore()
+        _rollback.listen(worker, self._rolled_back)  # a rollback outside the hook
 
     def _loss_scale(self):
         """The scale of this step's gradients (a float), None without an enabled scaler."""
@@ -222,6 +224,8 @@ def _aggregate(state):
     """The last bucket's work: the step's flat gradient aggregated (or, with an overflow on any
     worker under the state's grad_scaler, nothing pushed) and every pending bucket's future
     completed."""
+    # First: the job may go back to the last step's checkpoint while the overflow check waits.
+    state._submit_pending()
     scale = state._loss_scale()
     if scale is not None and state._any_overflow():
         state.overflows += 1
@@ -230,7 +234,6 @@ def _aggregate(state):
         return
     if scale is not None:
         state.flat.mul_(1.0 / scale)
-    state._submit_pending()
     flat = state.flat
     # A dense method's update comes into one array kept from step to step (CPU), a sparse one as
     # its changed keys: no array of the model's size a step.

@@ -90,6 +90,10 @@ class GradScaler:
                     p.grad.mul_(inverse)
                     finite.append(torch.isfinite(p.grad).all())
         overflowed = bool(finite) and not bool(torch.stack(finite).all())  # one device sync
+        # The checkpoint of the last step gets the loop's state first, as step() gives it: the
+        # job may go back to that checkpoint while this waits for the others (then the optimizer,
+        # extra_state and this scaler are back at its step, and sparseps.RolledBack is raised).
+        optimizer._submit_pending(handoff=False)
         total = optimizer.worker.allreduce_values([1.0 if overflowed else 0.0], op="sum")
         self._found_inf[id(optimizer)] = bool(total[0] > 0)
 
@@ -105,12 +109,12 @@ class GradScaler:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         if id(optimizer) in self._stepped:
             raise RuntimeError("step() has already been called since the last update().")
-        if id(optimizer) not in self._found_inf:
-            self.unscale_(optimizer)
-        self._stepped.add(id(optimizer))
-        if self._found_inf[id(optimizer)]:
-            return None
         try:
+            if id(optimizer) not in self._found_inf:
+                self.unscale_(optimizer)
+            self._stepped.add(id(optimizer))
+            if self._found_inf[id(optimizer)]:
+                return None
             return optimizer.step(*args, **kwargs)
         except Exception:
             # No step (sparseps.RolledBack: the job went back to a checkpoint, and the loop goes

@@ -26,6 +26,7 @@ import os
 
 import numpy as np
 
+from . import _rollback
 from ._job_ended import JobEnded
 from ._local_rank import local_rank
 
@@ -481,9 +482,9 @@ class Worker:
         sums = np.empty_like(v)
         contributors = ctypes.c_uint32(0)
         as_doubles = ctypes.POINTER(ctypes.c_double)
-        self._call(library().sparseps_worker_allreduce_values, self._handle,
-                   v.ctypes.data_as(as_doubles), v.size, sums.ctypes.data_as(as_doubles),
-                   ctypes.byref(contributors))
+        _rollback.call(self, self._call, library().sparseps_worker_allreduce_values, self._handle,
+                       v.ctypes.data_as(as_doubles), v.size, sums.ctypes.data_as(as_doubles),
+                       ctypes.byref(contributors))
         return sums / contributors.value if op == "mean" else sums
 
     def set_density_scale(self, scale):

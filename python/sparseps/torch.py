@@ -53,7 +53,7 @@ import warnings
 
 import torch
 
-from sparseps import _state
+from sparseps import _rollback, _state
 from sparseps._model_file import read_model_file
 from sparseps._sampler import ElasticSampler
 from sparseps._ddp_hook import SparseAllreduceState, sparse_allreduce_hook
@@ -152,8 +152,8 @@ class DistributedOptimizer(WrappedOptimizer):
     model where it is not the job's parameters, local_view's shift, the frozen denominators), and
     worker 0's checkpoint model file gets the model (with extra_state's ModuleBuffers' buffers
     beside the parameters); on a resumed job the constructor restores them, and after a rollback
-    (a lost server replaced) step() restores them before it raises sparseps.RolledBack, so the
-    loop only goes back to worker.step in its data.
+    (a lost server replaced) step() or worker.allreduce_values (GradScaler's too) restores them
+    before raising sparseps.RolledBack, so the loop only goes back to worker.step in its data.
 
     A replacement worker (node.rejoin=true, after a worker was lost; ps mode) computes its first
     step at the job's parameters, and at its next step() takes the model, the wrapped
@@ -242,9 +242,9 @@ class DistributedOptimizer(WrappedOptimizer):
             worker.init([p.detach() for p in self._params], names=names)
         if worker.resumed:
             self._restore("resumed from")
-        # A replacement (worker.rejoined) computes its first step at the job's parameters with a
-        # fresh optimizer, then takes its donor's model and state (_take_handoff, at the next
-        # step()), so that it trains the others' model from then on.
+        _rollback.listen(worker, self._restore, "rolled back to")  # a rollback outside step()
+        # A replacement (worker.rejoined) computes its first step at the job's parameters, then
+        # takes its donor's model and state (_take_handoff, at the next step()) and trains theirs.
         self._accumulators = []  # overlap: each parameter's gradient accumulation node, hooked
         if overlap:
             self._end_step()

@@ -13,8 +13,8 @@ losses, the final parameters, the number of nonzero entries of each step's avera
 first step and the model's buffers (its state_dict's). --batchnorm: a BatchNorm1d after the first
 layer, and a buffer registered with persistent=False.
 --stop-after N: exits after step N without finishing (workers that die). --amp: loss scaling
-with torch's GradScaler given to SparseAllreduceState (and fp16 autocast on a GPU; on the CPU of
-a torch without one for it, PowerOfTwoScaler below). --overflow-at T: the last rank's loss is inf
+with torch's GradScaler given to SparseAllreduceState and kept in its extra_state (and fp16
+autocast on a GPU; on the CPU of a torch without one for it, PowerOfTwoScaler below). --overflow-at T: the last rank's loss is inf
 at step T. --skip T: every rank leaves step T out. The file also holds {steps, skipped,
 overflows}: worker.step after each step, the steps whose gradients came back non-finite and
 the state's overflows.
@@ -66,6 +66,12 @@ class PowerOfTwoScaler:
         self.found = not all(bool(torch.isfinite(g).all()) for g in grads)
         if not self.found:
             opt.step()
+
+    def state_dict(self):
+        return {"scale": self.scale_, "_growth_tracker": self.tracker}
+
+    def load_state_dict(self, state):
+        self.scale_, self.tracker = float(state["scale"]), int(state["_growth_tracker"])
 
     def update(self):
         self.tracker = 0 if self.found else self.tracker + 1
@@ -124,8 +130,9 @@ def main():
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=8, gamma=0.5)
     worker = Worker(args.job, rank=rank, overrides=args.set)
     scaler = grad_scaler(device) if args.amp else None
-    state = sparseps.torch.SparseAllreduceState(worker, ddp, optimizer=opt,
-                                                extra_state={"scheduler": scheduler},
+    extra = {"scheduler": scheduler} if scaler is None else {"scheduler": scheduler,
+                                                             "scaler": scaler}
+    state = sparseps.torch.SparseAllreduceState(worker, ddp, optimizer=opt, extra_state=extra,
                                                 grad_scaler=scaler)
     ddp.register_comm_hook(state, sparseps.torch.sparse_allreduce_hook)
     w_true = torch.randn(20, 4, generator=torch.Generator().manual_seed(7))

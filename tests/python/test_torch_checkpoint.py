@@ -48,14 +48,28 @@ def flat(model):
                       [*model.parameters(), *model.buffers()]]).numpy().copy()
 
 
+def wait_for_log(c, name, text, timeout_s=60):
+    """Waits until the log of daemon `name` holds `text` (AssertionError with the log after
+    timeout_s)."""
+    deadline = time.monotonic() + timeout_s
+    while text not in c.log(name):
+        assert time.monotonic() < deadline, f"no {text!r} in {name}'s log:\n{c.log(name)}"
+        time.sleep(0.05)
+
+
 def train(c, case, backend, sets=(), stop_after=None, kill_at=None, keep_scheduler=True,
-          scaled=False):
+          scaled=False, metric=False):
     """Two workers train `case` for TOTAL steps (each step's batch fixed by rank and step; the
     learning rate halved every 4 steps by a StepLR stepped after each step; the StepLR and the
     BatchNorm's running statistics kept in the checkpoints as extra_state unless keep_scheduler
     is False; scaled: the loss scaled by a sparseps.torch.GradScaler, in extra_state too, whose
-    scale grows every 3 steps); returns per worker (first step, {step: model and buffers after
-    it}, final residual, the steps it rolled back from and to)."""
+    scale grows every 3 steps; metric: the loop averages each step's loss over the workers
+    itself, worker.allreduce_values at the step's end); returns per worker (first step, {step:
+    model and buffers after it}, final residual, the steps it rolled back from and to). With
+    kill_at, worker 0 replaces server 0 after that step and goes on once the scheduler sent the
+    workers back to a checkpoint: worker 1 waits for worker 0 in its next call that meets the
+    others (the metric's, GradScaler.unscale_'s allreduce_values, or the push) when the job
+    pauses, and worker 0 meets the rollback in that call."""
     aggregate, freeze, view = CASES[case]
 
     def worker(rank):
@@ -77,7 +91,8 @@ def train(c, case, backend, sets=(), stop_after=None, kill_at=None, keep_schedul
             if t < 3:  # the last input's weights have no gradient before the variance freezes
                 x[:, 4] = 0
             opt.zero_grad()
-            scaler.scale(model(x).pow(2).mean()).backward()
+            loss = model(x).pow(2).mean()
+            scaler.scale(loss).backward()
             try:
                 scaler.step(opt)
             except (sparseps.RolledBack, capi.RolledBack):
@@ -93,6 +108,13 @@ def train(c, case, backend, sets=(), stop_after=None, kill_at=None, keep_schedul
             if rank == 0 and kill_at == t and not rolled:
                 c.kill("server-0")
                 c.start_server(0, ["--rejoin"])
+                wait_for_log(c, "scheduler", "the workers go back to it")
+            if metric:
+                try:
+                    w.allreduce_values([float(loss)])
+                except (sparseps.RolledBack, capi.RolledBack):
+                    rolled.append((t, w.step))
+                    t = w.step  # as after step(): the optimizer restored itself
         out = (start, models, w.residual(), rolled, scaler.get_scale())
         opt.synchronize()
         w.finish()
@@ -131,18 +153,23 @@ def test_a_resumed_job_goes_on_with_the_optimizers_state(cluster, case, backend)
         np.testing.assert_array_equal(again[r][2], whole[r][2])
 
 
-@pytest.mark.parametrize("scaled", [False, True], ids=["fp32", "grad_scaler"])
-def test_a_rolled_back_job_goes_on_with_the_optimizers_state(cluster, scaled):
+@pytest.mark.parametrize("scaled,metric,backend", [(False, False, sparseps.Worker),
+                                                    (True, False, sparseps.Worker),
+                                                    (False, True, capi.Worker)],
+                         ids=["fp32", "grad_scaler", "metric-capi"])
+def test_a_rolled_back_job_goes_on_with_the_optimizers_state(cluster, scaled, metric, backend):
     """Server 0 killed with kill -9 after step 12 and replaced: step() raises RolledBack with the
     optimizer back at the checkpoint's step, the loop goes on from worker.step, and every worker
     ends with the models of the job never interrupted (Adam over the aggregated gradient, the
-    variance frozen, local_view). With a sparseps.torch.GradScaler (scaler.step(opt) raises it)
-    the scaler is back at the checkpoint's scale too and its next iteration starts afresh
-    (before, unscale_ refused it: "already been called")."""
+    variance frozen, local_view). With a sparseps.torch.GradScaler (scaler.step(opt) raises it,
+    from the overflow check's allreduce_values: before, that worker stayed where it was and the
+    job hung) the scaler is back at the checkpoint's scale too and its next iteration starts
+    afresh (before, unscale_ refused it: "already been called"). The loop's own
+    allreduce_values raises it after the same restore (the optimizer listens to its worker)."""
     case = "adam_gradient_frozen_view"
-    whole = train(cluster(CONFIG, sets=SETS), case, sparseps.Worker, scaled=scaled)
+    whole = train(cluster(CONFIG, sets=SETS), case, backend, scaled=scaled, metric=metric)
     cut = cluster(CONFIG, sets=SETS)
-    again = train(cut, case, sparseps.Worker, kill_at=12, scaled=scaled)
+    again = train(cut, case, backend, kill_at=12, scaled=scaled, metric=metric)
     codes = cut.wait()
     assert codes.pop("server-0") == -9 and codes == {k: 0 for k in codes}, codes
     for r in range(2):
@@ -531,12 +558,13 @@ def test_a_ddp_hook_job_through_the_servers_rolls_back_to_the_model_of_a_job_nev
     """DDP with sparse_allreduce_hook on a PS job (top-k 10%, 2 servers), torch SGD with
     momentum 0.9 and a StepLR, 40 steps, a checkpoint every 5: server 0 killed with kill -9
     after step 22 and replaced. The hook hands DDP zero buckets and says rolled_back, the loop
-    goes back to worker.step (a checkpoint's), the model, the momentum and the scheduler come
-    back before the next forward pass, and both workers end with the model of the job never
-    interrupted, bit for bit."""
+    goes back to worker.step (a checkpoint's), the model, the momentum, the scheduler and the
+    loss scaler (--amp: each step's overflow check waits for the others, so the pause may come
+    there or in the push) come back before the next forward pass, and both workers end with the
+    model of the job never interrupted, bit for bit."""
     sets = ["checkpoint.every_steps=5", "checkpoint.keep=0"]
     head = "cluster: {register_timeout_s: 60}\n"
-    args = ["--momentum", "0.9"]
+    args = ["--momentum", "0.9", "--amp"]
     whole_c = cluster(head, sets=PS_HOOK_SETS + sets)
     whole = run_ddp_workers(whole_c, tmp_path, "cpu", args, sets, name="whole",
                             hook_sets=PS_HOOK_SETS)

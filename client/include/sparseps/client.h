@@ -227,9 +227,11 @@ class Worker {
   /// not the gradients' path), so a replacement meets the others, and after a rollback the calls
   /// sum anew. The sums are in rank order, the same on every worker. A worker
   /// lost meanwhile is left out; one that does not call within cluster.barrier_timeout_s ends the
-  /// job naming it. Throws kInvalidArgument for no or more than 4096 numbers, kFailedPrecondition
-  /// before Init, kFailed when the scheduler refused them (another worker gave another count).
-  /// Not thread-safe against this worker's other calls.
+  /// job naming it. A server lost meanwhile rolls this worker back with the others, as a step
+  /// does: it throws kRolledBack once the worker is at the checkpoint's step (the loop restores
+  /// its state of that step and goes on from step()). Throws kInvalidArgument for no or more than
+  /// 4096 numbers, kFailedPrecondition before Init, kFailed when the scheduler refused them
+  /// (another worker gave another count). Not thread-safe against this worker's other calls.
   std::vector<double> AllreduceValues(std::span<const double> values,
                                       uint32_t* contributors = nullptr);
 
