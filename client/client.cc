@@ -104,9 +104,9 @@ struct Worker::Impl {
     if (!session) Raise(Status::FailedPrecondition("call init(params) first"));
     return session->aggregator();
   }
-  // What a failed wait does before it throws: nothing more (kThrow); with kRollBack a lost
-  // server first rolls this worker back (kRolledBack: it is at the checkpoint's step), as with
-  // kEndJob, where any other failure but a bad gradient's also ends the job.
+  // What a failed wait does before it throws: kThrow nothing more; kRollBack, after a lost
+  // server, first goes back to the checkpoint with the other workers (then kRolledBack); kEndJob
+  // that too, and any other failure but a bad gradient's ends the job.
   enum class OnFailure { kThrow, kRollBack, kEndJob };
   // Runs a call that may wait: with set_interruptible, SIGINT ends its waits; then its failure
   // is kInterrupted. A step and a synchronize end the job on failure (kEndJob); a call between

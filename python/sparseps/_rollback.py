@@ -18,8 +18,8 @@ def call(worker, f, *args, **kwargs):
         return f(*args, **kwargs)
     except Exception as e:
         if type(e).__name__ == "RolledBack":
-            for ref, args in list(worker.__dict__.get("_rollback_listeners", ())):
+            for ref, bound in list(worker.__dict__.get("_rollback_listeners", ())):
                 method = ref()
                 if method is not None:
-                    method(*args)
+                    method(*bound)
         raise

@@ -371,8 +371,11 @@ def test_a_killed_server_fails_the_job_naming_it(slurm, tmp_path):
     os.kill(int(re.search(r"starting \(pid (\d+)\)", log).group(1)), signal.SIGKILL)
     state, code = slurm.wait(job)
     out = slurm.output(job)
-    assert (state, code) == ("FAILED", "137:0"), out
-    assert "server-1 failed first (exit code 137, killed by signal 9)" in out, out
+    # Each task's exit code and when it wrote it (the script's verdict), for a failure's message.
+    exits = "".join(f"\nexit/{f.name}: {f.read_text().strip()}"
+                    for f in sorted((run_dir / "exit").glob("*")))
+    assert (state, code) == ("FAILED", "137:0"), out + exits
+    assert "server-1 failed first (exit code 137, killed by signal 9)" in out, out + exits
     # The workers srun stopped were stopped, not lost (no SIGPIPE from their output's filter).
     assert "goes on without it" not in out, out
     assert "run directory" in out.splitlines()[-1], out  # the script ran to its end
