@@ -14,10 +14,10 @@ first step and the model's buffers (its state_dict's). --batchnorm: a BatchNorm1
 layer, and a buffer registered with persistent=False.
 --stop-after N: exits after step N without finishing (workers that die). --amp: loss scaling
 with torch's GradScaler given to SparseAllreduceState and kept in its extra_state (and fp16
-autocast on a GPU; on the CPU of a torch without one for it, PowerOfTwoScaler below). --overflow-at T: the last rank's loss is inf
-at step T. --skip T: every rank leaves step T out. The file also holds {steps, skipped,
-overflows}: worker.step after each step, the steps whose gradients came back non-finite and
-the state's overflows.
+autocast on a GPU; on the CPU of a torch without one for it, PowerOfTwoScaler below).
+--overflow-at T: the last rank's loss is inf at step T. --skip T: every rank leaves step T out.
+The file also holds {steps, skipped, overflows}: worker.step after each step, the steps whose
+gradients came back non-finite and the state's overflows.
 --kill-at T --kill-pid PID: rank 0 kills PID (a server) with SIGKILL after step T, once; the
 loop goes back to worker.step when the hook says it rolled back (state.rolled_back), and the file
 holds {rolled}: the (step, checkpoint's step) of each rollback.
