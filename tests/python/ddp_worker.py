@@ -130,8 +130,9 @@ def main():
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=8, gamma=0.5)
     worker = Worker(args.job, rank=rank, overrides=args.set)
     scaler = grad_scaler(device) if args.amp else None
-    extra = {"scheduler": scheduler} if scaler is None else {"scheduler": scheduler,
-                                                             "scaler": scaler}
+    extra = {"scheduler": scheduler}
+    if scaler is not None:
+        extra["scaler"] = scaler
     state = sparseps.torch.SparseAllreduceState(worker, ddp, optimizer=opt, extra_state=extra,
                                                 grad_scaler=scaler)
     ddp.register_comm_hook(state, sparseps.torch.sparse_allreduce_hook)
