@@ -14,11 +14,12 @@
 # AMD EPYC VM 27 min 15 s to 29 min 52 s (2026-12-05, 2340128 and 045265a: the VM's speed
 # varies) after cuts that CI has not run yet, both builds unity builds (CMakeLists.txt);
 # docs/log/benchmarks-2026-11.md has the history and where the time goes.
-# Every phase keeps the cores busy (ctest build/ 18.6 CPU-min in 13 min 17 s there: 1.4 of the 2
-# cores, the rest tests waiting on deadlines, shaped links and daemons), so the phases stay in
-# sequence and ctest runs as many tests as there are cores: the sanitizer build beside the plain
-# suite at nice 19 slowed the suite by more than it saved, and `ctest -j 3` doubled the long
-# suites' times.
+# Every phase keeps the cores busy, so the phases stay in sequence: the sanitizer build beside
+# the plain suite at nice 19 slowed the suite by more than it saved. ctest gets two slots of a
+# resource "cpu" per core (build/ctest-resources.json) and twice as many tests as cores: every
+# test asks for two slots, the suites that mostly wait (test_worker, test_ssh, test_slurm) for one
+# (tests/CMakeLists.txt), so one of those runs beside two busy tests and never two busy ones beside
+# a third (`ctest -j 3` doubled the long suites' times).
 #
 #   deploy/test.sh                 # both builds and the fuzz targets (what CI runs)
 #   SPARSEPS_TEST_SANITIZE=0 deploy/test.sh   # skip the sanitizer build (and the fuzz targets)
@@ -32,6 +33,16 @@ if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then
 fi
 "$here/deploy/install-deps.sh"
 jobs="$(nproc)"
+# ctest in build directory $1 with two slots of the resource "cpu" per core, the other arguments
+# passed on.
+run_ctest() {
+  local dir="$1"
+  shift
+  printf '{"version": {"major": 1, "minor": 0}, "local": [{"cpu": [{"id": "0", "slots": %d}]}]}\n' \
+    $((2 * jobs)) >"$dir/ctest-resources.json"
+  (cd "$dir" && ctest --output-on-failure --resource-spec-file "$dir/ctest-resources.json" \
+    -j $((2 * jobs)) "$@")
+}
 # Each phase's heading says how long the run has taken so far (CI's budget: 30 min) and how much
 # CPU time the machine spent meanwhile (/proc/stat: user, nice, system, irq and softirq of every
 # core, daemons and containers included), so that how busy its cores were in a phase shows
@@ -58,7 +69,7 @@ phase "build (build/)"
 "$here/deploy/build.sh" "$here/build" -DSPARSEPS_BUILD_TESTS=ON -DSPARSEPS_DEBUG_INFO=lines \
   -DSPARSEPS_LINKER=lld -DCMAKE_CUDA_ARCHITECTURES="${SPARSEPS_TEST_CUDA_ARCHITECTURES:-80-virtual}"
 phase "ctest (build/)"
-(cd "$here/build" && ctest --output-on-failure --timeout 300 -j "$jobs" "$@")
+run_ctest "$here/build" --timeout 300 "$@"
 
 if [[ "${SPARSEPS_TEST_SANITIZE:-1}" != 0 ]]; then
   phase "build (build-sanitize/, clang, -fsanitize=address,undefined, libFuzzer targets)"
@@ -69,7 +80,7 @@ if [[ "${SPARSEPS_TEST_SANITIZE:-1}" != 0 ]]; then
   phase "ctest (build-sanitize/)"
   export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1:${ASAN_OPTIONS:-}"
   export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:${UBSAN_OPTIONS:-}"
-  (cd "$here/build-sanitize" && ctest --output-on-failure --timeout 600 -j "$jobs" "$@")
+  run_ctest "$here/build-sanitize" --timeout 600 "$@"
 
   if [[ "${SPARSEPS_TEST_FUZZ:-1}" != 0 ]]; then
     # One libFuzzer target per decoder and per state machine (shard server, scheduler, peer
