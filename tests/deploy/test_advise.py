@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import ADVISE, MB, ROOT, advise_inputs, cannot_run, distinct_hosts
+from conftest import ADVISE, LOOPBACK, MB, ROOT, advise_inputs, cannot_run, distinct_hosts
 
 sys.path.insert(0, str(ADVISE))
 import cost_model  # noqa: E402
@@ -78,10 +78,11 @@ def test_predict_adds_the_network_time_per_step_to_the_calibration():
     assert cost_model.predict(c, lo, at)["time_to_target_s"] is None
 
 
-def advise(tmp_path, settings, *extra):
+def advise(tmp_path, settings, *extra, loopback=True):
     """sparseps-advise over write_calibration's folder with a config of those settings and a
-    100 Mbit/s link given; returns (the completed process, the output folder)."""
-    cfg, cal = advise_inputs(tmp_path, settings)
+    100 Mbit/s link given (the calibration's loopback kept in it unless `loopback` is false);
+    returns (the completed process, the output folder)."""
+    cfg, cal = advise_inputs(tmp_path, settings, loopback)
     out = tmp_path / "out"
     r = subprocess.run(["/usr/bin/python3", str(ADVISE / "sparseps-advise"), "--config", str(cfg),
                         "--calibration", str(cal), "--link", "12.5e6,0.001", "--out", str(out),
@@ -91,8 +92,13 @@ def advise(tmp_path, settings, *extra):
 
 
 def test_advice_ranks_by_time_to_target_and_writes_its_json(tmp_path):
-    r, out = advise(tmp_path, ["ring", "ps_topk", "ps_sbc"])
+    r, out = advise(tmp_path, ["ring", "ps_topk", "ps_sbc"], loopback=False)
     advice = json.loads((out / "advice.json").read_text())
+    # The calibration's loopback probed (probe.py, ZeroMQ over 127.0.0.1) and kept in its folder.
+    kept = json.loads((tmp_path / "cal" / "loopback.json").read_text())
+    assert kept["bandwidth"] == min(kept["up_Bps"], kept["down_Bps"]) > 1e8, kept
+    assert advice["network"]["loopback_bandwidth_Bps"] == kept["bandwidth"]
+    assert advice["network"]["loopback_rtt_s"] == kept["rtt"] > 0
     assert advice["network"]["bandwidth_Bps"] == 12.5e6 and advice["network"]["rtt_s"] == 0.001
     names = [s["setting"] for s in advice["settings"]]
     # At 100 Mbit/s the ring's 12 MB a step costs about 1 s; PS top-k's 0.9 MB about 0.1 s: the
@@ -115,10 +121,24 @@ def test_advice_ranks_by_time_to_target_and_writes_its_json(tmp_path):
 
 
 def test_only_restricts_the_advice_over_a_larger_calibration(tmp_path):
-    _, out = advise(tmp_path, ["ring", "ps_topk", "ps_sbc"], "--only", "ring,ps_sbc")
+    r, out = advise(tmp_path, ["ring", "ps_topk", "ps_sbc"], "--only", "ring,ps_sbc")
     advice = json.loads((out / "advice.json").read_text())
     assert [s["setting"] for s in advice["settings"]] == ["ring", "ps_sbc"]
     assert advice["best"]["setting"] == "ring"
+    # The calibration's kept loopback read, not probed again.
+    assert f"the calibration's loopback from {tmp_path / 'cal' / 'loopback.json'}" in r.stdout
+    assert advice["network"]["loopback_bandwidth_Bps"] == LOOPBACK["bandwidth"]
+
+
+def test_a_kept_loopback_that_cannot_be_read_is_probed_again(tmp_path):
+    cfg, cal = advise_inputs(tmp_path, ["ring"])
+    (cal / "loopback.json").write_text("{\"bandwidth\": ")
+    r = subprocess.run(["/usr/bin/python3", str(ADVISE / "sparseps-advise"), "--config", str(cfg),
+                        "--calibration", str(cal), "--link", "12.5e6,0.001", "--out",
+                        str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert f"{cal / 'loopback.json'}: JSONDecodeError(" in r.stdout and "probing again" in r.stdout
+    assert json.loads((cal / "loopback.json").read_text())["bandwidth"] > 1e8
 
 
 @pytest.mark.parametrize("args,says", [
