@@ -72,8 +72,9 @@ SETTINGS = {"ring": "[aggregation=allreduce, collective.algorithm=ring]",
             "ps_sbc": "[aggregation=ps, compression.encoding=sbc]"}
 
 
-# The loopback a synthetic calibration keeps (sparseps-advise's loopback.json, as probe.py
-# measured this 2-core VM's: 7.3 Gbit/s, 60 us), so that its advice does not probe for 8 s.
+# The loopback a synthetic calibration keeps (sparseps-advise's loopback.json: the 7.3 Gbit/s
+# probe.py measured on this 2-core VM, a round trip of 60 us), so that its advice does not probe
+# for 8 s.
 LOOPBACK = {"up_Bps": 9.1e8, "down_Bps": 9.3e8, "rtt_s": 6e-5, "bandwidth": 9.1e8, "rtt": 6e-5}
 
 
