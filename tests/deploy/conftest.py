@@ -78,15 +78,17 @@ SETTINGS = {"ring": "[aggregation=allreduce, collective.algorithm=ring]",
 LOOPBACK = {"up_Bps": 9.1e8, "down_Bps": 9.3e8, "rtt_s": 6e-5, "bandwidth": 9.1e8, "rtt": 6e-5}
 
 
-def advise_inputs(folder, settings=("ring", "ps_topk", "ps_sbc"), loopback=True):
+def advise_inputs(folder, settings=("ring", "ps_topk", "ps_sbc"), loopback=LOOPBACK):
     """sparseps-advise's inputs in folder: a comparison config of those settings (2 workers, 2
-    servers) and write_calibration's folder, with LOOPBACK kept in it unless `loopback` is
-    false (then the advice probes the loopback). Returns (config path, calibration path)."""
+    servers) and write_calibration's folder, keeping `loopback` as its loopback.json (a dict as
+    JSON, a str as it is; None: no file, the advice probes the loopback). Returns (config path,
+    calibration path)."""
     cal = folder / "cal"
     cal.mkdir()
     write_calibration(cal)
-    if loopback:
-        (cal / "loopback.json").write_text(json.dumps(LOOPBACK))
+    if loopback is not None:
+        text = loopback if isinstance(loopback, str) else json.dumps(loopback)
+        (cal / "loopback.json").write_text(text)
     cfg = folder / "c.yaml"
     cfg.write_text("name: c\njob: j.yaml\nworkers: 2\nservers: 2\nsettings:\n" + "".join(
         f"  - {{name: {s}, set: {SETTINGS[s]}}}\n" for s in settings))
