@@ -140,6 +140,9 @@ class ModuleBuffers:
         return held if held is not None else dict(self.module.named_buffers())
 
     def load_state_dict(self, state):
+        # A copy held for a checkpoint that a rollback went behind is no one's state now (a
+        # hand-over before the next checkpoint's step would otherwise send it).
+        self._held = None
         mine = dict(self.module.named_buffers())
         if set(mine) != set(state):
             raise KeyError(f"ModuleBuffers: the checkpoint has buffers {sorted(state)}, the "

@@ -733,6 +733,29 @@ def test_set_trained_model_takes_a_tensor_as_both_bindings_do(cluster, backend):
     set_trained_model_takes_a_tensor(cluster, backend, "cpu")
 
 
+def test_module_buffers_loaded_drop_the_copy_held_for_a_checkpoint():
+    """ModuleBuffers.state_dict() gives the copy step_ended() took (the checkpoint's step, before
+    the next forward pass moves the statistics) once, then the buffers as they are; a
+    load_state_dict (a rollback behind that checkpoint, before its state was taken) drops the
+    copy, so that a later state_dict (a replacement's hand-over) is the loaded state, not the
+    abandoned step's."""
+    model = torch.nn.BatchNorm1d(3)
+    buffers = sparseps.torch.ModuleBuffers(model)
+    saved = {n: b.clone() for n, b in buffers.state_dict().items()}  # the initial statistics
+    model(torch.randn(8, 3) + 5)
+    buffers.step_ended()  # the checkpoint's step
+    at_checkpoint = model.running_mean.clone()
+    model(torch.randn(8, 3) - 5)  # the next step's forward pass
+    assert torch.equal(buffers.state_dict()["running_mean"], at_checkpoint)
+    assert torch.equal(buffers.state_dict()["running_mean"], model.running_mean)  # taken once
+    buffers.step_ended()
+    buffers.load_state_dict(saved)  # rolled back to an older checkpoint
+    got = buffers.state_dict()
+    assert sorted(got) == sorted(saved)
+    for name, value in saved.items():
+        assert torch.equal(got[name], value), name
+
+
 @pytest.mark.parametrize("backend", [sparseps.Worker, capi.Worker], ids=["module", "capi"])
 def test_the_model_file_holds_the_buffers_of_module_buffers(cluster, backend):
     """A BatchNorm model through DistributedOptimizer with extra_state ModuleBuffers(model):

@@ -153,23 +153,25 @@ def test_a_resumed_job_goes_on_with_the_optimizers_state(cluster, case, backend)
         np.testing.assert_array_equal(again[r][2], whole[r][2])
 
 
-@pytest.mark.parametrize("scaled,metric,backend", [(False, False, sparseps.Worker),
-                                                    (True, False, sparseps.Worker),
-                                                    (False, True, capi.Worker)],
-                         ids=["fp32", "grad_scaler", "metric-capi"])
-def test_a_rolled_back_job_goes_on_with_the_optimizers_state(cluster, scaled, metric, backend):
-    """Server 0 killed with kill -9 after step 12 and replaced: step() raises RolledBack with the
-    optimizer back at the checkpoint's step, the loop goes on from worker.step, and every worker
-    ends with the models of the job never interrupted (Adam over the aggregated gradient, the
-    variance frozen, local_view). With a sparseps.torch.GradScaler (scaler.step(opt) raises it,
+@pytest.mark.parametrize("scaled,metric,backend,kill_at",
+                         [(False, False, sparseps.Worker, 12), (True, False, sparseps.Worker, 12),
+                          (False, True, capi.Worker, 12), (False, True, capi.Worker, 10)],
+                         ids=["fp32", "grad_scaler", "metric-capi", "metric-capi-at-checkpoint"])
+def test_a_rolled_back_job_goes_on_with_the_optimizers_state(cluster, scaled, metric, backend,
+                                                             kill_at):
+    """Server 0 killed with kill -9 after step `kill_at` and replaced: step() raises RolledBack
+    with the optimizer back at the checkpoint's step, the loop goes on from worker.step, and every
+    worker ends with the models of the job never interrupted (Adam over the aggregated gradient,
+    the variance frozen, local_view). With a sparseps.torch.GradScaler (scaler.step(opt) raises it,
     from the overflow check's allreduce_values: before, that worker stayed where it was and the
     job hung) the scaler is back at the checkpoint's scale too and its next iteration starts
     afresh (before, unscale_ refused it: "already been called"). The loop's own
-    allreduce_values raises it after the same restore (the optimizer listens to its worker)."""
+    allreduce_values raises it after the same restore (the optimizer listens to its worker), also
+    right after a checkpoint's step (10), before the loop handed that checkpoint its state."""
     case = "adam_gradient_frozen_view"
     whole = train(cluster(CONFIG, sets=SETS), case, backend, scaled=scaled, metric=metric)
     cut = cluster(CONFIG, sets=SETS)
-    again = train(cut, case, backend, kill_at=12, scaled=scaled, metric=metric)
+    again = train(cut, case, backend, kill_at=kill_at, scaled=scaled, metric=metric)
     codes = cut.wait()
     assert codes.pop("server-0") == -9 and codes == {k: 0 for k in codes}, codes
     for r in range(2):
