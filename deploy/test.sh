@@ -11,10 +11,10 @@
 # third build. Whole jobs too long for -O0 under the sanitizers run in the plain build only (their
 # GTEST_SKIP messages, or tests/CMakeLists.txt, say so). The test code compiles at -Og in the
 # plain build (tests/CMakeLists.txt). CI's budget for the whole is 30 min on 2 cores; CI's machine
-# took 32 min 34 s (2026-12-05, b17c901) before the cuts of af2ee89 to 46c4488, which it has not
-# run yet (the project's 2-core AMD EPYC VM ran them in 37 min 20 s at its slowest, its sanitizer
-# build 1.5 times as long as that morning's on the same code); both builds are unity builds
-# (CMakeLists.txt); docs/log/benchmarks-2026-11.md has the history and where the time goes.
+# took 22 min 9 s (2026-12-05, 0421965: every test run, one of them failed by the Slurm script's
+# race that e691838 mends), fresh clones on the project's 2-core AMD EPYC VM 27 min 1 s
+# (2026-12-05, 225b5ec: the VM's speed varies); both builds are unity builds (CMakeLists.txt);
+# docs/log/benchmarks-2026-11.md has the history and where the time goes.
 # Every phase keeps the cores busy, so the phases stay in sequence: the sanitizer build beside
 # the plain suite at nice 19 slowed the suite by more than it saved. ctest gets two slots of a
 # resource "cpu" per core (build/ctest-resources.json) and twice as many tests as cores: every
