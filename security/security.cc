@@ -187,7 +187,11 @@ CurveContext::CurveContext(zmq::context_t& context, const proto::SecurityConfig&
       keys_(std::move(keys)),
       scheduler_key_(std::move(scheduler_key)),
       authorized_(std::move(authorized)),
-      last_reload_(std::chrono::steady_clock::now()) {}
+      last_reload_(std::chrono::steady_clock::now()) {
+  // Read after the keys were: a key added since is read at its first knock.
+  std::error_code ec;
+  dir_mtime_ = std::filesystem::last_write_time(security_.authorized_keys_dir(), ec);
+}
 
 CurveContext::~CurveContext() {
   {
@@ -220,8 +224,12 @@ bool CurveContext::Authorized(const std::string& key) {
   std::lock_guard<std::mutex> lock(mu_);
   if (authorized_.count(key)) return true;
   const auto now = std::chrono::steady_clock::now();
-  if (now - last_reload_ >= std::chrono::seconds(1)) {
+  // Taken before the read, so that a key added while it reads changes it again.
+  std::error_code ec;
+  const auto mtime = std::filesystem::last_write_time(security_.authorized_keys_dir(), ec);
+  if ((!ec && mtime != dir_mtime_) || now - last_reload_ >= std::chrono::seconds(1)) {
     last_reload_ = now;
+    if (!ec) dir_mtime_ = mtime;
     auto reread = ReadAuthorizedKeys(security_.authorized_keys_dir());
     if (reread.ok()) {
       authorized_ = std::move(*reread);

@@ -8,7 +8,9 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <filesystem>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -50,9 +52,11 @@ Result<std::set<std::string>> ReadAuthorizedKeys(const std::string& dir);
 // The node's CURVE identity on one ZeroMQ context, and that context's ZAP handler: a thread with
 // a REP socket on inproc://zeromq.zap.01 that answers each CURVE handshake: 200 with the client's
 // Z85 key as the User-Id (RecvMessage puts it in Message::peer_key) when the key is authorized,
-// 400 otherwise. An unknown key makes it read authorized_keys_dir again (at most once a second) so
-// that a key added for a replacement node counts without a restart; a refused key is logged once
-// (its first refusal) and counted.
+// 400 otherwise. An unknown key makes it read authorized_keys_dir again when the directory changed
+// since it was read (a key file added) or a second after the last read (a file edited in place),
+// so that a key added for a replacement node counts at its first knock, without a restart, while a
+// stranger knocking over and over costs a stat; a refused key is logged once (its first refusal)
+// and counted.
 //
 // Thread-safety: the accessors are safe from any thread. Destroy before the context (the handler's
 // socket belongs to it).
@@ -68,6 +72,8 @@ class CurveContext {
 
   const CurveKeypair& keys() const { return keys_; }
   const std::string& scheduler_public_key() const { return scheduler_key_; }
+  // The folder of this node's keypair (security.key_dir).
+  const std::string& key_dir() const { return security_.key_dir(); }
   // Handshakes refused so far (unknown keys and malformed ZAP requests).
   uint64_t refused() const { return refused_.load(); }
   uint64_t accepted() const { return accepted_.load(); }
@@ -91,9 +97,10 @@ class CurveContext {
   const CurveKeypair keys_;
   const std::string scheduler_key_;
   std::mutex mu_;
-  std::set<std::string> authorized_;          // guarded by mu_
-  std::map<std::string, uint64_t> refusals_;  // key -> count, guarded by mu_
-  std::chrono::steady_clock::time_point last_reload_;
+  std::set<std::string> authorized_;                   // guarded by mu_
+  std::map<std::string, uint64_t> refusals_;           // key -> count, guarded by mu_
+  std::chrono::steady_clock::time_point last_reload_;  // guarded by mu_
+  std::filesystem::file_time_type dir_mtime_;  // authorized_keys_dir's at the last read; mu_
   std::atomic<uint64_t> refused_{0};
   std::atomic<uint64_t> accepted_{0};
   std::atomic<bool> stop_{false};

@@ -52,8 +52,9 @@ ControlClient::ControlClient(zmq::context_t& context, const proto::JobConfig& co
                                 : config.cluster().scheduler_port(),
                             control_routing_id_, SchedulerKey(context))) {
   const std::string endpoint = "inproc://sparseps-monitor-" + control_routing_id_;
-  if (zmq_socket_monitor(socket_.handle(), endpoint.c_str(),
-                         ZMQ_EVENT_CONNECTED | ZMQ_EVENT_CONNECT_RETRIED) == 0) {
+  if (zmq_socket_monitor(
+          socket_.handle(), endpoint.c_str(),
+          ZMQ_EVENT_CONNECTED | ZMQ_EVENT_CONNECT_RETRIED | ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) == 0) {
     monitor_ = zmq::socket_t(context, zmq::socket_type::pair);
     monitor_.set(zmq::sockopt::linger, 0);
     monitor_.connect(endpoint);
@@ -73,13 +74,14 @@ ControlClient::~ControlClient() {
 void ControlClient::CheckReconnected() {
   if (monitor_.handle() == nullptr) return;
   bool connected = false;
-  zmq::message_t event, address;
-  // Each event is two frames: the event number and value, then the endpoint.
-  while (monitor_.recv(event, zmq::recv_flags::dontwait)) {
-    if (event.more()) (void)monitor_.recv(address, zmq::recv_flags::dontwait);
-    uint16_t id = 0;
-    if (event.size() >= sizeof(id)) std::memcpy(&id, event.data(), sizeof(id));
-    if (id == ZMQ_EVENT_CONNECTED) {
+  uint16_t id;
+  uint32_t value;
+  while (ReadMonitorEvent(monitor_, &id, &value)) {
+    if (id == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH && key_refused_.ok()) {
+      // ZeroMQ drops a connection whose handshake the peer refused and does not make it again:
+      // every later send would wait for a connection that never comes. This node ends at once.
+      key_refused_ = CurveKeyRefused(context_, "the scheduler at " + scheduler_endpoint(), value);
+    } else if (id == ZMQ_EVENT_CONNECTED) {
       connected = true;
       refused_since_.reset();
     } else if (id == ZMQ_EVENT_CONNECT_RETRIED && !refused_since_) {
@@ -168,6 +170,7 @@ Status ControlClient::CheckSchedulerThere() {
 
 Status ControlClient::Poll() {
   CheckReconnected();
+  SPARSEPS_RETURN_IF_ERROR(key_refused_);
   SPARSEPS_RETURN_IF_ERROR(CheckSchedulerThere());
   while (true) {
     if (StopRequested()) return Status::Aborted("stopped by a signal");
@@ -596,7 +599,7 @@ bool ControlClient::Listening() const {
 
 void ControlClient::ReportFailure(const Status& error) {
   if (error.ok() || error.code() == StatusCode::kDisconnected || !registered_ || !fatal_.empty() ||
-      shutdown_) {
+      shutdown_ || !key_refused_.ok()) {
     return;
   }
   Message msg;

@@ -239,13 +239,16 @@ class ControlClient {
   const std::string data_routing_id_;
   const std::string control_routing_id_;
   zmq::socket_t socket_;
-  // The control socket's connection events (ZMQ_EVENT_CONNECTED and _CONNECT_RETRIED), read by
-  // Poll; not connected when ZeroMQ could not start the monitor.
+  // The control socket's connection events (ZMQ_EVENT_CONNECTED, _CONNECT_RETRIED and
+  // _HANDSHAKE_FAILED_AUTH), read by Poll; not connected when ZeroMQ could not start the monitor.
   zmq::socket_t monitor_;
   uint64_t reconnections_ = 0;
   // Since when the scheduler's port refused every connection (a CONNECT_RETRIED with no
   // CONNECTED after it); empty while connected.
   std::optional<Clock::time_point> refused_since_;
+  // Not OK once the scheduler refused this node's CURVE key (ZMQ_EVENT_HANDSHAKE_FAILED_AUTH):
+  // ZeroMQ does not connect again, so Poll (and every wait) returns it; a configuration error.
+  Status key_refused_;
   // Reads the connection events; for a connection made again after the membership (its TCP
   // connection broke) logs it and sends a HEARTBEAT on the control socket at once: it clears the
   // scheduler's mark that this node's connection is gone (two heartbeat intervals with it remove

@@ -101,7 +101,11 @@ Status SendMessage(zmq::socket_t& socket, Message& msg, const std::string* routi
     const bool more = !msg.frames.empty();
     if (!socket.send(zmq::buffer(header),
                      more ? zmq::send_flags::sndmore : zmq::send_flags::none)) {
-      return Status::IoError("send would block (header)");
+      // A socket with a send timeout (ZMQ_SNDTIMEO) that ran out: no connection took it.
+      return Status::IoError(
+          "send " + CommandName(msg.header.command()) +
+          " found no connection to the peer that takes it (with security.curve: did the peer "
+          "refuse this node's key? its log names each refused key; or the peer reads nothing)");
     }
     for (size_t i = 0; i < msg.frames.size(); ++i) {
       total += msg.frames[i].size();

@@ -100,22 +100,76 @@ void PortReservation::Release() {
 
 zmq::socket_t ConnectDealer(zmq::context_t& context, const std::string& host, uint32_t port,
                             const std::string& routing_id, const std::string& server_key,
-                            int64_t max_frame_bytes) {
+                            int64_t max_frame_bytes, HandshakeWatch* watch) {
   zmq::socket_t s(context, zmq::socket_type::dealer);
   s.set(zmq::sockopt::routing_id, routing_id);
   s.set(zmq::sockopt::sndhwm, kSocketHwm);
   s.set(zmq::sockopt::rcvhwm, kSocketHwm);
   s.set(zmq::sockopt::maxmsgsize, max_frame_bytes);
   s.set(zmq::sockopt::linger, 2000);
+  s.set(zmq::sockopt::sndtimeo, kDealerSendTimeoutMs);
   if (const CurveContext* curve = CurveContext::For(context)) {
     if (server_key.empty()) {
       throw std::invalid_argument("CURVE is on but no server key was given for " +
                                   Endpoint(host, port));
     }
     curve->MakeClient(s, server_key);
+    if (watch != nullptr) watch->Attach(context, s);
   }
   s.connect(Endpoint(host, port));
   return s;
+}
+
+Status CurveKeyRefused(const zmq::context_t& context, const std::string& peer,
+                       uint32_t zap_status) {
+  const CurveContext* curve = CurveContext::For(context);
+  return Status::InvalidArgument(
+      peer + " refused this node's CURVE key " +
+      (curve != nullptr ? curve->keys().public_key : std::string("?")) + " (ZAP status " +
+      std::to_string(zap_status) + "): put " + (curve != nullptr ? curve->key_dir() : "?") +
+      "/public.key in security.authorized_keys_dir on that host and on every host of the job (a "
+      "daemon reads the directory again when an unknown key knocks), then start this node again");
+}
+
+bool ReadMonitorEvent(zmq::socket_t& monitor, uint16_t* id, uint32_t* value) {
+  zmq::message_t event, address;
+  // Each event is two frames: the event number and value, then the endpoint.
+  if (!monitor.recv(event, zmq::recv_flags::dontwait)) return false;
+  if (event.more()) (void)monitor.recv(address, zmq::recv_flags::dontwait);
+  *id = 0;
+  *value = 0;
+  if (event.size() >= sizeof(*id)) std::memcpy(id, event.data(), sizeof(*id));
+  if (event.size() >= sizeof(*id) + sizeof(*value)) {
+    std::memcpy(value, static_cast<const char*>(event.data()) + sizeof(*id), sizeof(*value));
+  }
+  return true;
+}
+
+void HandshakeWatch::Attach(zmq::context_t& context, zmq::socket_t& socket) {
+  context_ = &context;
+  if (CurveContext::For(context) == nullptr) return;
+  static std::atomic<uint64_t> counter{0};
+  const std::string endpoint = "inproc://sparseps-handshakes-" + std::to_string(getpid()) + "-" +
+                               std::to_string(counter.fetch_add(1));
+  if (zmq_socket_monitor(socket.handle(), endpoint.c_str(), ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) != 0) {
+    return;  // the sends' timeout still ends the wait
+  }
+  monitor_ = zmq::socket_t(context, zmq::socket_type::pair);
+  monitor_.set(zmq::sockopt::linger, 0);
+  monitor_.connect(endpoint);
+}
+
+Status HandshakeWatch::Check() {
+  if (monitor_.handle() == nullptr || !refused_.ok()) return refused_;
+  uint16_t id;
+  uint32_t value;
+  while (ReadMonitorEvent(monitor_, &id, &value)) {
+    if (id == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) {
+      refused_ = CurveKeyRefused(*context_, peer_, value);
+      break;
+    }
+  }
+  return refused_;
 }
 
 void SetMaxFrameBytes(zmq::socket_t& socket, int64_t max_frame_bytes) {

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 #include <zmq.hpp>
 
@@ -87,12 +88,55 @@ class PortReservation {
   uint32_t port_ = 0;
 };
 
-// A DEALER socket connected to tcp://host:port with the given routing id (unique per process).
-// With a CurveContext on `context` it is a CURVE client of the server whose public key is
-// `server_key` (Z85; std::invalid_argument when empty then: the caller's bug).
+class HandshakeWatch;
+
+// How long a send on a DEALER from ConnectDealer may wait for a connection that takes it
+// (ZMQ_SNDTIMEO) before it fails: ZeroMQ drops a connection whose handshake the peer refused (a
+// CURVE key it does not authorize) and never makes it again, and a send would wait for it forever.
+// A connection that works takes a message at once unless kSocketHwm wait for a peer that reads
+// none.
+inline constexpr int kDealerSendTimeoutMs = 30000;
+
+// A DEALER socket connected to tcp://host:port with the given routing id (unique per process);
+// a send fails after kDealerSendTimeoutMs without a connection that takes it. With a CurveContext
+// on `context` it is a CURVE client of the server whose public key is `server_key` (Z85;
+// std::invalid_argument when empty then: the caller's bug), and `watch` (when given) watches its
+// handshakes from before it connects.
 zmq::socket_t ConnectDealer(zmq::context_t& context, const std::string& host, uint32_t port,
                             const std::string& routing_id, const std::string& server_key = "",
-                            int64_t max_frame_bytes = kControlMaxFrameBytes);
+                            int64_t max_frame_bytes = kControlMaxFrameBytes,
+                            HandshakeWatch* watch = nullptr);
+
+// The error for a peer (e.g. "server 0 at tcp://h:p") that refused this node's CURVE key with
+// ZAP status `zap_status`: InvalidArgument (a configuration error) naming the key and the file to
+// authorize.
+Status CurveKeyRefused(const zmq::context_t& context, const std::string& peer, uint32_t zap_status);
+
+// One event from a socket monitor's PAIR socket (zmq_socket_monitor): its number (ZMQ_EVENT_*)
+// and value. False, without blocking, when none is queued.
+bool ReadMonitorEvent(zmq::socket_t& monitor, uint16_t* id, uint32_t* value);
+
+// Tells at once that the peer of a client socket refused this node's CURVE key: ZeroMQ drops such
+// a connection and never makes it again, so every later send on the socket would only wait for
+// one (kDealerSendTimeoutMs) and every reply wait for its deadline. Monitors the socket's
+// ZMQ_EVENT_HANDSHAKE_FAILED_AUTH (a socket has one monitor: not for one monitored otherwise).
+// Inert without a CurveContext on the context. Thread-safety: the socket's thread only.
+class HandshakeWatch {
+ public:
+  HandshakeWatch() = default;  // inert
+  // `peer` names the other end in the error.
+  explicit HandshakeWatch(std::string peer) : peer_(std::move(peer)) {}
+  // Starts watching `socket` (before it connects: ConnectDealer's `watch`).
+  void Attach(zmq::context_t& context, zmq::socket_t& socket);
+  // CurveKeyRefused's error once the peer refused this node's key; OK before. Never blocks.
+  Status Check();
+
+ private:
+  const zmq::context_t* context_ = nullptr;
+  zmq::socket_t monitor_;
+  std::string peer_;
+  Status refused_;
+};
 
 // Raises or lowers the largest frame `socket` accepts from connections made from now on.
 void SetMaxFrameBytes(zmq::socket_t& socket, int64_t max_frame_bytes);

@@ -55,8 +55,9 @@ PsClient::PsClient(zmq::context_t& context, const proto::Membership& membership,
     const std::string host = server ? server->host() : "?";
     const uint32_t port = server ? server->port() : 0;
     p.name = "server " + std::to_string(r.server_rank()) + " at " + Endpoint(host, port);
+    p.watch = HandshakeWatch(p.name);
     p.socket = ConnectDealer(context, host, port, routing_id, server ? server->public_key() : "",
-                             max_frame);
+                             max_frame, &p.watch);
     ranges_.push_back(p.range);
     peers_.push_back(std::move(p));
   }
@@ -105,6 +106,7 @@ Status PsClient::Send(Peer& peer, Message& msg, proto::Command expected, Ticket*
   // The membership this client was made for is void: its server may be gone, and a request to
   // its endpoint would only wait. The iteration ends here; the job rolls back.
   SPARSEPS_RETURN_IF_ERROR(CheckPaused(msg.header.iteration()));
+  SPARSEPS_RETURN_IF_ERROR(peer.watch.Check());
   auto& h = msg.header;
   h.set_sender_role(proto::WORKER);
   h.set_sender_rank(worker_rank_);
@@ -391,6 +393,7 @@ Status PsClient::AwaitUntil(int64_t iteration, float* params, const std::functio
     // says so (both may come in one Poll): what it waits for is void, and nothing goes again to a
     // lost server's old endpoint.
     SPARSEPS_RETURN_IF_ERROR(CheckPaused(iteration));
+    for (auto& p : peers_) SPARSEPS_RETURN_IF_ERROR(p.watch.Check());
     const Peer* waiting = nullptr;
     const Pending* what = nullptr;
     for (const auto& p : peers_) {

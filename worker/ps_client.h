@@ -29,6 +29,7 @@
 #include "common/status.h"
 #include "transport/control_client.h"
 #include "transport/message.h"
+#include "transport/van.h"
 
 namespace sparseps {
 
@@ -190,6 +191,7 @@ class PsClient {
     int server_rank = 0;
     std::string name;  // "server 1 at tcp://host:port"
     zmq::socket_t socket;
+    HandshakeWatch watch;  // with CURVE: tells at once that the server refused this worker's key
     int64_t version = -1;
     std::deque<Pending> pending;             // requests still to be answered, in the order sent
     std::vector<uint32_t> candidates;        // the last CANDIDATES reply (relative keys)

@@ -5,7 +5,9 @@
 //   the job completes with parameters bitwise equal to an undisturbed run's, and no daemon's RSS
 //   passes kMaxRssBytes;
 // - with security.curve a job trains, while a client without an authorized key (and one without
-//   CURVE) gets no answer from the scheduler or a server: nothing it sends is read;
+//   CURVE) gets no answer from the scheduler or a server: nothing it sends is read; a node whose
+//   key a peer refuses ends at once naming both, and a key authorized while the job runs lets a
+//   replacement in;
 // - a node whose job config differs is refused, naming the keys.
 #include "security/security.h"
 
@@ -490,6 +492,24 @@ std::string Keygen(const std::string& dir, const std::string& name, const std::s
   return out;
 }
 
+// A CURVE job's keys under `dir`: a keypair per node of `names` (StartJob's order: servers,
+// workers, the scheduler), whose public keys go to dir/authorized; the settings that turn CURVE on
+// for every node go to `sets`. Returns StartJob's per_node settings (each node's key_dir).
+std::vector<std::vector<std::string>> CurveKeys(const std::string& dir,
+                                                const std::vector<std::string>& names,
+                                                std::vector<std::string>* sets) {
+  const std::string authorized = dir + "/authorized";
+  std::filesystem::create_directories(authorized);
+  std::vector<std::vector<std::string>> per_node;
+  for (const auto& n : names) {
+    per_node.push_back({"security.key_dir=" + Keygen(dir, n, authorized)});
+  }
+  sets->push_back("security.curve=true");
+  sets->push_back("security.authorized_keys_dir=" + authorized);
+  sets->push_back("security.scheduler_public_key=" + authorized + "/scheduler.key");
+  return per_node;
+}
+
 TEST(Curve, KeygenWritesASecretOnlyItsOwnerReads) {
   TempDir dir("keygen");
   const std::string keys = Keygen(dir.path(), "a", "");
@@ -516,17 +536,10 @@ TEST(Curve, JobTrainsAndAStrangerWithoutAnAuthorizedKeyIsNotRead) {
   TempDir dir("curve");
   const std::string run = dir.path() + "/run", authorized = dir.path() + "/authorized";
   std::filesystem::create_directories(run);
-  std::filesystem::create_directories(authorized);
   // One keypair per node; the scheduler's public key goes to every node.
-  const std::vector<std::string> names = {"server0", "worker0", "worker1", "scheduler"};
-  std::vector<std::vector<std::string>> per_node;
-  for (const auto& n : names) {
-    per_node.push_back({"security.key_dir=" + Keygen(dir.path(), n, authorized)});
-  }
   std::vector<std::string> sets = JobSets(run, 1);
-  sets.push_back("security.curve=true");
-  sets.push_back("security.authorized_keys_dir=" + authorized);
-  sets.push_back("security.scheduler_public_key=" + authorized + "/scheduler.key");
+  const auto per_node =
+      CurveKeys(dir.path(), {"server0", "worker0", "worker1", "scheduler"}, &sets);
   Job job = StartJob(run, 1, sets, per_node);
   ASSERT_NE(job.scheduler_port, 0u);
   ServerTarget server = WaitForServer(*job.servers[0], 60);
@@ -608,6 +621,125 @@ TEST(Curve, JobTrainsAndAStrangerWithoutAnAuthorizedKeyIsNotRead) {
   const std::string summary = testing::ReadFile(run + "/summary.json");
   EXPECT_THAT(summary, HasSubstr("\"status\": \"ok\""));
 }
+
+// The user guide's way to let a replacement in with a new key. A worker with a keypair the daemons
+// have never seen (another host's) knocks: the scheduler refuses it, naming the key, and the
+// worker ends at once (code 2, a configuration error) saying which file goes where, instead of
+// waiting for a connection ZeroMQ never makes again. Once its public key is in
+// authorized_keys_dir, the scheduler and the server read the directory again: with it, a
+// replacement for worker 1 (killed with kill -9) joins the running job, and the server takes its
+// pushes under the new key (the membership carries it) without rejecting a message.
+TEST(Curve, ANewKeyIsRefusedAtOnceAndJoinsOnceAuthorized) {
+  if (!HaveData()) GTEST_SKIP() << "Fashion-MNIST not installed";
+  TempDir dir("curve-replacement");
+  const std::string run = dir.path() + "/run", authorized = dir.path() + "/authorized";
+  std::filesystem::create_directories(run);
+  const std::string new_keys = Keygen(dir.path(), "worker1-new", "");
+  auto new_key = ReadCurvePublicKey(new_keys + "/public.key");
+  ASSERT_TRUE(new_key.ok()) << new_key.status().ToString();
+  // Worker 0 is stopped (SIGSTOP) while worker 1 is replaced, so that it cannot run to the job's
+  // end alone first: the heartbeat timeout outlasts that; worker 1's loss is seen at once (its
+  // connection is gone).
+  std::vector<std::string> sets = JobSets(run, 1, 1500);
+  sets.push_back("cluster.on_worker_failure=continue");
+  sets.push_back("cluster.heartbeat_timeout_s=60");
+  const auto per_node =
+      CurveKeys(dir.path(), {"server0", "worker0", "worker1", "scheduler"}, &sets);
+  Job job = StartJob(run, 1, sets, per_node);
+  ASSERT_NE(job.scheduler_port, 0u);
+  ASSERT_TRUE(testing::WaitForCsvRows(run + "/metrics-worker-1.csv", 20, 120))
+      << job.workers[1]->Log();
+  auto new_worker = [&](const std::string& log) {
+    std::vector<std::string> argv = Args("worker/sparseps-worker", sets);
+    for (const std::string& s :
+         std::vector<std::string>{"cluster.scheduler_port=" + std::to_string(job.scheduler_port),
+                                  "node.rank=1", "security.key_dir=" + new_keys}) {
+      argv.insert(argv.end(), {"--set", s});
+    }
+    argv.push_back("--rejoin");
+    return std::make_unique<ChildProcess>(argv, run + "/" + log,
+                                          std::vector<std::string>{"OPENBLAS_NUM_THREADS=1"});
+  };
+  auto refused = new_worker("refused-worker.log");
+  EXPECT_EQ(refused->Wait(60), 2) << refused->Log();
+  EXPECT_THAT(refused->Log(), HasSubstr("refused this node's CURVE key " + *new_key));
+  EXPECT_THAT(refused->Log(), HasSubstr(new_keys + "/public.key in security.authorized_keys_dir"));
+  EXPECT_THAT(job.scheduler->Log(), HasSubstr("public key " + *new_key + " is not in"));
+  ASSERT_TRUE(job.workers[0]->Running()) << "the job ended before the replacement";
+
+  std::filesystem::copy_file(new_keys + "/public.key", authorized + "/worker1-new.key");
+  job.workers[0]->Signal(SIGSTOP);
+  job.workers[1]->Signal(SIGKILL);
+  EXPECT_EQ(job.workers[1]->Wait(30), 128 + SIGKILL);
+  auto replacement = new_worker("worker-1-replacement.log");
+  bool joined = false;
+  for (int i = 0; i < 1200 && !joined && replacement->Running(); ++i) {
+    joined = replacement->Log().find("joined the running job as worker 1") != std::string::npos;
+    if (!joined) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  job.workers[0]->Signal(SIGCONT);
+  EXPECT_TRUE(joined) << replacement->Log() << "\nscheduler:\n" << job.scheduler->Log();
+  EXPECT_EQ(replacement->Wait(120), 0) << replacement->Log();
+  EXPECT_EQ(job.workers[0]->Wait(120), 0) << job.workers[0]->Log();
+  EXPECT_EQ(job.servers[0]->Wait(30), 0) << job.servers[0]->Log();
+  EXPECT_EQ(job.scheduler->Wait(30), 0) << job.scheduler->Log();
+  // Worker 1's metrics: the lost worker's steps, then the replacement's, to the job's last.
+  std::vector<double> steps;
+  ASSERT_NO_FATAL_FAILURE(testing::CsvColumn(run + "/metrics-worker-1.csv", "step", &steps));
+  ASSERT_FALSE(steps.empty());
+  EXPECT_EQ(steps.back(), 1500.0) << job.scheduler->Log();
+  const std::string summary = testing::ReadFile(run + "/summary.json");
+  EXPECT_THAT(summary, HasSubstr("\"status\": \"ok\""));
+  EXPECT_THAT(summary, HasSubstr("joined_workers")) << summary;
+  EXPECT_THAT(job.servers[0]->Log(), HasSubstr(" 0 rejected messages"));
+  EXPECT_THAT(job.scheduler->Log(), ::testing::Not(HasSubstr("rejected a message")));
+}
+
+// A worker key the scheduler authorizes but a peer does not (its host's authorized_keys_dir lacks
+// it): server 0 of a PS job, or worker 0 of a ring allreduce. Worker 1 ends at once (code 2)
+// naming that peer and its own key, and the job ends naming worker 1, long before a send's timeout
+// (kDealerSendTimeoutMs) or a reply's deadline.
+class CurvePeerRefuses : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(CurvePeerRefuses, TheRefusedWorkerEndsTheJobAtOnceNamingThePeer) {
+  if (!HaveData()) GTEST_SKIP() << "Fashion-MNIST not installed";
+  const bool ps = GetParam() == "ps";
+  TempDir dir("curve-peer-refuses");
+  const std::string run = dir.path() + "/run", authorized = dir.path() + "/authorized";
+  const std::string at_peer = dir.path() + "/authorized-at-peer";
+  std::filesystem::create_directories(run);
+  std::vector<std::string> names = {"worker0", "worker1", "scheduler"};
+  if (ps) names.insert(names.begin(), "server0");
+  std::vector<std::string> sets = JobSets(run, 1, 300);  // an allreduce job starts no server
+  if (!ps) sets.insert(sets.end(), {"aggregation=allreduce", "collective.algorithm=ring"});
+  auto per_node = CurveKeys(dir.path(), names, &sets);
+  // The refusing peer's folder: every key but worker 1's.
+  std::filesystem::copy(authorized, at_peer);
+  std::filesystem::remove(at_peer + "/worker1.key");
+  per_node[0].push_back("security.authorized_keys_dir=" + at_peer);  // server 0, or worker 0
+  auto worker1_key = ReadCurvePublicKey(authorized + "/worker1.key");
+  ASSERT_TRUE(worker1_key.ok());
+  Job job = StartJob(run, ps ? 1 : 0, sets, per_node);
+  ASSERT_NE(job.scheduler_port, 0u);
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(job.workers[1]->Wait(60), 2) << job.workers[1]->Log();
+  const double waited =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(waited, kDealerSendTimeoutMs / 1000.0 / 2) << job.workers[1]->Log();
+  const std::string peer = ps ? "server 0 at tcp://127.0.0.1:" : "worker 0 at 127.0.0.1:";
+  EXPECT_THAT(job.workers[1]->Log(), HasSubstr(peer));
+  EXPECT_THAT(job.workers[1]->Log(),
+              HasSubstr("refused this node's CURVE key " + *worker1_key + " (ZAP status 400)"));
+  EXPECT_NE(job.scheduler->Wait(60), 0);
+  EXPECT_THAT(job.scheduler->Log(), HasSubstr("ending the job: worker 1 ("));
+  EXPECT_THAT(job.scheduler->Log(), HasSubstr("failed: " + peer));
+  ChildProcess& refusing = ps ? *job.servers[0] : *job.workers[0];
+  EXPECT_THAT(refusing.Log(), HasSubstr("public key " + *worker1_key + " is not in"));
+  EXPECT_NE(refusing.Wait(60), -1) << refusing.Log();
+}
+
+INSTANTIATE_TEST_SUITE_P(Aggregation, CurvePeerRefuses, ::testing::Values("ps", "ring"),
+                         [](const auto& info) { return info.param; });
 
 TEST(ConfigAgreement, DifferingConfigIsRefusedNamingTheKeys) {
   TempDir dir("agree");

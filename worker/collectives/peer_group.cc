@@ -27,6 +27,7 @@ void PeerGroup::Connect(int rank, const std::vector<PeerAddress>& peers) {
   rank_ = rank;
   peers_ = peers;
   dealers_.clear();
+  watches_.clear();
   rank_of_id_.clear();
   queued_.clear();
   queued_.resize(peers.size());
@@ -35,13 +36,14 @@ void PeerGroup::Connect(int rank, const std::vector<PeerAddress>& peers) {
   router_.set(zmq::sockopt::router_handover, unguessable ? 1 : 0);
   for (size_t i = 0; i < peers.size(); ++i) {
     rank_of_id_[RoutingId(peers, i)] = static_cast<int>(i);
+    watches_.emplace_back(PeerName(static_cast<int>(i)));
     if (static_cast<int>(i) == rank) {
       dealers_.emplace_back();
       continue;
     }
     dealers_.push_back(ConnectDealer(context_, peers[i].host, peers[i].port,
                                      RoutingId(peers, static_cast<size_t>(rank)),
-                                     peers[i].public_key, max_frame_bytes_));
+                                     peers[i].public_key, max_frame_bytes_, &watches_.back()));
   }
 }
 
@@ -61,12 +63,14 @@ Status PeerGroup::Send(int dst, uint64_t tag, Message& msg) {
   msg.header.set_sender_role(proto::WORKER);
   msg.header.set_sender_rank(rank_);
   msg.header.set_request_id(tag);
+  SPARSEPS_RETURN_IF_ERROR(watches_[static_cast<size_t>(dst)].Check());
   Status s = SendMessage(dealers_[static_cast<size_t>(dst)], msg, nullptr, &bytes_sent_);
   if (!s.ok()) return Status::IoError("sending to " + PeerName(dst) + ": " + s.message());
   return Status::OK();
 }
 
 Status PeerGroup::Pump(int64_t timeout_ms) {
+  for (auto& w : watches_) SPARSEPS_RETURN_IF_ERROR(w.Check());
   std::vector<zmq::socket_t*> sockets{&router_};
   if (hook_socket_ != nullptr) sockets.push_back(hook_socket_);
   auto ready = PollIn(sockets, timeout_ms);

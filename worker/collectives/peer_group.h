@@ -110,7 +110,8 @@ class PeerGroup {
   int64_t max_frame_bytes_;
   int rank_ = 0;
   std::vector<PeerAddress> peers_;
-  std::vector<zmq::socket_t> dealers_;  // dealers_[i] connects to peer i (none for our rank)
+  std::vector<zmq::socket_t> dealers_;   // dealers_[i] connects to peer i (none for our rank)
+  std::vector<HandshakeWatch> watches_;  // watches_[i]: peer i refused this worker's CURVE key
   std::map<std::string, int> rank_of_id_;
   std::vector<std::map<uint64_t, Message>> queued_;  // per source, by tag
   std::map<std::string, std::vector<char>> store_;
