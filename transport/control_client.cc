@@ -46,19 +46,15 @@ ControlClient::ControlClient(zmq::context_t& context, const proto::JobConfig& co
       heartbeat_routing_id_(MakeRoutingId(role, "hb")),
       data_routing_id_(MakeRoutingId(role, "data")),
       control_routing_id_(MakeRoutingId(role, "ctl")),
-      socket_(ConnectDealer(context, config.cluster().scheduler_host(),
-                            config.cluster().scheduler_port() == 0
-                                ? 1  // placeholder; Register() refuses port 0 with a clear error
-                                : config.cluster().scheduler_port(),
-                            control_routing_id_, SchedulerKey(context))) {
-  const std::string endpoint = "inproc://sparseps-monitor-" + control_routing_id_;
-  if (zmq_socket_monitor(
-          socket_.handle(), endpoint.c_str(),
-          ZMQ_EVENT_CONNECTED | ZMQ_EVENT_CONNECT_RETRIED | ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) == 0) {
-    monitor_ = zmq::socket_t(context, zmq::socket_type::pair);
-    monitor_.set(zmq::sockopt::linger, 0);
-    monitor_.connect(endpoint);
-  } else {
+      monitor_(ZMQ_EVENT_CONNECTED | ZMQ_EVENT_CONNECT_RETRIED | ZMQ_EVENT_HANDSHAKE_FAILED_AUTH),
+      socket_(
+          ConnectDealer(context, config.cluster().scheduler_host(),
+                        config.cluster().scheduler_port() == 0
+                            ? 1  // placeholder; Register() refuses port 0 with a clear error
+                            : config.cluster().scheduler_port(),
+                        control_routing_id_, SchedulerKey(context), kControlMaxFrameBytes,
+                        [this](zmq::socket_t& s) { monitored_ = monitor_.Attach(context_, s); })) {
+  if (!monitored_) {
     spdlog::warn(
         "no monitor on the control socket ({}): a connection to the scheduler made "
         "again is noticed at this node's next message",
@@ -68,15 +64,14 @@ ControlClient::ControlClient(zmq::context_t& context, const proto::JobConfig& co
 
 ControlClient::~ControlClient() {
   StopHeartbeats();
-  if (monitor_.handle() != nullptr) zmq_socket_monitor(socket_.handle(), nullptr, 0);
+  if (monitor_.active()) zmq_socket_monitor(socket_.handle(), nullptr, 0);
 }
 
 void ControlClient::CheckReconnected() {
-  if (monitor_.handle() == nullptr) return;
   bool connected = false;
   uint16_t id;
   uint32_t value;
-  while (ReadMonitorEvent(monitor_, &id, &value)) {
+  while (monitor_.Next(&id, &value)) {
     if (id == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH && key_refused_.ok()) {
       // ZeroMQ drops a connection whose handshake the peer refused and does not make it again:
       // every later send would wait for a connection that never comes. This node ends at once.

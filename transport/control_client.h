@@ -238,10 +238,12 @@ class ControlClient {
   const std::string heartbeat_routing_id_;
   const std::string data_routing_id_;
   const std::string control_routing_id_;
-  zmq::socket_t socket_;
   // The control socket's connection events (ZMQ_EVENT_CONNECTED, _CONNECT_RETRIED and
-  // _HANDSHAKE_FAILED_AUTH), read by Poll; not connected when ZeroMQ could not start the monitor.
-  zmq::socket_t monitor_;
+  // _HANDSHAKE_FAILED_AUTH), read by Poll; attached before the socket connects (so declared
+  // before it); inert when ZeroMQ could not start it (monitored_ false).
+  SocketMonitor monitor_;
+  bool monitored_ = false;
+  zmq::socket_t socket_;
   uint64_t reconnections_ = 0;
   // Since when the scheduler's port refused every connection (a CONNECT_RETRIED with no
   // CONNECTED after it); empty while connected.

@@ -100,7 +100,8 @@ void PortReservation::Release() {
 
 zmq::socket_t ConnectDealer(zmq::context_t& context, const std::string& host, uint32_t port,
                             const std::string& routing_id, const std::string& server_key,
-                            int64_t max_frame_bytes, HandshakeWatch* watch) {
+                            int64_t max_frame_bytes,
+                            const std::function<void(zmq::socket_t&)>& before_connect) {
   zmq::socket_t s(context, zmq::socket_type::dealer);
   s.set(zmq::sockopt::routing_id, routing_id);
   s.set(zmq::sockopt::sndhwm, kSocketHwm);
@@ -114,8 +115,8 @@ zmq::socket_t ConnectDealer(zmq::context_t& context, const std::string& host, ui
                                   Endpoint(host, port));
     }
     curve->MakeClient(s, server_key);
-    if (watch != nullptr) watch->Attach(context, s);
   }
+  if (before_connect) before_connect(s);
   s.connect(Endpoint(host, port));
   return s;
 }
@@ -131,11 +132,23 @@ Status CurveKeyRefused(const zmq::context_t& context, const std::string& peer,
       "daemon reads the directory again when an unknown key knocks), then start this node again");
 }
 
-bool ReadMonitorEvent(zmq::socket_t& monitor, uint16_t* id, uint32_t* value) {
+bool SocketMonitor::Attach(zmq::context_t& context, zmq::socket_t& socket) {
+  static std::atomic<uint64_t> counter{0};
+  const std::string endpoint = "inproc://sparseps-monitor-" + std::to_string(getpid()) + "-" +
+                               std::to_string(counter.fetch_add(1));
+  if (zmq_socket_monitor(socket.handle(), endpoint.c_str(), events_) != 0) return false;
+  pair_ = zmq::socket_t(context, zmq::socket_type::pair);
+  pair_.set(zmq::sockopt::linger, 0);
+  pair_.connect(endpoint);
+  return true;
+}
+
+bool SocketMonitor::Next(uint16_t* id, uint32_t* value) {
+  if (!active()) return false;
   zmq::message_t event, address;
   // Each event is two frames: the event number and value, then the endpoint.
-  if (!monitor.recv(event, zmq::recv_flags::dontwait)) return false;
-  if (event.more()) (void)monitor.recv(address, zmq::recv_flags::dontwait);
+  if (!pair_.recv(event, zmq::recv_flags::dontwait)) return false;
+  if (event.more()) (void)pair_.recv(address, zmq::recv_flags::dontwait);
   *id = 0;
   *value = 0;
   if (event.size() >= sizeof(*id)) std::memcpy(id, event.data(), sizeof(*id));
@@ -147,23 +160,15 @@ bool ReadMonitorEvent(zmq::socket_t& monitor, uint16_t* id, uint32_t* value) {
 
 void HandshakeWatch::Attach(zmq::context_t& context, zmq::socket_t& socket) {
   context_ = &context;
-  if (CurveContext::For(context) == nullptr) return;
-  static std::atomic<uint64_t> counter{0};
-  const std::string endpoint = "inproc://sparseps-handshakes-" + std::to_string(getpid()) + "-" +
-                               std::to_string(counter.fetch_add(1));
-  if (zmq_socket_monitor(socket.handle(), endpoint.c_str(), ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) != 0) {
-    return;  // the sends' timeout still ends the wait
-  }
-  monitor_ = zmq::socket_t(context, zmq::socket_type::pair);
-  monitor_.set(zmq::sockopt::linger, 0);
-  monitor_.connect(endpoint);
+  // Without CURVE no peer refuses a key; a failed start leaves the sends' timeout to end waits.
+  if (CurveContext::For(context) != nullptr) (void)monitor_.Attach(context, socket);
 }
 
 Status HandshakeWatch::Check() {
-  if (monitor_.handle() == nullptr || !refused_.ok()) return refused_;
+  if (!refused_.ok()) return refused_;
   uint16_t id;
   uint32_t value;
-  while (ReadMonitorEvent(monitor_, &id, &value)) {
+  while (monitor_.Next(&id, &value)) {
     if (id == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) {
       refused_ = CurveKeyRefused(*context_, peer_, value);
       break;

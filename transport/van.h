@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -88,8 +89,6 @@ class PortReservation {
   uint32_t port_ = 0;
 };
 
-class HandshakeWatch;
-
 // How long a send on a DEALER from ConnectDealer may wait for a connection that takes it
 // (ZMQ_SNDTIMEO) before it fails: ZeroMQ drops a connection whose handshake the peer refused (a
 // CURVE key it does not authorize) and never makes it again, and a send would wait for it forever.
@@ -100,21 +99,37 @@ inline constexpr int kDealerSendTimeoutMs = 30000;
 // A DEALER socket connected to tcp://host:port with the given routing id (unique per process);
 // a send fails after kDealerSendTimeoutMs without a connection that takes it. With a CurveContext
 // on `context` it is a CURVE client of the server whose public key is `server_key` (Z85;
-// std::invalid_argument when empty then: the caller's bug), and `watch` (when given) watches its
-// handshakes from before it connects.
+// std::invalid_argument when empty then: the caller's bug). `before_connect` (when given) is
+// called with the socket just before it connects: to attach a SocketMonitor that misses nothing.
 zmq::socket_t ConnectDealer(zmq::context_t& context, const std::string& host, uint32_t port,
                             const std::string& routing_id, const std::string& server_key = "",
                             int64_t max_frame_bytes = kControlMaxFrameBytes,
-                            HandshakeWatch* watch = nullptr);
+                            const std::function<void(zmq::socket_t&)>& before_connect = {});
 
 // The error for a peer (e.g. "server 0 at tcp://h:p") that refused this node's CURVE key with
 // ZAP status `zap_status`: InvalidArgument (a configuration error) naming the key and the file to
 // authorize.
 Status CurveKeyRefused(const zmq::context_t& context, const std::string& peer, uint32_t zap_status);
 
-// One event from a socket monitor's PAIR socket (zmq_socket_monitor): its number (ZMQ_EVENT_*)
-// and value. False, without blocking, when none is queued.
-bool ReadMonitorEvent(zmq::socket_t& monitor, uint16_t* id, uint32_t* value);
+// A socket's monitor (zmq_socket_monitor) for the events `events` (ZMQ_EVENT_* bits), read
+// without blocking. A socket has one monitor; the socket should outlive it (stop it first with
+// zmq_socket_monitor(socket, nullptr, 0) otherwise). Thread-safety: the socket's thread only.
+class SocketMonitor {
+ public:
+  SocketMonitor() = default;  // inert: Next is always false
+  explicit SocketMonitor(int events) : events_(events) {}
+  // Starts monitoring `socket`; before it connects, no event is missed. False, staying inert,
+  // when ZeroMQ cannot start the monitor (zmq_errno says why).
+  bool Attach(zmq::context_t& context, zmq::socket_t& socket);
+  bool active() const { return pair_.handle() != nullptr; }
+  // The next event: its number (ZMQ_EVENT_*) and value. False, without blocking, when none is
+  // queued.
+  bool Next(uint16_t* id, uint32_t* value);
+
+ private:
+  int events_ = 0;
+  zmq::socket_t pair_;
+};
 
 // Tells at once that the peer of a client socket refused this node's CURVE key: ZeroMQ drops such
 // a connection and never makes it again, so every later send on the socket would only wait for
@@ -126,14 +141,14 @@ class HandshakeWatch {
   HandshakeWatch() = default;  // inert
   // `peer` names the other end in the error.
   explicit HandshakeWatch(std::string peer) : peer_(std::move(peer)) {}
-  // Starts watching `socket` (before it connects: ConnectDealer's `watch`).
+  // Starts watching `socket` (before it connects: ConnectDealer's `before_connect`).
   void Attach(zmq::context_t& context, zmq::socket_t& socket);
   // CurveKeyRefused's error once the peer refused this node's key; OK before. Never blocks.
   Status Check();
 
  private:
   const zmq::context_t* context_ = nullptr;
-  zmq::socket_t monitor_;
+  SocketMonitor monitor_{ZMQ_EVENT_HANDSHAKE_FAILED_AUTH};
   std::string peer_;
   Status refused_;
 };

@@ -57,7 +57,7 @@ PsClient::PsClient(zmq::context_t& context, const proto::Membership& membership,
     p.name = "server " + std::to_string(r.server_rank()) + " at " + Endpoint(host, port);
     p.watch = HandshakeWatch(p.name);
     p.socket = ConnectDealer(context, host, port, routing_id, server ? server->public_key() : "",
-                             max_frame, &p.watch);
+                             max_frame, [&](zmq::socket_t& s) { p.watch.Attach(context, s); });
     ranges_.push_back(p.range);
     peers_.push_back(std::move(p));
   }

@@ -41,9 +41,10 @@ void PeerGroup::Connect(int rank, const std::vector<PeerAddress>& peers) {
       dealers_.emplace_back();
       continue;
     }
-    dealers_.push_back(ConnectDealer(context_, peers[i].host, peers[i].port,
-                                     RoutingId(peers, static_cast<size_t>(rank)),
-                                     peers[i].public_key, max_frame_bytes_, &watches_.back()));
+    dealers_.push_back(ConnectDealer(
+        context_, peers[i].host, peers[i].port, RoutingId(peers, static_cast<size_t>(rank)),
+        peers[i].public_key, max_frame_bytes_,
+        [&](zmq::socket_t& s) { watches_.back().Attach(context_, s); }));
   }
 }
 
