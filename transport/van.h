@@ -112,8 +112,8 @@ zmq::socket_t ConnectDealer(zmq::context_t& context, const std::string& host, ui
 Status CurveKeyRefused(const zmq::context_t& context, const std::string& peer, uint32_t zap_status);
 
 // A socket's monitor (zmq_socket_monitor) for the events `events` (ZMQ_EVENT_* bits), read
-// without blocking. A socket has one monitor; the socket should outlive it (stop it first with
-// zmq_socket_monitor(socket, nullptr, 0) otherwise). Thread-safety: the socket's thread only.
+// without blocking. A socket has one monitor (closing the socket stops it). Thread-safety: the
+// socket's thread only.
 class SocketMonitor {
  public:
   SocketMonitor() = default;  // inert: Next is always false
