@@ -10,6 +10,7 @@
 #include <functional>
 #include <limits>
 #include <random>
+#include <utility>
 
 #include "config/config.h"
 #include "security/security.h"
@@ -67,8 +68,7 @@ ControlClient::~ControlClient() {
   if (monitor_.active()) zmq_socket_monitor(socket_.handle(), nullptr, 0);
 }
 
-void ControlClient::CheckReconnected() {
-  bool connected = false;
+void ControlClient::ReadConnectionEvents() {
   uint16_t id;
   uint32_t value;
   while (monitor_.Next(&id, &value)) {
@@ -77,15 +77,19 @@ void ControlClient::CheckReconnected() {
       // every later send would wait for a connection that never comes. This node ends at once.
       key_refused_ = CurveKeyRefused(context_, "the scheduler at " + scheduler_endpoint(), value);
     } else if (id == ZMQ_EVENT_CONNECTED) {
-      connected = true;
+      // The first connection carries the registration and the membership; one made after them
+      // is one made again.
+      if (has_membership_ && !shutdown_) reconnected_ = true;
       refused_since_.reset();
     } else if (id == ZMQ_EVENT_CONNECT_RETRIED && !refused_since_) {
       refused_since_ = Clock::now();
     }
   }
-  // The first connection carries the registration and the membership; one made after them is
-  // one made again.
-  if (!connected || !has_membership_ || shutdown_) return;
+}
+
+void ControlClient::CheckReconnected() {
+  ReadConnectionEvents();
+  if (!std::exchange(reconnected_, false) || !has_membership_ || shutdown_) return;
   ++reconnections_;
   spdlog::info("the connection to the scheduler at {} was made again", scheduler_endpoint());
   Message hello;
@@ -112,10 +116,19 @@ std::string ControlClient::scheduler_endpoint() const {
 }
 
 Status ControlClient::Send(Message& msg) {
+  // A refused key ends this node here, before its message waits for a connection that never
+  // comes (the handshake may have failed before the first send: a slow start, no Poll yet).
+  ReadConnectionEvents();
+  SPARSEPS_RETURN_IF_ERROR(key_refused_);
   msg.header.set_sender_role(role_);
   msg.header.set_sender_rank(has_membership_ ? membership_.your_rank() : -1);
   msg.header.set_epoch(membership_.epoch());
-  return SendMessage(socket_, msg);
+  Status s = SendMessage(socket_, msg);
+  if (!s.ok()) {
+    ReadConnectionEvents();  // refused while the send waited: that is the cause to name
+    SPARSEPS_RETURN_IF_ERROR(key_refused_);
+  }
+  return s;
 }
 
 Status ControlClient::Register(const std::string& host, uint32_t port, uint64_t num_params) {

@@ -257,6 +257,10 @@ class ControlClient {
   // the node) without waiting for the heartbeat thread's next one; then the newest iteration's
   // checkpoint reports and the newest answer (SendAnswer) again.
   void CheckReconnected();
+  // Reads the control socket's monitor: key_refused_, refused_since_, and reconnected_ for a
+  // connection made after the membership (CheckReconnected acts on it). Sends nothing.
+  void ReadConnectionEvents();
+  bool reconnected_ = false;
   // Poll's check for a replacement waiting for its membership at a port no scheduler listens on.
   Status CheckSchedulerThere();
   bool registered_ = false;
