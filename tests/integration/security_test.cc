@@ -12,6 +12,7 @@
 #include "security/security.h"
 
 #include <gmock/gmock.h>
+#include <google/protobuf/util/json_util.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 
@@ -30,6 +31,7 @@
 #include "common/sanitizers.h"
 #include "encodings/dense.h"
 #include "encodings/topk.h"
+#include "proto/summary.pb.h"
 #include "tests/support/process.h"
 #include "transport/message.h"
 #include "transport/van.h"
@@ -688,9 +690,12 @@ TEST(Curve, ANewKeyIsRefusedAtOnceAndJoinsOnceAuthorized) {
   ASSERT_NO_FATAL_FAILURE(testing::CsvColumn(run + "/metrics-worker-1.csv", "step", &steps));
   ASSERT_FALSE(steps.empty());
   EXPECT_EQ(steps.back(), 1500.0) << job.scheduler->Log();
-  const std::string summary = testing::ReadFile(run + "/summary.json");
-  EXPECT_THAT(summary, HasSubstr("\"status\": \"ok\""));
-  EXPECT_THAT(summary, HasSubstr("joined_workers")) << summary;
+  proto::RunSummary summary;
+  const std::string json = testing::ReadFile(run + "/summary.json");
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(json, &summary).ok()) << json;
+  EXPECT_EQ(summary.status(), "ok");
+  ASSERT_EQ(summary.joined_workers_size(), 1) << json;
+  EXPECT_EQ(summary.joined_workers(0).rank(), 1);
   EXPECT_THAT(job.servers[0]->Log(), HasSubstr(" 0 rejected messages"));
   EXPECT_THAT(job.scheduler->Log(), ::testing::Not(HasSubstr("rejected a message")));
 }
