@@ -14,8 +14,8 @@
 # took 32 min 34 s for the whole before the cuts of af2ee89 to 46c4488 (2026-12-05, b17c901), and
 # 22 min 9 s for the plain build and its ctest with them (0421965, where a failed test, the Slurm
 # script's race that e691838 mends, ended the run there): scaled by this VM's runs, about 30 to 33
-# min for the whole, at the budget's edge. Fresh clones on the project's 2-core AMD EPYC VM: 27
-# min 1 s (2026-12-05, 225b5ec; its speed varies by hours). Both builds are unity builds
+# min for the whole, at the budget's edge. Fresh clones on the project's 2-core AMD EPYC VM: 29
+# min 35 s (2026-12-05, 6635b3c; its speed varies by hours). Both builds are unity builds
 # (CMakeLists.txt); docs/log/benchmarks-2026-11.md has the history and where the time goes.
 # Every phase keeps the cores busy, so the phases stay in sequence: the sanitizer build beside
 # the plain suite at nice 19 slowed the suite by more than it saved. ctest gets two slots of a
